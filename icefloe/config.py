@@ -1,0 +1,294 @@
+"""Configuration models for every backend.
+
+``ClientConfig`` is the one object a caller builds; ``backend`` picks where compute runs and is
+discriminated by ``type``. Environment variables are read in exactly one place,
+:meth:`ClientConfig.from_env`. Validation errors name the dotted field and the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from icefloe.protocol import ConfigError
+
+__all__ = [
+    "BACKEND_ENV_VARS",
+    "BackendConfig",
+    "ClientConfig",
+    "LocalConfig",
+    "OptimizerConfig",
+    "RayConfig",
+    "RemoteConfig",
+    "SamplingConfig",
+    "ScheduleConfig",
+    "TrainingConfig",
+    "format_validation_error",
+]
+
+# Env vars that pick the backend when a framework's own config cannot say (first set wins).
+BACKEND_ENV_VARS = ("ICEFLOE_BACKEND", "ARCTIC_BACKEND")
+_BACKEND_ALIASES = {"local": "local", "ray": "ray", "remote": "remote", "cortex": "remote"}
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class OptimizerConfig(_Model):
+    """AdamW hyper-parameters."""
+
+    name: Literal["adamw"] = "adamw"
+    lr: float = Field(1e-5, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"each beta must be in [0, 1); got {list(betas)}")
+        return betas
+
+
+class ScheduleConfig(_Model):
+    """Learning-rate schedule: linear warm-up, then constant, linear or cosine decay."""
+
+    kind: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    total_steps: int = Field(0, ge=0)  # 0 = no decay horizon (linear/cosine need one)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)  # floor of decay, as a fraction of optimizer.lr
+
+    @model_validator(mode="after")
+    def _decay_needs_horizon(self) -> ScheduleConfig:
+        if self.kind != "constant" and self.total_steps <= 0:
+            raise ValueError(
+                f"lr_schedule.total_steps must be > 0 for kind={self.kind!r}; set it to the number of "
+                "optimizer steps, or use kind='constant'"
+            )
+        if self.total_steps and self.warmup_steps > self.total_steps:
+            raise ValueError(
+                f"lr_schedule.warmup_steps ({self.warmup_steps}) must not exceed total_steps ({self.total_steps})"
+            )
+        return self
+
+
+class TrainingConfig(_Model):
+    """What the training engine needs beyond the model."""
+
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    grad_clip: float = Field(1.0, ge=0)  # max global grad norm; 0 = off
+    lr_schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    micro_batch_tokens: int = Field(0, ge=0)  # token budget per micro-batch; 0 = whole batch at once
+    checkpoint_dir: Path | None = None  # None = a folder under the run's working directory
+    gradient_checkpointing: bool = False
+
+
+class SamplingConfig(_Model):
+    """What the sampling engine needs beyond the model."""
+
+    engine: Literal["auto", "torch", "vllm"] = "auto"  # auto = vLLM on GPU when installed, else torch
+    max_batch_size: int = Field(256, gt=0)  # rows generated together; larger requests are split
+    engine_kwargs: dict[str, Any] = Field(default_factory=dict)  # passed to the engine (vLLM kwargs)
+
+
+class LocalConfig(_Model):
+    """Run every engine inside the calling process."""
+
+    type: Literal["local"] = "local"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+class RayConfig(_Model):
+    """Run engines as Ray actors on a cluster (or a local Ray started on demand)."""
+
+    type: Literal["ray"] = "ray"
+    address: str | None = None  # None = start a local Ray; "auto" = join the running cluster
+    namespace: str = "icefloe"
+    num_cpus_per_worker: float = Field(1.0, gt=0)
+    num_gpus_per_worker: float = Field(0.0, ge=0)  # fractional values allow colocation on one GPU
+    colocate: bool = False  # training and sampling workers share a placement group bundle
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    fsdp: bool = False  # shard parameters with FSDP2 instead of replicating them (DDP)
+    collective_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    job_name: str | None = None  # named actors for re-attach; None = a fresh unique name
+
+
+class RemoteConfig(BaseSettings):
+    """Talk to a service that speaks the training API (``icefloe serve`` or the managed endpoint).
+
+    Fields fill from ``ICEFLOE_REMOTE_*`` and the ``ARCTIC_CORTEX_*`` names existing recipes use,
+    but only through :meth:`ClientConfig.from_env`; explicit arguments always win.
+    """
+
+    model_config = SettingsConfigDict(
+        extra="forbid", validate_assignment=True, env_prefix="ICEFLOE_REMOTE_", populate_by_name=True
+    )
+
+    type: Literal["remote"] = "remote"
+    base_url: str | None = Field(
+        None, validation_alias=AliasChoices("base_url", "ICEFLOE_REMOTE_BASE_URL", "ARCTIC_CORTEX_BASE_URL")
+    )  # e.g. http://127.0.0.1:8321; no auth, replaces https://{host}
+    host: str | None = Field(None, validation_alias=AliasChoices("host", "ICEFLOE_REMOTE_HOST", "ARCTIC_CORTEX_HOST"))
+    database: str | None = Field(
+        None, validation_alias=AliasChoices("database", "ICEFLOE_REMOTE_DATABASE", "ARCTIC_CORTEX_DATABASE")
+    )
+    schema_: str | None = Field(
+        None,
+        validation_alias=AliasChoices("schema", "schema_", "ICEFLOE_REMOTE_SCHEMA", "ARCTIC_CORTEX_SCHEMA"),
+        serialization_alias="schema",
+    )
+    endpoint: str = Field(
+        "cortex-training",
+        validation_alias=AliasChoices("endpoint", "ICEFLOE_REMOTE_ENDPOINT", "ARCTIC_CORTEX_ENDPOINT"),
+    )
+    pat: SecretStr | None = Field(None, repr=False, validation_alias=AliasChoices("pat", "ICEFLOE_REMOTE_PAT"))
+    pat_env_var: str = Field(
+        "CORTEX_PAT",
+        validation_alias=AliasChoices("pat_env_var", "ICEFLOE_REMOTE_PAT_ENV_VAR", "ARCTIC_CORTEX_PAT_ENV_VAR"),
+    )
+    verify_ssl: bool = True
+    max_retries: int = Field(10, ge=0)
+    request_timeout_s: float = Field(1800.0, gt=0)  # one HTTP call
+    poll_interval_s: float = Field(0.5, gt=0)
+    poll_multiplier: float = Field(1.25, ge=1.0)
+    poll_max_interval_s: float = Field(6.0, gt=0)
+    long_poll_s: float = Field(20.0, ge=0)  # ?wait= used when the service advertises it; 0 = off
+    max_post_bytes: int = Field(62_914_560, gt=8192)  # per-POST cap of the training API (60 MiB)
+    experiment_name: str | None = None
+    cancel_on_shutdown: bool = True
+
+    @model_validator(mode="after")
+    def _where(self) -> RemoteConfig:
+        if self.base_url is None and self.host is None:
+            return self  # checked when a client is built, so an empty config can be filled from env
+        if self.host is not None and self.base_url is None and not (self.database and self.schema_):
+            raise ValueError(
+                "backend.database and backend.schema are required with backend.host; set them or use "
+                "backend.base_url for a service without auth"
+            )
+        return self
+
+
+BackendConfig = Annotated[LocalConfig | RayConfig | RemoteConfig, Field(discriminator="type")]
+
+
+class ClientConfig(_Model):
+    """Everything a client needs: the model, the roles' sizes, engine settings and the backend."""
+
+    model: str = "tiny:arith"  # a local Hugging Face causal-LM directory, or tiny:<preset> built in code
+    seed: int = 0
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_seq_len: int = Field(512, gt=0)
+    num_training_workers: int = Field(1, gt=0)  # data-parallel ranks (GPUs on a GPU backend)
+    num_sampling_workers: int = Field(1, ge=0)  # 0 = no sampling role
+    num_log_prob_workers: int = Field(0, ge=0)  # reference-policy role; 0 = none
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    backend: BackendConfig = Field(default_factory=LocalConfig)
+    job_ready_timeout_s: float = Field(1800.0, gt=0)  # managed endpoints cold-start in 7-9 minutes
+
+    @field_validator("model")
+    @classmethod
+    def _model_named(cls, model: str) -> str:
+        if not model.strip():
+            raise ValueError("model must name a local Hugging Face directory or tiny:<preset>; got ''")
+        return model
+
+    @classmethod
+    def build(cls, data: Mapping[str, Any] | None = None, **overrides: Any) -> ClientConfig:
+        """Validate ``data`` (plus overrides) and raise :class:`ConfigError` naming every bad field."""
+        merged = {**(data or {}), **overrides}
+        try:
+            return cls.model_validate(merged)
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, prefix="")) from None
+
+    @classmethod
+    def from_env(cls, data: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
+                 **overrides: Any) -> ClientConfig:
+        """Build a config, letting the environment fill what the caller left unset.
+
+        ``ICEFLOE_BACKEND`` (alias ``ARCTIC_BACKEND``: local | ray | remote | cortex) picks the
+        backend when neither ``data`` nor ``overrides`` names one. Remote fields fill from
+        ``ICEFLOE_REMOTE_*`` / ``ARCTIC_CORTEX_*``; the PAT from ``pat_env_var`` (default
+        ``CORTEX_PAT``) or ``ARCTIC_CORTEX_PAT``. Explicit values always win.
+        """
+        env = dict(os.environ if environ is None else environ)
+        merged: dict[str, Any] = {**(data or {}), **overrides}
+        backend = merged.get("backend")
+        if isinstance(backend, BaseModel):
+            backend = backend.model_dump(by_alias=True, exclude_unset=True) | {"type": backend.type}
+        backend = dict(backend or {})
+        if "type" not in backend:
+            chosen = next((env[name] for name in BACKEND_ENV_VARS if env.get(name)), None)
+            if chosen is not None:
+                kind = _BACKEND_ALIASES.get(chosen.strip().lower())
+                if kind is None:
+                    raise ConfigError(
+                        f"ICEFLOE_BACKEND / ARCTIC_BACKEND must be one of {sorted(_BACKEND_ALIASES)}; got {chosen!r}"
+                    )
+                backend["type"] = kind
+        if backend.get("type") == "remote":
+            backend = _remote_from_env(backend, env)
+        if backend:
+            merged["backend"] = backend
+        return cls.build(merged)
+
+
+_REMOTE_ENV_FIELDS = {
+    "base_url": ("ICEFLOE_REMOTE_BASE_URL", "ARCTIC_CORTEX_BASE_URL"),
+    "host": ("ICEFLOE_REMOTE_HOST", "ARCTIC_CORTEX_HOST"),
+    "database": ("ICEFLOE_REMOTE_DATABASE", "ARCTIC_CORTEX_DATABASE"),
+    "schema": ("ICEFLOE_REMOTE_SCHEMA", "ARCTIC_CORTEX_SCHEMA"),
+    "endpoint": ("ICEFLOE_REMOTE_ENDPOINT", "ARCTIC_CORTEX_ENDPOINT"),
+    "pat_env_var": ("ICEFLOE_REMOTE_PAT_ENV_VAR", "ARCTIC_CORTEX_PAT_ENV_VAR"),
+}
+
+
+def _remote_from_env(explicit: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
+    """Fill unset remote fields from the environment; explicit keys are never overwritten."""
+    filled = dict(explicit)
+    if "schema_" in filled:
+        filled["schema"] = filled.pop("schema_")
+    for name, env_names in _REMOTE_ENV_FIELDS.items():
+        if filled.get(name) is None:
+            value = next((env[n] for n in env_names if env.get(n)), None)
+            if value is not None:
+                filled[name] = value
+    if filled.get("pat") is None:
+        pat_var = filled.get("pat_env_var") or "CORTEX_PAT"
+        pat = env.get(pat_var) or env.get("ICEFLOE_REMOTE_PAT") or env.get("ARCTIC_CORTEX_PAT") or env.get("CORTEX_PAT")
+        if pat:
+            filled["pat"] = pat
+    return filled
+
+
+def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
+    """One line per bad field: dotted path, what was wrong, the value given."""
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
+        loc = f"{prefix}{loc}" if loc else prefix.rstrip(".") or "config"
+        msg = err["msg"].removeprefix("Value error, ")
+        given = err.get("input")
+        if isinstance(given, Mapping | list) or loc.endswith("pat"):
+            lines.append(f"{loc}: {msg}")
+        else:
+            lines.append(f"{loc}: {msg}; got {given!r}")
+    return "invalid icefloe config:\n  " + "\n  ".join(lines)
