@@ -220,8 +220,9 @@ class ClientConfig(_Model):
             raise ConfigError(format_validation_error(exc, prefix="")) from None
 
     @classmethod
-    def from_env(cls, data: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None,
-                 **overrides: Any) -> ClientConfig:
+    def from_env(
+        cls, data: Mapping[str, Any] | None = None, environ: Mapping[str, str] | None = None, **overrides: Any
+    ) -> ClientConfig:
         """Build a config, letting the environment fill what the caller left unset.
 
         ``ICEFLOE_BACKEND`` (alias ``ARCTIC_BACKEND``: local | ray | remote | cortex) picks the

@@ -53,6 +53,7 @@ __all__ = [
     "INLINE_OPERATIONS",
     "JOB_ACTIVE_STATES",
     "JOB_TERMINAL_STATES",
+    "OPS",
     "OP_CANCEL",
     "OP_DELETE_CHECKPOINT",
     "OP_FORWARD",
@@ -69,7 +70,6 @@ __all__ = [
     "OP_WAKE_INFERENCE",
     "OP_WAKE_TRAINING",
     "OP_WEIGHT_SYNC",
-    "OPS",
     "REQUEST_FAILURE_STATES",
     "REQUEST_SUCCESS_STATES",
     "TARGETS",
@@ -307,8 +307,10 @@ class RequestFailedError(IcefloeError, RuntimeError):
         self.request_id = request_id
 
     def __reduce__(self):  # keyword-only arguments need an explicit recipe to pickle
-        return (_rebuild_request_failed, (type(self), self.reason, self.category, self.status_code,
-                                          self.code, self.request_id))
+        return (
+            _rebuild_request_failed,
+            (type(self), self.reason, self.category, self.status_code, self.code, self.request_id),
+        )
 
     def __str__(self) -> str:
         parts = [self.reason]

@@ -1,0 +1,42 @@
+"""Transports, one module per backend; ``make_transport`` is the only map from backend type to class."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from icefloe.client.transports.base import Transport
+from icefloe.config import ClientConfig
+
+__all__ = ["Transport", "make_transport"]
+
+
+def make_transport(config: ClientConfig, handle: dict[str, Any] | None = None) -> Transport:
+    """Build (not open) the transport for ``config.backend.type``; heavy imports happen here, lazily."""
+    kind = config.backend.type
+    if kind == "local":
+        from icefloe.client.transports.local import LocalTransport
+
+        return LocalTransport(config, handle=handle)
+    if kind == "remote":
+        try:
+            from icefloe.client.transports.remote import RemoteTransport
+        except ModuleNotFoundError as exc:
+            if exc.name != "icefloe.client.transports.remote":
+                raise
+            from icefloe.protocol import ConfigError
+
+            raise ConfigError("backend.type='remote' is not available in this build yet") from None
+        return RemoteTransport(config, handle=handle)
+    if kind == "ray":
+        try:
+            from icefloe.client.transports.ray import RayTransport
+        except ModuleNotFoundError as exc:
+            if exc.name == "ray":
+                raise ImportError("backend.type='ray' needs Ray: pip install 'icefloe[ray]'") from None
+            if exc.name != "icefloe.client.transports.ray":
+                raise
+            from icefloe.protocol import ConfigError
+
+            raise ConfigError("backend.type='ray' is not available in this build yet") from None
+        return RayTransport(config, handle=handle)
+    raise AssertionError(f"unreachable: backend type {kind!r} passed validation")

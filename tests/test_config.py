@@ -1,0 +1,92 @@
+"""ClientConfig validation messages and the one place env is read."""
+
+import pytest
+
+from icefloe.config import ClientConfig, LocalConfig, RemoteConfig
+from icefloe.protocol import ConfigError
+
+CORTEX_ENV = {
+    "ARCTIC_BACKEND": "cortex",
+    "ARCTIC_CORTEX_HOST": "acct.example.invalid",
+    "ARCTIC_CORTEX_DATABASE": "DB",
+    "ARCTIC_CORTEX_SCHEMA": "SCH",
+    "CORTEX_PAT": "pat-secret-value",
+}
+
+
+@pytest.mark.parametrize(
+    ("data", "fragment"),
+    [
+        ({"max_seq_len": 0}, "max_seq_len: Input should be greater than 0; got 0"),
+        ({"training": {"lr_schedule": {"kind": "cosine"}}}, "lr_schedule.total_steps must be > 0"),
+        ({"training": {"optimizer": {"betas": [0.9, 1.5]}}}, "training.optimizer.betas"),
+        ({"training": {"grad_clip": -1}}, "training.grad_clip"),
+        ({"backend": {"type": "nope"}}, "backend"),
+        ({"backend": {"type": "remote", "host": "h"}}, "backend.database and backend.schema are required"),
+        ({"model": " "}, "model must name a local Hugging Face directory"),
+        ({"modle": "x"}, "modle: Extra inputs are not permitted"),
+    ],
+)
+def test_build_names_the_bad_field(data, fragment):
+    with pytest.raises(ConfigError) as info:
+        ClientConfig.build(data)
+    assert fragment in str(info.value)
+
+
+def test_build_lists_every_bad_field_at_once():
+    with pytest.raises(ConfigError) as info:
+        ClientConfig.build(max_seq_len=0, num_training_workers=0)
+    assert "max_seq_len" in str(info.value) and "num_training_workers" in str(info.value)
+
+
+def test_default_backend_is_local():
+    assert isinstance(ClientConfig().backend, LocalConfig)
+
+
+def test_from_env_selects_remote_from_arctic_names():
+    config = ClientConfig.from_env(environ=CORTEX_ENV)
+    backend = config.backend
+    assert isinstance(backend, RemoteConfig)
+    assert (backend.host, backend.database, backend.schema_) == ("acct.example.invalid", "DB", "SCH")
+    assert backend.pat is not None and backend.pat.get_secret_value() == "pat-secret-value"
+
+
+@pytest.mark.parametrize(
+    ("env", "explicit", "expected_type"),
+    [
+        ({}, {}, "local"),
+        ({"ICEFLOE_BACKEND": "remote", "ICEFLOE_REMOTE_BASE_URL": "http://127.0.0.1:1"}, {}, "remote"),
+        ({"ARCTIC_BACKEND": "cortex", "ARCTIC_CORTEX_BASE_URL": "http://127.0.0.1:1"}, {}, "remote"),
+        ({"ICEFLOE_BACKEND": "remote"}, {"backend": {"type": "local"}}, "local"),
+        ({"ICEFLOE_BACKEND": "ray", "ARCTIC_BACKEND": "cortex"}, {}, "ray"),
+    ],
+)
+def test_from_env_backend_selection_table(env, explicit, expected_type):
+    assert ClientConfig.from_env(explicit, environ=env).backend.type == expected_type
+
+
+def test_from_env_explicit_remote_fields_win():
+    config = ClientConfig.from_env(
+        {"backend": {"type": "remote", "base_url": "http://127.0.0.1:9", "endpoint": "mine"}},
+        environ={"ICEFLOE_REMOTE_BASE_URL": "http://other", "ARCTIC_CORTEX_ENDPOINT": "theirs"},
+    )
+    assert (config.backend.base_url, config.backend.endpoint) == ("http://127.0.0.1:9", "mine")
+
+
+def test_from_env_reads_pat_from_the_named_variable():
+    env = {**CORTEX_ENV, "ARCTIC_CORTEX_PAT_ENV_VAR": "MY_PAT", "MY_PAT": "from-my-pat"}
+    assert ClientConfig.from_env(environ=env).backend.pat.get_secret_value() == "from-my-pat"
+
+
+def test_from_env_rejects_unknown_backend_name():
+    with pytest.raises(ConfigError, match="ICEFLOE_BACKEND"):
+        ClientConfig.from_env(environ={"ICEFLOE_BACKEND": "kubernetes"})
+
+
+def test_pat_never_appears_in_repr_or_errors():
+    config = ClientConfig.from_env(environ=CORTEX_ENV)
+    assert "pat-secret-value" not in repr(config)
+    assert "pat-secret-value" not in str(config.model_dump())
+    with pytest.raises(ConfigError) as info:
+        ClientConfig.build(backend={"type": "remote", "host": "h", "pat": "pat-secret-value"})
+    assert "pat-secret-value" not in str(info.value)
