@@ -43,9 +43,9 @@ def test_job_failed_message_names_reason_and_sub_jobs():
 
 
 def test_request_rejects_unknown_ops_and_targets():
-    with pytest.raises(p.InvalidRequestError, match="Request.op"):
+    with pytest.raises(p.InvalidRequestError, match=r"Request\.op"):
         p.Request("fly", "training")
-    with pytest.raises(p.InvalidRequestError, match="Request.target"):
+    with pytest.raises(p.InvalidRequestError, match=r"Request\.target"):
         p.Request(p.OP_STEP, "moon")
 
 
