@@ -1,0 +1,29 @@
+"""Torch engines: training, sampling, losses, weight sync, batch validation and the role worker."""
+
+from icefloe.engines.batch import shifted_token_logprobs, split_micro_batches, validate_batch
+from icefloe.engines.losses import get_loss, register_loss, registered_losses
+from icefloe.engines.models import load_causal_lm, load_tokenizer, resolve_model
+from icefloe.engines.sampling import SamplingEngine, VLLMSamplingEngine, build_sampling_engine
+from icefloe.engines.training import TrainingEngine, lr_multiplier, resolve_device
+from icefloe.engines.weight_sync import sync_weights_local
+from icefloe.engines.worker import RoleWorker
+
+__all__ = [
+    "RoleWorker",
+    "SamplingEngine",
+    "TrainingEngine",
+    "VLLMSamplingEngine",
+    "build_sampling_engine",
+    "get_loss",
+    "load_causal_lm",
+    "load_tokenizer",
+    "lr_multiplier",
+    "register_loss",
+    "registered_losses",
+    "resolve_device",
+    "resolve_model",
+    "shifted_token_logprobs",
+    "split_micro_batches",
+    "sync_weights_local",
+    "validate_batch",
+]

@@ -1,0 +1,212 @@
+"""The canonical training batch: validation, micro-batch splitting, shifted log-probs.
+
+See ``docs/architecture.md`` for the frame. Validation runs on the CPU tensors as they arrive, so
+its checks never wait on an accelerator. Tensors: B rows, S positions, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from icefloe.engines.losses import loss_requirements
+from icefloe.protocol import InvalidRequestError
+
+__all__ = [
+    "CONTEXT_ALIASES",
+    "batch_rows",
+    "shifted_token_logprobs",
+    "split_micro_batches",
+    "validate_batch",
+]
+
+# Training-API spellings accepted for context tensors, mapped to the canonical names.
+CONTEXT_ALIASES = {"old_log_probs_shifted": "old_logprobs", "ref_log_probs_shifted": "ref_logprobs"}
+_FLOAT_CONTEXT = ("advantages", "loss_mask", "old_logprobs", "ref_logprobs", "rollout_is_weights")
+
+
+def validate_batch(
+    batch: Mapping[str, Any], *, require_context: bool = True, vocab_size: int | None = None
+) -> dict[str, Any]:
+    """Check a canonical batch and return it normalised.
+
+    Normalised means: context aliases renamed, ids and ``attention_mask`` int64, context floats
+    float32, ``position_ids`` filled with ``arange(S)`` when absent, ``processing`` defaulted to
+    ``{"loss_fn": "grpo", "config": {}}``. ``require_context=False`` accepts a forward-only batch.
+
+    Raises:
+        InvalidRequestError: naming the offending field (e.g. ``context.loss_mask``) and the fix.
+    """
+    if not isinstance(batch, Mapping):
+        raise InvalidRequestError(f"batch must be a dict with kwargs/context/processing; got {type(batch).__name__}")
+    kwargs = batch.get("kwargs")
+    if not isinstance(kwargs, Mapping):
+        raise InvalidRequestError(
+            "batch.kwargs is missing; pass {'kwargs': {'input_ids', 'attention_mask', 'position_ids'}, ...} "
+            "(icefloe.client.batch.build_batch builds it)"
+        )
+    processing = _processing(batch.get("processing"))
+    input_ids_BS = _tensor(kwargs, "input_ids", "kwargs", integer=True)
+    if input_ids_BS.dim() != 2 or input_ids_BS.shape[0] == 0 or input_ids_BS.shape[1] == 0:
+        raise InvalidRequestError(
+            f"kwargs.input_ids must be a non-empty [B, S] tensor; got shape {list(input_ids_BS.shape)}"
+        )
+    shape = tuple(input_ids_BS.shape)
+    if input_ids_BS.min() < 0 or (vocab_size is not None and input_ids_BS.max() >= vocab_size):
+        bound = f"[0, {vocab_size})" if vocab_size is not None else "non-negative"
+        raise InvalidRequestError(f"kwargs.input_ids must hold token ids in {bound}; replace padding with pad_id")
+
+    normal_kwargs = {"input_ids": input_ids_BS}
+    attention_BS = kwargs.get("attention_mask")
+    if attention_BS is None:
+        attention_BS = torch.ones(shape, dtype=torch.int64)
+    else:
+        attention_BS = _tensor(kwargs, "attention_mask", "kwargs", integer=True, shape=shape)
+        _binary(attention_BS, "kwargs.attention_mask")
+    normal_kwargs["attention_mask"] = attention_BS
+    position_BS = kwargs.get("position_ids")
+    if position_BS is None:
+        position_BS = torch.arange(shape[1], dtype=torch.int64).expand(shape)
+    else:
+        position_BS = _tensor(kwargs, "position_ids", "kwargs", integer=True, shape=shape)
+    normal_kwargs["position_ids"] = position_BS
+
+    context = _context(batch.get("context"), shape, input_ids_BS, processing["loss_fn"], require_context)
+    return {"args": (), "kwargs": normal_kwargs, "context": context, "processing": processing}
+
+
+def _processing(processing: Any) -> dict[str, Any]:
+    if processing is None:
+        return {"loss_fn": "grpo", "config": {}}
+    if not isinstance(processing, Mapping):
+        raise InvalidRequestError(
+            f"batch.processing must be a dict {{loss_fn, config}}; got {type(processing).__name__}"
+        )
+    config = processing.get("config") or {}
+    if not isinstance(config, Mapping):
+        raise InvalidRequestError(f"processing.config must be a dict; got {type(config).__name__}")
+    return {**processing, "loss_fn": processing.get("loss_fn") or "grpo", "config": dict(config)}
+
+
+def _context(raw: Any, shape: tuple[int, ...], input_ids_BS: Tensor, loss_fn: str, required: bool) -> dict[str, Tensor]:
+    if raw is None and not required:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise InvalidRequestError(
+            "batch.context is missing; a training batch needs context.loss_mask (and context.advantages for "
+            "policy-gradient losses), each float32 [B, S]"
+        )
+    context: dict[str, Tensor] = {}
+    for key, value in raw.items():
+        name = CONTEXT_ALIASES.get(key, key)
+        if name in context and value is not None:
+            raise InvalidRequestError(f"context.{name} is given twice (also as {key!r}); keep one of the two names")
+        if name in _FLOAT_CONTEXT or name == "input_ids":
+            if value is not None:
+                context[name] = value
+        elif isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == shape[0]:
+            context[name] = value  # per-row extras reach custom losses and split with the rows
+        # Anything else (cu_seqlens, version lists) describes the whole batch and no loss reads it.
+    if "input_ids" in context:
+        ids_BS = _tensor(context, "input_ids", "context", integer=True, shape=shape)
+        if not torch.equal(ids_BS, input_ids_BS):
+            raise InvalidRequestError("context.input_ids must equal kwargs.input_ids; pass the same tensor to both")
+        context["input_ids"] = ids_BS
+    if not required:
+        return context
+    needed = ("loss_mask", *loss_requirements(loss_fn))
+    missing = [name for name in needed if name not in context]
+    if missing:
+        listed = ", ".join(f"context.{name}" for name in missing)
+        raise InvalidRequestError(f"{listed} missing for loss {loss_fn!r}; add float32 [B, S] tensors")
+    for name in _FLOAT_CONTEXT:
+        if name in context:
+            context[name] = _tensor(context, name, "context", integer=False, shape=shape)
+    loss_mask_BS = context["loss_mask"]
+    _binary(loss_mask_BS, "context.loss_mask")
+    if loss_mask_BS[:, -1].any():
+        raise InvalidRequestError(
+            "context.loss_mask[:, -1] must be 0: labels are pre-shifted (column i scores token i+1), so the "
+            "last column has no target; shift the mask left by one"
+        )
+    return context
+
+
+def _tensor(
+    where: Mapping[str, Any], name: str, section: str, *, integer: bool, shape: tuple[int, ...] | None = None
+) -> Tensor:
+    value = where.get(name)
+    field = f"{section}.{name}"
+    if value is None:
+        raise InvalidRequestError(f"{field} is missing; add a [B, S] tensor")
+    if not isinstance(value, Tensor):
+        raise InvalidRequestError(f"{field} must be a torch.Tensor; got {type(value).__name__} (use torch.tensor)")
+    if shape is not None and tuple(value.shape) != shape:
+        raise InvalidRequestError(
+            f"{field} has shape {list(value.shape)}; every batch tensor must be [B, S] = {list(shape)} "
+            "like kwargs.input_ids"
+        )
+    if integer:
+        if value.is_floating_point() or value.is_complex():
+            raise InvalidRequestError(f"{field} must be an integer tensor (int64); got {value.dtype}")
+        return value.to(torch.int64)
+    if value.is_complex():
+        raise InvalidRequestError(f"{field} must be a float32 tensor; got {value.dtype}")
+    return value.to(torch.float32)
+
+
+def _binary(mask_BS: Tensor, field: str) -> None:
+    if not ((mask_BS == 0) | (mask_BS == 1)).all():
+        raise InvalidRequestError(f"{field} must hold only 0 and 1; got values {torch.unique(mask_BS)[:8].tolist()}")
+
+
+def batch_rows(batch: Mapping[str, Any]) -> int:
+    """Number of rows B of a validated batch."""
+    return int(batch["kwargs"]["input_ids"].shape[0])
+
+
+def split_micro_batches(batch: Mapping[str, Any], micro_batch_tokens: int) -> list[dict[str, Any]]:
+    """Split a validated batch by rows so each part holds at most ``micro_batch_tokens`` padded tokens.
+
+    A part always holds at least one row; ``micro_batch_tokens=0`` returns the batch whole.
+    Parts are views (no copies); ``processing`` is shared.
+    """
+    rows, width = batch["kwargs"]["input_ids"].shape
+    rows_per_part = rows if micro_batch_tokens <= 0 else max(1, micro_batch_tokens // width)
+    if rows_per_part >= rows:
+        return [dict(batch)]
+    parts = []
+    for start in range(0, rows, rows_per_part):
+        rows_slice = slice(start, start + rows_per_part)
+        parts.append(
+            {
+                "args": (),
+                "kwargs": {name: t[rows_slice] for name, t in batch["kwargs"].items()},
+                "context": {name: t[rows_slice] for name, t in batch["context"].items()},
+                "processing": batch["processing"],
+            }
+        )
+    return parts
+
+
+def shifted_token_logprobs(
+    logits_BSV: Tensor, input_ids_BS: Tensor, temperature: float = 1.0, *, entropy_requires_grad: bool = True
+) -> tuple[Tensor, Tensor]:
+    """Log-prob of each next token and the entropy of each next-token distribution, float32 [B, S].
+
+    Column ``i`` scores ``input_ids[:, i+1]`` under ``logits[:, i] / temperature``; the last column
+    has no target and is 0 in both outputs. log_softmax runs once and the entropy reuses it.
+    ``entropy_requires_grad=False`` computes the entropy without building its backward graph.
+    """
+    logits_BSV = logits_BSV[:, :-1].float()
+    if temperature != 1.0:
+        logits_BSV = logits_BSV / temperature
+    logp_BSV = F.log_softmax(logits_BSV, dim=-1)
+    logprobs_BS = logp_BSV.gather(-1, input_ids_BS[:, 1:, None]).squeeze(-1)
+    with torch.set_grad_enabled(entropy_requires_grad and torch.is_grad_enabled()):
+        entropy_BS = -(logp_BSV.exp() * logp_BSV).sum(-1)
+    return F.pad(logprobs_BS, (0, 1)), F.pad(entropy_BS, (0, 1))

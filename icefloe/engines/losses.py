@@ -1,0 +1,289 @@
+"""Policy losses, registered by name and looked up from ``processing.loss_fn``.
+
+A loss is a pure function::
+
+    loss_fn(logprobs_BS, *, context, config, entropy_BS) -> (loss, metrics)
+
+``logprobs_BS`` are the current policy's shifted log-probs (column ``i`` scores token ``i+1``),
+``context`` holds the batch's ``[B, S]`` context tensors (``advantages``, ``loss_mask``,
+``old_logprobs``, ``ref_logprobs``; the training API's ``*_log_probs_shifted`` names are accepted),
+``config`` is ``processing.config``. ``loss`` is a scalar with a gradient; ``metrics`` maps names to
+detached 0-dim tensors (or floats), so the engine converts every metric with a single device sync.
+
+Normalisers: token-mean divides by ``batch_num_tokens`` and the seq-mean modes by
+``global_batch_size``. Both default to this call's own totals (Σ loss_mask and B); passing the
+totals of the whole optimizer batch makes several ``fwd_bwd`` calls sum to one full-batch call.
+``dp_size`` (default 1) multiplies the loss so that averaging gradients over data-parallel ranks
+yields the global sum. Tensors: B rows, S positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from icefloe.protocol import InvalidRequestError
+
+__all__ = [
+    "AGG_MODES",
+    "KL_TYPES",
+    "LossFn",
+    "Metrics",
+    "aggregate",
+    "get_loss",
+    "kl_penalty",
+    "loss_requirements",
+    "register_loss",
+    "registered_losses",
+]
+
+Metrics = dict[str, Tensor | float]
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
+KL_TYPES = ("k1", "k2", "low_var_kl")
+# exp() of a log-ratio beyond this overflows float32 gradients; verl clamps at the same bound.
+_LOG_RATIO_BOUND = 20.0
+_LOW_VAR_KL_BOUND = 10.0
+
+
+class LossFn(Protocol):
+    def __call__(
+        self, logprobs_BS: Tensor, *, context: Mapping[str, Tensor], config: Mapping[str, Any],
+        entropy_BS: Tensor | None,
+    ) -> tuple[Tensor, Metrics]: ...  # fmt: skip
+
+
+_LOSSES: dict[str, LossFn] = {}
+_REQUIRES: dict[str, tuple[str, ...]] = {}
+
+
+def register_loss(name: str, *, requires: tuple[str, ...] = ()) -> Callable[[LossFn], LossFn]:
+    """Register a loss under ``name``; ``requires`` lists the context keys it cannot run without.
+
+    Raises:
+        ValueError: ``name`` is already registered (two losses must not silently shadow each other).
+    """
+
+    def decorate(fn: LossFn) -> LossFn:
+        if name in _LOSSES and _LOSSES[name] is not fn:
+            raise ValueError(f"a loss named {name!r} is already registered ({_LOSSES[name].__qualname__})")
+        _LOSSES[name] = fn
+        _REQUIRES[name] = tuple(requires)
+        return fn
+
+    return decorate
+
+
+def get_loss(name: str) -> LossFn:
+    """Return the loss registered as ``name``; the error lists every known name."""
+    try:
+        return _LOSSES[name]
+    except KeyError:
+        raise InvalidRequestError(
+            f"processing.loss_fn {name!r} is not a registered loss; use one of {registered_losses()}"
+        ) from None
+
+
+def loss_requirements(name: str) -> tuple[str, ...]:
+    """Context keys the loss ``name`` needs (besides ``loss_mask``, which every loss needs)."""
+    get_loss(name)
+    return _REQUIRES[name]
+
+
+def registered_losses() -> list[str]:
+    return sorted(_LOSSES)
+
+
+# --- shared pieces -----------------------------------------------------------------------------
+def _context(context: Mapping[str, Tensor], name: str, alias: str | None = None) -> Tensor | None:
+    value = context.get(name)
+    if value is None and alias is not None:
+        value = context.get(alias)
+    return value
+
+
+def _required(context: Mapping[str, Tensor], name: str, loss: str) -> Tensor:
+    value = context.get(name)
+    if value is None:
+        raise InvalidRequestError(f"context.{name} is required by loss {loss!r}; add a float32 [B, S] tensor")
+    return value
+
+
+def _option(config: Mapping[str, Any], name: str, default: Any, alias: str | None = None) -> Any:
+    if config.get(name) is not None:
+        return config[name]
+    if alias is not None and config.get(alias) is not None:
+        return config[alias]
+    return default
+
+
+def _masked_mean(values_BS: Tensor, mask_BS: Tensor) -> Tensor:
+    return (values_BS * mask_BS).sum() / mask_BS.sum().clamp_min(1.0)
+
+
+def aggregate(loss_BS: Tensor, mask_BS: Tensor, mode: str, config: Mapping[str, Any]) -> Tensor:
+    """Reduce per-token values to a scalar with one of :data:`AGG_MODES`.
+
+    token-mean: Σ masked / batch_num_tokens. seq-mean-token-sum: Σ per-row sums / global_batch_size;
+    ``-norm`` additionally ÷ S (the sequence width). seq-mean-token-mean: Σ per-row token means /
+    global_batch_size. The result is multiplied by ``dp_size`` (default 1).
+    """
+    masked_BS = loss_BS * mask_BS
+    if mode == "token-mean":
+        num_tokens = _option(config, "batch_num_tokens", None)
+        total = masked_BS.sum() / (mask_BS.sum().clamp_min(1.0) if num_tokens is None else max(num_tokens, 1))
+    elif mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"):
+        rows_B = masked_BS.sum(dim=-1)
+        if mode == "seq-mean-token-mean":
+            rows_B = rows_B / mask_BS.sum(dim=-1).clamp_min(1.0)
+        elif mode == "seq-mean-token-sum-norm":
+            rows_B = rows_B / mask_BS.shape[-1]
+        total = rows_B.sum() / max(_option(config, "global_batch_size", mask_BS.shape[0]), 1)
+    else:
+        raise InvalidRequestError(f"processing.config.loss_agg_mode must be one of {list(AGG_MODES)}; got {mode!r}")
+    return total * _option(config, "dp_size", 1)
+
+
+def kl_penalty(logprobs_BS: Tensor, ref_logprobs_BS: Tensor, kl_type: str) -> Tensor:
+    """Per-token KL estimate of the policy from the reference.
+
+    k1 = log π - log π_ref; k2 = ½ (log π - log π_ref)²; low_var_kl (k3) = r - log r - 1 with
+    r = π_ref / π, the log-ratio clamped to ±20 and the estimate to ±10 for stability.
+    """
+    if kl_type == "k1":
+        return logprobs_BS - ref_logprobs_BS
+    if kl_type == "k2":
+        return 0.5 * (logprobs_BS - ref_logprobs_BS).square()
+    if kl_type == "low_var_kl":
+        log_ratio_BS = (ref_logprobs_BS - logprobs_BS).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+        kl_BS = log_ratio_BS.exp() - log_ratio_BS - 1.0
+        return kl_BS.clamp(-_LOW_VAR_KL_BOUND, _LOW_VAR_KL_BOUND)
+    raise InvalidRequestError(f"processing.config.kl_type must be one of {list(KL_TYPES)}; got {kl_type!r}")
+
+
+def _importance_ratio(logprobs_BS: Tensor, context: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """π / π_old and its log; without old log-probs the old policy is the current one (ratio 1)."""
+    old_BS = _context(context, "old_logprobs", "old_log_probs_shifted")
+    if old_BS is None:
+        old_BS = logprobs_BS.detach()
+    log_ratio_BS = (logprobs_BS - old_BS).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+    return log_ratio_BS.exp(), log_ratio_BS
+
+
+def _regularise(
+    loss: Tensor, metrics: Metrics, logprobs_BS: Tensor, *, context: Mapping[str, Tensor],
+    config: Mapping[str, Any], entropy_BS: Tensor | None, mask_BS: Tensor, mode: str, name: str,
+) -> Tensor:  # fmt: skip
+    """Add the entropy bonus and the KL-to-reference term shared by the policy-gradient losses."""
+    entropy_coeff = float(_option(config, "entropy_coeff", 0.0))
+    if entropy_BS is not None:
+        metrics["entropy"] = _masked_mean(entropy_BS.detach(), mask_BS)
+    if entropy_coeff != 0.0:
+        if entropy_BS is None:
+            raise InvalidRequestError(
+                f"processing.config.entropy_coeff={entropy_coeff} needs token entropies, but loss {name!r} "
+                "was called without entropy_BS"
+            )
+        loss = loss - entropy_coeff * aggregate(entropy_BS, mask_BS, mode, config)
+    if _option(config, "use_kl_loss", False):
+        ref_BS = _context(context, "ref_logprobs", "ref_log_probs_shifted")
+        if ref_BS is None:
+            raise InvalidRequestError(
+                "processing.config.use_kl_loss is true but context.ref_logprobs is missing; add the reference "
+                "policy's shifted log-probs or set use_kl_loss=false"
+            )
+        kl_type = _option(config, "kl_type", "low_var_kl", alias="kl_loss_type")
+        kl_coef = float(_option(config, "kl_coef", 0.001, alias="kl_loss_coef"))
+        kl_BS = kl_penalty(logprobs_BS, ref_BS, kl_type)
+        loss = loss + kl_coef * aggregate(kl_BS, mask_BS, mode, config)
+        metrics["kl"] = _masked_mean(kl_BS.detach(), mask_BS)
+    return loss
+
+
+# --- losses ------------------------------------------------------------------------------------
+@register_loss("grpo", requires=("advantages",))
+def grpo_loss(
+    logprobs_BS: Tensor, *, context: Mapping[str, Tensor], config: Mapping[str, Any], entropy_BS: Tensor | None
+) -> tuple[Tensor, Metrics]:
+    """PPO/GRPO clipped surrogate with optional dual clip, entropy bonus and KL to a reference.
+
+    Per token: max(-A·r, -A·clip(r, 1-eps_clip, 1+eps_clip_higher)), and for A < 0 additionally
+    capped at -A·c_clip (dual clip). Normaliser: see :func:`aggregate` (``loss_agg_mode``, default
+    token-mean over ``batch_num_tokens``). ``context.rollout_is_weights`` (optional) scales each token.
+    """
+    mask_BS = context["loss_mask"]
+    advantages_BS = _required(context, "advantages", "grpo")
+    eps_low = float(_option(config, "eps_clip", 0.2))
+    eps_high = float(_option(config, "eps_clip_higher", eps_low))
+    c_clip = _option(config, "c_clip", None)
+    mode = _option(config, "loss_agg_mode", "token-mean")
+    ratio_BS, log_ratio_BS = _importance_ratio(logprobs_BS, context)
+
+    unclipped_BS = -advantages_BS * ratio_BS
+    clipped_BS = -advantages_BS * ratio_BS.clamp(1.0 - eps_low, 1.0 + eps_high)
+    surrogate_BS = torch.maximum(unclipped_BS, clipped_BS)
+    clipped_mask_BS = (clipped_BS > unclipped_BS).float()
+    if c_clip is not None:
+        if float(c_clip) <= 1.0:
+            raise InvalidRequestError(f"processing.config.c_clip must be > 1 (or null for no dual clip); got {c_clip}")
+        dual_BS = -advantages_BS * float(c_clip)
+        negative_BS = advantages_BS < 0
+        clipped_mask_BS = torch.where(negative_BS & (surrogate_BS > dual_BS), 1.0, clipped_mask_BS)
+        surrogate_BS = torch.where(negative_BS, torch.minimum(surrogate_BS, dual_BS), surrogate_BS)
+    weights_BS = context.get("rollout_is_weights")
+    if weights_BS is not None:
+        surrogate_BS = surrogate_BS * weights_BS
+
+    loss = aggregate(surrogate_BS, mask_BS, mode, config)
+    metrics: Metrics = {
+        "approx_kl": _masked_mean(-log_ratio_BS.detach(), mask_BS),
+        "clip_ratio": _masked_mean(clipped_mask_BS, mask_BS),
+        "importance_weight": _masked_mean(ratio_BS.detach(), mask_BS),
+    }
+    loss = _regularise(
+        loss, metrics, logprobs_BS, context=context, config=config, entropy_BS=entropy_BS, mask_BS=mask_BS,
+        mode=mode, name="grpo",
+    )  # fmt: skip
+    metrics["loss"] = loss.detach()
+    return loss, metrics
+
+
+@register_loss("importance_sampling", requires=("advantages",))
+def importance_sampling_loss(
+    logprobs_BS: Tensor, *, context: Mapping[str, Tensor], config: Mapping[str, Any], entropy_BS: Tensor | None
+) -> tuple[Tensor, Metrics]:
+    """REINFORCE with an unclipped importance weight: per token -A·exp(log π - log π_old).
+
+    Normaliser: see :func:`aggregate` (``loss_agg_mode``, default token-mean over ``batch_num_tokens``).
+    Entropy bonus and KL term as for ``grpo``.
+    """
+    mask_BS = context["loss_mask"]
+    advantages_BS = _required(context, "advantages", "importance_sampling")
+    mode = _option(config, "loss_agg_mode", "token-mean")
+    ratio_BS, log_ratio_BS = _importance_ratio(logprobs_BS, context)
+    loss = aggregate(-advantages_BS * ratio_BS, mask_BS, mode, config)
+    metrics: Metrics = {
+        "approx_kl": _masked_mean(-log_ratio_BS.detach(), mask_BS),
+        "importance_weight": _masked_mean(ratio_BS.detach(), mask_BS),
+    }
+    loss = _regularise(
+        loss, metrics, logprobs_BS, context=context, config=config, entropy_BS=entropy_BS, mask_BS=mask_BS,
+        mode=mode, name="importance_sampling",
+    )  # fmt: skip
+    metrics["loss"] = loss.detach()
+    return loss, metrics
+
+
+@register_loss("cross_entropy")
+def cross_entropy_loss(
+    logprobs_BS: Tensor, *, context: Mapping[str, Tensor], config: Mapping[str, Any], entropy_BS: Tensor | None
+) -> tuple[Tensor, Metrics]:
+    """Supervised fine-tuning: -Σ masked log π(target) / batch_num_tokens (token-mean)."""
+    mask_BS = context["loss_mask"]
+    loss = aggregate(-logprobs_BS, mask_BS, "token-mean", config)
+    metrics: Metrics = {"loss": loss.detach()}
+    if entropy_BS is not None:
+        metrics["entropy"] = _masked_mean(entropy_BS.detach(), mask_BS)
+    return loss, metrics

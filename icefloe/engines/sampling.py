@@ -1,0 +1,413 @@
+"""SamplingEngine: batched generation with torch and the model's KV cache; vLLM on GPU.
+
+The torch engine writes its own decode loop so that it controls, per row: the random stream
+(a row's tokens depend on its seed alone, not on what else shares the batch), stop conditions
+and the log-prob of each sampled token. Reported log-probs are under the raw distribution
+(temperature 1, no top-p/top-k), the quantity ``TrainingEngine.forward`` returns for the same tokens.
+
+A stop token (the tokenizer's EOS, or one of ``stop_token_ids``) is kept as the last entry of
+``token_ids``, as vLLM does, because RL must train on the decision to stop; it is left out of
+``text`` when it is a special token. A stop string cuts ``text`` before the string and
+``token_ids`` after the token that completed it. Tensors: B rows, P prompt positions, V vocabulary,
+T generated tokens.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from icefloe.config import ClientConfig
+from icefloe.engines.models import load_causal_lm, load_tokenizer, resolve_model
+from icefloe.engines.training import resolve_device
+from icefloe.protocol import InvalidRequestError, SamplingParams
+
+__all__ = ["SamplingEngine", "VLLMSamplingEngine", "build_sampling_engine"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Odd 64-bit constant for mixing (seed, sample index) into one generator seed.
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+@dataclass
+class _Row:
+    """One sequence being generated: a prompt, its params and its own random stream."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    max_new: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    text: str | None = None
+
+
+class SamplingEngine:
+    """Generate completions with a Hugging Face causal LM in torch.
+
+    Args:
+        config: the client config; ``model``, ``seed``, ``max_seq_len`` and ``sampling`` are read.
+        device: ``"cpu"``, ``"cuda"`` or ``"auto"``.
+        model_dir: load this Hugging Face directory instead of resolving ``config.model``.
+    """
+
+    def __init__(self, config: ClientConfig, *, device: str | torch.device = "cpu", model_dir: Path | None = None):
+        self.config = config
+        self.device = resolve_device(device)
+        self.model_dir = Path(model_dir) if model_dir is not None else resolve_model(config.model, seed=config.seed)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        dtype = _DTYPES[config.dtype] if self.device.type == "cuda" else torch.float32
+        self.model = load_causal_lm(self.model_dir, dtype=dtype, device=self.device)
+        self.model.requires_grad_(False)
+        self._params = dict(self.model.named_parameters())
+        # transformers renamed the forward's KV-cache argument from past_key_values to cache.
+        forward_args = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
+        self._generator = torch.Generator().manual_seed(config.seed)
+        self._asleep = False
+        self.policy_version = 0
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_input_embeddings().weight.shape[0])
+
+    # --- generation ---------------------------------------------------------------------------
+    def generate(
+        self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[dict[str, Any]]:
+        """Sample ``params.n`` completions per prompt; results are prompt-major.
+
+        Args:
+            prompts: token-id lists or strings (tokenised with the model's tokenizer).
+            params: one :class:`SamplingParams` for all prompts, or one per prompt.
+
+        Returns:
+            ``[{token_ids, text, finish_reason: "stop"|"length", logprobs?, policy_version}]``.
+
+        Raises:
+            InvalidRequestError: a prompt is empty, holds an unknown id, or leaves no room below
+                ``max_seq_len``; the message names the prompt index.
+        """
+        if self._asleep:
+            raise InvalidRequestError("the sampling engine is asleep; call wake() (wake_inference) first")
+        per_prompt = self._params_per_prompt(prompts, params)
+        rows: list[_Row] = []
+        for index, (prompt, wanted) in enumerate(zip(prompts, per_prompt, strict=True)):
+            ids = self._prompt_ids(index, prompt)
+            max_new = min(wanted.max_tokens, self.config.max_seq_len - len(ids))
+            rows += [_Row(ids, wanted, seed, max_new) for seed in self._row_seeds(wanted)]
+        version = self.policy_version
+        limit = self.config.sampling.max_batch_size
+        for start in range(0, len(rows), limit):
+            self._decode(rows[start : start + limit])
+        return [self._result(row, version) for row in rows]
+
+    def _params_per_prompt(
+        self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[SamplingParams]:
+        if isinstance(prompts, str):
+            raise InvalidRequestError("prompts must be a list of prompts; wrap a single string in a list")
+        if isinstance(params, SamplingParams):
+            return [params] * len(prompts)
+        params = list(params)
+        if len(params) != len(prompts):
+            raise InvalidRequestError(
+                f"sampling_params has {len(params)} entries for {len(prompts)} prompts; pass one per prompt or one"
+            )
+        for index, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise InvalidRequestError(f"sampling_params[{index}] must be a SamplingParams; got {type(p).__name__}")
+        return params
+
+    def _prompt_ids(self, index: int, prompt: Sequence[int] | str) -> list[int]:
+        ids = list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids:
+            raise InvalidRequestError(f"prompts[{index}] is empty; give at least one token")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise InvalidRequestError(f"prompts[{index}] holds token ids outside [0, {self.vocab_size})")
+        if len(ids) >= self.config.max_seq_len:
+            raise InvalidRequestError(
+                f"prompts[{index}] has {len(ids)} tokens; it must be shorter than max_seq_len="
+                f"{self.config.max_seq_len} to leave room for generation (shorten it or raise max_seq_len)"
+            )
+        return ids
+
+    def _row_seeds(self, params: SamplingParams) -> list[int]:
+        if params.seed is None:
+            return [int(torch.randint(0, 2**62, (1,), generator=self._generator)) for _ in range(params.n)]
+        return [(params.seed * _SEED_MIX + index) % 2**63 for index in range(params.n)]
+
+    @torch.no_grad()
+    def _decode(self, rows: list[_Row]) -> None:
+        """Prefill the left-padded prompts, then decode one token per step for every unfinished row.
+
+        Finished rows leave the batch (and the KV cache), so short answers stop costing compute.
+        """
+        from transformers import DynamicCache
+
+        device = self.device
+        width = max(len(r.prompt_ids) for r in rows)
+        max_new = max(r.max_new for r in rows)
+        input_BP = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask_BP = torch.zeros((len(rows), width), dtype=torch.long)
+        # Uniform draws come from each row's own generator up front: a row's samples never depend on its batch.
+        uniform_BT = torch.zeros((len(rows), max_new))
+        for b, row in enumerate(rows):
+            input_BP[b, width - len(row.prompt_ids) :] = torch.tensor(row.prompt_ids)
+            mask_BP[b, width - len(row.prompt_ids) :] = 1
+            uniform_BT[b, : row.max_new] = torch.rand(row.max_new, generator=torch.Generator().manual_seed(row.seed))
+        stops = [self._stop_ids(row.params) for row in rows]
+
+        live = list(range(len(rows)))  # indices into rows of the batch's current members
+        sampler = _RowSampler(rows, device)
+        input_ids, mask_BT, uniform_BT = input_BP.to(device), mask_BP.to(device), uniform_BT.to(device)
+        position_ids = (mask_BT.cumsum(-1) - 1).clamp_min(0)
+        cache = DynamicCache()
+        for step in range(max_new):
+            out = self.model(
+                input_ids=input_ids, attention_mask=mask_BT, position_ids=position_ids,
+                use_cache=True, logits_to_keep=1, **{self._cache_arg: cache},
+            )  # fmt: skip
+            tokens_B, logprobs_B = sampler.sample(out.logits[:, -1].float(), uniform_BT[:, step])
+            keep = []
+            for b, (token, logprob) in enumerate(zip(tokens_B.tolist(), logprobs_B.tolist(), strict=True)):
+                row = rows[live[b]]
+                row.token_ids.append(token)
+                row.logprobs.append(logprob)
+                if not self._finished(row, stops[live[b]]):
+                    keep.append(b)
+            if not keep:
+                break
+            input_ids, position_ids = tokens_B[:, None], position_ids[:, -1:] + 1
+            mask_BT = torch.cat([mask_BT, mask_BT.new_ones((len(live), 1))], dim=-1)
+            if len(keep) < len(live):
+                index = torch.tensor(keep, device=device)
+                cache.batch_select_indices(index)
+                input_ids, position_ids, mask_BT, uniform_BT = (
+                    t.index_select(0, index) for t in (input_ids, position_ids, mask_BT, uniform_BT)
+                )
+                live = [live[b] for b in keep]
+                sampler = _RowSampler([rows[i] for i in live], device)
+
+    def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        eos = self.tokenizer.eos_token_id
+        return frozenset(params.stop_token_ids) | ({eos} if eos is not None else set())
+
+    def _finished(self, row: _Row, stop_ids: frozenset[int]) -> bool:
+        if row.token_ids[-1] in stop_ids:
+            row.finish_reason = "stop"
+            return True
+        if row.params.stop:
+            text = self.tokenizer.decode(row.token_ids, skip_special_tokens=True)
+            cuts = [text.find(s) for s in row.params.stop if s and s in text]
+            if cuts:
+                row.finish_reason, row.text = "stop", text[: min(cuts)]
+                return True
+        if len(row.token_ids) >= row.max_new:
+            row.finish_reason = "length"
+            return True
+        return False
+
+    def _result(self, row: _Row, version: int) -> dict[str, Any]:
+        text = row.text if row.text is not None else self.tokenizer.decode(row.token_ids, skip_special_tokens=True)
+        result: dict[str, Any] = {
+            "token_ids": row.token_ids,
+            "text": text,
+            "finish_reason": row.finish_reason or "length",
+            "policy_version": version,
+        }
+        if row.params.logprobs:
+            result["logprobs"] = row.logprobs
+        return result
+
+    # --- weights and memory -------------------------------------------------------------------
+    @torch.no_grad()
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], *, policy_version: int) -> int:
+        """Copy tensors into the model's parameters in place; returns the bytes copied.
+
+        Raises:
+            InvalidRequestError: a name the model does not have, or a shape that differs.
+        """
+        copied = 0
+        for name, tensor in named_tensors:
+            param = self._params.get(name)
+            if param is None:
+                raise InvalidRequestError(
+                    f"weight {name!r} is not a parameter of the sampling model; sync from a trainer of the same model"
+                )
+            if param.shape != tensor.shape:
+                raise InvalidRequestError(
+                    f"weight {name!r} has shape {list(tensor.shape)}; the sampling model expects {list(param.shape)}"
+                )
+            param.copy_(tensor)
+            copied += tensor.numel() * tensor.element_size()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.policy_version = int(policy_version)
+        return copied
+
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Offload the weights to CPU (on an accelerator; nothing to free on CPU)."""
+        del level  # the torch engine keeps no KV cache between calls: every level frees the same
+        if self.device.type != "cpu" and not self._asleep:
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+            self._asleep = True
+        return {}
+
+    def wake(self) -> dict[str, Any]:
+        if self._asleep:
+            self.model.to(self.device)
+            self._asleep = False
+        return {}
+
+    def reset_prefix_cache(self) -> dict[str, Any]:
+        """Nothing to reset: the torch engine builds a fresh KV cache for every batch."""
+        return {}
+
+
+class _RowSampler:
+    """Pick next tokens for a batch whose rows each have their own temperature, top-k and top-p."""
+
+    def __init__(self, rows: list[_Row], device: torch.device) -> None:
+        params = [r.params for r in rows]
+        self.greedy_B = torch.tensor([p.temperature == 0 for p in params], device=device)
+        self.temperature_B1 = torch.tensor([p.temperature or 1.0 for p in params], device=device)[:, None]
+        self.top_k_B = torch.tensor([p.top_k if p.top_k > 0 else 0 for p in params], device=device)
+        self.top_p_B = torch.tensor([p.top_p for p in params], device=device)
+        filtered = [p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0) for p in params]
+        plain = [p.temperature > 0 and not f for p, f in zip(params, filtered, strict=True)]
+        self.filtered_rows = torch.tensor([b for b, f in enumerate(filtered) if f], dtype=torch.long, device=device)
+        self.plain_rows = torch.tensor([b for b, f in enumerate(plain) if f], dtype=torch.long, device=device)
+
+    def sample(self, logits_BV: Tensor, uniform_B: Tensor) -> tuple[Tensor, Tensor]:
+        """Return the chosen token per row and its log-prob under the raw (temperature 1) distribution."""
+        tokens_B = logits_BV.argmax(-1)
+        if self.plain_rows.numel():
+            rows = self.plain_rows
+            probs_RV = F.softmax(logits_BV[rows] / self.temperature_B1[rows], dim=-1)
+            tokens_B[rows] = _inverse_cdf(probs_RV, uniform_B[rows])
+        if self.filtered_rows.numel():
+            rows = self.filtered_rows
+            sorted_RV, order_RV = (logits_BV[rows] / self.temperature_B1[rows]).sort(dim=-1, descending=True)
+            probs_RV = F.softmax(sorted_RV, dim=-1)
+            rank_V = torch.arange(probs_RV.shape[-1], device=probs_RV.device)
+            top_k_R1 = self.top_k_B[rows][:, None]
+            probs_RV = probs_RV * ((top_k_R1 == 0) | (rank_V < top_k_R1))
+            probs_RV = probs_RV / probs_RV.sum(-1, keepdim=True)
+            # Then the smallest prefix whose mass reaches top_p (the first token always stays).
+            mass_before_RV = probs_RV.cumsum(-1) - probs_RV
+            picked_R = _inverse_cdf(probs_RV * (mass_before_RV < self.top_p_B[rows][:, None]), uniform_B[rows])
+            tokens_B[rows] = order_RV.gather(-1, picked_R[:, None]).squeeze(-1)
+        logprobs_B = F.log_softmax(logits_BV, dim=-1).gather(-1, tokens_B[:, None]).squeeze(-1)
+        return tokens_B, logprobs_B
+
+
+def _inverse_cdf(weights_RV: Tensor, uniform_R: Tensor) -> Tensor:
+    """Index drawn from unnormalised non-negative weights with one uniform number per row."""
+    cdf_RV = weights_RV.cumsum(-1)
+    target_R1 = (uniform_R * cdf_RV[:, -1])[:, None]
+    picked_R = torch.searchsorted(cdf_RV, target_R1, right=True).squeeze(-1)
+    return picked_R.clamp_max(weights_RV.shape[-1] - 1)
+
+
+class VLLMSamplingEngine:
+    """The sampling role on GPU via vLLM, with the same methods as :class:`SamplingEngine`.
+
+    Weight loading hands the tensors to the model through ``LLM.apply_model``; to pass them without
+    serialising, vLLM's engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set
+    here unless the caller chose). Not exercised by the CPU test suite.
+    """
+
+    def __init__(self, config: ClientConfig, *, device: str | torch.device = "cuda", model_dir: Path | None = None):
+        if importlib.util.find_spec("vllm") is None:
+            raise ImportError("sampling.engine='vllm' needs vLLM: pip install icefloe[gpu]")
+        import os
+
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        import vllm
+
+        del device  # vLLM places the model itself
+        self.config = config
+        self._vllm = vllm
+        self.model_dir = Path(model_dir) if model_dir is not None else resolve_model(config.model, seed=config.seed)
+        kwargs = {"dtype": config.dtype, "seed": config.seed, "max_model_len": config.max_seq_len}
+        # raw_logprobs: log-probs before temperature/top-p, the quantity the trainer's forward returns.
+        kwargs |= {"enable_sleep_mode": True, "logprobs_mode": "raw_logprobs", **config.sampling.engine_kwargs}
+        self.llm = vllm.LLM(model=str(self.model_dir), **kwargs)
+        self.tokenizer = self.llm.get_tokenizer()
+        self.policy_version = 0
+
+    def generate(
+        self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[dict[str, Any]]:
+        per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        inputs = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]
+        vllm_params = [self._vllm_params(p) for p in per_prompt]
+        version = self.policy_version
+        results = []
+        for request, wanted in zip(self.llm.generate(inputs, vllm_params, use_tqdm=False), per_prompt, strict=True):
+            for completion in request.outputs:
+                result: dict[str, Any] = {
+                    "token_ids": list(completion.token_ids),
+                    "text": completion.text,
+                    "finish_reason": "stop" if completion.finish_reason == "stop" else "length",
+                    "policy_version": version,
+                }
+                if wanted.logprobs:
+                    result["logprobs"] = [
+                        entry[token].logprob
+                        for token, entry in zip(completion.token_ids, completion.logprobs, strict=True)
+                    ]
+                results.append(result)
+        return results
+
+    def _vllm_params(self, params: SamplingParams) -> Any:
+        return self._vllm.SamplingParams(
+            n=params.n, max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
+            top_k=params.top_k if params.top_k > 0 else -1, stop=list(params.stop),
+            stop_token_ids=list(params.stop_token_ids), seed=params.seed, logprobs=0 if params.logprobs else None,
+        )  # fmt: skip
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], *, policy_version: int) -> int:
+        tensors = list(named_tensors)
+        self.llm.apply_model(lambda model: model.load_weights(weights=tensors))
+        self.policy_version = int(policy_version)
+        return sum(t.numel() * t.element_size() for _, t in tensors)
+
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        self.llm.sleep(level=level)
+        return {}
+
+    def wake(self) -> dict[str, Any]:
+        self.llm.wake_up()
+        return {}
+
+    def reset_prefix_cache(self) -> dict[str, Any]:
+        self.llm.reset_prefix_cache()
+        return {}
+
+
+def build_sampling_engine(
+    config: ClientConfig, device: str | torch.device = "auto", *, model_dir: Path | None = None
+) -> SamplingEngine | VLLMSamplingEngine:
+    """The sampling engine ``config.sampling.engine`` asks for.
+
+    ``auto`` picks vLLM when the device is CUDA and vLLM is installed, else torch.
+    """
+    resolved = resolve_device(device)
+    choice = config.sampling.engine
+    if choice == "auto":
+        choice = "vllm" if resolved.type == "cuda" and importlib.util.find_spec("vllm") is not None else "torch"
+    if choice == "vllm":
+        return VLLMSamplingEngine(config, device=resolved, model_dir=model_dir)
+    return SamplingEngine(config, device=resolved, model_dir=model_dir)

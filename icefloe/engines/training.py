@@ -1,0 +1,454 @@
+"""TrainingEngine: a Hugging Face causal LM with AdamW, an LR schedule and safetensors checkpoints.
+
+One engine is one model replica in one process. ``fwd_bwd`` accumulates gradients until ``step``,
+so several calls that pass the whole optimizer batch's normalisers (``batch_num_tokens``,
+``global_batch_size``) train exactly like one big call. Master weights stay float32; on CUDA,
+``dtype="bfloat16"`` runs forward and backward under autocast. Dropout is off in ``forward`` so
+the log-probs it returns are the ones the sampler sees. Tensors: B rows, S positions, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from icefloe.config import ClientConfig, ScheduleConfig
+from icefloe.engines.batch import shifted_token_logprobs, split_micro_batches, validate_batch
+from icefloe.engines.losses import get_loss
+from icefloe.engines.models import load_causal_lm, load_tokenizer, resolve_model
+from icefloe.protocol import InvalidRequestError, UnsupportedOpError
+
+__all__ = ["CHECKPOINT_KINDS", "TrainingEngine", "lr_multiplier", "resolve_device"]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_KINDS = ("resumable", "weights-only")
+_OPTIMIZER_FILE = "optimizer.safetensors"
+_STATE_FILE = "trainer_state.json"
+_AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"`` means CUDA when available, else CPU."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def lr_multiplier(schedule: ScheduleConfig, step: int) -> float:
+    """Fraction of the base LR used by optimizer step ``step`` (0-based).
+
+    Linear warm-up over ``warmup_steps`` (step 0 gets 1/warmup_steps), then constant, or a linear
+    or cosine decay that reaches ``min_lr_ratio`` at ``total_steps`` and stays there.
+    """
+    if step < schedule.warmup_steps:
+        return (step + 1) / schedule.warmup_steps
+    if schedule.kind == "constant":
+        return 1.0
+    span = max(1, schedule.total_steps - schedule.warmup_steps)
+    progress = min(1.0, (step - schedule.warmup_steps) / span)
+    floor = schedule.min_lr_ratio
+    if schedule.kind == "linear":
+        return floor + (1.0 - floor) * (1.0 - progress)
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class TrainingEngine:
+    """Forward/backward, optimizer steps and checkpoints for one model.
+
+    Args:
+        config: the client config; ``model``, ``seed``, ``dtype``, ``max_seq_len`` and ``training``
+            are read.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"``.
+        role: ``"training"``, or ``"reference"`` for an eval-only copy (no optimizer) that serves
+            reference log-probs through ``forward``.
+        model_dir: load this Hugging Face directory instead of resolving ``config.model``.
+    """
+
+    def __init__(
+        self,
+        config: ClientConfig,
+        *,
+        device: str | torch.device = "cpu",
+        role: Literal["training", "reference"] = "training",
+        model_dir: Path | None = None,
+    ) -> None:
+        if role not in ("training", "reference"):
+            raise InvalidRequestError(f"role must be 'training' or 'reference'; got {role!r}")
+        self.config = config
+        self.role = role
+        self.device = resolve_device(device)
+        torch.manual_seed(config.seed)
+        self.model_dir = Path(model_dir) if model_dir is not None else resolve_model(config.model, seed=config.seed)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.model = load_causal_lm(self.model_dir, dtype=torch.float32, device=self.device)
+        self._params = [p for p in self.model.parameters()]
+        self._autocast_dtype = _AUTOCAST_DTYPES.get(config.dtype) if self.device.type == "cuda" else None
+        if config.dtype == "float16" and self._autocast_dtype is not None:
+            log.warning("dtype=float16 trains under fp16 autocast without loss scaling; prefer bfloat16")
+        self._global_step = 0
+        self._last_lr = config.training.optimizer.lr
+        self._last_loss: float | None = None
+        self._asleep = False
+        self.optimizer: torch.optim.AdamW | None = None
+        if role == "reference":
+            self.model.requires_grad_(False)
+            return
+        opt = config.training.optimizer
+        self.optimizer = torch.optim.AdamW(
+            self._params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
+        )
+        if config.training.gradient_checkpointing:
+            _enable_activation_checkpointing(self.model)
+
+    # --- properties --------------------------------------------------------------------------
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken (restored by a resumable checkpoint)."""
+        return self._global_step
+
+    @property
+    def weights_version(self) -> int:
+        """The version of the current weights: equal to ``global_step``."""
+        return self._global_step
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_input_embeddings().weight.shape[0])
+
+    # --- compute ------------------------------------------------------------------------------
+    def fwd_bwd(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """Run the batch's loss forward and backward, adding to the accumulated gradients.
+
+        Normalisers missing from ``processing.config`` default to this call's totals
+        (``batch_num_tokens`` = Σ loss_mask, ``global_batch_size`` = B). Returns ``{loss,
+        avg_loss, metrics, num_tokens}``: ``loss`` is the batch's loss, ``metrics`` are
+        token-weighted over micro-batches (``metrics["loss"]`` = ``loss``), ``num_tokens`` = Σ loss_mask.
+        """
+        self._require_training("fwd_bwd")
+        frame = self._validated(batch, require_context=True)
+        loss_fn = get_loss(frame["processing"]["loss_fn"])
+        loss_config = dict(frame["processing"]["config"])
+        loss_mask_BS = frame["context"]["loss_mask"]
+        num_tokens = int(loss_mask_BS.sum().item())  # CPU tensor: no device sync
+        # Normalisers default to this call's totals, so micro-batches (and rows) all share them.
+        if loss_config.get("batch_num_tokens") is None:
+            loss_config["batch_num_tokens"] = num_tokens
+        if loss_config.get("global_batch_size") is None:
+            loss_config["global_batch_size"] = int(loss_mask_BS.shape[0])
+        temperature = _temperature(loss_config)
+        entropy_grad = float(loss_config.get("entropy_coeff") or 0.0) != 0.0
+
+        self._set_train_mode(True)
+        total_loss: Tensor | None = None
+        weighted: dict[str, Tensor | float] = {}
+        for part in split_micro_batches(frame, self.config.training.micro_batch_tokens):
+            part_tokens = float(part["context"]["loss_mask"].sum().item())
+            kwargs = self._to_device(part["kwargs"])
+            context = self._to_device(part["context"])
+            with self._autocast():
+                logits_BSV = self.model(**kwargs, use_cache=False).logits
+            logprobs_BS, entropy_BS = shifted_token_logprobs(
+                logits_BSV, kwargs["input_ids"], temperature, entropy_requires_grad=entropy_grad
+            )
+            del logits_BSV
+            loss, metrics = loss_fn(logprobs_BS, context=context, config=loss_config, entropy_BS=entropy_BS)
+            loss.backward()
+            total_loss = loss.detach() if total_loss is None else total_loss + loss.detach()
+            for name, value in metrics.items():
+                if name != "loss":
+                    weighted[name] = weighted.get(name, 0.0) + _detached(value) * part_tokens
+        assert total_loss is not None  # validate_batch guarantees at least one row
+
+        # One device sync for everything reported.
+        names = sorted(weighted)
+        values = torch.stack([total_loss.float(), *(_as_tensor(weighted[n], total_loss) for n in names)]).tolist()
+        loss_value = values[0]
+        metrics_out = {name: value / max(num_tokens, 1) for name, value in zip(names, values[1:], strict=True)}
+        metrics_out["loss"] = loss_value
+        self._last_loss = loss_value
+        return {"loss": loss_value, "avg_loss": loss_value, "metrics": metrics_out, "num_tokens": num_tokens}
+
+    @torch.no_grad()
+    def forward(self, batch: Mapping[str, Any]) -> dict[str, Tensor]:
+        """Shifted log-probs and entropies of the batch's tokens, float32 ``[B, S]`` on CPU.
+
+        ``processing.config.temperature`` (default 1) divides the logits first.
+        """
+        self._require_awake()
+        frame = self._validated(batch, require_context=False)
+        temperature = _temperature(frame["processing"]["config"])
+        self._set_train_mode(False)
+        logprobs, entropies = [], []
+        for part in split_micro_batches(frame, self.config.training.micro_batch_tokens):
+            kwargs = self._to_device(part["kwargs"])
+            with self._autocast():
+                logits_BSV = self.model(**kwargs, use_cache=False).logits
+            logprobs_BS, entropy_BS = shifted_token_logprobs(logits_BSV, kwargs["input_ids"], temperature)
+            logprobs.append(logprobs_BS)
+            entropies.append(entropy_BS)
+        return {"logprobs": torch.cat(logprobs).cpu(), "entropy": torch.cat(entropies).cpu()}
+
+    def step(self, learning_rate: float | None = None) -> dict[str, Any]:
+        """Clip gradients, apply one AdamW update, zero the gradients.
+
+        ``learning_rate`` overrides the scheduled LR for this step only. ``grad_norm`` is the
+        global norm before clipping; a non-finite norm skips the update (the step still counts).
+        """
+        optimizer = self._require_training("step")
+        if learning_rate is not None and not learning_rate >= 0:
+            raise InvalidRequestError(f"learning_rate must be >= 0; got {learning_rate}")
+        schedule = self.config.training.lr_schedule
+        base_lr = self.config.training.optimizer.lr
+        lr = learning_rate if learning_rate is not None else base_lr * lr_multiplier(schedule, self._global_step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        grads = [p.grad for p in self._params if p.grad is not None]
+        if grads:
+            grad_norm_t = torch.nn.utils.get_total_norm(grads)
+            if self.config.training.grad_clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(self._params, self.config.training.grad_clip, grad_norm_t)
+            grad_norm = float(grad_norm_t.item())
+        else:
+            grad_norm = 0.0
+        if math.isfinite(grad_norm):
+            optimizer.step()
+        else:
+            log.warning("skipping the optimizer update at step %d: grad_norm is %s", self._global_step, grad_norm)
+        optimizer.zero_grad(set_to_none=True)
+        self._global_step += 1
+        self._last_lr = lr
+        return {
+            "global_step": self._global_step,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "metrics": {"lr": lr, "grad_norm": grad_norm},
+        }
+
+    def named_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """``(name, tensor)`` for every parameter (tied weights once), detached, on the engine device."""
+        for name, param in self.model.named_parameters():
+            yield name, param.detach()
+
+    # --- memory -------------------------------------------------------------------------------
+    def sleep(self) -> dict[str, Any]:
+        """Move parameters, gradients and optimizer state to CPU to free accelerator memory."""
+        if self.device.type != "cpu" and not self._asleep:
+            self._move_state(torch.device("cpu"))
+            torch.cuda.empty_cache()
+            self._asleep = True
+        return {}
+
+    def wake(self) -> dict[str, Any]:
+        """Bring everything :meth:`sleep` offloaded back to the engine device."""
+        if self._asleep:
+            self._move_state(self.device)
+            self._asleep = False
+        return {}
+
+    def _move_state(self, device: torch.device) -> None:
+        self.model.to(device)
+        if self.optimizer is None:
+            return
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, Tensor) and key != "step":
+                    state[key] = value.to(device)
+
+    # --- checkpoints --------------------------------------------------------------------------
+    def save_checkpoint(self, root: Path | str, kind: str = "resumable") -> dict[str, Any]:
+        """Write ``root/global_step{N}/``: a loadable Hugging Face directory (+ optimizer state).
+
+        ``resumable`` adds ``optimizer.safetensors`` and ``trainer_state.json`` (step, LR schedule,
+        RNG) so :meth:`load_checkpoint` continues bit for bit; ``weights-only`` doubles as the HF
+        export. The folder is written aside and renamed, so a crash never leaves half a checkpoint.
+        """
+        if kind not in CHECKPOINT_KINDS:
+            raise InvalidRequestError(f"checkpoint kind must be one of {list(CHECKPOINT_KINDS)}; got {kind!r}")
+        if kind == "resumable":
+            self._require_training("save_checkpoint(kind='resumable')")
+        root = Path(root)
+        root.mkdir(parents=True, exist_ok=True)
+        checkpoint_id = f"global_step{self._global_step}"
+        target = root / checkpoint_id
+        staging = Path(tempfile.mkdtemp(prefix=f".{checkpoint_id}.", dir=root))
+        try:
+            self.model.save_pretrained(str(staging))
+            self.tokenizer.save_pretrained(str(staging))
+            if kind == "resumable":
+                save_file(self._optimizer_tensors(), str(staging / _OPTIMIZER_FILE))
+            (staging / _STATE_FILE).write_text(json.dumps(self._trainer_state(kind), indent=1))
+            if target.exists():
+                shutil.rmtree(target)
+            os.rename(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return {"checkpoint_id": checkpoint_id, "global_step": self._global_step, "path": str(target), "kind": kind}
+
+    def load_checkpoint(self, path: Path | str) -> dict[str, Any]:
+        """Restore weights from a checkpoint folder, plus optimizer, step and RNG when resumable.
+
+        A plain Hugging Face directory (no ``trainer_state.json``) loads as ``weights-only``.
+        """
+        path = Path(path)
+        weight_files = sorted(p for p in path.glob("*.safetensors") if p.name != _OPTIMIZER_FILE)
+        if not path.is_dir() or not weight_files:
+            raise InvalidRequestError(
+                f"checkpoint path {str(path)!r} holds no model *.safetensors; pass a folder written by "
+                "save_checkpoint (e.g. <checkpoint_dir>/global_step12)"
+            )
+        state_path = path / _STATE_FILE
+        state = json.loads(state_path.read_text()) if state_path.is_file() else {"kind": "weights-only"}
+        kind = state.get("kind", "weights-only")
+        self._load_weights(weight_files)
+        if kind == "resumable" and self.optimizer is not None:
+            self._load_optimizer(load_file(str(path / _OPTIMIZER_FILE)), state)
+            self._global_step = int(state["global_step"])
+            self._last_lr = float(state["last_lr"])
+            torch.set_rng_state(torch.tensor(state["rng"]["torch"], dtype=torch.uint8))
+            if state["rng"].get("cuda") and torch.cuda.is_available():
+                torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["rng"]["cuda"]])
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        global_step = int(state.get("global_step", self._global_step))
+        return {"checkpoint_id": path.name, "global_step": global_step, "path": str(path), "kind": kind}
+
+    def _trainer_state(self, kind: str) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "kind": kind,
+            "global_step": self._global_step,
+            "last_lr": self._last_lr,
+            "avg_loss": self._last_loss,
+            "lr_schedule": self.config.training.lr_schedule.model_dump(),
+            "base_lr": self.config.training.optimizer.lr,
+        }
+        if kind == "resumable":
+            assert self.optimizer is not None
+            state["param_groups"] = [
+                {k: v for k, v in group.items() if k != "params"} for group in self.optimizer.param_groups
+            ]
+            state["rng"] = {"torch": torch.get_rng_state().tolist()}
+            if self.device.type == "cuda":
+                state["rng"]["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+        return state
+
+    def _optimizer_tensors(self) -> dict[str, Tensor]:
+        """AdamW state flattened to ``state.{param_index}.{exp_avg|exp_avg_sq|step}`` tensors."""
+        assert self.optimizer is not None
+        tensors: dict[str, Tensor] = {}
+        for index, param in enumerate(self._params):
+            for key, value in self.optimizer.state.get(param, {}).items():
+                if isinstance(value, Tensor):
+                    tensors[f"state.{index}.{key}"] = value.detach().to("cpu").contiguous()
+        return tensors
+
+    def _load_optimizer(self, tensors: dict[str, Tensor], state: Mapping[str, Any]) -> None:
+        assert self.optimizer is not None
+        per_param: dict[int, dict[str, Tensor]] = {}
+        for name, tensor in tensors.items():
+            _, index, key = name.split(".", 2)
+            if int(index) >= len(self._params):
+                raise InvalidRequestError(
+                    f"optimizer state names parameter {index}, but the model has {len(self._params)}; the "
+                    "checkpoint belongs to a different model"
+                )
+            per_param.setdefault(int(index), {})[key] = tensor
+        groups = []
+        for group in state["param_groups"]:
+            restored = dict(group)
+            restored["betas"] = tuple(restored["betas"])
+            groups.append(restored)
+        groups[0]["params"] = list(range(len(self._params)))
+        self.optimizer.load_state_dict({"state": per_param, "param_groups": groups})
+
+    def _load_weights(self, files: list[Path]) -> None:
+        loaded: dict[str, Tensor] = {}
+        for file in files:
+            loaded.update(load_file(str(file)))
+        missing, unexpected = self.model.load_state_dict(loaded, strict=False)
+        # Tied weights are saved once; the other name shares storage with a loaded parameter.
+        own = self.model.state_dict()
+        loaded_ptrs = {own[name].data_ptr() for name in loaded if name in own}
+        missing = [name for name in missing if own[name].data_ptr() not in loaded_ptrs]
+        if missing or unexpected:
+            raise InvalidRequestError(
+                f"checkpoint weights do not match the model: missing {sorted(missing)}, unexpected "
+                f"{sorted(unexpected)}; load a checkpoint of the same model"
+            )
+
+    # --- helpers ------------------------------------------------------------------------------
+    def _validated(self, batch: Mapping[str, Any], *, require_context: bool) -> dict[str, Any]:
+        self._require_awake()
+        frame = validate_batch(batch, require_context=require_context, vocab_size=self.vocab_size)
+        width = frame["kwargs"]["input_ids"].shape[1]
+        if width > self.config.max_seq_len:
+            raise InvalidRequestError(
+                f"kwargs.input_ids has {width} positions, more than max_seq_len={self.config.max_seq_len}; "
+                "shorten the rows or raise max_seq_len"
+            )
+        return frame
+
+    def _require_training(self, op: str) -> torch.optim.AdamW:
+        if self.optimizer is None:
+            raise UnsupportedOpError(f"{op} needs a training engine; this one has role={self.role!r} (eval only)")
+        self._require_awake()
+        return self.optimizer
+
+    def _require_awake(self) -> None:
+        if self._asleep:
+            raise InvalidRequestError("the training engine is asleep; call wake() (wake_training) before using it")
+
+    def _set_train_mode(self, train: bool) -> None:
+        train = train and self.role == "training"
+        if self.model.training != train:
+            self.model.train(train)
+
+    def _to_device(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        if self.device.type == "cpu":
+            return dict(tensors)
+        return {name: t.to(self.device, non_blocking=True) for name, t in tensors.items()}
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self._autocast_dtype)
+
+
+def _enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer in backward instead of keeping its activations."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers ≥ 5 renamed the method
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _temperature(config: Mapping[str, Any]) -> float:
+    temperature = config.get("temperature")
+    if temperature is None:
+        return 1.0
+    if not float(temperature) > 0:
+        raise InvalidRequestError(f"processing.config.temperature must be > 0; got {temperature}")
+    return float(temperature)
+
+
+def _detached(value: Tensor | float) -> Tensor | float:
+    return value.detach().float() if isinstance(value, Tensor) else float(value)
+
+
+def _as_tensor(value: Tensor | float, like: Tensor) -> Tensor:
+    if isinstance(value, Tensor):
+        return value.float().reshape(())
+    return torch.tensor(float(value), device=like.device)

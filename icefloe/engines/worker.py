@@ -1,0 +1,142 @@
+"""RoleWorker: one thread that runs a role's work strictly in submission order.
+
+Every op for one engine goes through its worker, so an engine is only ever touched by one thread.
+Batchable items (generate requests) that sit next to each other in the queue with the same key
+are handed to their ``run_batch`` function together, which is how concurrent requests coalesce.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from icefloe.protocol import ClientClosedError
+
+__all__ = ["RoleWorker"]
+
+
+@dataclass
+class _Job:
+    future: Future
+    fn: Callable[..., Any] | None = None
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    key: Hashable | None = None
+    item: Any = None
+    run_batch: Callable[[list[Any]], Sequence[Any]] | None = None
+
+
+class RoleWorker:
+    """A daemon thread with a FIFO queue.
+
+    Args:
+        name: names the thread (``icefloe-<name>``) and appears in errors.
+        linger_s: how long a batchable item waits for same-key company when the queue behind it is
+            empty; 0 = never wait.
+        max_batch_items: most items one ``run_batch`` call receives; None = no limit.
+    """
+
+    def __init__(self, name: str, *, linger_s: float = 0.002, max_batch_items: int | None = None) -> None:
+        self.name = name
+        self.linger_s = linger_s
+        self.max_batch_items = max_batch_items
+        self._queue: deque[_Job] = deque()
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"icefloe-{name}", daemon=True)
+        self._thread.start()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        """Queue ``fn(*args, **kwargs)``; its result or exception lands on the returned future."""
+        return self._put(_Job(Future(), fn=fn, args=args, kwargs=kwargs))
+
+    def submit_batchable(self, key: Hashable, item: Any, run_batch: Callable[[list[Any]], Sequence[Any]]) -> Future:
+        """Queue ``item``; consecutive queued items with the same ``key`` run in one ``run_batch`` call.
+
+        ``run_batch(items)`` must return one result per item, in order.
+        """
+        return self._put(_Job(Future(), key=key, item=item, run_batch=run_batch))
+
+    def close(self, wait: bool = True) -> None:
+        """Refuse new work, finish what is queued, stop the thread. Idempotent."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if wait and threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def _put(self, job: _Job) -> Future:
+        with self._cond:
+            if self._closed:
+                raise ClientClosedError(f"worker {self.name!r} is closed; no new work is accepted")
+            self._queue.append(job)
+            self._cond.notify_all()
+        return job.future
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._closed:
+                    self._cond.wait()
+                if not self._queue:
+                    return  # closed and drained
+                job = self._queue.popleft()
+            if job.run_batch is None:
+                self._run_one(job)
+            else:
+                self._run_batch([job, *self._same_key_followers(job.key)])
+
+    def _same_key_followers(self, key: Hashable) -> list[_Job]:
+        """Take the queued items right behind the head that share its key (after a short linger)."""
+        limit = self.max_batch_items - 1 if self.max_batch_items is not None else None
+        followers: list[_Job] = []
+        deadline = time.monotonic() + self.linger_s
+        with self._cond:
+            while True:
+                while self._queue and self._queue[0].run_batch is not None and self._queue[0].key == key:
+                    if limit is not None and len(followers) >= limit:
+                        return followers
+                    followers.append(self._queue.popleft())
+                remaining = deadline - time.monotonic()
+                if self._queue or self._closed or remaining <= 0:
+                    return followers
+                self._cond.wait(remaining)
+
+    @staticmethod
+    def _run_one(job: _Job) -> None:
+        if not job.future.set_running_or_notify_cancel():
+            return
+        assert job.fn is not None
+        try:
+            result = job.fn(*job.args, **job.kwargs)
+        except BaseException as exc:
+            job.future.set_exception(exc)
+        else:
+            job.future.set_result(result)
+
+    @staticmethod
+    def _run_batch(jobs: list[_Job]) -> None:
+        jobs = [job for job in jobs if job.future.set_running_or_notify_cancel()]
+        if not jobs:
+            return
+        run_batch = jobs[0].run_batch
+        assert run_batch is not None
+        try:
+            results = list(run_batch([job.item for job in jobs]))
+            if len(results) != len(jobs):
+                raise RuntimeError(f"run_batch returned {len(results)} results for {len(jobs)} items")
+        except BaseException as exc:
+            for job in jobs:
+                job.future.set_exception(exc)
+            return
+        for job, result in zip(jobs, results, strict=True):
+            job.future.set_result(result)

@@ -1,0 +1,123 @@
+"""Batch validation messages, micro-batch splitting and the shifted log-prob helper."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_batches import make_batch
+from torch.testing import assert_close
+
+from icefloe.engines.batch import shifted_token_logprobs, split_micro_batches, validate_batch
+from icefloe.protocol import InvalidRequestError
+
+
+def _batch() -> dict:
+    return make_batch([[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14]], [1.0, -0.5])
+
+
+def test_validate_batch_normalises_aliases_dtypes_and_defaults():
+    batch = _batch()
+    old = torch.zeros(2, 5, dtype=torch.float64)
+    batch["context"]["old_log_probs_shifted"] = old
+    batch["kwargs"]["input_ids"] = batch["kwargs"]["input_ids"].int()
+    del batch["kwargs"]["position_ids"]
+    batch["processing"] = None
+    frame = validate_batch(batch)
+    assert frame["context"]["old_logprobs"].dtype == torch.float32
+    assert "old_log_probs_shifted" not in frame["context"]
+    assert frame["kwargs"]["input_ids"].dtype == torch.int64
+    assert frame["kwargs"]["position_ids"].tolist() == [list(range(5))] * 2
+    assert frame["processing"] == {"loss_fn": "grpo", "config": {}}
+
+
+def _set(section: str, **values):
+    return lambda b: b[section].update(values)
+
+
+def _mask_value(row: int, column: int, value: float):
+    return lambda b: b["context"]["loss_mask"].__setitem__((row, column), value)
+
+
+BAD_BATCHES = [
+    (lambda b: b["context"].pop("loss_mask"), "context.loss_mask missing for loss 'grpo'"),
+    (lambda b: b["context"].pop("advantages"), "context.advantages missing for loss 'grpo'"),
+    (lambda b: b.pop("kwargs"), "batch.kwargs is missing"),
+    (lambda b: b.pop("context"), "batch.context is missing"),
+    (_set("context", advantages=torch.zeros(2, 4)), r"context.advantages has shape \[2, 4\]"),
+    (_set("kwargs", input_ids=torch.zeros(2, 5)), "kwargs.input_ids must be an integer"),
+    (_set("kwargs", attention_mask=torch.full((2, 5), 2)), "kwargs.attention_mask must hold only 0 and 1"),
+    (_mask_value(0, 1, 0.5), "context.loss_mask must hold only 0 and 1"),
+    (_mask_value(0, -1, 1.0), r"context.loss_mask\[:, -1\] must be 0"),
+    (_set("context", advantages=[[0.0] * 5] * 2), "context.advantages must be a torch.Tensor"),
+    (_set("context", old_log_probs_shifted=torch.zeros(2, 5), old_logprobs=torch.zeros(2, 5)), "given twice"),
+    (_set("context", input_ids=torch.zeros(2, 5, dtype=torch.int64)), "context.input_ids must equal kwargs.input_ids"),
+    (_set("processing", loss_fn="nope"), "processing.loss_fn 'nope' is not a registered loss"),
+]
+
+
+@pytest.mark.parametrize(("mutate", "message"), BAD_BATCHES)
+def test_validate_batch_names_the_bad_field(mutate, message):
+    batch = _batch()
+    mutate(batch)
+    with pytest.raises(InvalidRequestError, match=message):
+        validate_batch(batch)
+
+
+def test_validate_batch_checks_token_ids_against_the_vocabulary():
+    with pytest.raises(InvalidRequestError, match=r"kwargs.input_ids must hold token ids in \[0, 12\)"):
+        validate_batch(_batch(), vocab_size=12)
+
+
+def test_validate_batch_forward_only_needs_no_context():
+    batch = _batch()
+    del batch["context"]
+    assert validate_batch(batch, require_context=False)["context"] == {}
+
+
+def test_validate_batch_cross_entropy_needs_no_advantages():
+    batch = _batch()
+    del batch["context"]["advantages"]
+    batch["processing"]["loss_fn"] = "cross_entropy"
+    assert "advantages" not in validate_batch(batch)["context"]
+
+
+def test_split_micro_batches_respects_the_token_budget():
+    frame = validate_batch(make_batch([[5, 6]] * 5, [[7, 8, 9]] * 5, [1.0] * 5))  # S = 5
+    parts = split_micro_batches(frame, micro_batch_tokens=12)
+    assert [p["kwargs"]["input_ids"].shape[0] for p in parts] == [2, 2, 1]
+    assert torch.equal(torch.cat([p["context"]["loss_mask"] for p in parts]), frame["context"]["loss_mask"])
+    assert len(split_micro_batches(frame, 0)) == 1
+    assert [p["kwargs"]["input_ids"].shape[0] for p in split_micro_batches(frame, 3)] == [1] * 5  # ≥ 1 row
+
+
+def test_shifted_token_logprobs_matches_a_per_position_loop():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 4, 6, generator=gen)
+    ids = torch.randint(0, 6, (2, 4), generator=gen)
+    logprobs, entropy = shifted_token_logprobs(logits, ids, temperature=0.7)
+    for b in range(2):
+        for s in range(3):
+            dist = torch.log_softmax(logits[b, s] / 0.7, dim=-1)
+            assert_close(logprobs[b, s], dist[ids[b, s + 1]])
+            assert_close(entropy[b, s], -(dist.exp() * dist).sum())
+    assert logprobs[:, -1].eq(0).all() and entropy[:, -1].eq(0).all()
+    assert logprobs.dtype == entropy.dtype == torch.float32
+
+
+def test_shifted_token_logprobs_entropy_graph_is_optional():
+    logits = torch.randn(1, 3, 5, requires_grad=True)
+    ids = torch.tensor([[1, 2, 3]])
+    logprobs, entropy = shifted_token_logprobs(logits, ids, entropy_requires_grad=False)
+    assert logprobs.requires_grad and not entropy.requires_grad
+    _, entropy = shifted_token_logprobs(logits, ids)
+    assert entropy.requires_grad
+
+
+def test_validate_batch_keeps_per_row_extras_and_drops_batch_level_ones():
+    batch = _batch()
+    batch["context"]["versions"] = torch.tensor([3, 4])
+    batch["context"]["cu_seqlens"] = torch.tensor([0, 5, 10])
+    batch["context"]["note"] = "not a tensor"
+    frame = validate_batch(batch)
+    assert "versions" in frame["context"] and "cu_seqlens" not in frame["context"] and "note" not in frame["context"]
+    assert [p["context"]["versions"].tolist() for p in split_micro_batches(frame, 5)] == [[3], [4]]

@@ -1,0 +1,236 @@
+"""Losses against per-token reference implementations written out plainly here."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from icefloe.engines.losses import AGG_MODES, get_loss, register_loss, registered_losses
+from icefloe.protocol import InvalidRequestError
+
+B, S = 3, 7
+
+
+def _inputs(seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    loss_mask = torch.zeros(B, S)
+    loss_mask[0, 2:6] = 1
+    loss_mask[1, 1:3] = 1
+    loss_mask[2, 3:6] = 1
+    advantages = torch.tensor([1.5, -0.7, -2.0])[:, None] * loss_mask
+    logprobs = -torch.rand(B, S, generator=gen) * 3
+    return {
+        "logprobs": logprobs,
+        "old": logprobs + 0.4 * torch.randn(B, S, generator=gen),
+        "ref": logprobs + 0.6 * torch.randn(B, S, generator=gen),
+        "entropy": torch.rand(B, S, generator=gen) * 2,
+        "advantages": advantages,
+        "loss_mask": loss_mask,
+    }
+
+
+# --- plain references ------------------------------------------------------------------------------
+def _ref_aggregate(values, mask, mode, num_tokens=None, batch_size=None):
+    num_tokens = sum(mask[b][s] for b in range(B) for s in range(S)) if num_tokens is None else num_tokens
+    batch_size = B if batch_size is None else batch_size
+    if mode == "token-mean":
+        return sum(values[b][s] * mask[b][s] for b in range(B) for s in range(S)) / num_tokens
+    total = 0.0
+    for b in range(B):
+        row = sum(values[b][s] * mask[b][s] for s in range(S))
+        if mode == "seq-mean-token-mean":
+            row /= max(sum(mask[b]), 1.0)
+        elif mode == "seq-mean-token-sum-norm":
+            row /= S
+        total += row
+    return total / batch_size
+
+
+def _ref_kl(logp, ref, kind):
+    if kind == "k1":
+        return logp - ref
+    if kind == "k2":
+        return 0.5 * (logp - ref) ** 2
+    log_ratio = min(max(ref - logp, -20.0), 20.0)
+    return min(max(math.exp(log_ratio) - log_ratio - 1.0, -10.0), 10.0)
+
+
+def _ref_grpo(x, *, mode="token-mean", eps=0.2, eps_high=None, c_clip=None, entropy_coeff=0.0, kl=None, kl_coef=0.0):
+    eps_high = eps if eps_high is None else eps_high
+    logp, old, adv, mask = (x[k].tolist() for k in ("logprobs", "old", "advantages", "loss_mask"))
+    per_token = [[0.0] * S for _ in range(B)]
+    for b in range(B):
+        for s in range(S):
+            ratio = math.exp(logp[b][s] - old[b][s])
+            a = adv[b][s]
+            value = max(-a * ratio, -a * min(max(ratio, 1 - eps), 1 + eps_high))
+            if c_clip is not None and a < 0:
+                value = min(value, -a * c_clip)
+            per_token[b][s] = value
+    loss = _ref_aggregate(per_token, mask, mode)
+    loss -= entropy_coeff * _ref_aggregate(x["entropy"].tolist(), mask, mode)
+    if kl is not None:
+        ref = x["ref"].tolist()
+        kl_tokens = [[_ref_kl(logp[b][s], ref[b][s], kl) for s in range(S)] for b in range(B)]
+        loss += kl_coef * _ref_aggregate(kl_tokens, mask, mode)
+    return torch.tensor(loss)
+
+
+def _call(name, x, config, *, with_old=True, with_ref=False, entropy=True):
+    context = {"advantages": x["advantages"], "loss_mask": x["loss_mask"]}
+    if with_old:
+        context["old_logprobs"] = x["old"]
+    if with_ref:
+        context["ref_logprobs"] = x["ref"]
+    return get_loss(name)(x["logprobs"], context=context, config=config, entropy_BS=x["entropy"] if entropy else None)
+
+
+# --- grpo --------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_grpo_matches_reference_for_every_aggregation_mode(mode):
+    x = _inputs()
+    loss, _ = _call("grpo", x, {"loss_agg_mode": mode, "eps_clip": 0.1, "eps_clip_higher": 0.3})
+    assert_close(loss, _ref_grpo(x, mode=mode, eps=0.1, eps_high=0.3))
+
+
+def test_grpo_dual_clip_caps_negative_advantage_tokens():
+    x = _inputs(1)
+    x["old"] = x["logprobs"] - 2.0  # ratio e² ≈ 7.4: beyond c_clip=3 for the negative-advantage rows
+    loss, metrics = _call("grpo", x, {"c_clip": 3.0})
+    assert_close(loss, _ref_grpo(x, c_clip=3.0))
+    unclipped, _ = _call("grpo", x, {})
+    assert loss.item() < unclipped.item()
+    assert metrics["clip_ratio"].item() == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("kl_type", ["k1", "k2", "low_var_kl"])
+def test_grpo_kl_term_matches_reference(kl_type):
+    x = _inputs(2)
+    config = {"use_kl_loss": True, "kl_coef": 0.3, "kl_type": kl_type, "loss_agg_mode": "seq-mean-token-mean"}
+    loss, metrics = _call("grpo", x, config, with_ref=True)
+    assert_close(loss, _ref_grpo(x, mode="seq-mean-token-mean", kl=kl_type, kl_coef=0.3))
+    assert "kl" in metrics
+
+
+def test_grpo_accepts_the_training_api_aliases():
+    x = _inputs(3)
+    context = {
+        "advantages": x["advantages"],
+        "loss_mask": x["loss_mask"],
+        "old_log_probs_shifted": x["old"],
+        "ref_log_probs_shifted": x["ref"],
+    }
+    config = {"use_kl_loss": True, "kl_loss_coef": 0.2, "kl_loss_type": "k2"}
+    loss, _ = get_loss("grpo")(x["logprobs"], context=context, config=config, entropy_BS=None)
+    assert_close(loss, _ref_grpo(x, kl="k2", kl_coef=0.2))
+
+
+def test_grpo_entropy_bonus_is_subtracted():
+    x = _inputs(4)
+    loss, metrics = _call("grpo", x, {"entropy_coeff": 0.05, "loss_agg_mode": "seq-mean-token-sum"})
+    assert_close(loss, _ref_grpo(x, mode="seq-mean-token-sum", entropy_coeff=0.05))
+    expected_entropy = (x["entropy"] * x["loss_mask"]).sum() / x["loss_mask"].sum()
+    assert_close(metrics["entropy"], expected_entropy)
+
+
+def test_grpo_without_old_logprobs_has_unit_ratio_and_policy_gradient():
+    x = _inputs(5)
+    logprobs = x["logprobs"].clone().requires_grad_(True)
+    context = {"advantages": x["advantages"], "loss_mask": x["loss_mask"]}
+    loss, metrics = get_loss("grpo")(logprobs, context=context, config={}, entropy_BS=None)
+    loss.backward()
+    num_tokens = x["loss_mask"].sum()
+    assert_close(loss.detach(), -(x["advantages"] * x["loss_mask"]).sum() / num_tokens)
+    assert_close(logprobs.grad, -x["advantages"] * x["loss_mask"] / num_tokens)
+    assert metrics["importance_weight"].item() == pytest.approx(1.0)
+    assert metrics["approx_kl"].item() == pytest.approx(0.0)
+
+
+def test_grpo_reports_the_documented_metrics():
+    _, metrics = _call("grpo", _inputs(6), {})
+    assert set(metrics) == {"approx_kl", "clip_ratio", "entropy", "importance_weight", "loss"}
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_grpo_two_halves_with_full_normalisers_equal_the_full_batch(mode):
+    x = _inputs(7)
+    full, _ = _call("grpo", x, {"loss_agg_mode": mode})
+    totals = {"loss_agg_mode": mode, "batch_num_tokens": x["loss_mask"].sum().item(), "global_batch_size": B}
+    halves = []
+    for rows in (slice(0, 1), slice(1, B)):
+        part = {k: v[rows] for k, v in x.items()}
+        context = {"advantages": part["advantages"], "loss_mask": part["loss_mask"], "old_logprobs": part["old"]}
+        loss, _ = get_loss("grpo")(part["logprobs"], context=context, config=totals, entropy_BS=part["entropy"])
+        halves.append(loss)
+    assert_close(halves[0] + halves[1], full)
+
+
+def test_grpo_dp_size_scales_the_loss():
+    x = _inputs(8)
+    single, _ = _call("grpo", x, {})
+    double, _ = _call("grpo", x, {"dp_size": 2})
+    assert_close(double, 2 * single)
+
+
+def test_grpo_rejects_bad_options():
+    x = _inputs()
+    with pytest.raises(InvalidRequestError, match="c_clip must be > 1"):
+        _call("grpo", x, {"c_clip": 0.5})
+    with pytest.raises(InvalidRequestError, match="loss_agg_mode must be one of"):
+        _call("grpo", x, {"loss_agg_mode": "sum"})
+    with pytest.raises(InvalidRequestError, match=r"context\.ref_logprobs is missing"):
+        _call("grpo", x, {"use_kl_loss": True})
+    with pytest.raises(InvalidRequestError, match="kl_type must be one of"):
+        _call("grpo", x, {"use_kl_loss": True, "kl_type": "k9"}, with_ref=True)
+    with pytest.raises(InvalidRequestError, match="needs token entropies"):
+        _call("grpo", x, {"entropy_coeff": 0.1}, entropy=False)
+
+
+# --- importance sampling and cross entropy -----------------------------------------------------------
+@pytest.mark.parametrize("mode", AGG_MODES)
+def test_importance_sampling_matches_reference(mode):
+    x = _inputs(9)
+    loss, metrics = _call("importance_sampling", x, {"loss_agg_mode": mode})
+    logp, old, adv = x["logprobs"].tolist(), x["old"].tolist(), x["advantages"].tolist()
+    per_token = [[-adv[b][s] * math.exp(logp[b][s] - old[b][s]) for s in range(S)] for b in range(B)]
+    assert_close(loss, torch.tensor(_ref_aggregate(per_token, x["loss_mask"].tolist(), mode)))
+    assert "clip_ratio" not in metrics
+
+
+def test_cross_entropy_is_token_mean_negative_logprob():
+    x = _inputs(10)
+    loss, metrics = get_loss("cross_entropy")(
+        x["logprobs"], context={"loss_mask": x["loss_mask"]}, config={}, entropy_BS=None
+    )
+    logp, mask = x["logprobs"].tolist(), x["loss_mask"].tolist()
+    expected = -sum(logp[b][s] for b in range(B) for s in range(S) if mask[b][s]) / sum(map(sum, mask))
+    assert_close(loss, torch.tensor(expected))
+    assert metrics["loss"].item() == pytest.approx(expected)
+    halved, _ = get_loss("cross_entropy")(
+        x["logprobs"], context={"loss_mask": x["loss_mask"]}, config={"batch_num_tokens": 2 * sum(map(sum, mask))},
+        entropy_BS=None,
+    )  # fmt: skip
+    assert_close(halved, loss / 2)
+
+
+# --- registry ----------------------------------------------------------------------------------------
+def test_get_loss_unknown_name_lists_known_losses():
+    with pytest.raises(InvalidRequestError) as info:
+        get_loss("ppo_typo")
+    message = str(info.value)
+    assert "processing.loss_fn 'ppo_typo'" in message
+    for name in ("cross_entropy", "grpo", "importance_sampling"):
+        assert name in message
+
+
+def test_register_loss_refuses_to_shadow_an_existing_name():
+    with pytest.raises(ValueError, match="already registered"):
+
+        @register_loss("grpo")
+        def other(logprobs_BS, *, context, config, entropy_BS):  # pragma: no cover - never called
+            return logprobs_BS.sum(), {}
+
+    assert "grpo" in registered_losses()

@@ -1,0 +1,145 @@
+"""SamplingEngine: seeded reproducibility, batch independence, stop handling, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_batches import make_config
+
+from icefloe.engines.sampling import SamplingEngine, build_sampling_engine
+from icefloe.protocol import InvalidRequestError, SamplingParams
+
+PROMPTS = ["12+7=", "3*4=", "100-58="]
+
+
+@pytest.fixture(scope="module")
+def sampler(model_dir) -> SamplingEngine:
+    return SamplingEngine(make_config(), model_dir=model_dir)
+
+
+def _ids(results):
+    return [r["token_ids"] for r in results]
+
+
+def test_generate_same_seed_gives_same_tokens(sampler):
+    params = SamplingParams(max_tokens=12, seed=11, n=2, logprobs=True)
+    first = sampler.generate(PROMPTS, params)
+    assert _ids(sampler.generate(PROMPTS, params)) == _ids(first)
+    assert _ids(sampler.generate(PROMPTS, params.model_copy(update={"seed": 12}))) != _ids(first)
+    assert len(first) == 6 and all(len(r["logprobs"]) == len(r["token_ids"]) for r in first)
+
+
+def test_generate_rows_do_not_depend_on_batch_composition(sampler):
+    """Each prompt alone, with its own seed, samples what it samples inside a mixed batch."""
+    params = [
+        SamplingParams(max_tokens=10, seed=s, n=2, top_k=s % 3 * 5, top_p=0.9 if s == 2 else 1.0) for s in range(3)
+    ]
+    together = sampler.generate(PROMPTS, params)
+    alone = [r for prompt, p in zip(PROMPTS, params, strict=True) for r in sampler.generate([prompt], p)]
+    assert _ids(together) == _ids(alone)  # also pins the prompt-major order
+
+
+def test_generate_splits_large_requests_without_changing_results(model_dir, sampler):
+    small = SamplingEngine(make_config(sampling={"max_batch_size": 2}), model_dir=model_dir)
+    params = SamplingParams(max_tokens=8, seed=3, n=3)
+    assert _ids(small.generate(PROMPTS, params)) == _ids(sampler.generate(PROMPTS, params))
+
+
+def test_generate_greedy_and_top_k_one_agree(sampler):
+    greedy = sampler.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0))
+    top1 = sampler.generate(PROMPTS, SamplingParams(max_tokens=8, top_k=1, seed=9))
+    nucleus = sampler.generate(PROMPTS, SamplingParams(max_tokens=8, top_p=1e-3, top_k=5, seed=9))
+    assert _ids(greedy) == _ids(top1) == _ids(nucleus)
+
+
+def test_generate_accepts_token_id_prompts(sampler):
+    params = SamplingParams(max_tokens=6, seed=4)
+    as_text = sampler.generate(PROMPTS[:1], params)
+    as_ids = sampler.generate([sampler.tokenizer.encode(PROMPTS[0])], params)
+    assert _ids(as_ids) == _ids(as_text)
+
+
+def test_generate_finish_reason_length_and_stop_token(sampler):
+    greedy = sampler.generate(PROMPTS[:1], SamplingParams(max_tokens=4, temperature=0))[0]
+    assert greedy["finish_reason"] == "length" and len(greedy["token_ids"]) == 4
+    stop_id = greedy["token_ids"][1]
+    stopped = sampler.generate(PROMPTS[:1], SamplingParams(max_tokens=4, temperature=0, stop_token_ids=(stop_id,)))[0]
+    assert stopped["finish_reason"] == "stop"
+    assert stopped["token_ids"] == greedy["token_ids"][: greedy["token_ids"].index(stop_id) + 1]  # stop id kept
+
+
+def test_generate_stop_string_truncates_text_and_tokens(sampler):
+    greedy = sampler.generate(PROMPTS[:1], SamplingParams(max_tokens=10, temperature=0))[0]
+    text = greedy["text"]
+    assert len(text) >= 4, "the tiny model should produce a few characters greedily"
+    stop = text[2:4]
+    cut = sampler.generate(PROMPTS[:1], SamplingParams(max_tokens=10, temperature=0, stop=(stop,)))[0]
+    start = text.find(stop)
+    assert cut["finish_reason"] == "stop"
+    assert cut["text"] == text[:start]
+    # One token per character: the tokens run through the one that completed the stop string.
+    assert cut["token_ids"] == greedy["token_ids"][: start + len(stop)]
+
+
+def test_generate_reports_the_policy_version(sampler):
+    assert {r["policy_version"] for r in sampler.generate(PROMPTS, SamplingParams(max_tokens=2))} == {
+        sampler.policy_version
+    }
+
+
+def test_generate_rejects_bad_prompts(sampler):
+    with pytest.raises(
+        InvalidRequestError, match=r"prompts\[1\] has 60 tokens; it must be shorter than max_seq_len=48"
+    ):
+        sampler.generate(["1+1=", "1" * 60], SamplingParams())
+    with pytest.raises(InvalidRequestError, match=r"prompts\[0\] is empty"):
+        sampler.generate([[]], SamplingParams())
+    with pytest.raises(InvalidRequestError, match=r"prompts\[0\] holds token ids outside"):
+        sampler.generate([[1, 999]], SamplingParams())
+    with pytest.raises(InvalidRequestError, match="sampling_params has 1 entries for 2 prompts"):
+        sampler.generate(["1", "2"], [SamplingParams()])
+
+
+def test_generate_caps_new_tokens_at_max_seq_len(sampler):
+    prompt = "1" * 45
+    result = sampler.generate([prompt], SamplingParams(max_tokens=20, stop_token_ids=(), temperature=0))[0]
+    assert len(result["token_ids"]) <= 3
+    if result["finish_reason"] == "length":
+        assert len(result["token_ids"]) == 3
+
+
+def test_load_weights_rejects_unknown_names_and_shapes(sampler):
+    with pytest.raises(InvalidRequestError, match="'nope' is not a parameter"):
+        sampler.load_weights([("nope", torch.zeros(1))], policy_version=1)
+    name, param = next(iter(sampler.model.named_parameters()))
+    with pytest.raises(InvalidRequestError, match="expects"):
+        sampler.load_weights([(name, torch.zeros(param.numel() + 1))], policy_version=1)
+
+
+def test_memory_controls_answer_empty_dicts(sampler):
+    assert sampler.sleep() == {} and sampler.wake() == {} and sampler.reset_prefix_cache() == {}
+
+
+def test_build_sampling_engine_picks_torch_on_cpu(model_dir):
+    engine = build_sampling_engine(make_config(sampling={"engine": "auto"}), "cpu", model_dir=model_dir)
+    assert isinstance(engine, SamplingEngine)
+
+
+def test_vllm_engine_without_vllm_names_the_extra(model_dir):
+    pytest.importorskip("torch")
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        with pytest.raises(ImportError, match=r"pip install icefloe\[gpu\]"):
+            build_sampling_engine(make_config(sampling={"engine": "vllm"}), "cpu", model_dir=model_dir)
+    else:  # pragma: no cover - only where vLLM is installed
+        pytest.skip("vLLM is installed here")
+
+
+def test_inverse_cdf_draws_each_token_in_proportion_to_its_weight():
+    from icefloe.engines.sampling import _inverse_cdf
+
+    weights = torch.tensor([0.1, 0.0, 0.6, 0.3]).expand(1000, 4)
+    uniform = (torch.arange(1000) + 0.5) / 1000  # evenly spread: counts come out exactly proportional
+    counts = torch.bincount(_inverse_cdf(weights * 7.0, uniform), minlength=4)  # unnormalised is fine
+    assert counts.tolist() == [100, 0, 600, 300]
