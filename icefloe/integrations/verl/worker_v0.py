@@ -1,0 +1,109 @@
+"""The forwarder worker for verl's V0 seam (``RemoteBackendTrainer``, verl ``release/v0.7.1``).
+
+A free-standing verl ``Worker`` with async methods; verl's ``@register`` keeps them coroutines
+on V0. Loaded lazily by the registry, so verl's worker machinery is imported only in processes
+that build a worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from verl.single_controller.base import Worker
+from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
+from verl.utils import tensordict_utils as tu
+
+from icefloe.integrations.verl.forwarder import Forwarder, flops_estimator, read_fields, read_options
+from icefloe.integrations.verl.settings import select
+from icefloe.protocol import ConfigError
+
+__all__ = ["IcefloeActorRolloutRefWorker"]
+
+
+class IcefloeActorRolloutRefWorker(Worker):
+    """CPU-only forwarder: verl dispatches here, icefloe computes.
+
+    ``bound_main_config`` / ``bound_handle`` stand in for the ``main_config`` / ``backend_handle``
+    kwargs when a launcher binds them to a subclass instead of passing them.
+    """
+
+    bound_main_config: Any = None
+    bound_handle: dict[str, Any] | None = None
+
+    def __init__(self, config: Any, role: str, **kwargs: Any) -> None:
+        Worker.__init__(self)
+        self.config = config
+        self.role = role
+        main_config = kwargs.get("main_config", self.bound_main_config)
+        handle = kwargs.get("backend_handle", self.bound_handle)
+        if handle is None:
+            raise ConfigError(
+                "the icefloe worker got no backend_handle; run it under verl's remote-backend trainer "
+                "(trainer.remote_backend=icefloe) so the driver's backend is shared"
+            )
+        self._handle = handle
+        self._forwarder = Forwarder.attach(main_config, handle, nested_batches=False)
+        self._forwarder.set_flops_estimator(flops_estimator(select(config, "model.path")))
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> None:
+        for mesh in ("actor", "ref", "rollout"):
+            self._register_dispatch_collect_info(mesh, dp_rank=self.rank, is_collect=True)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def to(self, device: Any, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
+        return None  # icefloe owns device residency
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def set_loss_fn(self, loss_fn: Any) -> None:
+        return None  # the loss travels with each fwd_bwd
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def reset(self) -> None:
+        return None  # icefloe owns engine state
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def icefloe_backend_handle(self) -> dict[str, Any]:
+        """The handle rollout replicas re-attach with when nobody passed it to them."""
+        return self._handle
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
+    async def compute_log_prob(self, data: Any) -> Any:
+        outputs, extras = await self._forwarder.compute_log_prob(
+            read_fields(data, tu.get), read_options(data, tu.get), ref=False
+        )
+        return tu.get_tensordict(tensor_dict=outputs, non_tensor_dict=extras)
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="ref"))
+    async def compute_ref_log_prob(self, data: Any) -> Any:
+        outputs, extras = await self._forwarder.compute_log_prob(
+            read_fields(data, tu.get), read_options(data, tu.get), ref=True
+        )
+        return tu.get_tensordict(tensor_dict=outputs, non_tensor_dict=extras)
+
+    @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
+    async def update_actor(self, data: Any) -> Any:
+        extras = await self._forwarder.update_actor(read_fields(data, tu.get), read_options(data, tu.get))
+        return tu.get_tensordict(tensor_dict={}, non_tensor_dict=extras)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    async def update_weights(self, global_steps: int | None = None) -> dict[str, Any]:
+        return await self._forwarder.update_weights()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    async def save_checkpoint(
+        self,
+        local_path: str,
+        hdfs_path: str | None = None,
+        global_step: int = 0,
+        max_ckpt_to_keep: int | None = None,
+    ) -> dict[str, Any]:
+        return await self._forwarder.save_checkpoint()  # icefloe stores it; verl's paths do not apply
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
+    async def sleep_replicas(self) -> None:
+        return None  # replicas sleep through their own servers
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    async def destroy(self) -> None:
+        await self._forwarder.destroy()

@@ -1,0 +1,125 @@
+"""verl config → ClientConfig / VerlSettings, and the zero-log-prob preflight."""
+
+from __future__ import annotations
+
+import pytest
+
+from icefloe.client.transports.base import Transport
+from icefloe.config import ClientConfig
+from icefloe.integrations.verl import backend as backend_module
+from icefloe.integrations.verl.backend import preflight
+from icefloe.integrations.verl.settings import VerlSettings, client_config
+from icefloe.protocol import OP_FORWARD, OPS, ConfigError
+
+
+def test_client_config_maps_optimizer_schedule_and_lengths(make_config) -> None:
+    config = make_config(**{
+        "actor_rollout_ref.actor.optim.lr_scheduler_type": "cosine",
+        "actor_rollout_ref.actor.optim.lr_warmup_steps": 2,
+        "actor_rollout_ref.actor.optim.weight_decay": 0.01,
+        "actor_rollout_ref.actor.optim.betas": [0.8, 0.95],
+        "actor_rollout_ref.actor.optim.clip_grad": 0.5,
+        "actor_rollout_ref.actor.ppo_epochs": 2,
+    })  # fmt: skip
+    built = client_config(config, environ={})
+    assert built.model == "tiny:arith" and built.max_seq_len == 10
+    assert built.backend.type == "local" and built.backend.device == "cpu"
+    assert (built.training.optimizer.lr, built.training.optimizer.betas) == (5e-3, (0.8, 0.95))
+    assert (built.training.optimizer.weight_decay, built.training.grad_clip) == (0.01, 0.5)
+    # verl steps its scheduler once per update: 2 epochs × (2 rows / 1 per mini-batch) optimizer steps each.
+    schedule = built.training.lr_schedule
+    assert (schedule.kind, schedule.warmup_steps, schedule.total_steps) == ("cosine", 8, 40)
+    settings = VerlSettings.from_verl(config)
+    assert (settings.mini_batch_size, settings.ppo_epochs, settings.max_prompt_length) == (2, 2, 6)
+    assert settings.actor_loss_config["clip_ratio"] == 0.2
+
+
+def test_client_config_backend_from_env_when_yaml_leaves_it_null(make_config) -> None:
+    config = make_config(**{"remote_backend.backend": None})
+    assert client_config(config, environ={"ICEFLOE_BACKEND": "local"}).backend.device == "cpu"
+    with pytest.raises(ConfigError, match="ICEFLOE_BACKEND"):
+        client_config(config, environ={"ICEFLOE_BACKEND": "tpu"})
+    with pytest.raises(ConfigError, match=r"remote_backend\.backend must be one of"):
+        client_config(make_config(**{"remote_backend.backend": "tpu"}), environ={})
+
+
+def test_client_config_starts_a_reference_worker_for_kl(make_config) -> None:
+    assert client_config(make_config(), environ={}).num_log_prob_workers == 0
+    kl = make_config(**{"algorithm.use_kl_in_reward": True})
+    assert client_config(kl, environ={}).num_log_prob_workers == 1
+
+
+def test_client_config_decay_without_horizon_names_the_fix(make_config) -> None:
+    config = make_config(
+        **{"actor_rollout_ref.actor.optim.lr_scheduler_type": "cosine", "trainer.total_training_steps": None}
+    )
+    with pytest.raises(ConfigError, match=r"trainer\.total_training_steps"):
+        client_config(config, environ={})
+
+
+class _NoForwardTransport(Transport):
+    """A service like the managed endpoint: every op but forward. Never opened by the preflight."""
+
+    capabilities = OPS - {OP_FORWARD}
+
+    def __init__(self, config: ClientConfig, handle: dict | None = None) -> None:
+        self.closed = False
+
+    def open(self) -> None:
+        raise AssertionError("the preflight must not open a transport")
+
+    def handle(self, request):
+        raise AssertionError("the preflight must not send requests")
+
+    async def handle_async(self, request):
+        raise AssertionError("the preflight must not send requests")
+
+    def close(self) -> None:
+        self.closed = True
+
+    def handle_info(self) -> dict:
+        return {}
+
+
+def test_preflight_lists_every_offending_knob_in_one_sorted_error(make_config, monkeypatch) -> None:
+    monkeypatch.setattr(backend_module, "make_transport", _NoForwardTransport)
+    config = make_config(**{
+        "actor_rollout_ref.actor.use_kl_loss": True,
+        "algorithm.use_kl_in_reward": True,
+        "actor_rollout_ref.actor.ppo_epochs": 2,
+        "algorithm.adv_estimator": "gae",
+        "actor_rollout_ref.actor.policy_loss.loss_mode": "my_loss",
+        "actor_rollout_ref.rollout.multi_turn.enable": True,
+    })  # fmt: skip
+    with pytest.raises(ConfigError) as raised:
+        preflight(config, client_config(config, environ={}))
+    listed = [line.strip() for line in str(raised.value).splitlines()[1:]]
+    assert [line.split("=")[0] for line in listed] == [
+        "actor_rollout_ref.actor.policy_loss.loss_mode",
+        "actor_rollout_ref.actor.ppo_epochs",
+        "actor_rollout_ref.actor.use_kl_loss",
+        "actor_rollout_ref.rollout.multi_turn.enable",
+        "algorithm.adv_estimator",
+        "algorithm.use_kl_in_reward",
+    ]
+
+
+def test_preflight_passes_safe_regime_without_forward_and_everything_with_it(
+    make_config, monkeypatch
+) -> None:
+    safe = make_config()
+    risky = make_config(
+        **{"actor_rollout_ref.actor.use_kl_loss": True, "actor_rollout_ref.actor.ppo_epochs": 2}
+    )
+    assert preflight(risky, client_config(risky, environ={})).backend.type == "local"  # local has forward
+    monkeypatch.setattr(backend_module, "make_transport", _NoForwardTransport)
+    assert preflight(safe, client_config(safe, environ={})).model == "tiny:arith"
+
+
+def test_preflight_allows_zero_logprobs_only_for_the_safe_regime(make_config) -> None:
+    remote = {"remote_backend.backend": "remote", "remote_backend.remote": {"base_url": "http://127.0.0.1:9"}}
+    safe = make_config(**remote)
+    assert preflight(safe, client_config(safe, environ={})).backend.allow_zero_logprobs is True
+    kl = make_config(**remote, **{"actor_rollout_ref.actor.use_kl_loss": True})
+    # The service's ops are unknown until it is contacted: the flag stays off, so zeros are never served.
+    assert preflight(kl, client_config(kl, environ={})).backend.allow_zero_logprobs is False
