@@ -1,0 +1,127 @@
+"""Build the FastAPI app of ``icefloe serve`` and run it on uvicorn.
+
+``create_app(settings)`` opens the SQLite store, fails the jobs a previous process left active,
+and wires routers, error handlers and the two POST middlewares. ``ServerThread`` runs the app on
+a real loopback socket inside this process (tests, benchmarks, an in-process remote backend).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI
+
+from icefloe.service.errors import install_error_handlers
+from icefloe.service.joblog import TokenRedactor
+from icefloe.service.jobs import JobManager
+from icefloe.service.middleware import BodyLimit, IdempotencyKeys
+from icefloe.service.placement import SlotPool
+from icefloe.service.routes import capabilities, checkpoints, compute, health, jobs, operations, requests
+from icefloe.service.settings import ServeSettings
+from icefloe.service.store import Database
+
+__all__ = ["ServerThread", "create_app", "serve"]
+
+_log = logging.getLogger("icefloe.service")
+_REDACTED_LOGGERS = ("", "icefloe", "uvicorn", "uvicorn.error", "uvicorn.access")
+
+
+def _install_redaction(redactor: TokenRedactor) -> None:
+    """Attach the token filter to the loggers and handlers a request could write through."""
+    for name in _REDACTED_LOGGERS:
+        logger = logging.getLogger(name)
+        if redactor not in logger.filters:
+            logger.addFilter(redactor)
+        for handler in logger.handlers:
+            if redactor not in handler.filters:
+                handler.addFilter(redactor)
+
+
+def _remove_redaction(redactor: TokenRedactor) -> None:
+    for name in _REDACTED_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.removeFilter(redactor)
+        for handler in logger.handlers:
+            handler.removeFilter(redactor)
+
+
+def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> FastAPI:
+    """The service app for ``settings``; ``pool`` overrides slot detection (tests pin CPU slots).
+
+    Leaving the app's lifespan releases every job's engines and closes the store.
+    """
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    db = Database(settings.db_path)
+    manager = JobManager(settings, db, pool or SlotPool.detect(settings.slots))
+    manager.recover()
+    redactor = TokenRedactor(settings.token_values())
+    manager.log_router.addFilter(redactor)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        _install_redaction(redactor)
+        engine_logs = logging.getLogger("icefloe")
+        engine_logs.addHandler(manager.log_router)
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(manager.close)
+            db.close()
+            engine_logs.removeHandler(manager.log_router)
+            _remove_redaction(redactor)
+
+    app = FastAPI(title="icefloe serve", version="0.1.0", lifespan=lifespan)
+    app.state.settings = settings
+    app.state.db = db
+    app.state.jobs = manager
+    install_error_handlers(app)
+    app.include_router(health.router)
+    app.include_router(checkpoints.files_router)
+    app.include_router(operations.statements_router)
+    # capabilities first: its fixed paths (/capacity) must win over /{job_id}
+    for module in (capabilities, jobs, compute, operations, requests, checkpoints):
+        app.include_router(module.router)
+    app.add_middleware(IdempotencyKeys, db=db)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_post_bytes)  # outermost: refuse before buffering
+    _install_redaction(redactor)
+    return app
+
+
+class ServerThread:
+    """Run an app on uvicorn in a background thread; ``with ServerThread(app) as base_url: ...``."""
+
+    def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+        import uvicorn
+
+        self._config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on")
+        self._server = uvicorn.Server(self._config)
+        self._thread = threading.Thread(target=self._server.run, name="icefloe-serve", daemon=True)
+        self.base_url = ""
+
+    def __enter__(self) -> str:
+        self._thread.start()
+        while not self._server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError("icefloe serve did not start; see the log above for the cause")
+            self._thread.join(0.01)
+        host, port = self._server.servers[0].sockets[0].getsockname()[:2]
+        self.base_url = f"http://{host}:{port}"
+        return self.base_url
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join()
+
+
+def serve(settings: ServeSettings, *, log_level: str = "info") -> None:
+    """Run the service in the foreground until interrupted."""
+    import uvicorn
+
+    app = create_app(settings)
+    _log.info("icefloe serve on http://%s:%d (data in %s)", settings.host, settings.port, settings.data_dir)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level)

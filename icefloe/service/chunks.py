@@ -1,0 +1,145 @@
+"""Request chunk groups of one job: reassembly with at-most-once execution.
+
+A client splits a large (or, for forward-backward, every) frame into request chunks sharing a
+``chunk_group_id``. Chunks are kept with the job, not the connection, so a client may retry any
+POST. The group executes exactly once per (group id, frame hash): a replayed final chunk of a group
+that already ran answers with the ORIGINAL ``{request_id, job_id}``. Refusals are the three
+chunk-group 409s of the training API.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from icefloe import wire
+from icefloe.protocol import (
+    CODE_CHUNK_GROUP_CONFLICT,
+    CODE_CHUNK_GROUP_MISSING_CHUNKS,
+    CODE_CHUNK_GROUP_RESTART_REQUIRED,
+    ChunkGroupConflictError,
+    ChunkGroupMissingChunksError,
+    ChunkGroupRestartError,
+    InvalidRequestError,
+)
+from icefloe.service.errors import chunk_group_refusal
+
+__all__ = ["ChunkGroups"]
+
+_MAX_OPEN_GROUPS = 16  # bounds memory held for abandoned uploads; an evicted group restarts from chunk 0
+_MAX_DONE_GROUPS = 4096
+
+
+@dataclass
+class _OpenGroup:
+    frame_sha256: str
+    total_chunks: int
+    frame_size_bytes: int
+    frames: dict[int, bytes] = field(default_factory=dict)  # chunk index -> the chunk frame as received
+    payload_digests: dict[int, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _DoneGroup:
+    frame_sha256: str
+    total_chunks: int
+    response: dict[str, Any]
+
+
+class ChunkGroups:
+    """Open and finished chunk groups of one job; thread-safe, one group executes at a time."""
+
+    def __init__(self, job_id: str) -> None:
+        self._job_id = job_id
+        self._lock = threading.Lock()
+        self._open: OrderedDict[str, _OpenGroup] = OrderedDict()
+        self._done: OrderedDict[str, _DoneGroup] = OrderedDict()
+
+    def accept(
+        self, frame: bytes, descriptor: dict[str, Any], *, execute: Callable[[bytes], dict[str, Any]]
+    ) -> dict[str, Any]:
+        """Take one request chunk; on the final one join the group and ``execute`` the frame.
+
+        Returns ``{"chunk_cached": True}`` for a non-final chunk, else what ``execute`` returned
+        (``{request_id, job_id}``), or the original response when the group already ran.
+        """
+        group_id, index, total, sha, size = _descriptor_fields(descriptor)
+        final = index == total - 1
+        with self._lock:
+            done = self._done.get(group_id)
+            if done is not None:
+                if done.frame_sha256 != sha or done.total_chunks != total:
+                    raise _conflict(group_id, index, "was already executed with a different frame hash or chunk count")
+                return dict(done.response) if final else {"chunk_cached": True}
+            group = self._open.get(group_id)
+            if group is None:
+                if index != 0:
+                    raise chunk_group_refusal(
+                        ChunkGroupRestartError,
+                        CODE_CHUNK_GROUP_RESTART_REQUIRED,
+                        f"chunk group {group_id} is unknown to this job; restart it from chunk 0",
+                        chunk_group_id=group_id,
+                        received_chunk=index,
+                        expected_start_chunk=0,
+                    )
+                group = _OpenGroup(frame_sha256=sha, total_chunks=total, frame_size_bytes=size)
+                self._open[group_id] = group
+                while len(self._open) > _MAX_OPEN_GROUPS:
+                    self._open.popitem(last=False)
+            elif (group.frame_sha256, group.total_chunks, group.frame_size_bytes) != (sha, total, size):
+                raise _conflict(group_id, index, "was reused with a different frame hash, size or chunk count")
+            digest = hashlib.sha256(wire.chunk_payload(frame)).hexdigest()
+            if group.payload_digests.get(index, digest) != digest:
+                raise _conflict(group_id, index, f"received chunk {index} again with a different payload")
+            group.frames[index] = frame
+            group.payload_digests[index] = digest
+            if not final:
+                return {"chunk_cached": True}
+            missing = sorted(set(range(total)) - set(group.frames))
+            if missing:
+                raise chunk_group_refusal(
+                    ChunkGroupMissingChunksError,
+                    CODE_CHUNK_GROUP_MISSING_CHUNKS,
+                    "request chunk group is missing chunks",
+                    chunk_group_id=group_id,
+                    missing_chunks=missing,
+                )
+            del self._open[group_id]
+            joined = wire.join_chunks([group.frames[i] for i in range(total)], kind="request")
+            response = execute(joined)  # under the lock: a concurrent replay waits and then sees it done
+            self._done[group_id] = _DoneGroup(frame_sha256=sha, total_chunks=total, response=dict(response))
+            while len(self._done) > _MAX_DONE_GROUPS:
+                self._done.popitem(last=False)
+            return response
+
+
+def _descriptor_fields(descriptor: dict[str, Any]) -> tuple[str, int, int, str, int]:
+    if descriptor.get("kind") != "request":
+        raise InvalidRequestError(
+            f"a POST body must be a request chunk or a plain DSSST1 frame; got a {descriptor.get('kind')!r} chunk"
+        )
+    group_id = descriptor.get("chunk_group_id")
+    if not isinstance(group_id, str) or not group_id:
+        raise InvalidRequestError("request_chunk.chunk_group_id is required on a request chunk; send a UUID4 string")
+    try:
+        index, total = int(descriptor["chunk_idx"]), int(descriptor["total_chunks"])
+        sha, size = str(descriptor["frame_sha256"]), int(descriptor["frame_size_bytes"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"request_chunk descriptor is incomplete or malformed: {exc}") from None
+    if total < 1 or not 0 <= index < total:
+        raise InvalidRequestError(f"request_chunk.chunk_idx must be in [0, total_chunks={total}); got {index}")
+    return group_id, index, total, sha, size
+
+
+def _conflict(group_id: str, index: int, what: str) -> Exception:
+    return chunk_group_refusal(
+        ChunkGroupConflictError,
+        CODE_CHUNK_GROUP_CONFLICT,
+        f"chunk group {group_id} {what}",
+        chunk_group_id=group_id,
+        received_chunk=index,
+    )

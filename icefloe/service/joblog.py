@@ -1,0 +1,123 @@
+"""Structured per-sub-job logs: JSONL entries ``{ts, level, logger, msg}`` read back by ``tail-logs``.
+
+Each sub-job has one append-only file; a cursor is a byte offset into it, so paging is exact and a
+client that lost a response simply re-reads from the cursor it already had. Job-wide events
+(placement, loading, cancel) go to every sub-job's file so each tail tells the whole story.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+
+from icefloe.protocol import InvalidRequestError
+from icefloe.service.store import now_iso
+
+__all__ = ["JobLog", "JobLogRouter", "TokenRedactor"]
+
+
+class TokenRedactor(logging.Filter):
+    """Replace any configured bearer token inside a log record with ``***`` before it is written."""
+
+    def __init__(self, tokens: tuple[str, ...]) -> None:
+        super().__init__()
+        self._tokens = tuple(t for t in tokens if t)
+
+    def redact(self, text: str) -> str:
+        for token in self._tokens:
+            text = text.replace(token, "***")
+        return text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self._tokens:
+            message = record.getMessage()
+            cleaned = self.redact(message)
+            if cleaned != message:
+                record.msg, record.args = cleaned, None
+        return True
+
+
+class JobLog:
+    """Append and page the log files of one job's sub-jobs."""
+
+    def __init__(self, log_dir: Path, sub_job_ids: list[str]) -> None:
+        self._dir = log_dir
+        self._sub_job_ids = list(sub_job_ids)
+        self._lock = threading.Lock()
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, sub_job_id: str) -> Path:
+        return self._dir / f"{sub_job_id.replace(':', '_')}.jsonl"
+
+    def write(self, msg: str, *, level: str = "INFO", sub_job_id: str | None = None, logger: str | None = None) -> None:
+        entry = {"ts": now_iso(), "level": level, "logger": logger or f"icefloe.job.{sub_job_id or 'job'}", "msg": msg}
+        line = json.dumps(entry) + "\n"
+        targets = [sub_job_id] if sub_job_id else self._sub_job_ids
+        with self._lock:
+            for target in targets:
+                with self._path(target).open("a", encoding="utf-8") as fh:
+                    fh.write(line)
+
+    def tail(self, sub_job_id: str, *, cursor: str | None, max_lines: int, finished: bool) -> dict[str, Any]:
+        """One page ``{entries, next_cursor, eof}`` from ``cursor`` (empty = from the start).
+
+        ``eof`` is true only when the job is finished and the page reached the end of the file.
+        """
+        try:
+            offset = int(cursor) if cursor else 0
+        except ValueError:
+            raise InvalidRequestError(
+                f"payload.cursor must be a cursor returned by tail-logs; got {cursor!r}"
+            ) from None
+        if offset < 0:
+            raise InvalidRequestError(f"payload.cursor must be >= 0; got {cursor!r}")
+        path = self._path(sub_job_id)
+        entries: list[dict[str, Any]] = []
+        size = path.stat().st_size if path.exists() else 0
+        if offset < size:
+            with path.open("rb") as fh:
+                fh.seek(offset)
+                while len(entries) < max_lines:
+                    raw = fh.readline()
+                    if not raw.endswith(b"\n"):
+                        break  # a line still being written; read it next time
+                    offset += len(raw)
+                    try:
+                        entries.append(json.loads(raw))
+                    except json.JSONDecodeError:
+                        entries.append({"_raw": raw.decode("utf-8", "replace").rstrip("\n")})
+        return {"entries": entries, "next_cursor": str(offset), "eof": finished and offset >= size}
+
+
+class JobLogRouter(logging.Handler):
+    """Copy log records emitted on a job's own threads into that job's log.
+
+    A job's engines run on threads named after it (``icefloe-lifecycle-<job>``, ``icefloe-<sub-job>``),
+    so the thread name says which job, and which sub-job, a warning from an engine belongs to.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.WARNING)
+        self._targets: dict[str, tuple[JobLog, str | None]] = {}
+        self._lock_targets = threading.Lock()
+
+    def bind(self, thread_name: str, log: JobLog, sub_job_id: str | None) -> None:
+        with self._lock_targets:
+            self._targets[thread_name] = (log, sub_job_id)
+
+    def unbind(self, log: JobLog) -> None:
+        with self._lock_targets:
+            self._targets = {name: target for name, target in self._targets.items() if target[0] is not log}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        target = self._targets.get(record.threadName or "")
+        if target is None:
+            return
+        log, sub_job_id = target
+        try:
+            log.write(record.getMessage(), level=record.levelname, sub_job_id=sub_job_id, logger=record.name)
+        except OSError:  # a log that cannot be written must not break the op that logged
+            self.handleError(record)

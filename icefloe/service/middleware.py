@@ -1,0 +1,180 @@
+"""Two pure-ASGI layers every POST passes through: the body-size cap and ``Idempotency-Key`` replay.
+
+Pure ASGI (not ``BaseHTTPMiddleware``) keeps the per-request cost to a few attribute reads, which
+matters for the latency of small ops such as ``step``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import weakref
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from icefloe.protocol import CODE_CONFLICT, CODE_PAYLOAD_TOO_LARGE
+from icefloe.service import store
+from icefloe.service.errors import error_body
+
+__all__ = ["BodyLimit", "IdempotencyKeys"]
+
+_IDEMPOTENCY_HEADER = b"idempotency-key"
+_MAX_KEY_LENGTH = 255
+
+
+async def _send_json(send: Send, status: int, body: dict[str, Any], extra_headers: list | None = None) -> None:
+    raw = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers + (extra_headers or [])})
+    await send({"type": "http.response.body", "body": raw})
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", ()):
+        if key == name:
+            return value
+    return None
+
+
+class BodyLimit:
+    """413 before reading a body whose Content-Length exceeds the cap; stop reading one that grows past it."""
+
+    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        declared = _header(scope, b"content-length")
+        if declared is not None and declared.isdigit():
+            if int(declared) > self.max_bytes:
+                await self._refuse(send, f"request body is {int(declared)} bytes")
+                return
+            await self.app(scope, receive, send)  # the server enforces Content-Length framing
+            return
+        # No Content-Length (chunked upload): read up to the cap first, then hand the body on.
+        chunks, seen, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
+            if seen > self.max_bytes:
+                await self._refuse(send, f"request body exceeds {self.max_bytes} bytes")
+                return
+            more = message.get("more_body", False)
+        body, delivered = b"".join(chunks), False
+
+        async def replay() -> Message:
+            nonlocal delivered
+            if delivered:
+                return await receive()
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send: Send, what: str) -> None:
+        message = f"{what}; the cap is {self.max_bytes} bytes per POST: split the frame into request chunks"
+        await _send_json(send, 413, error_body(CODE_PAYLOAD_TOO_LARGE, message), [(b"connection", b"close")])
+
+
+class IdempotencyKeys:
+    """Same ``Idempotency-Key`` + same route → the first 2xx response again, never a second execution.
+
+    Only 2xx answers are kept: a refused call executed nothing, so retrying it is safe. The key is
+    bound to the body's SHA-256; reusing it with a different body is a 409. Records live in SQLite,
+    so a replay after a service restart still answers from the record.
+    """
+
+    def __init__(self, app: ASGIApp, *, db: store.Database) -> None:
+        self.app = app
+        self.db = db
+        self._locks: weakref.WeakValueDictionary[tuple[str, str], asyncio.Lock] = weakref.WeakValueDictionary()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raw_key = _header(scope, _IDEMPOTENCY_HEADER) if scope["type"] == "http" else None
+        if raw_key is None or scope["method"] != "POST":
+            await self.app(scope, receive, send)
+            return
+        key = raw_key.decode("latin-1").strip()
+        if not key or len(key) > _MAX_KEY_LENGTH:
+            await _send_json(
+                send, 400, error_body("invalid_argument", f"Idempotency-Key must be 1-{_MAX_KEY_LENGTH} characters")
+            )
+            return
+        route = f"POST {scope['path']}"
+        lock = self._locks.get((route, key))
+        if lock is None:
+            lock = self._locks[(route, key)] = asyncio.Lock()
+        async with lock:
+            chunks, more = [], True
+            while more:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return
+                chunks.append(message.get("body", b""))
+                more = message.get("more_body", False)
+            body = b"".join(chunks)
+            digest = hashlib.sha256(body).hexdigest()
+            saved = store.get_idempotent_response(self.db, route=route, key=key)
+            if saved is not None:
+                await self._replay(saved, digest, send)
+                return
+            await self._run_and_keep(scope, receive, send, body, route=route, key=key, digest=digest)
+
+    async def _replay(self, saved: dict[str, Any], digest: str, send: Send) -> None:
+        if saved["body_sha256"] != digest:
+            message = "Idempotency-Key was already used on this route with a different body; use a new key"
+            await _send_json(send, 409, error_body(CODE_CONFLICT, message))
+            return
+        response = bytes(saved["response"])
+        headers = [
+            (b"content-type", saved["media_type"].encode()),
+            (b"content-length", str(len(response)).encode()),
+            (b"idempotent-replayed", b"true"),
+        ]
+        await send({"type": "http.response.start", "status": saved["status_code"], "headers": headers})
+        await send({"type": "http.response.body", "body": response})
+
+    async def _run_and_keep(
+        self, scope: Scope, receive: Receive, send: Send, body: bytes, *, route: str, key: str, digest: str
+    ) -> None:
+        delivered = False
+
+        async def replay_receive() -> Message:
+            nonlocal delivered
+            if delivered:
+                return await receive()  # the body was consumed above; only a disconnect can come now
+            delivered = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        status, media_type, parts = 0, "application/json", []
+
+        async def keeping_send(message: Message) -> None:
+            nonlocal status, media_type
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                for name, value in message.get("headers", ()):
+                    if name.lower() == b"content-type":
+                        media_type = value.decode("latin-1")
+            elif message["type"] == "http.response.body":
+                parts.append(message.get("body", b""))
+            await send(message)
+
+        await self.app(scope, replay_receive, keeping_send)
+        if 200 <= status < 300:
+            store.put_idempotent_response(
+                self.db,
+                route=route,
+                key=key,
+                body_sha256=digest,
+                status_code=status,
+                response=b"".join(parts),
+                media_type=media_type,
+            )

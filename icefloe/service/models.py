@@ -1,0 +1,275 @@
+"""Request and response bodies of the training API, named exactly as the reference spells them.
+
+Families per resource: ``*Create`` / ``*Body`` arrive, ``*Public`` leave. Configs sent by clients
+of the managed endpoint carry many passthrough keys (DeepSpeed, PrimeRL, vLLM knobs); those models
+allow extra keys so they are accepted and recorded with the job, while the typed keys are checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+__all__ = [
+    "CancelRequestPayload",
+    "Capabilities",
+    "Capacity",
+    "CheckpointExport",
+    "CheckpointList",
+    "CheckpointPublic",
+    "ExperimentRun",
+    "ExportFile",
+    "GenerateBody",
+    "InferenceConfig",
+    "JobCreate",
+    "JobCreated",
+    "JobList",
+    "JobPublic",
+    "LoadBody",
+    "OperationBody",
+    "OptimizerSpec",
+    "RequestAccepted",
+    "RequestPublic",
+    "SaveBody",
+    "SourceCheckpointInfo",
+    "StepBody",
+    "SubJobConfig",
+    "SubJobPublic",
+    "TailLogsPayload",
+    "TrainingConfigSpec",
+    "WeightSyncPayload",
+]
+
+JobType = Literal["training", "sampling", "log_probability"]
+
+
+class _Open(BaseModel):
+    """Typed keys are validated; unknown keys are kept (passthrough of the managed API)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+# --- create job --------------------------------------------------------------------------------
+class OptimizerSpec(_Open):
+    name: str = "AdamW"
+    lr: float = Field(1e-5, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(0.0, ge=0)
+    eps: float = Field(1e-8, gt=0)
+
+    @field_validator("name")
+    @classmethod
+    def _adamw_only(cls, name: str) -> str:
+        if name.lower().replace("_", "") != "adamw":
+            raise ValueError(f"only AdamW is available; got {name!r}")
+        return name
+
+
+class TrainingConfigSpec(_Open):
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    max_seq_len: int = Field(512, gt=0)
+    train_batch_size: int | None = Field(None, gt=0)
+    n_gpus: int = Field(1, gt=0)
+    gradient_clipping: float | None = Field(None, ge=0)
+    multiplex_job_id: str | None = None
+    load_optimizer_states: bool | None = None  # None = the default (true)
+
+
+class InferenceConfig(_Open):
+    max_seq_len: int = Field(512, gt=0)
+    n_gpus: int = Field(1, gt=0)
+    multiplex_job_id: str | None = None
+
+
+class SourceCheckpointInfo(_Open):
+    checkpoint_id: str = Field(min_length=1)
+    source_job_id: str | None = None
+
+
+class SubJobConfig(_Open):
+    job_type: JobType
+    model_name: str = Field(min_length=1)
+    training_config: TrainingConfigSpec | None = None
+    inference_config: InferenceConfig | None = None
+    global_batch_size: int | None = Field(None, gt=0)
+    dtype: Literal["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"] | None = None
+    seed: int | None = None
+    # "model_post_init" would shadow pydantic's hook of that name, so the field is renamed and aliased
+    post_init_hooks: list[str] | None = Field(None, alias="model_post_init")
+    source_checkpoint_info: SourceCheckpointInfo | None = None
+
+    @field_validator("job_type", mode="before")
+    @classmethod
+    def _strip_enum_prefix(cls, value: Any) -> Any:
+        return value.lower().removeprefix("job_type_") if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _config_matches_type(self) -> SubJobConfig:
+        if self.job_type == "training" and self.inference_config is not None:
+            raise ValueError("a training sub-job takes training_config, not inference_config")
+        if self.job_type != "training" and self.training_config is not None:
+            raise ValueError(f"a {self.job_type} sub-job takes inference_config, not training_config")
+        if not self.model_name.strip():
+            raise ValueError("model_name must name a model; got only whitespace")
+        return self
+
+
+class JobCreate(_Open):
+    sub_job_configs: list[SubJobConfig] = Field(min_length=1)
+    job_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    experiment_name: str | None = None
+    debug: dict[str, Any] | None = None
+
+
+class JobCreated(BaseModel):
+    job_id: str
+
+
+# --- jobs --------------------------------------------------------------------------------------
+class SubJobPublic(_Open):
+    sub_job_id: str
+    job_type: JobType
+    status: str
+    model_name: str
+
+
+class JobPublic(BaseModel):
+    job_id: str
+    status: str
+    reason: str
+    created_at: str
+    updated_at: str
+    image_tag: str
+    experiment_name: str
+    sub_jobs: list[SubJobPublic]
+
+
+class JobList(BaseModel):
+    jobs: list[JobPublic]
+
+
+class Capacity(BaseModel):
+    has_reservation: bool
+    max_total_gpus: int
+    reserved_gpus: int
+    in_use_gpus: int
+    available_gpus: int
+    # icefloe: the slots this machine hands out (GPUs, or CPU slots when there is no GPU)
+    slot_kind: Literal["gpu", "cpu"]
+    max_total_slots: int
+    in_use_slots: int
+    available_slots: int
+
+
+class ExperimentRun(BaseModel):
+    experiment_name: str
+    experiment_run_name: str
+
+
+# --- compute -----------------------------------------------------------------------------------
+class RequestAccepted(BaseModel):
+    request_id: str
+    job_id: str
+
+
+class StepBody(_Open):
+    learning_rate: float | None = Field(None, gt=0)
+
+
+class SaveBody(_Open):
+    checkpoint_id: str | None = None  # accepted but, as on the managed endpoint, the id comes from the step
+    checkpoint_type: Literal["resumable", "weights-only"] = "resumable"
+
+    @field_validator("checkpoint_type", mode="before")
+    @classmethod
+    def _lowercase(cls, value: Any) -> Any:
+        return value.strip().lower() if isinstance(value, str) else value
+
+
+class LoadBody(_Open):
+    checkpoint_id: str = Field(min_length=1)
+    source_job_id: str | None = None
+    target_sub_job_id: str | None = None
+
+
+class GenerateBody(_Open):
+    prompts: list[str | list[int]] = Field(min_length=1)
+    sampling_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
+    routing_key: str | list[str | None] | None = None
+    strict: bool = False
+
+    @model_validator(mode="after")
+    def _aligned(self) -> GenerateBody:
+        if isinstance(self.sampling_params, list) and len(self.sampling_params) != len(self.prompts):
+            raise ValueError(
+                f"sampling_params has {len(self.sampling_params)} entries for {len(self.prompts)} prompts; "
+                "send one dict for all prompts or one entry (or null) per prompt"
+            )
+        return self
+
+
+class OperationBody(_Open):
+    operation_type: str = Field(min_length=1)
+    sub_job_id: str | None = None
+    sub_job_type: str | None = None
+    payload: dict[str, Any] | None = None
+
+
+class WeightSyncPayload(_Open):
+    source_sub_job_id: str | None = None
+    target_sub_job_ids: list[str] | None = None
+    weight_format: Literal["vllm", "hf", "lora"] = "vllm"
+
+
+class TailLogsPayload(_Open):
+    cursor: str | None = None
+    max_lines: int = Field(200, gt=0, le=5000)
+
+
+class CancelRequestPayload(_Open):
+    request_id: str = Field(min_length=1)
+
+
+# --- requests ----------------------------------------------------------------------------------
+class RequestPublic(BaseModel):
+    request_id: str
+    status: str
+    created_at: str
+    updated_at: str
+    result: dict[str, Any]
+    error: str
+    events: list[dict[str, Any]]
+    next_cursor: str
+
+
+# --- checkpoints -------------------------------------------------------------------------------
+class CheckpointPublic(BaseModel):
+    checkpoint_id: str
+    global_steps: int
+    avg_loss: float | None
+    created_at: str
+    checkpoint_type: str
+
+
+class CheckpointList(BaseModel):
+    checkpoints: list[CheckpointPublic]
+
+
+class ExportFile(BaseModel):
+    filename: str
+    url: str
+    size_bytes: int
+
+
+class CheckpointExport(BaseModel):
+    checkpoint_id: str
+    files: list[ExportFile]
+    expires_at: str
+
+
+class Capabilities(BaseModel):
+    ops: list[str]
+    operations: list[str]
+    extensions: dict[str, bool]
+    limits: dict[str, int]

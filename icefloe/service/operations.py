@@ -1,0 +1,323 @@
+"""What each op does on a running job: validate its body, then queue the engine call.
+
+Routes call these after the job and body checks; each returns the response body. Validation runs
+before anything is queued, so a bad body is a 400 and never a failed request. Functions taking an
+octet body run on a thread-pool thread (decoding a 60 MiB frame must not stall the event loop).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from icefloe import wire
+from icefloe.protocol import (
+    OP_FORWARD,
+    OP_FWD_BWD,
+    OP_GENERATE,
+    OP_LOAD,
+    OP_SAVE,
+    OP_STEP,
+    OP_WEIGHT_SYNC,
+    InvalidRequestError,
+    SamplingParams,
+)
+from icefloe.service import store
+from icefloe.service.errors import bad_request, conflict, not_found, not_implemented
+from icefloe.service.jobs import JobManager, LiveJob
+from icefloe.service.models import GenerateBody, LoadBody, SaveBody, StepBody, WeightSyncPayload
+
+__all__ = [
+    "generate_target",
+    "load_target",
+    "sampling_params_per_prompt",
+    "submit_frame",
+    "submit_load",
+    "submit_save",
+    "submit_step",
+    "submit_weight_sync",
+]
+
+_SAMPLING_KEYS = frozenset(SamplingParams.model_fields)
+_PARK_TICK_S = 0.05
+
+
+def submit_frame(manager: JobManager, job: LiveJob, op: str, body: bytes, *, sub_job_id: str | None) -> dict[str, Any]:
+    """Take an octet body (a DSSST1 frame or one request chunk of it) for ``op``.
+
+    ``sub_job_id`` None is allowed for generate only: the body's ``routing_key`` then picks one.
+    """
+    descriptor = wire.chunk_descriptor(body)
+    if descriptor is None:
+        return _submit_decoded(manager, job, op, body, sub_job_id)
+    return job.chunks.accept(
+        body, descriptor, execute=lambda frame: _submit_decoded(manager, job, op, frame, sub_job_id)
+    )
+
+
+def _submit_decoded(manager: JobManager, job: LiveJob, op: str, frame: bytes, sub_job_id: str | None) -> dict[str, Any]:
+    payload = wire.decode(frame, tensors="torch")
+    op_metadata = wire.read_metadata(frame)
+    if op == OP_GENERATE:
+        request_id = _submit_generate(manager, job, payload, op_metadata, sub_job_id)
+    else:
+        assert sub_job_id is not None
+        request_id = _submit_batch_op(manager, job, op, payload, op_metadata, sub_job_id)
+    return {"request_id": request_id, "job_id": job.job_id}
+
+
+# --- forward-backward / forward ----------------------------------------------------------------
+def _submit_batch_op(
+    manager: JobManager, job: LiveJob, op: str, payload: Any, op_metadata: dict[str, Any], sub_job_id: str
+) -> str:
+    from icefloe.engines.batch import validate_batch
+
+    if isinstance(payload, dict) and "batch" in payload and "kwargs" not in payload:
+        raise InvalidRequestError(
+            "a verl-style {batch, meta, processing} payload was sent; lower it to the canonical "
+            "{args, kwargs, context, processing} frame first (icefloe.client.batch.to_canonical)"
+        )
+    batch = validate_batch(payload, require_context=op == OP_FWD_BWD)
+    host = job.host
+    assert host is not None  # a running job has engines
+    if op == OP_FORWARD:
+        return manager.submit(
+            job, sub_job_id, OP_FORWARD, lambda: host.forward(sub_job_id, batch), op_metadata=op_metadata
+        )
+    if not job.specs[sub_job_id].is_training:
+        raise bad_request(f"forward-backward needs a training sub-job; {sub_job_id} is not one")
+
+    def run() -> dict[str, Any]:
+        result = host.fwd_bwd(sub_job_id, batch)
+        job.last_avg_loss[sub_job_id] = float(result["avg_loss"])
+        return {"job_id": job.job_id, **result, "post_process_outputs": {}}
+
+    return manager.submit(job, sub_job_id, OP_FWD_BWD, run, op_metadata=op_metadata)
+
+
+# --- generate ----------------------------------------------------------------------------------
+def _sampling_params(raw: dict[str, Any] | None, where: str, job: LiveJob, sub_job_id: str) -> SamplingParams:
+    raw = dict(raw or {})
+    ignored = sorted(set(raw) - _SAMPLING_KEYS)
+    if ignored:
+        job.log.write(f"{where}: ignored sampling keys {ignored}", level="WARNING", sub_job_id=sub_job_id)
+    try:
+        return SamplingParams(**{k: v for k, v in raw.items() if k in _SAMPLING_KEYS and v is not None})
+    except ValidationError as exc:
+        raise InvalidRequestError(_validation_text(exc, prefix=f"{where}.")) from None
+
+
+def _as_plain(value: Any) -> Any:
+    return value.tolist() if hasattr(value, "tolist") else value
+
+
+def _submit_generate(
+    manager: JobManager, job: LiveJob, payload: Any, op_metadata: dict[str, Any], sub_job_id: str | None
+) -> str:
+    if not isinstance(payload, dict):
+        raise InvalidRequestError(f"generate body must be a dict with 'prompts'; got {type(payload).__name__}")
+    if isinstance(payload.get("prompts"), list):
+        payload = {**payload, "prompts": [_as_plain(p) for p in payload["prompts"]]}
+    try:
+        body = GenerateBody.model_validate(payload)
+    except ValidationError as exc:
+        raise InvalidRequestError(_validation_text(exc)) from None
+    if sub_job_id is None:
+        sub_job_id = generate_target(job, body.routing_key)
+    prompts = body.prompts
+    params = sampling_params_per_prompt(body, job, sub_job_id)
+    host = job.host
+    assert host is not None
+
+    def run_batch(items: list[tuple[list, list[SamplingParams]]]) -> list[dict[str, Any]]:
+        all_prompts = [p for item_prompts, _ in items for p in item_prompts]
+        all_params = [p for _, item_params in items for p in item_params]
+        samples = host.generate(sub_job_id, all_prompts, all_params)
+        results, cursor = [], 0
+        for _, item_params in items:  # prompt-major: n samples per prompt, in order
+            count = sum(p.n for p in item_params)
+            results.append({"job_id": job.job_id, "results": samples[cursor : cursor + count]})
+            cursor += count
+        return results
+
+    return manager.submit_batchable(job, sub_job_id, OP_GENERATE, (prompts, params), run_batch, op_metadata=op_metadata)
+
+
+def sampling_params_per_prompt(body: GenerateBody, job: LiveJob, sub_job_id: str) -> list[SamplingParams]:
+    """One validated SamplingParams per prompt; also refuses token prompts longer than the sampler allows."""
+    if body.model_extra:
+        job.log.write(f"generate: ignored body keys {sorted(body.model_extra)}", level="WARNING", sub_job_id=sub_job_id)
+    if isinstance(body.sampling_params, list):
+        params = [
+            _sampling_params(p, f"sampling_params.{i}", job, sub_job_id) for i, p in enumerate(body.sampling_params)
+        ]
+    else:
+        params = [_sampling_params(body.sampling_params, "sampling_params", job, sub_job_id)] * len(body.prompts)
+    assert job.host is not None
+    limit = job.host.max_seq_len(sub_job_id)
+    for i, prompt in enumerate(body.prompts):
+        if isinstance(prompt, list) and len(prompt) >= limit:
+            raise InvalidRequestError(
+                f"prompts.{i} has {len(prompt)} tokens; {sub_job_id} takes fewer than max_seq_len={limit}"
+            )
+    return params
+
+
+def generate_target(job: LiveJob, routing_key: Any) -> str:
+    """The sampling sub-job for a generate: a string routing key picks one stably, else the first."""
+    samplers = [sid for sid, spec in job.specs.items() if spec.job_type == "sampling"]
+    if not samplers:
+        raise bad_request(f"job {job.job_id} has no sampling sub-job; create it with a sampling sub_job_config")
+    if isinstance(routing_key, str) and routing_key:
+        return samplers[sum(routing_key.encode()) % len(samplers)]
+    return samplers[0]
+
+
+# --- step / save / load ------------------------------------------------------------------------
+def submit_step(manager: JobManager, job: LiveJob, body: StepBody, sub_job_id: str) -> str:
+    host = job.host
+    assert host is not None
+
+    def run() -> dict[str, Any]:
+        result = host.step(sub_job_id, body.learning_rate)
+        return {"job_id": job.job_id, "global_steps": result["global_step"], "last_lr": result["lr"], **result}
+
+    return manager.submit(job, sub_job_id, OP_STEP, run)
+
+
+def submit_save(manager: JobManager, job: LiveJob, body: SaveBody, sub_job_id: str) -> str:
+    host = job.host
+    assert host is not None
+
+    def run() -> dict[str, Any]:
+        result = host.save(sub_job_id, job.job_dir / "checkpoints", body.checkpoint_type)
+        store.upsert_checkpoint(
+            manager.db,
+            job_id=job.job_id,
+            checkpoint_id=result["checkpoint_id"],
+            global_steps=result["global_step"],
+            avg_loss=job.last_avg_loss.get(sub_job_id),
+            checkpoint_type=result["kind"],
+            path=result["path"],
+        )
+        return {
+            "job_id": job.job_id,
+            "checkpoint_path": result["path"],
+            "checkpoint_tag": result["checkpoint_id"],
+            **result,
+        }
+
+    return manager.submit(job, sub_job_id, OP_SAVE, run)
+
+
+def load_target(job: LiveJob, body: LoadBody) -> str:
+    """The training sub-job a load goes to, with the training API's 400 / 501 rules."""
+    training = [sid for sid, spec in job.specs.items() if spec.is_training]
+    if body.target_sub_job_id is None:
+        if not training:
+            raise bad_request(f"job {job.job_id} has no training sub-job to load a checkpoint into")
+        return training[0]
+    target = body.target_sub_job_id
+    if target not in job.specs:
+        raise bad_request(
+            f"target_sub_job_id {target!r} is not in job {job.job_id}; its sub-jobs are {sorted(job.specs)}"
+        )
+    if not job.specs[target].is_training:
+        raise not_implemented(
+            f"load into a {job.specs[target].job_type} sub-job ({target}) is not supported; "
+            "load into the training sub-job and run weight-sync"
+        )
+    return target
+
+
+def submit_load(manager: JobManager, job: LiveJob, body: LoadBody, sub_job_id: str) -> str:
+    source_job = body.source_job_id or job.job_id
+    record = store.get_checkpoint(manager.db, job_id=source_job, checkpoint_id=body.checkpoint_id)
+    if record is None:
+        raise not_found(f"checkpoint {body.checkpoint_id!r} not found in job {source_job}")
+    host = job.host
+    assert host is not None
+
+    def run() -> dict[str, Any]:
+        return {"job_id": job.job_id, **host.load(sub_job_id, Path(record["path"]))}
+
+    return manager.submit(job, sub_job_id, OP_LOAD, run)
+
+
+# --- weight sync -------------------------------------------------------------------------------
+def submit_weight_sync(
+    manager: JobManager, job: LiveJob, payload: WeightSyncPayload, routed_sub_job_id: str | None
+) -> str:
+    """Queue a sync that runs after every earlier request to the source and before any later one to a target.
+
+    Each target's worker parks on a barrier task; the source's worker waits until every target
+    is parked (so no generate reads half-copied weights), copies, then releases them.
+    """
+    source = payload.source_sub_job_id or routed_sub_job_id
+    if source is None or source not in job.specs or not job.specs[source].is_training:
+        raise bad_request(f"payload.source_sub_job_id must name a training sub-job of job {job.job_id}; got {source!r}")
+    targets = payload.target_sub_job_ids
+    if targets is None:
+        targets = [sid for sid, spec in job.specs.items() if spec.job_type == "sampling"]
+    bad = sorted(t for t in targets if t not in job.specs or job.specs[t].job_type != "sampling")
+    if bad or not targets:
+        raise bad_request(
+            f"payload.target_sub_job_ids must name sampling sub-jobs of job {job.job_id}; "
+            f"not sampling sub-jobs: {bad or '[] (empty list)'}"
+        )
+    if payload.weight_format == "lora":
+        raise not_implemented("weight_format 'lora' needs LoRA adapters, which local engines do not train")
+    parked = {t: threading.Event() for t in targets}
+    released = threading.Event()
+    sync_request: dict[str, str] = {}
+
+    def park(target: str) -> None:
+        parked[target].set()
+        while not released.wait(_PARK_TICK_S):
+            if job.stopping.is_set() or sync_request.get("id") in job.cancelled_requests:
+                return  # the sync will be skipped; do not hold the sampler
+
+    for target in targets:
+        job.workers[target].submit(park, target)
+    host = job.host
+    assert host is not None
+
+    def run() -> dict[str, Any]:
+        for target in targets:
+            while not parked[target].wait(_PARK_TICK_S):
+                if job.stopping.is_set():
+                    raise conflict(f"job {job.job_id} stopped before weight-sync could run")
+        started = time.perf_counter()
+        try:
+            per_target = {t: host.sync_weights(source, t) for t in targets}
+        finally:
+            released.set()
+        last = per_target[targets[-1]]
+        return {
+            "policy_version": last["policy_version"],
+            "seconds": time.perf_counter() - started,
+            "bytes": sum(int(r["bytes"]) for r in per_target.values()),
+            "weight_format": payload.weight_format,
+            "targets": per_target,
+        }
+
+    try:
+        sync_request["id"] = manager.submit(job, source, OP_WEIGHT_SYNC, run)
+    except BaseException:
+        released.set()
+        raise
+    return sync_request["id"]
+
+
+def _validation_text(exc: ValidationError, prefix: str = "") -> str:
+    """One ``field: problem; got value`` clause per error, fields dotted from ``prefix``."""
+    parts = []
+    for err in exc.errors():
+        loc = prefix + ".".join(str(p) for p in err["loc"])
+        given = "" if isinstance(err.get("input"), dict | list) else f"; got {err.get('input')!r}"
+        parts.append(f"{loc.rstrip('.') or 'body'}: {err['msg'].removeprefix('Value error, ')}{given}")
+    return "; ".join(parts)

@@ -1,0 +1,137 @@
+"""``icefloe serve --engines ray``: a job's engines as Ray actors instead of in-process engines.
+
+Implements the :class:`icefloe.service.runtime.EngineHost` methods over the actor groups of
+``icefloe.client.transports.ray_actors``: a training sub-job with ``n_gpus`` slots becomes ``n``
+data-parallel ranks, a sampling sub-job one sampler replica, a log-probability sub-job one
+reference rank. Each sub-job reserves its own placement group. Weight sync between a training and
+a sampling sub-job is a broadcast on a process group created the first time that pair syncs.
+Ray must be connected (``icefloe serve --address``) or is started locally on first use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from icefloe.config import ClientConfig, RayConfig
+from icefloe.protocol import InvalidRequestError, SamplingParams
+from icefloe.service.specs import SubJobSpec
+
+__all__ = ["RayEngineHost"]
+
+_ROLE_BY_JOB_TYPE = {"training": "training", "sampling": "sampling", "log_probability": "reference"}
+
+
+class RayEngineHost:
+    """The engines of one service job, one actor group per sub-job."""
+
+    def __init__(
+        self,
+        specs: Sequence[SubJobSpec],
+        devices: dict[str, str],
+        checkpoints: dict[str, Path],
+        *,
+        namespace: str = "icefloe-serve",
+    ) -> None:
+        self._specs = {s.sub_job_id: s for s in specs}
+        self._devices = devices
+        self._checkpoints = checkpoints
+        self._namespace = namespace
+        self._groups: dict[str, Any] = {}
+        self._placements: list[Any] = []
+        self._links: dict[tuple[str, str], str] = {}
+
+    def _config(self, spec: SubJobSpec) -> ClientConfig:
+        """The sub-job's engine config on the Ray backend: GPUs when its slot is one, else one CPU per actor."""
+        on_gpu = self._devices.get(spec.sub_job_id, "cpu").startswith("cuda")
+        gpus = float(spec.num_slots if spec.job_type == "sampling" else 1) if on_gpu else 0.0
+        backend = RayConfig(namespace=self._namespace, num_cpus_per_worker=1.0, num_gpus_per_worker=gpus)
+        return spec.config.model_copy(update={"backend": backend})
+
+    def start(self, on_progress: Callable[[str], None]) -> None:
+        import ray
+
+        from icefloe.client.transports import ray_actors
+        from icefloe.engines.models import resolve_model
+
+        if not ray.is_initialized():
+            ray.init(namespace=self._namespace, include_dashboard=False, log_to_driver=False)
+        for sub_job_id, spec in self._specs.items():
+            config = self._config(spec)
+            role = _ROLE_BY_JOB_TYPE[spec.job_type]
+            count = spec.num_slots if role == "training" else 1
+            start_from = self._checkpoints.get(sub_job_id)
+            model_dir = (
+                start_from if role == "sampling" and start_from else resolve_model(config.model, seed=config.seed)
+            )
+            job_name = "icefloe-serve-" + sub_job_id.replace(":", "-")
+            bundles, workers = ray_actors.plan_placement(job_name, {role: count}, config.backend)
+            placement = ray_actors.create_placement_group(job_name, bundles, config.backend, config.job_ready_timeout_s)
+            self._placements.append(placement)
+            on_progress(f"starting {count} Ray actor(s) for {sub_job_id} ({spec.config.model!r})")
+            if role == "sampling":
+                group = ray_actors.SamplerGroup.launch(config, workers, placement, model_dir)
+            else:
+                group = ray_actors.TrainerGroup.launch(config, workers, placement, model_dir)
+                if start_from is not None:
+                    loaded = group.load_checkpoint(start_from)
+                    if spec.is_training and not spec.load_optimizer_states:
+                        group.reset_optimizer()
+                    on_progress(f"{sub_job_id} starts from {loaded['checkpoint_id']} ({loaded['kind']})")
+            self._groups[sub_job_id] = group
+        on_progress("engines ready")
+
+    def _group(self, sub_job_id: str) -> Any:
+        try:
+            return self._groups[sub_job_id]
+        except KeyError:
+            raise InvalidRequestError(f"sub-job {sub_job_id!r} has no engine in this job") from None
+
+    def fwd_bwd(self, sub_job_id: str, batch: dict[str, Any]) -> dict[str, Any]:
+        return self._group(sub_job_id).fwd_bwd(batch)
+
+    def forward(self, sub_job_id: str, batch: dict[str, Any]) -> dict[str, Any]:
+        return self._group(sub_job_id).forward(batch)
+
+    def step(self, sub_job_id: str, learning_rate: float | None) -> dict[str, Any]:
+        return self._group(sub_job_id).step(learning_rate)
+
+    def save(self, sub_job_id: str, root: Path, kind: str) -> dict[str, Any]:
+        return self._group(sub_job_id).save_checkpoint(root, kind)
+
+    def load(self, sub_job_id: str, path: Path) -> dict[str, Any]:
+        return self._group(sub_job_id).load_checkpoint(path)
+
+    def generate(
+        self, sub_job_id: str, prompts: list[list[int] | str], params: list[SamplingParams]
+    ) -> list[dict[str, Any]]:
+        return self._group(sub_job_id).generate(prompts, params)
+
+    def sync_weights(self, source_sub_job_id: str, target_sub_job_id: str) -> dict[str, Any]:
+        from icefloe.client.transports import ray_actors
+
+        trainers, samplers = self._group(source_sub_job_id), self._group(target_sub_job_id)
+        config = self._config(self._specs[source_sub_job_id])
+        pair = (source_sub_job_id, target_sub_job_id)
+        if pair not in self._links:
+            backend = ray_actors.collective_backend(config.backend)
+            self._links[pair] = ray_actors.link_weight_sync(trainers, samplers, backend)
+        bucket_bytes = config.backend.sync_bucket_mb * 1024 * 1024
+        return ray_actors.sync_weights(trainers, samplers, self._links[pair], bucket_bytes)
+
+    def reset_prefix_cache(self, sub_job_id: str) -> dict[str, Any]:
+        return self._group(sub_job_id).reset_prefix_cache()
+
+    def max_seq_len(self, sub_job_id: str) -> int:
+        return self._specs[sub_job_id].config.max_seq_len
+
+    def close(self) -> None:
+        import ray
+
+        groups, self._groups = self._groups, {}
+        for group in groups.values():
+            group.kill()
+        placements, self._placements = self._placements, []
+        for placement in placements:
+            ray.util.remove_placement_group(placement)

@@ -1,0 +1,135 @@
+"""Keep a request's result and hand it back in the form the poller can read.
+
+Three forms, as the training API defines them: plain JSON; an inline base64 DSSST1 envelope (a
+result holding tensors, or one whose op metadata asked ``response_options.format == "dssst1"``);
+or ``result_chunk`` events paged by cursor (when op metadata asked ``delivery == "chunked"``, or
+the frame is larger than ``inline_result_max_bytes``). Tensor results are written to disk as one
+DSSST1 frame; JSON results live in the request's SQLite row.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from icefloe import wire
+from icefloe.protocol import InvalidRequestError
+
+__all__ = ["DEFAULT_MAX_EVENTS", "MAX_EVENTS_CAP", "ResultPages", "contains_tensor", "plain_json", "wants_dssst1"]
+
+DEFAULT_MAX_EVENTS = 16
+MAX_EVENTS_CAP = 512
+
+
+def contains_tensor(value: Any) -> bool:
+    """True when a tensor (torch or numpy) sits anywhere inside ``value``."""
+    if isinstance(value, Mapping):
+        return any(contains_tensor(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(contains_tensor(v) for v in value)
+    return type(value).__module__.split(".", 1)[0] in ("torch", "numpy") and hasattr(value, "shape")
+
+
+def plain_json(value: Any) -> Any:
+    """Tensor-free results as JSON values: scalars of torch/numpy become numbers, NaN becomes None."""
+    if isinstance(value, Mapping):
+        return {str(k): plain_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [plain_json(v) for v in value]
+    if hasattr(value, "item") and callable(value.item):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def _response_options(op_metadata: Mapping[str, Any]) -> Mapping[str, Any]:
+    options = op_metadata.get("response_options") if isinstance(op_metadata, Mapping) else None
+    return options if isinstance(options, Mapping) else {}
+
+
+def wants_dssst1(op_metadata: Mapping[str, Any]) -> bool:
+    options = _response_options(op_metadata)
+    return str(options.get("format", "")).lower() == "dssst1" or options.get("delivery") == "chunked"
+
+
+def _wants_chunks(op_metadata: Mapping[str, Any]) -> bool:
+    return _response_options(op_metadata).get("delivery") == "chunked"
+
+
+def _inline_envelope(frame: bytes) -> dict[str, Any]:
+    return {
+        "content_type": "application/octet-stream",
+        "encoding": "base64",
+        "wire_format": "DSSST1",
+        "payload_b64": base64.b64encode(frame).decode("ascii"),
+    }
+
+
+class ResultPages:
+    """Results on disk and their delivery as inline envelopes or cursor-paged result chunks."""
+
+    def __init__(self, *, inline_max_bytes: int, chunk_bytes: int) -> None:
+        self._inline_max_bytes = inline_max_bytes
+        self._chunk_bytes = chunk_bytes
+        self._lock = threading.Lock()
+        self._events: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()  # small cache of split results
+
+    @staticmethod
+    def write_frame(result: Any, path: Path) -> str:
+        """Encode ``result`` as one DSSST1 frame at ``path`` (written aside, then renamed)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_suffix(".partial")
+        staging.write_bytes(wire.encode(result))
+        staging.replace(path)
+        return str(path)
+
+    def render(
+        self,
+        *,
+        request_id: str,
+        result: dict[str, Any] | None,
+        result_path: str | None,
+        op_metadata: Mapping[str, Any],
+        cursor: str | None,
+        max_events: int,
+    ) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
+        """``(result, events, next_cursor)`` for one poll of a finished request."""
+        if result_path is None:
+            return result or {}, [], ""
+        frame = Path(result_path).read_bytes()
+        if not _wants_chunks(op_metadata) and len(frame) <= self._inline_max_bytes:
+            return _inline_envelope(frame), [], ""
+        events = self._chunk_events(request_id, frame)
+        start = _cursor_position(cursor, len(events))
+        end = min(len(events), start + max_events)
+        return {}, events[start:end], (str(end) if end < len(events) else "")
+
+    def _chunk_events(self, request_id: str, frame: bytes) -> list[dict[str, Any]]:
+        with self._lock:
+            if request_id in self._events:
+                self._events.move_to_end(request_id)
+                return self._events[request_id]
+        events = wire.result_chunk_events(frame, max_bytes=self._chunk_bytes)
+        with self._lock:
+            self._events[request_id] = events
+            while len(self._events) > 4:
+                self._events.popitem(last=False)
+        return events
+
+
+def _cursor_position(cursor: str | None, num_events: int) -> int:
+    if not cursor:
+        return 0
+    try:
+        position = int(cursor)
+    except ValueError:
+        raise InvalidRequestError(f"cursor must be a next_cursor value from an earlier poll; got {cursor!r}") from None
+    if not 0 <= position <= num_events:
+        raise InvalidRequestError(f"cursor must be between 0 and {num_events}; got {cursor!r}")
+    return position

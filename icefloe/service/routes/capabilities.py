@@ -1,0 +1,57 @@
+"""What this service offers beyond the managed endpoint, and how much compute it has."""
+
+from __future__ import annotations
+
+from icefloe.protocol import (
+    OP_FORWARD,
+    OP_FWD_BWD,
+    OP_GENERATE,
+    OP_LOAD,
+    OP_RESET_PREFIX_CACHE,
+    OP_SAVE,
+    OP_STEP,
+    OP_WEIGHT_SYNC,
+)
+from icefloe.service.deps import JobsDep, SettingsDep
+from icefloe.service.models import Capabilities, Capacity
+from icefloe.service.results import MAX_EVENTS_CAP
+from icefloe.service.routes.common import api_router
+
+__all__ = ["SUPPORTED_OPERATIONS", "router"]
+
+router = api_router("capabilities")
+
+# operation_type values POST {job}/operation executes; the others answer 501.
+SUPPORTED_OPERATIONS = (OP_FORWARD, OP_WEIGHT_SYNC, OP_RESET_PREFIX_CACHE, "cancel-request", "tail-logs")
+
+
+@router.get("/capabilities", response_model=Capabilities)
+async def capabilities(settings: SettingsDep) -> dict:
+    return {
+        "ops": [
+            OP_FWD_BWD,
+            OP_FORWARD,
+            OP_STEP,
+            OP_SAVE,
+            OP_LOAD,
+            OP_GENERATE,
+            OP_WEIGHT_SYNC,
+            OP_RESET_PREFIX_CACHE,
+            "list-checkpoints",
+            "export-checkpoint",
+            "delete-checkpoint",
+            "cancel",
+        ],
+        "operations": list(SUPPORTED_OPERATIONS),
+        "extensions": {"long_poll": True, "idempotency_keys": True, "forward": True},
+        "limits": {
+            "max_post_bytes": settings.max_post_bytes,
+            "max_events": MAX_EVENTS_CAP,
+            "max_long_poll_s": int(settings.max_long_poll_s),
+        },
+    }
+
+
+@router.get("/capacity", response_model=Capacity)
+async def capacity(jobs: JobsDep) -> dict:
+    return jobs.capacity()

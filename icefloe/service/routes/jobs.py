@@ -1,0 +1,41 @@
+"""Create, list, read and cancel jobs."""
+
+from __future__ import annotations
+
+from fastapi.concurrency import run_in_threadpool
+
+from icefloe.service.deps import JobsDep
+from icefloe.service.models import ExperimentRun, JobCreate, JobCreated, JobList, JobPublic
+from icefloe.service.routes.common import api_router
+
+__all__ = ["router"]
+
+router = api_router("jobs")
+
+
+@router.post("/", response_model=JobCreated)
+@router.post("", response_model=JobCreated, include_in_schema=False)
+async def create_job(body: JobCreate, database: str, schema: str, jobs: JobsDep) -> dict:
+    job_id = await run_in_threadpool(jobs.create, body, database=database, schema=schema)
+    return {"job_id": job_id}
+
+
+@router.get("/", response_model=JobList)
+@router.get("", response_model=JobList, include_in_schema=False)
+async def list_jobs(jobs: JobsDep, status: str | None = None) -> dict:
+    return {"jobs": jobs.list_public(status)}
+
+
+@router.get("/{job_id}", response_model=JobPublic)
+async def get_job(job_id: str, jobs: JobsDep) -> dict:
+    return jobs.public(job_id)
+
+
+@router.post("/{job_id}:cancel")
+async def cancel_job(job_id: str, jobs: JobsDep) -> dict:
+    return jobs.cancel(job_id)
+
+
+@router.get("/{job_id}/experiment-run", response_model=ExperimentRun)
+async def experiment_run(job_id: str, jobs: JobsDep) -> dict:
+    return jobs.experiment_run(job_id)

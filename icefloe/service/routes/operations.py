@@ -1,0 +1,113 @@
+"""``POST {job}/operation``: the operation envelope of the training API.
+
+Polled operations (``forward``, ``weight-sync``) answer ``{request_id, job_id}``; inline ones
+(``reset-prefix-cache``, ``cancel-request``, ``tail-logs``) answer their result directly. Operation
+types this service does not run answer 501 ``not_implemented``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+
+from fastapi import APIRouter, Depends
+from fastapi.concurrency import run_in_threadpool
+from pydantic import ValidationError
+
+from icefloe.protocol import OP_FORWARD, OP_RESET_PREFIX_CACHE, OP_WEIGHT_SYNC, InvalidRequestError
+from icefloe.service.deps import JobsDep, require_token
+from icefloe.service.errors import bad_request, not_implemented
+from icefloe.service.jobs import JobManager
+from icefloe.service.models import CancelRequestPayload, OperationBody, TailLogsPayload, WeightSyncPayload
+from icefloe.service.operations import submit_frame, submit_weight_sync
+from icefloe.service.routes.capabilities import SUPPORTED_OPERATIONS
+from icefloe.service.routes.common import api_router
+
+__all__ = ["router", "statements_router"]
+
+router = api_router("operations")
+
+
+def _payload(model, body: OperationBody):
+    try:
+        return model.model_validate(body.payload or {})
+    except ValidationError as exc:
+        fields = "; ".join(f"payload.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise InvalidRequestError(f"{body.operation_type}: {fields}") from None
+
+
+def _frame_bytes(body: OperationBody) -> bytes:
+    payload = body.payload or {}
+    encoded = payload.get("payload_b64")
+    if not isinstance(encoded, str):
+        raise bad_request("forward: payload.payload_b64 must hold the base64 of a DSSST1 frame")
+    try:
+        return base64.b64decode(encoded, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad_request("forward: payload.payload_b64 is not valid base64") from None
+
+
+async def _reset_prefix_cache(jobs: JobManager, job_id: str, body: OperationBody) -> dict:
+    job = jobs.live(job_id)
+    target = jobs.resolve_sub_job(
+        job, sub_job_id=body.sub_job_id, sub_job_type=body.sub_job_type or "sampling", default_type="sampling"
+    )
+    host = job.host
+    assert host is not None
+    # On the sampler's own worker, so it never runs in the middle of a generate.
+    await asyncio.wrap_future(job.workers[target].submit(host.reset_prefix_cache, target))
+    return {"sub_job_id": target, "status": "ok"}
+
+
+@router.post("/{job_id}/operation")
+async def operation(job_id: str, body: OperationBody, jobs: JobsDep) -> dict:
+    kind = body.operation_type.strip().lower()
+    if kind == "tail-logs":
+        page = _payload(TailLogsPayload, body)
+        return jobs.tail_logs(
+            job_id,
+            sub_job_id=body.sub_job_id,
+            sub_job_type=body.sub_job_type,
+            cursor=page.cursor,
+            max_lines=page.max_lines,
+        )
+    if kind not in SUPPORTED_OPERATIONS:
+        jobs.public(job_id)  # an unknown job is still a 404
+        raise not_implemented(
+            f"operation_type {body.operation_type!r} is not supported by icefloe serve; "
+            f"supported: {sorted(SUPPORTED_OPERATIONS)}"
+        )
+    job = jobs.live(job_id)
+    if kind == "cancel-request":
+        return jobs.cancel_request(job, _payload(CancelRequestPayload, body).request_id)
+    if kind == OP_RESET_PREFIX_CACHE:
+        return await _reset_prefix_cache(jobs, job_id, body)
+    if kind == OP_WEIGHT_SYNC:
+        payload = _payload(WeightSyncPayload, body)
+        routed = body.sub_job_id and jobs.resolve_sub_job(
+            job, sub_job_id=body.sub_job_id, sub_job_type=None, default_type=None
+        )
+        if routed is None and payload.source_sub_job_id is None:
+            routed = jobs.resolve_sub_job(job, sub_job_id=None, sub_job_type=None, default_type="training")
+        return {"request_id": submit_weight_sync(jobs, job, payload, routed or None), "job_id": job_id}
+    assert kind == OP_FORWARD
+    target = jobs.resolve_sub_job(
+        job, sub_job_id=body.sub_job_id, sub_job_type=body.sub_job_type, default_type="training"
+    )
+    if job.specs[target].job_type == "sampling":
+        raise bad_request(f"forward runs on a training or log_probability sub-job; {target} is a sampling sub-job")
+    return await run_in_threadpool(submit_frame, jobs, job, OP_FORWARD, _frame_bytes(body), sub_job_id=target)
+
+
+# The managed API downloads full logs through a SQL statement that returns S3 stage credentials;
+# this service has no stage, so the call answers 501 pointing at tail-logs instead of a bare 404.
+statements_router = APIRouter(tags=["operations"], dependencies=[Depends(require_token)])
+
+
+@statements_router.post("/api/v2/statements")
+async def statements() -> dict:
+    raise not_implemented(
+        "the statements API (log download from an S3 stage) is not served here; page the logs with the "
+        "tail-logs operation, or read DATA_DIR/jobs/<job_id>/logs/ on the service host"
+    )

@@ -1,0 +1,82 @@
+"""Settings of one ``icefloe serve`` process.
+
+Environment variables are read only in :meth:`ServeSettings.from_env`, so a test builds settings
+explicitly and never depends on the shell it runs in.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+
+from icefloe.config import format_validation_error
+from icefloe.protocol import ConfigError
+
+__all__ = ["TOKENS_ENV_VAR", "ServeSettings"]
+
+TOKENS_ENV_VAR = "ICEFLOE_SERVE_TOKENS"  # comma-separated bearer tokens
+_MAX_POST_BYTES = 62_914_560  # the training API's per-POST cap (60 MiB)
+
+
+class ServeSettings(BaseModel):
+    """Where the service keeps its state, who may call it and how much compute it may hand out."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    data_dir: Path  # SQLite records, job logs, results and checkpoints live here
+    host: str = "127.0.0.1"  # loopback unless told otherwise: the API runs training code for its callers
+    port: int = Field(8321, ge=0, le=65535)  # 0 = any free port
+    tokens: tuple[SecretStr, ...] = ()  # empty = no auth (a local, single-user service)
+    slots: int = Field(4, gt=0)  # CPU slots handed to sub-jobs when torch sees no GPU
+    engines: Literal["local", "ray"] = "local"  # where a job's engines run: this process, or Ray actors
+    ray_address: str | None = None  # engines="ray": cluster to join; None = a local Ray started on demand
+    max_post_bytes: int = Field(_MAX_POST_BYTES, gt=8192)
+    inline_result_max_bytes: int = Field(4 * 1024 * 1024, gt=0)  # larger DSSST1 results go as result chunks
+    result_chunk_bytes: int = Field(8 * 1024 * 1024, gt=16384)  # size of one result_chunk frame
+    export_ttl_s: float = Field(3600.0, gt=0)  # lifetime of a checkpoint download link
+    max_long_poll_s: float = Field(60.0, ge=0)  # cap on ?wait= so a proxy never sees a silent socket
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _tokens_non_empty(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [value]
+        cleaned = [t.get_secret_value() if isinstance(t, SecretStr) else str(t) for t in value or ()]
+        if any(not t.strip() for t in cleaned):
+            raise ValueError("tokens must not contain an empty string; drop it or set a real token")
+        return tuple(t.strip() for t in cleaned)
+
+    @property
+    def auth_enabled(self) -> bool:
+        return bool(self.tokens)
+
+    def token_values(self) -> tuple[str, ...]:
+        """The raw tokens, for comparison and log redaction only; never log or return them."""
+        return tuple(t.get_secret_value() for t in self.tokens)
+
+    @property
+    def db_path(self) -> Path:
+        return self.data_dir / "icefloe.sqlite3"
+
+    def job_dir(self, job_id: str) -> Path:
+        return self.data_dir / "jobs" / job_id
+
+    @classmethod
+    def build(cls, **values: Any) -> ServeSettings:
+        """Validate settings and raise :class:`ConfigError` naming every bad field."""
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, prefix="serve.")) from None
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **values: Any) -> ServeSettings:
+        """Build settings, adding tokens from ``ICEFLOE_SERVE_TOKENS`` to any given explicitly."""
+        env = os.environ if environ is None else environ
+        from_env = [t for t in env.get(TOKENS_ENV_VAR, "").split(",") if t.strip()]
+        explicit = list(values.pop("tokens", None) or ())
+        return cls.build(tokens=explicit + from_env, **values)

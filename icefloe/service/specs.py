@@ -1,0 +1,89 @@
+"""Turn a create-job body into one engine configuration per sub-job.
+
+The training API names things its own way (``model_name``, ``training_config.gradient_clipping``,
+``inference_config.max_seq_len``); engines take a :class:`ClientConfig`. This is the one mapping
+between the two, so a field the API adds later is wired in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from icefloe.config import ClientConfig
+from icefloe.protocol import ConfigError, InvalidRequestError
+from icefloe.service.models import InferenceConfig, JobCreate, SubJobConfig, TrainingConfigSpec
+
+__all__ = ["SEGMENT_BY_JOB_TYPE", "TYPED_CONFIG_KEYS", "SubJobSpec", "sub_job_specs"]
+
+SEGMENT_BY_JOB_TYPE = {"training": "training", "sampling": "sampling", "log_probability": "log_prob"}
+# Keys of training_config / inference_config this service reads; the rest are recorded passthrough.
+TYPED_CONFIG_KEYS = frozenset(TrainingConfigSpec.model_fields) | frozenset(InferenceConfig.model_fields)
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+@dataclass(frozen=True, slots=True)
+class SubJobSpec:
+    """What one sub-job runs: its id, role, engine config and how many slots it occupies."""
+
+    sub_job_id: str
+    job_type: str  # training | sampling | log_probability
+    config: ClientConfig
+    num_slots: int
+    source_checkpoint: dict[str, Any] | None  # {checkpoint_id, source_job_id?} to start from
+    load_optimizer_states: bool
+    public_config: dict[str, Any]  # the config as sent, passthrough keys included
+
+    @property
+    def is_training(self) -> bool:
+        return self.job_type == "training"
+
+
+def _client_config(sub: SubJobConfig, where: str) -> ClientConfig:
+    data: dict[str, Any] = {"model": sub.model_name.strip(), "seed": sub.seed or 0}
+    if sub.dtype:
+        data["dtype"] = _DTYPES.get(sub.dtype, sub.dtype)
+    if sub.job_type == "training":
+        tc = sub.training_config or TrainingConfigSpec()
+        opt = tc.optimizer
+        data["max_seq_len"] = tc.max_seq_len
+        data["training"] = {
+            "optimizer": {"lr": opt.lr, "betas": opt.betas, "weight_decay": opt.weight_decay, "eps": opt.eps}
+        }
+        if tc.gradient_clipping is not None:
+            data["training"]["grad_clip"] = tc.gradient_clipping
+    else:
+        data["max_seq_len"] = (sub.inference_config or InferenceConfig()).max_seq_len
+    try:
+        return ClientConfig.build(data)
+    except ConfigError as exc:
+        raise InvalidRequestError(f"{where}: {exc}") from None
+
+
+def sub_job_specs(job_id: str, body: JobCreate) -> list[SubJobSpec]:
+    """One spec per entry of ``sub_job_configs``; ids count occurrences of each type from zero."""
+    counts: dict[str, int] = {}
+    specs = []
+    for position, sub in enumerate(body.sub_job_configs):
+        index = counts.get(sub.job_type, 0)
+        counts[sub.job_type] = index + 1
+        where = f"sub_job_configs.{position}"
+        section = sub.training_config if sub.job_type == "training" else sub.inference_config
+        num_gpus = section.n_gpus if section is not None else 1
+        load_optimizer = True
+        if isinstance(section, TrainingConfigSpec) and section.load_optimizer_states is False:
+            load_optimizer = False
+        specs.append(
+            SubJobSpec(
+                sub_job_id=f"{job_id}:{SEGMENT_BY_JOB_TYPE[sub.job_type]}:{index}",
+                job_type=sub.job_type,
+                config=_client_config(sub, where),
+                num_slots=num_gpus,
+                source_checkpoint=(
+                    sub.source_checkpoint_info.model_dump(exclude_none=True) if sub.source_checkpoint_info else None
+                ),
+                load_optimizer_states=load_optimizer,
+                public_config=section.model_dump(mode="json") if section is not None else {},
+            )
+        )
+    return specs

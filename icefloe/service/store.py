@@ -1,0 +1,258 @@
+"""The service's records in SQLite: jobs, requests, idempotency keys, checkpoints, download links.
+
+One connection in WAL mode, shared by the event loop and the worker threads under one lock; each
+statement is a short indexed write, so holding the lock never stalls the loop noticeably. Every data
+function takes the :class:`Database` first and keyword arguments after it, so a call site reads
+like the record it writes.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+from collections.abc import Iterable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "Database",
+    "delete_checkpoint",
+    "fail_interrupted_jobs",
+    "find_checkpoints",
+    "get_checkpoint",
+    "get_file_link",
+    "get_idempotent_response",
+    "get_job",
+    "get_request",
+    "insert_file_link",
+    "insert_job",
+    "insert_request",
+    "list_checkpoints",
+    "list_jobs",
+    "now_iso",
+    "put_idempotent_response",
+    "update_job",
+    "update_request",
+    "upsert_checkpoint",
+]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT PRIMARY KEY, status TEXT NOT NULL, reason TEXT NOT NULL DEFAULT '',
+    created_at TEXT NOT NULL, updated_at TEXT NOT NULL, spec TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS requests (
+    request_id TEXT PRIMARY KEY, job_id TEXT NOT NULL, sub_job_id TEXT NOT NULL, op TEXT NOT NULL,
+    status TEXT NOT NULL, created_at TEXT NOT NULL, updated_at TEXT NOT NULL, error TEXT NOT NULL DEFAULT '',
+    result TEXT, result_path TEXT, op_metadata TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS requests_by_job ON requests (job_id);
+CREATE TABLE IF NOT EXISTS idempotency (
+    route TEXT NOT NULL, key TEXT NOT NULL, body_sha256 TEXT NOT NULL, status_code INTEGER NOT NULL,
+    response BLOB NOT NULL, media_type TEXT NOT NULL, created_at TEXT NOT NULL, PRIMARY KEY (route, key)
+);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    job_id TEXT NOT NULL, checkpoint_id TEXT NOT NULL, global_steps INTEGER NOT NULL, avg_loss REAL,
+    created_at TEXT NOT NULL, checkpoint_type TEXT NOT NULL, path TEXT NOT NULL,
+    PRIMARY KEY (job_id, checkpoint_id)
+);
+CREATE TABLE IF NOT EXISTS file_links (
+    token TEXT PRIMARY KEY, path TEXT NOT NULL, expires_at REAL NOT NULL
+);
+"""
+
+_ACTIVE_JOB_STATES = ("pending", "placing", "initializing", "running", "cancelling")
+_OPEN_REQUEST_STATES = ("pending", "running")
+
+
+def now_iso() -> str:
+    """UTC now as ISO-8601 with a ``Z``, the form the training API returns."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class Database:
+    """A SQLite file opened once, in WAL mode, usable from any thread."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._conn.row_factory = sqlite3.Row
+        self._conn.execute("PRAGMA journal_mode=WAL")
+        self._conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL survives a process crash
+        self._conn.executescript(_SCHEMA)
+
+    def execute(self, sql: str, params: Iterable[Any] = ()) -> int:
+        with self._lock:
+            return self._conn.execute(sql, tuple(params)).rowcount
+
+    def fetch_all(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
+        with self._lock:
+            return [dict(row) for row in self._conn.execute(sql, tuple(params)).fetchall()]
+
+    def fetch_one(self, sql: str, params: Iterable[Any] = ()) -> dict[str, Any] | None:
+        rows = self.fetch_all(sql, params)
+        return rows[0] if rows else None
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+
+# --- jobs --------------------------------------------------------------------------------------
+def insert_job(db: Database, *, job_id: str, status: str, spec: dict[str, Any]) -> bool:
+    """False when a job with this id already exists (nothing is written then)."""
+    now = now_iso()
+    inserted = db.execute(
+        "INSERT OR IGNORE INTO jobs (job_id, status, reason, created_at, updated_at, spec) VALUES (?, ?, '', ?, ?, ?)",
+        (job_id, status, now, now, json.dumps(spec)),
+    )
+    return inserted > 0
+
+
+def update_job(db: Database, *, job_id: str, status: str, reason: str | None = None) -> None:
+    if reason is None:
+        db.execute("UPDATE jobs SET status = ?, updated_at = ? WHERE job_id = ?", (status, now_iso(), job_id))
+    else:
+        db.execute(
+            "UPDATE jobs SET status = ?, reason = ?, updated_at = ? WHERE job_id = ?",
+            (status, reason, now_iso(), job_id),
+        )
+
+
+def _job_row(row: dict[str, Any]) -> dict[str, Any]:
+    row["spec"] = json.loads(row["spec"])
+    return row
+
+
+def get_job(db: Database, *, job_id: str) -> dict[str, Any] | None:
+    row = db.fetch_one("SELECT * FROM jobs WHERE job_id = ?", (job_id,))
+    return _job_row(row) if row else None
+
+
+def list_jobs(db: Database, *, status: str | None = None) -> list[dict[str, Any]]:
+    if status is None:
+        rows = db.fetch_all("SELECT * FROM jobs ORDER BY created_at")
+    else:
+        rows = db.fetch_all("SELECT * FROM jobs WHERE status = ? ORDER BY created_at", (status,))
+    return [_job_row(r) for r in rows]
+
+
+def fail_interrupted_jobs(db: Database, *, reason_for: Any) -> list[str]:
+    """Mark jobs and requests a previous process left in flight as failed; returns the job ids.
+
+    ``reason_for(job_id)`` supplies each job's reason (it names the checkpoint to resume from).
+    """
+    marks = ",".join("?" * len(_ACTIVE_JOB_STATES))
+    job_ids = [
+        r["job_id"] for r in db.fetch_all(f"SELECT job_id FROM jobs WHERE status IN ({marks})", _ACTIVE_JOB_STATES)
+    ]
+    for job_id in job_ids:
+        update_job(db, job_id=job_id, status="failed", reason=reason_for(job_id))
+    marks = ",".join("?" * len(_OPEN_REQUEST_STATES))
+    db.execute(
+        f"UPDATE requests SET status = 'failed', error = ?, updated_at = ? WHERE status IN ({marks})",
+        (
+            "service restarted before the request finished; submit it again to a new job",
+            now_iso(),
+            *_OPEN_REQUEST_STATES,
+        ),
+    )
+    return job_ids
+
+
+# --- requests ----------------------------------------------------------------------------------
+def insert_request(
+    db: Database, *, request_id: str, job_id: str, sub_job_id: str, op: str, op_metadata: dict[str, Any]
+) -> None:
+    now = now_iso()
+    db.execute(
+        "INSERT INTO requests (request_id, job_id, sub_job_id, op, status, created_at, updated_at, op_metadata)"
+        " VALUES (?, ?, ?, ?, 'pending', ?, ?, ?)",
+        (request_id, job_id, sub_job_id, op, now, now, json.dumps(op_metadata)),
+    )
+
+
+def update_request(
+    db: Database,
+    *,
+    request_id: str,
+    status: str,
+    error: str = "",
+    result: dict[str, Any] | None = None,
+    result_path: str | None = None,
+) -> None:
+    db.execute(
+        "UPDATE requests SET status = ?, error = ?, result = ?, result_path = ?, updated_at = ? WHERE request_id = ?",
+        (status, error, None if result is None else json.dumps(result), result_path, now_iso(), request_id),
+    )
+
+
+def get_request(db: Database, *, request_id: str) -> dict[str, Any] | None:
+    row = db.fetch_one("SELECT * FROM requests WHERE request_id = ?", (request_id,))
+    if row is None:
+        return None
+    row["result"] = None if row["result"] is None else json.loads(row["result"])
+    row["op_metadata"] = json.loads(row["op_metadata"])
+    return row
+
+
+# --- idempotency -------------------------------------------------------------------------------
+def get_idempotent_response(db: Database, *, route: str, key: str) -> dict[str, Any] | None:
+    return db.fetch_one("SELECT * FROM idempotency WHERE route = ? AND key = ?", (route, key))
+
+
+def put_idempotent_response(
+    db: Database, *, route: str, key: str, body_sha256: str, status_code: int, response: bytes, media_type: str
+) -> None:
+    db.execute(
+        "INSERT OR IGNORE INTO idempotency (route, key, body_sha256, status_code, response, media_type, created_at)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (route, key, body_sha256, status_code, response, media_type, now_iso()),
+    )
+
+
+# --- checkpoints -------------------------------------------------------------------------------
+def upsert_checkpoint(
+    db: Database,
+    *,
+    job_id: str,
+    checkpoint_id: str,
+    global_steps: int,
+    avg_loss: float | None,
+    checkpoint_type: str,
+    path: str,
+) -> None:
+    db.execute(
+        "INSERT OR REPLACE INTO checkpoints (job_id, checkpoint_id, global_steps, avg_loss, created_at,"
+        " checkpoint_type, path) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (job_id, checkpoint_id, global_steps, avg_loss, now_iso(), checkpoint_type, path),
+    )
+
+
+def list_checkpoints(db: Database, *, job_id: str) -> list[dict[str, Any]]:
+    return db.fetch_all("SELECT * FROM checkpoints WHERE job_id = ? ORDER BY global_steps, created_at", (job_id,))
+
+
+def get_checkpoint(db: Database, *, job_id: str, checkpoint_id: str) -> dict[str, Any] | None:
+    return db.fetch_one("SELECT * FROM checkpoints WHERE job_id = ? AND checkpoint_id = ?", (job_id, checkpoint_id))
+
+
+def find_checkpoints(db: Database, *, checkpoint_id: str) -> list[dict[str, Any]]:
+    """Every job's checkpoint of that id (a create-time source given without its job)."""
+    return db.fetch_all("SELECT * FROM checkpoints WHERE checkpoint_id = ?", (checkpoint_id,))
+
+
+def delete_checkpoint(db: Database, *, job_id: str, checkpoint_id: str) -> bool:
+    return db.execute("DELETE FROM checkpoints WHERE job_id = ? AND checkpoint_id = ?", (job_id, checkpoint_id)) > 0
+
+
+# --- download links ----------------------------------------------------------------------------
+def insert_file_link(db: Database, *, token: str, path: str, expires_at: float) -> None:
+    db.execute("INSERT INTO file_links (token, path, expires_at) VALUES (?, ?, ?)", (token, path, expires_at))
+
+
+def get_file_link(db: Database, *, token: str) -> dict[str, Any] | None:
+    return db.fetch_one("SELECT * FROM file_links WHERE token = ?", (token,))

@@ -1,0 +1,164 @@
+"""Request chunk groups (at-most-once execution) and result-chunk delivery (icefloe.service.chunks)."""
+
+from __future__ import annotations
+
+import base64
+import uuid
+
+import pytest
+import torch
+from service_batches import small_batch
+from service_client import TRAINING, Api
+from service_harness import asgi_client, make_app
+
+from icefloe import wire
+from icefloe.service.runtime import LocalEngineHost
+
+pytestmark = pytest.mark.anyio
+
+OCTET = {"content-type": "application/octet-stream"}
+
+
+def chunks_of(batch, *, group_id: str | None = None, max_bytes: int = 9000) -> list[bytes]:
+    frame = wire.encode(batch)
+    chunks = wire.split_frame(
+        frame,
+        max_bytes=max_bytes,
+        kind="request",
+        chunk_group_id=group_id or str(uuid.uuid4()),
+        operation="fwd-bwd",
+        force=True,
+    )
+    return chunks
+
+
+async def _running_job(api: Api) -> str:
+    job_id = await api.create(TRAINING)
+    await api.wait_status(job_id, "running")
+    return job_id
+
+
+async def _post(api: Api, job_id: str, chunk: bytes):
+    return await api.call("POST", f"/{job_id}/forward-backward", content=chunk, headers=OCTET, check=False)
+
+
+def _bigger_batch():
+    batch = small_batch()
+    batch["context"]["old_logprobs"] = torch.zeros(4, 7) - 1.0
+    batch["context"]["ref_logprobs"] = torch.zeros(4, 7) - 1.0
+    return batch
+
+
+async def test_replayed_chunk_group_executes_once_and_returns_the_original_request(data_dir, monkeypatch):
+    calls = []
+    original = LocalEngineHost.fwd_bwd
+
+    def counting_fwd_bwd(self, sub_job_id, batch):
+        calls.append(sub_job_id)
+        return original(self, sub_job_id, batch)
+
+    monkeypatch.setattr(LocalEngineHost, "fwd_bwd", counting_fwd_bwd)
+    async with asgi_client(make_app(data_dir)) as http:
+        api = Api(http)
+        job_id = await _running_job(api)
+        chunks = chunks_of(_bigger_batch(), max_bytes=9000)
+        assert len(chunks) >= 2
+        answers = [(await _post(api, job_id, c)).json() for c in chunks]
+        assert answers[:-1] == [{"chunk_cached": True}] * (len(chunks) - 1)
+        request_id = answers[-1]["request_id"]
+        first = await api.result(job_id, request_id)
+        replay = [(await _post(api, job_id, c)).json() for c in chunks]  # a client retrying the whole group
+        assert replay[:-1] == [{"chunk_cached": True}] * (len(chunks) - 1)
+        assert replay[-1] == {"request_id": request_id, "job_id": job_id}
+        assert (await _post(api, job_id, chunks[-1])).json()["request_id"] == request_id
+        assert (await api.result(job_id, request_id)) == first
+        assert len(calls) == 1
+
+
+async def test_unknown_group_starting_past_chunk_zero_needs_a_restart(data_dir):
+    async with asgi_client(make_app(data_dir)) as http:
+        api = Api(http)
+        job_id = await _running_job(api)
+        group = str(uuid.uuid4())
+        chunks = chunks_of(_bigger_batch(), group_id=group, max_bytes=9000)
+        response = await _post(api, job_id, chunks[1])
+        assert response.status_code == 409
+        assert response.json() == {
+            "code": "chunk_group_restart_required",
+            "chunk_group_id": group,
+            "received_chunk": 1,
+            "expected_start_chunk": 0,
+            "message": f"chunk group {group} is unknown to this job; restart it from chunk 0",
+        }
+
+
+async def test_group_id_reused_with_another_frame_is_a_conflict(data_dir):
+    async with asgi_client(make_app(data_dir)) as http:
+        api = Api(http)
+        job_id = await _running_job(api)
+        group = str(uuid.uuid4())
+        first = chunks_of(_bigger_batch(), group_id=group, max_bytes=9000)
+        other_batch = _bigger_batch()
+        other_batch["context"]["advantages"] *= 2
+        other = chunks_of(other_batch, group_id=group, max_bytes=9000)
+        assert (await _post(api, job_id, first[0])).status_code == 200
+        response = await _post(api, job_id, other[0])
+        assert (response.status_code, response.json()["code"]) == (409, "chunk_group_conflict")
+        assert response.json()["chunk_group_id"] == group
+        for chunk in first[1:]:
+            await _post(api, job_id, chunk)
+        after_run = await _post(api, job_id, other[-1])
+        assert (after_run.status_code, after_run.json()["code"]) == (409, "chunk_group_conflict")
+
+
+async def test_final_chunk_with_earlier_ones_missing_is_refused(data_dir):
+    async with asgi_client(make_app(data_dir)) as http:
+        api = Api(http)
+        job_id = await _running_job(api)
+        chunks = chunks_of(_bigger_batch(), max_bytes=8700)
+        assert len(chunks) >= 3
+        await _post(api, job_id, chunks[0])
+        response = await _post(api, job_id, chunks[-1])
+        body = response.json()
+        assert (response.status_code, body["code"], body["message"]) == (
+            409,
+            "chunk_group_missing_chunks",
+            "request chunk group is missing chunks",
+        )
+        assert body["missing_chunks"] == list(range(1, len(chunks) - 1))
+        for chunk in chunks[1:]:  # sending the missing ones completes the group
+            last = await _post(api, job_id, chunk)
+        assert "request_id" in last.json()
+
+
+async def test_chunked_result_delivery_pages_events_by_cursor(data_dir):
+    app = make_app(data_dir, result_chunk_bytes=20_000)
+    async with asgi_client(app) as http:
+        api = Api(http)
+        job_id = await _running_job(api)
+        batch = small_batch()
+        batch["kwargs"]["input_ids"] = batch["kwargs"]["input_ids"].repeat(16, 8)
+        batch["kwargs"] = {"input_ids": batch["kwargs"]["input_ids"]}
+        accepted = (
+            await api.post_frame(
+                job_id,
+                "forward",
+                {"kwargs": batch["kwargs"]},
+                op_metadata={"response_options": {"format": "dssst1", "delivery": "chunked"}},
+            )
+        ).json()
+        page = await api.poll(job_id, accepted["request_id"], max_events=1)
+        assert page["status"] == "done" and len(page["events"]) == 1 and page["next_cursor"] == "1"
+        assert page["events"][0]["type"] == "result_chunk" and page["result"] == {}
+        result = await api.result(job_id, accepted["request_id"])
+        assert tuple(result["logprobs"].shape) == (64, 56)
+        inline = await api.run(
+            job_id,
+            "POST",
+            "operation",
+            json={
+                "operation_type": "forward",
+                "payload": {"payload_b64": base64.b64encode(wire.encode({"kwargs": batch["kwargs"]})).decode()},
+            },
+        )
+        torch.testing.assert_close(inline["logprobs"], result["logprobs"])

@@ -1,0 +1,247 @@
+"""Job lifecycle, placement and request execution order (tests of icefloe.service.jobs)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+
+import pytest
+import torch
+from service_batches import small_batch
+from service_client import SAMPLING, TRAINING, Api
+from service_harness import asgi_client, make_app
+
+from icefloe.service.runtime import LocalEngineHost
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_create_with_missing_model_fails_naming_the_path(data_dir, tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    async with asgi_client(make_app(data_dir)) as http:
+        api = Api(http)
+        job_id = await api.create({**TRAINING, "model_name": missing})
+        job = await api.wait_status(job_id, "failed")
+        assert missing in job["reason"] and job["reason"].startswith("initializing failed")
+        assert (await api.call("GET", "/capacity")).json()["in_use_slots"] == 0
+
+
+async def test_cancel_is_idempotent_while_cancelling_and_conflicts_once_terminated(data_dir, monkeypatch):
+    release = threading.Event()
+    original_close = LocalEngineHost.close
+
+    def slow_close(self):  # fault: releasing the engines takes a while
+        release.wait(30)
+        original_close(self)
+
+    monkeypatch.setattr(LocalEngineHost, "close", slow_close)
+    async with asgi_client(make_app(data_dir)) as http:
+        api = Api(http)
+        job_id = await api.create(TRAINING)
+        await api.wait_status(job_id, "running")
+        assert (await api.call("POST", f"/{job_id}:cancel")).json()["status"] == "cancelling"
+        repeat = await api.call("POST", f"/{job_id}:cancel")
+        assert repeat.json() == {"job_id": job_id, "status": "cancelling"}
+        assert (await api.job(job_id))["status"] == "cancelling"
+        release.set()
+        await api.wait_status(job_id, "terminated")
+        late = await api.call("POST", f"/{job_id}:cancel", check=False)
+        assert (late.status_code, late.json()["code"]) == (409, "conflict")
+        assert "terminated" in late.json()["message"]
+
+
+async def test_job_waits_in_placing_until_slots_are_free(data_dir):
+    async with asgi_client(make_app(data_dir, slots=2)) as http:
+        api = Api(http)
+        first = await api.create(TRAINING, SAMPLING)
+        await api.wait_status(first, "running")
+        second = await api.create(TRAINING)
+        await asyncio.sleep(0.3)
+        assert (await api.job(second))["status"] == "placing"
+        logs = (await api.call("POST", f"/{second}/operation", json={"operation_type": "tail-logs"})).json()
+        assert logs["eof"] is False and any("placing" in e["msg"] for e in logs["entries"])
+        refused = await api.call("POST", f"/{second}/step", json={}, check=False)
+        assert refused.status_code == 409 and "placing" in refused.json()["message"]
+        await api.call("POST", f"/{first}:cancel")
+        await api.wait_status(second, "running")
+
+
+async def test_job_needing_more_slots_than_exist_is_refused(data_dir):
+    async with asgi_client(make_app(data_dir, slots=1)) as http:
+        response = await Api(http).call("POST", "/", json={"sub_job_configs": [TRAINING, SAMPLING]}, check=False)
+        assert (response.status_code, response.json()["code"]) == (400, "invalid_argument")
+        assert "needs 2 slots" in response.json()["message"]
+
+
+async def test_engine_crash_fails_the_job_with_its_reason(data_dir, monkeypatch):
+    def crash(self, sub_job_id, learning_rate):  # fault: the device went away mid-step
+        raise RuntimeError("device lost during optimizer step")
+
+    monkeypatch.setattr(LocalEngineHost, "step", crash)
+    async with asgi_client(make_app(data_dir)) as http:
+        api = Api(http)
+        job_id = await api.create(TRAINING)
+        await api.wait_status(job_id, "running")
+        request_id = (await api.call("POST", f"/{job_id}/step", json={})).json()["request_id"]
+        polled = await api.poll(job_id, request_id)
+        assert polled["status"] == "failed" and "device lost" in polled["error"]
+        job = await api.wait_status(job_id, "failed")
+        assert "device lost during optimizer step" in job["reason"] and f"{job_id}:training:0" in job["reason"]
+        assert (await api.call("GET", "/capacity")).json()["in_use_slots"] == 0
+
+
+async def test_bad_batch_fails_the_request_but_not_the_job(data_dir):
+    async with asgi_client(make_app(data_dir)) as http:
+        api = Api(http)
+        job_id = await api.create(TRAINING)
+        await api.wait_status(job_id, "running")
+        batch = small_batch()
+        batch["kwargs"]["input_ids"] = batch["kwargs"]["input_ids"] + 1000  # ids past the vocabulary
+        response = await api.post_frame(job_id, "forward-backward", batch, check=False)
+        assert (response.status_code, response.json()["code"]) == (400, "invalid_argument")
+        assert "kwargs.input_ids" in response.json()["message"]
+        assert (await api.job(job_id))["status"] == "running"
+
+
+async def test_requests_to_one_sub_job_run_in_submission_order(data_dir):
+    async with asgi_client(make_app(data_dir)) as http:
+        api = Api(http)
+        job_id = await api.create(TRAINING, SAMPLING)
+        await api.wait_status(job_id, "running")
+        before = (
+            await api.post_frame(job_id, "generate", {"prompts": [[1, 2]], "sampling_params": {"max_tokens": 2}})
+        ).json()
+        ids = []
+        for _ in range(3):  # submitted back to back, never awaited in between
+            ids.append((await api.post_frame(job_id, "forward-backward", small_batch())).json()["request_id"])
+            ids.append((await api.call("POST", f"/{job_id}/step", json={})).json()["request_id"])
+        sync = (await api.call("POST", f"/{job_id}/operation", json={"operation_type": "weight-sync"})).json()
+        after = (
+            await api.post_frame(job_id, "generate", {"prompts": [[1, 2]], "sampling_params": {"max_tokens": 2}})
+        ).json()
+        steps = [await api.result(job_id, rid) for rid in ids[1::2]]
+        assert [s["global_step"] for s in steps] == [1, 2, 3]
+        assert (await api.result(job_id, sync["request_id"]))["policy_version"] == 3
+        assert (await api.result(job_id, before["request_id"]))["results"][0]["policy_version"] == 0
+        assert (await api.result(job_id, after["request_id"]))["results"][0]["policy_version"] == 3
+
+
+async def test_concurrent_generates_to_one_sampler_are_coalesced(data_dir, monkeypatch):
+    gate, calls = threading.Event(), []
+    original = LocalEngineHost.generate
+
+    def gated_generate(self, sub_job_id, prompts, params):  # fault: the first batch is slow
+        calls.append(len(prompts))
+        if len(calls) == 1:
+            gate.wait(30)
+        return original(self, sub_job_id, prompts, params)
+
+    monkeypatch.setattr(LocalEngineHost, "generate", gated_generate)
+    async with asgi_client(make_app(data_dir)) as http:
+        api = Api(http)
+        job_id = await api.create(TRAINING, SAMPLING)
+        await api.wait_status(job_id, "running")
+        body = {"prompts": [[1, 2, 3]], "sampling_params": {"max_tokens": 3}}
+        first = (await api.post_frame(job_id, "generate", body)).json()["request_id"]
+        while not calls:
+            await asyncio.sleep(0.01)
+        queued = [(await api.post_frame(job_id, "generate", body)).json()["request_id"] for _ in range(3)]
+        gate.set()
+        results = [await api.result(job_id, rid) for rid in [first, *queued]]
+        assert calls == [1, 3]
+        assert all(len(r["results"]) == 1 for r in results)
+
+
+async def test_forward_on_a_log_probability_sub_job_matches_the_untrained_policy(data_dir):
+    reference = {"job_type": "log_probability", "model_name": "tiny:arith", "inference_config": {"max_seq_len": 64}}
+    async with asgi_client(make_app(data_dir)) as http:
+        api = Api(http)
+        job_id = await api.create(reference, TRAINING)
+        job = await api.wait_status(job_id, "running")
+        assert [s["sub_job_id"] for s in job["sub_jobs"]] == [f"{job_id}:log_prob:0", f"{job_id}:training:0"]
+        assert job["sub_jobs"][1]["training_config"]["optimizer"]["lr"] == 1e-3
+        outputs = {}
+        for kind in ("log_probability", "training"):
+            accepted = (await api.post_frame(job_id, "forward", small_batch(), params={"sub_job_type": kind})).json()
+            outputs[kind] = await api.result(job_id, accepted["request_id"])
+        torch.testing.assert_close(outputs["log_probability"]["logprobs"], outputs["training"]["logprobs"])
+        refused = await api.post_frame(job_id, "forward-backward", small_batch(), params={
+            "sub_job_id": f"{job_id}:log_prob:0"}, check=False)  # fmt: skip
+        assert (refused.status_code, refused.json()["code"]) == (400, "invalid_argument")
+
+
+async def test_long_poll_answers_when_the_request_finishes(data_dir, monkeypatch):
+    gate = threading.Event()
+    original = LocalEngineHost.step
+
+    def gated_step(self, sub_job_id, learning_rate):  # fault: a slow optimizer step
+        gate.wait(30)
+        return original(self, sub_job_id, learning_rate)
+
+    monkeypatch.setattr(LocalEngineHost, "step", gated_step)
+    async with asgi_client(make_app(data_dir)) as http:
+        api = Api(http)
+        job_id = await api.create(TRAINING)
+        await api.wait_status(job_id, "running")
+        request_id = (await api.call("POST", f"/{job_id}/step", json={})).json()["request_id"]
+        short = await api.poll(job_id, request_id, wait=0.2)
+        assert short["status"] in ("pending", "running") and short["result"] == {}
+        waiting = asyncio.ensure_future(api.poll(job_id, request_id, wait=30))
+        await asyncio.sleep(0.1)
+        assert not waiting.done()
+        gate.set()
+        done = await asyncio.wait_for(waiting, timeout=25)  # well inside its 30 s wait: woken, not timed out
+        assert done["status"] == "done" and done["result"]["global_step"] == 1
+
+
+async def test_cancel_request_cancels_only_requests_that_have_not_started(data_dir, monkeypatch):
+    gate = threading.Event()
+    original = LocalEngineHost.step
+
+    def gated_step(self, sub_job_id, learning_rate):  # fault: a slow optimizer step holds the queue
+        gate.wait(30)
+        return original(self, sub_job_id, learning_rate)
+
+    monkeypatch.setattr(LocalEngineHost, "step", gated_step)
+    async with asgi_client(make_app(data_dir)) as http:
+        api = Api(http)
+        job_id = await api.create(TRAINING)
+        await api.wait_status(job_id, "running")
+        running = (await api.call("POST", f"/{job_id}/step", json={})).json()["request_id"]
+        queued = (await api.call("POST", f"/{job_id}/step", json={})).json()["request_id"]
+        while (await api.poll(job_id, running, wait=0))["status"] != "running":
+            await asyncio.sleep(0.01)
+        answers = []
+        for request_id in (running, queued):
+            answers.append((await api.call("POST", f"/{job_id}/operation", json={
+                "operation_type": "cancel-request", "payload": {"request_id": request_id}})).json())  # fmt: skip
+        assert [(a["cancelled"], a["status"]) for a in answers] == [(False, "running"), (True, "cancelled")]
+        gate.set()
+        assert (await api.result(job_id, running))["global_step"] == 1
+        cancelled = await api.poll(job_id, queued)
+        assert cancelled["status"] == "cancelled" and "cancel-request" in cancelled["error"]
+        after = await api.run(job_id, "POST", "step", json={})
+        assert after["global_step"] == 2  # the cancelled step never ran
+
+
+async def test_engine_warnings_land_in_the_sub_jobs_log(data_dir, monkeypatch):
+    original = LocalEngineHost.step
+
+    def warning_step(self, sub_job_id, learning_rate):  # what an engine logs on its worker thread
+        logging.getLogger("icefloe.engines.training").warning("grad norm is not finite; update skipped")
+        return original(self, sub_job_id, learning_rate)
+
+    monkeypatch.setattr(LocalEngineHost, "step", warning_step)
+    async with asgi_client(make_app(data_dir)) as http:
+        api = Api(http)
+        job_id = await api.create(TRAINING, SAMPLING)
+        await api.wait_status(job_id, "running")
+        await api.run(job_id, "POST", "step", json={})
+        pages = {}
+        for kind in ("training", "sampling"):
+            body = {"operation_type": "tail-logs", "sub_job_type": kind}
+            pages[kind] = (await api.call("POST", f"/{job_id}/operation", json=body)).json()["entries"]
+        routed = [e for e in pages["training"] if e["logger"] == "icefloe.engines.training"]
+        assert [(e["level"], e["msg"]) for e in routed] == [("WARNING", "grad norm is not finite; update skipped")]
+        assert not [e for e in pages["sampling"] if e["logger"] == "icefloe.engines.training"]
