@@ -6,11 +6,12 @@ from icefloe.engines.models import load_causal_lm, load_tokenizer, resolve_model
 from icefloe.engines.sampling import SamplingEngine, VLLMSamplingEngine, build_sampling_engine
 from icefloe.engines.training import TrainingEngine, lr_multiplier, resolve_device
 from icefloe.engines.weight_sync import sync_weights_local
-from icefloe.engines.worker import RoleWorker
+from icefloe.engines.worker import RoleWorker, SyncGate
 
 __all__ = [
     "RoleWorker",
     "SamplingEngine",
+    "SyncGate",
     "TrainingEngine",
     "VLLMSamplingEngine",
     "build_sampling_engine",

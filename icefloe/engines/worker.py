@@ -17,7 +17,7 @@ from typing import Any
 
 from icefloe.protocol import ClientClosedError
 
-__all__ = ["RoleWorker"]
+__all__ = ["RoleWorker", "SyncGate"]
 
 
 @dataclass
@@ -140,3 +140,53 @@ class RoleWorker:
             return
         for job, result in zip(jobs, results, strict=True):
             job.future.set_result(result)
+
+
+class SyncGate:
+    """Lines a source worker up with its target workers for one copy between engines.
+
+    Submit :meth:`park` to every target worker and :meth:`run` to the source worker. The copy then
+    happens after all work queued earlier on every worker and before any work queued later, and
+    no target runs anything while the copy reads or writes its engine.
+
+    Args:
+        num_targets: how many ``park`` calls ``run`` waits for.
+        abandoned: polled while waiting; a non-empty string (the reason) stops the wait, so a job
+            that is shutting down never leaves a worker parked forever.
+    """
+
+    def __init__(
+        self, num_targets: int, *, abandoned: Callable[[], str | None] = lambda: None, tick_s: float = 0.05
+    ) -> None:
+        self._num_targets = num_targets
+        self._abandoned = abandoned
+        self._tick_s = tick_s
+        self._num_parked = 0
+        self._cond = threading.Condition()
+        self._released = threading.Event()
+
+    def park(self) -> None:
+        """Runs on a target worker: hold it until the copy is done (or abandoned)."""
+        with self._cond:
+            self._num_parked += 1
+            self._cond.notify_all()
+        while not self._released.wait(self._tick_s):
+            if self._abandoned():
+                return
+
+    def run(self, copy: Callable[[], Any]) -> Any:
+        """Runs on the source worker: wait for every target to park, copy, release them."""
+        try:
+            with self._cond:
+                while self._num_parked < self._num_targets:
+                    self._cond.wait(self._tick_s)
+                    reason = self._abandoned()
+                    if reason:
+                        raise ClientClosedError(f"weight sync abandoned: {reason}")
+            return copy()
+        finally:
+            self._released.set()
+
+    def release(self) -> None:
+        """Free parked targets without copying (the sync could not be queued)."""
+        self._released.set()

@@ -7,7 +7,6 @@ octet body run on a thread-pool thread (decoding a 60 MiB frame must not stall t
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from icefloe.protocol import (
     OP_SAVE,
     OP_STEP,
     OP_WEIGHT_SYNC,
+    ClientClosedError,
     InvalidRequestError,
     SamplingParams,
 )
@@ -43,7 +43,6 @@ __all__ = [
 ]
 
 _SAMPLING_KEYS = frozenset(SamplingParams.model_fields)
-_PARK_TICK_S = 0.05
 
 
 def submit_frame(manager: JobManager, job: LiveJob, op: str, body: bytes, *, sub_job_id: str | None) -> dict[str, Any]:
@@ -271,31 +270,26 @@ def submit_weight_sync(
         )
     if payload.weight_format == "lora":
         raise not_implemented("weight_format 'lora' needs LoRA adapters, which local engines do not train")
-    parked = {t: threading.Event() for t in targets}
-    released = threading.Event()
+    from icefloe.engines.worker import SyncGate
+
     sync_request: dict[str, str] = {}
 
-    def park(target: str) -> None:
-        parked[target].set()
-        while not released.wait(_PARK_TICK_S):
-            if job.stopping.is_set() or sync_request.get("id") in job.cancelled_requests:
-                return  # the sync will be skipped; do not hold the sampler
+    def abandoned() -> str | None:
+        if job.stopping.is_set():
+            return f"job {job.job_id} stopped before weight-sync could run"
+        if sync_request.get("id") in job.cancelled_requests:
+            return "the weight-sync request was cancelled"
+        return None
 
+    gate = SyncGate(len(targets), abandoned=abandoned)
     for target in targets:
-        job.workers[target].submit(park, target)
+        job.workers[target].submit(gate.park)
     host = job.host
     assert host is not None
 
-    def run() -> dict[str, Any]:
-        for target in targets:
-            while not parked[target].wait(_PARK_TICK_S):
-                if job.stopping.is_set():
-                    raise conflict(f"job {job.job_id} stopped before weight-sync could run")
+    def copy() -> dict[str, Any]:
         started = time.perf_counter()
-        try:
-            per_target = {t: host.sync_weights(source, t) for t in targets}
-        finally:
-            released.set()
+        per_target = {t: host.sync_weights(source, t) for t in targets}
         last = per_target[targets[-1]]
         return {
             "policy_version": last["policy_version"],
@@ -305,10 +299,16 @@ def submit_weight_sync(
             "targets": per_target,
         }
 
+    def run() -> dict[str, Any]:
+        try:
+            return gate.run(copy)
+        except ClientClosedError as exc:
+            raise conflict(str(exc)) from None
+
     try:
         sync_request["id"] = manager.submit(job, source, OP_WEIGHT_SYNC, run)
     except BaseException:
-        released.set()
+        gate.release()
         raise
     return sync_request["id"]
 

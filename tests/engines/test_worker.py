@@ -114,3 +114,39 @@ def test_close_finishes_queued_work_is_idempotent_and_refuses_new_work():
         worker.submit(lambda: None)
     with pytest.raises(ClientClosedError):
         worker.submit_batchable("k", 1, lambda items: items)
+
+
+def test_sync_gate_copies_between_earlier_and_later_work():
+    from icefloe.engines.worker import SyncGate
+
+    source, target = RoleWorker("source"), RoleWorker("target")
+    events: list[str] = []
+    try:
+        release_first = threading.Event()
+        target.submit(lambda: (release_first.wait(5), events.append("target-earlier")))
+        gate = SyncGate(1)
+        target.submit(gate.park)
+        copied = source.submit(gate.run, lambda: events.append("copy") or "copied")
+        later = target.submit(lambda: events.append("target-later"))
+        release_first.set()
+        assert copied.result(5) == "copied"
+        later.result(5)
+        assert events == ["target-earlier", "copy", "target-later"]
+    finally:
+        source.close()
+        target.close()
+
+
+def test_sync_gate_abandons_instead_of_hanging():
+    from icefloe.engines.worker import SyncGate
+
+    source = RoleWorker("source")
+    reason: list[str] = []
+    try:
+        gate = SyncGate(1, abandoned=lambda: reason[0] if reason else None, tick_s=0.01)
+        waiting = source.submit(gate.run, lambda: "never")
+        reason.append("job stopped")
+        with pytest.raises(ClientClosedError, match="job stopped"):
+            waiting.result(5)
+    finally:
+        source.close()

@@ -211,26 +211,14 @@ class LocalTransport(Transport):
         return out
 
     def _sync_weights(self) -> Future:
-        """Copy once both roles reach this point: after earlier training work, before later sampling work."""
-        from icefloe.engines import sync_weights_local
+        """Copy after earlier training work and before later sampling work (see ``SyncGate``)."""
+        from icefloe.engines import SyncGate, sync_weights_local
 
         if self.sampling is None:
             raise InvalidRequestError("sync_weights needs a sampling role; set num_sampling_workers=1 in the config")
-        sampler_parked, copied = threading.Event(), threading.Event()
-
-        def park_sampler() -> None:
-            sampler_parked.set()
-            copied.wait()
-
-        def copy_weights() -> dict[str, Any]:
-            try:
-                sampler_parked.wait()
-                return sync_weights_local(self.training, self.sampling)
-            finally:
-                copied.set()
-
-        self._worker("sampling").submit(park_sampler)
-        return self._worker("training").submit(copy_weights)
+        gate = SyncGate(1, abandoned=lambda: "the client was shut down" if self._closed else None)
+        self._worker("sampling").submit(gate.park)
+        return self._worker("training").submit(gate.run, lambda: sync_weights_local(self.training, self.sampling))
 
     # --- checkpoints -----------------------------------------------------------------------------
     def _checkpoint_dir(self, checkpoint_id: str) -> Path:
