@@ -127,6 +127,8 @@ class RayConfig(_Model):
     fsdp: bool = False  # shard parameters with FSDP2 instead of replicating them (DDP)
     collective_backend: Literal["auto", "gloo", "nccl"] = "auto"
     job_name: str | None = None  # named actors for re-attach; None = a fresh unique name
+    detached: bool = False  # actors outlive the process that created them (re-attach after it exits)
+    sync_bucket_mb: int = Field(64, gt=0)  # weight sync packs parameters into flat buckets of this size
 
 
 class RemoteConfig(BaseSettings):
@@ -164,6 +166,8 @@ class RemoteConfig(BaseSettings):
     )
     verify_ssl: bool = True
     max_retries: int = Field(10, ge=0)
+    retry_initial_s: float = Field(0.5, gt=0)  # first retry wait; doubles per attempt, plus jitter
+    retry_max_s: float = Field(10.0, gt=0)  # cap on one retry wait
     request_timeout_s: float = Field(1800.0, gt=0)  # one HTTP call
     poll_interval_s: float = Field(0.5, gt=0)
     poll_multiplier: float = Field(1.25, ge=1.0)
@@ -172,6 +176,9 @@ class RemoteConfig(BaseSettings):
     max_post_bytes: int = Field(62_914_560, gt=8192)  # per-POST cap of the training API (60 MiB)
     experiment_name: str | None = None
     cancel_on_shutdown: bool = True
+    # The service has no forward op: answer forward() with zero logprobs/entropy instead of raising.
+    # Sound only for on-policy, single-epoch GRPO without KL; integrations set it after their preflight.
+    allow_zero_logprobs: bool = False
 
     @model_validator(mode="after")
     def _where(self) -> RemoteConfig:

@@ -17,12 +17,18 @@ from typing import Any, Self
 from icefloe.client import ops
 from icefloe.client.transports import Transport, make_transport
 from icefloe.config import ClientConfig
-from icefloe.protocol import ClientClosedError, SamplingParams
+from icefloe.protocol import ClientClosedError, SamplingParams, UnsupportedOpError
 
 __all__ = ["AsyncClient", "Client"]
 
 Prompts = Sequence[Sequence[int] | str]
 Params = SamplingParams | Mapping[str, Any] | Sequence[SamplingParams | Mapping[str, Any]] | None
+
+# Roles do not share a disk on every backend; a silent no-op would leave the sampler on stale weights.
+_SAVE_WEIGHTS_POINTER = (
+    "save_weights(path) is not an op of any backend: use sync_weights() to move trainer weights into the "
+    "sampler, or save_checkpoint('weights-only') for a Hugging Face export"
+)
 
 
 class _State(enum.Enum):
@@ -141,6 +147,10 @@ class Client(_BaseClient):
         """Save; returns ``{checkpoint_id, global_step, path, kind}``."""
         return self._call(ops.save_checkpoint(kind))
 
+    def save_weights(self, path: str | None = None) -> dict[str, Any]:
+        """Refused on every backend (raises ``UnsupportedOpError``); see ``sync_weights`` / ``save_checkpoint``."""
+        raise UnsupportedOpError(_SAVE_WEIGHTS_POINTER)
+
     def load_checkpoint(self, checkpoint_id: str, *, source_job_id: str | None = None) -> dict[str, Any]:
         """Load a checkpoint into the training role."""
         return self._call(ops.load_checkpoint(checkpoint_id, source_job_id=source_job_id))
@@ -243,6 +253,10 @@ class AsyncClient(_BaseClient):
     async def save_checkpoint(self, kind: str = "resumable") -> dict[str, Any]:
         """Save; returns ``{checkpoint_id, global_step, path, kind}``."""
         return await self._call(ops.save_checkpoint(kind))
+
+    async def save_weights(self, path: str | None = None) -> dict[str, Any]:
+        """Refused on every backend (raises ``UnsupportedOpError``); see ``sync_weights`` / ``save_checkpoint``."""
+        raise UnsupportedOpError(_SAVE_WEIGHTS_POINTER)
 
     async def load_checkpoint(self, checkpoint_id: str, *, source_job_id: str | None = None) -> dict[str, Any]:
         """Load a checkpoint into the training role."""

@@ -50,6 +50,9 @@ def test_remote_client_import_stays_light():
         "from icefloe.client import Client\n"
         "from icefloe.config import ClientConfig\n"
         "from icefloe.client.transports import make_transport\n"
+        "client = Client(ClientConfig.build(backend={'type': 'remote', 'base_url': 'http://127.0.0.1:9'}))\n"
+        "assert type(client._transport).__name__ == 'RemoteTransport' and not client.closed\n"
+        "client.shutdown()  # never opened: no I/O, nothing to cancel\n"
         "for heavy in ('icefloe.engines', 'ray', 'vllm', 'transformers', 'fastapi'):\n"
         "    assert heavy not in sys.modules, heavy\n"
     )

@@ -18,14 +18,8 @@ def make_transport(config: ClientConfig, handle: dict[str, Any] | None = None) -
 
         return LocalTransport(config, handle=handle)
     if kind == "remote":
-        try:
-            from icefloe.client.transports.remote import RemoteTransport
-        except ModuleNotFoundError as exc:
-            if exc.name != "icefloe.client.transports.remote":
-                raise
-            from icefloe.protocol import ConfigError
+        from icefloe.client.transports.remote import RemoteTransport
 
-            raise ConfigError("backend.type='remote' is not available in this build yet") from None
         return RemoteTransport(config, handle=handle)
     if kind == "ray":
         try:
@@ -33,10 +27,6 @@ def make_transport(config: ClientConfig, handle: dict[str, Any] | None = None) -
         except ModuleNotFoundError as exc:
             if exc.name == "ray":
                 raise ImportError("backend.type='ray' needs Ray: pip install 'icefloe[ray]'") from None
-            if exc.name != "icefloe.client.transports.ray":
-                raise
-            from icefloe.protocol import ConfigError
-
-            raise ConfigError("backend.type='ray' is not available in this build yet") from None
+            raise
         return RayTransport(config, handle=handle)
     raise AssertionError(f"unreachable: backend type {kind!r} passed validation")

@@ -1,0 +1,165 @@
+"""The remote backend against the local one, and what concurrency and pipelining buy over HTTP.
+
+1. Demo loop: the GRPO recipe (``icefloe demo``'s loop) for ``--steps`` steps on ``local`` and on
+   ``remote`` (an ``icefloe serve`` subprocess on loopback), interleaved ``--repeats`` times; the
+   median seconds per RL step (first step dropped). ``ratio`` = remote ÷ local.
+2. Concurrency: ``--concurrency`` single-prompt ``generate`` calls gathered on one AsyncClient vs
+   one call holding all the prompts, interleaved. ``concurrency_ratio`` = gathered ÷ batched.
+3. Pipelining: ``fwd_bwd`` + ``step`` submitted back to back (gathered) vs each awaited before the
+   next is sent, per pair, interleaved. ``pipeline_ratio`` = pipelined ÷ awaited.
+
+Both sides use one torch thread. On a machine shared with other work the numbers are noisy; the
+interleaving spreads the noise over both sides alike.
+
+    python -m bench remote [--steps 12] [--warmup 3] [--repeats 2] [--concurrency 64] [--pairs 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+from icefloe.client import AsyncClient, build_batch
+from icefloe.config import ClientConfig
+from icefloe.recipes.grpo import GRPOConfig, run
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _service(data_dir: Path) -> Iterator[str]:
+    """``icefloe serve`` in its own process, as a user would run it."""
+    port = _free_port()
+    command = [sys.executable, "-m", "icefloe.cli", "serve", "--port", str(port), "--data-dir", str(data_dir)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one torch thread, like this process: a fair comparison
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                    break
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"icefloe serve did not come up on {base_url}")
+            time.sleep(0.2)
+        yield base_url
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+
+
+def _demo_step_s(backend: str, base_url: str, out_dir: Path, steps: int, warmup: int) -> float:
+    config = GRPOConfig(
+        name=f"bench-{backend}",
+        out_dir=out_dir,
+        steps=steps,
+        warmup_steps=warmup,
+        backend=backend,
+        base_url=base_url if backend == "remote" else None,
+    )
+    rows = asyncio.run(run(config))
+    return statistics.median(row["seconds"] for row in rows[1:])
+
+
+async def _concurrency(config: ClientConfig, width: int, rounds: int) -> tuple[list[float], list[float]]:
+    prompts = [[1 + (i % 12), 2 + (i % 11), 3] for i in range(width)]
+    params = {"max_tokens": 4, "seed": 3}
+    gathered, batched = [], []
+    async with AsyncClient(config) as client:
+        await client.generate(prompts, params)  # warm the sampler and the connection pool
+        await asyncio.gather(*(client.generate([p], params) for p in prompts))
+        for _ in range(rounds):
+            started = time.perf_counter()
+            await asyncio.gather(*(client.generate([p], params) for p in prompts))
+            gathered.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            await client.generate(prompts, params)
+            batched.append(time.perf_counter() - started)
+    return gathered, batched
+
+
+async def _pipelining(config: ClientConfig, pairs: int) -> tuple[list[float], list[float]]:
+    batch = build_batch([[3, 4, 5]] * 8, [[6, 7, 8, 9]] * 8, [1.0, -1.0] * 4, pad_id=0)
+    pipelined, awaited = [], []
+    async with AsyncClient(config) as client:
+        await asyncio.gather(client.fwd_bwd(batch), client.step())
+        for _ in range(pairs):
+            started = time.perf_counter()
+            await asyncio.gather(client.fwd_bwd(batch), client.step())
+            pipelined.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            await client.fwd_bwd(batch)
+            await client.step()
+            awaited.append(time.perf_counter() - started)
+    return pipelined, awaited
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench remote", description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3, help="supervised warm-up steps of the recipe")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--pairs", type=int, default=20)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from icefloe.cli import _quiet_transformers
+
+    torch.set_num_threads(1)
+    _quiet_transformers()
+    with (
+        tempfile.TemporaryDirectory(prefix="bench-remote-") as tmp,
+        _service(Path(tmp) / "serve") as base_url,
+    ):
+        step_s: dict[str, list[float]] = {"local": [], "remote": []}
+        for _ in range(args.repeats):
+            for backend in ("local", "remote"):
+                step_s[backend].append(
+                    _demo_step_s(backend, base_url, Path(tmp) / "runs", args.steps, args.warmup)
+                )
+        remote = ClientConfig.build(model="tiny:arith", backend={"type": "remote", "base_url": base_url})
+        gathered, batched = asyncio.run(_concurrency(remote, args.concurrency, args.rounds))
+        pipelined, awaited = asyncio.run(_pipelining(remote, args.pairs))
+
+    local_s, remote_s = statistics.median(step_s["local"]), statistics.median(step_s["remote"])
+    table = Table(title=f"remote backend (torch {torch.__version__}, CPU; shared machine: noisy)")
+    for column in ("measure", "baseline", "candidate", "ratio"):
+        table.add_column(column, justify="right" if column != "measure" else "left")
+    rows = [
+        ("demo step s (local → remote)", local_s, remote_s),
+        (
+            f"generate s ({args.concurrency} prompts: 1 call → {args.concurrency} calls)",
+            statistics.median(batched),
+            statistics.median(gathered),
+        ),
+        ("fwd_bwd+step s (awaited → pipelined)", statistics.median(awaited), statistics.median(pipelined)),
+    ]
+    for name, base, cand in rows:
+        table.add_row(name, f"{base:.4f}", f"{cand:.4f}", f"{cand / base:.3f}")
+    Console().print(table)
+    print(
+        f"bench=remote ratio={remote_s / local_s:.3f} concurrency_ratio={rows[1][2] / rows[1][1]:.3f} "
+        f"pipeline_ratio={rows[2][2] / rows[2][1]:.3f}"
+    )

@@ -1,0 +1,149 @@
+"""Reading the service's error bodies and turning HTTP failures into icefloe errors.
+
+The training API answers errors in several shapes: ``{code, message}``, ``{error}``, FastAPI's
+``{detail}``, and front-door wrappers that embed the backend's JSON inside a message string. The
+chunk-group codes can sit anywhere in that nesting, so :func:`find_error_code` searches dicts,
+lists and JSON embedded in strings (to a fixed depth). Every text that leaves here passes through
+:class:`Redactor`, so a PAT never reaches an exception or a log line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+from typing import Any, Final
+
+from icefloe.protocol import (
+    CHUNK_GROUP_CODES,
+    CODE_CHUNK_GROUP_CONFLICT,
+    CODE_CHUNK_GROUP_MISSING_CHUNKS,
+    CODE_CHUNK_GROUP_RESTART_REQUIRED,
+    ChunkGroupConflictError,
+    ChunkGroupMissingChunksError,
+    ChunkGroupRestartError,
+    RequestFailedError,
+)
+
+__all__ = ["MAX_SEARCH_DEPTH", "Redactor", "error_from_response", "error_message", "find_error_code"]
+
+MAX_SEARCH_DEPTH: Final = 8
+_LEGACY_MISSING_CHUNKS_MESSAGE: Final = "request chunk group is missing chunks"
+_GROUP_ERRORS: Final[dict[str, type[RequestFailedError]]] = {
+    CODE_CHUNK_GROUP_RESTART_REQUIRED: ChunkGroupRestartError,
+    CODE_CHUNK_GROUP_CONFLICT: ChunkGroupConflictError,
+    CODE_CHUNK_GROUP_MISSING_CHUNKS: ChunkGroupMissingChunksError,
+}
+_HTTP_LOGGERS: Final = ("httpx", "httpcore.connection", "httpcore.http11", "httpcore.http2", "httpcore.proxy")
+
+
+def _embedded_json(text: str) -> Any:
+    """The JSON value inside ``text`` (whole, or from its first brace), or None."""
+    for start in (0, text.find("{"), text.find("[")):
+        if start < 0:
+            continue
+        try:
+            return json.loads(text[start:])
+        except ValueError:
+            try:  # "...: {json} trailing words" — decode the first complete value only
+                return json.JSONDecoder().raw_decode(text[start:])[0]
+            except ValueError:
+                continue
+    return None
+
+
+def _walk(value: Any, depth: int = 0) -> Iterable[dict[str, Any]]:
+    """Every dict inside ``value``, outermost first, including JSON embedded in strings."""
+    if depth > MAX_SEARCH_DEPTH:
+        return
+    if isinstance(value, dict):
+        yield value
+        for item in value.values():
+            yield from _walk(item, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _walk(item, depth + 1)
+    elif isinstance(value, str) and ("{" in value or "[" in value):
+        found = _embedded_json(value)
+        if isinstance(found, dict | list):
+            yield from _walk(found, depth + 1)
+
+
+def find_error_code(body: Any) -> str | None:
+    """The most specific error code in ``body``: a chunk-group code anywhere wins over an outer code."""
+    outer = None
+    for node in _walk(body):
+        code = node.get("code")
+        if isinstance(code, str) and code in CHUNK_GROUP_CODES:
+            return code
+        if node.get("message") == _LEGACY_MISSING_CHUNKS_MESSAGE and "chunk_group_id" in node:
+            return CODE_CHUNK_GROUP_MISSING_CHUNKS
+        if outer is None and isinstance(code, str) and code:
+            outer = code
+    return outer
+
+
+def error_message(body: Any, fallback: str) -> str:
+    """A one-line human message from any of the error shapes, else ``fallback``."""
+    if isinstance(body, dict):
+        for key in ("message", "error", "detail"):
+            value = body.get(key)
+            if isinstance(value, str) and value:
+                return value
+            if isinstance(value, list) and value:  # FastAPI validation: [{loc, msg, type}]
+                parts = [
+                    f"{'.'.join(str(p) for p in item.get('loc', ()))}: {item.get('msg', '')}"
+                    if isinstance(item, dict)
+                    else str(item)
+                    for item in value
+                ]
+                return "; ".join(parts)
+            if isinstance(value, dict):
+                return error_message(value, fallback)
+    if isinstance(body, str) and body.strip():
+        return body.strip()
+    return fallback
+
+
+def error_from_response(
+    status_code: int, body: Any, *, what: str, request_id: str | None, redactor: Redactor
+) -> RequestFailedError:
+    """The typed error for a non-2xx answer: chunk-group errors by code, else ``RequestFailedError``."""
+    code = find_error_code(body)
+    message = redactor(f"{what} failed: {error_message(body, f'HTTP {status_code}')}")
+    category = "user" if 400 <= status_code < 500 and status_code != 429 else "server"
+    error_class = _GROUP_ERRORS.get(code or "", RequestFailedError)
+    return error_class(message, category=category, status_code=status_code, code=code, request_id=request_id)
+
+
+class Redactor:
+    """Replaces every registered secret with ``***`` in text, and in the HTTP libraries' log records."""
+
+    def __init__(self, secrets: Iterable[str] = ()) -> None:
+        self._secrets = tuple(s for s in secrets if s)
+
+    def __call__(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """``logging.Filter`` protocol: scrub the formatted message, keep the record."""
+        if self._secrets:
+            message = record.getMessage()
+            cleaned = self(message)
+            if cleaned != message:
+                record.msg, record.args = cleaned, None
+        return True
+
+    def install(self) -> None:
+        """Attach to the httpx / httpcore loggers (idempotent per redactor)."""
+        if self._secrets:
+            for name in _HTTP_LOGGERS:
+                logger = logging.getLogger(name)
+                if self not in logger.filters:
+                    logger.addFilter(self)
+
+    def uninstall(self) -> None:
+        for name in _HTTP_LOGGERS:
+            logging.getLogger(name).removeFilter(self)

@@ -1,0 +1,240 @@
+"""Jobs on the service: the create body built from a ClientConfig, waiting for ``running``, sub-job ids.
+
+Also the capability probe: ``icefloe serve`` advertises its ops and extensions at
+``GET {prefix}/capabilities``; the managed endpoint has no such route (it answers 404), so a 404
+means "managed" and the transport assumes the managed endpoint's fixed op set.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from icefloe.client.remote.exchange import Call, Exchange, Retry, Sleep
+from icefloe.client.remote.polling import Backoff
+from icefloe.config import ClientConfig
+from icefloe.protocol import (
+    JOB_TERMINAL_STATES,
+    OP_CANCEL,
+    OP_DELETE_CHECKPOINT,
+    OP_FWD_BWD,
+    OP_GENERATE,
+    OP_GET_CHECKPOINT,
+    OP_LIST_CHECKPOINTS,
+    OP_LOAD,
+    OP_RESET_PREFIX_CACHE,
+    OP_SAVE,
+    OP_STEP,
+    OP_WEIGHT_SYNC,
+    IcefloeTimeoutError,
+    JobFailedError,
+    normalize_job_state,
+)
+
+__all__ = [
+    "MANAGED_OPS",
+    "JobRef",
+    "ServiceInfo",
+    "create_job",
+    "job_create_body",
+    "probe_service",
+    "sub_jobs_of",
+    "wait_running",
+]
+
+_log = logging.getLogger("icefloe.client.remote")
+
+# What the managed endpoint executes (it has no forward, sleep or wake).
+MANAGED_OPS: Final = frozenset(
+    {
+        OP_FWD_BWD,
+        OP_STEP,
+        OP_GENERATE,
+        OP_WEIGHT_SYNC,
+        OP_SAVE,
+        OP_LOAD,
+        OP_LIST_CHECKPOINTS,
+        OP_GET_CHECKPOINT,
+        OP_DELETE_CHECKPOINT,
+        OP_RESET_PREFIX_CACHE,
+        OP_CANCEL,
+    }
+)
+# Capability names that differ from the op constants.
+_CAPABILITY_ALIASES: Final = {"export-checkpoint": OP_GET_CHECKPOINT}
+_ENGINE_KWARGS_SET_BY_API: Final = ("max_model_len", "tensor_parallel_size")  # the API sets these itself
+_SEGMENTS: Final = {"training": "training", "sampling": "sampling", "log_probability": "log_prob"}
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceInfo:
+    """What the service at the other end offers."""
+
+    managed: bool  # True = the managed endpoint (no /capabilities)
+    ops: frozenset[str]
+    long_poll: bool = False
+    idempotency_keys: bool = False
+    max_post_bytes: int | None = None
+    max_long_poll_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class JobRef:
+    """A job and its sub-job ids by type (``training``, ``sampling``, ``log_probability``)."""
+
+    job_id: str
+    sub_jobs: dict[str, list[str]] = field(default_factory=dict)
+
+    def first(self, job_type: str) -> str | None:
+        ids = self.sub_jobs.get(job_type) or []
+        return ids[0] if ids else None
+
+
+def probe_service() -> Exchange[ServiceInfo]:
+    """``GET /capabilities``; a 4xx there means the managed endpoint."""
+    reply = yield Call("GET", "/capabilities", "capabilities", accept=frozenset({400, 404, 405}))
+    body = reply.body if isinstance(reply.body, Mapping) else None
+    if reply.status_code >= 400 or body is None or "ops" not in body:
+        return ServiceInfo(managed=True, ops=MANAGED_OPS)
+    ops = frozenset(_CAPABILITY_ALIASES.get(str(op), str(op)) for op in body.get("ops") or ())
+    extensions = body.get("extensions") or {}
+    limits = body.get("limits") or {}
+    return ServiceInfo(
+        managed=False,
+        ops=ops,
+        long_poll=bool(extensions.get("long_poll")),
+        idempotency_keys=bool(extensions.get("idempotency_keys")),
+        max_post_bytes=int(limits["max_post_bytes"]) if limits.get("max_post_bytes") else None,
+        max_long_poll_s=float(limits["max_long_poll_s"]) if limits.get("max_long_poll_s") else None,
+    )
+
+
+def job_create_body(config: ClientConfig, experiment_name: str | None = None) -> dict[str, Any]:
+    """The create-job body: sampling / log_probability sub-jobs first, training last (the NCCL root)."""
+    _warn_unmapped_knobs(config)
+    common = {"model_name": config.model, "seed": config.seed, "dtype": config.dtype}
+    inference = {"max_seq_len": config.max_seq_len}
+    engine_kwargs = {
+        k: v for k, v in config.sampling.engine_kwargs.items() if k not in _ENGINE_KWARGS_SET_BY_API
+    }
+    subs: list[dict[str, Any]] = []
+    if config.num_sampling_workers > 0:
+        sampling = {**inference, "n_gpus": config.num_sampling_workers}
+        if engine_kwargs:
+            sampling["vllm_config"] = engine_kwargs
+        subs.append({"job_type": "sampling", **common, "inference_config": sampling})
+    if config.num_log_prob_workers > 0:
+        subs.append(
+            {
+                "job_type": "log_probability",
+                **common,
+                "inference_config": {**inference, "n_gpus": config.num_log_prob_workers},
+            }
+        )
+    optimizer = config.training.optimizer
+    training = {
+        "optimizer": {
+            "name": "AdamW",
+            "lr": optimizer.lr,
+            "betas": list(optimizer.betas),
+            "eps": optimizer.eps,
+            "weight_decay": optimizer.weight_decay,
+        },
+        "max_seq_len": config.max_seq_len,
+        "train_batch_size": config.num_training_workers,  # one sequence per rank per micro-step; batches vary
+        "n_gpus": config.num_training_workers,
+        "gradient_clipping": config.training.grad_clip,
+    }
+    subs.append({"job_type": "training", **common, "training_config": training})
+    body: dict[str, Any] = {"sub_job_configs": subs}
+    if experiment_name:
+        body["experiment_name"] = experiment_name
+    return body
+
+
+def _warn_unmapped_knobs(config: ClientConfig) -> None:
+    """The training API has no field for these; say so instead of ignoring them silently."""
+    training = config.training
+    ignored = []
+    if training.micro_batch_tokens:
+        ignored.append("training.micro_batch_tokens")
+    if training.gradient_checkpointing:
+        ignored.append("training.gradient_checkpointing")
+    if training.checkpoint_dir is not None:
+        ignored.append("training.checkpoint_dir")
+    if config.sampling.engine != "auto":
+        ignored.append("sampling.engine")
+    if ignored:
+        _log.warning(
+            "backend.type='remote' ignores %s: the training API has no such field", ", ".join(ignored)
+        )
+
+
+def create_job(body: dict[str, Any], *, idempotent: bool) -> Exchange[str]:
+    """POST the create body; retried fully only when the service honours idempotency keys."""
+    retry = Retry.TRANSIENT if idempotent else Retry.CONNECT_ONLY
+    reply = yield Call("POST", "", "create job", json=body, idempotency_key=str(uuid.uuid4()), retry=retry)
+    job_id = (reply.body or {}).get("job_id") if isinstance(reply.body, Mapping) else None
+    if not job_id:
+        raise JobFailedError(
+            "<none>", "not created", f"create job answered without a job_id: {reply.body!r:.200}"
+        )
+    return str(job_id)
+
+
+def _job_object(body: Any) -> dict[str, Any]:
+    if isinstance(body, Mapping) and isinstance(body.get("job"), Mapping) and "status" not in body:
+        return dict(body["job"])  # some front doors wrap the job
+    return dict(body) if isinstance(body, Mapping) else {}
+
+
+def _job_type(value: Any) -> str:
+    text = str(value or "").strip().lower().removeprefix("job_type_")
+    return "log_probability" if text in ("log_prob", "logprob", "log_probs") else text
+
+
+def sub_jobs_of(job_id: str, job: Mapping[str, Any], expected: Mapping[str, int]) -> dict[str, list[str]]:
+    """Sub-job ids by type from a job object; missing ones follow ``{job_id}:{segment}:{index}``."""
+    found: dict[str, list[str]] = {}
+    for sub in job.get("sub_jobs") or ():
+        if isinstance(sub, Mapping) and sub.get("sub_job_id"):
+            found.setdefault(_job_type(sub.get("job_type")), []).append(str(sub["sub_job_id"]))
+    for job_type, count in expected.items():
+        if count and not found.get(job_type):
+            found[job_type] = [f"{job_id}:{_SEGMENTS[job_type]}:{i}" for i in range(count)]
+    return found
+
+
+def wait_running(job_id: str, *, backoff: Backoff, timeout_s: float) -> Exchange[dict[str, Any]]:
+    """Poll ``GET /{job_id}`` until ``running``.
+
+    Raises:
+        JobFailedError: a terminal state, with the job's ``reason`` and every sub-job's status.
+        IcefloeTimeoutError: not running after ``timeout_s``.
+    """
+    deadline = time.monotonic() + timeout_s
+    sleeps = backoff.sleeps(deadline)
+    status = "unknown"
+    while True:
+        reply = yield Call("GET", f"/{job_id}", "wait for job")
+        job = _job_object(reply.body)
+        status = normalize_job_state(job.get("status", "unknown"))
+        if status == "running":
+            return job
+        if status in JOB_TERMINAL_STATES:
+            sub_status = {
+                str(sub.get("sub_job_id")): normalize_job_state(sub.get("status", "unknown"))
+                for sub in job.get("sub_jobs") or ()
+                if isinstance(sub, Mapping)
+            }
+            raise JobFailedError(job_id, status, str(job.get("reason") or ""), sub_status)
+        if time.monotonic() >= deadline:
+            raise IcefloeTimeoutError(
+                f"job {job_id} is still {status} after {timeout_s:g} s; managed endpoints cold-start in "
+                "minutes, raise job_ready_timeout_s to wait longer"
+            )
+        yield Sleep(next(sleeps))

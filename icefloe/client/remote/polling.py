@@ -1,0 +1,145 @@
+"""Waiting on the service: the backoff schedule, request polling and result decoding.
+
+A request's result arrives in one of three forms (plain JSON, an inline DSSST1 envelope, or
+``result_chunk`` events drained by cursor). When the service advertises long polling, each poll
+asks it to hold the answer (``?wait=``); otherwise polls back off 0.5 s × 1.25 up to 6 s. No sleep
+runs past the deadline, and a passed deadline raises :class:`IcefloeTimeoutError`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from icefloe import wire
+from icefloe.client.remote.exchange import Call, Exchange, Reply, Sleep
+from icefloe.config import RemoteConfig
+from icefloe.protocol import (
+    REQUEST_FAILURE_STATES,
+    REQUEST_SUCCESS_STATES,
+    IcefloeTimeoutError,
+    RequestFailedError,
+    normalize_request_state,
+)
+
+__all__ = ["Backoff", "decode_result", "poll_request", "tensor_kind"]
+
+_LONG_POLL_SLACK_S = 10.0  # the HTTP timeout of a long poll exceeds its wait by this much
+
+
+@dataclass(frozen=True, slots=True)
+class Backoff:
+    """Polling intervals: ``initial_s``, then ×``multiplier`` per idle poll, capped at ``max_s``."""
+
+    initial_s: float = 0.5
+    multiplier: float = 1.25
+    max_s: float = 6.0
+
+    @classmethod
+    def from_config(cls, backend: RemoteConfig) -> Backoff:
+        return cls(
+            backend.poll_interval_s,
+            backend.poll_multiplier,
+            max(backend.poll_max_interval_s, backend.poll_interval_s),
+        )
+
+    def intervals(self) -> Iterator[float]:
+        interval = self.initial_s
+        while True:
+            yield interval
+            interval = min(interval * self.multiplier, self.max_s)
+
+    def sleeps(self, deadline: float) -> Iterator[float]:
+        """Intervals clipped so that no sleep ends after ``deadline`` (a ``time.monotonic`` value)."""
+        for interval in self.intervals():
+            yield max(0.0, min(interval, deadline - time.monotonic()))
+
+
+def tensor_kind() -> str:
+    """Decode result tensors as torch when it is installed (a light install gets numpy)."""
+    return "torch" if importlib.util.find_spec("torch") is not None else "numpy"
+
+
+def _is_inline_envelope(result: Any) -> bool:
+    return isinstance(result, Mapping) and "payload_b64" in result and "wire_format" in result
+
+
+def decode_result(result: Any, chunk_events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The result dict from collected result chunks, an inline envelope, or plain JSON (empty → ``{}``)."""
+    if chunk_events:
+        decoded = wire.decode(wire.join_result_events(chunk_events), tensors=tensor_kind())
+        if not isinstance(decoded, dict):
+            raise RequestFailedError(f"result chunks decoded to {type(decoded).__name__}, expected a dict")
+        return decoded
+    if _is_inline_envelope(result):
+        return wire.decode_inline_result(dict(result), tensors=tensor_kind())
+    if result is None or result == {}:
+        return {}
+    if not isinstance(result, Mapping):
+        return {"result": result}
+    return dict(result)
+
+
+def poll_request(
+    job_id: str,
+    request_id: str,
+    *,
+    what: str,
+    backoff: Backoff,
+    timeout_s: float,
+    long_poll_s: float = 0.0,
+) -> Exchange[dict[str, Any]]:
+    """Poll ``GET /{job_id}/requests/{request_id}`` until it finishes; return the decoded result.
+
+    Raises:
+        RequestFailedError: the request failed or was cancelled (message = the service's error).
+        IcefloeTimeoutError: ``timeout_s`` passed; the request may still run on the service.
+    """
+    deadline = time.monotonic() + timeout_s
+    sleeps = backoff.sleeps(deadline)
+    events: list[dict[str, Any]] = []
+    cursor = ""
+    path = f"/{job_id}/requests/{request_id}"
+    while True:
+        remaining = deadline - time.monotonic()
+        params: dict[str, Any] = {}
+        timeout = None
+        if cursor:
+            params["cursor"] = cursor
+        elif long_poll_s > 0 and remaining > 0:
+            wait = min(long_poll_s, remaining)
+            params["wait"] = f"{wait:.3f}"
+            timeout = wait + _LONG_POLL_SLACK_S
+        asked_at = time.monotonic()
+        reply: Reply = yield Call(
+            "GET", path, f"{what} (poll {request_id})", params=params, timeout_s=timeout
+        )
+        held_s = time.monotonic() - asked_at
+        body = reply.body if isinstance(reply.body, Mapping) else {}
+        new_events = [
+            e for e in body.get("events") or () if isinstance(e, Mapping) and e.get("type") == "result_chunk"
+        ]
+        events.extend(dict(e) for e in new_events)
+        next_cursor = str(body.get("next_cursor") or "")
+        if next_cursor:  # more chunks queued: drain at once, status is read once drained
+            cursor = next_cursor
+            continue
+        status = normalize_request_state(body.get("status", ""))
+        if status in REQUEST_SUCCESS_STATES:
+            return decode_result(body.get("result"), events)
+        if status in REQUEST_FAILURE_STATES:
+            error = str(body.get("error") or f"request {status}")
+            raise RequestFailedError(f"{what} {status}: {error}", category="server", request_id=request_id)
+        if time.monotonic() >= deadline:
+            raise IcefloeTimeoutError(
+                f"{what}: request {request_id} of job {job_id} still {status or 'pending'} after "
+                f"{timeout_s:g} s; it may still run on the service (raise backend.request_timeout_s to wait "
+                "longer)"
+            )
+        if new_events:
+            continue  # a chunk arrived without a cursor: the rest is ready, re-poll at once
+        if timeout is None or held_s < 0.1 * (timeout - _LONG_POLL_SLACK_S):
+            yield Sleep(next(sleeps))  # no long poll, or the service answered early without holding it

@@ -1,0 +1,103 @@
+"""Error bodies of every shape the training API produces, and the PAT redactor."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+
+from icefloe.client.remote.errors import Redactor, error_from_response, error_message, find_error_code
+from icefloe.protocol import (
+    ChunkGroupConflictError,
+    ChunkGroupMissingChunksError,
+    ChunkGroupRestartError,
+    RequestFailedError,
+)
+
+_GS_WRAPPED = {
+    "code": "517604",
+    "message": "Cortex training forwardBackward failed: ZMD returned 409: "
+    + json.dumps(
+        {"detail": {"code": "chunk_group_restart_required", "message": "restart", "chunk_group_id": "g"}}
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("body", "code"),
+    [
+        ({"code": "invalid_argument", "message": "bad"}, "invalid_argument"),
+        ({"detail": {"code": "chunk_group_conflict", "chunk_group_id": "g"}}, "chunk_group_conflict"),
+        (_GS_WRAPPED, "chunk_group_restart_required"),
+        (
+            {"message": "request chunk group is missing chunks", "chunk_group_id": "g"},
+            "chunk_group_missing_chunks",
+        ),
+        ({"error": "target is not a training sub-job"}, None),
+        ({"detail": [{"loc": ["body", "x"], "msg": "field required", "type": "missing"}]}, None),
+        ("plain text", None),
+    ],
+)
+def test_find_error_code_searches_nested_and_embedded_json(body, code):
+    assert find_error_code(body) == code
+
+
+def test_find_error_code_stops_at_depth_eight():
+    body: object = {"code": "chunk_group_conflict"}
+    for _ in range(12):
+        body = {"wrapped": json.dumps(body)}
+    assert find_error_code(body) is None
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"code": "x", "message": "the message"}, "the message"),
+        ({"error": "load target missing"}, "load target missing"),
+        ({"detail": "Not Found"}, "Not Found"),
+        ({"detail": [{"loc": ["body", "prompts"], "msg": "field required"}]}, "body.prompts: field required"),
+        (None, "HTTP 500"),
+    ],
+)
+def test_error_message_reads_every_shape(body, message):
+    assert error_message(body, "HTTP 500") == message
+
+
+@pytest.mark.parametrize(
+    ("body", "error_class"),
+    [
+        (_GS_WRAPPED, ChunkGroupRestartError),
+        ({"code": "chunk_group_conflict", "message": "m"}, ChunkGroupConflictError),
+        (
+            {"message": "request chunk group is missing chunks", "chunk_group_id": "g"},
+            ChunkGroupMissingChunksError,
+        ),
+        ({"code": "conflict", "message": "job is pending"}, RequestFailedError),
+    ],
+)
+def test_error_from_response_types_chunk_group_errors(body, error_class):
+    error = error_from_response(409, body, what="forward-backward", request_id="r1", redactor=Redactor())
+    assert type(error) is error_class
+    assert error.status_code == 409 and error.category == "user" and error.request_id == "r1"
+
+
+def test_error_from_response_marks_429_and_5xx_as_server_side():
+    assert error_from_response(429, {}, what="x", request_id=None, redactor=Redactor()).category == "server"
+    assert error_from_response(503, {}, what="x", request_id=None, redactor=Redactor()).category == "server"
+
+
+def test_redactor_scrubs_messages_and_http_logs(caplog):
+    secret = "pat-SECRET-123"
+    redactor = Redactor([secret])
+    error = error_from_response(
+        401, {"message": f"token {secret} rejected"}, what="x", request_id=None, redactor=redactor
+    )
+    assert secret not in str(error)
+    redactor.install()
+    try:
+        with caplog.at_level(logging.DEBUG, logger="httpx"):
+            logging.getLogger("httpx").info("header Authorization: Bearer %s", secret)
+    finally:
+        redactor.uninstall()
+    assert secret not in caplog.text and "***" in caplog.text

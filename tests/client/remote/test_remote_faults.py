@@ -1,0 +1,189 @@
+"""Fault injection between the client and a real service: retries never execute an op twice, never hang.
+
+Counts come from the service's own SQLite store (one row per executed request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from remote_faults import Faults, Rule
+
+from icefloe.client import AsyncClient, Client, build_batch
+from icefloe.client.transports.remote import RemoteTransport
+from icefloe.protocol import (
+    ChunkGroupConflictError,
+    ChunkGroupMissingChunksError,
+    ChunkGroupRestartError,
+    IcefloeTimeoutError,
+    RequestFailedError,
+)
+
+_JOB = r"/cortex-training/[0-9a-f-]+"
+
+
+def _client(service, faults: Faults, **backend) -> Client:
+    config = service.config(**backend)
+    return Client(config, transport=RemoteTransport(config, wrap_http_transport=faults.wrap))
+
+
+def _big_batch(rows: int = 8, width: int = 64) -> dict:
+    """A batch whose DSSST1 frame spans several request chunks at a small POST cap."""
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 14, (4,), generator=generator).tolist() for _ in range(rows)]
+    responses = [torch.randint(1, 14, (width - 4,), generator=generator).tolist() for _ in range(rows)]
+    return build_batch(prompts, responses, [float(i % 2) - 0.5 for i in range(rows)], pad_id=0)
+
+
+def test_remote_lost_responses_are_retried_exactly_once(service):
+    faults = Faults(
+        Rule("POST", r"/cortex-training/?$", "drop_response"),  # create job
+        Rule("POST", _JOB + "/forward-backward$", "drop_response"),
+        Rule("POST", _JOB + "/step$", "drop_response"),
+        Rule("POST", _JOB + "/generate$", "drop_response"),
+        Rule("POST", _JOB + "/operation$", "drop_response"),  # weight-sync
+        Rule("GET", _JOB + "/requests/", "drop_response", times=2),
+    )
+    jobs_before = len(service.app.state.db.fetch_all("SELECT job_id FROM jobs"))
+    with _client(service, faults) as client:
+        client.fwd_bwd(build_batch([[3, 4]], [[5, 6]], [1.0], pad_id=0))
+        assert client.step()["global_step"] == 1
+        assert len(client.generate([[1, 2, 3]], {"max_tokens": 2, "seed": 0})) == 1
+        assert client.sync_weights()["policy_version"] == 1
+        counts = service.request_counts(client._transport.job_id)
+    assert all(rule.hits == rule.times for rule in faults.rules)
+    assert counts == {"forward-backward": 1, "step": 1, "generate": 1, "weight-sync": 1}
+    assert len(service.app.state.db.fetch_all("SELECT job_id FROM jobs")) == jobs_before + 1
+
+
+def test_remote_503_and_429_before_and_after_the_service_acted(service):
+    faults = Faults(
+        Rule("POST", _JOB + "/step$", "status:503", times=2),
+        Rule("POST", _JOB + "/step$", "status_after:503"),
+        Rule("GET", _JOB + "/requests/", "status:429", times=3),
+        Rule("POST", _JOB + "/forward-backward$", "status_after:502"),
+    )
+    with _client(service, faults) as client:
+        client.fwd_bwd(build_batch([[3, 4]], [[5, 6]], [1.0], pad_id=0))
+        assert client.step()["global_step"] == 1
+        assert client.step()["global_step"] == 2
+        counts = service.request_counts(client._transport.job_id)
+    assert counts == {"forward-backward": 1, "step": 2}
+
+
+def test_remote_chunk_upload_cut_midway_resumes_without_double_execution(service):
+    faults = Faults(
+        Rule("POST", _JOB + "/forward-backward$", "cut_upload", skip=2),
+        Rule("POST", _JOB + "/forward-backward$", "drop_response", skip=1),
+    )
+    with _client(service, faults, max_post_bytes=12_000) as client:
+        result = client.fwd_bwd(_big_batch())
+        counts = service.request_counts(client._transport.job_id)
+    assert faults.rules[0].hits == 1 and faults.rules[1].hits == 1
+    assert result["num_tokens"] > 0 and counts == {"forward-backward": 1}
+
+
+def test_remote_lost_chunk_group_is_replayed_once_from_chunk_zero(service):
+    faults = Faults(Rule("POST", _JOB + "/forward-backward$", "swallow_chunk"))
+    with _client(service, faults, max_post_bytes=12_000) as client:
+        assert "loss" in client.fwd_bwd(_big_batch())
+        counts = service.request_counts(client._transport.job_id)
+    assert counts == {"forward-backward": 1}
+
+
+def test_remote_second_group_restart_raises_a_typed_error(service):
+    # chunk 0 is swallowed on the first try and on the replay: the service never learns the group.
+    faults = Faults(
+        Rule("POST", _JOB + "/forward-backward$", "swallow_chunk"),
+        Rule("POST", _JOB + "/forward-backward$", "swallow_chunk", skip=1),
+    )
+    with _client(service, faults, max_post_bytes=12_000) as client:
+        with pytest.raises(ChunkGroupRestartError) as info:
+            client.fwd_bwd(_big_batch())
+        assert info.value.status_code == 409 and info.value.code == "chunk_group_restart_required"
+        assert service.request_counts(client._transport.job_id) == {}
+
+
+def test_remote_missing_and_conflicting_chunks_raise_typed_errors_without_retry(service):
+    faults = Faults(
+        Rule("POST", _JOB + "/forward-backward$", "swallow_chunk", skip=1),
+        Rule("POST", _JOB + "/forward-backward$", "rehash_chunk", skip=4),
+    )
+    with _client(service, faults, max_post_bytes=12_000) as client:
+        batch = _big_batch()
+        with pytest.raises(ChunkGroupMissingChunksError) as missing:
+            client.fwd_bwd(batch)  # chunk 1 never arrives; the final one does
+        with pytest.raises(ChunkGroupConflictError) as conflict:
+            client.fwd_bwd(batch)  # a chunk of the next group names another frame
+        assert service.request_counts(client._transport.job_id) == {}
+    assert (missing.value.status_code, conflict.value.status_code) == (409, 409)
+    assert missing.value.code == "chunk_group_missing_chunks"
+    assert conflict.value.code == "chunk_group_conflict"
+
+
+def test_remote_persistent_failures_end_in_typed_errors_not_hangs(service):
+    faults = Faults(
+        Rule("POST", _JOB + "/step$", "status:503", times=3),
+        Rule("POST", _JOB + "/generate$", "timeout", times=3),
+    )
+    with _client(service, faults, max_retries=2) as client:
+        with pytest.raises(RequestFailedError) as info:
+            client.step()
+        assert info.value.status_code == 503 and info.value.category == "server"
+        with pytest.raises(IcefloeTimeoutError):
+            client.generate([[1, 2]], {"max_tokens": 2})
+        assert service.request_counts(client._transport.job_id) == {}
+
+
+def test_remote_async_retries_lost_responses_exactly_once(service):
+    faults = Faults(
+        Rule("POST", _JOB + "/forward-backward$", "drop_response", times=2),
+        Rule("POST", _JOB + "/step$", "drop_response"),
+    )
+    config = service.config()
+
+    async def run() -> dict[str, int]:
+        transport = RemoteTransport(config, wrap_http_transport=faults.wrap)
+        async with AsyncClient(config, transport=transport) as client:
+            batch = build_batch([[3, 4]], [[5, 6]], [1.0], pad_id=0)
+            await asyncio.gather(client.fwd_bwd(batch), client.fwd_bwd(batch))
+            assert (await client.step())["global_step"] == 1
+            return service.request_counts(transport.job_id)
+
+    assert asyncio.run(run()) == {"forward-backward": 2, "step": 1}
+
+
+def test_remote_pipelined_ops_reach_the_service_in_call_order(service):
+    """Regression: fwd_bwd and step sent at once raced on two connections; a slow upload let step go first."""
+    faults = Faults(Rule("POST", _JOB + "/forward-backward$", "delay", times=2))
+    config = service.config()
+
+    async def run() -> list[dict]:
+        transport = RemoteTransport(config, wrap_http_transport=faults.wrap)
+        async with AsyncClient(config, transport=transport) as client:
+            batch = build_batch([[3, 4, 5]], [[6, 7]], [1.0], pad_id=0)
+            first = await asyncio.gather(client.fwd_bwd(batch), client.step())
+            second = await asyncio.gather(
+                client.fwd_bwd(batch),
+                client.step(),
+                client.sync_weights(),
+                client.generate([[1, 2]], {"max_tokens": 2}),
+            )
+            rows = service.app.state.db.fetch_all(
+                "SELECT op FROM requests WHERE job_id = ? ORDER BY created_at, rowid", (transport.job_id,)
+            )
+            assert [row["op"] for row in rows] == [
+                "forward-backward",
+                "step",
+                "forward-backward",
+                "step",
+                "weight-sync",
+                "generate",
+            ]
+            return [first[1], second[1]]
+
+    steps = asyncio.run(run())
+    assert all(s["grad_norm"] and s["grad_norm"] > 0 for s in steps)
+    assert faults.rules[0].hits == 2  # both uploads were held back, and still went first
