@@ -1,7 +1,7 @@
 """``icefloe serve --engines ray``: a job's engines as Ray actors instead of in-process engines.
 
 Implements the :class:`icefloe.service.runtime.EngineHost` methods over the actor groups of
-``icefloe.client.transports.ray_actors``: a training sub-job with ``n_gpus`` slots becomes ``n``
+``icefloe.engines.ray_actors``: a training sub-job with ``n_gpus`` slots becomes ``n``
 data-parallel ranks, a sampling sub-job one sampler replica, a log-probability sub-job one
 reference rank. Each sub-job reserves its own placement group. Weight sync between a training and
 a sampling sub-job is a broadcast on a process group created the first time that pair syncs.
@@ -52,7 +52,7 @@ class RayEngineHost:
     def start(self, on_progress: Callable[[str], None]) -> None:
         import ray
 
-        from icefloe.client.transports import ray_actors
+        from icefloe.engines import ray_actors
         from icefloe.engines.models import resolve_model
 
         if not ray.is_initialized():
@@ -109,7 +109,7 @@ class RayEngineHost:
         return self._group(sub_job_id).generate(prompts, params)
 
     def sync_weights(self, source_sub_job_id: str, target_sub_job_id: str) -> dict[str, Any]:
-        from icefloe.client.transports import ray_actors
+        from icefloe.engines import ray_actors
 
         trainers, samplers = self._group(source_sub_job_id), self._group(target_sub_job_id)
         config = self._config(self._specs[source_sub_job_id])

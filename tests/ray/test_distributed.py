@@ -1,0 +1,179 @@
+"""Sharding, reduction, bucketing and the weight broadcast of ``icefloe.engines.distributed`` (no Ray).
+
+The broadcast test runs two gloo ranks as threads of this process; the FSDP test spawns two
+processes, since each needs its own default process group.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from icefloe.client.batch import build_batch  # noqa: E402
+from icefloe.config import ClientConfig  # noqa: E402
+from icefloe.engines.batch import validate_batch  # noqa: E402
+from icefloe.engines.distributed import (  # noqa: E402
+    WeightBroadcast,
+    combine_fwd_bwd,
+    concat_forward,
+    plan_buckets,
+    shard_rows,
+    weight_layout,
+)
+from icefloe.engines.models import resolve_model  # noqa: E402
+from icefloe.engines.training import TrainingEngine  # noqa: E402
+
+
+def make_frame(num_rows: int, seed: int = 0) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [[1 + (i % 5), 2, 3][: 2 + i % 2] for i in range(num_rows)]
+    responses = [[int(t) for t in torch.randint(3, 18, (2 + i % 4,), generator=generator)] for i in range(num_rows)]
+    advantages = [float(a) for a in torch.randn(num_rows, generator=generator)]
+    return validate_batch(build_batch(prompts, responses, advantages, pad_id=0))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return resolve_model("tiny:arith", seed=7, cache_dir=tmp_path_factory.mktemp("models"))
+
+
+def test_shard_rows_fixes_global_normalisers_before_splitting():
+    frame = make_frame(5)
+    shards, real_rows = shard_rows(frame, 2)
+    assert real_rows == [2, 3]
+    total_tokens = int(frame["context"]["loss_mask"].sum())
+    for shard in shards:
+        assert shard["processing"]["config"]["batch_num_tokens"] == total_tokens
+        assert shard["processing"]["config"]["global_batch_size"] == 5
+    joined = torch.cat([s["kwargs"]["input_ids"] for s in shards])
+    assert torch.equal(joined, frame["kwargs"]["input_ids"])
+
+
+def test_shard_rows_keeps_caller_normalisers():
+    frame = make_frame(3)
+    frame["processing"]["config"] = {"batch_num_tokens": 100, "global_batch_size": 12}
+    shards, _ = shard_rows(frame, 3)
+    assert {s["processing"]["config"]["batch_num_tokens"] for s in shards} == {100}
+    assert {s["processing"]["config"]["global_batch_size"] for s in shards} == {12}
+
+
+def test_shard_rows_pads_a_rank_without_rows_with_a_zero_weight_row():
+    frame = make_frame(1)
+    shards, real_rows = shard_rows(frame, 2)
+    assert real_rows == [0, 1]
+    assert shards[0]["kwargs"]["input_ids"].shape[0] == 1
+    assert float(shards[0]["context"]["loss_mask"].sum()) == 0.0
+    assert float(shards[0]["context"]["advantages"].abs().sum()) == 0.0
+
+
+def test_combine_fwd_bwd_sums_losses_and_token_weights_metrics():
+    results = [
+        {"loss": 0.25, "metrics": {"loss": 0.25, "entropy": 1.0}, "num_tokens": 1},
+        {"loss": 0.5, "metrics": {"loss": 0.5, "entropy": 4.0}, "num_tokens": 3},
+    ]
+    combined = combine_fwd_bwd(results)
+    assert combined["loss"] == pytest.approx(0.75)
+    assert combined["metrics"]["entropy"] == pytest.approx((1.0 * 1 + 4.0 * 3) / 4)  # not (1 + 4) / 2
+    assert combined["num_tokens"] == 4
+
+
+def test_concat_forward_drops_padding_rows():
+    parts = [{"logprobs": torch.zeros(1, 3)}, {"logprobs": torch.ones(2, 3)}]
+    joined = concat_forward(parts, [0, 2])
+    assert torch.equal(joined["logprobs"], torch.ones(2, 3))
+
+
+def test_plan_buckets_caps_bytes_and_splits_dtypes():
+    named = [
+        ("a", torch.zeros(10)),
+        ("b", torch.zeros(10)),
+        ("c", torch.zeros(30)),
+        ("d", torch.zeros(4, dtype=torch.float16)),
+    ]
+    buckets = plan_buckets(weight_layout(named), bucket_bytes=80)
+    assert [[e.name for e in bucket] for bucket in buckets] == [["a", "b"], ["c"], ["d"]]
+
+
+def test_weight_broadcast_copies_every_tensor_in_place_with_the_version():
+    torch.manual_seed(0)
+    source = {"w1": torch.randn(7, 5), "w2": torch.randn(33), "w3": torch.randn(2, 2, dtype=torch.float64)}
+    target = {name: torch.zeros_like(t) for name, t in source.items()}
+    pointers = {name: t.data_ptr() for name, t in target.items()}
+    layout = weight_layout(source.items())
+    port = free_port()
+    outcome: dict[str, object] = {}
+
+    def load(views, *, policy_version):
+        for name, view in views:
+            target[name].copy_(view)
+        return 0
+
+    def receiver():
+        link = WeightBroadcast("127.0.0.1", port, 1, 2)
+        outcome["received"] = link.receive(layout, load, bucket_bytes=64)
+
+    thread = threading.Thread(target=receiver)
+    thread.start()
+    sender = WeightBroadcast("127.0.0.1", port, 0, 2)
+    sent = sender.send(source.items(), 9, bucket_bytes=64)
+    thread.join(timeout=60)
+    received_bytes, version = outcome["received"]
+    assert version == 9 and sent == received_bytes == sum(t.numel() * t.element_size() for t in source.values())
+    for name, tensor in source.items():
+        assert torch.equal(target[name], tensor)
+        assert target[name].data_ptr() == pointers[name]
+
+
+def _fsdp_rank(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from icefloe.engines.distributed import DataParallelTrainingEngine
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        config = ClientConfig.build(model=model_dir, max_seq_len=48, training={"optimizer": {"lr": 1e-3}})
+        engine = DataParallelTrainingEngine(config, model_dir=Path(model_dir), fsdp=True)
+        shard = shard_rows(make_frame(5), 2)[0][rank]
+        result = engine.fwd_bwd(shard)
+        step = engine.step()
+        weights = {name: t.clone() for name, t in engine.named_weights()}
+        if rank == 0:
+            torch.save({"result": result, "step": step, "weights": weights}, Path(out_dir) / "fsdp.pt")
+        else:
+            torch.save({"result": result}, Path(out_dir) / "fsdp1.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_dp2_matches_one_engine(model_dir, tmp_path):
+    import torch.multiprocessing as mp
+
+    args = (free_port(), str(model_dir), str(tmp_path))
+    mp.start_processes(_fsdp_rank, args=args, nprocs=2, join=True, start_method="fork")
+    rank0 = torch.load(tmp_path / "fsdp.pt", weights_only=True)
+    rank1 = torch.load(tmp_path / "fsdp1.pt", weights_only=True)
+
+    torch.set_num_threads(1)
+    config = ClientConfig.build(model=str(model_dir), max_seq_len=48, training={"optimizer": {"lr": 1e-3}})
+    single = TrainingEngine(config, model_dir=model_dir)
+    expected = single.fwd_bwd(make_frame(5))
+    expected_step = single.step()
+
+    combined = combine_fwd_bwd([rank0["result"], rank1["result"]])
+    assert combined["loss"] == pytest.approx(expected["loss"], abs=1e-5)
+    assert rank0["step"]["grad_norm"] == pytest.approx(expected_step["grad_norm"], rel=1e-5)
+    for name, tensor in single.named_weights():
+        torch.testing.assert_close(rank0["weights"][name], tensor, atol=1e-5, rtol=0)
