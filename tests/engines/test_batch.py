@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_batches import make_batch
+from .engine_batches import make_batch
 from torch.testing import assert_close
 
 from icefloe.engines.batch import shifted_token_logprobs, split_micro_batches, validate_batch

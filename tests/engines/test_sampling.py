@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_batches import make_config
+from .engine_batches import make_config
 
 from icefloe.engines.sampling import SamplingEngine, build_sampling_engine
 from icefloe.protocol import InvalidRequestError, SamplingParams

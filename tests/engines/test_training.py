@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from engine_batches import make_batch, make_config, random_rows
+from .engine_batches import make_batch, make_config, random_rows
 from torch.testing import assert_close
 
 from icefloe.config import ScheduleConfig

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from engine_batches import make_batch, make_config, random_rows
+from .engine_batches import make_batch, make_config, random_rows
 from torch.testing import assert_close
 
 from icefloe.engines.sampling import SamplingEngine

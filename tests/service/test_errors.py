@@ -6,8 +6,8 @@ import json
 import pickle
 
 import pytest
-from service_client import PREFIX, SAMPLING, TRAINING, Api
-from service_harness import asgi_client, make_app
+from .service_client import PREFIX, SAMPLING, TRAINING, Api
+from .service_harness import asgi_client, make_app
 
 from icefloe import wire
 

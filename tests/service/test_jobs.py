@@ -8,9 +8,9 @@ import threading
 
 import pytest
 import torch
-from service_batches import small_batch
-from service_client import SAMPLING, TRAINING, Api
-from service_harness import asgi_client, make_app
+from .service_batches import small_batch
+from .service_client import SAMPLING, TRAINING, Api
+from .service_harness import asgi_client, make_app
 
 from icefloe.service.runtime import LocalEngineHost
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from service_client import PREFIX, TRAINING, Api
-from service_harness import asgi_client, make_app, uvicorn_client
+from .service_client import PREFIX, TRAINING, Api
+from .service_harness import asgi_client, make_app, uvicorn_client
 
 pytestmark = pytest.mark.anyio
 

@@ -6,8 +6,8 @@ import asyncio
 import json
 
 import pytest
-from service_client import SAMPLING, TRAINING, Api
-from service_harness import asgi_client, make_app
+from .service_client import SAMPLING, TRAINING, Api
+from .service_harness import asgi_client, make_app
 
 pytestmark = pytest.mark.anyio
 

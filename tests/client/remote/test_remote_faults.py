@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 import torch
-from remote_faults import Faults, Rule
+from .remote_faults import Faults, Rule
 
 from icefloe.client import AsyncClient, Client, build_batch
 from icefloe.client.transports.remote import RemoteTransport

@@ -11,7 +11,7 @@ import asyncio
 import math
 
 import pytest
-import skyrl_arith_env  # noqa: F401  (registers the env in this process too, for re-scoring)
+from . import skyrl_arith_env  # noqa: F401  (registers the env in this process too, for re-scoring)
 import torch
 
 from icefloe.client import Client
@@ -42,7 +42,7 @@ def cfg(make_cfg, tmp_path):
         "trainer.icefloe.device=cpu",
         "trainer.icefloe.dtype=float32",
         "trainer.icefloe.scoring_workers=1",
-        "trainer.icefloe.env_modules=[skyrl_arith_env]",
+        "trainer.icefloe.env_modules=[tests.integrations.skyrl.skyrl_arith_env]",
     )
 
 
@@ -142,7 +142,7 @@ def tiny_client(tmp_path_factory):
 
 
 def _skyrl_batch(tokenizer, prompts_text, responses_text):
-    from skyrl_standins import TrainingInputBatch, convert_prompts_responses_to_batch_tensors
+    from .skyrl_standins import TrainingInputBatch, convert_prompts_responses_to_batch_tensors
 
     prompts = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts_text]
     responses = [tokenizer(r, add_special_tokens=False)["input_ids"] for r in responses_text]

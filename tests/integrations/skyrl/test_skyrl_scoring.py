@@ -12,7 +12,7 @@ GSM8K_PROMPT = [{"role": "user", "content": "What is 40 + 2?"}]
 @pytest.fixture(scope="module")
 def pool():
     """One pool for the module: spawning workers costs seconds; it also knows the custom test env."""
-    with ScoringPool(2, ["skyrl_arith_env"]) as shared:
+    with ScoringPool(2, ["tests.integrations.skyrl.skyrl_arith_env"]) as shared:
         yield shared
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-import verl_standins
+from . import verl_standins
 
 _PLUGIN = "icefloe.integrations.verl"
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import verl_standins
+from . import verl_standins
 
 
 def test_register_populates_backend_worker_and_replica(load_plugin) -> None:
