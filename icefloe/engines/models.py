@@ -14,6 +14,7 @@ import os
 import shutil
 import string
 import tempfile
+import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,8 @@ TINY_PREFIX = "tiny:"
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 # Bump when the way a preset is turned into files changes, so stale cache folders are not reused.
 _BUILD_FORMAT = 1
+# torch's default generator is process-wide: two threads seeding and drawing at once would mix streams.
+_INIT_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -175,9 +178,7 @@ def _char_tokenizer(alphabet: str):
     core = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()  # characters join back without separators
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK)
 
 
 def _tiny_model(preset: TinyPreset, tokenizer, *, seed: int):
@@ -199,7 +200,7 @@ def _tiny_model(preset: TinyPreset, tokenizer, *, seed: int):
     )
     # Initialise under a private RNG state so the weights depend on the seed alone, not on what
     # the calling process drew before.
-    with torch.random.fork_rng(devices=[]):
+    with _INIT_LOCK, torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen3ForCausalLM(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id

@@ -84,9 +84,29 @@ def test_resolve_model_missing_directory_names_the_field(tmp_path):
 
 
 def test_resolve_model_directory_without_config_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match="has no config.json"):
+    with pytest.raises(ConfigError, match=r"has no config\.json"):
         resolve_model(str(tmp_path))
 
 
 def test_resolve_model_accepts_a_saved_directory_as_is(arith_dir):
     assert resolve_model(str(arith_dir), seed=99) == arith_dir
+
+
+def test_resolve_model_concurrent_builders_agree(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    shared = tmp_path / "shared"
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        paths = list(pool.map(lambda _: resolve_model("tiny:arith", seed=1, cache_dir=shared), range(3)))
+    assert len(set(paths)) == 1
+    assert sorted(p.name for p in shared.iterdir()) == [paths[0].name]  # no staging folder left behind
+    alone = resolve_model("tiny:arith", seed=1, cache_dir=tmp_path / "alone")
+    assert (paths[0] / "model.safetensors").read_bytes() == (alone / "model.safetensors").read_bytes()
+
+
+def test_resolve_model_bench_preset_is_bigger_and_reads_text(tmp_path):
+    path = resolve_model("tiny:bench", cache_dir=tmp_path)
+    model = load_causal_lm(path)
+    assert (model.config.hidden_size, model.config.num_hidden_layers) == (384, 4)
+    tokenizer = load_tokenizer(path)
+    assert tokenizer.decode(tokenizer("Hello, world!").input_ids) == "Hello, world!"

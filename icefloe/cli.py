@@ -1,0 +1,178 @@
+"""The ``icefloe`` command line: one function per command on one typer app.
+
+Heavy modules (torch, the engines, the recipes) are imported inside the commands, so importing
+this module, or running ``icefloe --help``, stays light.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.console import Console
+
+if TYPE_CHECKING:
+    from icefloe.recipes.grpo import GRPOConfig
+
+__all__ = ["app", "run_demo"]
+
+app = typer.Typer(
+    name="icefloe",
+    help="A training-and-sampling backend for LLM reinforcement learning.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+console = Console()
+
+SUMMARY_WINDOW = 10  # steps averaged for the start and end rewards of the demo's summary line
+
+
+@app.callback()
+def _root() -> None:
+    """Keep subcommands explicit: ``icefloe demo``, never a bare ``icefloe`` that runs one."""
+
+
+@app.command()
+def demo(
+    steps: Annotated[int, typer.Option(min=1, help="GRPO steps after the warm-up.")] = 150,
+    seed: Annotated[int, typer.Option(help="Seeds the model, the problems and the sampler.")] = 0,
+    name: Annotated[str, typer.Option(help="Run name: results go to OUT_DIR/NAME/.")] = "demo",
+    backend: Annotated[
+        str, typer.Option(help="local (engines in this process) or remote (ICEFLOE_REMOTE_*, else a local serve).")
+    ] = "local",
+    out_dir: Annotated[Path, typer.Option(help="Parent folder of run folders.")] = Path("runs"),
+) -> None:
+    """Teach a tiny model addition with GRPO and print how its reward rose."""
+    if backend not in ("local", "remote"):
+        raise typer.BadParameter(f"must be local or remote; got {backend!r}", param_hint="--backend")
+    run_demo(steps=steps, seed=seed, name=name, backend=backend, out_dir=out_dir)
+
+
+def run_demo(
+    *, steps: int = 150, seed: int = 0, name: str = "demo", backend: str = "local", out_dir: Path = Path("runs")
+) -> list[dict[str, Any]]:
+    """Run the GRPO recipe with a progress bar and print one summary line; returns the metric rows.
+
+    The summary's start reward is the mean of the first 10 RL steps, its end the mean of the last 10.
+    """
+    from icefloe.recipes.grpo import GRPOConfig
+
+    _quiet_transformers()
+    with _demo_service(backend) as base_url:
+        config = GRPOConfig(name=name, out_dir=out_dir, seed=seed, steps=steps, backend=backend, base_url=base_url)
+        return _run_demo(config)
+
+
+@contextlib.contextmanager
+def _demo_service(backend: str) -> Iterator[str | None]:
+    """For ``--backend remote`` with no service configured, a local ``icefloe serve`` on a free port."""
+    from icefloe.config import ClientConfig
+
+    configured = ClientConfig.from_env(backend={"type": "remote"}).backend if backend == "remote" else None
+    if configured is None or configured.base_url or configured.host:
+        yield None
+        return
+    from icefloe.service.app import ServerThread, create_app
+    from icefloe.service.settings import ServeSettings
+
+    with contextlib.ExitStack() as stack:
+        data_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="icefloe-demo-serve-"))
+        base_url = stack.enter_context(ServerThread(create_app(ServeSettings(data_dir=Path(data_dir), port=0))))
+        console.print(f"demo: started icefloe serve at {base_url} (data in {data_dir})", highlight=False)
+        yield base_url
+
+
+def _run_demo(config: GRPOConfig) -> list[dict[str, Any]]:
+    import asyncio
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from icefloe.recipes.grpo import run, summarize
+
+    name, out_dir, seed, steps = config.name, config.out_dir, config.seed, config.steps
+    started = time.perf_counter()
+    columns = (
+        TextColumn("[bold]GRPO[/] {task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("reward {task.fields[reward]:.2f}  loss {task.fields[loss]:+.3f}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=False) as progress:
+        bar = progress.add_task(f"{config.model} seed {seed}", total=steps, reward=0.0, loss=0.0)
+
+        def advance(row: dict[str, Any]) -> None:
+            progress.update(bar, advance=1, reward=row["reward"], loss=row["loss"])
+
+        history = asyncio.run(run(config, on_step=advance))
+    seconds = time.perf_counter() - started
+    start, end = summarize(history, window=SUMMARY_WINDOW)
+    metrics = out_dir / name / "metrics.jsonl"
+    console.print(
+        f"demo: reward {start:.2f} → {end:.2f} over {len(history)} steps in {seconds:.1f} s ({metrics})",
+        highlight=False,
+        soft_wrap=True,  # one line at any terminal width, so scripts can grep it
+    )
+    return history
+
+
+@app.command()
+def serve(
+    host: Annotated[str, typer.Option(help="Interface to bind; loopback unless you mean to expose it.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port.")] = 8321,
+    data_dir: Annotated[Path, typer.Option(help="Where job records, logs, results and checkpoints live.")] = Path(
+        "serve-data"
+    ),
+    token: Annotated[
+        list[str] | None, typer.Option(help="Bearer token callers must send (repeatable; also ICEFLOE_SERVE_TOKENS).")
+    ] = None,
+    slots: Annotated[int, typer.Option(min=1, help="CPU slots to hand out when there is no GPU.")] = 4,
+    engines: Annotated[
+        str, typer.Option(help="Where job engines run: local (this process) or ray (Ray actors).")
+    ] = "local",
+    address: Annotated[
+        str | None, typer.Option(help="With --engines ray: the Ray cluster to join ('auto' = the running one).")
+    ] = None,
+) -> None:
+    """Run the training-API service (`icefloe serve`) that remote clients point their base URL at."""
+    from icefloe.protocol import ConfigError
+    from icefloe.service.app import serve as run_service
+    from icefloe.service.settings import ServeSettings
+
+    try:
+        settings = ServeSettings.from_env(
+            data_dir=data_dir, host=host, port=port, tokens=token or [], slots=slots, engines=engines,
+            ray_address=address,
+        )  # fmt: skip
+        if address is not None and settings.engines != "ray":
+            raise ConfigError("--address names a Ray cluster; it needs --engines ray")
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    auth = f"bearer auth on ({len(settings.tokens)} token(s))" if settings.auth_enabled else "no auth"
+    if not settings.auth_enabled and host not in ("127.0.0.1", "localhost", "::1"):
+        console.print(f"[yellow]warning: {host} is reachable from other machines and no --token is set[/yellow]")
+    console.print(f"icefloe serve: base URL [bold]http://{host}:{port}[/bold] ({auth}; data in {data_dir})")
+    console.print(f"  remote clients: ICEFLOE_REMOTE_BASE_URL=http://{host}:{port}")
+    if settings.engines == "ray":
+        import ray
+
+        ray.init(address=settings.ray_address, namespace="icefloe-serve", include_dashboard=False, log_to_driver=False)
+        console.print(f"  engines: Ray actors on {ray.get_runtime_context().gcs_address}")
+    run_service(settings)
+
+
+def _quiet_transformers() -> None:
+    """Silence transformers' load/save progress bars, which would break up the demo's own bar."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    logging.set_verbosity_error()
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,240 @@
+"""GRPO on the arithmetic task through the public client API: what ``icefloe demo`` runs.
+
+Each step samples ``group_size`` completions for each of ``problems_per_step`` prompts, scores
+them, turns each group's rewards into advantages (mean-centred, divided by the group's std), and
+trains on them with ``fwd_bwd`` + ``step`` submitted back to back, then syncs the sampler. Lists
+are named by what they index: ``_P`` problems, ``_G`` members of one group, ``_R`` flat rows.
+
+A tiny model from random weights almost never writes a correct sum, and GRPO alone stalls near
+reward 0.1 (measured over 400 steps). A short supervised warm-up (``warmup_steps``, the
+``cross_entropy`` loss) first teaches the answer format and a little arithmetic, leaving the
+reward near 0.1; the reward reported per step is that of the RL steps only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from icefloe.recipes.tasks import ArithmeticTask, Problem
+
+__all__ = ["GRPOConfig", "group_advantages", "main", "run", "summarize"]
+
+
+class GRPOConfig(BaseModel):
+    """Everything one run reads; the defaults are the demo (seed 0: reward 0.10 → 0.98 in 150 steps).
+
+    Learning speed varies with the seed: seeds 1-4 end between 0.72 and 0.92 after 150 steps.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "demo"  # the run folder: <out_dir>/<name>/
+    out_dir: Path = Path("runs")
+    seed: int = 0  # seeds the model weights, the problems, the sampler and minibatch order
+    model: str = "tiny:arith"
+    backend: Literal["local", "remote"] = "local"  # remote: ICEFLOE_REMOTE_* from the environment
+    base_url: str | None = None  # remote: the service's URL; None = ICEFLOE_REMOTE_* from the environment
+    steps: int = Field(150, gt=0)  # RL steps (each: generate, train, sync)
+    problems_per_step: int = Field(48, gt=0)
+    group_size: int = Field(16, gt=1)  # samples per problem; advantages are relative within a group
+    max_tokens: int = Field(3, gt=0)  # the longest answer (two digits) plus EOS
+    temperature: float = Field(1.0, gt=0)
+    lr: float = Field(2.5e-3, gt=0)
+    lr_schedule: Literal["constant", "cosine"] = "cosine"  # cosine decays to min_lr_ratio·lr by the last step
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    num_minibatches: int = Field(8, gt=0)  # optimizer steps per RL step, each on a slice of the groups
+    eps_clip: float = Field(0.2, gt=0)
+    eps_clip_higher: float = Field(0.2, gt=0)  # upper clip; above eps_clip lets rare right answers rise faster
+    entropy_coeff: float = Field(0.1, ge=0)  # at step 1, falling linearly to 0 at the last step
+    warmup_steps: int = Field(15, ge=0)  # supervised steps before RL; 0 = RL from the random model
+    warmup_batch_size: int = Field(64, gt=0)
+    warmup_lr: float = Field(1e-2, gt=0)
+    max_operand: int = Field(9, ge=1)  # problems are a+b with a, b in 0..max_operand
+    eps: float = Field(1e-6, gt=0)  # added to a group's std before dividing
+
+
+def group_advantages(rewards_G: Sequence[float], *, eps: float = 1e-6) -> list[float]:
+    """Mean-centred, std-normalised rewards of one group; all zeros when every member scored the same."""
+    mean = sum(rewards_G) / len(rewards_G)
+    std = math.sqrt(sum((r - mean) ** 2 for r in rewards_G) / max(len(rewards_G) - 1, 1))
+    if std == 0.0:
+        return [0.0] * len(rewards_G)
+    return [(r - mean) / (std + eps) for r in rewards_G]
+
+
+def main(config: GRPOConfig) -> list[dict[str, Any]]:
+    """Run the recipe to the end; returns the per-step metrics also written to ``metrics.jsonl``."""
+    return asyncio.run(run(config))
+
+
+async def run(config: GRPOConfig, *, on_step: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
+    """Warm up, run ``config.steps`` GRPO steps, write metrics and the reward plot; ``on_step`` sees each row."""
+    from icefloe.client import AsyncClient
+    from icefloe.client.batch import build_batch
+    from icefloe.config import ClientConfig
+    from icefloe.protocol import SamplingParams
+
+    run_dir = config.out_dir / config.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    task = ArithmeticTask(config.seed, max_operand=config.max_operand)
+    shuffler = random.Random(config.seed + 1)
+    num_updates = config.warmup_steps + config.steps * config.num_minibatches  # optimizer steps in the run
+    client_config = ClientConfig.from_env(
+        model=config.model,
+        seed=config.seed,
+        max_seq_len=64,
+        training={
+            "optimizer": {"lr": config.lr},
+            "lr_schedule": {
+                "kind": config.lr_schedule,
+                "total_steps": num_updates,
+                "min_lr_ratio": config.min_lr_ratio,
+            },
+            "checkpoint_dir": str(run_dir / "checkpoints"),
+        },
+        sampling={"max_batch_size": config.problems_per_step * config.group_size},
+        backend={"type": config.backend, **({"base_url": config.base_url} if config.base_url else {})},
+    )
+    sampling = SamplingParams(
+        max_tokens=config.max_tokens, temperature=config.temperature, n=config.group_size, logprobs=True
+    )
+    history: list[dict[str, Any]] = []
+    metrics_path = run_dir / "metrics.jsonl"
+    metrics_path.write_text("", encoding="utf-8")
+    lr = config.lr  # the last lr the trainer reported
+    async with AsyncClient(client_config) as client:
+        tokenizer = client.tokenizer
+        eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+
+        def encode(problems_P: Sequence[Problem]) -> list[list[int]]:
+            return [tokenizer.encode(p.prompt, add_special_tokens=False) for p in problems_P]
+
+        # --- supervised warm-up: correct answers, cross-entropy --------------------------------
+        for _ in range(config.warmup_steps):
+            problems_P = task.sample(config.warmup_batch_size)
+            answers_P = [[*tokenizer.encode(p.answer, add_special_tokens=False), eos_id] for p in problems_P]
+            batch = build_batch(encode(problems_P), answers_P, None, pad_id=pad_id, loss_fn="cross_entropy")
+            pending = asyncio.ensure_future(client.fwd_bwd(batch))
+            stepped = asyncio.ensure_future(client.step(learning_rate=config.warmup_lr))
+            await pending, await stepped
+        if config.warmup_steps:
+            await client.sync_weights()
+
+        for step in range(1, config.steps + 1):
+            started = time.perf_counter()
+            # --- sample a group per problem and score it ----------------------------------------
+            problems_P = task.sample(config.problems_per_step)
+            prompt_ids_P = encode(problems_P)
+            samples = await client.generate(prompt_ids_P, sampling)
+            samples_P_G = [samples[i : i + config.group_size] for i in range(0, len(samples), config.group_size)]
+            rewards_P_G = [
+                [task.reward(_completion_text(tokenizer, s), s["finish_reason"], problem) for s in group]
+                for problem, group in zip(problems_P, samples_P_G, strict=True)
+            ]
+
+            # --- advantages; groups where every member scored the same teach nothing ----------
+            advantages_P_G = [group_advantages(r, eps=config.eps) for r in rewards_P_G]
+            useful_P = [p for p, adv_G in enumerate(advantages_P_G) if any(adv_G)]
+            shuffler.shuffle(useful_P)
+
+            # --- train: fwd_bwd and step back to back, one optimizer step per minibatch --------
+            # A large entropy bonus early keeps a group from collapsing onto one wrong answer (then
+            # no member is ever right and the group teaches nothing); it fades so the policy can sharpen.
+            entropy_coeff = config.entropy_coeff * (1 - (step - 1) / config.steps)
+            loss_config = {
+                "eps_clip": config.eps_clip,
+                "eps_clip_higher": config.eps_clip_higher,
+                "entropy_coeff": entropy_coeff,
+            }
+            losses, grad_norms = [], []
+            for chunk_P in _split(useful_P, config.num_minibatches):
+                rows_R = [(p, g) for p in chunk_P for g in range(config.group_size)]
+                batch = build_batch(
+                    [prompt_ids_P[p] for p, _ in rows_R],
+                    [samples_P_G[p][g]["token_ids"] for p, g in rows_R],
+                    [advantages_P_G[p][g] for p, g in rows_R],
+                    pad_id=pad_id,
+                    loss_fn="grpo",
+                    loss_config=loss_config,
+                    old_logprobs=[samples_P_G[p][g]["logprobs"] for p, g in rows_R],
+                )
+                pending = asyncio.ensure_future(client.fwd_bwd(batch))
+                stepped = asyncio.ensure_future(client.step())
+                trained, optimized = await pending, await stepped
+                losses.append(trained["loss"])
+                grad_norms.append(optimized["grad_norm"])
+                lr = optimized["lr"]
+            synced = await client.sync_weights()
+
+            # --- record -----------------------------------------------------------------------
+            row = {
+                "step": step,
+                "reward": _mean([r for rewards_G in rewards_P_G for r in rewards_G]),
+                "loss": _mean(losses),
+                "grad_norm": _mean(grad_norms),
+                "lr": lr,
+                "policy_version": synced["policy_version"],
+                "response_len": _mean([len(s["token_ids"]) for s in samples]),
+                "groups_with_signal": len(useful_P),
+                "seconds": time.perf_counter() - started,
+            }
+            history.append(row)
+            with metrics_path.open("a", encoding="utf-8") as metrics_file:  # a crash keeps every finished step
+                metrics_file.write(json.dumps(row) + "\n")
+            if on_step is not None:
+                on_step(row)
+    plot_rewards(history, run_dir / "reward.png", title=f"GRPO on {config.model} (seed {config.seed})")
+    return history
+
+
+def summarize(history: Sequence[dict[str, Any]], window: int = 10) -> tuple[float, float]:
+    """Mean reward of the first and of the last ``window`` steps (fewer when the run is shorter)."""
+    rewards = [row["reward"] for row in history]
+    return _mean(rewards[:window]), _mean(rewards[-window:])
+
+
+def plot_rewards(history: Sequence[dict[str, Any]], path: Path, *, title: str) -> None:
+    """Reward per step and its 10-step running mean, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; must precede the pyplot import
+    import matplotlib.pyplot as plt
+
+    steps = [row["step"] for row in history]
+    rewards = [row["reward"] for row in history]
+    smooth = [_mean(rewards[max(0, i - 9) : i + 1]) for i in range(len(rewards))]
+    figure, axes = plt.subplots(figsize=(6, 3.5))
+    axes.plot(steps, rewards, alpha=0.35, label="reward")
+    axes.plot(steps, smooth, label="mean of last 10")
+    axes.set(xlabel="RL step", ylabel="reward (exact match)", ylim=(-0.02, 1.02), title=title)
+    axes.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def _completion_text(tokenizer: Any, sample: dict[str, Any]) -> str:
+    """The completion with special tokens spelled out, so a stray pad or BOS inside an answer cannot match."""
+    token_ids = sample["token_ids"]
+    if sample["finish_reason"] == "stop" and token_ids and token_ids[-1] == tokenizer.eos_token_id:
+        token_ids = token_ids[:-1]
+    return tokenizer.decode(token_ids, skip_special_tokens=False)
+
+
+def _split(items: list[int], parts: int) -> list[list[int]]:
+    """``items`` in at most ``parts`` contiguous, non-empty slices of near-equal size."""
+    parts = min(parts, len(items))
+    return [items[i * len(items) // parts : (i + 1) * len(items) // parts] for i in range(parts)]
+
+
+def _mean(values: Sequence[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
