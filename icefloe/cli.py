@@ -166,6 +166,129 @@ def serve(
     run_service(settings)
 
 
+jobs_app = typer.Typer(
+    help="Jobs on a training-API service (icefloe serve or a managed endpoint).", no_args_is_help=True
+)
+app.add_typer(jobs_app, name="jobs")
+
+BaseUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--base-url", help="The service, e.g. http://127.0.0.1:8321; default: ICEFLOE_REMOTE_* / ARCTIC_CORTEX_*."
+    ),
+]
+
+
+@contextlib.contextmanager
+def _admin(base_url: str | None) -> Iterator[Any]:
+    """A ServiceAdmin for --base-url, or for the remote settings in the environment."""
+    from icefloe.client.remote.admin import ServiceAdmin
+    from icefloe.config import ClientConfig
+    from icefloe.protocol import ConfigError, IcefloeError
+
+    try:
+        backend = {"type": "remote", **({"base_url": base_url} if base_url else {})}
+        admin = ServiceAdmin(ClientConfig.from_env(backend=backend).backend)
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--base-url") from None
+    try:
+        with admin:
+            yield admin
+    except IcefloeError as exc:
+        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        raise typer.Exit(1) from None
+
+
+@jobs_app.command("list")
+def jobs_list(
+    base_url: BaseUrl = None,
+    status: Annotated[str | None, typer.Option(help="Only jobs in this state, e.g. running.")] = None,
+) -> None:
+    """List jobs: id, state, sub-jobs and, for failed jobs, the reason."""
+    from rich.table import Table
+
+    with _admin(base_url) as admin:
+        jobs = admin.list_jobs(status)
+    table = Table("job_id", "status", "created_at", "sub-jobs", "reason")
+    for job in jobs:
+        subs = ", ".join(
+            f"{s.get('sub_job_id', '?').split(':', 1)[-1]}={s.get('status', '?')}" for s in job.get("sub_jobs", [])
+        )
+        table.add_row(
+            job.get("job_id", "?"), job.get("status", "?"), job.get("created_at", ""), subs, job.get("reason", "")
+        )
+    console.print(table)
+
+
+@jobs_app.command("show")
+def jobs_show(job_id: str, base_url: BaseUrl = None) -> None:
+    """Print one job as JSON."""
+    import json
+
+    with _admin(base_url) as admin:
+        job = admin.get_job(job_id)
+    console.print_json(json.dumps(job))
+
+
+@jobs_app.command("cancel")
+def jobs_cancel(job_id: str, base_url: BaseUrl = None) -> None:
+    """Cancel a job and release its resources."""
+    with _admin(base_url) as admin:
+        admin.cancel_job(job_id)
+        status = admin.get_job(job_id).get("status", "?")
+    console.print(f"job {job_id}: {status}", highlight=False)
+
+
+@app.command()
+def logs(
+    job_id: str,
+    base_url: BaseUrl = None,
+    sub_job: Annotated[str, typer.Option(help="Which role's log: training, sampling or log_probability.")] = "training",
+    follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the job's log ends.")] = False,
+) -> None:
+    """Print a job's structured log (the service's tail-logs operation)."""
+    with _admin(base_url) as admin:
+        for entry in admin.read_logs(job_id, sub_job_type=sub_job, follow=follow):
+            text = entry.get("msg", entry.get("message", entry.get("_raw", "")))
+            console.print(
+                f"{entry.get('ts', '')} {entry.get('level', ''):<7} {text}",
+                highlight=False,
+                markup=False,
+                soft_wrap=True,
+            )
+
+
+@app.command()
+def checkpoints(
+    job_id: str,
+    base_url: BaseUrl = None,
+    export: Annotated[str | None, typer.Option(help="A checkpoint id: print its download URLs.")] = None,
+) -> None:
+    """List a job's checkpoints, or print one checkpoint's download URLs."""
+    from rich.table import Table
+
+    with _admin(base_url) as admin:
+        if export:
+            exported = admin.export_checkpoint(job_id, export)
+            table = Table(
+                "filename", "size_bytes", "url", title=f"{export} (expires {exported.get('expires_at', '?')})"
+            )
+            for item in exported.get("files", []):
+                table.add_row(item["filename"], str(item.get("size_bytes", "")), item["url"])
+            console.print(table)
+            return
+        records = admin.list_checkpoints(job_id)
+    table = Table("checkpoint_id", "global_steps", "checkpoint_type", "created_at")
+    for record in records:
+        table.add_row(
+            record.get("checkpoint_id", "?"),
+            str(record.get("global_steps", record.get("global_step", ""))),
+            record.get("checkpoint_type", ""),
+            str(record.get("created_at", "")),
+        )
+    console.print(table)
+
+
 def _quiet_transformers() -> None:
     """Silence transformers' load/save progress bars, which would break up the demo's own bar."""
     from transformers.utils import logging

@@ -34,3 +34,41 @@ def test_cli_demo_rejects_an_unknown_backend(tmp_path):
 def test_cli_demo_rejects_zero_steps():
     result = CliRunner().invoke(app, ["demo", "--steps", "0"])
     assert result.exit_code != 0
+
+
+def test_cli_jobs_logs_and_checkpoints_against_a_real_service(tmp_path):
+    """A person inspects a job another process created: list, log, checkpoints, export, cancel."""
+    from icefloe.client import Client
+    from icefloe.service.app import ServerThread, create_app
+    from icefloe.service.settings import ServeSettings
+
+    runner = CliRunner()
+    with ServerThread(create_app(ServeSettings(data_dir=tmp_path / "serve", port=0))) as base_url:
+        client = Client({"model": "tiny:arith", "backend": {"type": "remote", "base_url": base_url}}).open()
+        try:
+            client.step()
+            client.save_checkpoint()
+            job_id = client.handle()["transport"]["job_id"]
+            listed = runner.invoke(app, ["jobs", "list", "--base-url", base_url])
+            assert listed.exit_code == 0, listed.output
+            assert job_id[:8] in listed.output and "running" in listed.output
+            shown = runner.invoke(app, ["jobs", "show", job_id, "--base-url", base_url])
+            assert f'"job_id": "{job_id}"' in shown.output
+            logged = runner.invoke(app, ["logs", job_id, "--base-url", base_url])
+            assert logged.exit_code == 0 and "job is running" in logged.output
+            ckpts = runner.invoke(app, ["checkpoints", job_id, "--base-url", base_url])
+            assert "global_step1" in ckpts.output and "resumable" in ckpts.output
+            exported = runner.invoke(app, ["checkpoints", job_id, "--export", "global_step1", "--base-url", base_url])
+            assert "model.safetensors" in exported.output and f"{base_url}/files/" in exported.output
+            cancelled = runner.invoke(app, ["jobs", "cancel", job_id, "--base-url", base_url])
+            assert cancelled.exit_code == 0 and f"job {job_id}:" in cancelled.output
+            missing = runner.invoke(app, ["jobs", "show", "no-such-job", "--base-url", base_url])
+            assert missing.exit_code == 1 and "not found" in missing.output
+        finally:
+            client.shutdown()
+
+
+def test_cli_jobs_without_a_service_names_the_setting():
+    result = CliRunner().invoke(app, ["jobs", "list"], env={"ICEFLOE_REMOTE_BASE_URL": "", "ARCTIC_CORTEX_HOST": ""})
+    assert result.exit_code != 0
+    assert "base_url" in result.output

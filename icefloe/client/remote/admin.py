@@ -1,0 +1,99 @@
+"""Job-level calls for people and scripts: what ``icefloe jobs | logs | checkpoints`` show.
+
+These speak the same training API as the remote transport (same prefix, auth, retries and error
+mapping through :class:`SyncHttp`) but act on jobs by id, so one can inspect or cancel a job that
+another process created.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any, Self
+
+from icefloe.client.remote.errors import Redactor
+from icefloe.client.remote.exchange import Call, Retry
+from icefloe.client.remote.http import Endpoint, RetryPolicy, SyncHttp
+from icefloe.config import RemoteConfig
+
+__all__ = ["ServiceAdmin"]
+
+
+class ServiceAdmin:
+    """Blocking calls on jobs by id; ``close()`` (or ``with``) releases the connection pool."""
+
+    def __init__(self, backend: RemoteConfig) -> None:
+        endpoint = Endpoint.from_config(backend)
+        self.url = endpoint.url
+        self._http = SyncHttp(endpoint, backend, RetryPolicy(backend), Redactor([endpoint.pat or ""]))
+
+    def list_jobs(self, status: str | None = None) -> list[dict[str, Any]]:
+        """Every job the caller can see, optionally only those in ``status``."""
+        params = {"status": status} if status else None
+        body = self._http.send(Call("GET", "", "list jobs", params=params)).body or {}
+        return list(body.get("jobs", []))
+
+    def get_job(self, job_id: str) -> dict[str, Any]:
+        """One job with its sub-jobs and, once it failed, the reason."""
+        body = self._http.send(Call("GET", f"/{job_id}", "get job")).body or {}
+        return dict(body.get("job", body))
+
+    def cancel_job(self, job_id: str) -> None:
+        """Cancel a job; repeating it while the job is cancelling is fine."""
+        self._http.send(Call("POST", f"/{job_id}:cancel", "cancel job", retry=Retry.TRANSIENT))
+
+    def capacity(self) -> dict[str, Any]:
+        """The account's GPU slots: ``max_total_gpus``, ``in_use_gpus``, ``available_gpus``."""
+        return dict(self._http.send(Call("GET", "/capacity", "capacity")).body or {})
+
+    def tail_logs(
+        self, job_id: str, *, sub_job_type: str = "training", cursor: str | None = None, max_lines: int = 200
+    ) -> dict[str, Any]:
+        """One page of a sub-job's log: ``{entries, next_cursor, eof}`` (empty cursor = from the start)."""
+        payload: dict[str, Any] = {"max_lines": max_lines}
+        if cursor:
+            payload["cursor"] = cursor
+        body = {"operation_type": "tail-logs", "sub_job_type": sub_job_type, "payload": payload}
+        return dict(self._http.send(Call("POST", f"/{job_id}/operation", "tail-logs", json=body)).body or {})
+
+    def read_logs(
+        self, job_id: str, *, sub_job_type: str = "training", follow: bool = False, max_wait_s: float = 6.0
+    ) -> Iterator[dict[str, Any]]:
+        """Log entries from the start: all there are now, or with ``follow`` until the log ends.
+
+        An empty page means caught up; following, the next poll waits 0.5 s × 1.25 per empty page
+        (at most ``max_wait_s``) and stops once the service says the log is complete (``eof``).
+        """
+        cursor: str | None = None
+        delay_s = 0.5
+        while True:
+            page = self.tail_logs(job_id, sub_job_type=sub_job_type, cursor=cursor)
+            entries = page.get("entries") or []
+            cursor = page.get("next_cursor") or cursor
+            if entries:
+                yield from entries
+                delay_s = 0.5
+                continue
+            if not follow or page.get("eof"):
+                return
+            time.sleep(delay_s)
+            delay_s = min(delay_s * 1.25, max_wait_s)
+
+    def list_checkpoints(self, job_id: str) -> list[dict[str, Any]]:
+        """Checkpoint records of a job, also after the job ended."""
+        body = self._http.send(Call("GET", f"/{job_id}/checkpoints", "list checkpoints")).body or {}
+        return list(body.get("checkpoints", []))
+
+    def export_checkpoint(self, job_id: str, checkpoint_id: str) -> dict[str, Any]:
+        """Short-lived download URLs: ``{checkpoint_id, files: [{filename, url, size_bytes}], expires_at}``."""
+        call = Call("POST", f"/{job_id}/checkpoints/{checkpoint_id}:export", "export checkpoint")
+        return dict(self._http.send(call).body or {})
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
