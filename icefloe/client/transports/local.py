@@ -1,49 +1,21 @@
 """The embedded backend: every engine runs inside the calling process.
 
-Each role (training, sampling, reference) owns one ``RoleWorker`` thread, so requests to a role
-run strictly in submission order and the async client never blocks its event loop. Concurrent
-``generate`` calls coalesce into one batch on the sampling worker.
+Routing, ordering and generate coalescing come from :class:`RoleTransport`; this module only
+builds the engines (or finds them, when a handle re-attaches in the same process) and copies
+weights in memory.
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
-import shutil
-import threading
 import uuid
 import weakref
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from icefloe.client.transports.base import Transport
+from icefloe.client.transports.roles import RoleTransport
 from icefloe.config import ClientConfig
-from icefloe.protocol import (
-    OP_CANCEL,
-    OP_DELETE_CHECKPOINT,
-    OP_FORWARD,
-    OP_FWD_BWD,
-    OP_GENERATE,
-    OP_GET_CHECKPOINT,
-    OP_LIST_CHECKPOINTS,
-    OP_LOAD,
-    OP_RESET_PREFIX_CACHE,
-    OP_SAVE,
-    OP_SLEEP_INFERENCE,
-    OP_SLEEP_TRAINING,
-    OP_STEP,
-    OP_WAKE_INFERENCE,
-    OP_WAKE_TRAINING,
-    OP_WEIGHT_SYNC,
-    OPS,
-    TARGET_REFERENCE,
-    ClientClosedError,
-    ConfigError,
-    InvalidRequestError,
-    Request,
-    SamplingParams,
-)
+from icefloe.protocol import ConfigError
 
 __all__ = ["LocalTransport"]
 
@@ -51,49 +23,31 @@ __all__ = ["LocalTransport"]
 _LIVE: weakref.WeakValueDictionary[str, LocalTransport] = weakref.WeakValueDictionary()
 
 
-class LocalTransport(Transport):
+class LocalTransport(RoleTransport):
     """Engines in this process; one ordered worker thread per role."""
 
-    capabilities = OPS
-
     def __init__(self, config: ClientConfig, handle: dict[str, Any] | None = None) -> None:
-        self.config = config
-        self._session = (handle or {}).get("session") or uuid.uuid4().hex[:12]
+        session = (handle or {}).get("session") or uuid.uuid4().hex[:12]
         self._attached_to: LocalTransport | None = None
         if handle is not None:
-            live = _LIVE.get(self._session)
+            live = _LIVE.get(session)
             if live is None:
                 raise ConfigError(
                     "the local backend lives inside one process and this handle's engines are not in this one; "
                     "use backend.type='ray' or 'remote' to re-attach from another process"
                 )
             self._attached_to = live
-        self._lock = threading.Lock()
-        self._opened = False
-        self._closed = False
-        self.training = None
-        self.sampling = None
-        self.reference = None
-        self._workers: dict[str, Any] = {}
-        root = config.training.checkpoint_dir or Path("icefloe-checkpoints") / self._session
-        self.checkpoint_root = Path(root)
+        root = config.training.checkpoint_dir or Path("icefloe-checkpoints") / session
+        super().__init__(config, session=session, checkpoint_root=Path(root))
 
-    # --- lifecycle -------------------------------------------------------------------------------
-    def open(self) -> None:
-        with self._lock:
-            if self._closed:
-                raise ClientClosedError("this local transport was closed; build a new client")
-            if self._opened:
-                return
-            if self._attached_to is not None:
-                self._attached_to.open()
-                self._share(self._attached_to)
-            else:
-                self._build()
-                _LIVE[self._session] = self
-            self._opened = True
-
-    def _build(self) -> None:
+    def _start(self) -> None:
+        if self._attached_to is not None:
+            owner = self._attached_to
+            owner.open()
+            self.training, self.sampling, self.reference = owner.training, owner.sampling, owner.reference
+            self._workers = owner._workers
+            self.checkpoint_root = owner.checkpoint_root
+            return
         from icefloe.engines import RoleWorker, TrainingEngine, build_sampling_engine, resolve_model
 
         device = _pick_device(self.config.backend.device)
@@ -106,23 +60,22 @@ class LocalTransport(Transport):
         if self.config.num_log_prob_workers > 0:
             self.reference = TrainingEngine(self.config, device=device, role="reference", model_dir=model_dir)
             self._workers["reference"] = RoleWorker("reference")
-        self._owner = True
+        _LIVE[self._session] = self
 
-    def _share(self, other: LocalTransport) -> None:
-        self.training, self.sampling, self.reference = other.training, other.sampling, other.reference
-        self._workers = other._workers
-        self.checkpoint_root = other.checkpoint_root
-        self._owner = False
+    def _stop(self) -> None:
+        if self._attached_to is not None:
+            return  # a twin leaves the owner's engines running
+        for worker in self._workers.values():
+            worker.close(wait=True)
+        _LIVE.pop(self._session, None)
 
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            if self._opened and getattr(self, "_owner", False):
-                for worker in self._workers.values():
-                    worker.close(wait=True)
-                _LIVE.pop(self._session, None)
+    def _sync_weights(self, body: dict[str, Any]) -> Future:
+        """An in-memory copy once both roles reach it (see ``SyncGate``)."""
+        from icefloe.engines import SyncGate, sync_weights_local
+
+        gate = SyncGate(1, abandoned=lambda: "the client was shut down" if self._closed else None)
+        self._worker("sampling").submit(gate.park)
+        return self._worker("training").submit(gate.run, lambda: sync_weights_local(self.training, self.sampling))
 
     def handle_info(self) -> dict[str, Any]:
         return {"backend": "local", "session": self._session}
@@ -131,140 +84,6 @@ class LocalTransport(Transport):
     def tokenizer(self) -> Any:
         self.open()
         return self.training.tokenizer
-
-    # --- delivery --------------------------------------------------------------------------------
-    def handle(self, request: Request) -> Any:
-        return self._submit(request).result()
-
-    async def handle_async(self, request: Request) -> Any:
-        if not self._opened:
-            await self.aopen()
-        return await asyncio.wrap_future(self._submit(request))
-
-    def _submit(self, request: Request) -> Future:
-        if self._closed:
-            raise ClientClosedError(f"cannot run {request.op!r}: the client was shut down; build a new client")
-        self.open()
-        body, op = request.body, request.op
-        if op == OP_FWD_BWD:
-            return self._worker("training").submit(self.training.fwd_bwd, body["batch"])
-        if op == OP_FORWARD:
-            if request.target == TARGET_REFERENCE:
-                if self.reference is None:
-                    raise InvalidRequestError(
-                        "forward(reference=True) needs a reference role; set num_log_prob_workers=1 in the config"
-                    )
-                return self._worker("reference").submit(self.reference.forward, body["batch"])
-            return self._worker("training").submit(self.training.forward, body["batch"])
-        if op == OP_STEP:
-            return self._worker("training").submit(self.training.step, body.get("learning_rate"))
-        if op == OP_GENERATE:
-            return self._generate(body["prompts"], body["sampling_params"])
-        if op == OP_WEIGHT_SYNC:
-            return self._sync_weights()
-        if op == OP_SAVE:
-            return self._worker("training").submit(
-                self.training.save_checkpoint, self.checkpoint_root, kind=body.get("checkpoint_type", "resumable")
-            )
-        if op == OP_LOAD:
-            return self._worker("training").submit(self._load, body["checkpoint_id"])
-        if op == OP_LIST_CHECKPOINTS:
-            return _done({"checkpoints": self._list_checkpoints()})
-        if op == OP_GET_CHECKPOINT:
-            return _done(self._get_checkpoint(body["checkpoint_id"]))
-        if op == OP_DELETE_CHECKPOINT:
-            return self._worker("training").submit(self._delete_checkpoint, body["checkpoint_id"])
-        if op in (OP_SLEEP_TRAINING, OP_WAKE_TRAINING):
-            method = self.training.sleep if op == OP_SLEEP_TRAINING else self.training.wake
-            return self._worker("training").submit(method)
-        if op in (OP_SLEEP_INFERENCE, OP_WAKE_INFERENCE, OP_RESET_PREFIX_CACHE):
-            if self.sampling is None:
-                return _done({})
-            if op == OP_SLEEP_INFERENCE:
-                return self._worker("sampling").submit(self.sampling.sleep, body.get("level", 1))
-            if op == OP_WAKE_INFERENCE:
-                return self._worker("sampling").submit(self.sampling.wake)
-            return self._worker("sampling").submit(self.sampling.reset_prefix_cache)
-        if op == OP_CANCEL:
-            return _done({})
-        raise AssertionError(f"unreachable: op {op!r} is in OPS but not routed")
-
-    def _worker(self, role: str) -> Any:
-        return self._workers[role]
-
-    def _generate(self, prompts: list[Any], params: SamplingParams | list[SamplingParams]) -> Future:
-        if self.sampling is None:
-            raise InvalidRequestError("generate needs a sampling role; set num_sampling_workers=1 in the config")
-        params_list = params if isinstance(params, list) else [params] * len(prompts)
-        return self._worker("sampling").submit_batchable("generate", (prompts, params_list), self._run_generate)
-
-    def _run_generate(self, items: list[tuple[list[Any], list[SamplingParams]]]) -> list[list[dict[str, Any]]]:
-        """Run coalesced generate calls as one engine batch and hand each caller its own slice."""
-        all_prompts = [prompt for prompts, _ in items for prompt in prompts]
-        all_params = [p for _, params in items for p in params]
-        samples = self.sampling.generate(all_prompts, all_params)
-        out, start = [], 0
-        for _, params in items:
-            count = sum(p.n for p in params)
-            out.append(samples[start : start + count])
-            start += count
-        return out
-
-    def _sync_weights(self) -> Future:
-        """Copy after earlier training work and before later sampling work (see ``SyncGate``)."""
-        from icefloe.engines import SyncGate, sync_weights_local
-
-        if self.sampling is None:
-            raise InvalidRequestError("sync_weights needs a sampling role; set num_sampling_workers=1 in the config")
-        gate = SyncGate(1, abandoned=lambda: "the client was shut down" if self._closed else None)
-        self._worker("sampling").submit(gate.park)
-        return self._worker("training").submit(gate.run, lambda: sync_weights_local(self.training, self.sampling))
-
-    # --- checkpoints -----------------------------------------------------------------------------
-    def _checkpoint_dir(self, checkpoint_id: str) -> Path:
-        if not checkpoint_id or "/" in checkpoint_id or checkpoint_id.startswith("."):
-            raise InvalidRequestError(f"checkpoint_id must be a name like 'global_step12'; got {checkpoint_id!r}")
-        path = self.checkpoint_root / checkpoint_id
-        if not path.is_dir():
-            known = [c["checkpoint_id"] for c in self._list_checkpoints()]
-            raise InvalidRequestError(f"checkpoint {checkpoint_id!r} does not exist; saved checkpoints: {known}")
-        return path
-
-    def _load(self, checkpoint_id: str) -> dict[str, Any]:
-        return self.training.load_checkpoint(self._checkpoint_dir(checkpoint_id))
-
-    def _list_checkpoints(self) -> list[dict[str, Any]]:
-        if not self.checkpoint_root.is_dir():
-            return []
-        entries = [self._describe(path) for path in self.checkpoint_root.iterdir() if path.is_dir()]
-        return sorted(entries, key=lambda entry: entry["global_step"])
-
-    def _describe(self, path: Path) -> dict[str, Any]:
-        state_file = path / "trainer_state.json"
-        state = json.loads(state_file.read_text()) if state_file.exists() else {}
-        step = state.get("global_step", _step_from_name(path.name))
-        return {
-            "checkpoint_id": path.name,
-            "global_step": step,
-            "global_steps": step,
-            "checkpoint_type": state.get("kind", "weights-only"),
-            "kind": state.get("kind", "weights-only"),
-            "path": str(path),
-            "created_at": path.stat().st_mtime,
-        }
-
-    def _get_checkpoint(self, checkpoint_id: str) -> dict[str, Any]:
-        path = self._checkpoint_dir(checkpoint_id)
-        files = [
-            {"filename": f.name, "url": f.resolve().as_uri(), "size_bytes": f.stat().st_size}
-            for f in sorted(path.iterdir())
-            if f.is_file()
-        ]
-        return {**self._describe(path), "files": files}
-
-    def _delete_checkpoint(self, checkpoint_id: str) -> dict[str, Any]:
-        shutil.rmtree(self._checkpoint_dir(checkpoint_id))
-        return {}
 
 
 def _pick_device(choice: str) -> str:
@@ -275,14 +94,3 @@ def _pick_device(choice: str) -> str:
     if choice == "cuda" and not torch.cuda.is_available():
         raise ConfigError("backend.device='cuda' but torch sees no CUDA device; use 'cpu' or 'auto'")
     return choice
-
-
-def _step_from_name(name: str) -> int:
-    digits = name.removeprefix("global_step")
-    return int(digits) if digits.isdigit() else 0
-
-
-def _done(value: Any) -> Future:
-    future: Future = Future()
-    future.set_result(value)
-    return future

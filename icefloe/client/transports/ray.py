@@ -23,16 +23,13 @@ from typing import Any
 
 import ray
 
-from icefloe.client.transports.local import LocalTransport
+from icefloe.client.transports.roles import RoleTransport
 from icefloe.config import ClientConfig, RayConfig
 from icefloe.engines import ray_actors
 from icefloe.protocol import (
-    OP_WEIGHT_SYNC,
-    ClientClosedError,
     ConfigError,
     InvalidRequestError,
     JobFailedError,
-    Request,
 )
 
 __all__ = ["RayTransport"]
@@ -40,53 +37,41 @@ __all__ = ["RayTransport"]
 _PEER_ERROR_WAIT_S = 30.0  # how long a failed send waits to learn whether a dead sampler caused it
 
 
-class RayTransport(LocalTransport):
+class RayTransport(RoleTransport):
     """Engines in Ray actors; the owner creates them, a transport built from a handle attaches to them."""
 
     def __init__(self, config: ClientConfig, handle: dict[str, Any] | None = None) -> None:
-        # Not LocalTransport.__init__: that one looks for engines in this process. The attributes its
-        # routing reads (roles, workers, checkpoint_root, lock and state flags) are all set here.
         if not isinstance(config.backend, RayConfig):
             raise ConfigError(f"RayTransport needs backend.type='ray'; got {config.backend.type!r}")
-        self.config = config
-        self.ray_config: RayConfig = config.backend
+        session = (handle or {}).get("session") or uuid.uuid4().hex[:12]
+        ray_config: RayConfig = config.backend
+        job_name = (handle or {}).get("job_name") or ray_config.job_name or f"icefloe-{session}"
+        root = (handle or {}).get("checkpoint_root") or config.training.checkpoint_dir
+        super().__init__(
+            config, session=session, checkpoint_root=Path(root or Path("icefloe-checkpoints") / job_name).resolve()
+        )
+        self.ray_config = ray_config
+        self.job_name = job_name
         self._attach = dict(handle) if handle is not None else None
-        self._session = (handle or {}).get("session") or uuid.uuid4().hex[:12]
-        self.job_name = (handle or {}).get("job_name") or self.ray_config.job_name or f"icefloe-{self._session}"
-        self._lock = threading.Lock()
         self._sync_order = threading.Lock()
-        self._opened = False
-        self._closed = False
         self._owner = False
         self._started_ray = False
-        self.training: ray_actors.TrainerGroup | None = None  # type: ignore[assignment]
-        self.sampling: ray_actors.SamplerGroup | None = None  # type: ignore[assignment]
-        self.reference: ray_actors.TrainerGroup | None = None  # type: ignore[assignment]
-        self._workers: dict[str, Any] = {}
         self._placement = None
         self._link: str | None = (handle or {}).get("weight_link")
         self.model_dir: Path | None = None
-        root = (handle or {}).get("checkpoint_root") or config.training.checkpoint_dir
-        self.checkpoint_root = Path(root or Path("icefloe-checkpoints") / self.job_name).resolve()
 
     # --- lifecycle -------------------------------------------------------------------------------
-    def open(self) -> None:
-        with self._lock:
-            if self._closed:
-                raise ClientClosedError("this ray transport was closed; build a new client")
-            if self._opened:
-                return
-            self._connect()
-            if self._attach is not None:
-                self._attach_actors(self._attach)
-            else:
-                self._launch()
-            from icefloe.engines.worker import RoleWorker
+    def _start(self) -> None:
+        self._connect()
+        if self._attach is not None:
+            self._attach_actors(self._attach)
+        else:
+            self._launch()
+        from icefloe.engines.worker import RoleWorker
 
-            for role in ("training", "sampling", "reference"):
-                if getattr(self, role) is not None:
-                    self._workers[role] = RoleWorker(f"ray-{role}")
-            self._opened = True
+        for role in ("training", "sampling", "reference"):
+            if getattr(self, role) is not None:
+                self._workers[role] = RoleWorker(f"ray-{role}")
 
     def _connect(self) -> None:
         """Join the cluster the handle or config names, or start a local Ray when there is none."""
@@ -155,17 +140,13 @@ class RayTransport(LocalTransport):
             )
         self.model_dir = resolve_model(self.config.model, seed=self.config.seed)
 
-    def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            for worker in self._workers.values():
-                worker.close(wait=True)
-            if self._owner:
-                self._release_actors()
-            if self._started_ray:
-                ray.shutdown()
+    def _stop(self) -> None:
+        for worker in self._workers.values():
+            worker.close(wait=True)
+        if self._owner:
+            self._release_actors()
+        if self._started_ray:
+            ray.shutdown()
 
     def _groups(self) -> list[Any]:
         return [group for group in (self.training, self.sampling, self.reference) if group is not None]
@@ -204,22 +185,16 @@ class RayTransport(LocalTransport):
         return load_tokenizer(self.model_dir)
 
     # --- delivery --------------------------------------------------------------------------------
-    def _submit(self, request: Request) -> Future:
-        if request.op == OP_WEIGHT_SYNC and not self._closed:
-            self.open()
-            return self._sync_weights(cuda_ipc=bool(request.body.get("cuda_ipc")))
-        return super()._submit(request)
-
-    def _sync_weights(self, *, cuda_ipc: bool = False) -> Future:
+    def _sync_weights(self, body: dict[str, Any]) -> Future:
         """Trainers send on the training worker while samplers receive on the sampling worker.
 
         The broadcast itself is the rendezvous: each side waits in it for the other, so the copy
         happens after earlier training work and before later sampling work, as in the local backend.
         """
-        if self.sampling is None or self._link is None:
+        if self._link is None:
             raise InvalidRequestError("sync_weights needs a sampling role; set num_sampling_workers=1 in the config")
         with self._sync_order:  # both halves of one sync enter their queues before another sync's halves
-            if cuda_ipc and self._cuda_ipc_possible():
+            if body.get("cuda_ipc") and self._cuda_ipc_possible():
                 return self._sync_weights_cuda_ipc()
             return self._sync_weights_broadcast()
 

@@ -6,11 +6,18 @@ forward-backward always goes as a chunk group (so every call carries a group id 
 once), step/save/load/operations as JSON. Every mutating POST carries an ``Idempotency-Key``
 reused across its retries. Ops the service lacks are answered here: sleep/wake with ``{}``,
 forward with zeros only when ``backend.allow_zero_logprobs`` is set.
+
+When the service advertises ``inline_wait``, an op that no later op of its roles waits on posts
+with ``?wait=`` and usually gets its result in the POST's answer: one exchange instead of two. An
+op with a successor queued behind it posts without waiting, so the successor is sent as soon as
+this one is accepted and the two still overlap on the service.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import contextvars
 import logging
 import math
 import threading
@@ -79,6 +86,8 @@ _TENSOR_RESPONSE: Final = {"response_options": {"format": "dssst1", "delivery": 
 _CHUNK_GROUP_REPLAYS: Final = 1
 _CANCEL_TIMEOUT_S: Final = 30.0
 _MIN_LR: Final = 1e-12
+# False while the op being sent has a successor queued behind it (set per task by _send_in_turn).
+_MAY_HOLD: Final = contextvars.ContextVar("icefloe_remote_may_hold", default=True)
 
 
 class RemoteTransport(Transport):
@@ -100,12 +109,8 @@ class RemoteTransport(Transport):
         self._redactor = Redactor([self._endpoint.pat] if self._endpoint.pat else [])
         self._redactor.install()
         self._policy = RetryPolicy(self._backend)
-        self._sync = SyncHttp(
-            self._endpoint, self._backend, self._policy, self._redactor, wrap_http_transport
-        )
-        self._async = AsyncHttp(
-            self._endpoint, self._backend, self._policy, self._redactor, wrap_http_transport
-        )
+        self._sync = SyncHttp(self._endpoint, self._backend, self._policy, self._redactor, wrap_http_transport)
+        self._async = AsyncHttp(self._endpoint, self._backend, self._policy, self._redactor, wrap_http_transport)
         self._backoff = Backoff.from_config(self._backend)
         self._turns = RoleTurns()
         self._generate_calls = GenerateCoalescer(
@@ -127,9 +132,7 @@ class RemoteTransport(Transport):
             OP_STEP: self._step,
             OP_GENERATE: self._generate,
             OP_WEIGHT_SYNC: self._weight_sync,
-            OP_SAVE: self._json_op(
-                "save", lambda body: {"checkpoint_type": body.get("checkpoint_type", "resumable")}
-            ),
+            OP_SAVE: self._json_op("save", lambda body: {"checkpoint_type": body.get("checkpoint_type", "resumable")}),
             OP_LOAD: self._load,
             OP_LIST_CHECKPOINTS: self._list_checkpoints,
             OP_GET_CHECKPOINT: self._get_checkpoint,
@@ -272,6 +275,8 @@ class RemoteTransport(Transport):
         """Send once every earlier op of the same roles was accepted; free the next at acceptance."""
         try:
             await turn.wait()
+            await asyncio.sleep(0)  # ops called in this same loop turn take their turns behind us now
+            _MAY_HOLD.set(not turn.followed or bool(__import__("os").environ.get("RP_ALWAYS_HOLD")))
             return await run_async(self._exchange(request), self._async, on_submitted=turn.release)
         finally:
             turn.release()
@@ -302,22 +307,33 @@ class RemoteTransport(Transport):
         limit = self._service.max_post_bytes if self._service is not None else None
         return min(self._backend.max_post_bytes, limit or self._backend.max_post_bytes)
 
+    @property
+    def _long_poll_s(self) -> float:
+        """The ``?wait=`` of a poll; 0 when the service cannot hold answers or the config turned it off."""
+        if self._service is None or not self._service.long_poll:
+            return 0.0
+        return min(self._backend.long_poll_s, self._service.max_long_poll_s or self._backend.long_poll_s)
+
+    def _hold(self) -> tuple[dict[str, str], float | None]:
+        """``(params, timeout_s)`` for a submitting POST: ask for the answer inline when it may wait."""
+        hold_s = self._long_poll_s
+        if hold_s <= 0 or self._service is None or not self._service.inline_wait or not _MAY_HOLD.get():
+            return {}, None
+        return {"wait": f"{hold_s:.3f}"}, self._backend.request_timeout_s + hold_s
+
     def _poll(self, accepted: Any, what: str, *, inline_ok: bool = False) -> Exchange[dict[str, Any]]:
-        """Poll the request an accepting answer names; an inline answer is returned as it is."""
+        """Poll the request an accepting answer names; an inline answer is returned as it is.
+
+        An answer that already carries the request's status (``?wait=``) is read as the first poll.
+        """
         yield Submitted()
         body = accepted if isinstance(accepted, Mapping) else {}
         request_id = body.get("request_id")
         if not request_id:
             if inline_ok:
                 return dict(body)
-            raise RequestFailedError(
-                f"{what}: the service answered without a request_id to poll: {body!r:.200}"
-            )
-        long_poll = 0.0
-        if self._service is not None and self._service.long_poll:
-            long_poll = min(
-                self._backend.long_poll_s, self._service.max_long_poll_s or self._backend.long_poll_s
-            )
+            raise RequestFailedError(f"{what}: the service answered without a request_id to poll: {body!r:.200}")
+        answered = body if self._service is not None and self._service.inline_wait and "status" in body else None
         return (
             yield from poll_request(
                 self._job_id,
@@ -325,7 +341,8 @@ class RemoteTransport(Transport):
                 what=what,
                 backoff=self._backoff,
                 timeout_s=self._backend.request_timeout_s,
-                long_poll_s=long_poll,
+                long_poll_s=self._long_poll_s,
+                answered=answered,
             )
         )
 
@@ -345,14 +362,22 @@ class RemoteTransport(Transport):
             frame, max_bytes=self._max_post_bytes, kind="request", operation=what, force=force_chunks
         )
         call_key = str(uuid.uuid4())
+        hold_params, hold_timeout_s = self._hold()
         for replay in range(replays + 1):
             try:
                 reply = None
                 for index, chunk in enumerate(chunks):
-                    key = (
-                        call_key if len(chunks) == 1 and not force_chunks else f"{call_key}.{replay}.{index}"
+                    key = call_key if len(chunks) == 1 and not force_chunks else f"{call_key}.{replay}.{index}"
+                    last = index == len(chunks) - 1
+                    reply = yield Call(
+                        "POST",
+                        path,
+                        what,
+                        content=chunk,
+                        params={**(params or {}), **hold_params} if last and hold_params else params,
+                        idempotency_key=key,
+                        timeout_s=hold_timeout_s if last else None,
                     )
-                    reply = yield Call("POST", path, what, content=chunk, params=params, idempotency_key=key)
                     body = reply.body if isinstance(reply.body, Mapping) else {}
                     if index < len(chunks) - 1 and (not body.get("chunk_cached") or "request_id" in body):
                         raise RequestFailedError(
@@ -369,9 +394,7 @@ class RemoteTransport(Transport):
     def _fwd_bwd(self, request: Request) -> Exchange[dict[str, Any]]:
         frame = wire.encode(request.body["batch"])
         path = f"/{self._job_id}/forward-backward"
-        accepted = yield from self._post_frame(
-            path, OP_FWD_BWD, frame, force_chunks=True, replays=_CHUNK_GROUP_REPLAYS
-        )
+        accepted = yield from self._post_frame(path, OP_FWD_BWD, frame, force_chunks=True, replays=_CHUNK_GROUP_REPLAYS)
         return (yield from self._poll(accepted, OP_FWD_BWD))
 
     def _forward(self, request: Request) -> Exchange[dict[str, Any]]:
@@ -392,41 +415,36 @@ class RemoteTransport(Transport):
             )
         params = {"sub_job_type": "log_probability"} if request.target == TARGET_REFERENCE else None
         if params and self._job is not None and not self._job.first("log_probability"):
-            raise InvalidRequestError(
-                "forward(reference=True) needs a reference role; set num_log_prob_workers=1"
-            )
+            raise InvalidRequestError("forward(reference=True) needs a reference role; set num_log_prob_workers=1")
         frame = wire.encode(batch, op_metadata=_TENSOR_RESPONSE)
         path = f"/{self._job_id}/forward"
-        accepted = yield from self._post_frame(
-            path, OP_FORWARD, frame, force_chunks=False, replays=0, params=params
-        )
+        accepted = yield from self._post_frame(path, OP_FORWARD, frame, force_chunks=False, replays=0, params=params)
         return (yield from self._poll(accepted, OP_FORWARD))
 
     def _generate(self, request: Request) -> Exchange[dict[str, Any]]:
         params = request.body["sampling_params"]
         body = {
             "prompts": request.body["prompts"],
-            "sampling_params": [_params_json(p) for p in params]
-            if isinstance(params, list)
-            else _params_json(params),
+            "sampling_params": [_params_json(p) for p in params] if isinstance(params, list) else _params_json(params),
             "strict": False,
         }
         path = f"/{self._job_id}/generate"
-        accepted = yield from self._post_frame(
-            path, OP_GENERATE, wire.encode(body), force_chunks=False, replays=0
-        )
+        accepted = yield from self._post_frame(path, OP_GENERATE, wire.encode(body), force_chunks=False, replays=0)
         result = yield from self._poll(accepted, OP_GENERATE)
         return _tensors_to_lists(result)
 
     # --- JSON ops --------------------------------------------------------------------------------
     def _json_op(self, name: str, build: Callable[[dict[str, Any]], dict[str, Any]]):
         def exchange(request: Request) -> Exchange[dict[str, Any]]:
+            hold_params, hold_timeout_s = self._hold()
             reply = yield Call(
                 "POST",
                 f"/{self._job_id}/{name}",
                 name,
                 json=build(dict(request.body)),
+                params=hold_params or None,
                 idempotency_key=str(uuid.uuid4()),
+                timeout_s=hold_timeout_s,
             )
             return (yield from self._poll(reply.body, name))
 
@@ -441,13 +459,16 @@ class RemoteTransport(Transport):
         if rate is None and (schedule.kind != "constant" or schedule.warmup_steps > 0):
             # A decay to exactly 0 is sent as the smallest rate the API accepts (it requires > 0).
             rate = max(self.config.training.optimizer.lr * _lr_multiplier(schedule, index), _MIN_LR)
+        hold_params, hold_timeout_s = self._hold()
         try:
             reply = yield Call(
                 "POST",
                 f"/{self._job_id}/step",
                 OP_STEP,
                 json={} if rate is None else {"learning_rate": float(rate)},
+                params=hold_params or None,
                 idempotency_key=str(uuid.uuid4()),
+                timeout_s=hold_timeout_s,
             )
         except BaseException:
             self._steps_submitted -= 1  # never accepted: the service did not count it
@@ -456,8 +477,15 @@ class RemoteTransport(Transport):
 
     def _load(self, request: Request) -> Exchange[dict[str, Any]]:
         body = {k: v for k, v in request.body.items() if v is not None}
+        hold_params, hold_timeout_s = self._hold()
         reply = yield Call(
-            "POST", f"/{self._job_id}/load", OP_LOAD, json=body, idempotency_key=str(uuid.uuid4())
+            "POST",
+            f"/{self._job_id}/load",
+            OP_LOAD,
+            json=body,
+            params=hold_params or None,
+            idempotency_key=str(uuid.uuid4()),
+            timeout_s=hold_timeout_s,
         )
         result = yield from self._poll(reply.body, OP_LOAD)
         step = result.get("global_step", result.get("global_steps"))
@@ -478,29 +506,30 @@ class RemoteTransport(Transport):
             body["sub_job_id"] = sub_job_id
         if sub_job_type:
             body["sub_job_type"] = sub_job_type
+        hold_params, hold_timeout_s = self._hold() if operation_type not in INLINE_OPERATIONS else ({}, None)
         reply = yield Call(
-            "POST", f"/{self._job_id}/operation", operation_type, json=body, idempotency_key=str(uuid.uuid4())
+            "POST",
+            f"/{self._job_id}/operation",
+            operation_type,
+            json=body,
+            params=hold_params or None,
+            idempotency_key=str(uuid.uuid4()),
+            timeout_s=hold_timeout_s,
         )
-        return (
-            yield from self._poll(reply.body, operation_type, inline_ok=operation_type in INLINE_OPERATIONS)
-        )
+        return (yield from self._poll(reply.body, operation_type, inline_ok=operation_type in INLINE_OPERATIONS))
 
     def _weight_sync(self, request: Request) -> Exchange[dict[str, Any]]:
         assert self._job is not None
         source = self._job.first("training")
         targets = self._job.sub_jobs.get("sampling") or []
         if not targets:
-            raise InvalidRequestError(
-                "sync_weights needs a sampling role; set num_sampling_workers=1 in the config"
-            )
+            raise InvalidRequestError("sync_weights needs a sampling role; set num_sampling_workers=1 in the config")
         payload = {
             "source_sub_job_id": source,
             "target_sub_job_ids": list(targets),
             "weight_format": request.body.get("weight_format") or "vllm",
         }
-        return (
-            yield from self._operation(OP_WEIGHT_SYNC, payload, sub_job_id=source, sub_job_type="training")
-        )
+        return (yield from self._operation(OP_WEIGHT_SYNC, payload, sub_job_id=source, sub_job_type="training"))
 
     def _reset_prefix_cache(self, request: Request) -> Exchange[dict[str, Any]]:
         if (
