@@ -124,4 +124,4 @@ def serve(settings: ServeSettings, *, log_level: str = "info") -> None:
 
     app = create_app(settings)
     _log.info("icefloe serve on http://%s:%d (data in %s)", settings.host, settings.port, settings.data_dir)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level, access_log=settings.access_log)

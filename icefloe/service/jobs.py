@@ -14,6 +14,7 @@ import contextlib
 import logging
 import threading
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +46,7 @@ __all__ = ["JobManager", "LiveJob"]
 
 _log = logging.getLogger("icefloe.service.jobs")
 
-_REQUEST_DONE = ("done", "failed", "cancelled")
+_FINISHED_ROWS_KEPT = 256  # rows of just-finished requests kept in memory for their pollers
 # The caller's mistake: the request fails, the job stays up. Anything else is an engine crash.
 _USER_ERRORS = (InvalidRequestError, ConfigError, WireError, UnsupportedOpError, ValueError, TypeError)
 _IMAGE_TAG = "icefloe-local"
@@ -90,6 +91,11 @@ class JobManager:
         self.log_router = JobLogRouter()  # attached to the "icefloe" logger by the app
         self._live: dict[str, LiveJob] = {}
         self._lock = threading.Lock()
+        # Long-polls answer from memory, never from SQLite on the event loop: the ids of unfinished
+        # requests (-> job id), and the rows of just-finished ones (result as JSON text), read back
+        # by the worker thread that finished them.
+        self._open: dict[str, str] = {}
+        self._finished: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._threads: list[threading.Thread] = []
         self._closing = False
 
@@ -446,6 +452,8 @@ class JobManager:
         store.insert_request(
             self.db, request_id=request_id, job_id=job.job_id, sub_job_id=sub_job_id, op=op, op_metadata=op_metadata
         )
+        with self._lock:
+            self._open[request_id] = job.job_id
         return request_id
 
     def _skip(self, job: LiveJob, request_id: str) -> bool:
@@ -519,7 +527,23 @@ class JobManager:
         store.update_request(
             self.db, request_id=request_id, status=status, error=error, result=result, result_path=result_path
         )
+        row = store.get_request(self.db, request_id=request_id, raw_result=True)
+        with self._lock:
+            if row is not None:
+                self._finished[request_id] = row
+                while len(self._finished) > _FINISHED_ROWS_KEPT:
+                    self._finished.popitem(last=False)
+            self._open.pop(request_id, None)
         self.waiters.notify(request_id)
+
+    def _is_open(self, job_id: str, request_id: str) -> bool:
+        with self._lock:
+            return self._open.get(request_id) == job_id
+
+    def _finished_row(self, job_id: str, request_id: str) -> dict[str, Any] | None:
+        with self._lock:
+            row = self._finished.get(request_id)
+        return dict(row) if row is not None and row["job_id"] == job_id else None
 
     def cancel_request(self, job: LiveJob, request_id: str) -> dict[str, Any]:
         """Cancel a request that has not started; one that runs or ran is left as it is."""
@@ -534,26 +558,31 @@ class JobManager:
             "status": "cancelled" if row["status"] == "pending" else row["status"],
         }
 
-    def request_row(self, job_id: str, request_id: str) -> dict[str, Any]:
+    def request_row(self, job_id: str, request_id: str, *, raw_result: bool = False) -> dict[str, Any]:
         if job_id not in self._live:
             self._row(job_id)  # 404 for an unknown job
-        row = store.get_request(self.db, request_id=request_id)
+        row = store.get_request(self.db, request_id=request_id, raw_result=raw_result)
         if row is None or row["job_id"] != job_id:
             raise not_found(f"request {request_id} not found in job {job_id}")
         return row
 
-    async def wait_for_request(self, job_id: str, request_id: str, timeout_s: float) -> dict[str, Any]:
-        """The request row, after waiting up to ``timeout_s`` for it to finish (long-poll)."""
-        row = self.request_row(job_id, request_id)
-        if row["status"] in _REQUEST_DONE or timeout_s <= 0:
-            return row
+    async def wait_for_request(
+        self, job_id: str, request_id: str, timeout_s: float, *, raw_result: bool = False
+    ) -> dict[str, Any]:
+        """The request row, after waiting up to ``timeout_s`` for it to finish (long-poll).
 
-        def finished() -> bool:
-            current = store.get_request(self.db, request_id=request_id)
-            return current is not None and current["status"] in _REQUEST_DONE
-
-        await self.waiters.wait(request_id, timeout_s=min(timeout_s, self.settings.max_long_poll_s), finished=finished)
-        return self.request_row(job_id, request_id)
+        ``raw_result`` keeps a JSON result as text, so an answer can carry it without re-encoding.
+        """
+        if job_id not in self._live:
+            self._row(job_id)  # 404 for an unknown job
+        if timeout_s > 0 and self._is_open(job_id, request_id):
+            await self.waiters.wait(
+                request_id,
+                timeout_s=min(timeout_s, self.settings.max_long_poll_s),
+                finished=lambda: not self._is_open(job_id, request_id),
+            )
+        row = self._finished_row(job_id, request_id) if raw_result else None
+        return row if row is not None else self.request_row(job_id, request_id, raw_result=raw_result)
 
     def tail_logs(
         self, job_id: str, *, sub_job_id: str | None, sub_job_type: str | None, cursor: str | None, max_lines: int

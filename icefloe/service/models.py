@@ -169,8 +169,17 @@ class ExperimentRun(BaseModel):
 
 # --- compute -----------------------------------------------------------------------------------
 class RequestAccepted(BaseModel):
+    """``{request_id, job_id}``; with ``?wait=`` (icefloe extension) also the request's poll answer."""
+
     request_id: str
     job_id: str
+    status: str | None = None
+    created_at: str | None = None
+    updated_at: str | None = None
+    result: dict[str, Any] | None = None
+    error: str | None = None
+    events: list[dict[str, Any]] | None = None
+    next_cursor: str | None = None
 
 
 class StepBody(_Open):

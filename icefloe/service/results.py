@@ -37,6 +37,11 @@ def contains_tensor(value: Any) -> bool:
 
 def plain_json(value: Any) -> Any:
     """Tensor-free results as JSON values: scalars of torch/numpy become numbers, NaN becomes None."""
+    kind = type(value)
+    if kind in _JSON_EXACT:  # the common case first: a generate result holds thousands of these
+        return value
+    if kind is float:
+        return value if math.isfinite(value) else None
     if isinstance(value, Mapping):
         return {str(k): plain_json(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
@@ -46,6 +51,9 @@ def plain_json(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
+
+
+_JSON_EXACT = frozenset({str, int, bool, type(None)})
 
 
 def _response_options(op_metadata: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -190,11 +190,13 @@ def update_request(
     )
 
 
-def get_request(db: Database, *, request_id: str) -> dict[str, Any] | None:
+def get_request(db: Database, *, request_id: str, raw_result: bool = False) -> dict[str, Any] | None:
+    """The request's row; ``raw_result`` leaves ``result`` as its JSON text (to splice into an answer)."""
     row = db.fetch_one("SELECT * FROM requests WHERE request_id = ?", (request_id,))
     if row is None:
         return None
-    row["result"] = None if row["result"] is None else json.loads(row["result"])
+    if not raw_result:
+        row["result"] = None if row["result"] is None else json.loads(row["result"])
     row["op_metadata"] = json.loads(row["op_metadata"])
     return row
 

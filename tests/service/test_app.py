@@ -21,7 +21,12 @@ async def test_job_lifecycle_walks_every_endpoint(data_dir, transport):
     async with client_for(app, transport) as http:
         api = Api(http)
         caps = (await api.call("GET", "/capabilities")).json()
-        assert caps["extensions"] == {"long_poll": True, "idempotency_keys": True, "forward": True}
+        assert caps["extensions"] == {
+            "long_poll": True,
+            "idempotency_keys": True,
+            "forward": True,
+            "inline_wait": True,
+        }
         job_id = await api.create(TRAINING, SAMPLING, experiment_name="walk")
         job = await api.wait_status(job_id, "running")
         assert [s["sub_job_id"] for s in job["sub_jobs"]] == [f"{job_id}:training:0", f"{job_id}:sampling:0"]

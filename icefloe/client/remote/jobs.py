@@ -80,6 +80,7 @@ class ServiceInfo:
     idempotency_keys: bool = False
     max_post_bytes: int | None = None
     max_long_poll_s: float | None = None
+    inline_wait: bool = False  # POSTs take ?wait= and answer with the request's poll answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +109,7 @@ def probe_service() -> Exchange[ServiceInfo]:
         ops=ops,
         long_poll=bool(extensions.get("long_poll")),
         idempotency_keys=bool(extensions.get("idempotency_keys")),
+        inline_wait=bool(extensions.get("inline_wait")),
         max_post_bytes=int(limits["max_post_bytes"]) if limits.get("max_post_bytes") else None,
         max_long_poll_s=float(limits["max_long_poll_s"]) if limits.get("max_long_poll_s") else None,
     )
@@ -118,9 +120,7 @@ def job_create_body(config: ClientConfig, experiment_name: str | None = None) ->
     _warn_unmapped_knobs(config)
     common = {"model_name": config.model, "seed": config.seed, "dtype": config.dtype}
     inference = {"max_seq_len": config.max_seq_len}
-    engine_kwargs = {
-        k: v for k, v in config.sampling.engine_kwargs.items() if k not in _ENGINE_KWARGS_SET_BY_API
-    }
+    engine_kwargs = {k: v for k, v in config.sampling.engine_kwargs.items() if k not in _ENGINE_KWARGS_SET_BY_API}
     subs: list[dict[str, Any]] = []
     if config.num_sampling_workers > 0:
         sampling = {**inference, "n_gpus": config.num_sampling_workers}
@@ -169,9 +169,7 @@ def _warn_unmapped_knobs(config: ClientConfig) -> None:
     if config.sampling.engine != "auto":
         ignored.append("sampling.engine")
     if ignored:
-        _log.warning(
-            "backend.type='remote' ignores %s: the training API has no such field", ", ".join(ignored)
-        )
+        _log.warning("backend.type='remote' ignores %s: the training API has no such field", ", ".join(ignored))
 
 
 def create_job(body: dict[str, Any], *, idempotent: bool) -> Exchange[str]:
@@ -180,9 +178,7 @@ def create_job(body: dict[str, Any], *, idempotent: bool) -> Exchange[str]:
     reply = yield Call("POST", "", "create job", json=body, idempotency_key=str(uuid.uuid4()), retry=retry)
     job_id = (reply.body or {}).get("job_id") if isinstance(reply.body, Mapping) else None
     if not job_id:
-        raise JobFailedError(
-            "<none>", "not created", f"create job answered without a job_id: {reply.body!r:.200}"
-        )
+        raise JobFailedError("<none>", "not created", f"create job answered without a job_id: {reply.body!r:.200}")
     return str(job_id)
 
 

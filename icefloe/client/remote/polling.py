@@ -3,7 +3,8 @@
 A request's result arrives in one of three forms (plain JSON, an inline DSSST1 envelope, or
 ``result_chunk`` events drained by cursor). When the service advertises long polling, each poll
 asks it to hold the answer (``?wait=``); otherwise polls back off 0.5 s × 1.25 up to 6 s. No sleep
-runs past the deadline, and a passed deadline raises :class:`IcefloeTimeoutError`.
+runs past the deadline, and a passed deadline raises :class:`IcefloeTimeoutError`. A submitting
+POST that already carried the poll answer (the ``inline_wait`` extension) is read like a poll.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from icefloe.protocol import (
     normalize_request_state,
 )
 
-__all__ = ["Backoff", "decode_result", "poll_request", "tensor_kind"]
+__all__ = ["Backoff", "FrameResult", "decode_result", "poll_request", "tensor_kind"]
 
 _LONG_POLL_SLACK_S = 10.0  # the HTTP timeout of a long poll exceeds its wait by this much
 
@@ -58,6 +59,10 @@ class Backoff:
             yield max(0.0, min(interval, deadline - time.monotonic()))
 
 
+class FrameResult(dict):
+    """A result decoded from a DSSST1 frame, so it may hold tensors (a JSON result never does)."""
+
+
 def tensor_kind() -> str:
     """Decode result tensors as torch when it is installed (a light install gets numpy)."""
     return "torch" if importlib.util.find_spec("torch") is not None else "numpy"
@@ -73,9 +78,10 @@ def decode_result(result: Any, chunk_events: list[dict[str, Any]]) -> dict[str, 
         decoded = wire.decode(wire.join_result_events(chunk_events), tensors=tensor_kind())
         if not isinstance(decoded, dict):
             raise RequestFailedError(f"result chunks decoded to {type(decoded).__name__}, expected a dict")
-        return decoded
+        return FrameResult(decoded)
     if _is_inline_envelope(result):
-        return wire.decode_inline_result(dict(result), tensors=tensor_kind())
+        decoded = wire.decode_inline_result(dict(result), tensors=tensor_kind())
+        return FrameResult(decoded) if isinstance(decoded, dict) else decoded
     if result is None or result == {}:
         return {}
     if not isinstance(result, Mapping):
@@ -91,8 +97,12 @@ def poll_request(
     backoff: Backoff,
     timeout_s: float,
     long_poll_s: float = 0.0,
+    answered: Mapping[str, Any] | None = None,
 ) -> Exchange[dict[str, Any]]:
     """Poll ``GET /{job_id}/requests/{request_id}`` until it finishes; return the decoded result.
+
+    ``answered`` is a poll answer the submitting POST carried: it is read first, and polling
+    continues only while the request is unfinished or result chunks remain.
 
     Raises:
         RequestFailedError: the request failed or was cancelled (message = the service's error).
@@ -113,15 +123,14 @@ def poll_request(
             wait = min(long_poll_s, remaining)
             params["wait"] = f"{wait:.3f}"
             timeout = wait + _LONG_POLL_SLACK_S
-        asked_at = time.monotonic()
-        reply: Reply = yield Call(
-            "GET", path, f"{what} (poll {request_id})", params=params, timeout_s=timeout
-        )
-        held_s = time.monotonic() - asked_at
-        body = reply.body if isinstance(reply.body, Mapping) else {}
-        new_events = [
-            e for e in body.get("events") or () if isinstance(e, Mapping) and e.get("type") == "result_chunk"
-        ]
+        if answered is not None:
+            body, answered, held_s = answered, None, None
+        else:
+            asked_at = time.monotonic()
+            reply: Reply = yield Call("GET", path, f"{what} (poll {request_id})", params=params, timeout_s=timeout)
+            held_s = time.monotonic() - asked_at
+            body = reply.body if isinstance(reply.body, Mapping) else {}
+        new_events = [e for e in body.get("events") or () if isinstance(e, Mapping) and e.get("type") == "result_chunk"]
         events.extend(dict(e) for e in new_events)
         next_cursor = str(body.get("next_cursor") or "")
         if next_cursor:  # more chunks queued: drain at once, status is read once drained
@@ -141,5 +150,7 @@ def poll_request(
             )
         if new_events:
             continue  # a chunk arrived without a cursor: the rest is ready, re-poll at once
-        if timeout is None or held_s < 0.1 * (timeout - _LONG_POLL_SLACK_S):
+        if held_s is None and long_poll_s > 0:
+            continue  # the POST's own wait ran out: the long poll takes over at once
+        if timeout is None or held_s is None or held_s < 0.1 * (timeout - _LONG_POLL_SLACK_S):
             yield Sleep(next(sleeps))  # no long poll, or the service answered early without holding it

@@ -40,7 +40,7 @@ from icefloe.client.remote.jobs import (
     wait_running,
 )
 from icefloe.client.remote.ordering import RoleTurns, Turn
-from icefloe.client.remote.polling import Backoff, poll_request
+from icefloe.client.remote.polling import Backoff, FrameResult, poll_request
 from icefloe.client.transports.base import Transport
 from icefloe.config import ClientConfig, RemoteConfig, ScheduleConfig
 from icefloe.protocol import (
@@ -276,8 +276,11 @@ class RemoteTransport(Transport):
         try:
             await turn.wait()
             await asyncio.sleep(0)  # ops called in this same loop turn take their turns behind us now
-            _MAY_HOLD.set(not turn.followed or bool(__import__("os").environ.get("RP_ALWAYS_HOLD")))
-            return await run_async(self._exchange(request), self._async, on_submitted=turn.release)
+            may_hold = _MAY_HOLD.set(not turn.followed)
+            try:
+                return await run_async(self._exchange(request), self._async, on_submitted=turn.release)
+            finally:
+                _MAY_HOLD.reset(may_hold)
         finally:
             turn.release()
 
@@ -431,7 +434,8 @@ class RemoteTransport(Transport):
         path = f"/{self._job_id}/generate"
         accepted = yield from self._post_frame(path, OP_GENERATE, wire.encode(body), force_chunks=False, replays=0)
         result = yield from self._poll(accepted, OP_GENERATE)
-        return _tensors_to_lists(result)
+        # Only a DSSST1 result can hold tensors; walking a JSON one (thousands of samples) costs ms.
+        return _tensors_to_lists(result) if isinstance(result, FrameResult) else result
 
     # --- JSON ops --------------------------------------------------------------------------------
     def _json_op(self, name: str, build: Callable[[dict[str, Any]], dict[str, Any]]):

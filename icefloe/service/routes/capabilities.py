@@ -43,7 +43,7 @@ async def capabilities(settings: SettingsDep) -> dict:
             "cancel",
         ],
         "operations": list(SUPPORTED_OPERATIONS),
-        "extensions": {"long_poll": True, "idempotency_keys": True, "forward": True},
+        "extensions": {"long_poll": True, "idempotency_keys": True, "forward": True, "inline_wait": True},
         "limits": {
             "max_post_bytes": settings.max_post_bytes,
             "max_events": MAX_EVENTS_CAP,

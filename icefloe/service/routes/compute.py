@@ -1,17 +1,22 @@
 """The data plane: forward-backward, forward, step, save, load, generate.
 
-Octet bodies (DSSST1 frames or request chunks) are decoded on a thread-pool thread; JSON bodies
+Octet bodies (DSSST1 frames or request chunks) over 64 KiB are decoded on a thread-pool thread,
+smaller ones on the loop, where the hop would cost more than the decoding; JSON bodies
 are validated by their models. Every route answers ``{request_id, job_id}`` (or
 ``{chunk_cached: true}`` for a non-final chunk) and the work runs on the sub-job's FIFO worker.
+``?wait=S`` (icefloe extension) adds the request's poll answer once it finishes, or after S seconds.
 """
 
 from __future__ import annotations
 
+from fastapi import Response
 from fastapi.concurrency import run_in_threadpool
 
-from icefloe.protocol import OP_FORWARD, OP_FWD_BWD, OP_GENERATE
+from icefloe import wire
+from icefloe.protocol import OP_FORWARD, OP_FWD_BWD, OP_GENERATE, WireError
 from icefloe.service.deps import JobsDep, OctetBody
 from icefloe.service.errors import bad_request
+from icefloe.service.jobs import JobManager, LiveJob
 from icefloe.service.models import LoadBody, RequestAccepted, SaveBody, StepBody
 from icefloe.service.operations import (
     load_target,
@@ -21,37 +26,67 @@ from icefloe.service.operations import (
     submit_step,
 )
 from icefloe.service.routes.common import api_router
+from icefloe.service.routes.requests import with_answer
 from icefloe.service.streams import submit_generate_stream
 
 __all__ = ["router"]
 
 router = api_router("compute")
 
+# Frames up to this size decode on the loop: a thread-pool hop costs more than decoding them.
+_DECODE_ON_LOOP_BYTES = 64 * 1024
 
-@router.post("/{job_id}/forward-backward")
-async def forward_backward(job_id: str, body: OctetBody, jobs: JobsDep, sub_job_id: str | None = None) -> dict:
+
+def _small_frame(body: bytes) -> bool:
+    """True for a small frame that is whole, or the only chunk of its group (a final chunk executes all)."""
+    if len(body) > _DECODE_ON_LOOP_BYTES:
+        return False
+    try:
+        descriptor = wire.chunk_descriptor(body)
+    except WireError:
+        return False  # submit_frame reports it
+    return descriptor is None or descriptor.get("total_chunks") == 1
+
+
+async def _submit(jobs: JobManager, job: LiveJob, op: str, body: bytes, *, sub_job_id: str | None) -> dict:
+    if _small_frame(body):
+        return submit_frame(jobs, job, op, body, sub_job_id=sub_job_id)
+    return await run_in_threadpool(submit_frame, jobs, job, op, body, sub_job_id=sub_job_id)
+
+
+@router.post("/{job_id}/forward-backward", response_model=None)
+async def forward_backward(
+    job_id: str, body: OctetBody, jobs: JobsDep, sub_job_id: str | None = None, wait: float = 0.0
+) -> dict | Response:
     job = jobs.live(job_id)
     target = jobs.resolve_sub_job(job, sub_job_id=sub_job_id, sub_job_type=None, default_type="training")
-    return await run_in_threadpool(submit_frame, jobs, job, OP_FWD_BWD, body, sub_job_id=target)
+    return await with_answer(jobs, await _submit(jobs, job, OP_FWD_BWD, body, sub_job_id=target), wait)
 
 
-@router.post("/{job_id}/forward")
+@router.post("/{job_id}/forward", response_model=None)
 async def forward(
-    job_id: str, body: OctetBody, jobs: JobsDep, sub_job_id: str | None = None, sub_job_type: str | None = None
-) -> dict:
+    job_id: str,
+    body: OctetBody,
+    jobs: JobsDep,
+    sub_job_id: str | None = None,
+    sub_job_type: str | None = None,
+    wait: float = 0.0,
+) -> dict | Response:
     job = jobs.live(job_id)
     target = jobs.resolve_sub_job(job, sub_job_id=sub_job_id, sub_job_type=sub_job_type, default_type="training")
     if job.specs[target].job_type == "sampling":
         raise bad_request(f"forward runs on a training or log_probability sub-job; {target} is a sampling sub-job")
-    return await run_in_threadpool(submit_frame, jobs, job, OP_FORWARD, body, sub_job_id=target)
+    return await with_answer(jobs, await _submit(jobs, job, OP_FORWARD, body, sub_job_id=target), wait)
 
 
-@router.post("/{job_id}/generate")
-async def generate(job_id: str, body: OctetBody, jobs: JobsDep, sub_job_id: str | None = None) -> dict:
+@router.post("/{job_id}/generate", response_model=None)
+async def generate(
+    job_id: str, body: OctetBody, jobs: JobsDep, sub_job_id: str | None = None, wait: float = 0.0
+) -> dict | Response:
     job = jobs.live(job_id)
     if sub_job_id is not None:  # else the body's routing_key picks the sampling sub-job
         jobs.resolve_sub_job(job, sub_job_id=sub_job_id, sub_job_type="sampling", default_type="sampling")
-    return await run_in_threadpool(submit_frame, jobs, job, OP_GENERATE, body, sub_job_id=sub_job_id)
+    return await with_answer(jobs, await _submit(jobs, job, OP_GENERATE, body, sub_job_id=sub_job_id), wait)
 
 
 @router.post("/{job_id}/generate-stream")
@@ -63,22 +98,24 @@ async def generate_stream(job_id: str, body: OctetBody, jobs: JobsDep, sub_job_i
     return await run_in_threadpool(submit_generate_stream, jobs, job, body, sub_job_id=sub_job_id)
 
 
-@router.post("/{job_id}/step", response_model=RequestAccepted)
-async def step(job_id: str, jobs: JobsDep, body: StepBody | None = None) -> dict:
+@router.post("/{job_id}/step", response_model=RequestAccepted, response_model_exclude_none=True)
+async def step(job_id: str, jobs: JobsDep, body: StepBody | None = None, wait: float = 0.0) -> dict | Response:
     job = jobs.live(job_id)
     target = jobs.resolve_sub_job(job, sub_job_id=None, sub_job_type=None, default_type="training")
-    return {"request_id": submit_step(jobs, job, body or StepBody(), target), "job_id": job_id}
+    request_id = submit_step(jobs, job, body or StepBody(), target)
+    return await with_answer(jobs, {"request_id": request_id, "job_id": job_id}, wait)
 
 
-@router.post("/{job_id}/save", response_model=RequestAccepted)
-async def save(job_id: str, jobs: JobsDep, body: SaveBody | None = None) -> dict:
+@router.post("/{job_id}/save", response_model=RequestAccepted, response_model_exclude_none=True)
+async def save(job_id: str, jobs: JobsDep, body: SaveBody | None = None, wait: float = 0.0) -> dict | Response:
     job = jobs.live(job_id)
     target = jobs.resolve_sub_job(job, sub_job_id=None, sub_job_type=None, default_type="training")
-    return {"request_id": submit_save(jobs, job, body or SaveBody(), target), "job_id": job_id}
+    request_id = submit_save(jobs, job, body or SaveBody(), target)
+    return await with_answer(jobs, {"request_id": request_id, "job_id": job_id}, wait)
 
 
-@router.post("/{job_id}/load", response_model=RequestAccepted)
-async def load(job_id: str, body: LoadBody, jobs: JobsDep) -> dict:
+@router.post("/{job_id}/load", response_model=RequestAccepted, response_model_exclude_none=True)
+async def load(job_id: str, body: LoadBody, jobs: JobsDep, wait: float = 0.0) -> dict | Response:
     job = jobs.live(job_id)
     target = load_target(job, body)
-    return {"request_id": submit_load(jobs, job, body, target), "job_id": job_id}
+    return await with_answer(jobs, {"request_id": submit_load(jobs, job, body, target), "job_id": job_id}, wait)

@@ -2,7 +2,8 @@
 
 Polled operations (``forward``, ``weight-sync``) answer ``{request_id, job_id}``; inline ones
 (``reset-prefix-cache``, ``cancel-request``, ``tail-logs``) answer their result directly. Operation
-types this service does not run answer 501 ``not_implemented``.
+types this service does not run answer 501 ``not_implemented``. A polled operation posted with
+``?wait=S`` (icefloe extension) also carries the request's poll answer, as the compute routes do.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import asyncio
 import base64
 import binascii
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Response
 from fastapi.concurrency import run_in_threadpool
 from pydantic import ValidationError
 
@@ -23,6 +24,7 @@ from icefloe.service.models import CancelRequestPayload, OperationBody, TailLogs
 from icefloe.service.operations import submit_frame, submit_weight_sync
 from icefloe.service.routes.capabilities import SUPPORTED_OPERATIONS
 from icefloe.service.routes.common import api_router
+from icefloe.service.routes.requests import with_answer
 
 __all__ = ["router", "statements_router"]
 
@@ -60,8 +62,8 @@ async def _reset_prefix_cache(jobs: JobManager, job_id: str, body: OperationBody
     return {"sub_job_id": target, "status": "ok"}
 
 
-@router.post("/{job_id}/operation")
-async def operation(job_id: str, body: OperationBody, jobs: JobsDep) -> dict:
+@router.post("/{job_id}/operation", response_model=None)
+async def operation(job_id: str, body: OperationBody, jobs: JobsDep, wait: float = 0.0) -> dict | Response:
     kind = body.operation_type.strip().lower()
     if kind == "tail-logs":
         page = _payload(TailLogsPayload, body)
@@ -90,14 +92,16 @@ async def operation(job_id: str, body: OperationBody, jobs: JobsDep) -> dict:
         )
         if routed is None and payload.source_sub_job_id is None:
             routed = jobs.resolve_sub_job(job, sub_job_id=None, sub_job_type=None, default_type="training")
-        return {"request_id": submit_weight_sync(jobs, job, payload, routed or None), "job_id": job_id}
+        accepted = {"request_id": submit_weight_sync(jobs, job, payload, routed or None), "job_id": job_id}
+        return await with_answer(jobs, accepted, wait)
     assert kind == OP_FORWARD
     target = jobs.resolve_sub_job(
         job, sub_job_id=body.sub_job_id, sub_job_type=body.sub_job_type, default_type="training"
     )
     if job.specs[target].job_type == "sampling":
         raise bad_request(f"forward runs on a training or log_probability sub-job; {target} is a sampling sub-job")
-    return await run_in_threadpool(submit_frame, jobs, job, OP_FORWARD, _frame_bytes(body), sub_job_id=target)
+    accepted = await run_in_threadpool(submit_frame, jobs, job, OP_FORWARD, _frame_bytes(body), sub_job_id=target)
+    return await with_answer(jobs, accepted, wait)
 
 
 # The managed API downloads full logs through a SQL statement that returns S3 stage credentials;

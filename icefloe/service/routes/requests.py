@@ -1,33 +1,57 @@
-"""Poll a request: status, then its result (JSON, inline DSSST1, or result-chunk pages)."""
+"""Poll a request: status, then its result (JSON, inline DSSST1, or result-chunk pages).
+
+:func:`answer_request` builds the poll answer; the submitting POST routes reuse it for the
+``?wait=`` extension, so a request that finishes quickly is answered by the POST itself. A JSON
+result is stored as text and spliced into the answer as it is (:func:`answer_response`): a
+generate result holds thousands of values, and decoding then re-encoding them cost milliseconds.
+"""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
+from fastapi import Response
 from fastapi.concurrency import run_in_threadpool
 
 from icefloe.service.deps import JobsDep
+from icefloe.service.jobs import JobManager
 from icefloe.service.models import RequestPublic
 from icefloe.service.results import DEFAULT_MAX_EVENTS, MAX_EVENTS_CAP
 from icefloe.service.routes.common import api_router
 
-__all__ = ["router"]
+__all__ = ["RawJson", "answer_request", "answer_response", "router", "with_answer"]
 
 router = api_router("requests")
 
 
-@router.get("/{job_id}/requests/{request_id}", response_model=RequestPublic)
-async def get_request(
+class RawJson(str):
+    """JSON text that goes into an answer unchanged."""
+
+
+def answer_response(answer: dict[str, Any]) -> Response:
+    """The answer as a JSON response, its ``result`` spliced in when it is already JSON text."""
+    result = answer.get("result")
+    if not isinstance(result, RawJson):
+        return Response(json.dumps(answer), media_type="application/json")
+    head = json.dumps({k: v for k, v in answer.items() if k != "result"})
+    return Response(f'{head[:-1]}, "result": {result}}}', media_type="application/json")
+
+
+async def answer_request(
+    jobs: JobManager,
     job_id: str,
     request_id: str,
-    jobs: JobsDep,
-    max_events: int = DEFAULT_MAX_EVENTS,
+    *,
+    wait: float,
     cursor: str | None = None,
-    wait: float = 0.0,
-) -> dict:
-    """``?wait=S`` (icefloe extension) holds the answer until the request finishes or S seconds pass."""
+    max_events: int = DEFAULT_MAX_EVENTS,
+) -> dict[str, Any]:
+    """The poll answer of a request, after holding up to ``wait`` seconds for it to finish."""
     stream = jobs.streams.get(request_id)
     if stream is not None and stream.pending_events:
         wait = 0.0  # events are ready now; a long-poll would only delay them
-    row = await jobs.wait_for_request(job_id, request_id, max(0.0, wait))
+    row = await jobs.wait_for_request(job_id, request_id, max(0.0, wait), raw_result=True)
     result, events, next_cursor, status = {}, [], "", row["status"]
     limit = min(max(1, max_events), MAX_EVENTS_CAP)
     if stream is not None:  # generate-stream: events are drained, the request stays "streaming" until empty
@@ -35,18 +59,10 @@ async def get_request(
         if stream.pending_events or status != "done":
             status = "streaming" if status in ("done", "streaming") else status
         else:
-            result = row["result"] or {}
+            result = json.loads(row["result"]) if row["result"] else {}
             jobs.streams.pop(request_id, None)
     elif status == "done":
-        result, events, next_cursor = await run_in_threadpool(
-            jobs.results.render,
-            request_id=request_id,
-            result=row["result"],
-            result_path=row["result_path"],
-            op_metadata=row["op_metadata"],
-            cursor=cursor,
-            max_events=limit,
-        )
+        result, events, next_cursor = await _render(jobs, request_id, row, cursor, limit)
     return {
         "request_id": request_id,
         "status": status,
@@ -57,3 +73,48 @@ async def get_request(
         "events": events,
         "next_cursor": next_cursor,
     }
+
+
+async def _render(
+    jobs: JobManager, request_id: str, row: dict[str, Any], cursor: str | None, limit: int
+) -> tuple[dict, list, str]:
+    """A JSON result is the row's text as it is; a stored frame is read off the loop."""
+    if row["result_path"] is None:
+        return (RawJson(row["result"]) if row["result"] else {}), [], ""
+    return await run_in_threadpool(
+        jobs.results.render,
+        request_id=request_id,
+        result=row["result"],
+        result_path=row["result_path"],
+        op_metadata=row["op_metadata"],
+        cursor=cursor,
+        max_events=limit,
+    )
+
+
+async def with_answer(jobs: JobManager, accepted: dict[str, Any], wait: float) -> dict[str, Any] | Response:
+    """``accepted`` plus the request's poll answer when the POST asked to wait (icefloe extension).
+
+    A non-final request chunk (no ``request_id``) or ``wait`` ≤ 0 answers ``accepted`` unchanged,
+    exactly as the managed endpoint does.
+    """
+    request_id = accepted.get("request_id")
+    if wait <= 0 or not request_id:
+        return accepted
+    answer = await answer_request(jobs, accepted["job_id"], str(request_id), wait=wait)
+    return answer_response({**accepted, **answer})
+
+
+@router.get("/{job_id}/requests/{request_id}", response_model=RequestPublic)
+async def get_request(
+    job_id: str,
+    request_id: str,
+    jobs: JobsDep,
+    max_events: int = DEFAULT_MAX_EVENTS,
+    cursor: str | None = None,
+    wait: float = 0.0,
+) -> Response:
+    """``?wait=S`` (icefloe extension) holds the answer until the request finishes or S seconds pass."""
+    return answer_response(
+        await answer_request(jobs, job_id, request_id, wait=wait, cursor=cursor, max_events=max_events)
+    )

@@ -9,7 +9,6 @@ import asyncio
 
 import pytest
 import torch
-from .remote_faults import Faults, Rule
 
 from icefloe.client import AsyncClient, Client, build_batch
 from icefloe.client.transports.remote import RemoteTransport
@@ -20,6 +19,8 @@ from icefloe.protocol import (
     IcefloeTimeoutError,
     RequestFailedError,
 )
+
+from .remote_faults import Faults, Rule
 
 _JOB = r"/cortex-training/[0-9a-f-]+"
 
@@ -38,6 +39,7 @@ def _big_batch(rows: int = 8, width: int = 64) -> dict:
 
 
 def test_remote_lost_responses_are_retried_exactly_once(service):
+    """Submit-then-poll: long_poll_s=0 turns off ?wait=, so every op is polled with GETs."""
     faults = Faults(
         Rule("POST", r"/cortex-training/?$", "drop_response"),  # create job
         Rule("POST", _JOB + "/forward-backward$", "drop_response"),
@@ -47,7 +49,7 @@ def test_remote_lost_responses_are_retried_exactly_once(service):
         Rule("GET", _JOB + "/requests/", "drop_response", times=2),
     )
     jobs_before = len(service.app.state.db.fetch_all("SELECT job_id FROM jobs"))
-    with _client(service, faults) as client:
+    with _client(service, faults, long_poll_s=0) as client:
         client.fwd_bwd(build_batch([[3, 4]], [[5, 6]], [1.0], pad_id=0))
         assert client.step()["global_step"] == 1
         assert len(client.generate([[1, 2, 3]], {"max_tokens": 2, "seed": 0})) == 1
@@ -56,6 +58,25 @@ def test_remote_lost_responses_are_retried_exactly_once(service):
     assert all(rule.hits == rule.times for rule in faults.rules)
     assert counts == {"forward-backward": 1, "step": 1, "generate": 1, "weight-sync": 1}
     assert len(service.app.state.db.fetch_all("SELECT job_id FROM jobs")) == jobs_before + 1
+
+
+def test_remote_lost_inline_answers_are_replayed_not_rerun(service):
+    """A POST?wait= answer lost after the service ran the op: the retry gets the kept answer, with its result."""
+    faults = Faults(
+        Rule("POST", _JOB + "/forward-backward$", "drop_response"),
+        Rule("POST", _JOB + "/step$", "drop_response"),
+        Rule("POST", _JOB + "/generate$", "drop_response"),
+        Rule("POST", _JOB + "/operation$", "drop_response"),
+        Rule("GET", _JOB + "/requests/", "drop_response"),  # must stay unused: no op is polled
+    )
+    with _client(service, faults) as client:
+        assert client.fwd_bwd(build_batch([[3, 4]], [[5, 6]], [1.0], pad_id=0))["loss"] is not None
+        assert client.step()["global_step"] == 1
+        assert len(client.generate([[1, 2, 3]], {"max_tokens": 2, "seed": 0})) == 1
+        assert client.sync_weights()["policy_version"] == 1
+        counts = service.request_counts(client._transport.job_id)
+    assert [rule.hits for rule in faults.rules] == [1, 1, 1, 1, 0]
+    assert counts == {"forward-backward": 1, "step": 1, "generate": 1, "weight-sync": 1}
 
 
 def test_remote_503_and_429_before_and_after_the_service_acted(service):

@@ -72,8 +72,7 @@ def test_poll_request_drains_result_chunks_by_cursor():
     events = wire.result_chunk_events(frame, max_bytes=20000)
     assert len(events) > 1
     pages = [
-        _body("done", events=[e], next_cursor=str(i + 1) if i + 1 < len(events) else "")
-        for i, e in enumerate(events)
+        _body("done", events=[e], next_cursor=str(i + 1) if i + 1 < len(events) else "") for i, e in enumerate(events)
     ]
     asked, value = _drive(poll_request("j", "r", what="forward", backoff=Backoff(), timeout_s=30), pages)
     assert value["tag"] == "x" and len(value["logprobs"]) == 5000
@@ -116,9 +115,7 @@ def _transport_with_job():
     from icefloe.client.transports.remote import RemoteTransport
     from icefloe.config import ClientConfig
 
-    transport = RemoteTransport(
-        ClientConfig.build(backend={"type": "remote", "base_url": "http://127.0.0.1:9"})
-    )
+    transport = RemoteTransport(ClientConfig.build(backend={"type": "remote", "base_url": "http://127.0.0.1:9"}))
     transport._job = JobRef("j", {"training": ["j:training:0"], "sampling": ["j:sampling:0"]})
     transport._service = ServiceInfo(managed=True, ops=MANAGED_OPS)
     return transport
@@ -154,3 +151,30 @@ def test_operation_weight_sync_routes_to_the_training_sub_job_and_polls():
     }
     assert post.idempotency_key and value == {"policy_version": 2}
     transport.close()
+
+
+def test_poll_request_reads_an_answer_the_post_carried_without_polling():
+    asked, value = _drive(
+        poll_request(
+            "j",
+            "r",
+            what="step",
+            backoff=Backoff(),
+            timeout_s=30,
+            long_poll_s=5.0,
+            answered=_body("done", result={"global_step": 2}),
+        ),
+        [],
+    )
+    assert asked == [] and value == {"global_step": 2}
+
+
+def test_poll_request_long_polls_at_once_when_the_posts_wait_ran_out():
+    asked, value = _drive(
+        poll_request(
+            "j", "r", what="step", backoff=Backoff(), timeout_s=30, long_poll_s=5.0, answered=_body("pending")
+        ),
+        [_body("done", result={"global_step": 2})],
+    )
+    assert value == {"global_step": 2}
+    assert [type(step) for step in asked] == [Call] and "wait" in asked[0].params

@@ -1,0 +1,105 @@
+"""The ``inline_wait`` extension from the client side, against a real service.
+
+An op nobody queued behind posts with ``?wait=`` and is answered by its POST; an op with a
+successor posts without it (the successor is sent at acceptance) and is polled; a service that
+does not advertise the extension is never sent ``wait`` on a POST.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+
+import httpx
+
+from icefloe.client import AsyncClient, Client, build_batch
+from icefloe.client.transports.remote import RemoteTransport
+
+
+class Recorder(httpx.BaseTransport, httpx.AsyncBaseTransport):
+    """Passes every request on and notes (method, last path segment, query params)."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str, dict[str, str]]] = []
+        self._lock = threading.Lock()
+        self.inner = None
+
+    def wrap(self, inner):
+        self.inner = inner
+        return self
+
+    def _note(self, request: httpx.Request) -> None:
+        segment = request.url.path.rstrip("/").rsplit("/", 1)[-1]
+        name = "poll" if "/requests/" in request.url.path else segment
+        with self._lock:
+            self.seen.append((request.method, name, dict(request.url.params)))
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self._note(request)
+        return self.inner.handle_request(request)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self._note(request)
+        return await self.inner.handle_async_request(request)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    def posts(self, name: str) -> list[dict[str, str]]:
+        return [params for method, seen, params in self.seen if method == "POST" and seen == name]
+
+    def polls(self) -> int:
+        return sum(1 for _, name, _ in self.seen if name == "poll")
+
+
+def _batch() -> dict:
+    return build_batch([[3, 4, 5]], [[6, 7]], [1.0], pad_id=0)
+
+
+def test_remote_inline_wait_answers_awaited_ops_in_their_post(service):
+    recorder = Recorder()
+    config = service.config()
+    with Client(config, transport=RemoteTransport(config, wrap_http_transport=recorder.wrap)) as client:
+        assert client.fwd_bwd(_batch())["loss"] is not None
+        assert client.step()["global_step"] == 1
+        assert len(client.generate([[1, 2, 3]], {"max_tokens": 2, "seed": 0})) == 1
+        assert client.sync_weights()["policy_version"] == 1
+    for name in ("forward-backward", "step", "generate", "operation"):
+        assert [("wait" in params) for params in recorder.posts(name)] == [True], name
+    assert recorder.polls() == 0
+
+
+def test_remote_inline_wait_skips_an_op_that_has_a_successor(service):
+    recorder = Recorder()
+    config = service.config()
+
+    async def run() -> tuple[dict, dict]:
+        transport = RemoteTransport(config, wrap_http_transport=recorder.wrap)
+        async with AsyncClient(config, transport=transport) as client:
+            return await asyncio.gather(client.fwd_bwd(_batch()), client.step())
+
+    trained, stepped = asyncio.run(run())
+    assert trained["loss"] is not None and stepped["global_step"] == 1
+    assert ["wait" in params for params in recorder.posts("forward-backward")] == [False]
+    assert ["wait" in params for params in recorder.posts("step")] == [True]
+    assert recorder.polls() >= 1  # the forward-backward result came by poll
+
+
+def test_remote_inline_wait_is_not_used_unless_advertised(service):
+    recorder = Recorder()
+    config = service.config()
+    transport = RemoteTransport(config, wrap_http_transport=recorder.wrap)
+    with Client(config, transport=transport) as client:
+        client.open()
+        # what a service without the extension (the managed endpoint) advertises
+        transport._service = dataclasses.replace(transport._service, inline_wait=False)
+        assert client.fwd_bwd(_batch())["loss"] is not None
+        assert client.step()["global_step"] == 1
+        assert client.sync_weights()["policy_version"] == 1
+    for name in ("forward-backward", "step", "operation"):
+        assert [("wait" in params) for params in recorder.posts(name)] == [False], name
+    assert recorder.polls() >= 3

@@ -1,0 +1,89 @@
+"""Request answers: a POST with ``?wait=`` (icefloe extension) carries the poll answer; without it, only the id."""
+
+from __future__ import annotations
+
+import pytest
+
+from icefloe import wire
+
+from .service_batches import small_batch
+from .service_client import TRAINING, Api
+from .service_harness import client_for, make_app
+
+pytestmark = pytest.mark.anyio
+
+_POLL_KEYS = {"request_id", "job_id", "status", "created_at", "updated_at", "result", "error", "events", "next_cursor"}
+
+
+async def test_post_wait_answers_with_the_finished_request(data_dir):
+    async with client_for(make_app(data_dir), "uvicorn") as http:
+        api = Api(http)
+        job_id = await api.create(TRAINING)
+        await api.wait_status(job_id, "running")
+        trained = (await api.post_frame(job_id, "forward-backward", small_batch(), params={"wait": 30})).json()
+        assert set(trained) == _POLL_KEYS and trained["status"] == "done"
+        assert isinstance(trained["result"]["loss"], float)
+        stepped = (await api.call("POST", f"/{job_id}/step", json={}, params={"wait": 30})).json()
+        assert set(stepped) == _POLL_KEYS and stepped["status"] == "done"
+        assert stepped["result"]["global_step"] == 1
+        # the answer equals what a poll of the same request returns
+        polled = await api.poll(job_id, stepped["request_id"])
+        assert polled == {k: v for k, v in stepped.items() if k != "job_id"}
+
+
+async def test_post_without_wait_answers_only_the_request_id(data_dir):
+    async with client_for(make_app(data_dir), "asgi") as http:
+        api = Api(http)
+        job_id = await api.create(TRAINING)
+        await api.wait_status(job_id, "running")
+        accepted = (await api.post_frame(job_id, "forward-backward", small_batch())).json()
+        assert set(accepted) == {"request_id", "job_id"}
+        stepped = (await api.call("POST", f"/{job_id}/step", json={})).json()
+        assert set(stepped) == {"request_id", "job_id"}
+        assert (await api.result(job_id, stepped["request_id"]))["global_step"] == 1
+
+
+async def test_post_wait_carries_a_tensor_result_as_an_inline_envelope(data_dir):
+    async with client_for(make_app(data_dir), "asgi") as http:
+        api = Api(http)
+        job_id = await api.create(TRAINING)
+        await api.wait_status(job_id, "running")
+        answer = (
+            await api.post_frame(
+                job_id,
+                "forward",
+                small_batch(),
+                op_metadata={"response_options": {"format": "dssst1"}},
+                params={"wait": 30},
+            )
+        ).json()
+        assert answer["status"] == "done" and answer["result"]["wire_format"] == "DSSST1"
+        logprobs_BS = wire.decode_inline_result(answer["result"])["logprobs"]
+        assert tuple(logprobs_BS.shape) == tuple(small_batch()["kwargs"]["input_ids"].shape)
+
+
+async def test_post_wait_replayed_by_idempotency_key_runs_once_and_repeats_the_answer(data_dir):
+    app = make_app(data_dir)
+    async with client_for(app, "asgi") as http:
+        api = Api(http)
+        job_id = await api.create(TRAINING)
+        await api.wait_status(job_id, "running")
+        headers = {"Idempotency-Key": "step-once"}
+        first = await api.call("POST", f"/{job_id}/step", json={}, params={"wait": 30}, headers=headers)
+        again = await api.call("POST", f"/{job_id}/step", json={}, params={"wait": 30}, headers=headers)
+        assert again.headers.get("idempotent-replayed") == "true"
+        assert again.json() == first.json() and first.json()["result"]["global_step"] == 1
+        rows = app.state.db.fetch_all("SELECT op FROM requests WHERE job_id = ? AND op = 'step'", (job_id,))
+        assert len(rows) == 1
+
+
+async def test_post_wait_of_a_failing_request_answers_failed_with_the_error(data_dir):
+    async with client_for(make_app(data_dir), "asgi") as http:
+        api = Api(http)
+        job_id = await api.create(TRAINING)
+        await api.wait_status(job_id, "running")
+        batch = small_batch()
+        batch["processing"] = {"loss_fn": "grpo", "config": {"loss_agg_mode": "no-such-mode"}}  # fails as it runs
+        answer = (await api.post_frame(job_id, "forward-backward", batch, params={"wait": 30})).json()
+        assert answer["status"] == "failed" and "loss_agg_mode" in answer["error"]
+        assert answer["result"] == {}
