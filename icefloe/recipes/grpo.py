@@ -155,7 +155,9 @@ async def run(config: GRPOConfig, *, on_step: Callable[[dict[str, Any]], None] |
                 "eps_clip_higher": config.eps_clip_higher,
                 "entropy_coeff": entropy_coeff,
             }
-            losses, grad_norms = [], []
+            # Every minibatch's fwd_bwd and step go out back to back before any is awaited: the trainer
+            # runs them in submission order, so the transport's latency overlaps the compute.
+            pending = []
             for chunk_P in _split(useful_P, config.num_minibatches):
                 rows_R = [(p, g) for p in chunk_P for g in range(config.group_size)]
                 batch = build_batch(
@@ -167,13 +169,15 @@ async def run(config: GRPOConfig, *, on_step: Callable[[dict[str, Any]], None] |
                     loss_config=loss_config,
                     old_logprobs=[samples_P_G[p][g]["logprobs"] for p, g in rows_R],
                 )
-                pending = asyncio.ensure_future(client.fwd_bwd(batch))
-                stepped = asyncio.ensure_future(client.step())
-                trained, optimized = await pending, await stepped
-                losses.append(trained["loss"])
-                grad_norms.append(optimized["grad_norm"])
-                lr = optimized["lr"]
-            synced = await client.sync_weights()
+                pending.append(asyncio.ensure_future(client.fwd_bwd(batch)))
+                pending.append(asyncio.ensure_future(client.step()))
+            synced_future = asyncio.ensure_future(client.sync_weights())
+            results = await asyncio.gather(*pending)
+            synced = await synced_future
+            losses = [trained["loss"] for trained in results[0::2]]
+            grad_norms = [optimized["grad_norm"] for optimized in results[1::2]]
+            if results:
+                lr = results[-1]["lr"]
 
             # --- record -----------------------------------------------------------------------
             row = {
