@@ -7,6 +7,7 @@ discriminated by ``type``. Environment variables are read in exactly one place,
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -73,6 +74,24 @@ class ScheduleConfig(_Model):
     warmup_steps: int = Field(0, ge=0)
     total_steps: int = Field(0, ge=0)  # 0 = no decay horizon (linear/cosine need one)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)  # floor of decay, as a fraction of optimizer.lr
+
+    def multiplier(self, step: int) -> float:
+        """Fraction of ``optimizer.lr`` used by 0-based optimizer step ``step``.
+
+        Linear warm-up over ``warmup_steps`` (step 0 gets 1/warmup_steps), then constant, or a
+        linear or cosine decay that reaches ``min_lr_ratio`` at ``total_steps`` and stays there.
+        Every backend applies this one formula (the remote one sends the resulting rate per step).
+        """
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.kind == "constant":
+            return 1.0
+        span = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        floor = self.min_lr_ratio
+        if self.kind == "linear":
+            return floor + (1.0 - floor) * (1.0 - progress)
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     @model_validator(mode="after")
     def _decay_needs_horizon(self) -> ScheduleConfig:

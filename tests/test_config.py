@@ -90,3 +90,12 @@ def test_pat_never_appears_in_repr_or_errors():
     with pytest.raises(ConfigError) as info:
         ClientConfig.build(backend={"type": "remote", "host": "h", "pat": "pat-secret-value"})
     assert "pat-secret-value" not in str(info.value)
+
+
+def test_schedule_multiplier_is_the_one_formula():
+    from icefloe.config import ScheduleConfig
+
+    warm = ScheduleConfig(kind="constant", warmup_steps=4)
+    assert [warm.multiplier(s) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    cosine = ScheduleConfig(kind="cosine", total_steps=3, min_lr_ratio=0.5)
+    assert [round(cosine.multiplier(s), 4) for s in range(5)] == [1.0, 0.875, 0.625, 0.5, 0.5]

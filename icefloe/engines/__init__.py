@@ -4,7 +4,7 @@ from icefloe.engines.batch import shifted_token_logprobs, split_micro_batches, v
 from icefloe.engines.losses import get_loss, register_loss, registered_losses
 from icefloe.engines.models import load_causal_lm, load_tokenizer, resolve_model
 from icefloe.engines.sampling import SamplingEngine, VLLMSamplingEngine, build_sampling_engine
-from icefloe.engines.training import TrainingEngine, lr_multiplier, resolve_device
+from icefloe.engines.training import TrainingEngine, resolve_device
 from icefloe.engines.weight_sync import sync_weights_local
 from icefloe.engines.worker import RoleWorker, SyncGate
 
@@ -18,7 +18,6 @@ __all__ = [
     "get_loss",
     "load_causal_lm",
     "load_tokenizer",
-    "lr_multiplier",
     "register_loss",
     "registered_losses",
     "resolve_device",

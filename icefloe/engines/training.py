@@ -24,13 +24,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from icefloe.config import ClientConfig, ScheduleConfig
+from icefloe.config import ClientConfig
 from icefloe.engines.batch import shifted_token_logprobs, split_micro_batches, validate_batch
 from icefloe.engines.losses import get_loss
 from icefloe.engines.models import load_causal_lm, load_tokenizer, resolve_model
 from icefloe.protocol import InvalidRequestError, UnsupportedOpError
 
-__all__ = ["CHECKPOINT_KINDS", "TrainingEngine", "lr_multiplier", "resolve_device"]
+__all__ = ["CHECKPOINT_KINDS", "TrainingEngine", "resolve_device"]
 
 log = logging.getLogger(__name__)
 
@@ -45,24 +45,6 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-def lr_multiplier(schedule: ScheduleConfig, step: int) -> float:
-    """Fraction of the base LR used by optimizer step ``step`` (0-based).
-
-    Linear warm-up over ``warmup_steps`` (step 0 gets 1/warmup_steps), then constant, or a linear
-    or cosine decay that reaches ``min_lr_ratio`` at ``total_steps`` and stays there.
-    """
-    if step < schedule.warmup_steps:
-        return (step + 1) / schedule.warmup_steps
-    if schedule.kind == "constant":
-        return 1.0
-    span = max(1, schedule.total_steps - schedule.warmup_steps)
-    progress = min(1.0, (step - schedule.warmup_steps) / span)
-    floor = schedule.min_lr_ratio
-    if schedule.kind == "linear":
-        return floor + (1.0 - floor) * (1.0 - progress)
-    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 class TrainingEngine:
@@ -212,7 +194,7 @@ class TrainingEngine:
             raise InvalidRequestError(f"learning_rate must be >= 0; got {learning_rate}")
         schedule = self.config.training.lr_schedule
         base_lr = self.config.training.optimizer.lr
-        lr = learning_rate if learning_rate is not None else base_lr * lr_multiplier(schedule, self._global_step)
+        lr = learning_rate if learning_rate is not None else base_lr * schedule.multiplier(self._global_step)
         for group in optimizer.param_groups:
             group["lr"] = lr
         grads = [p.grad for p in self._params if p.grad is not None]

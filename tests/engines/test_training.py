@@ -6,12 +6,13 @@ import json
 
 import pytest
 import torch
-from .engine_batches import make_batch, make_config, random_rows
 from torch.testing import assert_close
 
 from icefloe.config import ScheduleConfig
-from icefloe.engines.training import TrainingEngine, lr_multiplier
+from icefloe.engines.training import TrainingEngine
 from icefloe.protocol import InvalidRequestError, UnsupportedOpError
+
+from .engine_batches import make_batch, make_config, random_rows
 
 TRAINING = {"optimizer": {"lr": 1e-2}, "grad_clip": 1.0}
 # Adam's first update is about lr·sign(g), so gradient entries near 0 turn 1e-9 rounding into
@@ -106,12 +107,12 @@ def test_step_reports_lr_grad_norm_and_honours_an_override(model_dir):
     assert engine.step()["lr"] == pytest.approx(1e-2)  # back on the schedule
 
 
-def test_lr_multiplier_warmup_then_linear_and_cosine_decay():
+def test_schedule_multiplier_warmup_then_linear_and_cosine_decay():
     linear = ScheduleConfig(kind="linear", warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
-    assert [round(lr_multiplier(linear, s), 4) for s in range(8)] == [0.5, 1.0, 1.0, 0.775, 0.55, 0.325, 0.1, 0.1]
+    assert [round(linear.multiplier(s), 4) for s in range(8)] == [0.5, 1.0, 1.0, 0.775, 0.55, 0.325, 0.1, 0.1]
     cosine = ScheduleConfig(kind="cosine", warmup_steps=0, total_steps=4)
-    assert [round(lr_multiplier(cosine, s), 4) for s in range(5)] == [1.0, 0.8536, 0.5, 0.1464, 0.0]
-    assert lr_multiplier(ScheduleConfig(), 100) == 1.0
+    assert [round(cosine.multiplier(s), 4) for s in range(5)] == [1.0, 0.8536, 0.5, 0.1464, 0.0]
+    assert ScheduleConfig().multiplier(100) == 1.0
 
 
 def test_resumable_checkpoint_continues_bit_for_bit(model_dir, tmp_path):

@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import contextvars
 import logging
-import math
 import threading
 import uuid
 from collections.abc import Callable, Mapping
@@ -42,7 +41,7 @@ from icefloe.client.remote.jobs import (
 from icefloe.client.remote.ordering import RoleTurns, Turn
 from icefloe.client.remote.polling import Backoff, FrameResult, poll_request
 from icefloe.client.transports.base import Transport
-from icefloe.config import ClientConfig, RemoteConfig, ScheduleConfig
+from icefloe.config import ClientConfig, RemoteConfig
 from icefloe.protocol import (
     INLINE_OPERATIONS,
     OP_CANCEL,
@@ -462,7 +461,7 @@ class RemoteTransport(Transport):
         schedule = self.config.training.lr_schedule
         if rate is None and (schedule.kind != "constant" or schedule.warmup_steps > 0):
             # A decay to exactly 0 is sent as the smallest rate the API accepts (it requires > 0).
-            rate = max(self.config.training.optimizer.lr * _lr_multiplier(schedule, index), _MIN_LR)
+            rate = max(self.config.training.optimizer.lr * schedule.multiplier(index), _MIN_LR)
         hold_params, hold_timeout_s = self._hold()
         try:
             reply = yield Call(
@@ -629,21 +628,3 @@ def _roles_of(request: Request) -> tuple[str, ...]:
     if request.target in (TARGET_TRAINING, TARGET_SAMPLING, TARGET_REFERENCE):
         return (request.target,)
     return ()
-
-
-def _lr_multiplier(schedule: ScheduleConfig, step: int) -> float:
-    """Fraction of ``optimizer.lr`` for 0-based optimizer step ``step``; the engines' schedule, exactly.
-
-    Linear warm-up over ``warmup_steps``, then constant, or a linear or cosine decay reaching
-    ``min_lr_ratio`` at ``total_steps`` (a test pins it to ``icefloe.engines.training.lr_multiplier``).
-    """
-    if step < schedule.warmup_steps:
-        return (step + 1) / schedule.warmup_steps
-    if schedule.kind == "constant":
-        return 1.0
-    span = max(1, schedule.total_steps - schedule.warmup_steps)
-    progress = min(1.0, (step - schedule.warmup_steps) / span)
-    floor = schedule.min_lr_ratio
-    if schedule.kind == "linear":
-        return floor + (1.0 - floor) * (1.0 - progress)
-    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -274,23 +274,6 @@ def test_remote_concurrent_generates_share_one_request_and_fail_alone(service):
     asyncio.run(run())
 
 
-@pytest.mark.parametrize(
-    "schedule",
-    [
-        {"kind": "constant", "warmup_steps": 3},
-        {"kind": "linear", "warmup_steps": 2, "total_steps": 6, "min_lr_ratio": 0.1},
-        {"kind": "cosine", "warmup_steps": 0, "total_steps": 5},
-    ],
-)
-def test_remote_lr_schedule_matches_the_engines(schedule):
-    from icefloe.client.transports.remote import _lr_multiplier
-    from icefloe.config import ScheduleConfig
-    from icefloe.engines.training import lr_multiplier
-
-    config = ScheduleConfig(**schedule)
-    assert [_lr_multiplier(config, i) for i in range(9)] == [lr_multiplier(config, i) for i in range(9)]
-
-
 def test_remote_steps_follow_the_lr_schedule_like_local(service):
     training = {
         "optimizer": {"lr": 0.01},
