@@ -7,7 +7,7 @@ from typing import Any
 from icefloe.client.transports.base import Transport
 from icefloe.config import ClientConfig
 
-__all__ = ["Transport", "make_transport"]
+__all__ = ["Transport", "make_transport", "probe_capabilities"]
 
 
 def make_transport(config: ClientConfig, handle: dict[str, Any] | None = None) -> Transport:
@@ -30,3 +30,12 @@ def make_transport(config: ClientConfig, handle: dict[str, Any] | None = None) -
             raise
         return RayTransport(config, handle=handle)
     raise AssertionError(f"unreachable: backend type {kind!r} passed validation")
+
+
+def probe_capabilities(config: ClientConfig) -> frozenset[str]:
+    """The ops ``config``'s backend executes, asked before any job is created or engine loaded."""
+    transport = make_transport(config)
+    try:
+        return transport.probe_capabilities()
+    finally:
+        transport.close()

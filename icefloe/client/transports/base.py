@@ -49,6 +49,13 @@ class Transport(abc.ABC):
 
         await asyncio.to_thread(self.close)
 
+    def probe_capabilities(self) -> frozenset[str]:
+        """The ops this backend executes, learned without creating a job or loading engines.
+
+        Integrations call it before building a client, to refuse settings the backend cannot serve.
+        """
+        return self.capabilities
+
     @abc.abstractmethod
     def handle_info(self) -> dict[str, Any]:
         """JSON-safe data another process (or actor) needs to re-attach; never a secret."""

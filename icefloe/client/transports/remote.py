@@ -154,6 +154,14 @@ class RemoteTransport(Transport):
         extra = {OP_FORWARD} if self._backend.allow_zero_logprobs else set()
         return frozenset(self._service.ops & OPS) | _NOOP_OPS | extra
 
+    def probe_capabilities(self) -> frozenset[str]:
+        """Ask the service what it offers (``GET /capabilities``) without creating a job."""
+        with self._lock:
+            self._check_not_closed("probe")
+            if self._service is None:
+                self._service = run_sync(probe_service(), self._sync)
+        return self.capabilities
+
     def open(self) -> None:
         with self._lock:
             self._check_not_closed("open")

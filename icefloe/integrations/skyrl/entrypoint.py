@@ -17,6 +17,7 @@ from typing import Any, Optional
 from skyrl.train.entrypoints.main_base import BasePPOExp
 
 from icefloe.client import Client
+from icefloe.client.transports import probe_capabilities
 from icefloe.integrations.skyrl import install_driver_shims
 from icefloe.integrations.skyrl.config import IcefloeSection, client_config_from_skyrl, section_of
 from icefloe.integrations.skyrl.generator import IcefloeGenerator
@@ -130,9 +131,11 @@ def main() -> None:
     validate_cfg(cfg)
     check_train_data(cfg.data.train_data)
     client_config = client_config_from_skyrl(cfg)
+    # Asked before any job or engine exists, so a refused setting costs nothing.
+    has_forward = OP_FORWARD in probe_capabilities(client_config)
+    check_settings(cfg, has_forward=has_forward, backend=client_config.backend.type)
     client = Client(client_config).open()
     try:
-        check_settings(cfg, has_forward=OP_FORWARD in client.capabilities, backend=client_config.backend.type)
         IcefloeSkyRLExp(cfg, client=client).run()
     finally:
         client.shutdown()

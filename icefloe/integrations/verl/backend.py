@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from icefloe.client.client import AsyncClient
-from icefloe.client.transports import make_transport
+from icefloe.client.transports import probe_capabilities
 from icefloe.config import ClientConfig
 from icefloe.integrations._guards import refuse_zero_logprobs, zero_logprob_offenders
 from icefloe.integrations.verl.settings import VerlSettings, client_config, policy_regime
@@ -37,8 +37,8 @@ def preflight(main_config: Any, config: ClientConfig) -> ClientConfig:
 
     Runs before any client exists. When no knob reads log-probs, ``allow_zero_logprobs`` is switched
     on (it only matters on a service without ``forward``). Otherwise the backend must have
-    ``forward``: a transport that already knows it lacks one is refused here, with every offending
-    knob listed; a service that reveals it only on connect is refused by :func:`check_opened`.
+    ``forward`` (a remote service is asked, without creating a job), else every offending knob is
+    listed in one error. :func:`check_opened` repeats the check once connected.
     """
     regime = policy_regime(main_config)
     if not zero_logprob_offenders(regime):
@@ -46,12 +46,7 @@ def preflight(main_config: Any, config: ClientConfig) -> ClientConfig:
             backend = config.backend.model_copy(update={"allow_zero_logprobs": True})
             config = config.model_copy(update={"backend": backend})
         return config
-    transport = make_transport(config)
-    try:
-        has_forward = OP_FORWARD in transport.capabilities
-    finally:
-        transport.close()
-    if not has_forward:
+    if OP_FORWARD not in probe_capabilities(config):
         refuse_zero_logprobs(regime, backend=config.backend.type)
     return config
 

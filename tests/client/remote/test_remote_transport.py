@@ -289,3 +289,15 @@ def test_remote_steps_follow_the_lr_schedule_like_local(service):
         remote.load_checkpoint(saved["checkpoint_id"])  # back to step 3: the schedule resumes there
         assert remote.step()["lr"] == pytest.approx(expected[3])
     assert got == pytest.approx(expected)
+
+
+def test_probe_capabilities_asks_the_service_without_creating_a_job(service):
+    from icefloe.client.remote.admin import ServiceAdmin
+    from icefloe.client.transports import probe_capabilities
+    from icefloe.protocol import OP_FORWARD
+
+    config = service.config()
+    with ServiceAdmin(config.backend) as admin:
+        before = {job["job_id"] for job in admin.list_jobs()}
+        assert OP_FORWARD in probe_capabilities(config)
+        assert {job["job_id"] for job in admin.list_jobs()} == before

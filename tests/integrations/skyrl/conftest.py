@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+
 from . import skyrl_standins
 
 # Integration modules that import SkyRL at module level: re-imported against each test's stand-ins.

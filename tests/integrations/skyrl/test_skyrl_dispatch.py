@@ -11,12 +11,13 @@ import asyncio
 import math
 
 import pytest
-from . import skyrl_arith_env  # noqa: F401  (registers the env in this process too, for re-scoring)
 import torch
 
 from icefloe.client import Client
 from icefloe.integrations.skyrl.config import client_config_from_skyrl
 from icefloe.integrations.skyrl.scoring import Sample, ScoringPool, score_one
+
+from . import skyrl_arith_env  # noqa: F401  (registers the env in this process too, for re-scoring)
 
 # Arithmetic prompts the tiny model's vocabulary can answer; the env gives partial credit per answer digit.
 PROBLEMS = [("12+7=", "19"), ("25+17=", "42")]

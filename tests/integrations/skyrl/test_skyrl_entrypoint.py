@@ -35,20 +35,12 @@ def test_entrypoint_refuses_verl_shaped_data_before_building_a_client(skyrl, tmp
         skyrl["skyrl.train.entrypoints.main_base"].main()
 
 
-def test_entrypoint_refuses_kl_without_reference_workers_and_closes_the_client(skyrl, tmp_path, monkeypatch):
+def test_entrypoint_refuses_kl_without_reference_workers_before_building_a_client(skyrl, tmp_path, monkeypatch):
     data = tmp_path / "train.parquet"
     pq.write_table(pa.table({"env_class": ["gsm8k"], "reward_spec": [{"ground_truth": "2"}]}), data)
     monkeypatch.setattr(sys, "argv", _argv(tmp_path, data, "trainer.algorithm.use_kl_loss=true"))
     from icefloe.integrations.skyrl import entrypoint
 
-    built = []
-    original = entrypoint.Client
-
-    def recording_client(config):
-        built.append(original(config))
-        return built[-1]
-
-    monkeypatch.setattr(entrypoint, "Client", recording_client)
+    monkeypatch.setattr(entrypoint, "Client", None)  # any client construction would fail differently
     with pytest.raises(ConfigError, match="num_log_prob_workers=1"):
         entrypoint.main()
-    assert built and built[0].closed

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from . import verl_standins
 
 _PLUGIN = "icefloe.integrations.verl"

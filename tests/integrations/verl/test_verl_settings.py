@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from icefloe.client.transports.base import Transport
 from icefloe.config import ClientConfig
 from icefloe.integrations.verl import backend as backend_module
 from icefloe.integrations.verl.backend import preflight
@@ -57,32 +56,13 @@ def test_client_config_decay_without_horizon_names_the_fix(make_config) -> None:
         client_config(config, environ={})
 
 
-class _NoForwardTransport(Transport):
-    """A service like the managed endpoint: every op but forward. Never opened by the preflight."""
-
-    capabilities = OPS - {OP_FORWARD}
-
-    def __init__(self, config: ClientConfig, handle: dict | None = None) -> None:
-        self.closed = False
-
-    def open(self) -> None:
-        raise AssertionError("the preflight must not open a transport")
-
-    def handle(self, request):
-        raise AssertionError("the preflight must not send requests")
-
-    async def handle_async(self, request):
-        raise AssertionError("the preflight must not send requests")
-
-    def close(self) -> None:
-        self.closed = True
-
-    def handle_info(self) -> dict:
-        return {}
+def _no_forward(config: ClientConfig) -> frozenset[str]:
+    """A service like the managed endpoint: every op but forward (what its probe reports)."""
+    return OPS - {OP_FORWARD}
 
 
 def test_preflight_lists_every_offending_knob_in_one_sorted_error(make_config, monkeypatch) -> None:
-    monkeypatch.setattr(backend_module, "make_transport", _NoForwardTransport)
+    monkeypatch.setattr(backend_module, "probe_capabilities", _no_forward)
     config = make_config(**{
         "actor_rollout_ref.actor.use_kl_loss": True,
         "algorithm.use_kl_in_reward": True,
@@ -112,14 +92,15 @@ def test_preflight_passes_safe_regime_without_forward_and_everything_with_it(
         **{"actor_rollout_ref.actor.use_kl_loss": True, "actor_rollout_ref.actor.ppo_epochs": 2}
     )
     assert preflight(risky, client_config(risky, environ={})).backend.type == "local"  # local has forward
-    monkeypatch.setattr(backend_module, "make_transport", _NoForwardTransport)
+    monkeypatch.setattr(backend_module, "probe_capabilities", _no_forward)
     assert preflight(safe, client_config(safe, environ={})).model == "tiny:arith"
 
 
-def test_preflight_allows_zero_logprobs_only_for_the_safe_regime(make_config) -> None:
+def test_preflight_allows_zero_logprobs_only_for_the_safe_regime(make_config, monkeypatch) -> None:
     remote = {"remote_backend.backend": "remote", "remote_backend.remote": {"base_url": "http://127.0.0.1:9"}}
     safe = make_config(**remote)
     assert preflight(safe, client_config(safe, environ={})).backend.allow_zero_logprobs is True
     kl = make_config(**remote, **{"actor_rollout_ref.actor.use_kl_loss": True})
-    # The service's ops are unknown until it is contacted: the flag stays off, so zeros are never served.
+    # A service with forward serves KL runs with real log-probs: the zero path stays off.
+    monkeypatch.setattr(backend_module, "probe_capabilities", lambda config: OPS)
     assert preflight(kl, client_config(kl, environ={})).backend.allow_zero_logprobs is False
