@@ -23,12 +23,12 @@ bench: $(STAMP)
 	for name in engine weight_sync wire service remote ray; do $(PY) -m bench $$name || exit 1; done
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check icefloe tests bench
-	$(VENV)/bin/ruff format --check icefloe tests bench
+	$(VENV)/bin/ruff check icefloe tests bench examples
+	$(VENV)/bin/ruff format --check icefloe tests bench examples
 
 format: $(STAMP)
-	$(VENV)/bin/ruff format icefloe tests bench
-	$(VENV)/bin/ruff check --fix icefloe tests bench
+	$(VENV)/bin/ruff format icefloe tests bench examples
+	$(VENV)/bin/ruff check --fix icefloe tests bench examples
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -136,9 +136,7 @@ def main(argv: list[str]) -> None:
         step_s: dict[str, list[float]] = {"local": [], "remote": []}
         for _ in range(args.repeats):
             for backend in ("local", "remote"):
-                step_s[backend].append(
-                    _demo_step_s(backend, base_url, Path(tmp) / "runs", args.steps, args.warmup)
-                )
+                step_s[backend].append(_demo_step_s(backend, base_url, Path(tmp) / "runs", args.steps, args.warmup))
         remote = ClientConfig.build(model="tiny:arith", backend={"type": "remote", "base_url": base_url})
         gathered, batched = asyncio.run(_concurrency(remote, args.concurrency, args.rounds))
         pipelined, awaited = asyncio.run(_pipelining(remote, args.pairs))

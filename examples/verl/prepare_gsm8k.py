@@ -55,9 +55,7 @@ def load_split(split: str, jsonl_dir: Path | None) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("~/data/gsm8k").expanduser())
-    parser.add_argument(
-        "--jsonl-dir", type=Path, default=None, help="read {train,test}.jsonl instead of the hub"
-    )
+    parser.add_argument("--jsonl-dir", type=Path, default=None, help="read {train,test}.jsonl instead of the hub")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     for split in ("train", "test"):

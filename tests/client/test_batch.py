@@ -50,9 +50,7 @@ def test_build_batch_shifts_labels_onto_prediction_columns():
 def test_to_canonical_lowers_verl_payload_golden():
     """Left padding is removed and the frame is trimmed to the longest row, exactly as build_batch lays it out."""
     frame = to_canonical(_verl_payload())
-    expected = build_batch(
-        PROMPTS, RESPONSES, [0.5, -1.0], pad_id=PAD, old_logprobs=[[-0.1, -0.2], [-0.3, -0.4, -0.5]]
-    )
+    expected = build_batch(PROMPTS, RESPONSES, [0.5, -1.0], pad_id=PAD, old_logprobs=[[-0.1, -0.2], [-0.3, -0.4, -0.5]])
     for key in ("input_ids", "attention_mask", "position_ids"):
         assert torch.equal(frame["kwargs"][key], expected["kwargs"][key]), key
     for key in ("input_ids", "loss_mask", "advantages", "old_logprobs"):

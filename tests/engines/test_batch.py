@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from .engine_batches import make_batch
 from torch.testing import assert_close
 
 from icefloe.engines.batch import shifted_token_logprobs, split_micro_batches, validate_batch
 from icefloe.protocol import InvalidRequestError
+
+from .engine_batches import make_batch
 
 
 def _batch() -> dict:

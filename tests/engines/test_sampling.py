@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from .engine_batches import make_config
 
 from icefloe.engines.sampling import SamplingEngine, build_sampling_engine
 from icefloe.protocol import InvalidRequestError, SamplingParams
+
+from .engine_batches import make_config
 
 PROMPTS = ["12+7=", "3*4=", "100-58="]
 

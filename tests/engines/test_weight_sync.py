@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import torch
-from .engine_batches import make_batch, make_config, random_rows
 from torch.testing import assert_close
 
 from icefloe.engines.sampling import SamplingEngine
 from icefloe.engines.training import TrainingEngine
 from icefloe.engines.weight_sync import sync_weights_local
 from icefloe.protocol import SamplingParams
+
+from .engine_batches import make_batch, make_config, random_rows
 
 
 def test_sync_weights_local_makes_sampler_logprobs_equal_trainer_forward(model_dir):

@@ -6,11 +6,12 @@ import base64
 import math
 
 import pytest
+
+from icefloe import wire
+
 from .service_batches import canonical_batch, small_batch
 from .service_client import SAMPLING, TRAINING, Api
 from .service_harness import client_for, make_app
-
-from icefloe import wire
 
 pytestmark = pytest.mark.anyio
 

@@ -7,12 +7,13 @@ import uuid
 
 import pytest
 import torch
-from .service_batches import small_batch
-from .service_client import TRAINING, Api
-from .service_harness import asgi_client, make_app
 
 from icefloe import wire
 from icefloe.service.runtime import LocalEngineHost
+
+from .service_batches import small_batch
+from .service_client import TRAINING, Api
+from .service_harness import asgi_client, make_app
 
 pytestmark = pytest.mark.anyio
 

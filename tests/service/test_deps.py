@@ -6,10 +6,11 @@ import uuid
 
 import httpx
 import pytest
-from .service_client import PREFIX, TRAINING, Api
-from .service_harness import asgi_client, make_app
 
 from icefloe.service.app import ServerThread
+
+from .service_client import PREFIX, TRAINING, Api
+from .service_harness import asgi_client, make_app
 
 pytestmark = pytest.mark.anyio
 

@@ -6,10 +6,11 @@ import json
 import pickle
 
 import pytest
-from .service_client import PREFIX, SAMPLING, TRAINING, Api
-from .service_harness import asgi_client, make_app
 
 from icefloe import wire
+
+from .service_client import PREFIX, SAMPLING, TRAINING, Api
+from .service_harness import asgi_client, make_app
 
 pytestmark = pytest.mark.anyio
 

@@ -8,11 +8,12 @@ import threading
 
 import pytest
 import torch
+
+from icefloe.service.runtime import LocalEngineHost
+
 from .service_batches import small_batch
 from .service_client import SAMPLING, TRAINING, Api
 from .service_harness import asgi_client, make_app
-
-from icefloe.service.runtime import LocalEngineHost
 
 pytestmark = pytest.mark.anyio
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from .service_client import PREFIX, TRAINING, Api
 from .service_harness import asgi_client, make_app, uvicorn_client
 

@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import pytest
+
 from .service_client import SAMPLING, TRAINING, Api
 from .service_harness import asgi_client, make_app
 

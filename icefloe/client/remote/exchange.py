@@ -106,9 +106,7 @@ def run_sync(exchange: Exchange[T], session: SyncSession) -> T:
         exchange.close()
 
 
-async def run_async(
-    exchange: Exchange[T], session: AsyncSession, on_submitted: Callable[[], None] | None = None
-) -> T:
+async def run_async(exchange: Exchange[T], session: AsyncSession, on_submitted: Callable[[], None] | None = None) -> T:
     """Drive ``exchange`` to completion without blocking the event loop; ``on_submitted`` at Submitted."""
     try:
         step = next(exchange)

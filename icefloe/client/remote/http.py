@@ -34,9 +34,7 @@ __all__ = ["AsyncHttp", "Endpoint", "RetryPolicy", "SyncHttp", "TransportWrapper
 _log = logging.getLogger("icefloe.client.remote")
 
 _TRANSIENT_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
-_RESTART_STATUSES: Final = frozenset(
-    {404, 409}
-)  # the managed endpoint's front door answers these while restarting
+_RESTART_STATUSES: Final = frozenset({404, 409})  # the managed endpoint's front door answers these while restarting
 _SERVICE_REQUEST_ID_HEADER: Final = "x-snowflake-request-id"
 _DEFAULT_DATABASE: Final = "icefloe"
 _DEFAULT_SCHEMA: Final = "public"
@@ -156,10 +154,7 @@ class RetryPolicy:
         def before_sleep(state: tenacity.RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
             _log.warning(
-                redactor(
-                    f"{call.what}: attempt {state.attempt_number}/{self.max_retries + 1} failed ({exc}); "
-                    "retrying"
-                )
+                redactor(f"{call.what}: attempt {state.attempt_number}/{self.max_retries + 1} failed ({exc}); retrying")
             )
 
         return {
@@ -178,9 +173,7 @@ def translate_errors(call: Call, endpoint: Endpoint, redactor: Redactor, timeout
         yield
     except httpx.TimeoutException as exc:
         raise IcefloeTimeoutError(
-            redactor(
-                f"{call.what}: {endpoint.origin} did not answer within {timeout_s:g} s ({type(exc).__name__})"
-            )
+            redactor(f"{call.what}: {endpoint.origin} did not answer within {timeout_s:g} s ({type(exc).__name__})")
         ) from None
     except httpx.ConnectError as exc:
         raise RequestFailedError(
@@ -189,9 +182,7 @@ def translate_errors(call: Call, endpoint: Endpoint, redactor: Redactor, timeout
         ) from None
     except httpx.HTTPError as exc:
         raise RequestFailedError(
-            redactor(
-                f"{call.what}: HTTP exchange with {endpoint.origin} failed: {type(exc).__name__}: {exc}"
-            ),
+            redactor(f"{call.what}: HTTP exchange with {endpoint.origin} failed: {type(exc).__name__}: {exc}"),
             category="server",
         ) from None
 
@@ -326,9 +317,7 @@ class AsyncHttp:
         client = await self._get()
         kwargs = _request_kwargs(call, self._endpoint, timeout_s)
         with translate_errors(call, self._endpoint, self._redactor, timeout_s):
-            async for attempt in tenacity.AsyncRetrying(
-                **self._policy._tenacity_kwargs(call, self._redactor)
-            ):
+            async for attempt in tenacity.AsyncRetrying(**self._policy._tenacity_kwargs(call, self._redactor)):
                 with attempt:
                     response = await client.request(call.method, call.path, **kwargs)
                     return _reply(call, response, self._redactor)

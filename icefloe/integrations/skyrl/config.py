@@ -34,19 +34,13 @@ _POLICY_LOSSES = ("regular", "dual_clip")
 class IcefloeSection:
     """Knobs under ``trainer.icefloe``; every other setting comes from SkyRL's own config."""
 
-    backend: str = (
-        "local"  # local | ray | remote (alias cortex); "local" yields to ICEFLOE_BACKEND / ARCTIC_BACKEND
-    )
-    base_url: str | None = (
-        None  # remote: a service URL (icefloe serve); None = ICEFLOE_REMOTE_* / ARCTIC_CORTEX_*
-    )
+    backend: str = "local"  # local | ray | remote (alias cortex); "local" yields to ICEFLOE_BACKEND / ARCTIC_BACKEND
+    base_url: str | None = None  # remote: a service URL (icefloe serve); None = ICEFLOE_REMOTE_* / ARCTIC_CORTEX_*
     ray_address: str | None = None  # ray: None = start a local Ray, "auto" = join the running cluster
     num_training_workers: int = 0  # 0 = trainer.placement.policy_num_gpus_per_node * policy_num_nodes
     num_sampling_workers: int = 0  # 0 = inference_engine.num_engines * tensor_parallel_size
     num_log_prob_workers: int = 0  # reference-policy workers; needed for use_kl_loss / use_kl_in_reward
-    colocate: bool = (
-        False  # training and sampling share GPUs on the backend (not trainer.placement.colocate_all)
-    )
+    colocate: bool = False  # training and sampling share GPUs on the backend (not trainer.placement.colocate_all)
     cuda_ipc_weight_sync: bool = False  # colocated weight sync over CUDA IPC
     low_memory_weight_sync: bool = False  # sync weights bucket by bucket
     device: str = "auto"  # local backend: auto | cpu | cuda
@@ -57,9 +51,7 @@ class IcefloeSection:
     sampling_max_batch_size: int = 256
     engine_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # passed to the sampling engine
     scoring_workers: int = 8  # processes scoring samples with skyrl_gym environments
-    env_modules: list[str] = dataclasses.field(
-        default_factory=list
-    )  # imported in scoring workers to register envs
+    env_modules: list[str] = dataclasses.field(default_factory=list)  # imported in scoring workers to register envs
 
 
 def section_of(cfg: Any) -> IcefloeSection:
@@ -78,9 +70,7 @@ def client_config_from_skyrl(cfg: Any) -> ClientConfig:
     trainer, generator = cfg.trainer, cfg.generator
     placement, engines = trainer.placement, generator.inference_engine
     optimizer = trainer.policy.optimizer_config
-    training_gpus = (
-        section.num_training_workers or placement.policy_num_gpus_per_node * placement.policy_num_nodes
-    )
+    training_gpus = section.num_training_workers or placement.policy_num_gpus_per_node * placement.policy_num_nodes
     sampling_gpus = section.num_sampling_workers or engines.num_engines * engines.tensor_parallel_size
     legacy = LegacyClientConfig.build(
         backend=section.backend,
@@ -147,9 +137,7 @@ def loss_config_from_skyrl(cfg: Any) -> dict[str, Any]:
             f"trainer.algorithm.kl_estimator_type={algorithm.kl_estimator_type!r} (use one of {sorted(_KL_ESTIMATORS)})"
         )
     if problems:
-        raise ConfigError(
-            "these SkyRL settings have no icefloe equivalent:\n  " + "\n  ".join(sorted(problems))
-        )
+        raise ConfigError("these SkyRL settings have no icefloe equivalent:\n  " + "\n  ".join(sorted(problems)))
     config: dict[str, Any] = {
         "eps_clip": algorithm.eps_clip_low,
         "eps_clip_higher": algorithm.eps_clip_high,

@@ -70,9 +70,7 @@ class IcefloeDispatch:
             raise InvalidRequestError(
                 f"SkyRL training batch lacks {missing}; compute_advantages_and_returns must run before forward_backward"
             )
-        loss_mask_BA = data["loss_mask"][rows].to(torch.float32) * data["response_mask"][rows].to(
-            torch.float32
-        )
+        loss_mask_BA = data["loss_mask"][rows].to(torch.float32) * data["response_mask"][rows].to(torch.float32)
         batch["loss_mask"] = loss_mask_BA
         batch["advantages"] = data["advantages"][rows]
         if data.get("action_log_probs") is not None:
@@ -98,9 +96,7 @@ class IcefloeDispatch:
         response_width = int(data.metadata["response_length"])
         payload = self._payload(data, slice(0, num_rows), training=False)
         result = self.client.forward(payload, reference=model == "ref")
-        logprobs_BA = responses_from_canonical(
-            torch.as_tensor(result["logprobs"]), payload["batch"], response_width
-        )
+        logprobs_BA = responses_from_canonical(torch.as_tensor(result["logprobs"]), payload["batch"], response_width)
         return TrainingOutputBatch({"output": logprobs_BA})
 
     def forward_backward(
@@ -121,9 +117,7 @@ class IcefloeDispatch:
         start, end = rows if rows is not None else (0, data["sequences"].shape[0])
         payload = self._payload(data, slice(start, end), training=True)
         if loss_fn_config:
-            payload["processing"]["config"].update(
-                {k: v for k, v in loss_fn_config.items() if k != "n_samples"}
-            )
+            payload["processing"]["config"].update({k: v for k, v in loss_fn_config.items() if k != "n_samples"})
         result = self.client.fwd_bwd(payload)
         metrics = {"policy_loss": float(result["loss"])}
         for name, value in (result.get("metrics") or {}).items():

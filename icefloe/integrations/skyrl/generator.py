@@ -84,9 +84,7 @@ class IcefloeGenerator(GeneratorInterface):
                 f"generator input has {len(prompts)} prompts, {len(env_classes)} env_classes and {len(extras)} "
                 "env_extras; SkyRL sends one of each per row"
             )
-        params = to_sampling_params(
-            {**self.default_sampling_params, **(input_batch.get("sampling_params") or {})}
-        )
+        params = to_sampling_params({**self.default_sampling_params, **(input_batch.get("sampling_params") or {})})
         prompt_ids = [self.encode_prompt(prompt) for prompt in prompts]
         results = await asyncio.to_thread(self.client.generate, prompt_ids, params)
         response_ids = [list(result["token_ids"]) for result in results]
@@ -143,14 +141,10 @@ def _check_scoring(errors: Sequence[str | None], env_classes: Sequence[str]) -> 
             f"every sample's environment failed, e.g. {env!r}: {error}. Check that the data has SkyRL's env_class and "
             "reward_spec columns, and list modules that register custom environments in trainer.icefloe.env_modules"
         )
-    logger.warning(
-        "%d of %d samples failed scoring and got reward 0.0; first: %s", len(failed), len(errors), failed[0]
-    )
+    logger.warning("%d of %d samples failed scoring and got reward 0.0; first: %s", len(failed), len(errors), failed[0])
 
 
-def _rollout_metrics(
-    rewards: Sequence[float], errors: Sequence[str | None], response_ids: Sequence[list[int]]
-) -> dict:
+def _rollout_metrics(rewards: Sequence[float], errors: Sequence[str | None], response_ids: Sequence[list[int]]) -> dict:
     num = max(len(rewards), 1)
     return {
         "generate/avg_reward": sum(rewards) / num,

@@ -140,9 +140,7 @@ class LegacyClientConfig(BaseModel):
         }
         for name, section in sections.items():
             current = data.get(name)
-            data[name] = (
-                {**current, **section} if isinstance(current, dict) and isinstance(section, dict) else section
-            )
+            data[name] = {**current, **section} if isinstance(current, dict) and isinstance(section, dict) else section
         return ClientConfig.from_env(data)
 
     def _training_section(self) -> dict[str, Any]:

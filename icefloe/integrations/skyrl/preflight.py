@@ -76,9 +76,7 @@ def check_settings(cfg: Any, *, has_forward: bool, backend: str) -> None:
                 use_kl_in_reward=bool(algorithm.use_kl_in_reward),
                 epochs=int(trainer.update_epochs_per_batch),
                 advantage_estimator=str(algorithm.advantage_estimator),
-                policy_loss=None
-                if algorithm.policy_loss_type == "regular"
-                else str(algorithm.policy_loss_type),
+                policy_loss=None if algorithm.policy_loss_type == "regular" else str(algorithm.policy_loss_type),
                 multi_turn=int(getattr(cfg.generator, "max_turns", 1) or 1) > 1,
                 labels={
                     "use_kl_loss": "trainer.algorithm.use_kl_loss",
@@ -113,6 +111,4 @@ def check_settings(cfg: Any, *, has_forward: bool, backend: str) -> None:
             "trainer.icefloe.num_log_prob_workers=1, or turn both off)"
         )
     if problems:
-        raise ConfigError(
-            "these SkyRL settings do not work with icefloe:\n  " + "\n  ".join(sorted(problems))
-        )
+        raise ConfigError("these SkyRL settings do not work with icefloe:\n  " + "\n  ".join(sorted(problems)))

@@ -76,9 +76,7 @@ def register() -> list[str]:
 
     abc_base = getattr(seam, "RemoteBackend", None)
     if abc_base is not None and hasattr(abc_base, "register") and not issubclass(IcefloeBackend, abc_base):
-        abc_base.register(
-            IcefloeBackend
-        )  # virtual subclass: isinstance checks pass, no abstract stubs needed
+        abc_base.register(IcefloeBackend)  # virtual subclass: isinstance checks pass, no abstract stubs needed
     seam.RemoteBackendRegistry.register(NAME)(IcefloeBackend)
     seam.RemoteBackendRegistry.register_worker(NAME, load_worker)
     return ["backend", "worker", "replica"]

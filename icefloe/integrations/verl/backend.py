@@ -105,9 +105,7 @@ class IcefloeBackend:
 
         Bumps the policy version every later sample is tagged with.
         """
-        synced = await self.client.sync_weights(
-            cuda_ipc=self.settings.cuda_ipc, low_memory=self.settings.low_memory
-        )
+        synced = await self.client.sync_weights(cuda_ipc=self.settings.cuda_ipc, low_memory=self.settings.low_memory)
         await self.client.wake_inference()
         await self.client.reset_prefix_cache()  # no sample may reuse prefixes computed with the old weights
         return synced
@@ -124,9 +122,7 @@ class IcefloeBackend:
     @property
     def client(self) -> AsyncClient:
         if self._client is None:
-            raise ClientClosedError(
-                "the icefloe verl backend was destroyed; the trainer must build a new one"
-            )
+            raise ClientClosedError("the icefloe verl backend was destroyed; the trainer must build a new one")
         return self._client
 
     async def compute_log_prob(

@@ -76,9 +76,7 @@ class BackgroundLoop:
 class Forwarder:
     """compute_log_prob / update_actor / weight sync / checkpoints over an :class:`IcefloeBackend`."""
 
-    def __init__(
-        self, backend: IcefloeBackend, *, nested_batches: bool, flops: FlopsEstimator | None = None
-    ) -> None:
+    def __init__(self, backend: IcefloeBackend, *, nested_batches: bool, flops: FlopsEstimator | None = None) -> None:
         self.backend = backend
         self._nested = nested_batches  # V1: every field arrives nested and is padded to the config maxima
         self._flops = flops
@@ -118,9 +116,7 @@ class Forwarder:
         tokens = dense["attention_mask"].sum(dim=1).tolist()
         return outputs, {"metrics": {"mfu": self._mfu(tokens, seconds)}}
 
-    async def update_actor(
-        self, fields: Mapping[str, Tensor | None], options: Mapping[str, Any]
-    ) -> dict[str, Any]:
+    async def update_actor(self, fields: Mapping[str, Tensor | None], options: Mapping[str, Any]) -> dict[str, Any]:
         """Mini-batches × epochs of fwd_bwd + step; returns ``{"metrics": {..., "mfu"}}``."""
         settings = self.backend.settings
         dense = self.dense(fields)

@@ -196,16 +196,10 @@ def _mask_from_lengths(prompts: Tensor, responses: Tensor, dense: Mapping[str, T
     elif dense.get("response_mask") is not None:
         response_lens = dense["response_mask"].ne(0).sum(dim=1)
     else:
-        raise InvalidRequestError(
-            "dense responses need a response_mask (or an attention_mask) to find their lengths"
-        )
+        raise InvalidRequestError("dense responses need a response_mask (or an attention_mask) to find their lengths")
     columns = torch.arange(prompt_width + response_width)
-    prompt_part = (columns[None, :] >= (prompt_width - prompt_lens)[:, None]) & (
-        columns[None, :] < prompt_width
-    )
-    response_part = (columns[None, :] >= prompt_width) & (
-        columns[None, :] < prompt_width + response_lens[:, None]
-    )
+    prompt_part = (columns[None, :] >= (prompt_width - prompt_lens)[:, None]) & (columns[None, :] < prompt_width)
+    response_part = (columns[None, :] >= prompt_width) & (columns[None, :] < prompt_width + response_lens[:, None])
     return (prompt_part | response_part).to(torch.int64).reshape(num_rows, -1)
 
 

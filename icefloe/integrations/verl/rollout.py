@@ -25,9 +25,7 @@ _SERVER_CONCURRENCY = 4096
 class IcefloeLLMServer:
     """Token-in, token-out generation against the shared icefloe backend (one Ray actor per replica)."""
 
-    def __init__(
-        self, main_config: Any, backend_handle: dict[str, Any], *, free_cache_engine: bool = True
-    ) -> None:
+    def __init__(self, main_config: Any, backend_handle: dict[str, Any], *, free_cache_engine: bool = True) -> None:
         self._backend = IcefloeBackend.from_config(main_config, handle=backend_handle)
         settings = self._backend.settings
         self._max_model_len = settings.max_prompt_length + settings.max_response_length

@@ -85,6 +85,4 @@ def _warn_dropped(params: Mapping[str, Any]) -> None:
         fresh = [name for name in dropped if name not in _warned]
         _warned.update(fresh)
     if fresh:
-        logger.warning(
-            "icefloe sampling ignores these verl sampling params (not supported): %s", ", ".join(fresh)
-        )
+        logger.warning("icefloe sampling ignores these verl sampling params (not supported): %s", ", ".join(fresh))

@@ -96,9 +96,7 @@ class VerlSettings(BaseModel):
         rollout_n = int(select(main_config, "actor_rollout_ref.rollout.n", 1))
         mini = select(actor, "ppo_mini_batch_size")
         if mini is None or int(mini) <= 0:
-            raise ConfigError(
-                "actor_rollout_ref.actor.ppo_mini_batch_size must be > 0; set it in the verl config"
-            )
+            raise ConfigError("actor_rollout_ref.actor.ppo_mini_batch_size must be > 0; set it in the verl config")
         loss_config = {name: _plain(select(actor, name)) for name in _ACTOR_LOSS_FIELDS}
         return cls(
             max_prompt_length=int(_required(main_config, "data.max_prompt_length")),
@@ -143,9 +141,7 @@ def client_config(main_config: Any, environ: Mapping[str, str] | None = None) ->
     if chosen == "cortex":
         chosen = "remote"
     if chosen not in _BACKEND_TYPES:
-        raise ConfigError(
-            f"remote_backend.backend must be one of {list(_BACKEND_TYPES)} or null; got {chosen!r}"
-        )
+        raise ConfigError(f"remote_backend.backend must be one of {list(_BACKEND_TYPES)} or null; got {chosen!r}")
     section = _plain(select(main_config, f"remote_backend.{chosen}", {})) or {}
     backend = {key: value for key, value in section.items() if value is not None}
     data["backend"] = {**backend, "type": chosen}
@@ -221,8 +217,7 @@ def _schedule(main_config: Any, optim: Any) -> dict[str, Any]:
     kind = str(select(optim, "lr_scheduler_type", select(optim, "warmup_style", "constant"))).lower()
     if kind not in ("constant", "cosine", "linear"):
         raise ConfigError(
-            "actor_rollout_ref.actor.optim.lr_scheduler_type must be constant, cosine or linear; "
-            f"got {kind!r}"
+            f"actor_rollout_ref.actor.optim.lr_scheduler_type must be constant, cosine or linear; got {kind!r}"
         )
     if kind != "constant" and total_updates == 0:
         raise ConfigError(

@@ -91,9 +91,7 @@ class IcefloeV1ActorRolloutRefWorker(ActorRolloutRefWorker):
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
     def update_actor(self, data: Any) -> Any:
-        extras = self._loop.run(
-            self._forwarder.update_actor(read_fields(data, tu.get), read_options(data, tu.get))
-        )
+        extras = self._loop.run(self._forwarder.update_actor(read_fields(data, tu.get), read_options(data, tu.get)))
         return tu.get_tensordict(tensor_dict={}, non_tensor_dict=extras)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
@@ -108,14 +106,10 @@ class IcefloeV1ActorRolloutRefWorker(ActorRolloutRefWorker):
         global_step: int = 0,
         max_ckpt_to_keep: int | None = None,
     ) -> dict[str, Any]:
-        return self._loop.run(
-            self._forwarder.save_checkpoint()
-        )  # icefloe stores it; verl's paths do not apply
+        return self._loop.run(self._forwarder.save_checkpoint())  # icefloe stores it; verl's paths do not apply
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def load_checkpoint(
-        self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False
-    ):
+    def load_checkpoint(self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False):
         return None  # icefloe resumes when its backend starts, not through verl's per-worker files
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

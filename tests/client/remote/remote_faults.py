@@ -65,9 +65,7 @@ def _rehashed(request: httpx.Request) -> httpx.Request:
 
 
 def _synthetic(status: int, request: httpx.Request) -> httpx.Response:
-    return httpx.Response(
-        status, json={"code": "unavailable", "message": f"injected {status}"}, request=request
-    )
+    return httpx.Response(status, json={"code": "unavailable", "message": f"injected {status}"}, request=request)
 
 
 class FaultyTransport(httpx.BaseTransport, httpx.AsyncBaseTransport):
@@ -88,9 +86,7 @@ class FaultyTransport(httpx.BaseTransport, httpx.AsyncBaseTransport):
 
     def _after(self, action: str, request: httpx.Request) -> httpx.Response:
         if action == "drop_response":
-            raise httpx.RemoteProtocolError(
-                "injected: response lost after the service acted", request=request
-            )
+            raise httpx.RemoteProtocolError("injected: response lost after the service acted", request=request)
         return _synthetic(int(action.split(":")[1]), request)  # status_after:<code>
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:

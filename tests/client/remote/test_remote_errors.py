@@ -18,9 +18,7 @@ from icefloe.protocol import (
 _GS_WRAPPED = {
     "code": "517604",
     "message": "Cortex training forwardBackward failed: ZMD returned 409: "
-    + json.dumps(
-        {"detail": {"code": "chunk_group_restart_required", "message": "restart", "chunk_group_id": "g"}}
-    ),
+    + json.dumps({"detail": {"code": "chunk_group_restart_required", "message": "restart", "chunk_group_id": "g"}}),
 }
 
 

@@ -71,9 +71,6 @@ def test_remote_fifty_step_loop_prints_no_warning(service):
     noisy = [
         line
         for line in done.stderr.splitlines()
-        if any(
-            word in line
-            for word in ("Warning", "unclosed", "Exception ignored", "Executing", "never awaited")
-        )
+        if any(word in line for word in ("Warning", "unclosed", "Exception ignored", "Executing", "never awaited"))
     ]
     assert noisy == [], "\n".join(noisy[:20])

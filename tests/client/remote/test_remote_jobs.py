@@ -21,9 +21,7 @@ def test_job_create_body_orders_sub_jobs_and_maps_fields():
         num_sampling_workers=2,
         num_log_prob_workers=1,
         training={"optimizer": {"lr": 2e-6, "betas": [0.9, 0.95], "weight_decay": 0.1}, "grad_clip": 0.5},
-        sampling={
-            "engine_kwargs": {"gpu_memory_utilization": 0.8, "max_model_len": 99, "enforce_eager": True}
-        },
+        sampling={"engine_kwargs": {"gpu_memory_utilization": 0.8, "max_model_len": 99, "enforce_eager": True}},
         backend={"type": "remote", "base_url": "http://x"},
     )
     body = job_create_body(config, "exp1")
@@ -42,9 +40,7 @@ def test_job_create_body_orders_sub_jobs_and_maps_fields():
         "eps": 1e-8,
         "weight_decay": 0.1,
     }
-    assert (
-        training["training_config"]["n_gpus"] == 4 and training["training_config"]["gradient_clipping"] == 0.5
-    )
+    assert training["training_config"]["n_gpus"] == 4 and training["training_config"]["gradient_clipping"] == 0.5
     assert {s["model_name"] for s in body["sub_job_configs"]} == {"Qwen/Qwen3-0.6B"}
     assert {(s["seed"], s["dtype"]) for s in body["sub_job_configs"]} == {(7, "bfloat16")}
     assert body["experiment_name"] == "exp1"
@@ -56,9 +52,7 @@ def test_job_create_body_without_sampling_has_only_training():
 
 
 def test_job_create_body_warns_about_knobs_the_api_lacks(caplog):
-    config = ClientConfig.build(
-        training={"micro_batch_tokens": 64}, backend={"type": "remote", "base_url": "http://x"}
-    )
+    config = ClientConfig.build(training={"micro_batch_tokens": 64}, backend={"type": "remote", "base_url": "http://x"})
     job_create_body(config)
     assert "training.micro_batch_tokens" in caplog.text
 
@@ -146,6 +140,4 @@ def test_probe_service_reads_capabilities_or_assumes_the_managed_endpoint():
         )
     )
     assert not served.managed and served.long_poll and served.idempotency_keys
-    assert (
-        served.ops == {"forward-backward", "forward", "get-checkpoint"} and served.max_post_bytes == 1000000
-    )
+    assert served.ops == {"forward-backward", "forward", "get-checkpoint"} and served.max_post_bytes == 1000000

@@ -77,15 +77,10 @@ def test_remote_loop_matches_local_losses_and_tokens(service, tmp_path):
 def test_remote_every_op_returns_the_canonical_shapes(service):
     with Client(service.config()) as client:
         tok = client.tokenizer
-        batch = build_batch(
-            [tok("1+1=")["input_ids"]] * 2, [[5, 6], [7]], [1.0, -1.0], pad_id=tok.pad_token_id
-        )
+        batch = build_batch([tok("1+1=")["input_ids"]] * 2, [[5, 6], [7]], [1.0, -1.0], pad_id=tok.pad_token_id)
         forward = client.forward(batch)
         assert forward["logprobs"].shape == batch["kwargs"]["input_ids"].shape
-        assert (
-            forward["logprobs"].dtype == torch.float32
-            and forward["entropy"].shape == forward["logprobs"].shape
-        )
+        assert forward["logprobs"].dtype == torch.float32 and forward["entropy"].shape == forward["logprobs"].shape
         assert set(client.fwd_bwd(batch)) >= {"loss", "avg_loss", "metrics", "num_tokens"}
         assert set(client.step(learning_rate=1e-3)) >= {"global_step", "lr", "grad_norm", "metrics"}
         assert set(client.sync_weights()) >= {"policy_version", "seconds", "bytes"}
@@ -95,9 +90,7 @@ def test_remote_every_op_returns_the_canonical_shapes(service):
         assert saved["checkpoint_id"] == "global_step1" and saved["kind"] == "weights-only" and saved["path"]
         assert [c["checkpoint_id"] for c in client.list_checkpoints()] == ["global_step1"]
         exported = client.get_checkpoint("global_step1")
-        assert exported["global_step"] == 1 and {f["filename"] for f in exported["files"]} >= {
-            "model.safetensors"
-        }
+        assert exported["global_step"] == 1 and {f["filename"] for f in exported["files"]} >= {"model.safetensors"}
         assert client.load_checkpoint("global_step1")["checkpoint_id"] == "global_step1"
         for noop in (
             client.sleep_training,
@@ -197,9 +190,7 @@ def test_remote_async_client_overlaps_generate_calls(service):
             params = {"max_tokens": 3, "seed": 5}
             single = await asyncio.gather(*(client.generate([p], params) for p in prompts))
             batched = await client.generate(prompts, params)
-            fb, st = await asyncio.gather(
-                client.fwd_bwd(build_batch([[3]], [[4, 5]], [1.0], pad_id=0)), client.step()
-            )
+            fb, st = await asyncio.gather(client.fwd_bwd(build_batch([[3]], [[4, 5]], [1.0], pad_id=0)), client.step())
             assert st["global_step"] == 1 and "loss" in fb
             return [s[0]["token_ids"] for s in single], [s["token_ids"] for s in batched]
 
@@ -236,9 +227,7 @@ def test_remote_pat_never_reaches_repr_logs_or_errors(service, tmp_path, caplog)
             environ={"CORTEX_PAT": secret},
         )
         client = Client(good)
-        assert (
-            secret not in repr(client) and secret not in repr(good) and secret not in str(good.model_dump())
-        )
+        assert secret not in repr(client) and secret not in repr(good) and secret not in str(good.model_dump())
         with client:
             client.step()
             assert secret not in str(client.handle())
@@ -267,9 +256,7 @@ def test_remote_concurrent_generates_share_one_request_and_fail_alone(service):
                 client.generate([[1, 2]], params), client.generate([too_long], params), return_exceptions=True
             )
             assert isinstance(good, list) and len(good) == 2
-            assert (
-                isinstance(bad, RequestFailedError) and bad.status_code == 400 and "max_seq_len" in str(bad)
-            )
+            assert isinstance(bad, RequestFailedError) and bad.status_code == 400 and "max_seq_len" in str(bad)
 
     asyncio.run(run())
 

@@ -173,9 +173,7 @@ def build_nested_dataclass(cls: type, values: dict) -> Any:
 
 def config_classes(*, legacy: bool) -> dict[str, Any]:
     """The config classes of one SkyRL generation (with or without ``remote_urls``)."""
-    engines = dataclasses.make_dataclass(
-        "InferenceEngineConfig", _inference_engine_fields(legacy), bases=(BaseConfig,)
-    )
+    engines = dataclasses.make_dataclass("InferenceEngineConfig", _inference_engine_fields(legacy), bases=(BaseConfig,))
     generator = dataclasses.make_dataclass(
         "GeneratorConfig",
         [
@@ -298,13 +296,11 @@ class RayPPOTrainer:
         self.policy_model = self.critic_model = self.ref_model = self.dispatch = None
 
     def convert_to_training_input(self, generator_output: dict, uids: list[str]) -> TrainingInputBatch:
-        sequences, attention_mask, response_mask, rewards, loss_mask = (
-            convert_prompts_responses_to_batch_tensors(
-                self.tokenizer.pad_token_id,
-                generator_output["prompt_token_ids"],
-                generator_output["response_ids"],
-                generator_output["rewards"],
-            )
+        sequences, attention_mask, response_mask, rewards, loss_mask = convert_prompts_responses_to_batch_tensors(
+            self.tokenizer.pad_token_id,
+            generator_output["prompt_token_ids"],
+            generator_output["response_ids"],
+            generator_output["rewards"],
         )
         batch = TrainingInputBatch(
             sequences=sequences,

@@ -9,9 +9,7 @@ from icefloe.protocol import ConfigError
 
 
 def test_config_class_parses_icefloe_section_from_cli(make_cfg):
-    cfg = make_cfg(
-        "trainer.icefloe.colocate=true", "trainer.icefloe.num_log_prob_workers=1", "trainer.seed=7"
-    )
+    cfg = make_cfg("trainer.icefloe.colocate=true", "trainer.icefloe.num_log_prob_workers=1", "trainer.seed=7")
     assert isinstance(cfg.trainer.icefloe, IcefloeSection)
     assert cfg.trainer.icefloe.colocate is True
     assert cfg.trainer.icefloe.num_log_prob_workers == 1
@@ -64,9 +62,7 @@ def test_config_default_backend_yields_to_arctic_backend_env(make_cfg, monkeypat
 
 def test_config_explicit_section_backend_wins_over_env(make_cfg, monkeypatch):
     monkeypatch.setenv("ICEFLOE_BACKEND", "remote")
-    config = client_config_from_skyrl(
-        make_cfg("trainer.icefloe.backend=ray", "trainer.icefloe.colocate=true")
-    )
+    config = client_config_from_skyrl(make_cfg("trainer.icefloe.backend=ray", "trainer.icefloe.colocate=true"))
     assert config.backend.type == "ray"
     assert config.backend.colocate is True
 

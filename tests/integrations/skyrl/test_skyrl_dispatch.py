@@ -101,9 +101,7 @@ def test_one_step_trains_on_rewards_from_a_skyrl_gym_env(cfg):
     texts = [tokenizer.decode(ids, skip_special_tokens=True) for ids in out["response_ids"]]
     rescored = [
         score_one(Sample("icefloe_answer_digits", extras, prompt, text))
-        for extras, prompt, text in zip(
-            generator_input["env_extras"], generator_input["prompts"], texts, strict=True
-        )
+        for extras, prompt, text in zip(generator_input["env_extras"], generator_input["prompts"], texts, strict=True)
     ]
     assert out["rewards"] == pytest.approx(rescored)
     assert out["prompt_token_ids"][0] == tokenizer("12+7=", add_special_tokens=False)["input_ids"]
@@ -169,9 +167,7 @@ def test_dispatch_forward_of_skyrl_layout_matches_canonical_rows(cfg, tiny_clien
     dispatch = IcefloeDispatch(cfg, tiny_client, pad_token_id=tokenizer.pad_token_id)
     logprobs_BA = dispatch.forward("policy", batch)["output"]
 
-    reference = tiny_client.forward(build_batch(prompts, responses, pad_id=tokenizer.pad_token_id))[
-        "logprobs"
-    ]
+    reference = tiny_client.forward(build_batch(prompts, responses, pad_id=tokenizer.pad_token_id))["logprobs"]
     for row, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
         expected = reference[row, len(prompt) - 1 : len(prompt) - 1 + len(response)]
         torch.testing.assert_close(logprobs_BA[row, -len(response) :], expected)

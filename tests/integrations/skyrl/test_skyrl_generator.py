@@ -24,9 +24,7 @@ def test_sampling_params_keep_icefloe_fields_and_rename_skyrl_ones(generator_mod
 
 def test_scoring_guard_refuses_a_batch_where_every_env_failed(generator_module):
     with pytest.raises(ConfigError, match=r"every sample's environment failed, e.g. 'gsm8k': AssertionError"):
-        generator_module._check_scoring(
-            ["AssertionError: reward_spec field is required"] * 2, ["gsm8k", "gsm8k"]
-        )
+        generator_module._check_scoring(["AssertionError: reward_spec field is required"] * 2, ["gsm8k", "gsm8k"])
 
 
 def test_scoring_guard_warns_about_partial_failures(generator_module, caplog):

@@ -111,9 +111,7 @@ def test_launcher_installs_shim_then_runs_skyrl_main_with_override(skyrl, monkey
 
     def fake_entrypoint_main():
         seen["argv"] = list(sys.argv)
-        seen["shimmed"] = getattr(
-            skyrl["skyrl.train.utils.utils"].peer_access_supported, "_icefloe_shimmed", False
-        )
+        seen["shimmed"] = getattr(skyrl["skyrl.train.utils.utils"].peer_access_supported, "_icefloe_shimmed", False)
 
     import types
 

@@ -68,9 +68,7 @@ def test_densify_v1_pads_to_config_maxima_not_batch_maxima() -> None:
     ]
     assert dense["input_ids"][0].tolist() == [PAD, PAD, PAD, 5, 6, 7, 10, 11, PAD, PAD]
     assert dense["advantages"].tolist() == [[0.5, 0.5, 0, 0], [-1, -1, -1, 0]]
-    v0 = to_canonical(
-        log_prob_payload(densify(_v0_fields(), pad_token_id=PAD), pad_token_id=PAD, temperature=1.0)
-    )
+    v0 = to_canonical(log_prob_payload(densify(_v0_fields(), pad_token_id=PAD), pad_token_id=PAD, temperature=1.0))
     v1 = to_canonical(log_prob_payload(dense, pad_token_id=PAD, temperature=1.0))
     assert torch.equal(v0["kwargs"]["input_ids"], v1["kwargs"]["input_ids"])  # both layouts reach one frame
 

@@ -72,15 +72,11 @@ def test_hydra_config_follows_verl_format_rules(load_plugin) -> None:
     assert fields
     for index in fields:
         assert "#" not in lines[index], f"inline comment on line {index + 1}"
-        assert lines[index - 1].lstrip().startswith("#"), (
-            f"no comment above line {index + 1}: {lines[index]!r}"
-        )
+        assert lines[index - 1].lstrip().startswith("#"), f"no comment above line {index + 1}: {lines[index]!r}"
         comment_start = index - 1
         while comment_start > 0 and lines[comment_start - 1].lstrip().startswith("#"):
             comment_start -= 1
-        assert comment_start == 0 or not lines[comment_start - 1].strip(), (
-            f"no blank line before line {index + 1}"
-        )
+        assert comment_start == 0 or not lines[comment_start - 1].strip(), f"no blank line before line {index + 1}"
 
 
 def test_plugin_import_loads_no_torch_engines_or_vllm() -> None:

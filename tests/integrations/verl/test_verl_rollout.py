@@ -53,9 +53,7 @@ def test_replica_takes_the_handle_from_the_forwarder_when_not_passed(load_plugin
     from verl.workers.rollout.replica import RolloutMode, RolloutReplicaRegistry
 
     replica_cls = RolloutReplicaRegistry.get(plugin.NAME)
-    replica = replica_cls(
-        replica_rank=0, config={"free_cache_engine": True}, model_config={}, gpus_per_node=8
-    )
+    replica = replica_cls(replica_rank=0, config={"free_cache_engine": True}, model_config={}, gpus_per_node=8)
     launched = []
 
     async def launch() -> None:

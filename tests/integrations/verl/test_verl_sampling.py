@@ -27,9 +27,7 @@ def test_to_sampling_params_maps_and_clamps() -> None:
     )
     assert to_sampling_params({}, prompt_length=2, default_max_tokens=3, max_model_len=10).max_tokens == 3
     assert (
-        to_sampling_params(
-            {"response_length": 5}, prompt_length=2, default_max_tokens=3, max_model_len=10
-        ).max_tokens
+        to_sampling_params({"response_length": 5}, prompt_length=2, default_max_tokens=3, max_model_len=10).max_tokens
         == 5
     )
 

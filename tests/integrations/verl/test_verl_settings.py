@@ -84,13 +84,9 @@ def test_preflight_lists_every_offending_knob_in_one_sorted_error(make_config, m
     ]
 
 
-def test_preflight_passes_safe_regime_without_forward_and_everything_with_it(
-    make_config, monkeypatch
-) -> None:
+def test_preflight_passes_safe_regime_without_forward_and_everything_with_it(make_config, monkeypatch) -> None:
     safe = make_config()
-    risky = make_config(
-        **{"actor_rollout_ref.actor.use_kl_loss": True, "actor_rollout_ref.actor.ppo_epochs": 2}
-    )
+    risky = make_config(**{"actor_rollout_ref.actor.use_kl_loss": True, "actor_rollout_ref.actor.ppo_epochs": 2})
     assert preflight(risky, client_config(risky, environ={})).backend.type == "local"  # local has forward
     monkeypatch.setattr(backend_module, "probe_capabilities", _no_forward)
     assert preflight(safe, client_config(safe, environ={})).model == "tiny:arith"

@@ -82,9 +82,7 @@ def _run_step(plugin_loader, make_config, *, v1: bool) -> None:
     driver = RemoteBackendRegistry.create("icefloe", config)
     handle = driver.reconnect_handle()
     worker_cls = RemoteBackendRegistry.get_worker("icefloe")
-    worker = worker_cls(
-        config["actor_rollout_ref"], "actor_rollout_ref", main_config=config, backend_handle=handle
-    )
+    worker = worker_cls(config["actor_rollout_ref"], "actor_rollout_ref", main_config=config, backend_handle=handle)
     call = (lambda result: result) if v1 else asyncio.run
     loop_run = worker._loop.run if v1 else asyncio.run
     try:

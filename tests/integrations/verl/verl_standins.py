@@ -114,9 +114,7 @@ def _make_registry() -> type:
         @classmethod
         def get(cls, name: str) -> type:
             if name not in cls._backends:
-                raise KeyError(
-                    f"unknown remote backend {name!r}; import its module via VERL_USE_EXTERNAL_MODULES"
-                )
+                raise KeyError(f"unknown remote backend {name!r}; import its module via VERL_USE_EXTERNAL_MODULES")
             return cls._backends[name]
 
         @classmethod
@@ -214,9 +212,7 @@ def register(dispatch_mode: Any = None, blocking: bool = True, **_: Any):
 
 class ActorRolloutRefWorker(Worker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise AssertionError(
-            "ActorRolloutRefWorker.__init__ builds FSDP engines; the icefloe worker must skip it"
-        )
+        raise AssertionError("ActorRolloutRefWorker.__init__ builds FSDP engines; the icefloe worker must skip it")
 
 
 # --- verl.utils.tensordict_utils ----------------------------------------------------------------
@@ -224,7 +220,5 @@ def td_get(data: Any, key: str, default: Any = None) -> Any:
     return data.get(key, default)
 
 
-def get_tensordict(
-    tensor_dict: dict[str, Any], non_tensor_dict: dict[str, Any] | None = None
-) -> dict[str, Any]:
+def get_tensordict(tensor_dict: dict[str, Any], non_tensor_dict: dict[str, Any] | None = None) -> dict[str, Any]:
     return {**tensor_dict, **(non_tensor_dict or {})}
