@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from icefloe.config import ClientConfig
-from icefloe.engines.training import TrainingEngine
+from icefloe.engines.training import TrainingEngine, publish_folder
 from icefloe.protocol import ConfigError, InvalidRequestError
 
 __all__ = [
@@ -238,7 +238,6 @@ class DataParallelTrainingEngine(TrainingEngine):
         so a checkpoint moves freely between FSDP and replicated runs.
         """
         import json
-        import os
         import shutil
         import tempfile
 
@@ -262,9 +261,7 @@ class DataParallelTrainingEngine(TrainingEngine):
                 if kind == "resumable":
                     save_file(optimizer_tensors, str(staging / "optimizer.safetensors"))
                 (staging / "trainer_state.json").write_text(json.dumps(self._trainer_state(kind), indent=1))
-                if target.exists():
-                    shutil.rmtree(target)
-                os.rename(staging, target)
+                publish_folder(staging, target)
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
         dist.barrier()  # nobody reports done before the folder exists

@@ -30,7 +30,7 @@ from icefloe.engines.losses import get_loss
 from icefloe.engines.models import load_causal_lm, load_tokenizer, resolve_model
 from icefloe.protocol import InvalidRequestError, UnsupportedOpError
 
-__all__ = ["CHECKPOINT_KINDS", "TrainingEngine", "resolve_device"]
+__all__ = ["CHECKPOINT_KINDS", "TrainingEngine", "publish_folder", "resolve_device"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,19 @@ CHECKPOINT_KINDS = ("resumable", "weights-only")
 _OPTIMIZER_FILE = "optimizer.safetensors"
 _STATE_FILE = "trainer_state.json"
 _AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def publish_folder(staging: Path, target: Path) -> None:
+    """Put a fully written folder at ``target``, replacing any older one without a moment of absence.
+
+    The old folder is renamed aside first and deleted last, so a crash leaves either the old or the
+    new checkpoint in place, never neither (the service's records keep pointing at something real).
+    """
+    aside = target.with_name(f".{target.name}.old-{os.getpid()}")
+    if target.exists():
+        os.rename(target, aside)
+    os.rename(staging, target)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -272,9 +285,7 @@ class TrainingEngine:
             if kind == "resumable":
                 save_file(self._optimizer_tensors(), str(staging / _OPTIMIZER_FILE))
             (staging / _STATE_FILE).write_text(json.dumps(self._trainer_state(kind), indent=1))
-            if target.exists():
-                shutil.rmtree(target)
-            os.rename(staging, target)
+            publish_folder(staging, target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
         return {"checkpoint_id": checkpoint_id, "global_step": self._global_step, "path": str(target), "kind": kind}

@@ -32,11 +32,18 @@ class TokenRedactor(logging.Filter):
         return text
 
     def filter(self, record: logging.LogRecord) -> bool:
+        """Scrub the template and each argument in place, keeping the record's shape.
+
+        Formatters such as uvicorn's access formatter unpack ``record.args``; replacing them with
+        the formatted text would break those formatters (a "Logging error" instead of the line).
+        """
         if self._tokens:
-            message = record.getMessage()
-            cleaned = self.redact(message)
-            if cleaned != message:
-                record.msg, record.args = cleaned, None
+            if isinstance(record.msg, str):
+                record.msg = self.redact(record.msg)
+            if isinstance(record.args, tuple):
+                record.args = tuple(self.redact(a) if isinstance(a, str) else a for a in record.args)
+            elif isinstance(record.args, dict):
+                record.args = {k: self.redact(v) if isinstance(v, str) else v for k, v in record.args.items()}
         return True
 
 

@@ -245,3 +245,18 @@ def test_gradient_checkpointing_trains_like_the_plain_model(model_dir):
     recomputed.fwd_bwd(batch)
     recomputed.step()
     _assert_weights_close(_weights(recomputed), _weights(plain))
+
+
+def test_publish_folder_replaces_an_existing_checkpoint_without_leftovers(tmp_path):
+    """Saving twice at one step used to delete the old folder before the new one was in place."""
+    from icefloe.engines.training import publish_folder
+
+    target = tmp_path / "global_step3"
+    target.mkdir()
+    (target / "model.safetensors").write_text("old")
+    staging = tmp_path / ".global_step3.tmp"
+    staging.mkdir()
+    (staging / "model.safetensors").write_text("new")
+    publish_folder(staging, target)
+    assert (target / "model.safetensors").read_text() == "new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step3"]

@@ -304,6 +304,8 @@ class AsyncHttp:
             await self.aclose()
         if self._client is None:
             tls = await asyncio.to_thread(_tls_for, self._endpoint)  # file I/O once; never on the loop
+            if self._client is not None and self._loop is loop:
+                return self._client  # a concurrent first call built it while this one awaited
             client = httpx.AsyncClient(
                 base_url=self._endpoint.url, headers=self._endpoint.headers(), transport=self._transport(tls)
             )

@@ -193,7 +193,12 @@ class RoleTransport(Transport):
     def _list_checkpoints(self) -> list[dict[str, Any]]:
         if not self.checkpoint_root.is_dir():
             return []
-        entries = [self._describe(path) for path in self.checkpoint_root.iterdir() if path.is_dir()]
+        # Hidden folders are checkpoints being written or replaced, not checkpoints.
+        entries = [
+            self._describe(path)
+            for path in self.checkpoint_root.iterdir()
+            if path.is_dir() and not path.name.startswith(".")
+        ]
         return sorted(entries, key=lambda entry: entry["global_step"])
 
     def _describe(self, path: Path) -> dict[str, Any]:

@@ -164,3 +164,32 @@ def test_remote_helper_modules_export_resolvable_names():
     for name in ("coalesce", "errors", "exchange", "http", "jobs", "ordering", "polling"):
         module = importlib.import_module(f"icefloe.client.remote.{name}")  # ruff RUF022 keeps __all__ sorted
         assert all(hasattr(module, attr) for attr in module.__all__), name
+
+
+def test_async_session_builds_one_client_for_concurrent_first_calls(service, monkeypatch):
+    """Concurrent first sends each built their own httpx.AsyncClient (the TLS lookup yields the loop)."""
+    import asyncio
+
+    from icefloe.client.remote import http as http_module
+
+    built = []
+
+    class CountingClient(httpx.AsyncClient):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(self)
+
+    monkeypatch.setattr(http_module.httpx, "AsyncClient", CountingClient)
+    backend = service.config().backend
+    endpoint = Endpoint.from_config(backend)
+    session = http_module.AsyncHttp(endpoint, backend, RetryPolicy(backend), Redactor())
+
+    async def run():
+        try:
+            replies = await asyncio.gather(*(session.send(Call("GET", "/capabilities", "caps")) for _ in range(4)))
+        finally:
+            await session.aclose()
+        return replies
+
+    assert all(reply.status_code == 200 for reply in asyncio.run(run()))
+    assert len(built) == 1
