@@ -23,7 +23,7 @@ from icefloe.service.middleware import BodyLimit, IdempotencyKeys
 from icefloe.service.placement import SlotPool
 from icefloe.service.routes import capabilities, checkpoints, compute, health, jobs, operations, requests
 from icefloe.service.settings import ServeSettings
-from icefloe.service.store import Database
+from icefloe.service.store import Database, purge_expired
 
 __all__ = ["ServerThread", "create_app", "serve"]
 
@@ -57,6 +57,7 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     """
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     db = Database(settings.db_path)
+    purge_expired(db, idempotency_ttl_s=settings.idempotency_ttl_s)
     manager = JobManager(settings, db, pool or SlotPool.detect(settings.slots))
     manager.recover()
     redactor = TokenRedactor(settings.token_values())
@@ -86,7 +87,7 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     # capabilities first: its fixed paths (/capacity) must win over /{job_id}
     for module in (capabilities, jobs, compute, operations, requests, checkpoints):
         app.include_router(module.router)
-    app.add_middleware(IdempotencyKeys, db=db)
+    app.add_middleware(IdempotencyKeys, db=db, settings=settings)
     app.add_middleware(BodyLimit, max_bytes=settings.max_post_bytes)  # outermost: refuse before buffering
     _install_redaction(redactor)
     return app

@@ -10,6 +10,7 @@ chunk-group 409s of the training API.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -32,6 +33,9 @@ __all__ = ["ChunkGroups"]
 
 _MAX_OPEN_GROUPS = 16  # bounds memory held for abandoned uploads; an evicted group restarts from chunk 0
 _MAX_DONE_GROUPS = 4096
+_MAX_FRAME_SIZE_BYTES = 64 * 1024**3  # 64 GiB: far above any real frame, small enough to refuse nonsense
+_MAX_TOTAL_CHUNKS = 1_000_000
+_MAX_LISTED_MISSING = 1000  # a missing-chunks refusal names at most this many; the retry then reveals the rest
 
 
 @dataclass
@@ -99,8 +103,10 @@ class ChunkGroups:
             group.payload_digests[index] = digest
             if not final:
                 return {"chunk_cached": True}
-            missing = sorted(set(range(total)) - set(group.frames))
-            if missing:
+            if len(group.frames) < total:  # indices are checked to lie in [0, total): a full count means all came
+                missing = list(
+                    itertools.islice((i for i in range(total) if i not in group.frames), _MAX_LISTED_MISSING)
+                )
                 raise chunk_group_refusal(
                     ChunkGroupMissingChunksError,
                     CODE_CHUNK_GROUP_MISSING_CHUNKS,
@@ -130,7 +136,14 @@ def _descriptor_fields(descriptor: dict[str, Any]) -> tuple[str, int, int, str, 
         sha, size = str(descriptor["frame_sha256"]), int(descriptor["frame_size_bytes"])
     except (KeyError, TypeError, ValueError) as exc:
         raise InvalidRequestError(f"request_chunk descriptor is incomplete or malformed: {exc}") from None
-    if total < 1 or not 0 <= index < total:
+    if not 0 <= size <= _MAX_FRAME_SIZE_BYTES:
+        raise InvalidRequestError(f"request_chunk.frame_size_bytes must be in [0, {_MAX_FRAME_SIZE_BYTES}]; got {size}")
+    if not 1 <= total <= min(size + 1, _MAX_TOTAL_CHUNKS):
+        raise InvalidRequestError(
+            f"request_chunk.total_chunks must be in [1, {min(size + 1, _MAX_TOTAL_CHUNKS)}] for a frame of"
+            f" {size} bytes (at most {_MAX_TOTAL_CHUNKS} chunks); got {total}"
+        )
+    if not 0 <= index < total:
         raise InvalidRequestError(f"request_chunk.chunk_idx must be in [0, total_chunks={total}); got {index}")
     return group_id, index, total, sha, size
 

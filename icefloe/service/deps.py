@@ -6,19 +6,16 @@ and that hop alone cost about a millisecond per call on a loaded machine.
 
 from __future__ import annotations
 
-import hmac
 from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
-from icefloe.service.errors import unauthenticated
+from icefloe.service.auth import authenticate
 from icefloe.service.jobs import JobManager
 from icefloe.service.settings import ServeSettings
 from icefloe.service.store import Database
 
 __all__ = ["AuthDep", "JobsDep", "OctetBody", "SettingsDep", "StoreDep", "require_token"]
-
-_PAT_TOKEN_TYPE = "PROGRAMMATIC_ACCESS_TOKEN"
 
 
 async def _settings(request: Request) -> ServeSettings:
@@ -39,17 +36,7 @@ async def require_token(
     x_snowflake_authorization_token_type: Annotated[str | None, Header()] = None,
 ) -> None:
     """401 unless ``Authorization: Bearer <token>`` matches a configured token (PAT form accepted)."""
-    settings: ServeSettings = request.app.state.settings
-    if not settings.auth_enabled:
-        return
-    scheme, _, presented = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not presented.strip():
-        raise unauthenticated("missing bearer token; send 'Authorization: Bearer <token>'")
-    if x_snowflake_authorization_token_type not in (None, _PAT_TOKEN_TYPE):
-        raise unauthenticated(f"X-Snowflake-Authorization-Token-Type must be {_PAT_TOKEN_TYPE} when sent")
-    candidate = presented.strip().encode()
-    if not any(hmac.compare_digest(candidate, token.encode()) for token in settings.token_values()):
-        raise unauthenticated("the bearer token is not valid for this service")
+    authenticate(request.app.state.settings, authorization, x_snowflake_authorization_token_type)
 
 
 async def _octet_body(request: Request) -> bytes:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -70,6 +71,7 @@ class LiveJob:
     last_avg_loss: dict[str, float] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     teardown_started: bool = False
+    bring_up_done: bool = False  # set by the lifecycle thread as it leaves _bring_up, under ``lock``
 
     @property
     def num_slots(self) -> int:
@@ -242,6 +244,12 @@ class JobManager:
         except Exception as exc:  # any load failure fails the job, with its cause as the reason
             _log.warning("job %s failed to start: %s", job.job_id, exc)
             self._teardown(job, "failed", reason=f"initializing failed: {type(exc).__name__}: {exc}")
+        finally:
+            with job.lock:
+                job.bring_up_done = True
+                orphaned = job.stopping.is_set() and not job.teardown_started
+            if orphaned:  # a shutdown came after the last `stopping` check above: release the engines now
+                self._teardown(job, "cancelled")
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         """Idempotent while cancelling/cancelled; 409 once the job terminated or failed."""
@@ -294,19 +302,32 @@ class JobManager:
             self._set_status(job, "cancelled")
             self._set_status(job, "terminated")
 
-    def close(self) -> None:
-        """Release every job's engines (service shutdown); records stay as they are."""
+    def close(self, *, join_timeout_s: float = 30.0) -> None:
+        """Release every job's engines (service shutdown); records stay as they are.
+
+        Every release goes through :meth:`_teardown`, which runs once per job. A job still starting
+        is left to its lifecycle thread: closing its host while ``host.start`` runs would race the
+        start, so the thread sees ``stopping`` when the start returns and tears down itself. Then the
+        lifecycle and teardown threads are joined, so none writes to the store after it closes.
+        """
         self._closing = True
         with self._lock:
             jobs = list(self._live.values())
         for job in jobs:
-            job.stopping.set()
-            for worker in job.workers.values():
-                worker.close(wait=True)
-            if job.host is not None:
-                job.host.close()
-        for thread in list(self._threads):
-            thread.join(timeout=30)
+            with job.lock:
+                job.stopping.set()
+                started = job.bring_up_done  # else _bring_up still owns the job and tears it down itself
+            if started:
+                self._teardown(job, "cancelled")
+        deadline = time.monotonic() + join_timeout_s
+        while True:
+            with self._lock:
+                alive = [t for t in self._threads if t.is_alive() and t is not threading.current_thread()]
+            if not alive or time.monotonic() >= deadline:
+                break
+            alive[0].join(timeout=max(0.0, deadline - time.monotonic()))
+        for thread in alive:
+            _log.warning("%s still running at shutdown; its late writes to the store are dropped", thread.name)
 
     # --- reading ------------------------------------------------------------------------------
     def _row(self, job_id: str) -> dict[str, Any]:

@@ -9,19 +9,26 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
+import time
 import weakref
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from icefloe.protocol import CODE_CONFLICT, CODE_PAYLOAD_TOO_LARGE
+from icefloe.protocol import CODE_CONFLICT, CODE_PAYLOAD_TOO_LARGE, RequestFailedError
 from icefloe.service import store
+from icefloe.service.auth import authenticate, caller_scope
 from icefloe.service.errors import error_body
+from icefloe.service.settings import ServeSettings
 
 __all__ = ["BodyLimit", "IdempotencyKeys"]
 
 _IDEMPOTENCY_HEADER = b"idempotency-key"
 _MAX_KEY_LENGTH = 255
+_PURGE_EVERY_S = 300.0  # at most this often, a kept reply also sweeps expired records out (off the loop)
+
+_log = logging.getLogger("icefloe.service")
 
 
 async def _send_json(send: Send, status: int, body: dict[str, Any], extra_headers: list | None = None) -> None:
@@ -85,17 +92,27 @@ class BodyLimit:
 
 
 class IdempotencyKeys:
-    """Same ``Idempotency-Key`` + same route → the first 2xx response again, never a second execution.
+    """Same ``Idempotency-Key``, route and caller → the first 2xx response again, never a second execution.
 
     Only 2xx answers are kept: a refused call executed nothing, so retrying it is safe. The key is
     bound to the body's SHA-256; reusing it with a different body is a 409. Records live in SQLite,
     so a replay after a service restart still answers from the record.
+
+    With auth on, the caller is authenticated here, before any replay, by the rules of the routes'
+    dependency, and records are scoped by a hash of the caller's token: another token using the
+    same key gets a record of its own. Records expire after ``settings.idempotency_ttl_s``. A reply
+    over ``settings.idempotency_max_response_bytes`` (a ``?wait=`` answer carrying a result) is
+    kept as its bare ``{request_id, job_id}``, so a replay answers as the POST without ``?wait=``
+    would and the caller polls for the result; any other reply that large is not kept, and a retry
+    with its key executes again.
     """
 
-    def __init__(self, app: ASGIApp, *, db: store.Database) -> None:
+    def __init__(self, app: ASGIApp, *, db: store.Database, settings: ServeSettings) -> None:
         self.app = app
         self.db = db
-        self._locks: weakref.WeakValueDictionary[tuple[str, str], asyncio.Lock] = weakref.WeakValueDictionary()
+        self.settings = settings
+        self._locks: weakref.WeakValueDictionary[tuple[str, str, str], asyncio.Lock] = weakref.WeakValueDictionary()
+        self._next_purge = time.monotonic() + _PURGE_EVERY_S
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw_key = _header(scope, _IDEMPOTENCY_HEADER) if scope["type"] == "http" else None
@@ -108,10 +125,20 @@ class IdempotencyKeys:
                 send, 400, error_body("invalid_argument", f"Idempotency-Key must be 1-{_MAX_KEY_LENGTH} characters")
             )
             return
+        try:
+            token = authenticate(
+                self.settings,
+                _optional_text(_header(scope, b"authorization")),
+                _optional_text(_header(scope, b"x-snowflake-authorization-token-type")),
+            )
+        except RequestFailedError as refused:
+            await _send_json(send, 401, error_body(refused.code or "unauthenticated", refused.reason))
+            return
+        caller = caller_scope(token)
         route = f"POST {scope['path']}"
-        lock = self._locks.get((route, key))
+        lock = self._locks.get((route, caller, key))
         if lock is None:
-            lock = self._locks[(route, key)] = asyncio.Lock()
+            lock = self._locks[(route, caller, key)] = asyncio.Lock()
         async with lock:
             chunks, more = [], True
             while more:
@@ -122,11 +149,14 @@ class IdempotencyKeys:
                 more = message.get("more_body", False)
             body = b"".join(chunks)
             digest = hashlib.sha256(body).hexdigest()
-            saved = store.get_idempotent_response(self.db, route=route, key=key)
+            saved = store.get_idempotent_response(
+                self.db, route=route, caller=caller, key=key, ttl_s=self.settings.idempotency_ttl_s
+            )
             if saved is not None:
                 await self._replay(saved, digest, send)
                 return
-            await self._run_and_keep(scope, receive, send, body, route=route, key=key, digest=digest)
+            await self._run_and_keep(scope, receive, send, body, route=route, caller=caller, key=key, digest=digest)
+        await self._purge_if_due()
 
     async def _replay(self, saved: dict[str, Any], digest: str, send: Send) -> None:
         if saved["body_sha256"] != digest:
@@ -143,7 +173,16 @@ class IdempotencyKeys:
         await send({"type": "http.response.body", "body": response})
 
     async def _run_and_keep(
-        self, scope: Scope, receive: Receive, send: Send, body: bytes, *, route: str, key: str, digest: str
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        body: bytes,
+        *,
+        route: str,
+        caller: str,
+        key: str,
+        digest: str,
     ) -> None:
         delivered = False
 
@@ -168,13 +207,45 @@ class IdempotencyKeys:
             await send(message)
 
         await self.app(scope, replay_receive, keeping_send)
-        if 200 <= status < 300:
-            store.put_idempotent_response(
-                self.db,
-                route=route,
-                key=key,
-                body_sha256=digest,
-                status_code=status,
-                response=b"".join(parts),
-                media_type=media_type,
-            )
+        if not 200 <= status < 300:
+            return
+        response = b"".join(parts)
+        if len(response) > self.settings.idempotency_max_response_bytes:
+            response, media_type = _bare_acceptance(response, media_type)
+            if not response:
+                _log.info("%s: reply too large to keep for its Idempotency-Key; a retry will execute again", route)
+                return
+        store.put_idempotent_response(
+            self.db,
+            route=route,
+            caller=caller,
+            key=key,
+            body_sha256=digest,
+            status_code=status,
+            response=response,
+            media_type=media_type,
+        )
+
+    async def _purge_if_due(self) -> None:
+        now = time.monotonic()
+        if now < self._next_purge:
+            return
+        self._next_purge = now + min(_PURGE_EVERY_S, self.settings.idempotency_ttl_s)
+        await asyncio.to_thread(store.purge_expired, self.db, idempotency_ttl_s=self.settings.idempotency_ttl_s)
+
+
+def _optional_text(raw: bytes | None) -> str | None:
+    return None if raw is None else raw.decode("latin-1")
+
+
+def _bare_acceptance(response: bytes, media_type: str) -> tuple[bytes, str]:
+    """``{request_id, job_id}`` of a large JSON acceptance (what the POST answers without ``?wait=``), else b""."""
+    if not media_type.startswith("application/json"):
+        return b"", media_type
+    try:
+        answer = json.loads(response)
+    except ValueError:
+        return b"", media_type
+    if not isinstance(answer, dict) or not isinstance(answer.get("request_id"), str) or "job_id" not in answer:
+        return b"", media_type
+    return json.dumps({"request_id": answer["request_id"], "job_id": answer["job_id"]}).encode(), "application/json"

@@ -39,6 +39,9 @@ class ServeSettings(BaseModel):
     result_chunk_bytes: int = Field(8 * 1024 * 1024, gt=16384)  # size of one result_chunk frame
     export_ttl_s: float = Field(3600.0, gt=0)  # lifetime of a checkpoint download link
     max_long_poll_s: float = Field(60.0, ge=0)  # cap on ?wait= so a proxy never sees a silent socket
+    idempotency_ttl_s: float = Field(86400.0, gt=0)  # an Idempotency-Key record is replayed for this long
+    # Replies above this are kept as their bare {request_id, job_id} (a ?wait= answer) or not kept at all.
+    idempotency_max_response_bytes: int = Field(64 * 1024, ge=1024)
     # One uvicorn line per HTTP request: off by default, since writing it stalls the event loop
     # while an engine thread holds the GIL (~0.5 ms per request on a busy CPU service).
     access_log: bool = False

@@ -11,8 +11,9 @@ from __future__ import annotations
 import json
 import sqlite3
 import threading
+import time
 from collections.abc import Iterable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +30,11 @@ __all__ = [
     "insert_file_link",
     "insert_job",
     "insert_request",
+    "iso_ago",
     "list_checkpoints",
     "list_jobs",
     "now_iso",
+    "purge_expired",
     "put_idempotent_response",
     "update_job",
     "update_request",
@@ -50,9 +53,11 @@ CREATE TABLE IF NOT EXISTS requests (
 );
 CREATE INDEX IF NOT EXISTS requests_by_job ON requests (job_id);
 CREATE TABLE IF NOT EXISTS idempotency (
-    route TEXT NOT NULL, key TEXT NOT NULL, body_sha256 TEXT NOT NULL, status_code INTEGER NOT NULL,
-    response BLOB NOT NULL, media_type TEXT NOT NULL, created_at TEXT NOT NULL, PRIMARY KEY (route, key)
+    route TEXT NOT NULL, caller TEXT NOT NULL, key TEXT NOT NULL, body_sha256 TEXT NOT NULL,
+    status_code INTEGER NOT NULL, response BLOB NOT NULL, media_type TEXT NOT NULL, created_at TEXT NOT NULL,
+    PRIMARY KEY (route, caller, key)
 );
+CREATE INDEX IF NOT EXISTS idempotency_by_age ON idempotency (created_at);
 CREATE TABLE IF NOT EXISTS checkpoints (
     job_id TEXT NOT NULL, checkpoint_id TEXT NOT NULL, global_steps INTEGER NOT NULL, avg_loss REAL,
     created_at TEXT NOT NULL, checkpoint_type TEXT NOT NULL, path TEXT NOT NULL,
@@ -61,6 +66,19 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 CREATE TABLE IF NOT EXISTS file_links (
     token TEXT PRIMARY KEY, path TEXT NOT NULL, expires_at REAL NOT NULL
 );
+CREATE INDEX IF NOT EXISTS file_links_by_expiry ON file_links (expires_at);
+"""
+
+# A store written before records were scoped by caller: its keys were made without auth, so they
+# become records of the no-auth caller ('') and can never answer a caller who presents a token.
+_MIGRATE_UNSCOPED_IDEMPOTENCY = """
+BEGIN;
+ALTER TABLE idempotency RENAME TO idempotency_unscoped;
+{schema}
+INSERT OR IGNORE INTO idempotency (route, caller, key, body_sha256, status_code, response, media_type, created_at)
+    SELECT route, '', key, body_sha256, status_code, response, media_type, created_at FROM idempotency_unscoped;
+DROP TABLE idempotency_unscoped;
+COMMIT;
 """
 
 _ACTIVE_JOB_STATES = ("pending", "placing", "initializing", "running", "cancelling")
@@ -72,8 +90,17 @@ def now_iso() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def iso_ago(seconds: float) -> str:
+    """UTC ``seconds`` ago in the :func:`now_iso` form (such strings compare in time order)."""
+    return (datetime.now(UTC) - timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
 class Database:
-    """A SQLite file opened once, in WAL mode, usable from any thread."""
+    """A SQLite file opened once, in WAL mode, usable from any thread.
+
+    After :meth:`close`, writes are dropped and reads find nothing, so a worker thread that
+    finishes during shutdown cannot fail on the closed connection.
+    """
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -82,14 +109,23 @@ class Database:
         self._conn.row_factory = sqlite3.Row
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL survives a process crash
-        self._conn.executescript(_SCHEMA)
+        self._closed = False
+        columns = {row["name"] for row in self._conn.execute("PRAGMA table_info(idempotency)").fetchall()}
+        if columns and "caller" not in columns:
+            self._conn.executescript(_MIGRATE_UNSCOPED_IDEMPOTENCY.format(schema=_SCHEMA))
+        else:
+            self._conn.executescript(_SCHEMA)
 
     def execute(self, sql: str, params: Iterable[Any] = ()) -> int:
         with self._lock:
+            if self._closed:
+                return 0
             return self._conn.execute(sql, tuple(params)).rowcount
 
     def fetch_all(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
         with self._lock:
+            if self._closed:
+                return []
             return [dict(row) for row in self._conn.execute(sql, tuple(params)).fetchall()]
 
     def fetch_one(self, sql: str, params: Iterable[Any] = ()) -> dict[str, Any] | None:
@@ -98,7 +134,9 @@ class Database:
 
     def close(self) -> None:
         with self._lock:
-            self._conn.close()
+            if not self._closed:
+                self._closed = True
+                self._conn.close()
 
 
 # --- jobs --------------------------------------------------------------------------------------
@@ -202,18 +240,40 @@ def get_request(db: Database, *, request_id: str, raw_result: bool = False) -> d
 
 
 # --- idempotency -------------------------------------------------------------------------------
-def get_idempotent_response(db: Database, *, route: str, key: str) -> dict[str, Any] | None:
-    return db.fetch_one("SELECT * FROM idempotency WHERE route = ? AND key = ?", (route, key))
+def get_idempotent_response(db: Database, *, route: str, caller: str, key: str, ttl_s: float) -> dict[str, Any] | None:
+    """The saved reply of ``key`` on ``route`` for this caller, unless older than ``ttl_s``."""
+    return db.fetch_one(
+        "SELECT * FROM idempotency WHERE route = ? AND caller = ? AND key = ? AND created_at >= ?",
+        (route, caller, key, iso_ago(ttl_s)),
+    )
 
 
 def put_idempotent_response(
-    db: Database, *, route: str, key: str, body_sha256: str, status_code: int, response: bytes, media_type: str
+    db: Database,
+    *,
+    route: str,
+    caller: str,
+    key: str,
+    body_sha256: str,
+    status_code: int,
+    response: bytes,
+    media_type: str,
 ) -> None:
+    """Keep a reply; ``caller`` is a hash of the caller's token (:func:`auth.caller_scope`), never the token.
+
+    REPLACE: a record still in the table past its TTL must not block the new one.
+    """
     db.execute(
-        "INSERT OR IGNORE INTO idempotency (route, key, body_sha256, status_code, response, media_type, created_at)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?)",
-        (route, key, body_sha256, status_code, response, media_type, now_iso()),
+        "INSERT OR REPLACE INTO idempotency (route, caller, key, body_sha256, status_code, response, media_type,"
+        " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        (route, caller, key, body_sha256, status_code, response, media_type, now_iso()),
     )
+
+
+def purge_expired(db: Database, *, idempotency_ttl_s: float) -> int:
+    """Delete Idempotency-Key records older than the TTL and expired download links; returns how many."""
+    removed = db.execute("DELETE FROM idempotency WHERE created_at < ?", (iso_ago(idempotency_ttl_s),))
+    return removed + db.execute("DELETE FROM file_links WHERE expires_at < ?", (time.time(),))
 
 
 # --- checkpoints -------------------------------------------------------------------------------
@@ -253,6 +313,7 @@ def delete_checkpoint(db: Database, *, job_id: str, checkpoint_id: str) -> bool:
 
 # --- download links ----------------------------------------------------------------------------
 def insert_file_link(db: Database, *, token: str, path: str, expires_at: float) -> None:
+    db.execute("DELETE FROM file_links WHERE expires_at < ?", (time.time(),))  # indexed: cheap while few expire
     db.execute("INSERT INTO file_links (token, path, expires_at) VALUES (?, ?, ?)", (token, path, expires_at))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import uuid
 
+import numpy as np
 import pytest
 import torch
 
@@ -130,6 +131,44 @@ async def test_final_chunk_with_earlier_ones_missing_is_refused(data_dir):
         for chunk in chunks[1:]:  # sending the missing ones completes the group
             last = await _post(api, job_id, chunk)
         assert "request_id" in last.json()
+
+
+def _hostile_chunk(*, chunk_idx: int, total_chunks: int, frame_size_bytes: int, group_id: str) -> bytes:
+    descriptor = {
+        "chunk_idx": chunk_idx,
+        "total_chunks": total_chunks,
+        "frame_sha256": "0" * 64,
+        "frame_size_bytes": frame_size_bytes,
+        "chunk_group_id": group_id,
+    }
+    return wire.encode({"payload": np.zeros(1, dtype=np.uint8)}, op_metadata={"request_chunk": descriptor})
+
+
+async def test_hostile_chunk_counts_and_sizes_are_refused_without_building_huge_sets(data_dir):
+    """total_chunks and frame_size_bytes were unbounded: total_chunks=10**10 built set(range(10**10)) under the lock."""
+    async with asgi_client(make_app(data_dir)) as http:
+        api = Api(http)
+        job_id = await _running_job(api)
+        for idx, total, size, field in (
+            (0, 1, 2**40, "frame_size_bytes"),  # above the 64 GiB cap
+            (0, 10**10, 10**9, "total_chunks"),  # above the 1_000_000 chunk cap
+            (0, 12, 10, "total_chunks"),  # more chunks than the frame has bytes
+            (10**10 - 1, 10**10, 10**9, "total_chunks"),  # a final chunk of a never-started group
+        ):
+            chunk = _hostile_chunk(chunk_idx=idx, total_chunks=total, frame_size_bytes=size, group_id=str(uuid.uuid4()))
+            response = await _post(api, job_id, chunk)
+            assert (response.status_code, response.json()["code"]) == (400, "invalid_argument"), field
+            assert f"request_chunk.{field}" in response.json()["message"]
+        # the largest allowed group: its final chunk lists a bounded prefix of what is missing
+        group_id, total = str(uuid.uuid4()), 1_000_000
+        for idx in (0, total - 1):
+            response = await _post(
+                api,
+                job_id,
+                _hostile_chunk(chunk_idx=idx, total_chunks=total, frame_size_bytes=10**9, group_id=group_id),
+            )
+        assert (response.status_code, response.json()["code"]) == (409, "chunk_group_missing_chunks")
+        assert response.json()["missing_chunks"][:3] == [1, 2, 3] and len(response.json()["missing_chunks"]) <= 1000
 
 
 async def test_chunked_result_delivery_pages_events_by_cursor(data_dir):

@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import time
+import uuid
+
 import pytest
+
+from icefloe.service import store
+from icefloe.service.middleware import _bare_acceptance
 
 from .service_client import PREFIX, TRAINING, Api
 from .service_harness import asgi_client, make_app, uvicorn_client
@@ -49,3 +56,53 @@ async def test_body_over_the_cap_is_refused_before_it_is_read(data_dir):
 
         streamed = await http.post(f"{PREFIX}/", content=stream(), headers={"content-type": "application/json"})
         assert (streamed.status_code, streamed.json()["code"]) == (413, "payload_too_large")
+
+
+async def test_replay_needs_the_token_and_is_scoped_to_it(data_dir):
+    """A saved Idempotency-Key reply was replayed to a caller with no token (or another token): auth was skipped."""
+    token, other = "serve-token-" + uuid.uuid4().hex, "serve-token-" + uuid.uuid4().hex
+    body = {"sub_job_configs": [TRAINING], "job_id": "keyed-job"}
+    async with asgi_client(make_app(data_dir, tokens=(token, other))) as http:
+        api = Api(http)
+        key = {"Idempotency-Key": "k1"}
+        created = await api.call("POST", "/", json=body, headers={**key, "Authorization": f"Bearer {token}"})
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {token}"}):
+            refused = await api.call("POST", "/", json=body, headers={**key, **headers}, check=False)
+            assert (refused.status_code, refused.json()["code"]) == (401, "unauthenticated"), headers
+            assert "idempotent-replayed" not in refused.headers and token not in refused.text
+        pat = {"Authorization": f"Bearer {token}", "X-Snowflake-Authorization-Token-Type": "PROGRAMMATIC_ACCESS_TOKEN"}
+        again = await api.call("POST", "/", json=body, headers={**key, **pat})
+        assert again.json() == created.json() and again.headers["idempotent-replayed"] == "true"
+        # another token with the same key is another record: the create really runs, and the id is taken
+        fresh = await api.call("POST", "/", json=body, headers={**key, "Authorization": f"Bearer {other}"}, check=False)
+        assert fresh.status_code == 409 and "idempotent-replayed" not in fresh.headers
+    for path in data_dir.glob("icefloe.sqlite3*"):
+        assert token.encode() not in path.read_bytes()  # records are scoped by a hash, never the token
+
+
+async def test_expired_idempotency_records_are_not_replayed_and_are_deleted(data_dir):
+    """Idempotency records and download links were kept (and replayed) forever: the tables only grew."""
+    body = {"sub_job_configs": [TRAINING], "job_id": "keyed-job"}
+    key = {"Idempotency-Key": "create-1"}
+    async with asgi_client(make_app(data_dir, idempotency_ttl_s=3600)) as http:
+        await Api(http).call("POST", "/", json=body, headers=key)
+    app = make_app(data_dir, idempotency_ttl_s=3600)
+    db = app.state.db
+    db.execute("UPDATE idempotency SET created_at = ?", (store.iso_ago(7200),))
+    store.insert_file_link(db, token="old-link", path="/nowhere", expires_at=time.time() - 1)
+    store.insert_file_link(db, token="live-link", path="/nowhere", expires_at=time.time() + 600)
+    async with asgi_client(app) as http:
+        again = await Api(http).call("POST", "/", json=body, headers=key, check=False)
+        assert again.status_code == 409 and "idempotent-replayed" not in again.headers  # executed, not replayed
+    restarted = make_app(data_dir, idempotency_ttl_s=3600)  # startup sweeps expired records out
+    assert restarted.state.db.fetch_all("SELECT * FROM idempotency") == []
+    assert [r["token"] for r in restarted.state.db.fetch_all("SELECT token FROM file_links")] == ["live-link"]
+    restarted.state.db.close()
+
+
+def test_oversized_reply_is_kept_as_its_bare_acceptance():
+    """Whole ?wait= answers (results included) were stored for every key, however large."""
+    big = json.dumps({"request_id": "r1", "job_id": "j1", "status": "done", "result": "x" * 100_000}).encode()
+    kept, media_type = _bare_acceptance(big, "application/json")
+    assert json.loads(kept) == {"request_id": "r1", "job_id": "j1"} and media_type == "application/json"
+    assert _bare_acceptance(b'{"entries": []}', "application/json")[0] == b""  # not an acceptance: not kept
