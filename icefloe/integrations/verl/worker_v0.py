@@ -15,12 +15,13 @@ from verl.utils import tensordict_utils as tu
 
 from icefloe.integrations.verl.forwarder import Forwarder, flops_estimator, read_fields, read_options
 from icefloe.integrations.verl.settings import select
+from icefloe.integrations.verl.worker_controls import ForwarderControls
 from icefloe.protocol import ConfigError
 
 __all__ = ["IcefloeActorRolloutRefWorker"]
 
 
-class IcefloeActorRolloutRefWorker(Worker):
+class IcefloeActorRolloutRefWorker(ForwarderControls, Worker):
     """CPU-only forwarder: verl dispatches here, icefloe computes.
 
     ``bound_main_config`` / ``bound_handle`` stand in for the ``main_config`` / ``backend_handle``
@@ -44,28 +45,6 @@ class IcefloeActorRolloutRefWorker(Worker):
         self._handle = handle
         self._forwarder = Forwarder.attach(main_config, handle, nested_batches=False)
         self._forwarder.set_flops_estimator(flops_estimator(select(config, "model.path")))
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def init_model(self) -> None:
-        for mesh in ("actor", "ref", "rollout"):
-            self._register_dispatch_collect_info(mesh, dp_rank=self.rank, is_collect=True)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def to(self, device: Any, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
-        return None  # icefloe owns device residency
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def set_loss_fn(self, loss_fn: Any) -> None:
-        return None  # the loss travels with each fwd_bwd
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def reset(self) -> None:
-        return None  # icefloe owns engine state
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def icefloe_backend_handle(self) -> dict[str, Any]:
-        """The handle rollout replicas re-attach with when nobody passed it to them."""
-        return self._handle
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
     async def compute_log_prob(self, data: Any) -> Any:

@@ -22,6 +22,7 @@ from icefloe.integrations.verl.forwarder import (
     read_options,
 )
 from icefloe.integrations.verl.settings import select
+from icefloe.integrations.verl.worker_controls import ForwarderControls
 from icefloe.protocol import ConfigError
 
 __all__ = ["IcefloeV1ActorRolloutRefWorker"]
@@ -29,7 +30,7 @@ __all__ = ["IcefloeV1ActorRolloutRefWorker"]
 _ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
 
 
-class IcefloeV1ActorRolloutRefWorker(ActorRolloutRefWorker):
+class IcefloeV1ActorRolloutRefWorker(ForwarderControls, ActorRolloutRefWorker):
     """CPU-only V1 forwarder; nested batches are densified to the config's maximum lengths."""
 
     bound_main_config: Any = None
@@ -58,28 +59,6 @@ class IcefloeV1ActorRolloutRefWorker(ActorRolloutRefWorker):
         self._loop = BackgroundLoop()
         self._forwarder = Forwarder.attach(main_config, handle, nested_batches=True)
         self._forwarder.set_flops_estimator(flops_estimator(select(config, "model.path")))
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def init_model(self) -> None:
-        for mesh in ("actor", "ref", "rollout"):
-            self._register_dispatch_collect_info(mesh, dp_rank=self.rank, is_collect=True)
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def to(self, device: Any, model: bool = True, optimizer: bool = True, grad: bool = True) -> None:
-        return None  # icefloe owns device residency
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def set_loss_fn(self, loss_fn: Any) -> None:
-        return None  # the loss travels with each fwd_bwd
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def reset(self) -> None:
-        return None  # icefloe owns engine state
-
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
-    def icefloe_backend_handle(self) -> dict[str, Any]:
-        """The handle rollout replicas re-attach with when nobody passed it to them."""
-        return self._handle
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
     def compute_log_prob(self, data: Any) -> Any:
