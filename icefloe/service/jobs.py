@@ -11,6 +11,7 @@ long-pollers are woken the moment it finishes.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import threading
 import time
@@ -37,7 +38,7 @@ from icefloe.service.errors import bad_request, conflict, not_found
 from icefloe.service.joblog import JobLog, JobLogRouter
 from icefloe.service.models import JobCreate
 from icefloe.service.placement import SlotPool
-from icefloe.service.results import ResultPages, contains_tensor, plain_json, wants_dssst1
+from icefloe.service.results import ResultPages, json_text, wants_dssst1
 from icefloe.service.runtime import EngineHost, make_engine_host
 from icefloe.service.settings import ServeSettings
 from icefloe.service.specs import SEGMENT_BY_JOB_TYPE, TYPED_CONFIG_KEYS, SubJobSpec, sub_job_specs
@@ -93,10 +94,10 @@ class JobManager:
         self.log_router = JobLogRouter()  # attached to the "icefloe" logger by the app
         self._live: dict[str, LiveJob] = {}
         self._lock = threading.Lock()
-        # Long-polls answer from memory, never from SQLite on the event loop: the ids of unfinished
-        # requests (-> job id), and the rows of just-finished ones (result as JSON text), read back
-        # by the worker thread that finished them.
-        self._open: dict[str, str] = {}
+        # Long-polls answer from memory, never from SQLite on the event loop: the rows of unfinished
+        # requests (as inserted), and of just-finished ones (result as JSON text), kept by the worker
+        # thread that finished them as it writes the same values to SQLite.
+        self._open: dict[str, dict[str, Any]] = {}
         self._finished: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._threads: list[threading.Thread] = []
         self._closing = False
@@ -470,11 +471,24 @@ class JobManager:
 
     def record_request(self, job: LiveJob, sub_job_id: str, op: str, op_metadata: dict[str, Any]) -> str:
         request_id = f"{sub_job_id}:{op}:{uuid.uuid4().hex}"
-        store.insert_request(
+        created_at = store.insert_request(
             self.db, request_id=request_id, job_id=job.job_id, sub_job_id=sub_job_id, op=op, op_metadata=op_metadata
         )
+        row = {
+            "request_id": request_id,
+            "job_id": job.job_id,
+            "sub_job_id": sub_job_id,
+            "op": op,
+            "status": "pending",
+            "created_at": created_at,
+            "updated_at": created_at,
+            "error": "",
+            "result": None,
+            "result_path": None,
+            "op_metadata": op_metadata,
+        }
         with self._lock:
-            self._open[request_id] = job.job_id
+            self._open[request_id] = row
         return request_id
 
     def _skip(self, job: LiveJob, request_id: str) -> bool:
@@ -491,7 +505,7 @@ class JobManager:
     def _execute(self, job: LiveJob, request_id: str, op: str, fn: Callable[[], Any], op_metadata: dict) -> None:
         if self._skip(job, request_id):
             return
-        store.update_request(self.db, request_id=request_id, status="running")
+        self.mark_started(request_id)
         try:
             result = fn()
         except Exception as exc:  # every failure is recorded on the request
@@ -505,7 +519,7 @@ class JobManager:
         live = [e for e in entries if not self._skip(job, e[0])]
         if live:
             for request_id, _, _ in live:
-                store.update_request(self.db, request_id=request_id, status="running")
+                self.mark_started(request_id)
             try:
                 results = run_batch([item for _, item, _ in live])
             except Exception as exc:  # the whole batch failed together
@@ -515,13 +529,22 @@ class JobManager:
                     self._record_result(job, request_id, result, op_metadata)
         return [None] * len(entries)
 
+    def mark_started(self, request_id: str, status: str = "running") -> None:
+        """In memory only: pollers read open requests from memory, and a restart fails them either way."""
+        now = store.now_iso()
+        with self._lock:
+            opened = self._open.get(request_id)
+            if opened is not None:
+                opened["status"], opened["updated_at"] = status, now
+
     def _record_result(self, job: LiveJob, request_id: str, result: Any, op_metadata: dict[str, Any]) -> None:
         try:
-            if contains_tensor(result) or wants_dssst1(op_metadata):
+            text = None if wants_dssst1(op_metadata) else json_text(result)
+            if text is None:
                 path = ResultPages.write_frame(result, job.job_dir / "results" / f"{uuid.uuid4().hex}.dssst1")
                 self.finish_request(request_id, status="done", result_path=path)
             else:
-                self.finish_request(request_id, status="done", result=plain_json(result))
+                self.finish_request(request_id, status="done", result_json=text)
         except Exception as exc:  # an unencodable result fails the request, not the job
             self.finish_request(request_id, status="failed", error=f"the result could not be stored: {exc}")
 
@@ -542,33 +565,35 @@ class JobManager:
         *,
         status: str,
         error: str = "",
-        result: dict | None = None,
+        result_json: str | None = None,
         result_path: str | None = None,
     ) -> None:
-        store.update_request(
-            self.db, request_id=request_id, status=status, error=error, result=result, result_path=result_path
+        updated_at = store.update_request(
+            self.db, request_id=request_id, status=status, error=error, result_json=result_json, result_path=result_path
         )
-        row = store.get_request(self.db, request_id=request_id, raw_result=True)
+        finished = {"status": status, "updated_at": updated_at, "error": error, "result": result_json}
         with self._lock:
-            if row is not None:
-                self._finished[request_id] = row
+            opened = self._open.pop(request_id, None)
+            if opened is not None:
+                self._finished[request_id] = {**opened, **finished, "result_path": result_path}
                 while len(self._finished) > _FINISHED_ROWS_KEPT:
                     self._finished.popitem(last=False)
-            self._open.pop(request_id, None)
         self.waiters.notify(request_id)
 
     def _is_open(self, job_id: str, request_id: str) -> bool:
         with self._lock:
-            return self._open.get(request_id) == job_id
+            opened = self._open.get(request_id)
+        return opened is not None and opened["job_id"] == job_id
 
-    def _finished_row(self, job_id: str, request_id: str) -> dict[str, Any] | None:
+    def _memory_row(self, job_id: str, request_id: str) -> dict[str, Any] | None:
+        """The row of an open or just-finished request (result as JSON text), without touching SQLite."""
         with self._lock:
-            row = self._finished.get(request_id)
-        return dict(row) if row is not None and row["job_id"] == job_id else None
+            row = self._open.get(request_id) or self._finished.get(request_id)
+            return dict(row) if row is not None and row["job_id"] == job_id else None
 
     def cancel_request(self, job: LiveJob, request_id: str) -> dict[str, Any]:
         """Cancel a request that has not started; one that runs or ran is left as it is."""
-        row = store.get_request(self.db, request_id=request_id)
+        row = self._memory_row(job.job_id, request_id) or store.get_request(self.db, request_id=request_id)
         if row is None or row["job_id"] != job.job_id:
             raise not_found(f"request {request_id} not found in job {job.job_id}")
         if row["status"] == "pending":
@@ -582,7 +607,11 @@ class JobManager:
     def request_row(self, job_id: str, request_id: str, *, raw_result: bool = False) -> dict[str, Any]:
         if job_id not in self._live:
             self._row(job_id)  # 404 for an unknown job
-        row = store.get_request(self.db, request_id=request_id, raw_result=raw_result)
+        row = self._memory_row(job_id, request_id)
+        if row is not None and not raw_result and row["result"] is not None:
+            row["result"] = json.loads(row["result"])
+        if row is None:
+            row = store.get_request(self.db, request_id=request_id, raw_result=raw_result)
         if row is None or row["job_id"] != job_id:
             raise not_found(f"request {request_id} not found in job {job_id}")
         return row
@@ -602,7 +631,7 @@ class JobManager:
                 timeout_s=min(timeout_s, self.settings.max_long_poll_s),
                 finished=lambda: not self._is_open(job_id, request_id),
             )
-        row = self._finished_row(job_id, request_id) if raw_result else None
+        row = self._memory_row(job_id, request_id) if raw_result else None
         return row if row is not None else self.request_row(job_id, request_id, raw_result=raw_result)
 
     def tail_logs(

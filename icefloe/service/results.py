@@ -10,6 +10,7 @@ DSSST1 frame; JSON results live in the request's SQLite row.
 from __future__ import annotations
 
 import base64
+import json
 import math
 import threading
 from collections import OrderedDict
@@ -20,7 +21,15 @@ from typing import Any
 from icefloe import wire
 from icefloe.protocol import InvalidRequestError
 
-__all__ = ["DEFAULT_MAX_EVENTS", "MAX_EVENTS_CAP", "ResultPages", "contains_tensor", "plain_json", "wants_dssst1"]
+__all__ = [
+    "DEFAULT_MAX_EVENTS",
+    "MAX_EVENTS_CAP",
+    "ResultPages",
+    "contains_tensor",
+    "json_text",
+    "plain_json",
+    "wants_dssst1",
+]
 
 DEFAULT_MAX_EVENTS = 16
 MAX_EVENTS_CAP = 512
@@ -33,6 +42,21 @@ def contains_tensor(value: Any) -> bool:
     if isinstance(value, list | tuple):
         return any(contains_tensor(v) for v in value)
     return type(value).__module__.split(".", 1)[0] in ("torch", "numpy") and hasattr(value, "shape")
+
+
+def json_text(value: Any) -> str | None:
+    """A result as JSON text, or None when it holds tensors (it then travels as a DSSST1 frame).
+
+    Engine results are plain Python already, so one ``dumps`` usually does it; walking a generate
+    result (thousands of samples) first, to look for tensors, cost more than encoding it.
+    """
+    try:
+        return json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError):  # a tensor or numpy value, or a NaN
+        pass
+    if contains_tensor(value):
+        return None
+    return json.dumps(plain_json(value))
 
 
 def plain_json(value: Any) -> Any:

@@ -204,13 +204,15 @@ def fail_interrupted_jobs(db: Database, *, reason_for: Any) -> list[str]:
 # --- requests ----------------------------------------------------------------------------------
 def insert_request(
     db: Database, *, request_id: str, job_id: str, sub_job_id: str, op: str, op_metadata: dict[str, Any]
-) -> None:
+) -> str:
+    """Record a new pending request; returns its ``created_at``."""
     now = now_iso()
     db.execute(
         "INSERT INTO requests (request_id, job_id, sub_job_id, op, status, created_at, updated_at, op_metadata)"
         " VALUES (?, ?, ?, ?, 'pending', ?, ?, ?)",
         (request_id, job_id, sub_job_id, op, now, now, json.dumps(op_metadata)),
     )
+    return now
 
 
 def update_request(
@@ -219,13 +221,16 @@ def update_request(
     request_id: str,
     status: str,
     error: str = "",
-    result: dict[str, Any] | None = None,
+    result_json: str | None = None,
     result_path: str | None = None,
-) -> None:
+) -> str:
+    """Set the request's state; ``result_json`` is the result as JSON text. Returns the ``updated_at`` written."""
+    now = now_iso()
     db.execute(
         "UPDATE requests SET status = ?, error = ?, result = ?, result_path = ?, updated_at = ? WHERE request_id = ?",
-        (status, error, None if result is None else json.dumps(result), result_path, now_iso(), request_id),
+        (status, error, result_json, result_path, now, request_id),
     )
+    return now
 
 
 def get_request(db: Database, *, request_id: str, raw_result: bool = False) -> dict[str, Any] | None:

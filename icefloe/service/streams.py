@@ -18,7 +18,6 @@ from typing import Any
 from pydantic import ValidationError
 
 from icefloe.protocol import InvalidRequestError
-from icefloe.service import store
 from icefloe.service.jobs import JobManager, LiveJob
 from icefloe.service.models import GenerateBody
 
@@ -86,7 +85,7 @@ def submit_generate_stream(manager: JobManager, job: LiveJob, body: bytes, *, su
     manager.streams[request_id] = stream
 
     def run_batch(items: list[tuple[int, Any, Any]]) -> list[None]:
-        store.update_request(manager.db, request_id=request_id, status="streaming")
+        manager.mark_started(request_id, "streaming")
         finished = False
         try:
             if job.stopping.is_set():
@@ -104,7 +103,9 @@ def submit_generate_stream(manager: JobManager, job: LiveJob, body: bytes, *, su
                 finished = stream.push({"type": "result", "index": index, "result": result})
         if finished:
             manager.finish_request(
-                request_id, status="done", result={"completed": stream.completed, "failed": stream.failed}
+                request_id,
+                status="done",
+                result_json=json.dumps({"completed": stream.completed, "failed": stream.failed}),
             )
         return [None] * len(items)
 
