@@ -133,8 +133,9 @@ def serve(
     ] = None,
     slots: Annotated[int, typer.Option(min=1, help="CPU slots to hand out when there is no GPU.")] = 4,
     engines: Annotated[
-        str, typer.Option(help="Where job engines run: local (this process) or ray (Ray actors).")
-    ] = "local",
+        str,
+        typer.Option(help="Where job engines run: process (a child process per job), local (this process) or ray."),
+    ] = "process",
     address: Annotated[
         str | None, typer.Option(help="With --engines ray: the Ray cluster to join ('auto' = the running one).")
     ] = None,

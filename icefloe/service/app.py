@@ -22,6 +22,7 @@ from icefloe.service.jobs import JobManager
 from icefloe.service.middleware import BodyLimit, IdempotencyKeys
 from icefloe.service.placement import SlotPool
 from icefloe.service.routes import capabilities, checkpoints, compute, health, jobs, operations, requests
+from icefloe.service.sequencing import SubmitOrder
 from icefloe.service.settings import ServeSettings
 from icefloe.service.store import Database, purge_expired
 
@@ -68,6 +69,10 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
         _install_redaction(redactor)
         engine_logs = logging.getLogger("icefloe")
         engine_logs.addHandler(manager.log_router)
+        if settings.engines == "process":  # import torch in the forkserver now, not when the first job comes
+            from icefloe.service.process_host import warm_forkserver
+
+            threading.Thread(target=warm_forkserver, name="icefloe-forkserver-warmup", daemon=True).start()
         try:
             yield
         finally:
@@ -87,6 +92,7 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     # capabilities first: its fixed paths (/capacity) must win over /{job_id}
     for module in (capabilities, jobs, compute, operations, requests, checkpoints):
         app.include_router(module.router)
+    app.add_middleware(SubmitOrder, gap_timeout_s=settings.sequence_gap_timeout_s)  # innermost: replays skip it
     app.add_middleware(IdempotencyKeys, db=db, settings=settings)
     app.add_middleware(BodyLimit, max_bytes=settings.max_post_bytes)  # outermost: refuse before buffering
     _install_redaction(redactor)

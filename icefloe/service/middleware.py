@@ -7,6 +7,7 @@ matters for the latency of small ops such as ``step``.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import json
 import logging
@@ -22,7 +23,7 @@ from icefloe.service.auth import authenticate, caller_scope
 from icefloe.service.errors import error_body
 from icefloe.service.settings import ServeSettings
 
-__all__ = ["BodyLimit", "IdempotencyKeys"]
+__all__ = ["BodyLimit", "IdempotencyKeys", "header", "note_acceptance", "send_json"]
 
 _IDEMPOTENCY_HEADER = b"idempotency-key"
 _MAX_KEY_LENGTH = 255
@@ -30,15 +31,25 @@ _PURGE_EVERY_S = 300.0  # at most this often, a kept reply also sweeps expired r
 
 _log = logging.getLogger("icefloe.service")
 
+# The {request_id, job_id} a route accepted, told to IdempotencyKeys (set per request it runs).
+_ACCEPTANCE: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("icefloe_acceptance", default=None)
 
-async def _send_json(send: Send, status: int, body: dict[str, Any], extra_headers: list | None = None) -> None:
+
+def note_acceptance(accepted: dict[str, Any]) -> None:
+    """Tell the idempotency layer what this POST accepted, so a large inline answer is kept as just that."""
+    holder = _ACCEPTANCE.get()
+    if holder is not None and "request_id" in accepted:
+        holder.update(request_id=accepted["request_id"], job_id=accepted.get("job_id"))
+
+
+async def send_json(send: Send, status: int, body: dict[str, Any], extra_headers: list | None = None) -> None:
     raw = json.dumps(body).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers + (extra_headers or [])})
     await send({"type": "http.response.body", "body": raw})
 
 
-def _header(scope: Scope, name: bytes) -> bytes | None:
+def header(scope: Scope, name: bytes) -> bytes | None:
     for key, value in scope.get("headers", ()):
         if key == name:
             return value
@@ -56,7 +67,7 @@ class BodyLimit:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
             await self.app(scope, receive, send)
             return
-        declared = _header(scope, b"content-length")
+        declared = header(scope, b"content-length")
         if declared is not None and declared.isdigit():
             if int(declared) > self.max_bytes:
                 await self._refuse(send, f"request body is {int(declared)} bytes")
@@ -88,7 +99,7 @@ class BodyLimit:
 
     async def _refuse(self, send: Send, what: str) -> None:
         message = f"{what}; the cap is {self.max_bytes} bytes per POST: split the frame into request chunks"
-        await _send_json(send, 413, error_body(CODE_PAYLOAD_TOO_LARGE, message), [(b"connection", b"close")])
+        await send_json(send, 413, error_body(CODE_PAYLOAD_TOO_LARGE, message), [(b"connection", b"close")])
 
 
 class IdempotencyKeys:
@@ -115,24 +126,24 @@ class IdempotencyKeys:
         self._next_purge = time.monotonic() + _PURGE_EVERY_S
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        raw_key = _header(scope, _IDEMPOTENCY_HEADER) if scope["type"] == "http" else None
+        raw_key = header(scope, _IDEMPOTENCY_HEADER) if scope["type"] == "http" else None
         if raw_key is None or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
         key = raw_key.decode("latin-1").strip()
         if not key or len(key) > _MAX_KEY_LENGTH:
-            await _send_json(
+            await send_json(
                 send, 400, error_body("invalid_argument", f"Idempotency-Key must be 1-{_MAX_KEY_LENGTH} characters")
             )
             return
         try:
             token = authenticate(
                 self.settings,
-                _optional_text(_header(scope, b"authorization")),
-                _optional_text(_header(scope, b"x-snowflake-authorization-token-type")),
+                _optional_text(header(scope, b"authorization")),
+                _optional_text(header(scope, b"x-snowflake-authorization-token-type")),
             )
         except RequestFailedError as refused:
-            await _send_json(send, 401, error_body(refused.code or "unauthenticated", refused.reason))
+            await send_json(send, 401, error_body(refused.code or "unauthenticated", refused.reason))
             return
         caller = caller_scope(token)
         route = f"POST {scope['path']}"
@@ -161,7 +172,7 @@ class IdempotencyKeys:
     async def _replay(self, saved: dict[str, Any], digest: str, send: Send) -> None:
         if saved["body_sha256"] != digest:
             message = "Idempotency-Key was already used on this route with a different body; use a new key"
-            await _send_json(send, 409, error_body(CODE_CONFLICT, message))
+            await send_json(send, 409, error_body(CODE_CONFLICT, message))
             return
         response = bytes(saved["response"])
         headers = [
@@ -206,12 +217,20 @@ class IdempotencyKeys:
                 parts.append(message.get("body", b""))
             await send(message)
 
-        await self.app(scope, replay_receive, keeping_send)
+        acceptance: dict[str, Any] = {}
+        token = _ACCEPTANCE.set(acceptance)
+        try:
+            await self.app(scope, replay_receive, keeping_send)
+        finally:
+            _ACCEPTANCE.reset(token)
         if not 200 <= status < 300:
             return
         response = b"".join(parts)
         if len(response) > self.settings.idempotency_max_response_bytes:
-            response, media_type = _bare_acceptance(response, media_type)
+            if acceptance:  # what the route accepted: no need to parse a reply of megabytes for it
+                response, media_type = json.dumps(acceptance).encode(), "application/json"
+            else:
+                response, media_type = _bare_acceptance(response, media_type)
             if not response:
                 _log.info("%s: reply too large to keep for its Idempotency-Key; a retry will execute again", route)
                 return

@@ -149,8 +149,12 @@ def make_engine_host(
     """Build the host ``--engines`` names for one job's sub-jobs."""
     if engines == "local":
         return LocalEngineHost(specs, devices, checkpoints)
+    if engines == "process":
+        from icefloe.service.process_host import ProcessEngineHost
+
+        return ProcessEngineHost(specs, devices, checkpoints)
     if engines == "ray":
         from icefloe.service.ray_host import RayEngineHost
 
         return RayEngineHost(specs, devices, checkpoints)
-    raise ConfigError(f"serve.engines must be 'local' or 'ray'; got {engines!r}")
+    raise ConfigError(f"serve.engines must be 'process', 'local' or 'ray'; got {engines!r}")

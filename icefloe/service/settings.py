@@ -32,13 +32,16 @@ class ServeSettings(BaseModel):
     port: int = Field(8321, ge=0, le=65535)  # 0 = any free port
     tokens: tuple[SecretStr, ...] = ()  # empty = no auth (a local, single-user service)
     slots: int = Field(4, gt=0)  # CPU slots handed to sub-jobs when torch sees no GPU
-    engines: Literal["local", "ray"] = "local"  # where a job's engines run: this process, or Ray actors
+    # Where a job's engines run: a child process per job, this process (threads), or Ray actors.
+    engines: Literal["process", "local", "ray"] = "process"
     ray_address: str | None = None  # engines="ray": cluster to join; None = a local Ray started on demand
     max_post_bytes: int = Field(_MAX_POST_BYTES, gt=8192)
     inline_result_max_bytes: int = Field(4 * 1024 * 1024, gt=0)  # larger DSSST1 results go as result chunks
     result_chunk_bytes: int = Field(8 * 1024 * 1024, gt=16384)  # size of one result_chunk frame
     export_ttl_s: float = Field(3600.0, gt=0)  # lifetime of a checkpoint download link
     max_long_poll_s: float = Field(60.0, ge=0)  # cap on ?wait= so a proxy never sees a silent socket
+    # A numbered POST (Icefloe-Sequence) waits this long for a missing predecessor, then gets 409.
+    sequence_gap_timeout_s: float = Field(30.0, gt=0)
     idempotency_ttl_s: float = Field(86400.0, gt=0)  # an Idempotency-Key record is replayed for this long
     # Replies above this are kept as their bare {request_id, job_id} (a ?wait= answer) or not kept at all.
     idempotency_max_response_bytes: int = Field(64 * 1024, ge=1024)

@@ -27,6 +27,7 @@ async def test_job_lifecycle_walks_every_endpoint(data_dir, transport):
             "idempotency_keys": True,
             "forward": True,
             "inline_wait": True,
+            "sequenced_submit": True,
         }
         job_id = await api.create(TRAINING, SAMPLING, experiment_name="walk")
         job = await api.wait_status(job_id, "running")

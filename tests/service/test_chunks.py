@@ -60,7 +60,7 @@ async def test_replayed_chunk_group_executes_once_and_returns_the_original_reque
         return original(self, sub_job_id, batch)
 
     monkeypatch.setattr(LocalEngineHost, "fwd_bwd", counting_fwd_bwd)
-    async with asgi_client(make_app(data_dir)) as http:
+    async with asgi_client(make_app(data_dir, engines="local")) as http:
         api = Api(http)
         job_id = await _running_job(api)
         chunks = chunks_of(_bigger_batch(), max_bytes=9000)

@@ -38,7 +38,7 @@ async def test_cancel_is_idempotent_while_cancelling_and_conflicts_once_terminat
         original_close(self)
 
     monkeypatch.setattr(LocalEngineHost, "close", slow_close)
-    async with asgi_client(make_app(data_dir)) as http:
+    async with asgi_client(make_app(data_dir, engines="local")) as http:
         api = Api(http)
         job_id = await api.create(TRAINING)
         await api.wait_status(job_id, "running")
@@ -81,7 +81,7 @@ async def test_engine_crash_fails_the_job_with_its_reason(data_dir, monkeypatch)
         raise RuntimeError("device lost during optimizer step")
 
     monkeypatch.setattr(LocalEngineHost, "step", crash)
-    async with asgi_client(make_app(data_dir)) as http:
+    async with asgi_client(make_app(data_dir, engines="local")) as http:
         api = Api(http)
         job_id = await api.create(TRAINING)
         await api.wait_status(job_id, "running")
@@ -140,7 +140,7 @@ async def test_concurrent_generates_to_one_sampler_are_coalesced(data_dir, monke
         return original(self, sub_job_id, prompts, params)
 
     monkeypatch.setattr(LocalEngineHost, "generate", gated_generate)
-    async with asgi_client(make_app(data_dir)) as http:
+    async with asgi_client(make_app(data_dir, engines="local")) as http:
         api = Api(http)
         job_id = await api.create(TRAINING, SAMPLING)
         await api.wait_status(job_id, "running")
@@ -182,7 +182,7 @@ async def test_long_poll_answers_when_the_request_finishes(data_dir, monkeypatch
         return original(self, sub_job_id, learning_rate)
 
     monkeypatch.setattr(LocalEngineHost, "step", gated_step)
-    async with asgi_client(make_app(data_dir)) as http:
+    async with asgi_client(make_app(data_dir, engines="local")) as http:
         api = Api(http)
         job_id = await api.create(TRAINING)
         await api.wait_status(job_id, "running")
@@ -206,7 +206,7 @@ async def test_cancel_request_cancels_only_requests_that_have_not_started(data_d
         return original(self, sub_job_id, learning_rate)
 
     monkeypatch.setattr(LocalEngineHost, "step", gated_step)
-    async with asgi_client(make_app(data_dir)) as http:
+    async with asgi_client(make_app(data_dir, engines="local")) as http:
         api = Api(http)
         job_id = await api.create(TRAINING)
         await api.wait_status(job_id, "running")
@@ -235,7 +235,7 @@ async def test_engine_warnings_land_in_the_sub_jobs_log(data_dir, monkeypatch):
         return original(self, sub_job_id, learning_rate)
 
     monkeypatch.setattr(LocalEngineHost, "step", warning_step)
-    async with asgi_client(make_app(data_dir)) as http:
+    async with asgi_client(make_app(data_dir, engines="local")) as http:
         api = Api(http)
         job_id = await api.create(TRAINING, SAMPLING)
         await api.wait_status(job_id, "running")
@@ -267,7 +267,7 @@ async def test_shutdown_during_engine_start_closes_the_host_once_after_start(dat
 
     monkeypatch.setattr(LocalEngineHost, "start", slow_start)
     monkeypatch.setattr(LocalEngineHost, "close", counting_close)
-    app = make_app(data_dir)
+    app = make_app(data_dir, engines="local")
     async with asgi_client(app) as http:
         job_id = await Api(http).create(TRAINING)
         assert await asyncio.to_thread(entered.wait, 30)

@@ -44,6 +44,7 @@ class Call:
     accept: frozenset[int] = frozenset()  # non-2xx statuses answered as a Reply instead of an error
     final: frozenset[int] = frozenset()  # statuses never retried for this call (e.g. 404 on delete)
     timeout_s: float | None = None  # None = the configured request timeout
+    sequence: str | None = None  # sent as Icefloe-Sequence (the sequenced_submit extension)
 
 
 @dataclass(frozen=True, slots=True)

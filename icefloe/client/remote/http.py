@@ -191,6 +191,8 @@ def _request_kwargs(call: Call, endpoint: Endpoint, timeout_s: float) -> dict[st
     headers = {}
     if call.idempotency_key:
         headers["Idempotency-Key"] = call.idempotency_key
+    if call.sequence:
+        headers["Icefloe-Sequence"] = call.sequence
     kwargs: dict[str, Any] = {"headers": headers, "timeout": timeout_s}
     if call.params:
         kwargs["params"] = dict(call.params)

@@ -81,6 +81,7 @@ class ServiceInfo:
     max_post_bytes: int | None = None
     max_long_poll_s: float | None = None
     inline_wait: bool = False  # POSTs take ?wait= and answer with the request's poll answer
+    sequenced_submit: bool = False  # numbered POSTs (Icefloe-Sequence) are queued in number order
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +111,7 @@ def probe_service() -> Exchange[ServiceInfo]:
         long_poll=bool(extensions.get("long_poll")),
         idempotency_keys=bool(extensions.get("idempotency_keys")),
         inline_wait=bool(extensions.get("inline_wait")),
+        sequenced_submit=bool(extensions.get("sequenced_submit")),
         max_post_bytes=int(limits["max_post_bytes"]) if limits.get("max_post_bytes") else None,
         max_long_poll_s=float(limits["max_long_poll_s"]) if limits.get("max_long_poll_s") else None,
     )

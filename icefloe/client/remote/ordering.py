@@ -1,18 +1,27 @@
-"""Submission order per role: ops to one sub-job reach the service in the order they were called.
+"""Submission order per role: ops to one sub-job reach the service's queue in the order they were called.
 
 Over HTTP, two ops sent at once (``fwd_bwd`` then ``step``, awaited together) travel on separate
 connections and may arrive swapped; the service runs each sub-job's requests in ARRIVAL order, so
-the step could run before the gradients exist. A :class:`Turn` makes an op's POST wait until every
-earlier op of its roles has been accepted (holds a request id) — not until it has finished, so the
-ops still overlap on the service's queue. A turn also records whether a later op queued behind it
-(``followed``): only an op nobody waits on may ask the service to hold its answer until it finishes.
+the step could run before the gradients exist. Two ways to keep call order:
+
+- A service with the ``sequenced_submit`` extension (``icefloe serve``) takes each op's POST
+  numbered (``Icefloe-Sequence: <session>:<n>``) and queues the POSTs in number order, whatever
+  order they arrive in. Every op is sent at once; a :class:`Turn` only carries the number. An op
+  that fails before the service answers its numbered POST reports the number as unanswered, so the
+  transport can send a skip in its place and the ops behind it are not held.
+- Otherwise (the managed endpoint) an op's POST waits until every earlier op of its roles has
+  been accepted (holds a request id) — not until it has finished, so the ops still overlap on the
+  service's queue. A turn also records whether a later op queued behind it (``followed``): only an
+  op nobody waits on may ask the service to hold its answer until it finishes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import uuid
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 __all__ = ["RoleTurns", "Turn"]
@@ -25,24 +34,53 @@ class Turn:
     before: set[asyncio.Future]
     mine: asyncio.Future
     followed: bool = False  # a later op of one of these roles has taken its turn
+    sequence: str | None = None  # the op's Icefloe-Sequence, when the service orders numbered POSTs
+    on_unanswered: Callable[[str], None] | None = None  # told the number of an op the service never accepted
+    answered: bool = False
+
+    @property
+    def may_hold(self) -> bool:
+        """Whether the op may ask the service to hold its answer (``?wait=``) without delaying others."""
+        return self.sequence is not None or not self.followed
 
     async def wait(self) -> None:
         if self.before:
             await asyncio.wait(self.before)  # never cancels the others' futures
 
+    def accepted(self) -> None:
+        """The service accepted the op: the next op's POST may go."""
+        self.answered = True
+        self.release()
+
     def release(self) -> None:
+        """Called once the op is accepted or has ended; a numbered op never accepted reports its number."""
         if not self.mine.done():
             self.mine.set_result(None)
+        if self.sequence is not None and not self.answered and self.on_unanswered is not None:
+            report, self.on_unanswered = self.on_unanswered, None
+            report(self.sequence)
 
 
 class RoleTurns:
-    """The last submission per (event loop, role); ``take`` queues a new op behind it."""
+    """The last submission per (event loop, role); ``take`` queues a new op behind it.
 
-    def __init__(self) -> None:
+    ``take(roles, numbered=True)`` (the service orders numbered POSTs) hands out the next number
+    of this session instead, in call order, and nothing waits; ``on_unanswered`` is told the number
+    of a numbered op the service never accepted.
+    """
+
+    def __init__(self, on_unanswered: Callable[[str], None] | None = None) -> None:
         self._tails: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, Turn]] = weakref.WeakKeyDictionary()
+        self._session = uuid.uuid4().hex
+        self._numbers = itertools.count()
+        self._on_unanswered = on_unanswered
 
-    def take(self, roles: Iterable[str]) -> Turn:
+    def take(self, roles: Iterable[str], *, numbered: bool = False) -> Turn:
         loop = asyncio.get_running_loop()
+        roles = tuple(roles)
+        if numbered and roles:
+            sequence = f"{self._session}:{next(self._numbers)}"
+            return Turn(set(), loop.create_future(), sequence=sequence, on_unanswered=self._on_unanswered)
         tails = self._tails.setdefault(loop, {})
         turn = Turn(set(), loop.create_future())
         for role in roles:

@@ -7,10 +7,11 @@ once), step/save/load/operations as JSON. Every mutating POST carries an ``Idemp
 reused across its retries. Ops the service lacks are answered here: sleep/wake with ``{}``,
 forward with zeros only when ``backend.allow_zero_logprobs`` is set.
 
-When the service advertises ``inline_wait``, an op that no later op of its roles waits on posts
-with ``?wait=`` and usually gets its result in the POST's answer: one exchange instead of two. An
-op with a successor queued behind it posts without waiting, so the successor is sent as soon as
-this one is accepted and the two still overlap on the service.
+When the service advertises ``inline_wait``, an op posts with ``?wait=`` and usually gets its
+result in the POST's answer: one exchange instead of two. With ``sequenced_submit`` as well
+(``icefloe serve``), async ops are numbered and all sent at once (see
+:mod:`icefloe.client.remote.ordering`); otherwise an op with a successor queued behind it posts
+without waiting, so the successor is sent as soon as this one is accepted.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from icefloe.protocol import (
     OP_LOAD,
     OP_RESET_PREFIX_CACHE,
     OP_SAVE,
+    OP_SEQUENCE_SKIP,
     OP_SLEEP_INFERENCE,
     OP_SLEEP_TRAINING,
     OP_STEP,
@@ -87,6 +89,9 @@ _CANCEL_TIMEOUT_S: Final = 30.0
 _MIN_LR: Final = 1e-12
 # False while the op being sent has a successor queued behind it (set per task by _send_in_turn).
 _MAY_HOLD: Final = contextvars.ContextVar("icefloe_remote_may_hold", default=True)
+# The Icefloe-Sequence of the op being sent, when the service orders numbered POSTs (set by _send_in_turn).
+_SEQUENCE: Final[contextvars.ContextVar[str | None]] = contextvars.ContextVar("icefloe_remote_sequence", default=None)
+_SKIP_WAIT_S: Final = 5.0  # how long aclose waits for skips still in flight
 
 
 class RemoteTransport(Transport):
@@ -111,9 +116,10 @@ class RemoteTransport(Transport):
         self._sync = SyncHttp(self._endpoint, self._backend, self._policy, self._redactor, wrap_http_transport)
         self._async = AsyncHttp(self._endpoint, self._backend, self._policy, self._redactor, wrap_http_transport)
         self._backoff = Backoff.from_config(self._backend)
-        self._turns = RoleTurns()
+        self._turns = RoleTurns(on_unanswered=self._skip_unanswered)
+        self._skips: set[asyncio.Task] = set()  # sequence-skip POSTs in flight
         self._generate_calls = GenerateCoalescer(
-            self._send_in_turn, take_turn=lambda: self._turns.take((TARGET_SAMPLING,))
+            self._send_in_turn, take_turn=lambda: self._take_turn((TARGET_SAMPLING,))
         )
         self._lock = threading.Lock()
         self._service: ServiceInfo | None = None
@@ -222,10 +228,14 @@ class RemoteTransport(Transport):
                 return
             self._closed = True
         try:
+            if self._skips:
+                await asyncio.wait(set(self._skips), timeout=_SKIP_WAIT_S)
             if self._should_cancel():
                 with contextlib.suppress(Exception):
                     await run_async(self._cancel_exchange(), self._async)
         finally:
+            for task in self._skips:
+                task.cancel()
             await self._async.aclose()
             self._sync.close()
             self._redactor.uninstall()
@@ -276,20 +286,53 @@ class RemoteTransport(Transport):
         roles = _roles_of(request)
         if TARGET_SAMPLING in roles:
             self._generate_calls.seal()
-        return await self._send_in_turn(request, self._turns.take(roles))
+        return await self._send_in_turn(request, self._take_turn(roles))
+
+    def _take_turn(self, roles: tuple[str, ...]) -> Turn:
+        numbered = self._service is not None and self._service.sequenced_submit
+        return self._turns.take(roles, numbered=numbered)
 
     async def _send_in_turn(self, request: Request, turn: Turn) -> Any:
         """Send once every earlier op of the same roles was accepted; free the next at acceptance."""
         try:
             await turn.wait()
             await asyncio.sleep(0)  # ops called in this same loop turn take their turns behind us now
-            may_hold = _MAY_HOLD.set(not turn.followed)
+            may_hold, sequence = _MAY_HOLD.set(turn.may_hold), _SEQUENCE.set(turn.sequence)
             try:
-                return await run_async(self._exchange(request), self._async, on_submitted=turn.release)
+                return await run_async(self._exchange(request), self._async, on_submitted=turn.accepted)
             finally:
                 _MAY_HOLD.reset(may_hold)
+                _SEQUENCE.reset(sequence)
         finally:
             turn.release()
+
+    def _skip_unanswered(self, sequence: str) -> None:
+        """A numbered op failed before the service accepted it: skip its number so later ops are not held."""
+        if self._job is None or self._closed:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        task = loop.create_task(self._send_skip(sequence))
+        self._skips.add(task)
+        task.add_done_callback(self._skips.discard)
+
+    async def _send_skip(self, sequence: str) -> None:
+        try:
+            await run_async(self._skip_exchange(sequence), self._async)
+        except Exception as exc:  # the ops behind it get 409 sequence_gap after the service's timeout
+            _log.warning("could not skip %s on the service: %s", sequence, exc)
+
+    def _skip_exchange(self, sequence: str) -> Exchange[None]:
+        yield Call(
+            "POST",
+            f"/{self._job_id}/operation",
+            OP_SEQUENCE_SKIP,
+            json={"operation_type": OP_SEQUENCE_SKIP, "payload": {}},
+            idempotency_key=str(uuid.uuid4()),
+            sequence=sequence,
+        )
 
     def _check_not_closed(self, op: str) -> None:
         if self._closed:
@@ -387,6 +430,7 @@ class RemoteTransport(Transport):
                         params={**(params or {}), **hold_params} if last and hold_params else params,
                         idempotency_key=key,
                         timeout_s=hold_timeout_s if last else None,
+                        sequence=_SEQUENCE.get() if last else None,
                     )
                     body = reply.body if isinstance(reply.body, Mapping) else {}
                     if index < len(chunks) - 1 and (not body.get("chunk_cached") or "request_id" in body):
@@ -456,6 +500,7 @@ class RemoteTransport(Transport):
                 params=hold_params or None,
                 idempotency_key=str(uuid.uuid4()),
                 timeout_s=hold_timeout_s,
+                sequence=_SEQUENCE.get(),
             )
             return (yield from self._poll(reply.body, name))
 
@@ -464,7 +509,7 @@ class RemoteTransport(Transport):
     def _step(self, request: Request) -> Exchange[dict[str, Any]]:
         """Without an explicit rate, send the scheduled one (nothing for a flat schedule)."""
         index = self._steps_submitted
-        self._steps_submitted += 1  # later steps wait for this POST (role order), so they see it
+        self._steps_submitted += 1  # later steps start after this one (call order), so they see it
         rate = request.body.get("learning_rate")
         schedule = self.config.training.lr_schedule
         if rate is None and (schedule.kind != "constant" or schedule.warmup_steps > 0):
@@ -480,9 +525,11 @@ class RemoteTransport(Transport):
                 params=hold_params or None,
                 idempotency_key=str(uuid.uuid4()),
                 timeout_s=hold_timeout_s,
+                sequence=_SEQUENCE.get(),
             )
         except BaseException:
-            self._steps_submitted -= 1  # never accepted: the service did not count it
+            if _SEQUENCE.get() is None:  # never accepted: the service did not count it
+                self._steps_submitted -= 1  # (numbered steps run concurrently: a later one has its index already)
             raise
         return (yield from self._poll(reply.body, OP_STEP))
 
@@ -497,6 +544,7 @@ class RemoteTransport(Transport):
             params=hold_params or None,
             idempotency_key=str(uuid.uuid4()),
             timeout_s=hold_timeout_s,
+            sequence=_SEQUENCE.get(),
         )
         result = yield from self._poll(reply.body, OP_LOAD)
         step = result.get("global_step", result.get("global_steps"))
@@ -526,6 +574,7 @@ class RemoteTransport(Transport):
             params=hold_params or None,
             idempotency_key=str(uuid.uuid4()),
             timeout_s=hold_timeout_s,
+            sequence=_SEQUENCE.get(),
         )
         return (yield from self._poll(reply.body, operation_type, inline_ok=operation_type in INLINE_OPERATIONS))
 

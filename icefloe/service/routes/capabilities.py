@@ -9,6 +9,7 @@ from icefloe.protocol import (
     OP_LOAD,
     OP_RESET_PREFIX_CACHE,
     OP_SAVE,
+    OP_SEQUENCE_SKIP,
     OP_STEP,
     OP_WEIGHT_SYNC,
 )
@@ -22,7 +23,14 @@ __all__ = ["SUPPORTED_OPERATIONS", "router"]
 router = api_router("capabilities")
 
 # operation_type values POST {job}/operation executes; the others answer 501.
-SUPPORTED_OPERATIONS = (OP_FORWARD, OP_WEIGHT_SYNC, OP_RESET_PREFIX_CACHE, "cancel-request", "tail-logs")
+SUPPORTED_OPERATIONS = (
+    OP_FORWARD,
+    OP_WEIGHT_SYNC,
+    OP_RESET_PREFIX_CACHE,
+    "cancel-request",
+    "tail-logs",
+    OP_SEQUENCE_SKIP,
+)
 
 
 @router.get("/capabilities", response_model=Capabilities)
@@ -43,7 +51,13 @@ async def capabilities(settings: SettingsDep) -> dict:
             "cancel",
         ],
         "operations": list(SUPPORTED_OPERATIONS),
-        "extensions": {"long_poll": True, "idempotency_keys": True, "forward": True, "inline_wait": True},
+        "extensions": {
+            "long_poll": True,
+            "idempotency_keys": True,
+            "forward": True,
+            "inline_wait": True,
+            "sequenced_submit": True,
+        },
         "limits": {
             "max_post_bytes": settings.max_post_bytes,
             "max_events": MAX_EVENTS_CAP,

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, Response
 from fastapi.concurrency import run_in_threadpool
 from pydantic import ValidationError
 
-from icefloe.protocol import OP_FORWARD, OP_RESET_PREFIX_CACHE, OP_WEIGHT_SYNC, InvalidRequestError
+from icefloe.protocol import OP_FORWARD, OP_RESET_PREFIX_CACHE, OP_SEQUENCE_SKIP, OP_WEIGHT_SYNC, InvalidRequestError
 from icefloe.service.deps import JobsDep, require_token
 from icefloe.service.errors import bad_request, not_implemented
 from icefloe.service.jobs import JobManager
@@ -25,6 +25,7 @@ from icefloe.service.operations import submit_frame, submit_weight_sync
 from icefloe.service.routes.capabilities import SUPPORTED_OPERATIONS
 from icefloe.service.routes.common import api_router
 from icefloe.service.routes.requests import with_answer
+from icefloe.service.sequencing import release_turn
 
 __all__ = ["router", "statements_router"]
 
@@ -58,7 +59,9 @@ async def _reset_prefix_cache(jobs: JobManager, job_id: str, body: OperationBody
     host = job.host
     assert host is not None
     # On the sampler's own worker, so it never runs in the middle of a generate.
-    await asyncio.wrap_future(job.workers[target].submit(host.reset_prefix_cache, target))
+    done = job.workers[target].submit(host.reset_prefix_cache, target)
+    release_turn()
+    await asyncio.wrap_future(done)
     return {"sub_job_id": target, "status": "ok"}
 
 
@@ -80,6 +83,9 @@ async def operation(job_id: str, body: OperationBody, jobs: JobsDep, wait: float
             f"operation_type {body.operation_type!r} is not supported by icefloe serve; "
             f"supported: {sorted(SUPPORTED_OPERATIONS)}"
         )
+    if kind == OP_SEQUENCE_SKIP:  # the sequencing layer let it in: its turn is now taken, nothing runs
+        jobs.public(job_id)
+        return {"status": "skipped"}
     job = jobs.live(job_id)
     if kind == "cancel-request":
         return jobs.cancel_request(job, _payload(CancelRequestPayload, body).request_id)

@@ -16,9 +16,11 @@ from fastapi.concurrency import run_in_threadpool
 
 from icefloe.service.deps import JobsDep
 from icefloe.service.jobs import JobManager
+from icefloe.service.middleware import note_acceptance
 from icefloe.service.models import RequestPublic
 from icefloe.service.results import DEFAULT_MAX_EVENTS, MAX_EVENTS_CAP
 from icefloe.service.routes.common import api_router
+from icefloe.service.sequencing import release_turn
 
 __all__ = ["RawJson", "answer_request", "answer_response", "router", "with_answer"]
 
@@ -98,6 +100,8 @@ async def with_answer(jobs: JobManager, accepted: dict[str, Any], wait: float) -
     A non-final request chunk (no ``request_id``) or ``wait`` ≤ 0 answers ``accepted`` unchanged,
     exactly as the managed endpoint does.
     """
+    release_turn()  # the request is queued: the next numbered POST of this session may go in
+    note_acceptance(accepted)
     request_id = accepted.get("request_id")
     if wait <= 0 or not request_id:
         return accepted

@@ -1,8 +1,10 @@
-"""The ``inline_wait`` extension from the client side, against a real service.
+"""The ``inline_wait`` and ``sequenced_submit`` extensions from the client side, against a real service.
 
-An op nobody queued behind posts with ``?wait=`` and is answered by its POST; an op with a
-successor posts without it (the successor is sent at acceptance) and is polled; a service that
-does not advertise the extension is never sent ``wait`` on a POST.
+An op nobody queued behind posts with ``?wait=`` and is answered by its POST. With numbered POSTs
+(``sequenced_submit``) every op is sent at once, each with ``?wait=`` and its number, and none is
+polled. Without them, an op with a successor posts without ``?wait=`` (the successor is sent at
+acceptance) and is polled. A service that does not advertise ``inline_wait`` is never sent
+``wait`` on a POST.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import httpx
 
 from icefloe.client import AsyncClient, Client, build_batch
 from icefloe.client.transports.remote import RemoteTransport
+from icefloe.protocol import InvalidRequestError
 
 
 class Recorder(httpx.BaseTransport, httpx.AsyncBaseTransport):
@@ -32,8 +35,11 @@ class Recorder(httpx.BaseTransport, httpx.AsyncBaseTransport):
     def _note(self, request: httpx.Request) -> None:
         segment = request.url.path.rstrip("/").rsplit("/", 1)[-1]
         name = "poll" if "/requests/" in request.url.path else segment
+        params = dict(request.url.params)
+        if "icefloe-sequence" in request.headers:
+            params["sequence"] = request.headers["icefloe-sequence"]
         with self._lock:
-            self.seen.append((request.method, name, dict(request.url.params)))
+            self.seen.append((request.method, name, params))
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         self._note(request)
@@ -73,19 +79,42 @@ def test_remote_inline_wait_answers_awaited_ops_in_their_post(service):
     assert recorder.polls() == 0
 
 
+def _pipelined(transport: RemoteTransport, config, *, numbered: bool) -> tuple[dict, dict]:
+    """fwd_bwd and step gathered; ``numbered=False`` is what a service without sequenced_submit offers."""
+
+    async def run() -> tuple[dict, dict]:
+        async with AsyncClient(config, transport=transport) as client:
+            await client.open()
+            if not numbered:
+                transport._service = dataclasses.replace(transport._service, sequenced_submit=False)
+            return await asyncio.gather(client.fwd_bwd(_batch()), client.step())
+
+    return asyncio.run(run())
+
+
+def test_remote_numbered_posts_all_go_at_once_and_wait_inline(service):
+    recorder = Recorder()
+    config = service.config()
+    transport = RemoteTransport(config, wrap_http_transport=recorder.wrap)
+    trained, stepped = _pipelined(transport, config, numbered=True)
+    assert trained["loss"] is not None and stepped["global_step"] == 1
+    posted = recorder.posts("forward-backward") + recorder.posts("step")
+    assert all("wait" in params for params in posted)
+    session_0, number_0 = posted[0]["sequence"].split(":")
+    session_1, number_1 = posted[1]["sequence"].split(":")
+    assert session_0 == session_1 and (int(number_0), int(number_1)) == (0, 1)
+    assert recorder.polls() == 0
+
+
 def test_remote_inline_wait_skips_an_op_that_has_a_successor(service):
     recorder = Recorder()
     config = service.config()
-
-    async def run() -> tuple[dict, dict]:
-        transport = RemoteTransport(config, wrap_http_transport=recorder.wrap)
-        async with AsyncClient(config, transport=transport) as client:
-            return await asyncio.gather(client.fwd_bwd(_batch()), client.step())
-
-    trained, stepped = asyncio.run(run())
+    transport = RemoteTransport(config, wrap_http_transport=recorder.wrap)
+    trained, stepped = _pipelined(transport, config, numbered=False)
     assert trained["loss"] is not None and stepped["global_step"] == 1
     assert ["wait" in params for params in recorder.posts("forward-backward")] == [False]
     assert ["wait" in params for params in recorder.posts("step")] == [True]
+    assert not any("sequence" in params for params in recorder.posts("step"))
     assert recorder.polls() >= 1  # the forward-backward result came by poll
 
 
@@ -103,3 +132,22 @@ def test_remote_inline_wait_is_not_used_unless_advertised(service):
     for name in ("forward-backward", "step", "operation"):
         assert [("wait" in params) for params in recorder.posts(name)] == [False], name
     assert recorder.polls() >= 3
+
+
+def test_remote_numbered_op_that_fails_before_its_post_is_skipped_so_later_ops_are_not_held(service):
+    """forward(reference=True) without a reference role fails in the client, after taking number 0."""
+    recorder = Recorder()
+    config = service.config()
+    transport = RemoteTransport(config, wrap_http_transport=recorder.wrap)
+
+    async def run() -> list:
+        async with AsyncClient(config, transport=transport) as client:
+            await client.open()
+            return await asyncio.gather(client.forward(_batch(), reference=True), client.step(), return_exceptions=True)
+
+    failed, stepped = asyncio.run(run())
+    assert isinstance(failed, InvalidRequestError) and "reference role" in str(failed)
+    assert stepped["global_step"] == 1  # not held 30 s and refused with sequence_gap
+    skips = recorder.posts("operation")
+    step_number = int(recorder.posts("step")[0]["sequence"].rsplit(":", 1)[1])
+    assert [int(params["sequence"].rsplit(":", 1)[1]) for params in skips] == [step_number - 1]

@@ -1,0 +1,151 @@
+"""``--engines process`` (the default): each job's engines in a child process of their own.
+
+What it must show: the engines really run in another process, a crash there fails that job with
+the cause and leaves the service and its other jobs serving, engine log records reach the job's
+log, and tensors cross the process boundary bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing
+import os
+import signal
+import threading
+
+import pytest
+import torch
+
+from icefloe.service.process_host import ProcessEngineHost, _CallRecords, _dumps, _loads, _serve
+
+from .service_batches import canonical_batch, small_batch
+from .service_client import SAMPLING, TRAINING, Api
+from .service_harness import asgi_client, make_app
+
+pytestmark = pytest.mark.anyio
+
+
+def _host(app, job_id: str) -> ProcessEngineHost:
+    host = app.state.jobs.live(job_id).host
+    assert isinstance(host, ProcessEngineHost)
+    return host
+
+
+async def test_engines_run_in_a_child_process_and_train(data_dir):
+    app = make_app(data_dir)
+    async with asgi_client(app) as http:
+        api = Api(http)
+        job_id = await api.create(TRAINING, SAMPLING)
+        await api.wait_status(job_id, "running")
+        host = _host(app, job_id)
+        assert host.pid is not None and host.pid != os.getpid()
+        os.kill(host.pid, 0)  # alive
+        accepted = (await api.post_frame(job_id, "forward-backward", small_batch())).json()
+        trained = await api.result(job_id, accepted["request_id"])
+        stepped = await api.run(job_id, "POST", "step", json={})
+        assert math.isfinite(trained["loss"]) and stepped["global_step"] == 1 and stepped["grad_norm"] > 0
+        synced = await api.run(job_id, "POST", "operation", json={"operation_type": "weight-sync", "payload": {}})
+        assert synced["policy_version"] == 1
+        samples = await api.result(
+            job_id,
+            (
+                await api.post_frame(job_id, "generate", {"prompts": [[1, 2, 3]], "sampling_params": {"max_tokens": 2}})
+            ).json()["request_id"],
+        )
+        assert len(samples["results"]) == 1 and len(samples["results"][0]["token_ids"]) >= 1
+        pid = host.pid
+        await api.call("POST", f"/{job_id}:cancel")
+        await api.wait_status(job_id, "terminated")
+        assert host.exit_code == 0  # released its engines and exited on its own
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+async def test_a_killed_engine_process_fails_its_job_and_the_service_keeps_serving(data_dir):
+    app = make_app(data_dir)
+    async with asgi_client(app) as http:
+        api = Api(http)
+        doomed = await api.create(TRAINING)
+        survivor = await api.create(TRAINING)
+        await api.wait_status(doomed, "running")
+        await api.wait_status(survivor, "running")
+        os.kill(_host(app, doomed).pid, signal.SIGKILL)  # fault: the OOM killer, a CUDA abort
+        request_id = (await api.call("POST", f"/{doomed}/step", json={})).json()["request_id"]
+        polled = await api.poll(doomed, request_id)
+        assert polled["status"] == "failed" and "killed by signal 9" in polled["error"]
+        job = await api.wait_status(doomed, "failed")
+        assert "killed by signal 9" in job["reason"]
+        stepped = await api.run(survivor, "POST", "step", json={})
+        assert stepped["global_step"] == 1
+
+
+async def test_engine_log_records_from_the_child_land_in_the_jobs_log(data_dir):
+    app = make_app(data_dir)
+    async with asgi_client(app) as http:
+        api = Api(http)
+        job_id = await api.create(TRAINING, SAMPLING)
+        await api.wait_status(job_id, "running")
+        rows = [([1, 2, 3], [4, 5, 6]), ([2, 3, 4], [5, 6, 7])]
+        poisoned = canonical_batch(rows, [float("nan"), 1.0])  # a NaN advantage makes the gradient NaN
+        accepted = (await api.post_frame(job_id, "forward-backward", poisoned)).json()
+        await api.result(job_id, accepted["request_id"])
+        await api.run(job_id, "POST", "step", json={})
+        pages = {}
+        for kind in ("training", "sampling"):
+            body = {"operation_type": "tail-logs", "sub_job_type": kind}
+            pages[kind] = (await api.call("POST", f"/{job_id}/operation", json=body)).json()["entries"]
+        routed = [e for e in pages["training"] if e["logger"] == "icefloe.engines.training"]
+        assert [e["level"] for e in routed] == ["WARNING"]
+        assert "skipping the optimizer update" in routed[0]["msg"] and "nan" in routed[0]["msg"]
+        assert not [e for e in pages["sampling"] if e["logger"] == "icefloe.engines.training"]
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.tensor(3.5),
+        torch.zeros(0, 3),
+        torch.arange(12, dtype=torch.int64).reshape(3, 4).t(),  # not contiguous
+        torch.randn(2, 3).to(torch.bfloat16),
+        torch.tensor([True, False]),
+        torch.tensor([float("nan"), float("inf")], dtype=torch.float64),
+    ],
+    ids=["scalar", "empty", "strided", "bfloat16", "bool", "non-finite"],
+)
+def test_tensors_cross_the_pipe_bit_for_bit(tensor):
+    back = _loads(_dumps({"batch": [tensor], "n": 1}))["batch"][0]
+    assert (back.dtype, back.shape) == (tensor.dtype, tensor.shape)
+    as_bytes = [t.contiguous().reshape(-1).view(torch.uint8) for t in (back, tensor)]
+    assert torch.equal(*as_bytes)
+
+
+class _FaultyEngines:
+    """Stand-in engines for faults a real engine cannot be made to produce on demand."""
+
+    def step(self, sub_job_id: str, learning_rate: float | None) -> dict:
+        logging.getLogger("icefloe.engines.training").warning("odd", extra={"handle": threading.Lock()})
+        return {"global_step": 1, "callback": lambda: None}  # neither the result nor the record's extra pickles
+
+    def forward(self, sub_job_id: str, batch: dict) -> dict:
+        return {"logprobs": batch["x"] * 2}
+
+
+def test_a_reply_that_cannot_be_pickled_fails_its_call_and_the_serving_thread_keeps_serving():
+    parent, child = multiprocessing.Pipe()
+    records = _CallRecords()
+    logging.getLogger("icefloe").addHandler(records)
+    serving = threading.Thread(target=_serve, args=(_FaultyEngines(), child, records), daemon=True)
+    serving.start()
+    try:
+        parent.send_bytes(_dumps(("step", ("sub", None))))
+        kind, error, _ = _loads(parent.recv_bytes())
+        assert kind == "error" and "step returned a result that cannot be sent" in str(error)
+        parent.send_bytes(_dumps(("forward", ("sub", {"x": torch.ones(2)}))))
+        kind, value, _ = _loads(parent.recv_bytes())
+        assert kind == "ok" and torch.equal(value["logprobs"], torch.full((2,), 2.0))
+    finally:
+        logging.getLogger("icefloe").removeHandler(records)
+        parent.close()
+        serving.join(timeout=10)
+    assert not serving.is_alive()  # EOF ends it
