@@ -239,7 +239,9 @@ class JobManager:
             checkpoints = {sid: p for sid, s in job.specs.items() if (p := self._checkpoint_folder(s)) is not None}
             job.host = make_engine_host(self.settings.engines, list(job.specs.values()), devices, checkpoints)
             job.host.start(lambda message: job.log.write(message))
-            job.workers = {sid: RoleWorker(sid) for sid in job.specs}
+            # No linger for company: a remote client already merges its concurrent generates, and
+            # requests that arrive while a sampler is busy batch up behind it anyway.
+            job.workers = {sid: RoleWorker(sid, linger_s=0.0) for sid in job.specs}
             if not self._advance(job, "running"):
                 self._teardown(job, "cancelled")
         except Exception as exc:  # any load failure fails the job, with its cause as the reason
