@@ -116,6 +116,7 @@ class TrainingConfig(_Model):
     micro_batch_tokens: int = Field(0, ge=0)  # token budget per micro-batch; 0 = whole batch at once
     checkpoint_dir: Path | None = None  # None = a folder under the run's working directory
     gradient_checkpointing: bool = False
+    peak_memory_log: bool = False  # each step reports peak_memory {gpu_peak, cpu_peak} in bytes
 
 
 class SamplingConfig(_Model):

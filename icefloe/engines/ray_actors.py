@@ -469,7 +469,12 @@ class TrainerGroup:
         return concat_forward(self._call_all("forward", *[(s,) for s in shards]), real_rows)
 
     def step(self, learning_rate: float | None = None) -> dict[str, Any]:
-        return self._same_call("step", learning_rate)[0]
+        results = self._same_call("step", learning_rate)
+        first = results[0]
+        if "peak_memory" in first:  # the job-wide GPU high-water mark; the CPU one is rank 0's
+            first = {**first, "peak_memory": {**first["peak_memory"]}}
+            first["peak_memory"]["gpu_peak"] = max(r["peak_memory"]["gpu_peak"] for r in results)
+        return first
 
     def save_checkpoint(self, root: Path | str, kind: str = "resumable") -> dict[str, Any]:
         return self._same_call("save_checkpoint", str(root), kind)[0]

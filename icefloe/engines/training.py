@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -225,12 +226,23 @@ class TrainingEngine:
         optimizer.zero_grad(set_to_none=True)
         self._global_step += 1
         self._last_lr = lr
-        return {
+        result: dict[str, Any] = {
             "global_step": self._global_step,
             "lr": lr,
             "grad_norm": grad_norm,
             "metrics": {"lr": lr, "grad_norm": grad_norm},
         }
+        if self.config.training.peak_memory_log:
+            result["peak_memory"] = self._peak_memory()
+        return result
+
+    def _peak_memory(self) -> dict[str, int]:
+        """High-water marks in bytes: the device's since the last step (then reset), the process's RSS ever."""
+        gpu_peak = 0
+        if self.device.type == "cuda":
+            gpu_peak = int(torch.cuda.max_memory_allocated(self.device))
+            torch.cuda.reset_peak_memory_stats(self.device)  # the next reading covers the next fwd-bwd + step
+        return {"gpu_peak": gpu_peak, "cpu_peak": _peak_rss_bytes()}
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """``(name, tensor)`` for every parameter (tied weights once), detached, on the engine device."""
@@ -445,3 +457,13 @@ def _as_tensor(value: Tensor | float, like: Tensor) -> Tensor:
     if isinstance(value, Tensor):
         return value.float().reshape(())
     return torch.tensor(float(value), device=like.device)
+
+
+def _peak_rss_bytes() -> int:
+    """This process's peak resident set size (0 where the platform does not say)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - Windows
+        return 0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)  # macOS reports bytes, Linux KiB

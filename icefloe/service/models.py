@@ -74,6 +74,7 @@ class TrainingConfigSpec(_Open):
     gradient_clipping: float | None = Field(None, ge=0)
     multiplex_job_id: str | None = None
     load_optimizer_states: bool | None = None  # None = the default (true)
+    step_peak_memory_log: bool = False  # step results carry peak_memory {gpu_peak, cpu_peak}
 
 
 class InferenceConfig(_Open):

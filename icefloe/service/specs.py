@@ -52,6 +52,8 @@ def _client_config(sub: SubJobConfig, where: str) -> ClientConfig:
         }
         if tc.gradient_clipping is not None:
             data["training"]["grad_clip"] = tc.gradient_clipping
+        if tc.step_peak_memory_log:
+            data["training"]["peak_memory_log"] = True
     else:
         data["max_seq_len"] = (sub.inference_config or InferenceConfig()).max_seq_len
     try:

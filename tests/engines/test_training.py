@@ -260,3 +260,14 @@ def test_publish_folder_replaces_an_existing_checkpoint_without_leftovers(tmp_pa
     publish_folder(staging, target)
     assert (target / "model.safetensors").read_text() == "new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step3"]
+
+
+def test_step_reports_peak_memory_only_when_asked(model_dir):
+    quiet = _engine(model_dir)
+    quiet.fwd_bwd(make_batch(*random_rows(2, seed=0)))
+    assert "peak_memory" not in quiet.step()
+    logged = _engine(model_dir, peak_memory_log=True)
+    logged.fwd_bwd(make_batch(*random_rows(2, seed=0)))
+    peak = logged.step()["peak_memory"]
+    assert peak["gpu_peak"] == 0  # a CPU engine: no device memory
+    assert peak["cpu_peak"] > 50 * 1024 * 1024  # this process's RSS high-water mark, in bytes (torch alone is more)

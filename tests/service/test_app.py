@@ -11,7 +11,7 @@ from icefloe import wire
 
 from .service_batches import canonical_batch, small_batch
 from .service_client import SAMPLING, TRAINING, Api
-from .service_harness import client_for, make_app
+from .service_harness import asgi_client, client_for, make_app
 
 pytestmark = pytest.mark.anyio
 
@@ -218,3 +218,18 @@ async def test_restart_fails_active_jobs_and_their_checkpoints_resume_training(d
         assert tokens[0] == tokens[1]  # the sampler started from the checkpoint's weights
         step = await api.run(resumed, "POST", "step", json={})
         assert step["global_step"] == 2  # the optimizer state and step counter came back too
+
+
+async def test_step_peak_memory_log_adds_peak_memory_to_step_results(data_dir):
+    async with asgi_client(make_app(data_dir)) as http:
+        api = Api(http)
+        logged = {**TRAINING, "training_config": {**TRAINING["training_config"], "step_peak_memory_log": True}}
+        job_id = await api.create(logged)
+        await api.wait_status(job_id, "running")
+        accepted = (await api.post_frame(job_id, "forward-backward", small_batch())).json()
+        await api.result(job_id, accepted["request_id"])
+        step = await api.run(job_id, "POST", "step", json={})
+        assert step["peak_memory"]["gpu_peak"] == 0 and step["peak_memory"]["cpu_peak"] > 0
+        body = {"operation_type": "tail-logs", "sub_job_type": "training"}
+        entries = (await api.call("POST", f"/{job_id}/operation", json=body)).json()["entries"]
+        assert not [e for e in entries if "step_peak_memory_log" in e["msg"]]  # used, so not listed as unused

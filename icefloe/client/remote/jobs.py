@@ -151,6 +151,8 @@ def job_create_body(config: ClientConfig, experiment_name: str | None = None) ->
         "n_gpus": config.num_training_workers,
         "gradient_clipping": config.training.grad_clip,
     }
+    if config.training.peak_memory_log:
+        training["step_peak_memory_log"] = True
     subs.append({"job_type": "training", **common, "training_config": training})
     body: dict[str, Any] = {"sub_job_configs": subs}
     if experiment_name:

@@ -288,3 +288,12 @@ def test_probe_capabilities_asks_the_service_without_creating_a_job(service):
         before = {job["job_id"] for job in admin.list_jobs()}
         assert OP_FORWARD in probe_capabilities(config)
         assert {job["job_id"] for job in admin.list_jobs()} == before
+
+
+def test_remote_step_reports_peak_memory_when_the_config_asks(service):
+    base = service.config()
+    config = base.model_copy(update={"training": base.training.model_copy(update={"peak_memory_log": True})})
+    with Client(config) as client:
+        client.fwd_bwd(build_batch([[3, 4, 5]], [[6, 7]], [1.0], pad_id=0))
+        peak = client.step()["peak_memory"]
+    assert peak["gpu_peak"] == 0 and peak["cpu_peak"] > 0  # the service's engine process, measured there
