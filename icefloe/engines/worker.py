@@ -3,10 +3,17 @@
 Every op for one engine goes through its worker, so an engine is only ever touched by one thread.
 Batchable items (generate requests) that sit next to each other in the queue with the same key
 are handed to their ``run_batch`` function together, which is how concurrent requests coalesce.
+
+An engine in another process queues work itself. A job submitted with ``send_ahead`` hands its op
+to such an engine before it runs: when the job in front of it also went ahead, while that one is
+still computing, so the engine starts the next op the moment it finishes one instead of waiting
+for this thread to record a result and send the next. A job without ``send_ahead`` (a gate, a
+batch) stops this: nothing behind it is sent before it has run.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -29,6 +36,8 @@ class _Job:
     key: Hashable | None = None
     item: Any = None
     run_batch: Callable[[list[Any]], Sequence[Any]] | None = None
+    send_ahead: Callable[[], None] | None = None
+    sent: bool = False
 
 
 class RoleWorker:
@@ -58,6 +67,10 @@ class RoleWorker:
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
         """Queue ``fn(*args, **kwargs)``; its result or exception lands on the returned future."""
         return self._put(_Job(Future(), fn=fn, args=args, kwargs=kwargs))
+
+    def submit_ahead(self, send_ahead: Callable[[], None], fn: Callable[..., Any], /, *args: Any) -> Future:
+        """Like :meth:`submit`; ``send_ahead()`` hands the op to its engine early (see the module docstring)."""
+        return self._put(_Job(Future(), fn=fn, args=args, send_ahead=send_ahead))
 
     def submit_batchable(self, key: Hashable, item: Any, run_batch: Callable[[list[Any]], Sequence[Any]]) -> Future:
         """Queue ``item``; consecutive queued items with the same ``key`` run in one ``run_batch`` call.
@@ -90,6 +103,12 @@ class RoleWorker:
                 if not self._queue:
                     return  # closed and drained
                 job = self._queue.popleft()
+            if job.send_ahead is not None:
+                _send(job)
+                with self._cond:
+                    follower = self._queue[0] if self._queue else None
+                if follower is not None and follower.send_ahead is not None:
+                    _send(follower)
             if job.run_batch is None:
                 self._run_one(job)
             else:
@@ -140,6 +159,15 @@ class RoleWorker:
             return
         for job, result in zip(jobs, results, strict=True):
             job.future.set_result(result)
+
+
+def _send(job: _Job) -> None:
+    """Hand a job's op to its engine once; a failure shows when the job runs and finds it unsent."""
+    if job.sent or job.send_ahead is None:
+        return
+    job.sent = True
+    with contextlib.suppress(Exception):
+        job.send_ahead()
 
 
 class SyncGate:

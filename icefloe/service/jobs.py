@@ -436,11 +436,27 @@ class JobManager:
         fn: Callable[[], Any],
         *,
         op_metadata: dict[str, Any] | None = None,
+        send_ahead: Callable[[], None] | None = None,
     ) -> str:
-        """Record a request and queue ``fn`` on the sub-job's worker; returns the request id."""
+        """Record a request and queue ``fn`` on the sub-job's worker; returns the request id.
+
+        ``send_ahead`` hands the op to an engine process before its turn (see RoleWorker); from
+        then on the request counts as running, so cancel-request leaves it be.
+        """
         request_id = self.record_request(job, sub_job_id, op, op_metadata or {})
+        worker = job.workers[sub_job_id]
         with self._refused_if_stopped(job, request_id):
-            job.workers[sub_job_id].submit(self._execute, job, request_id, op, fn, op_metadata or {})
+            if send_ahead is None:
+                worker.submit(self._execute, job, request_id, op, fn, op_metadata or {})
+            else:
+
+                def ahead() -> None:
+                    if request_id in job.cancelled_requests or job.stopping.is_set():
+                        return  # _execute skips it
+                    self.mark_started(request_id)
+                    send_ahead()
+
+                worker.submit_ahead(ahead, self._execute, job, request_id, op, fn, op_metadata or {})
         return request_id
 
     def submit_batchable(

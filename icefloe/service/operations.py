@@ -30,6 +30,7 @@ from icefloe.service import store
 from icefloe.service.errors import bad_request, conflict, not_found, not_implemented
 from icefloe.service.jobs import JobManager, LiveJob
 from icefloe.service.models import GenerateBody, LoadBody, SaveBody, StepBody, WeightSyncPayload
+from icefloe.service.runtime import queued_call
 
 __all__ = [
     "generate_target",
@@ -84,18 +85,18 @@ def _submit_batch_op(
     host = job.host
     assert host is not None  # a running job has engines
     if op == OP_FORWARD:
-        return manager.submit(
-            job, sub_job_id, OP_FORWARD, lambda: host.forward(sub_job_id, batch), op_metadata=op_metadata
-        )
+        ahead, forward = queued_call(host, sub_job_id, "forward", batch)
+        return manager.submit(job, sub_job_id, OP_FORWARD, forward, op_metadata=op_metadata, send_ahead=ahead)
     if not job.specs[sub_job_id].is_training:
         raise bad_request(f"forward-backward needs a training sub-job; {sub_job_id} is not one")
+    ahead, fwd_bwd = queued_call(host, sub_job_id, "fwd_bwd", batch)
 
     def run() -> dict[str, Any]:
-        result = host.fwd_bwd(sub_job_id, batch)
+        result = fwd_bwd()
         job.last_avg_loss[sub_job_id] = float(result["avg_loss"])
         return {"job_id": job.job_id, **result, "post_process_outputs": {}}
 
-    return manager.submit(job, sub_job_id, OP_FWD_BWD, run, op_metadata=op_metadata)
+    return manager.submit(job, sub_job_id, OP_FWD_BWD, run, op_metadata=op_metadata, send_ahead=ahead)
 
 
 # --- generate ----------------------------------------------------------------------------------
@@ -180,12 +181,13 @@ def generate_target(job: LiveJob, routing_key: Any) -> str:
 def submit_step(manager: JobManager, job: LiveJob, body: StepBody, sub_job_id: str) -> str:
     host = job.host
     assert host is not None
+    ahead, step = queued_call(host, sub_job_id, "step", body.learning_rate)
 
     def run() -> dict[str, Any]:
-        result = host.step(sub_job_id, body.learning_rate)
+        result = step()
         return {"job_id": job.job_id, "global_steps": result["global_step"], "last_lr": result["lr"], **result}
 
-    return manager.submit(job, sub_job_id, OP_STEP, run)
+    return manager.submit(job, sub_job_id, OP_STEP, run, send_ahead=ahead)
 
 
 def submit_save(manager: JobManager, job: LiveJob, body: SaveBody, sub_job_id: str) -> str:

@@ -83,6 +83,10 @@ class ProcessEngineHost:
         self._control: Connection | None = None
         self._pipes: dict[str, Connection] = {}
         self._locks = {sub_job_id: threading.Lock() for sub_job_id in self._specs}
+        # Per sub-job: calls sent and replies read so far. Replies come in send order, so ticket n's
+        # reply is the n-th read; one whose request was dropped unread is skipped over.
+        self._sent = dict.fromkeys(self._specs, 0)
+        self._read = dict.fromkeys(self._specs, 0)
         self._death = threading.Lock()
         self._exit_code: int | None = None
         self._pid: int | None = None
@@ -168,22 +172,41 @@ class ProcessEngineHost:
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
         return EngineProcessDied(f"the engine process {self.pid} {how} during {what}")
 
-    def _call(self, sub_job_id: str, method: str, *args: Any) -> Any:
+    def _pipe(self, sub_job_id: str) -> Connection:
         pipe = self._pipes.get(sub_job_id)
         if pipe is None:
             from icefloe.protocol import InvalidRequestError
 
             raise InvalidRequestError(f"sub-job {sub_job_id!r} has no engine in this job")
+        return pipe
+
+    def send(self, sub_job_id: str, method: str, *args: Any) -> int:
+        """Queue ``method(*args)`` in the sub-job's engine process; returns the ticket :meth:`wait` takes."""
+        pipe = self._pipe(sub_job_id)
         with self._locks[sub_job_id]:
             try:
                 pipe.send_bytes(_dumps((method, args)))
             except (BrokenPipeError, OSError):
                 raise self._died(method) from None
-            kind, value, records = self._receive(pipe, method)
+            self._sent[sub_job_id] += 1
+            return self._sent[sub_job_id]
+
+    def wait(self, sub_job_id: str, ticket: int, what: str = "a call") -> Any:
+        """The result of the call behind ``ticket`` (its exception raised here)."""
+        pipe = self._pipe(sub_job_id)
+        with self._locks[sub_job_id]:
+            while True:
+                kind, value, records = self._receive(pipe, what)
+                self._read[sub_job_id] += 1
+                if self._read[sub_job_id] >= ticket:
+                    break
         _replay(records)
         if kind == "error":
             raise value
         return value
+
+    def _call(self, sub_job_id: str, method: str, *args: Any) -> Any:
+        return self.wait(sub_job_id, self.send(sub_job_id, method, *args), method)
 
     def fwd_bwd(self, sub_job_id: str, batch: dict[str, Any]) -> dict[str, Any]:
         return self._call(sub_job_id, "fwd_bwd", sub_job_id, batch)

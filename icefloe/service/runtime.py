@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from icefloe.protocol import ConfigError, InvalidRequestError, SamplingParams
 from icefloe.service.specs import SubJobSpec
 
-__all__ = ["EngineHost", "LocalEngineHost", "make_engine_host"]
+__all__ = ["EngineHost", "LocalEngineHost", "make_engine_host", "queued_call"]
 
 _log = logging.getLogger("icefloe.service.runtime")
 
@@ -158,3 +158,27 @@ def make_engine_host(
 
         return RayEngineHost(specs, devices, checkpoints)
     raise ConfigError(f"serve.engines must be 'process', 'local' or 'ray'; got {engines!r}")
+
+
+def queued_call(
+    host: EngineHost, sub_job_id: str, method: str, *args: Any
+) -> tuple[Callable[[], None] | None, Callable[[], Any]]:
+    """``(send_ahead, call)`` for ``host.<method>(sub_job_id, *args)``.
+
+    A host whose engines queue work in another process (it has ``send`` / ``wait``) gets a
+    ``send_ahead`` that hands the op over early; ``call`` then only collects the result. For any
+    other host ``send_ahead`` is None and ``call`` makes the call.
+    """
+    send, wait = getattr(host, "send", None), getattr(host, "wait", None)
+    direct: Callable[[], Any] = lambda: getattr(host, method)(sub_job_id, *args)  # noqa: E731
+    if send is None or wait is None:
+        return None, direct
+    tickets: list[int] = []
+
+    def send_ahead() -> None:
+        tickets.append(send(sub_job_id, method, sub_job_id, *args))
+
+    def call() -> Any:
+        return wait(sub_job_id, tickets[0], method) if tickets else direct()
+
+    return send_ahead, call

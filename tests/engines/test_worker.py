@@ -150,3 +150,37 @@ def test_sync_gate_abandons_instead_of_hanging():
             waiting.result(5)
     finally:
         source.close()
+
+
+def test_send_ahead_hands_the_next_op_over_while_the_one_before_runs_but_never_past_a_plain_job():
+    events: list[tuple[str, str]] = []
+    blocker, release = threading.Event(), threading.Event()
+    worker = RoleWorker("ahead")
+
+    def run(name: str) -> None:
+        events.append(("run", name))
+
+    def hold() -> None:
+        blocker.set()
+        release.wait(10)
+
+    try:
+        worker.submit(hold)  # keeps the queue below from being taken while it fills
+        blocker.wait(10)
+        ahead = {n: worker.submit_ahead(lambda n=n: events.append(("send", n)), run, n) for n in "ab"}
+        plain = worker.submit(run, "c")  # a gate or a batch: nothing behind it goes early
+        last = worker.submit_ahead(lambda: events.append(("send", "d")), run, "d")
+        release.set()
+        for future in [*ahead.values(), plain, last]:
+            future.result(timeout=10)
+    finally:
+        worker.close()
+    assert events == [
+        ("send", "a"),
+        ("send", "b"),  # while a runs
+        ("run", "a"),
+        ("run", "b"),
+        ("run", "c"),
+        ("send", "d"),
+        ("run", "d"),
+    ]

@@ -17,7 +17,10 @@ import threading
 import pytest
 import torch
 
+from icefloe.protocol import InvalidRequestError
+from icefloe.service.models import JobCreate
 from icefloe.service.process_host import ProcessEngineHost, _CallRecords, _dumps, _loads, _serve
+from icefloe.service.specs import sub_job_specs
 
 from .service_batches import canonical_batch, small_batch
 from .service_client import SAMPLING, TRAINING, Api
@@ -149,3 +152,22 @@ def test_a_reply_that_cannot_be_pickled_fails_its_call_and_the_serving_thread_ke
         parent.close()
         serving.join(timeout=10)
     assert not serving.is_alive()  # EOF ends it
+
+
+def test_tickets_collect_their_own_reply_and_skip_one_nobody_waits_for(tmp_path):
+    job = JobCreate.model_validate({"sub_job_configs": [TRAINING]})
+    specs = sub_job_specs("tickets", job)
+    sub_job_id = specs[0].sub_job_id
+    host = ProcessEngineHost(specs, {sub_job_id: "cpu"}, {})
+    host.start(lambda message: None)
+    try:
+        first = host.send(sub_job_id, "step", sub_job_id, None)  # its request was dropped: never waited for
+        second = host.send(sub_job_id, "step", sub_job_id, None)
+        assert host.wait(sub_job_id, second)["global_step"] == 2  # both ran, in order; the first reply is skipped
+        assert host.step(sub_job_id, None)["global_step"] == 3
+        with pytest.raises(InvalidRequestError, match="learning_rate must be >= 0"):
+            host.wait(sub_job_id, host.send(sub_job_id, "step", sub_job_id, -1.0))
+        assert first < second
+    finally:
+        host.close()
+    assert host.exit_code == 0
