@@ -45,6 +45,7 @@ class Call:
     final: frozenset[int] = frozenset()  # statuses never retried for this call (e.g. 404 on delete)
     timeout_s: float | None = None  # None = the configured request timeout
     sequence: str | None = None  # sent as Icefloe-Sequence (the sequenced_submit extension)
+    on_sent: Callable[[], None] | None = field(default=None, compare=False)  # the request is on the wire
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,7 @@ _log = logging.getLogger("icefloe.client.remote")
 _TRANSIENT_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
 _RESTART_STATUSES: Final = frozenset({404, 409})  # the managed endpoint's front door answers these while restarting
 _SERVICE_REQUEST_ID_HEADER: Final = "x-snowflake-request-id"
+_BODY_WRITTEN: Final = "http11.send_request_body.complete"  # the httpcore trace event of a request sent
 _DEFAULT_DATABASE: Final = "icefloe"
 _DEFAULT_SCHEMA: Final = "public"
 # Concurrent ops each hold a connection while their long poll waits; keep room for many.
@@ -187,13 +188,31 @@ def translate_errors(call: Call, endpoint: Endpoint, redactor: Redactor, timeout
         ) from None
 
 
-def _request_kwargs(call: Call, endpoint: Endpoint, timeout_s: float) -> dict[str, Any]:
+def _sent_tracer(on_sent: Callable[[], None], is_async: bool) -> Callable[..., Any]:
+    """An httpcore trace hook that calls ``on_sent`` once the request body is written."""
+
+    def note(name: str) -> None:
+        if name == _BODY_WRITTEN:
+            on_sent()
+
+    if not is_async:
+        return lambda name, info: note(name)
+
+    async def trace(name: str, info: Any) -> None:
+        note(name)
+
+    return trace
+
+
+def _request_kwargs(call: Call, endpoint: Endpoint, timeout_s: float, *, is_async: bool) -> dict[str, Any]:
     headers = {}
     if call.idempotency_key:
         headers["Idempotency-Key"] = call.idempotency_key
     if call.sequence:
         headers["Icefloe-Sequence"] = call.sequence
     kwargs: dict[str, Any] = {"headers": headers, "timeout": timeout_s}
+    if call.on_sent is not None:
+        kwargs["extensions"] = {"trace": _sent_tracer(call.on_sent, is_async)}
     if call.params:
         kwargs["params"] = dict(call.params)
     if call.content is not None:
@@ -260,7 +279,7 @@ class SyncHttp:
     def send(self, call: Call) -> Reply:
         timeout_s = call.timeout_s or self._timeout_s
         client = self._get()
-        kwargs = _request_kwargs(call, self._endpoint, timeout_s)
+        kwargs = _request_kwargs(call, self._endpoint, timeout_s, is_async=False)
         with translate_errors(call, self._endpoint, self._redactor, timeout_s):
             for attempt in tenacity.Retrying(**self._policy._tenacity_kwargs(call, self._redactor)):
                 with attempt:
@@ -319,7 +338,7 @@ class AsyncHttp:
     async def send(self, call: Call) -> Reply:
         timeout_s = call.timeout_s or self._timeout_s
         client = await self._get()
-        kwargs = _request_kwargs(call, self._endpoint, timeout_s)
+        kwargs = _request_kwargs(call, self._endpoint, timeout_s, is_async=True)
         with translate_errors(call, self._endpoint, self._redactor, timeout_s):
             async for attempt in tenacity.AsyncRetrying(**self._policy._tenacity_kwargs(call, self._redactor)):
                 with attempt:

@@ -6,9 +6,11 @@ the step could run before the gradients exist. Two ways to keep call order:
 
 - A service with the ``sequenced_submit`` extension (``icefloe serve``) takes each op's POST
   numbered (``Icefloe-Sequence: <session>:<n>``) and queues the POSTs in number order, whatever
-  order they arrive in. Every op is sent at once; a :class:`Turn` only carries the number. An op
-  that fails before the service answers its numbered POST reports the number as unanswered, so the
-  transport can send a skip in its place and the ops behind it are not held.
+  order they arrive in. An op's POST goes as soon as the one before it is written to its socket,
+  not accepted: ops that all start at once would otherwise build their requests in turns, and the
+  first would leave only after the last was built. An op that fails before the service answers its
+  numbered POST reports the number as unanswered, so the transport can send a skip in its place
+  and the ops behind it are not held.
 - Otherwise (the managed endpoint) an op's POST waits until every earlier op of its roles has
   been accepted (holds a request id) — not until it has finished, so the ops still overlap on the
   service's queue. A turn also records whether a later op queued behind it (``followed``): only an
@@ -37,6 +39,7 @@ class Turn:
     sequence: str | None = None  # the op's Icefloe-Sequence, when the service orders numbered POSTs
     on_unanswered: Callable[[str], None] | None = None  # told the number of an op the service never accepted
     answered: bool = False
+    sent: asyncio.Future | None = None  # numbered: resolved once the op's POST is on the wire
 
     @property
     def may_hold(self) -> bool:
@@ -47,6 +50,11 @@ class Turn:
         if self.before:
             await asyncio.wait(self.before)  # never cancels the others' futures
 
+    def written(self) -> None:
+        """The numbered POST is on the wire: the next op may send its own."""
+        if self.sent is not None and not self.sent.done():
+            self.sent.set_result(None)
+
     def accepted(self) -> None:
         """The service accepted the op: the next op's POST may go."""
         self.answered = True
@@ -56,6 +64,7 @@ class Turn:
         """Called once the op is accepted or has ended; a numbered op never accepted reports its number."""
         if not self.mine.done():
             self.mine.set_result(None)
+        self.written()
         if self.sequence is not None and not self.answered and self.on_unanswered is not None:
             report, self.on_unanswered = self.on_unanswered, None
             report(self.sequence)
@@ -71,6 +80,7 @@ class RoleTurns:
 
     def __init__(self, on_unanswered: Callable[[str], None] | None = None) -> None:
         self._tails: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, Turn]] = weakref.WeakKeyDictionary()
+        self._last_numbered: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Turn] = weakref.WeakKeyDictionary()
         self._session = uuid.uuid4().hex
         self._numbers = itertools.count()
         self._on_unanswered = on_unanswered
@@ -79,8 +89,17 @@ class RoleTurns:
         loop = asyncio.get_running_loop()
         roles = tuple(roles)
         if numbered and roles:
-            sequence = f"{self._session}:{next(self._numbers)}"
-            return Turn(set(), loop.create_future(), sequence=sequence, on_unanswered=self._on_unanswered)
+            previous = self._last_numbered.get(loop)
+            before = {previous.sent} if previous is not None and previous.sent and not previous.sent.done() else set()
+            turn = Turn(
+                before,
+                loop.create_future(),
+                sequence=f"{self._session}:{next(self._numbers)}",
+                on_unanswered=self._on_unanswered,
+                sent=loop.create_future(),
+            )
+            self._last_numbered[loop] = turn
+            return turn
         tails = self._tails.setdefault(loop, {})
         turn = Turn(set(), loop.create_future())
         for role in roles:

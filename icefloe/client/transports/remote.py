@@ -89,8 +89,8 @@ _CANCEL_TIMEOUT_S: Final = 30.0
 _MIN_LR: Final = 1e-12
 # False while the op being sent has a successor queued behind it (set per task by _send_in_turn).
 _MAY_HOLD: Final = contextvars.ContextVar("icefloe_remote_may_hold", default=True)
-# The Icefloe-Sequence of the op being sent, when the service orders numbered POSTs (set by _send_in_turn).
-_SEQUENCE: Final[contextvars.ContextVar[str | None]] = contextvars.ContextVar("icefloe_remote_sequence", default=None)
+# The turn of the op being sent, when the service orders numbered POSTs (set by _send_in_turn).
+_NUMBERED: Final[contextvars.ContextVar[Turn | None]] = contextvars.ContextVar("icefloe_remote_numbered", default=None)
 _SKIP_WAIT_S: Final = 5.0  # how long aclose waits for skips still in flight
 
 
@@ -297,12 +297,13 @@ class RemoteTransport(Transport):
         try:
             await turn.wait()
             await asyncio.sleep(0)  # ops called in this same loop turn take their turns behind us now
-            may_hold, sequence = _MAY_HOLD.set(turn.may_hold), _SEQUENCE.set(turn.sequence)
+            may_hold = _MAY_HOLD.set(turn.may_hold)
+            numbered = _NUMBERED.set(turn if turn.sequence is not None else None)
             try:
                 return await run_async(self._exchange(request), self._async, on_submitted=turn.accepted)
             finally:
                 _MAY_HOLD.reset(may_hold)
-                _SEQUENCE.reset(sequence)
+                _NUMBERED.reset(numbered)
         finally:
             turn.release()
 
@@ -430,7 +431,7 @@ class RemoteTransport(Transport):
                         params={**(params or {}), **hold_params} if last and hold_params else params,
                         idempotency_key=key,
                         timeout_s=hold_timeout_s if last else None,
-                        sequence=_SEQUENCE.get() if last else None,
+                        **(_numbered() if last else {}),
                     )
                     body = reply.body if isinstance(reply.body, Mapping) else {}
                     if index < len(chunks) - 1 and (not body.get("chunk_cached") or "request_id" in body):
@@ -500,7 +501,7 @@ class RemoteTransport(Transport):
                 params=hold_params or None,
                 idempotency_key=str(uuid.uuid4()),
                 timeout_s=hold_timeout_s,
-                sequence=_SEQUENCE.get(),
+                **_numbered(),
             )
             return (yield from self._poll(reply.body, name))
 
@@ -525,10 +526,10 @@ class RemoteTransport(Transport):
                 params=hold_params or None,
                 idempotency_key=str(uuid.uuid4()),
                 timeout_s=hold_timeout_s,
-                sequence=_SEQUENCE.get(),
+                **_numbered(),
             )
         except BaseException:
-            if _SEQUENCE.get() is None:  # never accepted: the service did not count it
+            if _NUMBERED.get() is None:  # never accepted: the service did not count it
                 self._steps_submitted -= 1  # (numbered steps run concurrently: a later one has its index already)
             raise
         return (yield from self._poll(reply.body, OP_STEP))
@@ -544,7 +545,7 @@ class RemoteTransport(Transport):
             params=hold_params or None,
             idempotency_key=str(uuid.uuid4()),
             timeout_s=hold_timeout_s,
-            sequence=_SEQUENCE.get(),
+            **_numbered(),
         )
         result = yield from self._poll(reply.body, OP_LOAD)
         step = result.get("global_step", result.get("global_steps"))
@@ -574,7 +575,7 @@ class RemoteTransport(Transport):
             params=hold_params or None,
             idempotency_key=str(uuid.uuid4()),
             timeout_s=hold_timeout_s,
-            sequence=_SEQUENCE.get(),
+            **_numbered(),
         )
         return (yield from self._poll(reply.body, operation_type, inline_ok=operation_type in INLINE_OPERATIONS))
 
@@ -637,6 +638,12 @@ class RemoteTransport(Transport):
         result = yield from self._cancel_exchange()
         self._created = False  # cancelled on purpose: nothing left to cancel at shutdown
         return result
+
+
+def _numbered() -> dict[str, Any]:
+    """``Call`` fields of the op's numbered POST: its Icefloe-Sequence, and who to tell once it is written."""
+    turn = _NUMBERED.get()
+    return {} if turn is None else {"sequence": turn.sequence, "on_sent": turn.written}
 
 
 def _constant(value: Any) -> Exchange[Any]:
