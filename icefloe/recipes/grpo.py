@@ -155,8 +155,9 @@ async def run(config: GRPOConfig, *, on_step: Callable[[dict[str, Any]], None] |
                 "eps_clip_higher": config.eps_clip_higher,
                 "entropy_coeff": entropy_coeff,
             }
-            # Every minibatch's fwd_bwd and step go out back to back before any is awaited: the trainer
-            # runs them in submission order, so the transport's latency overlaps the compute.
+            # Every minibatch's fwd_bwd and step go out as soon as it is built, before any is awaited: the
+            # trainer runs them in submission order while the next minibatch is built, and the
+            # transport's latency overlaps the compute.
             pending = []
             for chunk_P in _split(useful_P, config.num_minibatches):
                 rows_R = [(p, g) for p in chunk_P for g in range(config.group_size)]
@@ -171,6 +172,7 @@ async def run(config: GRPOConfig, *, on_step: Callable[[dict[str, Any]], None] |
                 )
                 pending.append(asyncio.ensure_future(client.fwd_bwd(batch)))
                 pending.append(asyncio.ensure_future(client.step()))
+                await asyncio.sleep(0)  # let them start now, not after the last minibatch is built
             synced_future = asyncio.ensure_future(client.sync_weights())
             results = await asyncio.gather(*pending)
             synced = await synced_future
