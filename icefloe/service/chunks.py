@@ -96,11 +96,12 @@ class ChunkGroups:
                     self._open.popitem(last=False)
             elif (group.frame_sha256, group.total_chunks, group.frame_size_bytes) != (sha, total, size):
                 raise _conflict(group_id, index, "was reused with a different frame hash, size or chunk count")
-            digest = hashlib.sha256(wire.chunk_payload(frame)).hexdigest()
-            if group.payload_digests.get(index, digest) != digest:
-                raise _conflict(group_id, index, f"received chunk {index} again with a different payload")
+            if total > 1:  # a lone chunk cannot come twice while its group is open: it executes at once
+                digest = hashlib.sha256(wire.chunk_payload(frame)).hexdigest()
+                if group.payload_digests.get(index, digest) != digest:
+                    raise _conflict(group_id, index, f"received chunk {index} again with a different payload")
+                group.payload_digests[index] = digest
             group.frames[index] = frame
-            group.payload_digests[index] = digest
             if not final:
                 return {"chunk_cached": True}
             if len(group.frames) < total:  # indices are checked to lie in [0, total): a full count means all came

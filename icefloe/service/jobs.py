@@ -38,7 +38,7 @@ from icefloe.service.errors import bad_request, conflict, not_found
 from icefloe.service.joblog import JobLog, JobLogRouter
 from icefloe.service.models import JobCreate
 from icefloe.service.placement import SlotPool
-from icefloe.service.results import ResultPages, json_text, wants_dssst1
+from icefloe.service.results import JsonText, ResultPages, json_text, wants_dssst1
 from icefloe.service.runtime import EngineHost, make_engine_host
 from icefloe.service.settings import ServeSettings
 from icefloe.service.specs import SEGMENT_BY_JOB_TYPE, TYPED_CONFIG_KEYS, SubJobSpec, sub_job_specs
@@ -557,7 +557,11 @@ class JobManager:
 
     def _record_result(self, job: LiveJob, request_id: str, result: Any, op_metadata: dict[str, Any]) -> None:
         try:
-            text = None if wants_dssst1(op_metadata) else json_text(result)
+            if wants_dssst1(op_metadata):
+                text = None
+                result = json.loads(result) if isinstance(result, JsonText) else result
+            else:
+                text = json_text(result)
             if text is None:
                 path = ResultPages.write_frame(result, job.job_dir / "results" / f"{uuid.uuid4().hex}.dssst1")
                 self.finish_request(request_id, status="done", result_path=path)

@@ -30,6 +30,7 @@ from icefloe.service import store
 from icefloe.service.errors import bad_request, conflict, not_found, not_implemented
 from icefloe.service.jobs import JobManager, LiveJob
 from icefloe.service.models import GenerateBody, LoadBody, SaveBody, StepBody, WeightSyncPayload
+from icefloe.service.results import JsonText
 from icefloe.service.runtime import queued_call
 
 __all__ = [
@@ -133,14 +134,20 @@ def _submit_generate(
     host = job.host
     assert host is not None
 
-    def run_batch(items: list[tuple[list, list[SamplingParams]]]) -> list[dict[str, Any]]:
+    # Engines that can encode each sample as JSON where it is made do (see LocalEngineHost.generate_json).
+    generate_json = getattr(host, "generate_json", None)
+
+    def run_batch(items: list[tuple[list, list[SamplingParams]]]) -> list[Any]:
         all_prompts = [p for item_prompts, _ in items for p in item_prompts]
         all_params = [p for _, item_params in items for p in item_params]
-        samples = host.generate(sub_job_id, all_prompts, all_params)
-        results, cursor = [], 0
+        samples = (generate_json or host.generate)(sub_job_id, all_prompts, all_params)
+        results: list[Any] = []
+        cursor = 0
         for _, item_params in items:  # prompt-major: n samples per prompt, in order
             count = sum(p.n for p in item_params)
-            results.append({"job_id": job.job_id, "results": samples[cursor : cursor + count]})
+            part = samples[cursor : cursor + count]
+            fields = {"job_id": job.job_id}
+            results.append(JsonText.object(fields, results=part) if generate_json else {**fields, "results": part})
             cursor += count
         return results
 

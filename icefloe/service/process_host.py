@@ -228,6 +228,9 @@ class ProcessEngineHost:
     ) -> list[dict[str, Any]]:
         return self._call(sub_job_id, "generate", sub_job_id, prompts, params)
 
+    def generate_json(self, sub_job_id: str, prompts: list[list[int] | str], params: list[SamplingParams]) -> list[Any]:
+        return self._call(sub_job_id, "generate_json", sub_job_id, prompts, params)
+
     def sync_weights(self, source_sub_job_id: str, target_sub_job_id: str) -> dict[str, Any]:
         # Runs on the source's thread in the child; the caller's SyncGate keeps the target idle meanwhile.
         return self._call(source_sub_job_id, "sync_weights", source_sub_job_id, target_sub_job_id)

@@ -24,6 +24,7 @@ from icefloe.protocol import InvalidRequestError
 __all__ = [
     "DEFAULT_MAX_EVENTS",
     "MAX_EVENTS_CAP",
+    "JsonText",
     "ResultPages",
     "contains_tensor",
     "json_text",
@@ -44,12 +45,32 @@ def contains_tensor(value: Any) -> bool:
     return type(value).__module__.split(".", 1)[0] in ("torch", "numpy") and hasattr(value, "shape")
 
 
+class JsonText(str):
+    """A value already encoded as JSON: kept and answered as it is."""
+
+    @classmethod
+    def encode(cls, value: Any) -> JsonText:
+        text = json_text(value)
+        if text is None:
+            raise TypeError(f"a {type(value).__name__} holding tensors has no JSON form")
+        return cls(text)
+
+    @classmethod
+    def object(cls, fields: dict[str, Any], **encoded: list[JsonText]) -> JsonText:
+        """``fields`` plus list fields whose items are already encoded, as one JSON object."""
+        head = json.dumps(fields)
+        lists = "".join(f", {json.dumps(name)}: [{','.join(items)}]" for name, items in encoded.items())
+        return cls(head[:-1] + lists + "}" if fields else "{" + lists.removeprefix(", ") + "}")
+
+
 def json_text(value: Any) -> str | None:
     """A result as JSON text, or None when it holds tensors (it then travels as a DSSST1 frame).
 
     Engine results are plain Python already, so one ``dumps`` usually does it; walking a generate
     result (thousands of samples) first, to look for tensors, cost more than encoding it.
     """
+    if isinstance(value, JsonText):
+        return value
     try:
         return json.dumps(value, allow_nan=False)
     except (TypeError, ValueError):  # a tensor or numpy value, or a NaN

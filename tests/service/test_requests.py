@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from icefloe import wire
+from icefloe.service.results import JsonText, json_text
 
 from .service_batches import small_batch
-from .service_client import TRAINING, Api
+from .service_client import SAMPLING, TRAINING, Api
 from .service_harness import client_for, make_app
 
 pytestmark = pytest.mark.anyio
@@ -87,3 +90,28 @@ async def test_post_wait_of_a_failing_request_answers_failed_with_the_error(data
         answer = (await api.post_frame(job_id, "forward-backward", batch, params={"wait": 30})).json()
         assert answer["status"] == "failed" and "loss_agg_mode" in answer["error"]
         assert answer["result"] == {}
+
+
+def test_json_text_objects_splice_items_already_encoded():
+    items = [JsonText.encode({"token_ids": [1, 2], "logprob": float("nan")}), JsonText.encode({"token_ids": []})]
+    text = JsonText.object({"job_id": "j"}, results=items)
+    assert json.loads(text) == {"job_id": "j", "results": [{"token_ids": [1, 2], "logprob": None}, {"token_ids": []}]}
+    assert json.loads(JsonText.object({}, results=[])) == {"results": []}
+    assert json_text(text) is text  # kept as it is
+
+
+async def test_a_generate_result_asked_as_dssst1_holds_the_samples_not_their_json_text(data_dir):
+    async with client_for(make_app(data_dir), "asgi") as http:
+        api = Api(http)
+        job_id = await api.create(TRAINING, SAMPLING)
+        await api.wait_status(job_id, "running")
+        body = {"prompts": [[1, 2, 3], [4, 5]], "sampling_params": {"max_tokens": 2, "seed": 1}}
+        answer = (
+            await api.post_frame(
+                job_id, "generate", body, op_metadata={"response_options": {"format": "dssst1"}}, params={"wait": 30}
+            )
+        ).json()
+        assert answer["status"] == "done" and answer["result"]["wire_format"] == "DSSST1"
+        decoded = wire.decode_inline_result(answer["result"])
+        assert decoded["job_id"] == job_id and len(decoded["results"]) == 2
+        assert all(len(sample["token_ids"]) >= 1 for sample in decoded["results"])
