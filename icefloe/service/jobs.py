@@ -451,7 +451,7 @@ class JobManager:
             else:
 
                 def ahead() -> None:
-                    if request_id in job.cancelled_requests or job.stopping.is_set():
+                    if _abandoned(job, request_id):
                         return  # _execute skips it
                     self.mark_started(request_id)
                     send_ahead()
@@ -510,7 +510,7 @@ class JobManager:
         return request_id
 
     def _skip(self, job: LiveJob, request_id: str) -> bool:
-        if request_id in job.cancelled_requests or job.stopping.is_set():
+        if _abandoned(job, request_id):
             why = (
                 "cancelled by cancel-request"
                 if request_id in job.cancelled_requests
@@ -548,11 +548,14 @@ class JobManager:
         return [None] * len(entries)
 
     def mark_started(self, request_id: str, status: str = "running") -> None:
-        """In memory only: pollers read open requests from memory, and a restart fails them either way."""
+        """In memory only: pollers read open requests from memory, and a restart fails them either way.
+
+        A request sent ahead is marked then and again when its turn comes; it keeps the first time.
+        """
         now = store.now_iso()
         with self._lock:
             opened = self._open.get(request_id)
-            if opened is not None:
+            if opened is not None and opened["status"] != status:
                 opened["status"], opened["updated_at"] = status, now
 
     def _record_result(self, job: LiveJob, request_id: str, result: Any, op_metadata: dict[str, Any]) -> None:
@@ -678,6 +681,11 @@ class JobManager:
         job = self._live.get(job_id)
         log = job.log if job is not None else JobLog(self.settings.job_dir(job_id) / "logs", list(subs))
         return log.tail(target, cursor=cursor, max_lines=max_lines, finished=row["status"] in JOB_TERMINAL_STATES)
+
+
+def _abandoned(job: LiveJob, request_id: str) -> bool:
+    """The request must not run: cancelled by cancel-request, or its job is stopping."""
+    return request_id in job.cancelled_requests or job.stopping.is_set()
 
 
 def _job_type(sub_job_type: str) -> str:
