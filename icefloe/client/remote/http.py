@@ -24,6 +24,7 @@ from typing import Any, Final
 import httpx
 import tenacity
 
+from icefloe.client.remote.eager import EagerTransport
 from icefloe.client.remote.errors import Redactor, error_from_response
 from icefloe.client.remote.exchange import Call, Reply, Retry
 from icefloe.config import RemoteConfig
@@ -316,7 +317,11 @@ class AsyncHttp:
         self._closer: AsyncGenerator[None, None] | None = None
 
     def _transport(self, tls: ssl.SSLContext | bool) -> httpx.AsyncBaseTransport:
-        transport = httpx.AsyncHTTPTransport(verify=tls, limits=_LIMITS)
+        transport: httpx.AsyncBaseTransport
+        if self._endpoint.origin.startswith("http://"):  # icefloe serve: no TLS, latency is all that counts
+            transport = EagerTransport(max_connections=_LIMITS.max_connections or 1024)
+        else:
+            transport = httpx.AsyncHTTPTransport(verify=tls, limits=_LIMITS)
         return self._wrap(transport) if self._wrap else transport
 
     async def _get(self) -> httpx.AsyncClient:

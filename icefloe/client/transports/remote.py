@@ -296,7 +296,8 @@ class RemoteTransport(Transport):
         """Send once every earlier op of the same roles was accepted; free the next at acceptance."""
         try:
             await turn.wait()
-            await asyncio.sleep(0)  # ops called in this same loop turn take their turns behind us now
+            if turn.sequence is None:  # ops called in this same loop turn take their turns behind us now
+                await asyncio.sleep(0)
             may_hold = _MAY_HOLD.set(turn.may_hold)
             numbered = _NUMBERED.set(turn if turn.sequence is not None else None)
             try:
