@@ -18,6 +18,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from icefloe import wire
 from icefloe.protocol import InvalidRequestError
 
@@ -71,9 +73,9 @@ def json_text(value: Any) -> str | None:
     """
     if isinstance(value, JsonText):
         return value
-    try:
-        return json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError):  # a tensor or numpy value, or a NaN
+    try:  # orjson writes NaN and infinities as null, as plain_json does; ~5x faster than json.dumps
+        return orjson.dumps(value).decode()
+    except TypeError:  # a tensor, a torch or numpy scalar, a non-string key, an int over 64 bits
         pass
     if contains_tensor(value):
         return None

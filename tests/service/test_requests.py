@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from icefloe import wire
 from icefloe.service.results import JsonText, json_text
@@ -115,3 +116,13 @@ async def test_a_generate_result_asked_as_dssst1_holds_the_samples_not_their_jso
         decoded = wire.decode_inline_result(answer["result"])
         assert decoded["job_id"] == job_id and len(decoded["results"]) == 2
         assert all(len(sample["token_ids"]) >= 1 for sample in decoded["results"])
+
+
+def test_json_text_writes_non_finite_floats_as_null_and_leaves_tensors_to_frames():
+    assert json.loads(json_text({"loss": float("nan"), "lr": float("inf"), "n": 2**70})) == {
+        "loss": None,
+        "lr": None,
+        "n": 2**70,
+    }
+    assert json.loads(json_text({3: "key"})) == {"3": "key"}
+    assert json_text({"logprobs": torch.zeros(2)}) is None

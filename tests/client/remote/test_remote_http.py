@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import httpx
 import pytest
 
 from icefloe.client.remote.errors import Redactor
 from icefloe.client.remote.exchange import Call, Retry
-from icefloe.client.remote.http import Endpoint, RetryPolicy, translate_errors
+from icefloe.client.remote.http import Endpoint, RetryPolicy, _reply, translate_errors
 from icefloe.config import RemoteConfig
 from icefloe.protocol import ChunkGroupRestartError, ConfigError, IcefloeTimeoutError, RequestFailedError
 
@@ -193,3 +195,19 @@ def test_async_session_builds_one_client_for_concurrent_first_calls(service, mon
 
     assert all(reply.status_code == 200 for reply in asyncio.run(run()))
     assert len(built) == 1
+
+
+@pytest.mark.parametrize(
+    ("content", "body"),
+    [
+        (b'{"loss": 0.5, "metrics": {}}', {"loss": 0.5, "metrics": {}}),
+        (b'{"loss": NaN}', "nan"),  # what json.dumps writes for a NaN: orjson refuses it, the fallback reads it
+        (b"<html>bad gateway</html>", "<html>bad gateway</html>"),
+    ],
+)
+def test_answers_parse_as_json_or_stay_text(content: bytes, body: object) -> None:
+    reply = _reply(_POST, httpx.Response(200, content=content), Redactor([]))
+    if body == "nan":
+        assert math.isnan(reply.body["loss"])
+    else:
+        assert reply.body == body
