@@ -29,6 +29,7 @@ __all__ = [
     "JsonText",
     "ResultPages",
     "contains_tensor",
+    "encode_json",
     "json_text",
     "plain_json",
     "wants_dssst1",
@@ -51,18 +52,23 @@ class JsonText(str):
     """A value already encoded as JSON: kept and answered as it is."""
 
     @classmethod
-    def encode(cls, value: Any) -> JsonText:
-        text = json_text(value)
-        if text is None:
-            raise TypeError(f"a {type(value).__name__} holding tensors has no JSON form")
-        return cls(text)
-
-    @classmethod
-    def object(cls, fields: dict[str, Any], **encoded: list[JsonText]) -> JsonText:
+    def object(cls, fields: dict[str, Any], **encoded: list[str]) -> JsonText:
         """``fields`` plus list fields whose items are already encoded, as one JSON object."""
         head = json.dumps(fields)
         lists = "".join(f", {json.dumps(name)}: [{','.join(items)}]" for name, items in encoded.items())
         return cls(head[:-1] + lists + "}" if fields else "{" + lists.removeprefix(", ") + "}")
+
+
+def encode_json(value: Any) -> str:
+    """``value`` as JSON text (a plain str: a list of str subclasses pickles ten times slower).
+
+    Raises:
+        TypeError: ``value`` holds tensors, which have no JSON form.
+    """
+    text = json_text(value)
+    if text is None:
+        raise TypeError(f"a {type(value).__name__} holding tensors has no JSON form")
+    return text
 
 
 def json_text(value: Any) -> str | None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from icefloe.protocol import ConfigError, InvalidRequestError, SamplingParams
-from icefloe.service.results import JsonText
+from icefloe.service.results import encode_json
 from icefloe.service.specs import SubJobSpec
 
 __all__ = ["EngineHost", "LocalEngineHost", "make_engine_host", "queued_call"]
@@ -117,13 +117,11 @@ class LocalEngineHost:
     ) -> list[dict[str, Any]]:
         return self._engine(sub_job_id).generate(prompts, params)
 
-    def generate_json(
-        self, sub_job_id: str, prompts: list[list[int] | str], params: list[SamplingParams]
-    ) -> list[JsonText]:
+    def generate_json(self, sub_job_id: str, prompts: list[list[int] | str], params: list[SamplingParams]) -> list[str]:
         """:meth:`generate` with each sample encoded as JSON where it was made (an engine process):
         the service then answers with the text as it is, instead of unpickling and re-encoding
         thousands of samples."""
-        return [JsonText.encode(sample) for sample in self.generate(sub_job_id, prompts, params)]
+        return [encode_json(sample) for sample in self.generate(sub_job_id, prompts, params)]
 
     def sync_weights(self, source_sub_job_id: str, target_sub_job_id: str) -> dict[str, Any]:
         from icefloe.engines.weight_sync import sync_weights_local

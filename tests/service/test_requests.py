@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from icefloe import wire
-from icefloe.service.results import JsonText, json_text
+from icefloe.service.results import JsonText, encode_json, json_text
 
 from .service_batches import small_batch
 from .service_client import SAMPLING, TRAINING, Api
@@ -94,7 +94,7 @@ async def test_post_wait_of_a_failing_request_answers_failed_with_the_error(data
 
 
 def test_json_text_objects_splice_items_already_encoded():
-    items = [JsonText.encode({"token_ids": [1, 2], "logprob": float("nan")}), JsonText.encode({"token_ids": []})]
+    items = [encode_json({"token_ids": [1, 2], "logprob": float("nan")}), encode_json({"token_ids": []})]
     text = JsonText.object({"job_id": "j"}, results=items)
     assert json.loads(text) == {"job_id": "j", "results": [{"token_ids": [1, 2], "logprob": None}, {"token_ids": []}]}
     assert json.loads(JsonText.object({}, results=[])) == {"results": []}
