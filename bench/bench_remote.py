@@ -1,8 +1,10 @@
 """The remote backend against the local one, and what concurrency and pipelining buy over HTTP.
 
 1. Demo loop: the GRPO recipe (``icefloe demo``'s loop) for ``--steps`` steps on ``local`` and on
-   ``remote`` (an ``icefloe serve`` subprocess on loopback), interleaved ``--repeats`` times; the
-   median seconds per RL step (first step dropped). ``ratio`` = remote ÷ local.
+   ``remote`` (an ``icefloe serve`` subprocess on loopback), interleaved ``--repeats`` times. Both
+   backends run the same seed, so step k does the same work on both (its length varies from
+   70 to 130 ms with how many groups carry signal): each step's time is its median over the
+   repeats, and ``ratio`` = remote ÷ local of their sums (the first step dropped).
 2. Concurrency: ``--concurrency`` single-prompt ``generate`` calls gathered on one AsyncClient vs
    one call holding all the prompts, interleaved. ``concurrency_ratio`` = gathered ÷ batched.
 3. Pipelining: ``fwd_bwd`` + ``step`` submitted back to back (gathered) vs each awaited before the
@@ -11,7 +13,7 @@
 Both sides use one torch thread. On a machine shared with other work the numbers are noisy; the
 interleaving spreads the noise over both sides alike.
 
-    python -m bench remote [--steps 12] [--warmup 3] [--repeats 2] [--concurrency 64] [--pairs 20]
+    python -m bench remote [--steps 12] [--warmup 3] [--repeats 3] [--concurrency 64] [--pairs 20]
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def _service(data_dir: Path) -> Iterator[str]:
         process.wait(timeout=60)
 
 
-def _demo_step_s(backend: str, base_url: str, out_dir: Path, steps: int, warmup: int) -> float:
+def _demo_step_s(backend: str, base_url: str, out_dir: Path, steps: int, warmup: int) -> list[float]:
     config = GRPOConfig(
         name=f"bench-{backend}",
         out_dir=out_dir,
@@ -77,7 +79,12 @@ def _demo_step_s(backend: str, base_url: str, out_dir: Path, steps: int, warmup:
         base_url=base_url if backend == "remote" else None,
     )
     rows = asyncio.run(run(config))
-    return statistics.median(row["seconds"] for row in rows[1:])
+    return [row["seconds"] for row in rows[1:]]
+
+
+def _loop_s(runs: list[list[float]]) -> float:
+    """Seconds of the loop: each step's median over the runs, summed (robust to a stray slow step)."""
+    return sum(statistics.median(times) for times in zip(*runs, strict=True))
 
 
 async def _concurrency(config: ClientConfig, width: int, rounds: int) -> tuple[list[float], list[float]]:
@@ -117,7 +124,7 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench remote", description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=3, help="supervised warm-up steps of the recipe")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--pairs", type=int, default=20)
@@ -133,7 +140,7 @@ def main(argv: list[str]) -> None:
         tempfile.TemporaryDirectory(prefix="bench-remote-") as tmp,
         _service(Path(tmp) / "serve") as base_url,
     ):
-        step_s: dict[str, list[float]] = {"local": [], "remote": []}
+        step_s: dict[str, list[list[float]]] = {"local": [], "remote": []}
         for _ in range(args.repeats):
             for backend in ("local", "remote"):
                 step_s[backend].append(_demo_step_s(backend, base_url, Path(tmp) / "runs", args.steps, args.warmup))
@@ -141,7 +148,8 @@ def main(argv: list[str]) -> None:
         gathered, batched = asyncio.run(_concurrency(remote, args.concurrency, args.rounds))
         pipelined, awaited = asyncio.run(_pipelining(remote, args.pairs))
 
-    local_s, remote_s = statistics.median(step_s["local"]), statistics.median(step_s["remote"])
+    steps_timed = args.steps - 1
+    local_s, remote_s = _loop_s(step_s["local"]) / steps_timed, _loop_s(step_s["remote"]) / steps_timed
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     # Remote keeps three processes busy (client, service, engines) where local keeps one: on few
     # cores they queue for a CPU, which is most of what the ratio measures there.
@@ -149,7 +157,7 @@ def main(argv: list[str]) -> None:
     for column in ("measure", "baseline", "candidate", "ratio"):
         table.add_column(column, justify="right" if column != "measure" else "left")
     rows = [
-        ("demo step s (local → remote)", local_s, remote_s),
+        ("demo step s, mean (local → remote)", local_s, remote_s),
         (
             f"generate s ({args.concurrency} prompts: 1 call → {args.concurrency} calls)",
             statistics.median(batched),
