@@ -38,8 +38,12 @@ _ACCEPTANCE: contextvars.ContextVar[dict[str, Any] | None] = contextvars.Context
 def note_acceptance(accepted: dict[str, Any]) -> None:
     """Tell the idempotency layer what this POST accepted, so a large inline answer is kept as just that."""
     holder = _ACCEPTANCE.get()
-    if holder is not None and "request_id" in accepted:
+    if holder is None:
+        return
+    if "request_id" in accepted:
         holder.update(request_id=accepted["request_id"], job_id=accepted.get("job_id"))
+    elif "answers" in accepted:  # a batch POST: one {request_id, job_id} per op
+        holder.update(job_id=accepted.get("job_id"), answers=accepted["answers"])
 
 
 async def send_json(send: Send, status: int, body: dict[str, Any], extra_headers: list | None = None) -> None:

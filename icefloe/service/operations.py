@@ -7,7 +7,9 @@ octet body run on a thread-pool thread (decoding a 60 MiB frame must not stall t
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +36,14 @@ from icefloe.service.results import JsonText
 from icefloe.service.runtime import queued_call
 
 __all__ = [
+    "BATCHED_OPS",
+    "MAX_BATCH_OPS",
     "generate_target",
     "load_target",
     "sampling_params_per_prompt",
     "submit_frame",
     "submit_load",
+    "submit_ops",
     "submit_save",
     "submit_step",
     "submit_weight_sync",
@@ -75,6 +80,13 @@ def _submit_decoded(manager: JobManager, job: LiveJob, op: str, frame: bytes, su
 def _submit_batch_op(
     manager: JobManager, job: LiveJob, op: str, payload: Any, op_metadata: dict[str, Any], sub_job_id: str
 ) -> str:
+    return _prepare_batch_op(manager, job, op, payload, op_metadata, sub_job_id)()
+
+
+def _prepare_batch_op(
+    manager: JobManager, job: LiveJob, op: str, payload: Any, op_metadata: dict[str, Any], sub_job_id: str
+) -> Callable[[], str]:
+    """Validate a forward or forward-backward payload; the returned call queues it (its request id)."""
     from icefloe.engines.batch import validate_batch
 
     if isinstance(payload, dict) and "batch" in payload and "kwargs" not in payload:
@@ -86,18 +98,63 @@ def _submit_batch_op(
     host = job.host
     assert host is not None  # a running job has engines
     if op == OP_FORWARD:
-        ahead, forward = queued_call(host, sub_job_id, "forward", batch)
-        return manager.submit(job, sub_job_id, OP_FORWARD, forward, op_metadata=op_metadata, send_ahead=ahead)
+
+        def submit_forward() -> str:
+            ahead, forward = queued_call(host, sub_job_id, "forward", batch)
+            return manager.submit(job, sub_job_id, OP_FORWARD, forward, op_metadata=op_metadata, send_ahead=ahead)
+
+        return submit_forward
     if not job.specs[sub_job_id].is_training:
         raise bad_request(f"forward-backward needs a training sub-job; {sub_job_id} is not one")
-    ahead, fwd_bwd = queued_call(host, sub_job_id, "fwd_bwd", batch)
 
-    def run() -> dict[str, Any]:
-        result = fwd_bwd()
-        job.last_avg_loss[sub_job_id] = float(result["avg_loss"])
-        return {"job_id": job.job_id, **result, "post_process_outputs": {}}
+    def submit_fwd_bwd() -> str:
+        ahead, fwd_bwd = queued_call(host, sub_job_id, "fwd_bwd", batch)
 
-    return manager.submit(job, sub_job_id, OP_FWD_BWD, run, op_metadata=op_metadata, send_ahead=ahead)
+        def run() -> dict[str, Any]:
+            result = fwd_bwd()
+            job.last_avg_loss[sub_job_id] = float(result["avg_loss"])
+            return {"job_id": job.job_id, **result, "post_process_outputs": {}}
+
+        return manager.submit(job, sub_job_id, OP_FWD_BWD, run, op_metadata=op_metadata, send_ahead=ahead)
+
+    return submit_fwd_bwd
+
+
+# --- several ops in one POST (icefloe extension) --------------------------------------------------
+BATCHED_OPS = (OP_FWD_BWD, OP_STEP)
+MAX_BATCH_OPS = 64
+
+
+def submit_ops(manager: JobManager, job: LiveJob, frame: bytes, training_sub_job_id: str) -> list[str]:
+    """Queue the ops of one ``batch`` POST in their order; returns their request ids.
+
+    The frame holds ``{"ops": [{"op": "forward-backward", "batch": {...}} | {"op": "step",
+    "learning_rate"?: x}, ...]}``. Every op is validated before any is queued, so a refused POST
+    ran nothing and its retry (or a fix) may resend all of it.
+    """
+    payload = wire.decode(frame, tensors="torch")
+    ops = payload.get("ops") if isinstance(payload, dict) else None
+    if not isinstance(ops, list) or not ops:
+        raise InvalidRequestError("a batch body must be a DSSST1 frame of {'ops': [op, ...]} with at least one op")
+    if len(ops) > MAX_BATCH_OPS:
+        raise InvalidRequestError(f"ops holds {len(ops)} ops; a batch takes at most {MAX_BATCH_OPS}: split it")
+    submits: list[Callable[[], str]] = []
+    for index, entry in enumerate(ops):
+        where = f"ops.{index}"
+        op = entry.get("op") if isinstance(entry, dict) else None
+        if op not in BATCHED_OPS:
+            raise InvalidRequestError(f"{where}.op must be one of {list(BATCHED_OPS)}; got {op!r}")
+        try:
+            if op == OP_FWD_BWD:
+                submits.append(_prepare_batch_op(manager, job, op, entry.get("batch"), {}, training_sub_job_id))
+            else:
+                body = StepBody.model_validate({k: v for k, v in entry.items() if k != "op"})
+                submits.append(functools.partial(submit_step, manager, job, body, training_sub_job_id))
+        except ValidationError as exc:
+            raise InvalidRequestError(_validation_text(exc, prefix=f"{where}.")) from None
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"{where} ({op}): {exc}") from None
+    return [submit() for submit in submits]
 
 
 # --- generate ----------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Any
 from icefloe.client.remote.ordering import Turn
 from icefloe.protocol import OP_GENERATE, InvalidRequestError, Request, RequestFailedError, SamplingParams
 
-__all__ = ["GenerateCoalescer"]
+__all__ = ["GenerateCoalescer", "deliver"]
 
 Send = Callable[[Request, Turn], Awaitable[dict[str, Any]]]
 
@@ -73,7 +73,7 @@ class GenerateCoalescer:
         live = [(request, future) for request, future in batch.items if not future.done()]
         if len(live) <= 1:
             if live:
-                await _deliver(self._send(live[0][0], batch.turn), live[0][1])
+                await deliver(self._send(live[0][0], batch.turn), live[0][1])
             batch.turn.release()
             return
         params_by_call = [_params_per_prompt(request) for request, _ in live]
@@ -91,7 +91,7 @@ class GenerateCoalescer:
             if isinstance(exc, RequestFailedError) and exc.category != "user":
                 _fail_all(live, exc)
                 return
-            await asyncio.gather(*(_deliver(self._send(r, self._take_turn()), f) for r, f in live))
+            await asyncio.gather(*(deliver(self._send(r, self._take_turn()), f) for r, f in live))
             return
         except BaseException as exc:
             _fail_all(live, exc)
@@ -107,7 +107,8 @@ class GenerateCoalescer:
             start += count
 
 
-async def _deliver(sending: Awaitable[dict[str, Any]], future: asyncio.Future) -> None:
+async def deliver(sending: Awaitable[Any], future: asyncio.Future) -> None:
+    """Settle ``future`` with what ``sending`` returns or raises."""
     try:
         result = await sending
     except BaseException as exc:

@@ -82,6 +82,7 @@ class ServiceInfo:
     max_long_poll_s: float | None = None
     inline_wait: bool = False  # POSTs take ?wait= and answer with the request's poll answer
     sequenced_submit: bool = False  # numbered POSTs (Icefloe-Sequence) are queued in number order
+    max_batch_ops: int = 0  # > 0: POST {job}/batch takes this many fwd_bwd / step ops at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +115,7 @@ def probe_service() -> Exchange[ServiceInfo]:
         sequenced_submit=bool(extensions.get("sequenced_submit")),
         max_post_bytes=int(limits["max_post_bytes"]) if limits.get("max_post_bytes") else None,
         max_long_poll_s=float(limits["max_long_poll_s"]) if limits.get("max_long_poll_s") else None,
+        max_batch_ops=int(limits.get("max_batch_ops") or 0) if extensions.get("batch_submit") else 0,
     )
 
 

@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 from icefloe import wire
+from icefloe.client.remote.batching import OpBatcher, Outcome
 from icefloe.client.remote.coalesce import GenerateCoalescer
 from icefloe.client.remote.errors import Redactor
 from icefloe.client.remote.exchange import Call, Exchange, Retry, Submitted, run_async, run_sync
@@ -92,6 +93,7 @@ _MAY_HOLD: Final = contextvars.ContextVar("icefloe_remote_may_hold", default=Tru
 # The turn of the op being sent, when the service orders numbered POSTs (set by _send_in_turn).
 _NUMBERED: Final[contextvars.ContextVar[Turn | None]] = contextvars.ContextVar("icefloe_remote_numbered", default=None)
 _SKIP_WAIT_S: Final = 5.0  # how long aclose waits for skips still in flight
+_BATCHED_OPS: Final = frozenset({OP_FWD_BWD, OP_STEP})  # what POST {job}/batch takes
 
 
 class RemoteTransport(Transport):
@@ -121,6 +123,7 @@ class RemoteTransport(Transport):
         self._generate_calls = GenerateCoalescer(
             self._send_in_turn, take_turn=lambda: self._take_turn((TARGET_SAMPLING,))
         )
+        self._training_ops: OpBatcher | None = None  # built at open, when the service offers batch_submit
         self._lock = threading.Lock()
         self._service: ServiceInfo | None = None
         self._job: JobRef | None = None
@@ -206,6 +209,14 @@ class RemoteTransport(Transport):
         }
         known = {k: v for k, v in self._job.sub_jobs.items() if v}
         self._job = JobRef(self._job.job_id, {**sub_jobs_of(self._job.job_id, job, expected), **known})
+        if self._batching:
+            self._training_ops = OpBatcher(
+                self._send_in_turn,
+                self._send_batch_in_turn,
+                take_turn=lambda: self._take_turn((TARGET_TRAINING,)),
+                max_ops=service.max_batch_ops,
+                max_bytes=self._max_post_bytes // 2,  # room for the frame's own header and JSON
+            )
         self._attached = True
 
     def close(self) -> None:
@@ -283,6 +294,13 @@ class RemoteTransport(Transport):
             await self.aopen()
         if request.op == OP_GENERATE:
             return await self._generate_calls.submit(request)
+        batcher = self._training_ops if self._batching else None
+        if batcher is not None and request.op in _BATCHED_OPS and request.target == TARGET_TRAINING:
+            size = _payload_bytes(request.body.get("batch"))
+            if size <= self._max_post_bytes // 2:
+                return await batcher.submit(request, size)
+        if batcher is not None:
+            batcher.seal()  # an op called after this one must not join a batch that goes before it
         roles = _roles_of(request)
         if TARGET_SAMPLING in roles:
             self._generate_calls.seal()
@@ -291,6 +309,18 @@ class RemoteTransport(Transport):
     def _take_turn(self, roles: tuple[str, ...]) -> Turn:
         numbered = self._service is not None and self._service.sequenced_submit
         return self._turns.take(roles, numbered=numbered)
+
+    async def _send_batch_in_turn(self, requests: list[Request], turn: Turn) -> list[Outcome]:
+        """Several training ops in one numbered POST (``batch_submit``); one outcome per op."""
+        try:
+            await turn.wait()
+            numbered = _NUMBERED.set(turn)
+            try:
+                return await run_async(self._batch_exchange(requests), self._async, on_submitted=turn.accepted)
+            finally:
+                _NUMBERED.reset(numbered)
+        finally:
+            turn.release()
 
     async def _send_in_turn(self, request: Request, turn: Turn) -> Any:
         """Send once every earlier op of the same roles was accepted; free the next at acceptance."""
@@ -356,6 +386,17 @@ class RemoteTransport(Transport):
     def _job_id(self) -> str:
         assert self._job is not None, "open() attaches the job before any op runs"
         return self._job.job_id
+
+    @property
+    def _batching(self) -> bool:
+        """Whether training ops called together may share one POST (``batch_submit``, numbered POSTs)."""
+        service = self._service
+        return (
+            self._backend.batch_training_ops
+            and service is not None
+            and service.sequenced_submit
+            and service.max_batch_ops > 1
+        )
 
     @property
     def _max_post_bytes(self) -> int:
@@ -508,7 +549,7 @@ class RemoteTransport(Transport):
 
         return exchange
 
-    def _step(self, request: Request) -> Exchange[dict[str, Any]]:
+    def _step_body(self, request: Request) -> dict[str, float]:
         """Without an explicit rate, send the scheduled one (nothing for a flat schedule)."""
         index = self._steps_submitted
         self._steps_submitted += 1  # later steps start after this one (call order), so they see it
@@ -517,13 +558,17 @@ class RemoteTransport(Transport):
         if rate is None and (schedule.kind != "constant" or schedule.warmup_steps > 0):
             # A decay to exactly 0 is sent as the smallest rate the API accepts (it requires > 0).
             rate = max(self.config.training.optimizer.lr * schedule.multiplier(index), _MIN_LR)
+        return {} if rate is None else {"learning_rate": float(rate)}
+
+    def _step(self, request: Request) -> Exchange[dict[str, Any]]:
+        body = self._step_body(request)
         hold_params, hold_timeout_s = self._hold()
         try:
             reply = yield Call(
                 "POST",
                 f"/{self._job_id}/step",
                 OP_STEP,
-                json={} if rate is None else {"learning_rate": float(rate)},
+                json=body,
                 params=hold_params or None,
                 idempotency_key=str(uuid.uuid4()),
                 timeout_s=hold_timeout_s,
@@ -534,6 +579,33 @@ class RemoteTransport(Transport):
                 self._steps_submitted -= 1  # (numbered steps run concurrently: a later one has its index already)
             raise
         return (yield from self._poll(reply.body, OP_STEP))
+
+    def _batch_exchange(self, requests: list[Request]) -> Exchange[list[Outcome]]:
+        """POST ``{job}/batch`` with the ops in call order, then read (or poll) each op's answer."""
+        ops = [_batched(r, self._step_body) for r in requests]
+        hold_params, hold_timeout_s = self._hold()
+        reply = yield Call(
+            "POST",
+            f"/{self._job_id}/batch",
+            "batch",
+            content=wire.encode({"ops": ops}),
+            params=hold_params or None,
+            idempotency_key=str(uuid.uuid4()),
+            timeout_s=hold_timeout_s,
+            **_numbered(),
+        )
+        answers = reply.body.get("answers") if isinstance(reply.body, Mapping) else None
+        if not isinstance(answers, list) or len(answers) != len(requests):
+            raise RequestFailedError(
+                f"batch of {len(requests)} ops: the service answered {reply.body!r:.200}, expected one answer per op"
+            )
+        outcomes: list[Outcome] = []
+        for request, answer in zip(requests, answers, strict=True):
+            try:
+                outcomes.append((True, (yield from self._poll(answer, request.op))))
+            except RequestFailedError as exc:  # this op failed on the service; the others stand
+                outcomes.append((False, exc))
+        return outcomes
 
     def _load(self, request: Request) -> Exchange[dict[str, Any]]:
         body = {k: v for k, v in request.body.items() if v is not None}
@@ -684,6 +756,23 @@ def _zero_logprobs(batch: Mapping[str, Any]) -> dict[str, Any]:
         "logprobs": torch.zeros(shape, dtype=torch.float32),
         "entropy": torch.zeros(shape, dtype=torch.float32),
     }
+
+
+def _batched(request: Request, step_body: Callable[[Request], dict[str, float]]) -> dict[str, Any]:
+    """One op of a ``batch`` POST body."""
+    if request.op == OP_FWD_BWD:
+        return {"op": OP_FWD_BWD, "batch": request.body["batch"]}
+    return {"op": OP_STEP, **step_body(request)}
+
+
+def _payload_bytes(value: Any) -> int:
+    """Bytes of the tensors inside ``value``: what a batched op adds to the POST."""
+    if isinstance(value, Mapping):
+        return sum(_payload_bytes(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return sum(_payload_bytes(v) for v in value)
+    nbytes = getattr(value, "nbytes", None)
+    return int(nbytes) if isinstance(nbytes, int) else 0
 
 
 def _roles_of(request: Request) -> tuple[str, ...]:

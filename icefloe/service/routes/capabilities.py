@@ -15,6 +15,7 @@ from icefloe.protocol import (
 )
 from icefloe.service.deps import JobsDep, SettingsDep
 from icefloe.service.models import Capabilities, Capacity
+from icefloe.service.operations import MAX_BATCH_OPS
 from icefloe.service.results import MAX_EVENTS_CAP
 from icefloe.service.routes.common import api_router
 
@@ -57,11 +58,13 @@ async def capabilities(settings: SettingsDep) -> dict:
             "forward": True,
             "inline_wait": True,
             "sequenced_submit": True,
+            "batch_submit": True,
         },
         "limits": {
             "max_post_bytes": settings.max_post_bytes,
             "max_events": MAX_EVENTS_CAP,
             "max_long_poll_s": int(settings.max_long_poll_s),
+            "max_batch_ops": MAX_BATCH_OPS,
         },
     }
 

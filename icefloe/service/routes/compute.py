@@ -22,11 +22,12 @@ from icefloe.service.operations import (
     load_target,
     submit_frame,
     submit_load,
+    submit_ops,
     submit_save,
     submit_step,
 )
 from icefloe.service.routes.common import api_router
-from icefloe.service.routes.requests import with_answer
+from icefloe.service.routes.requests import with_answer, with_answers
 from icefloe.service.streams import submit_generate_stream
 
 __all__ = ["router"]
@@ -104,6 +105,22 @@ async def step(job_id: str, jobs: JobsDep, body: StepBody | None = None, wait: f
     target = jobs.resolve_sub_job(job, sub_job_id=None, sub_job_type=None, default_type="training")
     request_id = submit_step(jobs, job, body or StepBody(), target)
     return await with_answer(jobs, {"request_id": request_id, "job_id": job_id}, wait)
+
+
+@router.post("/{job_id}/batch", response_model=None)
+async def batch(job_id: str, body: OctetBody, jobs: JobsDep, wait: float = 0.0) -> dict | Response:
+    """forward-backward and step ops in one POST, queued in order (icefloe extension ``batch_submit``).
+
+    Saves an HTTP exchange per op when a client has several ready at once (a minibatch's
+    ``fwd_bwd`` and ``step``). Answers ``{job_id, answers: [...]}``, one entry per op.
+    """
+    job = jobs.live(job_id)
+    target = jobs.resolve_sub_job(job, sub_job_id=None, sub_job_type=None, default_type="training")
+    if len(body) <= _DECODE_ON_LOOP_BYTES:
+        request_ids = submit_ops(jobs, job, body, target)
+    else:
+        request_ids = await run_in_threadpool(submit_ops, jobs, job, body, target)
+    return await with_answers(jobs, job_id, request_ids, wait)
 
 
 @router.post("/{job_id}/save", response_model=RequestAccepted, response_model_exclude_none=True)

@@ -8,6 +8,7 @@ generate result holds thousands of values, and decoding then re-encoding them co
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -22,7 +23,7 @@ from icefloe.service.results import DEFAULT_MAX_EVENTS, MAX_EVENTS_CAP
 from icefloe.service.routes.common import api_router
 from icefloe.service.sequencing import release_turn
 
-__all__ = ["RawJson", "answer_request", "answer_response", "router", "with_answer"]
+__all__ = ["RawJson", "answer_request", "answer_response", "router", "with_answer", "with_answers"]
 
 router = api_router("requests")
 
@@ -33,11 +34,15 @@ class RawJson(str):
 
 def answer_response(answer: dict[str, Any]) -> Response:
     """The answer as a JSON response, its ``result`` spliced in when it is already JSON text."""
+    return Response(_answer_text(answer), media_type="application/json")
+
+
+def _answer_text(answer: dict[str, Any]) -> str:
     result = answer.get("result")
     if not isinstance(result, RawJson):
-        return Response(json.dumps(answer), media_type="application/json")
+        return json.dumps(answer)
     head = json.dumps({k: v for k, v in answer.items() if k != "result"})
-    return Response(f'{head[:-1]}, "result": {result}}}', media_type="application/json")
+    return f'{head[:-1]}, "result": {result}}}'
 
 
 async def answer_request(
@@ -107,6 +112,27 @@ async def with_answer(jobs: JobManager, accepted: dict[str, Any], wait: float) -
         return accepted
     answer = await answer_request(jobs, accepted["job_id"], str(request_id), wait=wait)
     return answer_response({**accepted, **answer})
+
+
+async def with_answers(jobs: JobManager, job_id: str, request_ids: list[str], wait: float) -> dict[str, Any] | Response:
+    """The ``batch`` POST's answer: ``{job_id, answers}``, one entry per op as :func:`with_answer` gives.
+
+    ``wait`` bounds the whole POST, not each op: ops still running when it runs out answer with
+    their status, and the caller polls those.
+    """
+    release_turn()
+    accepted = [{"request_id": request_id, "job_id": job_id} for request_id in request_ids]
+    note_acceptance({"job_id": job_id, "answers": accepted})
+    if wait <= 0:
+        return {"job_id": job_id, "answers": accepted}
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    texts = []
+    for item in accepted:
+        answer = await answer_request(jobs, job_id, item["request_id"], wait=max(0.0, deadline - loop.time()))
+        texts.append(_answer_text({**item, **answer}))
+    head = json.dumps({"job_id": job_id})
+    return Response(f'{head[:-1]}, "answers": [{", ".join(texts)}]}}', media_type="application/json")
 
 
 @router.get("/{job_id}/requests/{request_id}", response_model=RequestPublic)

@@ -158,12 +158,44 @@ def test_remote_persistent_failures_end_in_typed_errors_not_hangs(service):
         assert service.request_counts(client._transport.job_id) == {}
 
 
+def test_remote_batched_ops_retry_a_lost_response_exactly_once(service):
+    faults = Faults(Rule("POST", _JOB + "/batch$", "drop_response", times=2))
+    config = service.config()
+
+    async def run() -> dict[str, int]:
+        transport = RemoteTransport(config, wrap_http_transport=faults.wrap)
+        async with AsyncClient(config, transport=transport) as client:
+            batch = build_batch([[3, 4]], [[5, 6]], [1.0], pad_id=0)
+            *_, stepped = await asyncio.gather(client.fwd_bwd(batch), client.fwd_bwd(batch), client.step())
+            assert stepped["global_step"] == 1
+            return service.request_counts(transport.job_id)
+
+    assert asyncio.run(run()) == {"forward-backward": 2, "step": 1}
+    assert faults.rules[0].hits == 2
+
+
+def test_remote_an_op_that_fails_in_a_batch_fails_only_its_caller(service):
+    config = service.config()
+
+    async def run() -> tuple:
+        async with AsyncClient(config) as client:
+            good = build_batch([[3, 4]], [[5, 6]], [1.0], pad_id=0)
+            bad = build_batch([[3, 4]], [[5, 6]], [1.0], pad_id=0, loss_fn="grpo", loss_config={"loss_agg_mode": "x"})
+            return await asyncio.gather(
+                client.fwd_bwd(good), client.fwd_bwd(bad), client.step(), return_exceptions=True
+            )
+
+    trained, failed, stepped = asyncio.run(run())
+    assert trained["loss"] is not None and stepped["global_step"] == 1
+    assert isinstance(failed, RequestFailedError) and "loss_agg_mode" in str(failed)
+
+
 def test_remote_async_retries_lost_responses_exactly_once(service):
     faults = Faults(
         Rule("POST", _JOB + "/forward-backward$", "drop_response", times=2),
         Rule("POST", _JOB + "/step$", "drop_response"),
     )
-    config = service.config()
+    config = service.config(batch_training_ops=False)
 
     async def run() -> dict[str, int]:
         transport = RemoteTransport(config, wrap_http_transport=faults.wrap)
@@ -176,10 +208,15 @@ def test_remote_async_retries_lost_responses_exactly_once(service):
     assert asyncio.run(run()) == {"forward-backward": 2, "step": 1}
 
 
-def test_remote_pipelined_ops_reach_the_service_in_call_order(service):
-    """Regression: fwd_bwd and step sent at once raced on two connections; a slow upload let step go first."""
-    faults = Faults(Rule("POST", _JOB + "/forward-backward$", "delay", times=2))
-    config = service.config()
+@pytest.mark.parametrize(("batched", "delayed"), [(False, "/forward-backward$"), (True, "/batch$")])
+def test_remote_pipelined_ops_reach_the_service_in_call_order(service, batched, delayed):
+    """Regression: fwd_bwd and step sent at once raced on two connections; a slow upload let step go first.
+
+    Batched, each fwd_bwd + step pair shares one POST, and a slow one must still beat the sync
+    and generate called after it.
+    """
+    faults = Faults(Rule("POST", _JOB + delayed, "delay", times=2))
+    config = service.config(batch_training_ops=batched)
 
     async def run() -> list[dict]:
         transport = RemoteTransport(config, wrap_http_transport=faults.wrap)

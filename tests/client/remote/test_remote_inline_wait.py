@@ -92,9 +92,22 @@ def _pipelined(transport: RemoteTransport, config, *, numbered: bool) -> tuple[d
     return asyncio.run(run())
 
 
-def test_remote_numbered_posts_all_go_at_once_and_wait_inline(service):
+def test_remote_ops_of_one_loop_turn_share_one_numbered_post_and_wait_inline(service):
     recorder = Recorder()
     config = service.config()
+    transport = RemoteTransport(config, wrap_http_transport=recorder.wrap)
+    trained, stepped = _pipelined(transport, config, numbered=True)
+    assert trained["loss"] is not None and stepped["global_step"] == 1 and stepped["grad_norm"] > 0
+    assert recorder.posts("forward-backward") == recorder.posts("step") == []
+    [posted] = recorder.posts("batch")
+    assert "wait" in posted and posted["sequence"].endswith(":0")
+    assert recorder.polls() == 0
+    assert service.request_counts(transport.job_id) == {"forward-backward": 1, "step": 1}
+
+
+def test_remote_numbered_posts_all_go_at_once_and_wait_inline(service):
+    recorder = Recorder()
+    config = service.config(batch_training_ops=False)
     transport = RemoteTransport(config, wrap_http_transport=recorder.wrap)
     trained, stepped = _pipelined(transport, config, numbered=True)
     assert trained["loss"] is not None and stepped["global_step"] == 1
