@@ -55,7 +55,11 @@ class OpBatcher:
         batch = self._open.get(loop)
         if batch is None or len(batch.items) >= self._max_ops or batch.size + size > self._max_bytes:
             batch = self._open[loop] = _Batch(self._take_turn())
-            loop.call_soon(self._start_flush, loop, batch)  # after every op already called this turn
+            # Its first step runs on the loop's next turn: every op called in this turn joins first,
+            # and the POST leaves before the caller's code after its next await runs twice.
+            task = loop.create_task(self._flush(loop, batch))
+            self._flushes.add(task)
+            task.add_done_callback(self._flushes.discard)
         batch.items.append((request, future))
         batch.size += size
         return await future
@@ -65,14 +69,9 @@ class OpBatcher:
         with contextlib.suppress(RuntimeError):  # no running loop: nothing can be open
             self._open.pop(asyncio.get_running_loop(), None)
 
-    def _start_flush(self, loop: asyncio.AbstractEventLoop, batch: _Batch) -> None:
+    async def _flush(self, loop: asyncio.AbstractEventLoop, batch: _Batch) -> None:
         if self._open.get(loop) is batch:
-            del self._open[loop]
-        task = loop.create_task(self._flush(batch))
-        self._flushes.add(task)
-        task.add_done_callback(self._flushes.discard)
-
-    async def _flush(self, batch: _Batch) -> None:
+            del self._open[loop]  # later ops start a batch of their own
         live = [(request, future) for request, future in batch.items if not future.done()]  # not cancelled
         if len(live) <= 1:
             if live:
