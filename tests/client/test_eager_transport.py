@@ -7,6 +7,9 @@ the way a real service or network does (close an idle connection, stop mid-answe
 from __future__ import annotations
 
 import asyncio
+import socket
+import threading
+import time
 from collections.abc import Awaitable, Callable
 
 import httpx
@@ -202,3 +205,33 @@ def test_https_is_refused_with_a_clear_error() -> None:
                 await client.get("https://127.0.0.1:1/")
 
     asyncio.run(main())
+
+
+def test_an_idle_connection_closed_while_the_loop_was_busy_is_not_reused() -> None:
+    """The server's keep-alive timeout fires while the caller computes without awaiting: the EOF sits
+    unread in the socket, and only a look at the socket tells the connection is gone."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def serve() -> None:
+        for _ in range(2):
+            conn, _ = listener.accept()
+            with conn:
+                seen = b""
+                while b"\r\n\r\nx" not in seen:
+                    seen += conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                time.sleep(0.05)  # then the keep-alive runs out
+        listener.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+
+    async def main() -> None:
+        async with _client(f"http://127.0.0.1:{port}") as client:
+            assert (await client.post("/", content=b"x")).content == b"ok"
+            time.sleep(0.3)  # synchronous work: the loop does not see the server's close
+            assert (await client.post("/", content=b"x")).content == b"ok"
+
+    asyncio.run(main())
+    thread.join(timeout=5)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import select
 from collections import deque
 from typing import Final
 
@@ -30,6 +31,10 @@ __all__ = ["EagerTransport"]
 _BODY_WRITTEN: Final = "http11.send_request_body.complete"  # the trace event httpcore emits at the same point
 _CLOSE_WAIT_S: Final = 1.0  # aclose waits this long for sockets to report closed
 _JOIN_BELOW: Final = 64 * 1024  # a smaller body goes out with its head in one write (one syscall)
+
+
+class _Unsent(Exception):
+    """The connection was closed before the request was written: it may go on another one."""
 
 
 class _Connection(asyncio.Protocol):
@@ -72,17 +77,41 @@ class _Connection(asyncio.Protocol):
     # --- requests -----------------------------------------------------------------------------------
     @property
     def reusable(self) -> bool:
-        return not self.closed and self._h11.our_state is h11.IDLE and self._h11.their_state is h11.IDLE
+        """Open and between exchanges; a closed connection waiting in the socket is caught by :meth:`stale`."""
+        return (
+            not self.closed
+            and self.transport is not None
+            and not self.transport.is_closing()
+            and self._h11.our_state is h11.IDLE
+            and self._h11.their_state is h11.IDLE
+        )
+
+    def stale(self) -> bool:
+        """True when an idle connection's socket is readable: the server closed it (keep-alive timeout)
+        while this loop was busy and has not yet seen the EOF. One non-blocking poll, as httpcore does."""
+        sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+        if sock is None:
+            return True
+        readable, _, _ = select.select([sock.fileno()], [], [], 0)
+        return bool(readable)
 
     def write(self, request: httpx.Request, body: bytes) -> None:
-        """Queue the whole request on the socket now; the answer is awaited with :meth:`response`."""
-        assert self.transport is not None and self._answer is None
-        self._answer = asyncio.get_running_loop().create_future()
+        """Queue the whole request on the socket now; the answer is awaited with :meth:`response`.
+
+        Raises:
+            _Unsent: the connection closed before any byte of the request was written.
+        """
+        if self.closed or self.transport is None or self.transport.is_closing():
+            raise _Unsent
         head = h11.Request(method=request.method, target=request.url.raw_path, headers=list(request.headers.raw))
-        parts = [self._h11.send(head) or b""]
+        try:
+            parts = [self._h11.send(head) or b""]
+        except h11.LocalProtocolError:  # the server's close reached h11 first: nothing was written
+            raise _Unsent from None
         if body:
             parts.extend(self._h11.send_with_data_passthrough(h11.Data(data=body)) or ())
         parts.append(self._h11.send(h11.EndOfMessage()) or b"")
+        self._answer = asyncio.get_running_loop().create_future()
         if len(body) < _JOIN_BELOW:
             self.transport.write(b"".join(parts))
         else:  # no copy of a large body: the socket takes what it can, the transport buffers the rest
@@ -158,9 +187,8 @@ class EagerTransport(httpx.AsyncBaseTransport):
         origin = (request.url.host, request.url.port or 80)
         await self._slots.acquire()  # returns without yielding while a slot is free
         try:
-            connection = self._reuse(origin) or await self._connect(origin, timeouts.get("connect"))
+            connection = await self._written(request, body, origin, timeouts.get("connect"))
             try:
-                connection.write(request, body)
                 trace = request.extensions.get("trace")
                 if trace is not None:
                     await trace(_BODY_WRITTEN, {"request": request})
@@ -182,12 +210,32 @@ class EagerTransport(httpx.AsyncBaseTransport):
             extensions={"http_version": b"HTTP/" + head.http_version, "reason_phrase": head.reason},
         )
 
+    async def _written(
+        self, request: httpx.Request, body: bytes, origin: tuple[str, int], connect_timeout_s: float | None
+    ) -> _Connection:
+        """The connection ``request`` was written to: an idle one, else a new one (twice, if the server
+        closes the first before the request went out)."""
+        connection = self._reuse(origin)
+        for _ in range(3):
+            if connection is None:
+                connection = await self._connect(origin, connect_timeout_s)
+            try:
+                connection.write(request, body)
+                return connection
+            except _Unsent:
+                self._forget(connection)
+                connection = None
+            except BaseException:
+                self._forget(connection)
+                raise
+        raise httpx.ConnectError(f"{origin[0]}:{origin[1]} closed each new connection before a request could be sent")
+
     def _reuse(self, origin: tuple[str, int]) -> _Connection | None:
         for _ in range(len(self._idle)):
             connection = self._idle.pop()
-            if connection.origin == origin and connection.reusable:
+            if connection.origin == origin and connection.reusable and not connection.stale():
                 return connection
-            if connection.reusable:
+            if connection.origin != origin and connection.reusable:
                 self._idle.appendleft(connection)  # another origin's: keep it
             else:
                 self._forget(connection)
