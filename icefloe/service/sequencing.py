@@ -14,8 +14,10 @@ answered does not let the next number in: its retry must still come first. A num
 arrives would stall its successors: the client sends a ``sequence-skip`` operation in its place
 for any op that failed before the service accepted it, and a POST that sees its session make no
 progress for ``gap_timeout_s`` is refused with 409 ``sequence_gap``. A number below the session's
-next one (a retry of a POST already let in) passes at once. POSTs without the header pass straight
-through, exactly as before.
+next one (a retry of a POST already let in) passes at once, unless the POST with that number is
+still inside the app and has not queued yet: then it waits for that one, so a skip sent for an op
+whose caller gave up after its POST was written cannot move the session on before the op queued. POSTs
+without the header pass straight through, exactly as before.
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ class SubmitOrder:
         # client may stay quiet for hours (a long rollout) and must find its place kept.
         self._next: OrderedDict[str, int] = OrderedDict()
         self._progress: dict[str, list[asyncio.Future[None]]] = {}  # session -> POSTs waiting for it to advance
+        # session -> numbers whose POST is inside the app and has not queued yet. Another POST with
+        # such a number (a client's retry, or the skip it sends for an op whose caller gave up) waits
+        # for that one: let in at once, it could release the number before the first had queued.
+        self._inside: dict[str, set[int]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw = header(scope, _HEADER_KEY) if scope["type"] == "http" and scope["method"] == "POST" else None
@@ -86,11 +92,14 @@ class SubmitOrder:
             await send_json(send, 409, error_body(CODE_SEQUENCE_GAP, message))
             return
         released, status, error_body_parts = False, 0, []
+        inside = self._inside.setdefault(session, set())
+        inside.add(number)
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
+                inside.discard(number)  # queued: a duplicate of this number may pass now
                 self._advance(session, number)
 
         async def watching_send(message: Message) -> None:
@@ -113,11 +122,15 @@ class SubmitOrder:
             # must still come first.
             if status and not _retried(status, b"".join(error_body_parts)):
                 release()
+            inside.discard(number)
+            if not inside:
+                self._inside.pop(session, None)
+            self._wake(session)  # a POST with this number may have waited for this one to leave
 
     async def _turn(self, session: str, number: int) -> bool:
         """Wait until ``number`` is the next of its session; False after ``gap_timeout_s`` without progress."""
         self._touch(session)
-        while number > self._next[session]:
+        while number > self._next[session] or number in self._inside.get(session, ()):
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             waiters = self._progress.setdefault(session, [])
             waiters.append(waiter)
@@ -146,6 +159,9 @@ class SubmitOrder:
         if number < self._next.get(session, 0):
             return  # a retry of a POST let in before
         self._next[session] = number + 1
+        self._wake(session)
+
+    def _wake(self, session: str) -> None:
         for waiter in self._progress.pop(session, ()):
             if not waiter.done():
                 waiter.set_result(None)

@@ -182,3 +182,39 @@ async def test_the_least_recently_used_session_is_forgotten_beyond_the_cap_never
     assert await _post(layer, "a", 1) == 200  # "a" is now the most recent
     assert await _post(layer, "c", 0) == 200  # evicts "b", the least recent
     assert list(layer._next) == ["a", "c"]
+
+
+async def test_a_skip_for_a_number_still_queuing_waits_for_it_so_the_next_number_cannot_overtake():
+    """A client whose op caller gave up after the POST was written sends a skip with the same number;
+    the op's POST is still decoding, and the step numbered after it must still queue after it."""
+    queued: list[str] = []
+
+    async def app(scope, receive, send) -> None:
+        while (await receive()).get("more_body"):
+            pass
+        if scope["path"] == "/forward-backward":
+            await asyncio.sleep(0.2)  # a large frame decoding on the thread pool
+        queued.append(scope["path"])
+        release_turn()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    order = SubmitOrder(app, gap_timeout_s=5)
+
+    async def post(path: str, number: int) -> None:
+        scope = {"type": "http", "method": "POST", "path": path, "headers": [(b"icefloe-sequence", b"s:%d" % number)]}
+
+        async def receive() -> dict:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message: dict) -> None:
+            pass
+
+        await order(scope, receive, send)
+
+    trained = asyncio.ensure_future(post("/forward-backward", 0))
+    stepped = asyncio.ensure_future(post("/step", 1))
+    await asyncio.sleep(0.05)
+    await post("/sequence-skip", 0)
+    await asyncio.gather(trained, stepped)
+    assert queued == ["/forward-backward", "/step", "/sequence-skip"]
