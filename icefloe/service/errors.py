@@ -45,6 +45,7 @@ __all__ = [
     "not_found",
     "not_implemented",
     "payload_too_large",
+    "status_and_body",
     "unauthenticated",
 ]
 
@@ -107,6 +108,17 @@ def chunk_group_refusal(error_cls: type[RequestFailedError], code: str, message:
 
 def error_body(code: str, message: str, **detail: Any) -> dict[str, Any]:
     return {"code": code, "message": message, **detail}
+
+
+def status_and_body(exc: Exception) -> tuple[int, dict[str, Any]]:
+    """The status and ``{code, message}`` body an exception leaves a route with."""
+    if isinstance(exc, StarletteHTTPException):
+        code = _CODE_BY_STATUS.get(exc.status_code, CODE_INTERNAL if exc.status_code >= 500 else CODE_INVALID_ARGUMENT)
+        return exc.status_code, error_body(code, str(exc.detail))
+    if not isinstance(exc, IcefloeError):
+        _log.exception("internal error (a bug in the service)", exc_info=exc)
+        return 500, error_body(CODE_INTERNAL, f"{type(exc).__name__}: {exc}")
+    return _status_and_body(exc)
 
 
 def _status_and_body(exc: IcefloeError) -> tuple[int, dict[str, Any]]:

@@ -7,9 +7,9 @@ octet body run on a thread-pool thread (decoding a 60 MiB frame must not stall t
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from icefloe.protocol import (
     SamplingParams,
 )
 from icefloe.service import store
-from icefloe.service.errors import bad_request, conflict, not_found, not_implemented
+from icefloe.service.errors import bad_request, conflict, not_found, not_implemented, status_and_body
 from icefloe.service.jobs import JobManager, LiveJob
 from icefloe.service.models import GenerateBody, LoadBody, SaveBody, StepBody, WeightSyncPayload
 from icefloe.service.results import JsonText
@@ -38,6 +38,7 @@ from icefloe.service.runtime import queued_call
 __all__ = [
     "BATCHED_OPS",
     "MAX_BATCH_OPS",
+    "Refusal",
     "generate_target",
     "load_target",
     "sampling_params_per_prompt",
@@ -125,12 +126,38 @@ BATCHED_OPS = (OP_FWD_BWD, OP_STEP)
 MAX_BATCH_OPS = 64
 
 
-def submit_ops(manager: JobManager, job: LiveJob, frame: bytes, training_sub_job_id: str) -> list[str]:
-    """Queue the ops of one ``batch`` POST in their order; returns their request ids.
+@dataclass(frozen=True)
+class Refusal:
+    """Why one op of a batch was not queued: the status and body its own POST would have answered."""
+
+    status_code: int
+    code: str
+    message: str
+
+    @classmethod
+    def of(cls, exc: Exception) -> Refusal:
+        status, body = status_and_body(exc)
+        return cls(status, str(body.get("code")), str(body.get("message")))
+
+    def answer(self, job_id: str) -> dict[str, Any]:
+        return {
+            "request_id": None,
+            "job_id": job_id,
+            "status": "failed",
+            "status_code": self.status_code,
+            "code": self.code,
+            "error": self.message,
+        }
+
+
+def submit_ops(manager: JobManager, job: LiveJob, frame: bytes, training_sub_job_id: str) -> list[str | Refusal]:
+    """Validate and queue the ops of one ``batch`` POST in their order: a request id per op, or why not.
 
     The frame holds ``{"ops": [{"op": "forward-backward", "batch": {...}} | {"op": "step",
-    "learning_rate"?: x}, ...]}``. Every op is validated before any is queued, so a refused POST
-    ran nothing and its retry (or a fix) may resend all of it.
+    "learning_rate"?: x}, ...]}``. Each op stands alone, as if sent in a POST of its own: one
+    refused (a bad batch, a job that stopped) is answered as such, and the others still run. So the
+    POST itself succeeds once its frame is readable, and a retry with its Idempotency-Key replays
+    the answer instead of queuing anything twice.
     """
     payload = wire.decode(frame, tensors="torch")
     ops = payload.get("ops") if isinstance(payload, dict) else None
@@ -138,23 +165,28 @@ def submit_ops(manager: JobManager, job: LiveJob, frame: bytes, training_sub_job
         raise InvalidRequestError("a batch body must be a DSSST1 frame of {'ops': [op, ...]} with at least one op")
     if len(ops) > MAX_BATCH_OPS:
         raise InvalidRequestError(f"ops holds {len(ops)} ops; a batch takes at most {MAX_BATCH_OPS}: split it")
-    submits: list[Callable[[], str]] = []
+    outcomes: list[str | Refusal] = []
     for index, entry in enumerate(ops):
         where = f"ops.{index}"
         op = entry.get("op") if isinstance(entry, dict) else None
-        if op not in BATCHED_OPS:
-            raise InvalidRequestError(f"{where}.op must be one of {list(BATCHED_OPS)}; got {op!r}")
         try:
             if op == OP_FWD_BWD:
-                submits.append(_prepare_batch_op(manager, job, op, entry.get("batch"), {}, training_sub_job_id))
+                try:
+                    submit = _prepare_batch_op(manager, job, op, entry.get("batch"), {}, training_sub_job_id)
+                except InvalidRequestError as exc:
+                    raise InvalidRequestError(f"{where} ({op}): {exc}") from None
+                outcomes.append(submit())
+            elif op == OP_STEP:
+                try:
+                    body = StepBody.model_validate({k: v for k, v in entry.items() if k != "op"})
+                except ValidationError as exc:
+                    raise InvalidRequestError(_validation_text(exc, prefix=f"{where}.")) from None
+                outcomes.append(submit_step(manager, job, body, training_sub_job_id))
             else:
-                body = StepBody.model_validate({k: v for k, v in entry.items() if k != "op"})
-                submits.append(functools.partial(submit_step, manager, job, body, training_sub_job_id))
-        except ValidationError as exc:
-            raise InvalidRequestError(_validation_text(exc, prefix=f"{where}.")) from None
-        except InvalidRequestError as exc:
-            raise InvalidRequestError(f"{where} ({op}): {exc}") from None
-    return [submit() for submit in submits]
+                raise InvalidRequestError(f"{where}.op must be one of {list(BATCHED_OPS)}; got {op!r}")
+        except Exception as exc:  # this op's own refusal, exactly as its own POST would have had it
+            outcomes.append(Refusal.of(exc))
+    return outcomes
 
 
 # --- generate ----------------------------------------------------------------------------------

@@ -40,27 +40,39 @@ async def test_batch_queues_its_ops_in_order_and_answers_each_like_its_own_post(
         assert [set(a) for a in accepted["answers"]] == [{"request_id", "job_id"}] * 2  # no wait: ids only
 
 
-async def test_a_bad_op_refuses_the_whole_batch_naming_it_and_nothing_runs(data_dir):
+async def test_a_refused_op_is_answered_in_its_own_entry_and_the_others_run(data_dir):
     app = make_app(data_dir)
     async with client_for(app, "uvicorn") as http:
         api = Api(http)
         job_id = await api.create(TRAINING)
         await api.wait_status(job_id, "running")
-        bad_rate = {"ops": [{"op": "forward-backward", "batch": small_batch()}, {"op": "step", "learning_rate": -1}]}
-        refused = await api.post_frame(job_id, "batch", bad_rate, check=False)
-        assert refused.status_code == 400 and "ops.1.learning_rate" in refused.text
-        unknown = await api.post_frame(job_id, "batch", {"ops": [{"op": "save"}]}, check=False)
-        assert unknown.status_code == 400 and "ops.0.op must be one of" in unknown.text
         broken = small_batch()
         broken["kwargs"]["input_ids"] = broken["kwargs"]["input_ids"] + 10_000  # outside the vocabulary
-        invalid = await api.post_frame(
-            job_id, "batch", {"ops": [{"op": "forward-backward", "batch": broken}]}, check=False
-        )
-        assert invalid.status_code == 400 and "ops.0 (forward-backward): " in invalid.text
-        assert "input_ids" in invalid.text
+        ops = {
+            "ops": [
+                {"op": "forward-backward", "batch": broken},
+                {"op": "forward-backward", "batch": small_batch()},
+                {"op": "step", "learning_rate": -1},
+                {"op": "save"},
+                {"op": "step"},
+            ]
+        }
+        answers = (await api.post_frame(job_id, "batch", ops, params={"wait": 30})).json()["answers"]
+        bad_batch, trained, bad_rate, unknown, stepped = answers
+        for refused in (bad_batch, bad_rate, unknown):
+            assert refused["request_id"] is None and refused["status"] == "failed"
+            assert (refused["status_code"], refused["code"]) == (400, "invalid_argument")
+        assert bad_batch["error"].startswith("ops.0 (forward-backward): ") and "input_ids" in bad_batch["error"]
+        assert bad_rate["error"].startswith("ops.2.learning_rate")
+        assert unknown["error"].startswith("ops.3.op must be one of")
+        assert trained["status"] == stepped["status"] == "done" and stepped["result"]["global_step"] == 1
+        assert _ops(app, job_id) == ["forward-backward", "step"]
+
         empty = await api.post_frame(job_id, "batch", {"ops": []}, check=False)
         assert empty.status_code == 400 and "at least one op" in empty.text
-        assert _ops(app, job_id) == []
+        too_many = await api.post_frame(job_id, "batch", {"ops": [{"op": "step"}] * 65}, check=False)
+        assert too_many.status_code == 400 and "at most 64" in too_many.text
+        assert _ops(app, job_id) == ["forward-backward", "step"]
 
 
 async def test_a_batch_retried_with_its_idempotency_key_runs_once(data_dir):

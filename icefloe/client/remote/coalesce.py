@@ -57,6 +57,15 @@ class GenerateCoalescer:
         batch.items.append((request, future))
         return await future
 
+    async def cancel(self) -> None:
+        """Stop the sends still in flight (the client is closing); their callers get CancelledError."""
+        loop = asyncio.get_running_loop()  # another loop's tasks are that loop's to end
+        flushes = [task for task in self._flushes if not task.done() and task.get_loop() is loop]
+        for task in flushes:
+            task.cancel()
+        if flushes:
+            await asyncio.wait(flushes)
+
     def seal(self) -> None:
         """Close this loop's open batch: a later generate must not jump ahead of an op called before it."""
         with contextlib.suppress(RuntimeError):  # no running loop: nothing can be open

@@ -28,7 +28,7 @@ from typing import Any, Final
 from icefloe import wire
 from icefloe.client.remote.batching import OpBatcher, Outcome
 from icefloe.client.remote.coalesce import GenerateCoalescer
-from icefloe.client.remote.errors import Redactor
+from icefloe.client.remote.errors import Redactor, error_from_response
 from icefloe.client.remote.exchange import Call, Exchange, Retry, Submitted, run_async, run_sync
 from icefloe.client.remote.http import AsyncHttp, Endpoint, RetryPolicy, SyncHttp, TransportWrapper
 from icefloe.client.remote.jobs import (
@@ -247,6 +247,10 @@ class RemoteTransport(Transport):
         finally:
             for task in self._skips:
                 task.cancel()
+            # Sends still in flight would otherwise retry or poll on a client built after this close.
+            await self._generate_calls.cancel()
+            if self._training_ops is not None:
+                await self._training_ops.cancel()
             await self._async.aclose()
             self._sync.close()
             self._redactor.uninstall()
@@ -601,9 +605,16 @@ class RemoteTransport(Transport):
             )
         outcomes: list[Outcome] = []
         for request, answer in zip(requests, answers, strict=True):
+            if isinstance(answer, Mapping) and answer.get("request_id") is None and answer.get("status") == "failed":
+                # refused before it queued: the error its own POST would have raised
+                body = {"code": answer.get("code"), "message": answer.get("error")}
+                status = int(answer.get("status_code") or 500)
+                error = error_from_response(status, body, what=request.op, request_id=None, redactor=self._redactor)
+                outcomes.append((False, error))
+                continue
             try:
                 outcomes.append((True, (yield from self._poll(answer, request.op))))
-            except RequestFailedError as exc:  # this op failed on the service; the others stand
+            except Exception as exc:  # this op failed (or could not be read); the others stand
                 outcomes.append((False, exc))
         return outcomes
 

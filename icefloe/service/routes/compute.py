@@ -112,15 +112,17 @@ async def batch(job_id: str, body: OctetBody, jobs: JobsDep, wait: float = 0.0) 
     """forward-backward and step ops in one POST, queued in order (icefloe extension ``batch_submit``).
 
     Saves an HTTP exchange per op when a client has several ready at once (a minibatch's
-    ``fwd_bwd`` and ``step``). Answers ``{job_id, answers: [...]}``, one entry per op.
+    ``fwd_bwd`` and ``step``). Answers ``{job_id, answers: [...]}``, one entry per op; an op that
+    is refused (400, 409, ...) is answered ``status: failed`` in its entry and the others still run.
     """
     job = jobs.live(job_id)
     target = jobs.resolve_sub_job(job, sub_job_id=None, sub_job_type=None, default_type="training")
     if len(body) <= _DECODE_ON_LOOP_BYTES:
-        request_ids = submit_ops(jobs, job, body, target)
+        outcomes = submit_ops(jobs, job, body, target)
     else:
-        request_ids = await run_in_threadpool(submit_ops, jobs, job, body, target)
-    return await with_answers(jobs, job_id, request_ids, wait)
+        outcomes = await run_in_threadpool(submit_ops, jobs, job, body, target)
+    answers = [outcome if isinstance(outcome, str) else outcome.answer(job_id) for outcome in outcomes]
+    return await with_answers(jobs, job_id, answers, wait)
 
 
 @router.post("/{job_id}/save", response_model=RequestAccepted, response_model_exclude_none=True)

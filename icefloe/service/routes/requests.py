@@ -114,14 +114,20 @@ async def with_answer(jobs: JobManager, accepted: dict[str, Any], wait: float) -
     return answer_response({**accepted, **answer})
 
 
-async def with_answers(jobs: JobManager, job_id: str, request_ids: list[str], wait: float) -> dict[str, Any] | Response:
-    """The ``batch`` POST's answer: ``{job_id, answers}``, one entry per op as :func:`with_answer` gives.
+async def with_answers(
+    jobs: JobManager, job_id: str, outcomes: list[str | dict[str, Any]], wait: float
+) -> dict[str, Any] | Response:
+    """The ``batch`` POST's answer: ``{job_id, answers}``, one entry per op as its own POST would give.
 
-    ``wait`` bounds the whole POST, not each op: ops still running when it runs out answer with
-    their status, and the caller polls those.
+    ``outcomes`` holds each op's request id, or the answer of an op that was refused (it carries
+    ``status: failed``, ``status_code``, ``code`` and ``error`` and no request id). ``wait`` bounds
+    the whole POST, not each op: ops still running when it runs out answer with their status, and
+    the caller polls those.
     """
     release_turn()
-    accepted = [{"request_id": request_id, "job_id": job_id} for request_id in request_ids]
+    accepted = [
+        {"request_id": outcome, "job_id": job_id} if isinstance(outcome, str) else outcome for outcome in outcomes
+    ]
     note_acceptance({"job_id": job_id, "answers": accepted})
     if wait <= 0:
         return {"job_id": job_id, "answers": accepted}
@@ -129,6 +135,9 @@ async def with_answers(jobs: JobManager, job_id: str, request_ids: list[str], wa
     deadline = loop.time() + wait
     texts = []
     for item in accepted:
+        if item["request_id"] is None:
+            texts.append(json.dumps(item))
+            continue
         answer = await answer_request(jobs, job_id, item["request_id"], wait=max(0.0, deadline - loop.time()))
         texts.append(_answer_text({**item, **answer}))
     head = json.dumps({"job_id": job_id})

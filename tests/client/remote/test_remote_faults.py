@@ -190,6 +190,22 @@ def test_remote_an_op_that_fails_in_a_batch_fails_only_its_caller(service):
     assert isinstance(failed, RequestFailedError) and "loss_agg_mode" in str(failed)
 
 
+def test_remote_an_op_refused_in_a_batch_raises_what_its_own_post_would_and_the_rest_run(service):
+    config = service.config()
+
+    async def run() -> tuple:
+        async with AsyncClient(config) as client:
+            await client.open()
+            no_context = build_batch([[3, 4]], [[5, 6]], [1.0], pad_id=0)
+            del no_context["context"]  # the service refuses it before queuing
+            return await asyncio.gather(client.fwd_bwd(no_context), client.step(), return_exceptions=True)
+
+    refused, stepped = asyncio.run(run())
+    assert isinstance(refused, RequestFailedError) and refused.status_code == 400, refused
+    assert "ops.0 (forward-backward): " in str(refused) and "context" in str(refused)
+    assert stepped["global_step"] == 1  # the schedule counted it, and it ran
+
+
 def test_remote_async_retries_lost_responses_exactly_once(service):
     faults = Faults(
         Rule("POST", _JOB + "/forward-backward$", "drop_response", times=2),
