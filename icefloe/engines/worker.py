@@ -5,10 +5,12 @@ Batchable items (generate requests) that sit next to each other in the queue wit
 are handed to their ``run_batch`` function together, which is how concurrent requests coalesce.
 
 An engine in another process queues work itself. A job submitted with ``send_ahead`` hands its op
-to such an engine before it runs: when the job in front of it also went ahead, while that one is
-still computing, so the engine starts the next op the moment it finishes one instead of waiting
-for this thread to record a result and send the next. A job without ``send_ahead`` (a gate, a
-batch) stops this: nothing behind it is sent before it has run.
+to such an engine before it runs, so the engine starts the next op the moment it finishes one
+instead of waiting for this thread to record a result and send the next. When every job in front
+of it went ahead already, a second thread (the sender) hands it over as soon as it is submitted,
+in submission order; otherwise this thread sends it (and the job behind it) when its turn comes.
+A job without ``send_ahead`` (a gate, a batch) stops this: nothing behind it is sent before it
+has run.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ class _Job:
     item: Any = None
     run_batch: Callable[[list[Any]], Sequence[Any]] | None = None
     send_ahead: Callable[[], None] | None = None
-    sent: bool = False
+    sent: bool = False  # someone (the sender or the worker) took it on to send
+    by_sender: bool = False
+    handed: threading.Event = field(default_factory=threading.Event)  # send_ahead() has returned
 
 
 class RoleWorker:
@@ -55,6 +59,9 @@ class RoleWorker:
         self.linger_s = linger_s
         self.max_batch_items = max_batch_items
         self._queue: deque[_Job] = deque()
+        self._current: _Job | None = None  # the job this thread runs now
+        self._outbox: deque[_Job] = deque()  # jobs the sender hands over, in submission order
+        self._sender: threading.Thread | None = None
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"icefloe-{name}", daemon=True)
@@ -80,20 +87,44 @@ class RoleWorker:
         return self._put(_Job(Future(), key=key, item=item, run_batch=run_batch))
 
     def close(self, wait: bool = True) -> None:
-        """Refuse new work, finish what is queued, stop the thread. Idempotent."""
+        """Refuse new work, finish what is queued, stop the threads. Idempotent."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         if wait and threading.current_thread() is not self._thread:
             self._thread.join()
+            if self._sender is not None and threading.current_thread() is not self._sender:
+                self._sender.join()
 
     def _put(self, job: _Job) -> Future:
         with self._cond:
             if self._closed:
                 raise ClientClosedError(f"worker {self.name!r} is closed; no new work is accepted")
+            if job.send_ahead is not None and self._all_went_ahead():
+                job.sent = job.by_sender = True
+                self._outbox.append(job)
+                if self._sender is None:
+                    name = f"icefloe-{self.name}-send"
+                    self._sender = threading.Thread(target=self._send_loop, name=name, daemon=True)
+                    self._sender.start()
             self._queue.append(job)
             self._cond.notify_all()
         return job.future
+
+    def _all_went_ahead(self) -> bool:
+        """Whether every job queued or running was sent ahead (or is being sent, in order, by the sender)."""
+        pending = [*self._queue, self._current] if self._current is not None else self._queue
+        return all(j.send_ahead is not None and j.sent and (j.by_sender or j.handed.is_set()) for j in pending)
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._outbox and not self._closed:
+                    self._cond.wait()
+                if not self._outbox:
+                    return  # closed, and everything taken on was handed over
+                job = self._outbox.popleft()
+            _hand(job)
 
     def _run(self) -> None:
         while True:
@@ -103,16 +134,24 @@ class RoleWorker:
                 if not self._queue:
                     return  # closed and drained
                 job = self._queue.popleft()
-            if job.send_ahead is not None:
-                _send(job)
+                self._current = job
+                follower = [self._queue[0]] if self._queue else []
+                mine = [job, *follower] if job.send_ahead is not None else []
+                mine = [j for j in mine if j.send_ahead is not None and not j.sent]
+                for j in mine:
+                    j.sent = True
+            for j in mine:
+                _hand(j)
+            if job.sent:
+                job.handed.wait()  # the sender may still be writing it: running it now would send it twice
+            try:
+                if job.run_batch is None:
+                    self._run_one(job)
+                else:
+                    self._run_batch([job, *self._same_key_followers(job.key)])
+            finally:
                 with self._cond:
-                    follower = self._queue[0] if self._queue else None
-                if follower is not None and follower.send_ahead is not None:
-                    _send(follower)
-            if job.run_batch is None:
-                self._run_one(job)
-            else:
-                self._run_batch([job, *self._same_key_followers(job.key)])
+                    self._current = None
 
     def _same_key_followers(self, key: Hashable) -> list[_Job]:
         """Take the queued items right behind the head that share its key (after a short linger)."""
@@ -161,13 +200,14 @@ class RoleWorker:
             job.future.set_result(result)
 
 
-def _send(job: _Job) -> None:
-    """Hand a job's op to its engine once; a failure shows when the job runs and finds it unsent."""
-    if job.sent or job.send_ahead is None:
-        return
-    job.sent = True
-    with contextlib.suppress(Exception):
-        job.send_ahead()
+def _hand(job: _Job) -> None:
+    """Hand a job's op to its engine; a failure shows when the job runs and finds it unsent."""
+    assert job.send_ahead is not None
+    try:
+        with contextlib.suppress(Exception):
+            job.send_ahead()
+    finally:
+        job.handed.set()
 
 
 class SyncGate:

@@ -83,7 +83,10 @@ class ProcessEngineHost:
         self._process: Any = None
         self._control: Connection | None = None
         self._pipes: dict[str, Connection] = {}
-        self._locks = {sub_job_id: threading.Lock() for sub_job_id in self._specs}
+        # Sends and receives lock apart: a send that waits for room in the pipe (ops handed over
+        # ahead fill it) must not keep the reply of the op in front of it from being read.
+        self._send_locks = {sub_job_id: threading.Lock() for sub_job_id in self._specs}
+        self._receive_locks = {sub_job_id: threading.Lock() for sub_job_id in self._specs}
         # Per sub-job: calls sent and replies read so far. Replies come in send order, so ticket n's
         # reply is the n-th read; one whose request was dropped unread is skipped over.
         self._sent = dict.fromkeys(self._specs, 0)
@@ -184,7 +187,7 @@ class ProcessEngineHost:
     def send(self, sub_job_id: str, method: str, *args: Any) -> int:
         """Queue ``method(*args)`` in the sub-job's engine process; returns the ticket :meth:`wait` takes."""
         pipe = self._pipe(sub_job_id)
-        with self._locks[sub_job_id]:
+        with self._send_locks[sub_job_id]:
             try:
                 pipe.send_bytes(_dumps((method, args)))
             except (BrokenPipeError, OSError):
@@ -195,7 +198,7 @@ class ProcessEngineHost:
     def wait(self, sub_job_id: str, ticket: int, what: str = "a call") -> Any:
         """The result of the call behind ``ticket`` (its exception raised here)."""
         pipe = self._pipe(sub_job_id)
-        with self._locks[sub_job_id]:
+        with self._receive_locks[sub_job_id]:
             while True:
                 kind, value, records = self._receive(pipe, what)
                 self._read[sub_job_id] += 1

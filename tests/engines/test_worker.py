@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -184,3 +185,34 @@ def test_send_ahead_hands_the_next_op_over_while_the_one_before_runs_but_never_p
         ("send", "d"),
         ("run", "d"),
     ]
+
+
+def test_ops_submitted_behind_ops_that_went_ahead_are_all_handed_over_at_once_in_order():
+    """The engine must never wait for this thread between ops: with every job in front sent ahead,
+    a new one is handed over when it is submitted, not when the job before it starts."""
+    events: list[tuple[str, str]] = []
+    running, release = threading.Event(), threading.Event()
+    worker = RoleWorker("eager-ahead")
+
+    def run(name: str) -> None:
+        events.append(("run", name))
+        if name == "a":
+            running.set()
+            release.wait(10)
+
+    try:
+        futures = [worker.submit_ahead(lambda: events.append(("send", "a")), run, "a")]
+        running.wait(10)  # a computes; b, c, d come in now
+        futures += [worker.submit_ahead(lambda n=n: events.append(("send", n)), run, n) for n in "bcd"]
+        futures.append(worker.submit(run, "gate"))
+        futures.append(worker.submit_ahead(lambda: events.append(("send", "e")), run, "e"))
+        deadline = time.monotonic() + 10
+        while ("send", "d") not in events and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert events == [("send", "a"), ("run", "a"), ("send", "b"), ("send", "c"), ("send", "d")]
+        release.set()
+        for future in futures:
+            future.result(timeout=10)
+    finally:
+        worker.close()
+    assert events[5:] == [("run", "b"), ("run", "c"), ("run", "d"), ("run", "gate"), ("send", "e"), ("run", "e")]
