@@ -204,7 +204,7 @@ def _hand(job: _Job) -> None:
     """Hand a job's op to its engine; a failure shows when the job runs and finds it unsent."""
     assert job.send_ahead is not None
     try:
-        with contextlib.suppress(Exception):
+        with contextlib.suppress(BaseException):  # the sender thread must outlive any one send
             job.send_ahead()
     finally:
         job.handed.set()

@@ -451,10 +451,8 @@ class JobManager:
             else:
 
                 def ahead() -> None:
-                    if _abandoned(job, request_id):
-                        return  # _execute skips it
-                    self.mark_started(request_id)
-                    send_ahead()
+                    if self._start_unless_abandoned(job, request_id):
+                        send_ahead()  # else _execute skips it
 
                 worker.submit_ahead(ahead, self._execute, job, request_id, op, fn, op_metadata or {})
         return request_id
@@ -547,6 +545,16 @@ class JobManager:
                     self._record_result(job, request_id, result, op_metadata)
         return [None] * len(entries)
 
+    def _start_unless_abandoned(self, job: LiveJob, request_id: str) -> bool:
+        """Mark a request running unless it was cancelled; atomic with :meth:`cancel_request`."""
+        with self._lock:
+            if _abandoned(job, request_id):
+                return False
+            opened = self._open.get(request_id)
+            if opened is not None and opened["status"] != "running":
+                opened["status"], opened["updated_at"] = "running", store.now_iso()
+            return True
+
     def mark_started(self, request_id: str, status: str = "running") -> None:
         """In memory only: pollers read open requests from memory, and a restart fails them either way.
 
@@ -618,15 +626,20 @@ class JobManager:
 
     def cancel_request(self, job: LiveJob, request_id: str) -> dict[str, Any]:
         """Cancel a request that has not started; one that runs or ran is left as it is."""
-        row = self._memory_row(job.job_id, request_id) or store.get_request(self.db, request_id=request_id)
-        if row is None or row["job_id"] != job.job_id:
-            raise not_found(f"request {request_id} not found in job {job.job_id}")
-        if row["status"] == "pending":
-            job.cancelled_requests.add(request_id)
+        with self._lock:  # atomic with _start_unless_abandoned: an op handed to its engine is not cancelled
+            opened = self._open.get(request_id)
+            status = opened["status"] if opened is not None and opened["job_id"] == job.job_id else None
+            if status == "pending":
+                job.cancelled_requests.add(request_id)
+        if status is None:
+            row = self._memory_row(job.job_id, request_id) or store.get_request(self.db, request_id=request_id)
+            if row is None or row["job_id"] != job.job_id:
+                raise not_found(f"request {request_id} not found in job {job.job_id}")
+            status = row["status"]
         return {
             "request_id": request_id,
-            "cancelled": row["status"] == "pending",
-            "status": "cancelled" if row["status"] == "pending" else row["status"],
+            "cancelled": status == "pending",
+            "status": "cancelled" if status == "pending" else status,
         }
 
     def request_row(self, job_id: str, request_id: str, *, raw_result: bool = False) -> dict[str, Any]:

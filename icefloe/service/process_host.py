@@ -23,6 +23,7 @@ import logging
 import multiprocessing
 import os
 import pickle
+import queue
 import signal
 import threading
 from collections.abc import Callable, Sequence
@@ -392,11 +393,27 @@ def _quiet_progress_bars() -> None:
 
 
 def _serve(host: Any, pipe: Connection, records: _CallRecords) -> None:
-    while True:
+    """Run one sub-job's calls in order; a reader thread drains the pipe meanwhile.
+
+    Without the reader, this thread would stop reading calls while it waits to write a reply the
+    service is not reading yet (a large one, with the service busy writing the ops queued behind
+    it): both ends would wait on each other for good.
+    """
+    calls: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+
+    def read() -> None:
         try:
-            method, args = _loads(pipe.recv_bytes())
+            while True:
+                calls.put(pipe.recv_bytes())
         except (EOFError, OSError):
+            calls.put(None)
+
+    threading.Thread(target=read, name=f"{threading.current_thread().name}-read", daemon=True).start()
+    while True:
+        data = calls.get()
+        if data is None:
             return
+        method, args = _loads(data)
         records.start()
         try:
             kind, value = "ok", getattr(host, method)(*args)

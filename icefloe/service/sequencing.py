@@ -123,8 +123,8 @@ class SubmitOrder:
             if status and not _retried(status, b"".join(error_body_parts)):
                 release()
             inside.discard(number)
-            if not inside:
-                self._inside.pop(session, None)
+            if not inside and self._inside.get(session) is inside:
+                del self._inside[session]
             self._wake(session)  # a POST with this number may have waited for this one to leave
 
     async def _turn(self, session: str, number: int) -> bool:
@@ -141,6 +141,8 @@ class SubmitOrder:
             finally:
                 if waiter in waiters:
                     waiters.remove(waiter)
+                if not waiters and self._progress.get(session) is waiters:
+                    del self._progress[session]  # an empty list would keep the session from ever being evicted
             self._touch(session)
         return True
 

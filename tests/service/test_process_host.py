@@ -13,13 +13,17 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from icefloe.engines.worker import RoleWorker
 from icefloe.protocol import InvalidRequestError
 from icefloe.service.models import JobCreate
 from icefloe.service.process_host import ProcessEngineHost, _CallRecords, _dumps, _loads, _serve
+from icefloe.service.runtime import queued_call
 from icefloe.service.specs import sub_job_specs
 
 from .service_batches import canonical_batch, small_batch
@@ -171,3 +175,45 @@ def test_tickets_collect_their_own_reply_and_skip_one_nobody_waits_for(tmp_path)
     finally:
         host.close()
     assert host.exit_code == 0
+
+
+class _SlowEngines:
+    """Stands in for the engines behind ``_serve``: each forward takes a while and answers 4 MiB."""
+
+    def __init__(self) -> None:
+        self.ran: list[int] = []
+
+    def forward(self, sub_job_id: str, batch: dict) -> dict:
+        self.ran.append(int(batch["tag"]))
+        time.sleep(0.05)
+        return {"logprobs": torch.zeros(1 << 20), "tag": int(batch["tag"])}
+
+
+def test_large_calls_and_replies_in_both_directions_at_once_never_deadlock_the_pipe():
+    """The service writes the op queued behind (4 MiB) while the engine writes the reply of the one
+    in front (4 MiB): each side must keep reading, or both wait on each other for good."""
+    host = ProcessEngineHost([SimpleNamespace(sub_job_id="t")], {}, {})
+    parent, child = multiprocessing.Pipe()
+    host._pipes = {"t": parent}
+    engines = _SlowEngines()
+    serving = threading.Thread(target=_serve, args=(engines, child, _CallRecords()), daemon=True)
+    serving.start()
+    worker = RoleWorker("t", linger_s=0.0)
+    release = threading.Event()
+    try:
+        worker.submit(release.wait, 5)  # a save still running: the forwards queue behind it
+
+        def forward(tag: int):
+            batch = {"tag": tag, "ids": torch.zeros(1 << 19, dtype=torch.int64)}  # 4 MiB
+            send_ahead, call = queued_call(host, "t", "forward", batch)
+            return worker.submit_ahead(send_ahead, lambda: call()["tag"])
+
+        futures = [forward(tag) for tag in range(3)]
+        release.set()
+        assert [f.result(timeout=20) for f in futures] == [0, 1, 2]
+        assert engines.ran == [0, 1, 2]
+    finally:
+        worker.close()
+        parent.close()
+        serving.join(timeout=10)
+        child.close()

@@ -92,8 +92,11 @@ class _Connection(asyncio.Protocol):
         sock = self.transport.get_extra_info("socket") if self.transport is not None else None
         if sock is None:
             return True
-        readable, _, _ = select.select([sock.fileno()], [], [], 0)
-        return bool(readable)
+        if not hasattr(select, "poll"):  # Windows: select, which there takes any socket
+            return bool(select.select([sock.fileno()], [], [], 0)[0])
+        poller = select.poll()  # not select.select: it refuses descriptors above 1023
+        poller.register(sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
 
     def write(self, request: httpx.Request, body: bytes) -> None:
         """Queue the whole request on the socket now; the answer is awaited with :meth:`response`.
