@@ -393,37 +393,40 @@ def _quiet_progress_bars() -> None:
 
 
 def _serve(host: Any, pipe: Connection, records: _CallRecords) -> None:
-    """Run one sub-job's calls in order; a reader thread drains the pipe meanwhile.
+    """Run one sub-job's calls in order; replies are written by a thread of their own.
 
-    Without the reader, this thread would stop reading calls while it waits to write a reply the
-    service is not reading yet (a large one, with the service busy writing the ops queued behind
-    it): both ends would wait on each other for good.
+    Writing a reply the service is not reading yet (a large one, while the service writes the ops
+    queued behind it) would otherwise stop this thread from reading those ops: both ends would wait
+    on each other for good. Calls are still read here, between ops, so reading never competes with
+    an op for the GIL.
     """
-    calls: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+    replies: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
 
-    def read() -> None:
-        try:
-            while True:
-                calls.put(pipe.recv_bytes())
-        except (EOFError, OSError):
-            calls.put(None)
+    def write() -> None:
+        while (reply := replies.get()) is not None:
+            try:
+                pipe.send_bytes(reply)
+            except (BrokenPipeError, OSError):
+                return
 
-    threading.Thread(target=read, name=f"{threading.current_thread().name}-read", daemon=True).start()
-    while True:
-        data = calls.get()
-        if data is None:
-            return
-        method, args = _loads(data)
-        records.start()
-        try:
-            kind, value = "ok", getattr(host, method)(*args)
-        except BaseException as exc:  # the caller decides whether this is a user error or a crash
-            kind, value = "error", _portable(exc)
-        try:
-            reply = _dumps((kind, value, records.take()))
-        except Exception as exc:  # a result that does not pickle fails its request, never the thread
-            reply = _dumps(("error", RuntimeError(f"{method} returned a result that cannot be sent: {exc}"), []))
-        try:
-            pipe.send_bytes(reply)
-        except (BrokenPipeError, OSError):
-            return
+    writer = threading.Thread(target=write, name=f"{threading.current_thread().name}-write", daemon=True)
+    writer.start()
+    try:
+        while True:
+            try:
+                method, args = _loads(pipe.recv_bytes())
+            except (EOFError, OSError):
+                return
+            records.start()
+            try:
+                kind, value = "ok", getattr(host, method)(*args)
+            except BaseException as exc:  # the caller decides whether this is a user error or a crash
+                kind, value = "error", _portable(exc)
+            try:
+                reply = _dumps((kind, value, records.take()))
+            except Exception as exc:  # a result that does not pickle fails its request, never the thread
+                reply = _dumps(("error", RuntimeError(f"{method} returned a result that cannot be sent: {exc}"), []))
+            replies.put(reply)
+    finally:
+        replies.put(None)
+        writer.join(timeout=30)
