@@ -393,24 +393,8 @@ def _quiet_progress_bars() -> None:
 
 
 def _serve(host: Any, pipe: Connection, records: _CallRecords) -> None:
-    """Run one sub-job's calls in order; replies are written by a thread of their own.
-
-    Writing a reply the service is not reading yet (a large one, while the service writes the ops
-    queued behind it) would otherwise stop this thread from reading those ops: both ends would wait
-    on each other for good. Calls are still read here, between ops, so reading never competes with
-    an op for the GIL.
-    """
-    replies: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-
-    def write() -> None:
-        while (reply := replies.get()) is not None:
-            try:
-                pipe.send_bytes(reply)
-            except (BrokenPipeError, OSError):
-                return
-
-    writer = threading.Thread(target=write, name=f"{threading.current_thread().name}-write", daemon=True)
-    writer.start()
+    """Run one sub-job's calls in order, reading each between ops (never competing with one for the GIL)."""
+    replies = _Replies(pipe)
     try:
         while True:
             try:
@@ -426,7 +410,61 @@ def _serve(host: Any, pipe: Connection, records: _CallRecords) -> None:
                 reply = _dumps((kind, value, records.take()))
             except Exception as exc:  # a result that does not pickle fails its request, never the thread
                 reply = _dumps(("error", RuntimeError(f"{method} returned a result that cannot be sent: {exc}"), []))
-            replies.put(reply)
+            if not replies.send(reply):
+                return
     finally:
-        replies.put(None)
-        writer.join(timeout=30)
+        replies.close()
+
+
+class _Replies:
+    """Writes a sub-job's replies in order: small ones at once, large ones on a thread of its own.
+
+    A large reply the service is not reading yet (it is busy writing the ops queued behind, just as
+    large) would block the serving thread, which then stops reading those ops: both ends would wait
+    on each other for good. A small one always fits the socket's buffer, and writing it inline
+    saves a thread switch per op.
+    """
+
+    _INLINE_BYTES = 64 * 1024  # well under a unix socket's buffer (~200 KiB)
+
+    def __init__(self, pipe: Connection) -> None:
+        self._pipe = pipe
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._pending = 0  # replies handed to the writer and not yet written
+        self._lock = threading.Lock()
+        self._writer: threading.Thread | None = None
+        self._broken = False
+
+    def send(self, reply: bytes) -> bool:
+        """False once the service is gone."""
+        with self._lock:
+            inline = self._pending == 0 and len(reply) <= self._INLINE_BYTES
+            if not inline:
+                self._pending += 1
+        if not inline:
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write, name="icefloe-replies", daemon=True)
+                self._writer.start()
+            self._queue.put(reply)
+            return not self._broken
+        try:
+            self._pipe.send_bytes(reply)
+        except (BrokenPipeError, OSError):
+            return False
+        return True
+
+    def _write(self) -> None:
+        while (reply := self._queue.get()) is not None:
+            try:
+                if not self._broken:
+                    self._pipe.send_bytes(reply)
+            except (BrokenPipeError, OSError):
+                self._broken = True
+            finally:
+                with self._lock:
+                    self._pending -= 1
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._queue.put(None)
+            self._writer.join(timeout=30)

@@ -15,8 +15,10 @@ arrives would stall its successors: the client sends a ``sequence-skip`` operati
 for any op that failed before the service accepted it, and a POST that sees its session make no
 progress for ``gap_timeout_s`` is refused with 409 ``sequence_gap``. A number below the session's
 next one (a retry of a POST already let in) passes at once, unless the POST with that number is
-still inside the app and has not queued yet: then it waits for that one, so a skip sent for an op
-whose caller gave up after its POST was written cannot move the session on before the op queued. POSTs
+still inside the app and has not queued yet: then it waits for that one, so a skip or retry cannot
+move the session on before the op queued. A client sends a skip only for a POST that never reached
+the service whole (the remote transport: never for one already written, whose body may still be
+uploading and is not inside yet). POSTs
 without the header pass straight through, exactly as before.
 """
 

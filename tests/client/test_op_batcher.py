@@ -124,3 +124,20 @@ def test_a_caller_cancelled_before_the_post_leaves_is_not_sent() -> None:
 
     assert asyncio.run(main()) == 1
     assert recorder.sent == [[1]]
+
+
+@pytest.mark.parametrize(("written", "skipped"), [(False, True), (True, False)])
+def test_a_numbered_op_given_up_is_skipped_only_if_its_post_never_went_out(written: bool, skipped: bool) -> None:
+    """A POST already written reaches the service, which uses its number itself; a skip sent for it
+    could get in while its body still uploads and let the ops behind it overtake it."""
+    reported: list[str] = []
+
+    async def main() -> None:
+        turn = RoleTurns(on_unanswered=reported.append).take((TARGET_TRAINING,), numbered=True)
+        if written:
+            turn.written()
+        turn.given_up()
+        turn.release()
+
+    asyncio.run(main())
+    assert bool(reported) is skipped

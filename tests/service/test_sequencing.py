@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 
 import pytest
@@ -12,7 +11,7 @@ from icefloe import wire
 from icefloe.service.sequencing import SubmitOrder, release_turn
 
 from .service_batches import small_batch
-from .service_client import PREFIX, TRAINING, Api
+from .service_client import TRAINING, Api
 from .service_harness import asgi_client, make_app
 
 pytestmark = pytest.mark.anyio
@@ -282,49 +281,3 @@ async def test_a_session_refused_for_a_gap_can_still_be_evicted():
     for i in range(100):
         await _post_numbered(layer, "/x", f"s{i}", 0)
     assert len(layer._next) <= 10 and layer._progress == {}
-
-
-async def test_a_skip_cannot_overtake_its_op_while_the_op_body_still_uploads(data_dir):
-    """The client gave up on op 0 after writing its POST, whose large body still streams in, and sent
-    a skip for number 0: the skip must wait for op 0, so step 1 still queues after it."""
-    app = make_app(data_dir)
-    async with asgi_client(app) as http:
-        api = Api(http)
-        job_id = await _running_job(api)
-        frame = wire.encode(small_batch())
-        parts = [frame[i : i + 128] for i in range(0, len(frame), 128)]  # streams in over ~0.2 s
-
-        async def post(path: str, number: int, body_parts: list[bytes], pause_s: float, kind: bytes) -> None:
-            headers = [
-                (b"host", b"icefloe.test"),
-                (b"content-type", kind),
-                (b"content-length", str(sum(map(len, body_parts))).encode()),
-                (b"icefloe-sequence", f"upload:{number}".encode()),
-                (b"idempotency-key", uuid.uuid4().hex.encode()),
-            ]
-            scope = {
-                "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
-                "scheme": "http", "path": PREFIX + path, "raw_path": (PREFIX + path).encode(), "query_string": b"",
-                "root_path": "", "headers": headers, "client": ("127.0.0.1", 1), "server": ("icefloe.test", 80),
-            }  # fmt: skip
-            pending = list(body_parts)
-
-            async def receive() -> dict:
-                await asyncio.sleep(pause_s)
-                chunk = pending.pop(0) if pending else b""
-                return {"type": "http.request", "body": chunk, "more_body": bool(pending)}
-
-            async def send(message: dict) -> None:
-                pass
-
-            await app(scope, receive, send)
-
-        skip = json.dumps({"operation_type": "sequence-skip", "payload": {}}).encode()
-        trained = asyncio.ensure_future(
-            post(f"/{job_id}/forward-backward", 0, parts, 0.01, b"application/octet-stream")
-        )
-        stepped = asyncio.ensure_future(post(f"/{job_id}/step", 1, [b"{}"], 0.0, b"application/json"))
-        await asyncio.sleep(0.05)
-        await post(f"/{job_id}/operation", 0, [skip], 0.0, b"application/json")
-        await asyncio.gather(trained, stepped)
-        assert _recorded_ops(app, job_id) == ["forward-backward", "step"]

@@ -10,6 +10,7 @@ the step could run before the gradients exist. Two ways to keep call order:
   not accepted: ops that all start at once would otherwise build their requests in turns, and the
   first would leave only after the last was built. An op that fails before the service answers its
   numbered POST reports the number as unanswered, so the transport can send a skip in its place
+  (unless its caller gave up after the POST was written: the service gets that POST anyway)
   and the ops behind it are not held.
 - Otherwise (the managed endpoint) an op's POST waits until every earlier op of its roles has
   been accepted (holds a request id) — not until it has finished, so the ops still overlap on the
@@ -59,6 +60,13 @@ class Turn:
         """The service accepted the op: the next op's POST may go."""
         self.answered = True
         self.release()
+
+    def given_up(self) -> None:
+        """The caller stopped waiting (cancelled). A POST already written still reaches the service,
+        which then uses its number itself: a skip sent for it could get in while its body still
+        uploads and let the ops behind it overtake it."""
+        if self.sent is not None and self.sent.done():
+            self.answered = True
 
     def release(self) -> None:
         """Called once the op is accepted or has ended; a numbered op never accepted reports its number."""

@@ -323,6 +323,9 @@ class RemoteTransport(Transport):
                 return await run_async(self._batch_exchange(requests), self._async, on_submitted=turn.accepted)
             finally:
                 _NUMBERED.reset(numbered)
+        except asyncio.CancelledError:
+            turn.given_up()
+            raise
         finally:
             turn.release()
 
@@ -339,6 +342,9 @@ class RemoteTransport(Transport):
             finally:
                 _MAY_HOLD.reset(may_hold)
                 _NUMBERED.reset(numbered)
+        except asyncio.CancelledError:
+            turn.given_up()
+            raise
         finally:
             turn.release()
 
