@@ -155,11 +155,12 @@ async def run(config: GRPOConfig, *, on_step: Callable[[dict[str, Any]], None] |
                 "eps_clip_higher": config.eps_clip_higher,
                 "entropy_coeff": entropy_coeff,
             }
-            # Every minibatch's fwd_bwd and step go out as soon as it is built, before any is awaited: the
-            # trainer runs them in submission order while the next minibatch is built, and the
-            # transport's latency overlaps the compute.
+            # Every minibatch's fwd_bwd and step are submitted as soon as it is built, before any is
+            # awaited: the trainer runs them in submission order. The first pair starts at once, so
+            # the trainer works while the rest are built; the rest then leave together (one request
+            # on the remote backend, where each request costs both ends CPU time).
             pending = []
-            for chunk_P in _split(useful_P, config.num_minibatches):
+            for index, chunk_P in enumerate(_split(useful_P, config.num_minibatches)):
                 rows_R = [(p, g) for p in chunk_P for g in range(config.group_size)]
                 batch = build_batch(
                     [prompt_ids_P[p] for p, _ in rows_R],
@@ -172,7 +173,8 @@ async def run(config: GRPOConfig, *, on_step: Callable[[dict[str, Any]], None] |
                 )
                 pending.append(asyncio.ensure_future(client.fwd_bwd(batch)))
                 pending.append(asyncio.ensure_future(client.step()))
-                await asyncio.sleep(0)  # let them start now, not after the last minibatch is built
+                if index == 0:
+                    await asyncio.sleep(0)  # let the first pair start now, not after the last minibatch is built
             synced_future = asyncio.ensure_future(client.sync_weights())
             results = await asyncio.gather(*pending)
             synced = await synced_future
