@@ -13,6 +13,13 @@ from .service_harness import client_for, make_app
 pytestmark = pytest.mark.anyio
 
 
+async def _running(http) -> tuple[Api, str]:
+    api = Api(http)
+    job_id = await api.create(TRAINING)
+    await api.wait_status(job_id, "running")
+    return api, job_id
+
+
 def _ops(app, job_id: str) -> list[str]:
     rows = app.state.db.fetch_all("SELECT op FROM requests WHERE job_id = ? ORDER BY created_at, rowid", (job_id,))
     return [row["op"] for row in rows]
@@ -21,9 +28,7 @@ def _ops(app, job_id: str) -> list[str]:
 async def test_batch_queues_its_ops_in_order_and_answers_each_like_its_own_post(data_dir):
     app = make_app(data_dir)
     async with client_for(app, "uvicorn") as http:
-        api = Api(http)
-        job_id = await api.create(TRAINING)
-        await api.wait_status(job_id, "running")
+        api, job_id = await _running(http)
         ops = {"ops": [{"op": "forward-backward", "batch": small_batch()}, {"op": "step", "learning_rate": 0.01}]}
         answer = (await api.post_frame(job_id, "batch", ops, params={"wait": 30})).json()
         trained, stepped = answer["answers"]
@@ -43,9 +48,7 @@ async def test_batch_queues_its_ops_in_order_and_answers_each_like_its_own_post(
 async def test_a_refused_op_is_answered_in_its_own_entry_and_the_others_run(data_dir):
     app = make_app(data_dir)
     async with client_for(app, "uvicorn") as http:
-        api = Api(http)
-        job_id = await api.create(TRAINING)
-        await api.wait_status(job_id, "running")
+        api, job_id = await _running(http)
         broken = small_batch()
         broken["kwargs"]["input_ids"] = broken["kwargs"]["input_ids"] + 10_000  # outside the vocabulary
         ops = {
@@ -78,9 +81,7 @@ async def test_a_refused_op_is_answered_in_its_own_entry_and_the_others_run(data
 async def test_a_batch_retried_with_its_idempotency_key_runs_once(data_dir):
     app = make_app(data_dir)
     async with client_for(app, "uvicorn") as http:
-        api = Api(http)
-        job_id = await api.create(TRAINING)
-        await api.wait_status(job_id, "running")
+        api, job_id = await _running(http)
         ops = {"ops": [{"op": "forward-backward", "batch": small_batch()}, {"op": "step"}]}
         headers = {"Idempotency-Key": "batch-once", "content-type": "application/octet-stream"}
         post = {"content": wire.encode(ops), "params": {"wait": 30}, "headers": headers}

@@ -12,12 +12,11 @@ the service refuses outright (it validates every op before queuing any) fails th
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from icefloe.client.remote.coalesce import deliver
+from icefloe.client.remote.coalesce import PerLoopBatches, deliver
 from icefloe.client.remote.ordering import Turn
 from icefloe.protocol import Request
 
@@ -35,19 +34,18 @@ class _Batch:
     size: int = 0  # payload bytes so far
 
 
-class OpBatcher:
+class OpBatcher(PerLoopBatches[_Batch]):
     """Gathers the batchable ops of one event-loop turn; at most ``max_ops`` ops and ``max_bytes`` per POST."""
 
     def __init__(
         self, send_one: SendOne, send_many: SendMany, take_turn: Callable[[], Turn], *, max_ops: int, max_bytes: int
     ) -> None:
+        super().__init__()
         self._send_one = send_one
         self._send_many = send_many
         self._take_turn = take_turn
         self._max_ops = max_ops
         self._max_bytes = max_bytes
-        self._open: dict[asyncio.AbstractEventLoop, _Batch] = {}
-        self._flushes: set[asyncio.Task] = set()
 
     async def submit(self, request: Request, size: int) -> Any:
         loop = asyncio.get_running_loop()
@@ -57,26 +55,10 @@ class OpBatcher:
             batch = self._open[loop] = _Batch(self._take_turn())
             # Its first step runs on the loop's next turn: every op called in this turn joins first,
             # and the POST leaves before the caller's code after its next await runs twice.
-            task = loop.create_task(self._flush(loop, batch))
-            self._flushes.add(task)
-            task.add_done_callback(self._flushes.discard)
+            self._track(loop.create_task(self._flush(loop, batch)))
         batch.items.append((request, future))
         batch.size += size
         return await future
-
-    async def cancel(self) -> None:
-        """Stop the sends still in flight (the client is closing); their callers get CancelledError."""
-        loop = asyncio.get_running_loop()  # another loop's tasks are that loop's to end
-        flushes = [task for task in self._flushes if not task.done() and task.get_loop() is loop]
-        for task in flushes:
-            task.cancel()
-        if flushes:
-            await asyncio.wait(flushes)
-
-    def seal(self) -> None:
-        """Close this loop's open batch: an op called later must not join one that goes before it."""
-        with contextlib.suppress(RuntimeError):  # no running loop: nothing can be open
-            self._open.pop(asyncio.get_running_loop(), None)
 
     async def _flush(self, loop: asyncio.AbstractEventLoop, batch: _Batch) -> None:
         if self._open.get(loop) is batch:

@@ -14,14 +14,15 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from icefloe.client.remote.ordering import Turn
 from icefloe.protocol import OP_GENERATE, InvalidRequestError, Request, RequestFailedError, SamplingParams
 
-__all__ = ["GenerateCoalescer", "deliver"]
+__all__ = ["GenerateCoalescer", "PerLoopBatches", "deliver"]
 
 Send = Callable[[Request, Turn], Awaitable[dict[str, Any]]]
+B = TypeVar("B")
 
 
 def _params_per_prompt(request: Request) -> list[SamplingParams]:
@@ -35,27 +36,16 @@ class _Batch:
     items: list[tuple[Request, asyncio.Future]] = field(default_factory=list)
 
 
-class GenerateCoalescer:
-    """Merges concurrent generate requests of one event loop.
+class PerLoopBatches(Generic[B]):
+    """What both coalescers keep: the open batch of each event loop, and the sends in flight."""
 
-    ``send(request, turn)`` delivers one request in its turn; ``take_turn()`` reserves a sampling turn.
-    """
-
-    def __init__(self, send: Send, take_turn: Callable[[], Turn]) -> None:
-        self._send = send
-        self._take_turn = take_turn
-        self._open: dict[asyncio.AbstractEventLoop, _Batch] = {}
+    def __init__(self) -> None:
+        self._open: dict[asyncio.AbstractEventLoop, B] = {}
         self._flushes: set[asyncio.Task] = set()
 
-    async def submit(self, request: Request) -> dict[str, Any]:
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future = loop.create_future()
-        batch = self._open.get(loop)
-        if batch is None:
-            batch = self._open[loop] = _Batch(self._take_turn())
-            loop.call_soon(self._start_flush, loop, batch)  # after every call already queued this turn
-        batch.items.append((request, future))
-        return await future
+    def _track(self, task: asyncio.Task) -> None:
+        self._flushes.add(task)
+        task.add_done_callback(self._flushes.discard)
 
     async def cancel(self) -> None:
         """Stop the sends still in flight (the client is closing); their callers get CancelledError."""
@@ -67,16 +57,36 @@ class GenerateCoalescer:
             await asyncio.wait(flushes)
 
     def seal(self) -> None:
-        """Close this loop's open batch: a later generate must not jump ahead of an op called before it."""
+        """Close this loop's open batch: a call made later must not join one that goes before it."""
         with contextlib.suppress(RuntimeError):  # no running loop: nothing can be open
             self._open.pop(asyncio.get_running_loop(), None)
+
+
+class GenerateCoalescer(PerLoopBatches[_Batch]):
+    """Merges concurrent generate requests of one event loop.
+
+    ``send(request, turn)`` delivers one request in its turn; ``take_turn()`` reserves a sampling turn.
+    """
+
+    def __init__(self, send: Send, take_turn: Callable[[], Turn]) -> None:
+        super().__init__()
+        self._send = send
+        self._take_turn = take_turn
+
+    async def submit(self, request: Request) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        batch = self._open.get(loop)
+        if batch is None:
+            batch = self._open[loop] = _Batch(self._take_turn())
+            loop.call_soon(self._start_flush, loop, batch)  # after every call already queued this turn
+        batch.items.append((request, future))
+        return await future
 
     def _start_flush(self, loop: asyncio.AbstractEventLoop, batch: _Batch) -> None:
         if self._open.get(loop) is batch:
             del self._open[loop]
-        task = loop.create_task(self._flush(batch))
-        self._flushes.add(task)
-        task.add_done_callback(self._flushes.discard)
+        self._track(loop.create_task(self._flush(batch)))
 
     async def _flush(self, batch: _Batch) -> None:
         live = [(request, future) for request, future in batch.items if not future.done()]

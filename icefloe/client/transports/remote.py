@@ -316,21 +316,13 @@ class RemoteTransport(Transport):
 
     async def _send_batch_in_turn(self, requests: list[Request], turn: Turn) -> list[Outcome]:
         """Several training ops in one numbered POST (``batch_submit``); one outcome per op."""
-        try:
-            await turn.wait()
-            numbered = _NUMBERED.set(turn)
-            try:
-                return await run_async(self._batch_exchange(requests), self._async, on_submitted=turn.accepted)
-            finally:
-                _NUMBERED.reset(numbered)
-        except asyncio.CancelledError:
-            turn.given_up()
-            raise
-        finally:
-            turn.release()
+        return await self._run_in_turn(lambda: self._batch_exchange(requests), turn)
 
     async def _send_in_turn(self, request: Request, turn: Turn) -> Any:
         """Send once every earlier op of the same roles was accepted; free the next at acceptance."""
+        return await self._run_in_turn(lambda: self._exchange(request), turn)
+
+    async def _run_in_turn(self, exchange: Callable[[], Exchange[Any]], turn: Turn) -> Any:
         try:
             await turn.wait()
             if turn.sequence is None:  # ops called in this same loop turn take their turns behind us now
@@ -338,7 +330,7 @@ class RemoteTransport(Transport):
             may_hold = _MAY_HOLD.set(turn.may_hold)
             numbered = _NUMBERED.set(turn if turn.sequence is not None else None)
             try:
-                return await run_async(self._exchange(request), self._async, on_submitted=turn.accepted)
+                return await run_async(exchange(), self._async, on_submitted=turn.accepted)
             finally:
                 _MAY_HOLD.reset(may_hold)
                 _NUMBERED.reset(numbered)
