@@ -173,8 +173,9 @@ async def run(config: GRPOConfig, *, on_step: Callable[[dict[str, Any]], None] |
                 )
                 pending.append(asyncio.ensure_future(client.fwd_bwd(batch)))
                 pending.append(asyncio.ensure_future(client.step()))
-                if index == 0:
-                    await asyncio.sleep(0)  # let the first pair start now, not after the last minibatch is built
+                if index == 0:  # the first pair starts now, not after the last minibatch is built:
+                    await asyncio.sleep(0)  # one loop turn for their tasks to start,
+                    await asyncio.sleep(0)  # one for a transport that gathers ops to send them
             synced_future = asyncio.ensure_future(client.sync_weights())
             results = await asyncio.gather(*pending)
             synced = await synced_future

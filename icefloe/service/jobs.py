@@ -286,6 +286,9 @@ class JobManager:
                 return
             job.teardown_started = True
         job.stopping.set()
+        interrupt = getattr(job.host, "interrupt", None)
+        if interrupt is not None:
+            interrupt()  # an engine process: no thread may stay blocked on its pipes
         for worker in job.workers.values():
             worker.close()  # queued requests see `stopping` and are marked cancelled
         if job.host is not None:
@@ -582,6 +585,10 @@ class JobManager:
             self.finish_request(request_id, status="failed", error=f"the result could not be stored: {exc}")
 
     def _record_failure(self, job: LiveJob, request_ids: list[str], op: str, exc: Exception) -> None:
+        if job.stopping.is_set() and isinstance(exc, ClientClosedError):  # cut short by the job stopping
+            for request_id in request_ids:
+                self.finish_request(request_id, status="cancelled", error=f"job {job.job_id} stopped: {exc}")
+            return
         message = f"{type(exc).__name__}: {exc}"
         for request_id in request_ids:
             self.finish_request(request_id, status="failed", error=message)

@@ -25,6 +25,7 @@ import os
 import pickle
 import queue
 import signal
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
@@ -96,6 +97,7 @@ class ProcessEngineHost:
         self._exit_code: int | None = None
         self._pid: int | None = None
         self._closed = False
+        self._interrupted = False
 
     # --- lifecycle ----------------------------------------------------------------------------
     def start(self, on_progress: Callable[[str], None]) -> None:
@@ -168,7 +170,20 @@ class ProcessEngineHost:
         except (EOFError, OSError):
             raise self._died(what) from None
 
-    def _died(self, what: str) -> EngineProcessDied:
+    def interrupt(self) -> None:
+        """Break every pipe now (the job is stopping): a thread blocked sending or reading on one
+        returns at once, and the engine process exits after the op it is running. Without this a
+        stopping job could hang: the engine blocks writing replies nobody reads any more (its ops
+        are skipped), so it stops reading, and the service blocks sending the ops queued behind."""
+        self._interrupted = True
+        for pipe in list(self._pipes.values()):
+            _shut(pipe)
+
+    def _died(self, what: str) -> Exception:
+        if self._interrupted:
+            from icefloe.protocol import ClientClosedError
+
+            return ClientClosedError(f"the job is stopping; {what} was not completed")
         with self._death:  # one thread reaps the child; the others read the code it left
             code = self.exit_code
             if code is None and self._process is not None and not self._closed:
@@ -257,6 +272,16 @@ class _TensorPickler(pickle.Pickler):
             return NotImplemented
         flat = obj.detach().contiguous().reshape(-1)
         return _tensor_from_bytes, (flat.view(torch.uint8).numpy().tobytes(), str(flat.dtype), tuple(obj.shape))
+
+
+def _shut(pipe: Connection) -> None:
+    """Shut a pipe's socket down both ways; a thread blocked on it gets an error or EOF at once."""
+    with contextlib.suppress(OSError, ValueError):  # already closed
+        probe = socket.socket(fileno=os.dup(pipe.fileno()))
+        try:
+            probe.shutdown(socket.SHUT_RDWR)
+        finally:
+            probe.close()
 
 
 def _tensor_from_bytes(data: bytes, dtype: str, shape: tuple[int, ...]) -> Any:

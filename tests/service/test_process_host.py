@@ -217,3 +217,42 @@ def test_large_calls_and_replies_in_both_directions_at_once_never_deadlock_the_p
         parent.close()
         serving.join(timeout=10)
         child.close()
+
+
+class _SmallReplies:
+    def forward(self, sub_job_id: str, batch: dict) -> dict:
+        time.sleep(batch.get("sleep", 0.0))
+        return {"logprobs": torch.zeros(8192)}  # ~32 KiB: written by the serving thread itself
+
+
+def test_a_stopping_job_interrupts_its_pipes_so_teardown_never_waits_on_them():
+    """Ops handed ahead are skipped once the job stops, so nobody reads their replies: the engine
+    blocks writing them and stops reading, while the service blocks sending a large op behind."""
+    host = ProcessEngineHost([SimpleNamespace(sub_job_id="t")], {}, {})
+    parent, child = multiprocessing.Pipe()
+    host._pipes = {"t": parent}
+    serving = threading.Thread(target=_serve, args=(_SmallReplies(), child, _CallRecords()), daemon=True)
+    serving.start()
+    worker = RoleWorker("t", linger_s=0.0)
+    stopping = threading.Event()
+
+    def submit(batch: dict) -> None:
+        send_ahead, call = queued_call(host, "t", "forward", batch)
+        worker.submit_ahead(
+            lambda: None if stopping.is_set() else send_ahead(), lambda: None if stopping.is_set() else call()
+        )
+
+    submit({"sleep": 0.5})  # the engine is busy: everything behind waits in the pipe
+    for _ in range(20):
+        submit({"ids": torch.zeros(16)})
+    submit({"ids": torch.zeros(1 << 20)})  # 8 MiB: the sender blocks writing it
+    time.sleep(0.2)
+    stopping.set()
+    host.interrupt()  # what JobManager._teardown does for an engine process
+    closing = threading.Thread(target=worker.close, daemon=True)
+    closing.start()
+    closing.join(10)
+    assert not closing.is_alive(), "worker.close() still blocked on the engine pipe"
+    parent.close()
+    serving.join(timeout=10)
+    child.close()

@@ -46,6 +46,7 @@ class Call:
     timeout_s: float | None = None  # None = the configured request timeout
     sequence: str | None = None  # sent as Icefloe-Sequence (the sequenced_submit extension)
     on_sent: Callable[[], None] | None = field(default=None, compare=False)  # the request is on the wire
+    on_lost: Callable[[], None] | None = field(default=None, compare=False)  # an attempt failed (not cancelled)
 
 
 @dataclass(frozen=True, slots=True)

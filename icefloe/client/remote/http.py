@@ -357,8 +357,13 @@ class AsyncHttp:
         with translate_errors(call, self._endpoint, self._redactor, timeout_s):
             async for attempt in tenacity.AsyncRetrying(**self._policy._tenacity_kwargs(call, self._redactor)):
                 with attempt:
-                    response = await client.request(call.method, call.path, **kwargs)
-                    return _reply(call, response, self._redactor)
+                    try:
+                        response = await client.request(call.method, call.path, **kwargs)
+                        return _reply(call, response, self._redactor)
+                    except Exception:  # no answer, or one the service keeps the POST's place for a retry
+                        if call.on_lost is not None:
+                            call.on_lost()
+                        raise
         raise AssertionError("unreachable: tenacity re-raises the last failure")
 
     def _take(self) -> tuple[asyncio.AbstractEventLoop | None, AsyncGenerator[None, None] | None]:

@@ -41,6 +41,7 @@ class Turn:
     on_unanswered: Callable[[str], None] | None = None  # told the number of an op the service never accepted
     answered: bool = False
     sent: asyncio.Future | None = None  # numbered: resolved once the op's POST is on the wire
+    delivered: bool = False  # the latest attempt of the numbered POST was written and has not failed
 
     @property
     def may_hold(self) -> bool:
@@ -53,6 +54,7 @@ class Turn:
 
     def written(self) -> None:
         """The numbered POST is on the wire: the next op may send its own."""
+        self.delivered = True
         if self.sent is not None and not self.sent.done():
             self.sent.set_result(None)
 
@@ -61,11 +63,16 @@ class Turn:
         self.answered = True
         self.release()
 
+    def lost(self) -> None:
+        """An attempt of the numbered POST failed after it was written: the service may never have
+        had it whole, so a skip is due again unless a retry is written."""
+        self.delivered = False
+
     def given_up(self) -> None:
-        """The caller stopped waiting (cancelled). A POST already written still reaches the service,
-        which then uses its number itself: a skip sent for it could get in while its body still
-        uploads and let the ops behind it overtake it."""
-        if self.sent is not None and self.sent.done():
+        """The caller stopped waiting (cancelled). A POST whose last attempt was written still
+        reaches the service, which then uses its number itself: a skip sent for it could get in
+        while its body still uploads and let the ops behind it overtake it."""
+        if self.delivered:
             self.answered = True
 
     def release(self) -> None:

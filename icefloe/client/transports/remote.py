@@ -725,7 +725,7 @@ class RemoteTransport(Transport):
 def _numbered() -> dict[str, Any]:
     """``Call`` fields of the op's numbered POST: its Icefloe-Sequence, and who to tell once it is written."""
     turn = _NUMBERED.get()
-    return {} if turn is None else {"sequence": turn.sequence, "on_sent": turn.written}
+    return {} if turn is None else {"sequence": turn.sequence, "on_sent": turn.written, "on_lost": turn.lost}
 
 
 def _constant(value: Any) -> Exchange[Any]:
