@@ -7,6 +7,7 @@ log, and tensors cross the process boundary bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import multiprocessing
@@ -14,6 +15,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -177,6 +179,22 @@ def test_tickets_collect_their_own_reply_and_skip_one_nobody_waits_for(tmp_path)
     assert host.exit_code == 0
 
 
+@contextlib.contextmanager
+def _served_host(engines: object) -> Iterator[ProcessEngineHost]:
+    """A ProcessEngineHost whose sub-job ``t`` talks over a real pipe to ``_serve`` on a thread."""
+    host = ProcessEngineHost([SimpleNamespace(sub_job_id="t")], {}, {})
+    parent, child = multiprocessing.Pipe()
+    host._pipes = {"t": parent}
+    serving = threading.Thread(target=_serve, args=(engines, child, _CallRecords()), daemon=True)
+    serving.start()
+    try:
+        yield host
+    finally:
+        parent.close()
+        serving.join(timeout=10)
+        child.close()
+
+
 class _SlowEngines:
     """Stands in for the engines behind ``_serve``: each forward takes a while and answers 4 MiB."""
 
@@ -192,31 +210,24 @@ class _SlowEngines:
 def test_large_calls_and_replies_in_both_directions_at_once_never_deadlock_the_pipe():
     """The service writes the op queued behind (4 MiB) while the engine writes the reply of the one
     in front (4 MiB): each side must keep reading, or both wait on each other for good."""
-    host = ProcessEngineHost([SimpleNamespace(sub_job_id="t")], {}, {})
-    parent, child = multiprocessing.Pipe()
-    host._pipes = {"t": parent}
     engines = _SlowEngines()
-    serving = threading.Thread(target=_serve, args=(engines, child, _CallRecords()), daemon=True)
-    serving.start()
-    worker = RoleWorker("t", linger_s=0.0)
-    release = threading.Event()
-    try:
-        worker.submit(release.wait, 5)  # a save still running: the forwards queue behind it
+    with _served_host(engines) as host:
+        worker = RoleWorker("t", linger_s=0.0)
+        release = threading.Event()
+        try:
+            worker.submit(release.wait, 5)  # a save still running: the forwards queue behind it
 
-        def forward(tag: int):
-            batch = {"tag": tag, "ids": torch.zeros(1 << 19, dtype=torch.int64)}  # 4 MiB
-            send_ahead, call = queued_call(host, "t", "forward", batch)
-            return worker.submit_ahead(send_ahead, lambda: call()["tag"])
+            def forward(tag: int):
+                batch = {"tag": tag, "ids": torch.zeros(1 << 19, dtype=torch.int64)}  # 4 MiB
+                send_ahead, call = queued_call(host, "t", "forward", batch)
+                return worker.submit_ahead(send_ahead, lambda: call()["tag"])
 
-        futures = [forward(tag) for tag in range(3)]
-        release.set()
-        assert [f.result(timeout=20) for f in futures] == [0, 1, 2]
-        assert engines.ran == [0, 1, 2]
-    finally:
-        worker.close()
-        parent.close()
-        serving.join(timeout=10)
-        child.close()
+            futures = [forward(tag) for tag in range(3)]
+            release.set()
+            assert [f.result(timeout=20) for f in futures] == [0, 1, 2]
+            assert engines.ran == [0, 1, 2]
+        finally:
+            worker.close()
 
 
 class _SmallReplies:
@@ -228,31 +239,24 @@ class _SmallReplies:
 def test_a_stopping_job_interrupts_its_pipes_so_teardown_never_waits_on_them():
     """Ops handed ahead are skipped once the job stops, so nobody reads their replies: the engine
     blocks writing them and stops reading, while the service blocks sending a large op behind."""
-    host = ProcessEngineHost([SimpleNamespace(sub_job_id="t")], {}, {})
-    parent, child = multiprocessing.Pipe()
-    host._pipes = {"t": parent}
-    serving = threading.Thread(target=_serve, args=(_SmallReplies(), child, _CallRecords()), daemon=True)
-    serving.start()
-    worker = RoleWorker("t", linger_s=0.0)
-    stopping = threading.Event()
+    with _served_host(_SmallReplies()) as host:
+        worker = RoleWorker("t", linger_s=0.0)
+        stopping = threading.Event()
 
-    def submit(batch: dict) -> None:
-        send_ahead, call = queued_call(host, "t", "forward", batch)
-        worker.submit_ahead(
-            lambda: None if stopping.is_set() else send_ahead(), lambda: None if stopping.is_set() else call()
-        )
+        def submit(batch: dict) -> None:
+            send_ahead, call = queued_call(host, "t", "forward", batch)
+            worker.submit_ahead(
+                lambda: None if stopping.is_set() else send_ahead(), lambda: None if stopping.is_set() else call()
+            )
 
-    submit({"sleep": 0.5})  # the engine is busy: everything behind waits in the pipe
-    for _ in range(20):
-        submit({"ids": torch.zeros(16)})
-    submit({"ids": torch.zeros(1 << 20)})  # 8 MiB: the sender blocks writing it
-    time.sleep(0.2)
-    stopping.set()
-    host.interrupt()  # what JobManager._teardown does for an engine process
-    closing = threading.Thread(target=worker.close, daemon=True)
-    closing.start()
-    closing.join(10)
-    assert not closing.is_alive(), "worker.close() still blocked on the engine pipe"
-    parent.close()
-    serving.join(timeout=10)
-    child.close()
+        submit({"sleep": 0.5})  # the engine is busy: everything behind waits in the pipe
+        for _ in range(20):
+            submit({"ids": torch.zeros(16)})
+        submit({"ids": torch.zeros(1 << 20)})  # 8 MiB: the sender blocks writing it
+        time.sleep(0.2)
+        stopping.set()
+        host.interrupt()  # what JobManager._teardown does for an engine process
+        closing = threading.Thread(target=worker.close, daemon=True)
+        closing.start()
+        closing.join(10)
+        assert not closing.is_alive(), "worker.close() still blocked on the engine pipe"
