@@ -35,6 +35,12 @@ class Api:
         body = {"sub_job_configs": list(sub_job_configs or (TRAINING, SAMPLING)), **extra}
         return (await self.call("POST", "/", json=body)).json()["job_id"]
 
+    async def running(self, *sub_job_configs: dict[str, Any]) -> str:
+        """A new job (training only unless configs are given), once it runs."""
+        job_id = await self.create(*(sub_job_configs or (TRAINING,)))
+        await self.wait_status(job_id, "running")
+        return job_id
+
     async def job(self, job_id: str) -> dict[str, Any]:
         return (await self.call("GET", f"/{job_id}")).json()
 

@@ -7,17 +7,10 @@ import pytest
 from icefloe import wire
 
 from .service_batches import small_batch
-from .service_client import TRAINING, Api
+from .service_client import Api
 from .service_harness import client_for, make_app
 
 pytestmark = pytest.mark.anyio
-
-
-async def _running(http) -> tuple[Api, str]:
-    api = Api(http)
-    job_id = await api.create(TRAINING)
-    await api.wait_status(job_id, "running")
-    return api, job_id
 
 
 def _ops(app, job_id: str) -> list[str]:
@@ -28,7 +21,8 @@ def _ops(app, job_id: str) -> list[str]:
 async def test_batch_queues_its_ops_in_order_and_answers_each_like_its_own_post(data_dir):
     app = make_app(data_dir)
     async with client_for(app, "uvicorn") as http:
-        api, job_id = await _running(http)
+        api = Api(http)
+        job_id = await api.running()
         ops = {"ops": [{"op": "forward-backward", "batch": small_batch()}, {"op": "step", "learning_rate": 0.01}]}
         answer = (await api.post_frame(job_id, "batch", ops, params={"wait": 30})).json()
         trained, stepped = answer["answers"]
@@ -48,7 +42,8 @@ async def test_batch_queues_its_ops_in_order_and_answers_each_like_its_own_post(
 async def test_a_refused_op_is_answered_in_its_own_entry_and_the_others_run(data_dir):
     app = make_app(data_dir)
     async with client_for(app, "uvicorn") as http:
-        api, job_id = await _running(http)
+        api = Api(http)
+        job_id = await api.running()
         broken = small_batch()
         broken["kwargs"]["input_ids"] = broken["kwargs"]["input_ids"] + 10_000  # outside the vocabulary
         ops = {
@@ -81,7 +76,8 @@ async def test_a_refused_op_is_answered_in_its_own_entry_and_the_others_run(data
 async def test_a_batch_retried_with_its_idempotency_key_runs_once(data_dir):
     app = make_app(data_dir)
     async with client_for(app, "uvicorn") as http:
-        api, job_id = await _running(http)
+        api = Api(http)
+        job_id = await api.running()
         ops = {"ops": [{"op": "forward-backward", "batch": small_batch()}, {"op": "step"}]}
         headers = {"Idempotency-Key": "batch-once", "content-type": "application/octet-stream"}
         post = {"content": wire.encode(ops), "params": {"wait": 30}, "headers": headers}

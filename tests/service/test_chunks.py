@@ -13,7 +13,7 @@ from icefloe import wire
 from icefloe.service.runtime import LocalEngineHost
 
 from .service_batches import small_batch
-from .service_client import TRAINING, Api
+from .service_client import Api
 from .service_harness import asgi_client, make_app
 
 pytestmark = pytest.mark.anyio
@@ -32,12 +32,6 @@ def chunks_of(batch, *, group_id: str | None = None, max_bytes: int = 9000) -> l
         force=True,
     )
     return chunks
-
-
-async def _running_job(api: Api) -> str:
-    job_id = await api.create(TRAINING)
-    await api.wait_status(job_id, "running")
-    return job_id
 
 
 async def _post(api: Api, job_id: str, chunk: bytes):
@@ -62,7 +56,7 @@ async def test_replayed_chunk_group_executes_once_and_returns_the_original_reque
     monkeypatch.setattr(LocalEngineHost, "fwd_bwd", counting_fwd_bwd)
     async with asgi_client(make_app(data_dir, engines="local")) as http:
         api = Api(http)
-        job_id = await _running_job(api)
+        job_id = await api.running()
         chunks = chunks_of(_bigger_batch(), max_bytes=9000)
         assert len(chunks) >= 2
         answers = [(await _post(api, job_id, c)).json() for c in chunks]
@@ -80,7 +74,7 @@ async def test_replayed_chunk_group_executes_once_and_returns_the_original_reque
 async def test_unknown_group_starting_past_chunk_zero_needs_a_restart(data_dir):
     async with asgi_client(make_app(data_dir)) as http:
         api = Api(http)
-        job_id = await _running_job(api)
+        job_id = await api.running()
         group = str(uuid.uuid4())
         chunks = chunks_of(_bigger_batch(), group_id=group, max_bytes=9000)
         response = await _post(api, job_id, chunks[1])
@@ -97,7 +91,7 @@ async def test_unknown_group_starting_past_chunk_zero_needs_a_restart(data_dir):
 async def test_group_id_reused_with_another_frame_is_a_conflict(data_dir):
     async with asgi_client(make_app(data_dir)) as http:
         api = Api(http)
-        job_id = await _running_job(api)
+        job_id = await api.running()
         group = str(uuid.uuid4())
         first = chunks_of(_bigger_batch(), group_id=group, max_bytes=9000)
         other_batch = _bigger_batch()
@@ -116,7 +110,7 @@ async def test_group_id_reused_with_another_frame_is_a_conflict(data_dir):
 async def test_final_chunk_with_earlier_ones_missing_is_refused(data_dir):
     async with asgi_client(make_app(data_dir)) as http:
         api = Api(http)
-        job_id = await _running_job(api)
+        job_id = await api.running()
         chunks = chunks_of(_bigger_batch(), max_bytes=8700)
         assert len(chunks) >= 3
         await _post(api, job_id, chunks[0])
@@ -148,7 +142,7 @@ async def test_hostile_chunk_counts_and_sizes_are_refused_without_building_huge_
     """total_chunks and frame_size_bytes were unbounded: total_chunks=10**10 built set(range(10**10)) under the lock."""
     async with asgi_client(make_app(data_dir)) as http:
         api = Api(http)
-        job_id = await _running_job(api)
+        job_id = await api.running()
         for idx, total, size, field in (
             (0, 1, 2**40, "frame_size_bytes"),  # above the 64 GiB cap
             (0, 10**10, 10**9, "total_chunks"),  # above the 1_000_000 chunk cap
@@ -175,7 +169,7 @@ async def test_chunked_result_delivery_pages_events_by_cursor(data_dir):
     app = make_app(data_dir, result_chunk_bytes=20_000)
     async with asgi_client(app) as http:
         api = Api(http)
-        job_id = await _running_job(api)
+        job_id = await api.running()
         batch = small_batch()
         batch["kwargs"]["input_ids"] = batch["kwargs"]["input_ids"].repeat(16, 8)
         batch["kwargs"] = {"input_ids": batch["kwargs"]["input_ids"]}

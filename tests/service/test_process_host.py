@@ -45,8 +45,7 @@ async def test_engines_run_in_a_child_process_and_train(data_dir):
     app = make_app(data_dir)
     async with asgi_client(app) as http:
         api = Api(http)
-        job_id = await api.create(TRAINING, SAMPLING)
-        await api.wait_status(job_id, "running")
+        job_id = await api.running(TRAINING, SAMPLING)
         host = _host(app, job_id)
         assert host.pid is not None and host.pid != os.getpid()
         os.kill(host.pid, 0)  # alive
@@ -93,8 +92,7 @@ async def test_engine_log_records_from_the_child_land_in_the_jobs_log(data_dir):
     app = make_app(data_dir)
     async with asgi_client(app) as http:
         api = Api(http)
-        job_id = await api.create(TRAINING, SAMPLING)
-        await api.wait_status(job_id, "running")
+        job_id = await api.running(TRAINING, SAMPLING)
         rows = [([1, 2, 3], [4, 5, 6]), ([2, 3, 4], [5, 6, 7])]
         poisoned = canonical_batch(rows, [float("nan"), 1.0])  # a NaN advantage makes the gradient NaN
         accepted = (await api.post_frame(job_id, "forward-backward", poisoned)).json()

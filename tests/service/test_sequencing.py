@@ -11,7 +11,7 @@ from icefloe import wire
 from icefloe.service.sequencing import SubmitOrder, release_turn
 
 from .service_batches import small_batch
-from .service_client import TRAINING, Api
+from .service_client import Api
 from .service_harness import asgi_client, make_app
 
 pytestmark = pytest.mark.anyio
@@ -21,26 +21,23 @@ def _numbered(session: str, number: int) -> dict[str, str]:
     return {"Icefloe-Sequence": f"{session}:{number}"}
 
 
+async def _held_step(api: Api, job_id: str, session: str, number: int):
+    """A numbered step POST that asks for its answer inline (?wait=)."""
+    return await api.call("POST", f"/{job_id}/step", json={}, params={"wait": 30}, headers=_numbered(session, number))
+
+
 def _recorded_ops(app, job_id: str) -> list[str]:
     rows = app.state.db.fetch_all("SELECT op, created_at FROM requests WHERE job_id = ? ORDER BY created_at", (job_id,))
     return [row["op"] for row in rows]
-
-
-async def _running_job(api: Api) -> str:
-    job_id = await api.create(TRAINING)
-    await api.wait_status(job_id, "running")
-    return job_id
 
 
 async def test_a_step_that_arrives_first_waits_for_the_forward_backward_numbered_before_it(data_dir):
     app = make_app(data_dir)
     async with asgi_client(app) as http:
         api = Api(http)
-        job_id = await _running_job(api)
+        job_id = await api.running()
         session = uuid.uuid4().hex
-        step = asyncio.ensure_future(
-            api.call("POST", f"/{job_id}/step", json={}, params={"wait": 30}, headers=_numbered(session, 1))
-        )
+        step = asyncio.ensure_future(_held_step(api, job_id, session, 1))
         await asyncio.sleep(0.3)  # the step has arrived and is held
         assert not step.done() and _recorded_ops(app, job_id) == []
         trained = await api.call(
@@ -60,7 +57,7 @@ async def test_a_missing_number_is_refused_after_the_gap_timeout_and_nothing_run
     app = make_app(data_dir, sequence_gap_timeout_s=0.3)
     async with asgi_client(app) as http:
         api = Api(http)
-        job_id = await _running_job(api)
+        job_id = await api.running()
         refused = await api.call("POST", f"/{job_id}/step", json={}, headers=_numbered("lonely", 1), check=False)
         assert refused.status_code == 409 and refused.json()["code"] == "sequence_gap"
         assert "POST 0" in refused.json()["message"] and "sequence-skip" in refused.json()["message"]
@@ -71,11 +68,9 @@ async def test_a_sequence_skip_takes_the_place_of_a_post_that_will_never_come(da
     app = make_app(data_dir, sequence_gap_timeout_s=30)
     async with asgi_client(app) as http:
         api = Api(http)
-        job_id = await _running_job(api)
+        job_id = await api.running()
         session = uuid.uuid4().hex
-        step = asyncio.ensure_future(
-            api.call("POST", f"/{job_id}/step", json={}, params={"wait": 30}, headers=_numbered(session, 1))
-        )
+        step = asyncio.ensure_future(_held_step(api, job_id, session, 1))
         await asyncio.sleep(0.2)
         skip = {"operation_type": "sequence-skip", "payload": {}}
         skipped = await api.call("POST", f"/{job_id}/operation", json=skip, headers=_numbered(session, 0))
@@ -87,7 +82,7 @@ async def test_a_number_already_let_in_passes_at_once_and_unnumbered_posts_never
     app = make_app(data_dir, sequence_gap_timeout_s=30)
     async with asgi_client(app) as http:
         api = Api(http)
-        job_id = await _running_job(api)
+        job_id = await api.running()
         session = uuid.uuid4().hex
         for _ in range(2):  # a retry of POST 0 (a new Idempotency-Key: a deliberate second step)
             await api.call("POST", f"/{job_id}/step", json={}, headers=_numbered(session, 0))
