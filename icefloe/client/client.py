@@ -117,7 +117,7 @@ class Client(_BaseClient):
     def _call(self, call: ops.OpCall) -> Any:
         self._check_open()
         self._ensure_open_sync()
-        return call.parse(self._transport.handle(call.request))
+        return call.parse(self._transport.handle(call.request).result())
 
     def fwd_bwd(self, batch: Mapping[str, Any], processing: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Forward + backward; gradients accumulate until ``step``. Returns ``{loss, metrics, num_tokens}``."""
@@ -216,7 +216,7 @@ class AsyncClient(_BaseClient):
                 self._open_lock = asyncio.Lock()
             async with self._open_lock:
                 if self._state is _State.UNOPENED:
-                    await self._transport.aopen()
+                    await asyncio.to_thread(self._transport.open)
                     self._state = _State.OPEN
         return self
 
@@ -224,7 +224,7 @@ class AsyncClient(_BaseClient):
         self._check_open()
         if self._state is _State.UNOPENED:
             await self.open()
-        return call.parse(await self._transport.handle_async(call.request))
+        return call.parse(await asyncio.wrap_future(self._transport.handle(call.request)))
 
     async def fwd_bwd(self, batch: Mapping[str, Any], processing: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Forward + backward; gradients accumulate until ``step``. Returns ``{loss, metrics, num_tokens}``."""
@@ -299,7 +299,7 @@ class AsyncClient(_BaseClient):
         if self._state is _State.CLOSED:
             return
         self._state = _State.CLOSED
-        await self._transport.aclose()
+        await asyncio.to_thread(self._transport.close)
 
     async def __aenter__(self) -> Self:
         return await self.open()

@@ -1,15 +1,14 @@
 """The embedded backend: every engine runs inside the calling process.
 
-Routing, ordering and generate coalescing come from :class:`RoleTransport`; this module only
-builds the engines (or finds them, when a handle re-attaches in the same process) and copies
-weights in memory.
+Routing, ordering, generate merging and the in-memory weight copy come from the engine host (see
+:class:`RoleTransport`); this module only builds the engines, or finds them when a handle
+re-attaches in the same process.
 """
 
 from __future__ import annotations
 
 import uuid
 import weakref
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -41,41 +40,25 @@ class LocalTransport(RoleTransport):
         super().__init__(config, session=session, checkpoint_root=Path(root))
 
     def _start(self) -> None:
-        if self._attached_to is not None:
-            owner = self._attached_to
-            owner.open()
-            self.training, self.sampling, self.reference = owner.training, owner.sampling, owner.reference
-            self._workers = owner._workers
-            self.checkpoint_root = owner.checkpoint_root
+        if self._attached_to is not None:  # a twin drives the owner's engines through the owner's host
+            self._attached_to.open()
+            self.host = self._attached_to.host
+            self.training = self._attached_to.training
             return
-        from icefloe.engines import RoleWorker, TrainingEngine, build_sampling_engine, resolve_model
+        from icefloe.engines import TrainingEngine, build_sampling_engine, resolve_model
 
         device = _pick_device(self.config.backend.device)
         model_dir = resolve_model(self.config.model, seed=self.config.seed)
         self.training = TrainingEngine(self.config, device=device, model_dir=model_dir)
-        self._workers["training"] = RoleWorker("training")
         if self.config.num_sampling_workers > 0:
             self.sampling = build_sampling_engine(self.config, device=device, model_dir=model_dir)
-            self._workers["sampling"] = RoleWorker("sampling")
         if self.config.num_log_prob_workers > 0:
             self.reference = TrainingEngine(self.config, device=device, role="reference", model_dir=model_dir)
-            self._workers["reference"] = RoleWorker("reference")
         _LIVE[self._session] = self
 
     def _stop(self) -> None:
-        if self._attached_to is not None:
-            return  # a twin leaves the owner's engines running
-        for worker in self._workers.values():
-            worker.close(wait=True)
-        _LIVE.pop(self._session, None)
-
-    def _sync_weights(self, body: dict[str, Any]) -> Future:
-        """An in-memory copy once both roles reach it (see ``SyncGate``)."""
-        from icefloe.engines import SyncGate, sync_weights_local
-
-        gate = SyncGate(1, abandoned=lambda: "the client was shut down" if self._closed else None)
-        self._worker("sampling").submit(gate.park)
-        return self._worker("training").submit(gate.run, lambda: sync_weights_local(self.training, self.sampling))
+        if self._attached_to is None:
+            _LIVE.pop(self._session, None)
 
     def handle_info(self) -> dict[str, Any]:
         return {"backend": "local", "session": self._session}

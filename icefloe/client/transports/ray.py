@@ -1,7 +1,7 @@
 """The Ray backend: training ranks, samplers and reference replicas as named Ray actors.
 
 Op routing, generate coalescing, per-role ordering and checkpoint listing are the local
-transport's (this class extends it): each role still has one driver-side ``RoleWorker``, and the
+transport's (this class extends it): each role still has one driver-side ordered worker, and the
 engines it drives are actor groups instead of in-process engines. Weight sync is a
 torch.distributed broadcast from trainer rank 0 to every sampler on a group of its own, split over
 the two roles' workers so it runs after earlier training work and before later sampling work.
@@ -67,11 +67,6 @@ class RayTransport(RoleTransport):
             self._attach_actors(self._attach)
         else:
             self._launch()
-        from icefloe.engines.worker import RoleWorker
-
-        for role in ("training", "sampling", "reference"):
-            if getattr(self, role) is not None:
-                self._workers[role] = RoleWorker(f"ray-{role}")
 
     def _connect(self) -> None:
         """Join the cluster the handle or config names, or start a local Ray when there is none."""
@@ -141,8 +136,6 @@ class RayTransport(RoleTransport):
         self.model_dir = resolve_model(self.config.model, seed=self.config.seed)
 
     def _stop(self) -> None:
-        for worker in self._workers.values():
-            worker.close(wait=True)
         if self._owner:
             self._release_actors()
         if self._started_ray:

@@ -1,14 +1,13 @@
-"""RoleWorker: strict FIFO order, coalescing of batchable items, errors, lifecycle."""
+"""The engine host: strict FIFO order per role, merging of batchable items, the sync gate, lifecycle."""
 
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
-from icefloe.engines.worker import RoleWorker
-from icefloe.protocol import ClientClosedError
+from icefloe.engines.host import EngineHost, RoleWorker, Roles, SyncGate
+from icefloe.protocol import ClientClosedError, InvalidRequestError
 
 
 @pytest.fixture
@@ -61,17 +60,6 @@ def test_submit_batchable_coalesces_consecutive_items_with_the_same_key(worker):
     assert calls == [("g", [0, 1, 2, 3]), ("g", [7, 8]), ("o", [5])]
 
 
-def test_submit_batchable_caps_the_batch_size():
-    worker = RoleWorker("capped", linger_s=0.0, max_batch_items=2)
-    sizes: list[int] = []
-    release = _blocked(worker)
-    futures = [worker.submit_batchable("k", i, lambda items: sizes.append(len(items)) or items) for i in range(5)]
-    release.set()
-    assert [f.result(10) for f in futures] == list(range(5))
-    assert sizes == [2, 2, 1]
-    worker.close()
-
-
 def test_linger_collects_items_that_arrive_just_after_the_first():
     """With a long linger the first item waits for company until a different item queues behind it."""
     worker = RoleWorker("linger", linger_s=30.0)
@@ -118,8 +106,6 @@ def test_close_finishes_queued_work_is_idempotent_and_refuses_new_work():
 
 
 def test_sync_gate_copies_between_earlier_and_later_work():
-    from icefloe.engines.worker import SyncGate
-
     source, target = RoleWorker("source"), RoleWorker("target")
     events: list[str] = []
     try:
@@ -139,8 +125,6 @@ def test_sync_gate_copies_between_earlier_and_later_work():
 
 
 def test_sync_gate_abandons_instead_of_hanging():
-    from icefloe.engines.worker import SyncGate
-
     source = RoleWorker("source")
     reason: list[str] = []
     try:
@@ -153,66 +137,37 @@ def test_sync_gate_abandons_instead_of_hanging():
         source.close()
 
 
-def test_send_ahead_hands_the_next_op_over_while_the_one_before_runs_but_never_past_a_plain_job():
-    events: list[tuple[str, str]] = []
-    blocker, release = threading.Event(), threading.Event()
-    worker = RoleWorker("ahead")
-
-    def run(name: str) -> None:
-        events.append(("run", name))
-
-    def hold() -> None:
-        blocker.set()
-        release.wait(10)
-
+def test_roles_sync_copies_after_earlier_work_on_every_target_and_before_later_work():
+    roles = Roles(["train", "a", "b"], linger_s=0.0)
+    events: list[str] = []
+    release = threading.Event()
     try:
-        worker.submit(hold)  # keeps the queue below from being taken while it fills
-        blocker.wait(10)
-        ahead = {n: worker.submit_ahead(lambda n=n: events.append(("send", n)), run, n) for n in "ab"}
-        plain = worker.submit(run, "c")  # a gate or a batch: nothing behind it goes early
-        last = worker.submit_ahead(lambda: events.append(("send", "d")), run, "d")
+        roles.submit("a", lambda: (release.wait(5), events.append("a-earlier")))
+        roles.submit("b", events.append, "b-earlier")
+        roles.submit("train", events.append, "train-earlier")
+        copied = roles.sync("train", ["a", "b"], lambda: events.append("copy") or "copied")
+        later = [roles.submit(role, events.append, f"{role}-later") for role in ("a", "b", "train")]
         release.set()
-        for future in [*ahead.values(), plain, last]:
-            future.result(timeout=10)
+        assert copied.result(5) == "copied"
+        for future in later:
+            future.result(5)
     finally:
-        worker.close()
-    assert events == [
-        ("send", "a"),
-        ("send", "b"),  # while a runs
-        ("run", "a"),
-        ("run", "b"),
-        ("run", "c"),
-        ("send", "d"),
-        ("run", "d"),
-    ]
+        roles.close()
+    assert events.index("copy") > max(events.index(e) for e in ("a-earlier", "b-earlier", "train-earlier"))
+    assert events.index("copy") < min(events.index(e) for e in ("a-later", "b-later", "train-later"))
 
 
-def test_ops_submitted_behind_ops_that_went_ahead_are_all_handed_over_at_once_in_order():
-    """The engine must never wait for this thread between ops: with every job in front sent ahead,
-    a new one is handed over when it is submitted, not when the job before it starts."""
-    events: list[tuple[str, str]] = []
-    running, release = threading.Event(), threading.Event()
-    worker = RoleWorker("eager-ahead")
+def test_engine_host_answers_bad_requests_on_the_future_without_blocking(tmp_path):
+    from icefloe.protocol import OP_FORWARD, OP_GENERATE, OP_LIST_CHECKPOINTS, TARGET_REFERENCE, Request
 
-    def run(name: str) -> None:
-        events.append(("run", name))
-        if name == "a":
-            running.set()
-            release.wait(10)
-
+    host = EngineHost({"training": object(), "sampling": None}, checkpoint_root=tmp_path)
     try:
-        futures = [worker.submit_ahead(lambda: events.append(("send", "a")), run, "a")]
-        running.wait(10)  # a computes; b, c, d come in now
-        futures += [worker.submit_ahead(lambda n=n: events.append(("send", n)), run, n) for n in "bcd"]
-        futures.append(worker.submit(run, "gate"))
-        futures.append(worker.submit_ahead(lambda: events.append(("send", "e")), run, "e"))
-        deadline = time.monotonic() + 10
-        while ("send", "d") not in events and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert events == [("send", "a"), ("run", "a"), ("send", "b"), ("send", "c"), ("send", "d")]
-        release.set()
-        for future in futures:
-            future.result(timeout=10)
+        generate = host.submit(Request(OP_GENERATE, "sampling", {"prompts": [[1]], "sampling_params": {}}))
+        with pytest.raises(InvalidRequestError, match="generate needs a sampling role; set num_sampling_workers"):
+            generate.result(0)
+        reference = host.submit(Request(OP_FORWARD, TARGET_REFERENCE, {"batch": {}}))
+        with pytest.raises(InvalidRequestError, match="num_log_prob_workers=1"):
+            reference.result(0)
+        assert host.submit(Request(OP_LIST_CHECKPOINTS, "job", {})).result(0) == {"checkpoints": []}
     finally:
-        worker.close()
-    assert events[5:] == [("run", "b"), ("run", "c"), ("run", "d"), ("run", "gate"), ("send", "e"), ("run", "e")]
+        host.close()
