@@ -334,8 +334,8 @@ class EngineHost:
             self._engine("sampling", "sync_weights")
             return self._sync_weights(body)
         if op == protocol.OP_SAVE:
-            kind = body.get("checkpoint_type", "resumable")
-            return self.roles.submit("training", self.engines["training"].save_checkpoint, self.checkpoint_root, kind=kind)
+            save, kind = self.engines["training"].save_checkpoint, body.get("checkpoint_type", "resumable")
+            return self.roles.submit("training", save, self.checkpoint_root, kind=kind)
         if op == protocol.OP_LOAD:
             return self.roles.submit("training", self._load, body["checkpoint_id"])
         if op == protocol.OP_DELETE_CHECKPOINT:

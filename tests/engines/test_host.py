@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from icefloe.engines.host import EngineHost, RoleWorker, Roles, SyncGate
+from icefloe.engines.host import EngineHost, Roles, RoleWorker, SyncGate
 from icefloe.protocol import ClientClosedError, InvalidRequestError
 
 
