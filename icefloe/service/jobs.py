@@ -39,7 +39,7 @@ from icefloe.service.joblog import JobLog, JobLogRouter
 from icefloe.service.models import JobCreate
 from icefloe.service.placement import SlotPool
 from icefloe.service.results import JsonText, ResultPages, json_text, wants_dssst1
-from icefloe.service.runtime import EngineHost, make_engine_host
+from icefloe.service.runtime import JobEngines, make_engine_host
 from icefloe.service.settings import ServeSettings
 from icefloe.service.specs import SEGMENT_BY_JOB_TYPE, TYPED_CONFIG_KEYS, SubJobSpec, sub_job_specs
 from icefloe.service.waiters import RequestWaiters
@@ -64,7 +64,7 @@ class LiveJob:
     chunks: ChunkGroups
     job_dir: Path
     status: str = "pending"
-    host: EngineHost | None = None
+    host: JobEngines | None = None
     workers: dict[str, Any] = field(default_factory=dict)  # sub-job id -> RoleWorker
     slots: list[int] = field(default_factory=list)
     stopping: threading.Event = field(default_factory=threading.Event)

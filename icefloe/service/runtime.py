@@ -1,14 +1,14 @@
 """Where a job's engines live: the one seam between the service and the compute behind it.
 
-An :class:`EngineHost` builds and owns the engines of ONE job and runs one op at a time on a named
-sub-job. The job manager calls it from that sub-job's FIFO worker thread, so a host need not lock.
-``local`` keeps the engines in this process; another host (Ray actors) only has to implement the
-same methods. :func:`make_engine_host` is the only map from ``ServeSettings.engines`` to a class.
+A :class:`JobEngines` builds and owns the engines of ONE job and runs one op at a time on a named
+sub-job. The job manager calls it from that sub-job's ordered worker (``icefloe.engines.host.Roles``,
+one role per sub-job), so a host need not lock. ``local`` keeps the engines in this process,
+``process`` in a child process, ``ray`` in actors; :func:`make_engine_host` is the only map from
+``ServeSettings.engines`` to a class.
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,16 +18,14 @@ from icefloe.protocol import ConfigError, InvalidRequestError, SamplingParams
 from icefloe.service.results import encode_json
 from icefloe.service.specs import SubJobSpec
 
-__all__ = ["EngineHost", "LocalEngineHost", "make_engine_host", "queued_call"]
-
-_log = logging.getLogger("icefloe.service.runtime")
+__all__ = ["JobEngines", "LocalEngineHost", "make_engine_host"]
 
 # Engines of two jobs are never built at the same time in one process: transformers' lazy imports
 # and the tiny-model cache (resolve_model) are not safe to enter from two threads at once.
 _BUILD_LOCK = threading.Lock()
 
 
-class EngineHost(Protocol):
+class JobEngines(Protocol):
     """The engines of one job, addressed by sub-job id."""
 
     def start(self, on_progress: Callable[[str], None]) -> None:
@@ -152,7 +150,7 @@ class LocalEngineHost:
 
 def make_engine_host(
     engines: str, specs: Sequence[SubJobSpec], devices: dict[str, str], checkpoints: dict[str, Path]
-) -> EngineHost:
+) -> JobEngines:
     """Build the host ``--engines`` names for one job's sub-jobs."""
     if engines == "local":
         return LocalEngineHost(specs, devices, checkpoints)
@@ -165,27 +163,3 @@ def make_engine_host(
 
         return RayEngineHost(specs, devices, checkpoints)
     raise ConfigError(f"serve.engines must be 'process', 'local' or 'ray'; got {engines!r}")
-
-
-def queued_call(
-    host: EngineHost, sub_job_id: str, method: str, *args: Any
-) -> tuple[Callable[[], None] | None, Callable[[], Any]]:
-    """``(send_ahead, call)`` for ``host.<method>(sub_job_id, *args)``.
-
-    A host whose engines queue work in another process (it has ``send`` / ``wait``) gets a
-    ``send_ahead`` that hands the op over early; ``call`` then only collects the result. For any
-    other host ``send_ahead`` is None and ``call`` makes the call.
-    """
-    send, wait = getattr(host, "send", None), getattr(host, "wait", None)
-    direct: Callable[[], Any] = lambda: getattr(host, method)(sub_job_id, *args)  # noqa: E731
-    if send is None or wait is None:
-        return None, direct
-    tickets: list[int] = []
-
-    def send_ahead() -> None:
-        tickets.append(send(sub_job_id, method, sub_job_id, *args))
-
-    def call() -> Any:
-        return wait(sub_job_id, tickets[0], method) if tickets else direct()
-
-    return send_ahead, call
