@@ -218,7 +218,7 @@ class JobManager:
 
     def _bring_up(self, job: LiveJob) -> None:
         """Lifecycle thread: wait for slots, load the engines, start the workers."""
-        from icefloe.engines.worker import RoleWorker
+        from icefloe.engines.host import RoleWorker
 
         try:
             if not self._advance(job, "placing"):
@@ -439,25 +439,11 @@ class JobManager:
         fn: Callable[[], Any],
         *,
         op_metadata: dict[str, Any] | None = None,
-        send_ahead: Callable[[], None] | None = None,
     ) -> str:
-        """Record a request and queue ``fn`` on the sub-job's worker; returns the request id.
-
-        ``send_ahead`` hands the op to an engine process before its turn (see RoleWorker); from
-        then on the request counts as running, so cancel-request leaves it be.
-        """
+        """Record a request and queue ``fn`` on the sub-job's worker; returns the request id."""
         request_id = self.record_request(job, sub_job_id, op, op_metadata or {})
-        worker = job.workers[sub_job_id]
         with self._refused_if_stopped(job, request_id):
-            if send_ahead is None:
-                worker.submit(self._execute, job, request_id, op, fn, op_metadata or {})
-            else:
-
-                def ahead() -> None:
-                    if self._start_unless_abandoned(job, request_id):
-                        send_ahead()  # else _execute skips it
-
-                worker.submit_ahead(ahead, self._execute, job, request_id, op, fn, op_metadata or {})
+            job.workers[sub_job_id].submit(self._execute, job, request_id, op, fn, op_metadata or {})
         return request_id
 
     def submit_batchable(

@@ -33,7 +33,6 @@ from icefloe.service.errors import bad_request, conflict, not_found, not_impleme
 from icefloe.service.jobs import JobManager, LiveJob
 from icefloe.service.models import GenerateBody, LoadBody, SaveBody, StepBody, WeightSyncPayload
 from icefloe.service.results import JsonText
-from icefloe.service.runtime import queued_call
 
 __all__ = [
     "BATCHED_OPS",
@@ -101,22 +100,20 @@ def _prepare_batch_op(
     if op == OP_FORWARD:
 
         def submit_forward() -> str:
-            ahead, forward = queued_call(host, sub_job_id, "forward", batch)
-            return manager.submit(job, sub_job_id, OP_FORWARD, forward, op_metadata=op_metadata, send_ahead=ahead)
+            forward = lambda: host.forward(sub_job_id, batch)  # noqa: E731
+            return manager.submit(job, sub_job_id, OP_FORWARD, forward, op_metadata=op_metadata)
 
         return submit_forward
     if not job.specs[sub_job_id].is_training:
         raise bad_request(f"forward-backward needs a training sub-job; {sub_job_id} is not one")
 
     def submit_fwd_bwd() -> str:
-        ahead, fwd_bwd = queued_call(host, sub_job_id, "fwd_bwd", batch)
-
         def run() -> dict[str, Any]:
-            result = fwd_bwd()
+            result = host.fwd_bwd(sub_job_id, batch)
             job.last_avg_loss[sub_job_id] = float(result["avg_loss"])
             return {"job_id": job.job_id, **result, "post_process_outputs": {}}
 
-        return manager.submit(job, sub_job_id, OP_FWD_BWD, run, op_metadata=op_metadata, send_ahead=ahead)
+        return manager.submit(job, sub_job_id, OP_FWD_BWD, run, op_metadata=op_metadata)
 
     return submit_fwd_bwd
 
@@ -277,13 +274,11 @@ def generate_target(job: LiveJob, routing_key: Any) -> str:
 def submit_step(manager: JobManager, job: LiveJob, body: StepBody, sub_job_id: str) -> str:
     host = job.host
     assert host is not None
-    ahead, step = queued_call(host, sub_job_id, "step", body.learning_rate)
-
     def run() -> dict[str, Any]:
-        result = step()
+        result = host.step(sub_job_id, body.learning_rate)
         return {"job_id": job.job_id, "global_steps": result["global_step"], "last_lr": result["lr"], **result}
 
-    return manager.submit(job, sub_job_id, OP_STEP, run, send_ahead=ahead)
+    return manager.submit(job, sub_job_id, OP_STEP, run)
 
 
 def submit_save(manager: JobManager, job: LiveJob, body: SaveBody, sub_job_id: str) -> str:
@@ -368,7 +363,7 @@ def submit_weight_sync(
         )
     if payload.weight_format == "lora":
         raise not_implemented("weight_format 'lora' needs LoRA adapters, which local engines do not train")
-    from icefloe.engines.worker import SyncGate
+    from icefloe.engines.host import SyncGate
 
     sync_request: dict[str, str] = {}
 
