@@ -2,7 +2,8 @@
 
 What it must show: the engines really run in another process, a crash there fails that job with
 the cause and leaves the service and its other jobs serving, engine log records reach the job's
-log, and tensors cross the process boundary bit for bit.
+log, tensors cross the pipe bit for bit, every call gets its own reply however many are in flight,
+and a stopping job never waits on its engine process for long.
 """
 
 from __future__ import annotations
@@ -14,18 +15,14 @@ import multiprocessing
 import os
 import signal
 import threading
-import time
 from collections.abc import Iterator
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from icefloe.engines.worker import RoleWorker
-from icefloe.protocol import InvalidRequestError
+from icefloe.protocol import ClientClosedError, InvalidRequestError
 from icefloe.service.models import JobCreate
-from icefloe.service.process_host import ProcessEngineHost, _CallRecords, _dumps, _loads, _serve
-from icefloe.service.runtime import queued_call
+from icefloe.service.process_host import Channel, ProcessEngineHost, serve
 from icefloe.service.specs import sub_job_specs
 
 from .service_batches import canonical_batch, small_batch
@@ -108,6 +105,47 @@ async def test_engine_log_records_from_the_child_land_in_the_jobs_log(data_dir):
         assert not [e for e in pages["sampling"] if e["logger"] == "icefloe.engines.training"]
 
 
+class _Engines:
+    """Stand-in engines behind :func:`serve` on a thread, for faults a real engine cannot make on demand."""
+
+    def __init__(self) -> None:
+        self.held, self.release = threading.Event(), threading.Event()
+        self.ran: list[int] = []
+
+    def hold(self) -> str:
+        self.held.set()
+        self.release.wait(30)
+        return "held"
+
+    def echo(self, value: object) -> object:
+        return value
+
+    def forward(self, tag: int, ids: torch.Tensor) -> dict:
+        self.ran.append(tag)
+        return {"tag": tag, "logprobs": torch.zeros(1 << 20)}  # 4 MiB back
+
+    def step(self) -> dict:
+        logging.getLogger("icefloe.engines.training").warning("odd", extra={"handle": threading.Lock()})
+        return {"global_step": 1, "callback": lambda: None}  # neither the result nor the record's extra pickles
+
+
+@contextlib.contextmanager
+def _channel(engines: _Engines) -> Iterator[Channel]:
+    """A Channel whose other end is :func:`serve` on a thread, over a real pipe."""
+    parent, child = multiprocessing.Pipe()
+    serving = threading.Thread(target=serve, args=(engines, child), daemon=True)
+    serving.start()
+    channel = Channel(parent, "test", lost=lambda what: ClientClosedError(f"pipe gone during {what}"))
+    try:
+        yield channel
+    finally:
+        engines.release.set()
+        channel.close()
+        serving.join(10)
+        child.close()
+    assert not serving.is_alive()  # EOF ends it
+
+
 @pytest.mark.parametrize(
     "tensor",
     [
@@ -121,140 +159,99 @@ async def test_engine_log_records_from_the_child_land_in_the_jobs_log(data_dir):
     ids=["scalar", "empty", "strided", "bfloat16", "bool", "non-finite"],
 )
 def test_tensors_cross_the_pipe_bit_for_bit(tensor):
-    back = _loads(_dumps({"batch": [tensor], "n": 1}))["batch"][0]
+    with _channel(_Engines()) as channel:
+        back = channel.call("echo", {"batch": [tensor], "n": 1})["batch"][0]
     assert (back.dtype, back.shape) == (tensor.dtype, tensor.shape)
     as_bytes = [t.contiguous().reshape(-1).view(torch.uint8) for t in (back, tensor)]
     assert torch.equal(*as_bytes)
 
 
-class _FaultyEngines:
-    """Stand-in engines for faults a real engine cannot be made to produce on demand."""
-
-    def step(self, sub_job_id: str, learning_rate: float | None) -> dict:
-        logging.getLogger("icefloe.engines.training").warning("odd", extra={"handle": threading.Lock()})
-        return {"global_step": 1, "callback": lambda: None}  # neither the result nor the record's extra pickles
-
-    def forward(self, sub_job_id: str, batch: dict) -> dict:
-        return {"logprobs": batch["x"] * 2}
+def test_a_reply_that_cannot_be_pickled_fails_its_call_and_the_pipe_keeps_serving():
+    with _channel(_Engines()) as channel:
+        with pytest.raises(RuntimeError, match="step returned a result that cannot be sent"):
+            channel.call("step")
+        assert channel.call("echo", 7) == 7
 
 
-def test_a_reply_that_cannot_be_pickled_fails_its_call_and_the_serving_thread_keeps_serving():
-    parent, child = multiprocessing.Pipe()
-    records = _CallRecords()
-    logging.getLogger("icefloe").addHandler(records)
-    serving = threading.Thread(target=_serve, args=(_FaultyEngines(), child, records), daemon=True)
-    serving.start()
-    try:
-        parent.send_bytes(_dumps(("step", ("sub", None))))
-        kind, error, _ = _loads(parent.recv_bytes())
-        assert kind == "error" and "step returned a result that cannot be sent" in str(error)
-        parent.send_bytes(_dumps(("forward", ("sub", {"x": torch.ones(2)}))))
-        kind, value, _ = _loads(parent.recv_bytes())
-        assert kind == "ok" and torch.equal(value["logprobs"], torch.full((2,), 2.0))
-    finally:
-        logging.getLogger("icefloe").removeHandler(records)
-        parent.close()
-        serving.join(timeout=10)
-    assert not serving.is_alive()  # EOF ends it
+def test_large_calls_and_replies_in_flight_at_once_each_reach_their_own_caller():
+    """Callers write 4 MiB calls while the engine writes 4 MiB replies: if either end stopped
+    reading while it wrote, both would wait on each other for good."""
+    engines = _Engines()
+    with _channel(engines) as channel:
+        held = threading.Thread(target=channel.call, args=("hold",), daemon=True)
+        held.start()
+        assert engines.held.wait(10)  # the engine is busy: the calls below pile up in the pipe
+        results: dict[int, int] = {}
+
+        def forward(tag: int) -> None:
+            results[tag] = channel.call("forward", tag, torch.zeros(1 << 19, dtype=torch.int64))["tag"]
+
+        callers = [threading.Thread(target=forward, args=(tag,), daemon=True) for tag in range(4)]
+        for caller in callers:
+            caller.start()
+        engines.release.set()
+        for caller in [held, *callers]:
+            caller.join(30)
+            assert not caller.is_alive(), "a call never got its reply"
+    assert results == {tag: tag for tag in range(4)}
+    assert sorted(engines.ran) == [0, 1, 2, 3]  # each ran exactly once
 
 
-def test_tickets_collect_their_own_reply_and_skip_one_nobody_waits_for(tmp_path):
-    job = JobCreate.model_validate({"sub_job_configs": [TRAINING]})
-    specs = sub_job_specs("tickets", job)
+def test_a_shut_channel_fails_the_waiting_call_and_every_later_one_at_once():
+    engines = _Engines()
+    with _channel(engines) as channel:
+        failed: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                channel.call("hold")
+            except ClientClosedError as exc:
+                failed.append(exc)
+
+        waiting = threading.Thread(target=wait, daemon=True)
+        waiting.start()
+        assert engines.held.wait(10)
+        channel.shut()  # what a stopping job does (ProcessEngineHost.interrupt) while the engine is busy
+        waiting.join(10)
+        assert [str(e) for e in failed] == ["pipe gone during hold"]
+        with pytest.raises(ClientClosedError, match="pipe gone during echo"):
+            channel.call("echo", 1)
+
+
+def _started_host(name: str) -> tuple[ProcessEngineHost, str]:
+    specs = sub_job_specs(name, JobCreate.model_validate({"sub_job_configs": [TRAINING]}))
     sub_job_id = specs[0].sub_job_id
     host = ProcessEngineHost(specs, {sub_job_id: "cpu"}, {})
     host.start(lambda message: None)
+    return host, sub_job_id
+
+
+def test_concurrent_calls_on_one_sub_job_run_once_each_in_order_and_user_errors_keep_it_serving():
+    host, sub_job_id = _started_host("calls")
     try:
-        first = host.send(sub_job_id, "step", sub_job_id, None)  # its request was dropped: never waited for
-        second = host.send(sub_job_id, "step", sub_job_id, None)
-        assert host.wait(sub_job_id, second)["global_step"] == 2  # both ran, in order; the first reply is skipped
-        assert host.step(sub_job_id, None)["global_step"] == 3
+        steps: list[int] = []
+        callers = [
+            threading.Thread(target=lambda: steps.append(host.step(sub_job_id, None)["global_step"]))
+            for _ in range(3)
+        ]
+        for caller in callers:
+            caller.start()
+        for caller in callers:
+            caller.join(60)
+        assert sorted(steps) == [1, 2, 3]
         with pytest.raises(InvalidRequestError, match="learning_rate must be >= 0"):
-            host.wait(sub_job_id, host.send(sub_job_id, "step", sub_job_id, -1.0))
-        assert first < second
+            host.step(sub_job_id, -1.0)
+        assert host.step(sub_job_id, None)["global_step"] == 4
+        host.interrupt()
+        with pytest.raises(ClientClosedError, match="the job is stopping; step was not completed"):
+            host.step(sub_job_id, None)
     finally:
         host.close()
     assert host.exit_code == 0
 
 
-@contextlib.contextmanager
-def _served_host(engines: object) -> Iterator[ProcessEngineHost]:
-    """A ProcessEngineHost whose sub-job ``t`` talks over a real pipe to ``_serve`` on a thread."""
-    host = ProcessEngineHost([SimpleNamespace(sub_job_id="t")], {}, {})
-    parent, child = multiprocessing.Pipe()
-    host._pipes = {"t": parent}
-    serving = threading.Thread(target=_serve, args=(engines, child, _CallRecords()), daemon=True)
-    serving.start()
-    try:
-        yield host
-    finally:
-        parent.close()
-        serving.join(timeout=10)
-        child.close()
-
-
-class _SlowEngines:
-    """Stands in for the engines behind ``_serve``: each forward takes a while and answers 4 MiB."""
-
-    def __init__(self) -> None:
-        self.ran: list[int] = []
-
-    def forward(self, sub_job_id: str, batch: dict) -> dict:
-        self.ran.append(int(batch["tag"]))
-        time.sleep(0.05)
-        return {"logprobs": torch.zeros(1 << 20), "tag": int(batch["tag"])}
-
-
-def test_large_calls_and_replies_in_both_directions_at_once_never_deadlock_the_pipe():
-    """The service writes the op queued behind (4 MiB) while the engine writes the reply of the one
-    in front (4 MiB): each side must keep reading, or both wait on each other for good."""
-    engines = _SlowEngines()
-    with _served_host(engines) as host:
-        worker = RoleWorker("t", linger_s=0.0)
-        release = threading.Event()
-        try:
-            worker.submit(release.wait, 5)  # a save still running: the forwards queue behind it
-
-            def forward(tag: int):
-                batch = {"tag": tag, "ids": torch.zeros(1 << 19, dtype=torch.int64)}  # 4 MiB
-                send_ahead, call = queued_call(host, "t", "forward", batch)
-                return worker.submit_ahead(send_ahead, lambda: call()["tag"])
-
-            futures = [forward(tag) for tag in range(3)]
-            release.set()
-            assert [f.result(timeout=20) for f in futures] == [0, 1, 2]
-            assert engines.ran == [0, 1, 2]
-        finally:
-            worker.close()
-
-
-class _SmallReplies:
-    def forward(self, sub_job_id: str, batch: dict) -> dict:
-        time.sleep(batch.get("sleep", 0.0))
-        return {"logprobs": torch.zeros(8192)}  # ~32 KiB: written by the serving thread itself
-
-
-def test_a_stopping_job_interrupts_its_pipes_so_teardown_never_waits_on_them():
-    """Ops handed ahead are skipped once the job stops, so nobody reads their replies: the engine
-    blocks writing them and stops reading, while the service blocks sending a large op behind."""
-    with _served_host(_SmallReplies()) as host:
-        worker = RoleWorker("t", linger_s=0.0)
-        stopping = threading.Event()
-
-        def submit(batch: dict) -> None:
-            send_ahead, call = queued_call(host, "t", "forward", batch)
-            worker.submit_ahead(
-                lambda: None if stopping.is_set() else send_ahead(), lambda: None if stopping.is_set() else call()
-            )
-
-        submit({"sleep": 0.5})  # the engine is busy: everything behind waits in the pipe
-        for _ in range(20):
-            submit({"ids": torch.zeros(16)})
-        submit({"ids": torch.zeros(1 << 20)})  # 8 MiB: the sender blocks writing it
-        time.sleep(0.2)
-        stopping.set()
-        host.interrupt()  # what JobManager._teardown does for an engine process
-        closing = threading.Thread(target=worker.close, daemon=True)
-        closing.start()
-        closing.join(10)
-        assert not closing.is_alive(), "worker.close() still blocked on the engine pipe"
+def test_closing_kills_an_engine_process_that_does_not_exit():
+    host, _ = _started_host("stuck")
+    os.kill(host.pid, signal.SIGSTOP)  # fault: a child wedged in a driver call never exits
+    host.close()
+    assert host.exit_code == -signal.SIGKILL
