@@ -7,9 +7,9 @@ sampler's queue run as one engine batch. A weight copy from a trainer to its sam
 through a :class:`SyncGate`: it runs after all work queued earlier on every role it touches and
 before any work queued later.
 
-:class:`Roles` holds the workers and the gate; the service keeps one per job (a role per
-sub-job). :class:`EngineHost` adds the op table on top, for the transports whose roles are engine
-objects with the engine method names (``local``: torch engines; ``ray``: actor groups).
+The service keeps one worker per sub-job and a gate per weight-sync. :class:`EngineHost` maps
+roles to workers and adds the op table, for the transports whose roles are engine objects with the
+engine method names (``local``: torch engines; ``ray``: actor groups).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +28,7 @@ from typing import Any
 from icefloe import protocol
 from icefloe.protocol import ClientClosedError, InvalidRequestError, Request
 
-__all__ = ["ENGINE_CALLS", "EngineHost", "RoleWorker", "Roles", "SyncGate"]
+__all__ = ["ENGINE_CALLS", "EngineHost", "RoleWorker", "SyncGate"]
 
 
 @dataclass
@@ -194,61 +194,14 @@ class SyncGate:
         """Free parked targets without copying (the copy could not be queued)."""
         self._released.set()
 
-
-class Roles:
-    """One :class:`RoleWorker` per role name, and the gate that lines them up for a weight copy.
-
-    Args:
-        names: the roles (``training``/``sampling``/``reference``, or a job's sub-job ids).
-        linger_s: passed to every worker.
-    """
-
-    def __init__(self, names: Iterable[str], *, linger_s: float = 0.002) -> None:
-        self.workers = {name: RoleWorker(name, linger_s=linger_s) for name in names}
-
-    def __contains__(self, role: str) -> bool:
-        return role in self.workers
-
-    def submit(self, role: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
-        """Run ``fn(*args, **kwargs)`` on ``role``'s worker, after everything queued there before."""
-        return self.workers[role].submit(fn, *args, **kwargs)
-
-    def submit_batchable(
-        self, role: str, key: Hashable, item: Any, run_batch: Callable[[list[Any]], Sequence[Any]]
-    ) -> Future:
-        """See :meth:`RoleWorker.submit_batchable`."""
-        return self.workers[role].submit_batchable(key, item, run_batch)
-
-    def park(self, targets: Sequence[str], *, abandoned: Callable[[], str | None] = lambda: None) -> SyncGate:
-        """Park every target worker for a copy; the caller queues ``gate.run(copy)`` on the source.
-
-        A caller that then fails to queue the copy must call ``gate.release()``.
-        """
-        gate = SyncGate(len(targets), abandoned=abandoned)
+    @classmethod
+    def parked(cls, targets: Sequence[RoleWorker], *, abandoned: Callable[[], str | None] = lambda: None) -> SyncGate:
+        """A gate with :meth:`park` queued on every target; queue ``gate.run(copy)`` on the source
+        next, or call ``gate.release()`` if that fails."""
+        gate = cls(len(targets), abandoned=abandoned)
         for target in targets:
-            self.submit(target, gate.park)
+            target.submit(gate.park)
         return gate
-
-    def sync(
-        self,
-        source: str,
-        targets: Sequence[str],
-        copy: Callable[[], Any],
-        *,
-        abandoned: Callable[[], str | None] = lambda: None,
-    ) -> Future:
-        """Run ``copy()`` on ``source`` once it and every target reach this point in their queues."""
-        gate = self.park(targets, abandoned=abandoned)
-        try:
-            return self.submit(source, gate.run, copy)
-        except BaseException:
-            gate.release()
-            raise
-
-    def close(self) -> None:
-        """Finish queued work on every worker and stop them. Idempotent."""
-        for worker in self.workers.values():
-            worker.close()
 
 
 @dataclass(frozen=True)
@@ -302,7 +255,7 @@ class EngineHost:
     ) -> None:
         self.engines = {role: engine for role, engine in engines.items() if engine is not None}
         self.checkpoint_root = Path(checkpoint_root)
-        self.roles = Roles(self.engines)
+        self.workers = {role: RoleWorker(role) for role in self.engines}
         self._sync_weights = sync_weights or self._sync_in_memory
         self._abandoned = abandoned
 
@@ -315,7 +268,8 @@ class EngineHost:
 
     def close(self) -> None:
         """Finish queued work and stop the workers. Idempotent."""
-        self.roles.close()
+        for worker in self.workers.values():
+            worker.close()
 
     def _route(self, op: str, target: str, body: dict[str, Any]) -> Future:
         call = ENGINE_CALLS.get(op)
@@ -324,22 +278,22 @@ class EngineHost:
             if role not in self.engines and call.optional:
                 return _done({})
             method = getattr(self._engine(role, op), call.method)
-            return self.roles.submit(role, method, *call.args(body))
+            return self.workers[role].submit(method, *call.args(body))
         if op == protocol.OP_GENERATE:
             self._engine("sampling", op)
             prompts, params = body["prompts"], body["sampling_params"]
             item = (prompts, params if isinstance(params, list) else [params] * len(prompts))
-            return self.roles.submit_batchable("sampling", op, item, self._generate)
+            return self.workers["sampling"].submit_batchable(op, item, self._generate)
         if op == protocol.OP_WEIGHT_SYNC:
             self._engine("sampling", "sync_weights")
             return self._sync_weights(body)
         if op == protocol.OP_SAVE:
             save, kind = self.engines["training"].save_checkpoint, body.get("checkpoint_type", "resumable")
-            return self.roles.submit("training", save, self.checkpoint_root, kind=kind)
+            return self.workers["training"].submit(save, self.checkpoint_root, kind=kind)
         if op == protocol.OP_LOAD:
-            return self.roles.submit("training", self._load, body["checkpoint_id"])
+            return self.workers["training"].submit(self._load, body["checkpoint_id"])
         if op == protocol.OP_DELETE_CHECKPOINT:
-            return self.roles.submit("training", self._delete, body["checkpoint_id"])
+            return self.workers["training"].submit(self._delete, body["checkpoint_id"])
         if op == protocol.OP_LIST_CHECKPOINTS:
             return _done({"checkpoints": self._list()})
         if op == protocol.OP_GET_CHECKPOINT:
@@ -370,8 +324,8 @@ class EngineHost:
         from icefloe.engines.weight_sync import sync_weights_local
 
         training, sampling = self.engines["training"], self.engines["sampling"]
-        copy = lambda: sync_weights_local(training, sampling)  # noqa: E731
-        return self.roles.sync("training", ["sampling"], copy, abandoned=self._abandoned)
+        gate = SyncGate.parked([self.workers["sampling"]], abandoned=self._abandoned)
+        return self.workers["training"].submit(gate.run, lambda: sync_weights_local(training, sampling))
 
     # --- checkpoints: folders under checkpoint_root ------------------------------------------------
     def _folder(self, checkpoint_id: str) -> Path:

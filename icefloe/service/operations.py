@@ -274,6 +274,7 @@ def generate_target(job: LiveJob, routing_key: Any) -> str:
 def submit_step(manager: JobManager, job: LiveJob, body: StepBody, sub_job_id: str) -> str:
     host = job.host
     assert host is not None
+
     def run() -> dict[str, Any]:
         result = host.step(sub_job_id, body.learning_rate)
         return {"job_id": job.job_id, "global_steps": result["global_step"], "last_lr": result["lr"], **result}

@@ -55,6 +55,16 @@ class JobEngines(Protocol):
         """Release every engine (memory, devices); idempotent."""
 
 
+def _on_engine(method: str) -> Callable[..., Any]:
+    """A :class:`LocalEngineHost` method: ``<method>(*args)`` on the sub-job's engine."""
+
+    def call(self: LocalEngineHost, sub_job_id: str, *args: Any) -> Any:
+        return getattr(self._engine(sub_job_id), method)(*args)
+
+    call.__name__ = method
+    return call
+
+
 class LocalEngineHost:
     """Engines in this process: one TrainingEngine or SamplingEngine per sub-job, on its slot's device."""
 
@@ -95,25 +105,13 @@ class LocalEngineHost:
         except KeyError:
             raise InvalidRequestError(f"sub-job {sub_job_id!r} has no engine in this job") from None
 
-    def fwd_bwd(self, sub_job_id: str, batch: dict[str, Any]) -> dict[str, Any]:
-        return self._engine(sub_job_id).fwd_bwd(batch)
-
-    def forward(self, sub_job_id: str, batch: dict[str, Any]) -> dict[str, Any]:
-        return self._engine(sub_job_id).forward(batch)
-
-    def step(self, sub_job_id: str, learning_rate: float | None) -> dict[str, Any]:
-        return self._engine(sub_job_id).step(learning_rate)
-
-    def save(self, sub_job_id: str, root: Path, kind: str) -> dict[str, Any]:
-        return self._engine(sub_job_id).save_checkpoint(root, kind=kind)
-
-    def load(self, sub_job_id: str, path: Path) -> dict[str, Any]:
-        return self._engine(sub_job_id).load_checkpoint(path)
-
-    def generate(
-        self, sub_job_id: str, prompts: list[list[int] | str], params: list[SamplingParams]
-    ) -> list[dict[str, Any]]:
-        return self._engine(sub_job_id).generate(prompts, params)
+    fwd_bwd = _on_engine("fwd_bwd")
+    forward = _on_engine("forward")
+    step = _on_engine("step")
+    save = _on_engine("save_checkpoint")
+    load = _on_engine("load_checkpoint")
+    generate = _on_engine("generate")
+    reset_prefix_cache = _on_engine("reset_prefix_cache")
 
     def generate_json(self, sub_job_id: str, prompts: list[list[int] | str], params: list[SamplingParams]) -> list[str]:
         """:meth:`generate` with each sample encoded as JSON where it was made (an engine process):
@@ -125,9 +123,6 @@ class LocalEngineHost:
         from icefloe.engines.weight_sync import sync_weights_local
 
         return sync_weights_local(self._engine(source_sub_job_id), self._engine(target_sub_job_id))
-
-    def reset_prefix_cache(self, sub_job_id: str) -> dict[str, Any]:
-        return self._engine(sub_job_id).reset_prefix_cache()
 
     def max_seq_len(self, sub_job_id: str) -> int:
         return self._specs[sub_job_id].config.max_seq_len

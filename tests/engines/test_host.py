@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from icefloe.engines.host import EngineHost, Roles, RoleWorker, SyncGate
+from icefloe.engines.host import EngineHost, RoleWorker, SyncGate
 from icefloe.protocol import ClientClosedError, InvalidRequestError
 
 
@@ -137,22 +137,24 @@ def test_sync_gate_abandons_instead_of_hanging():
         source.close()
 
 
-def test_roles_sync_copies_after_earlier_work_on_every_target_and_before_later_work():
-    roles = Roles(["train", "a", "b"], linger_s=0.0)
+def test_a_parked_gate_copies_after_earlier_work_on_every_worker_and_before_later_work():
+    workers = {name: RoleWorker(name, linger_s=0.0) for name in ("train", "a", "b")}
     events: list[str] = []
     release = threading.Event()
     try:
-        roles.submit("a", lambda: (release.wait(5), events.append("a-earlier")))
-        roles.submit("b", events.append, "b-earlier")
-        roles.submit("train", events.append, "train-earlier")
-        copied = roles.sync("train", ["a", "b"], lambda: events.append("copy") or "copied")
-        later = [roles.submit(role, events.append, f"{role}-later") for role in ("a", "b", "train")]
+        workers["a"].submit(lambda: (release.wait(5), events.append("a-earlier")))
+        for name in ("b", "train"):
+            workers[name].submit(events.append, f"{name}-earlier")
+        gate = SyncGate.parked([workers["a"], workers["b"]])
+        copied = workers["train"].submit(gate.run, lambda: events.append("copy") or "copied")
+        later = [worker.submit(events.append, f"{name}-later") for name, worker in workers.items()]
         release.set()
         assert copied.result(5) == "copied"
         for future in later:
             future.result(5)
     finally:
-        roles.close()
+        for worker in workers.values():
+            worker.close()
     assert events.index("copy") > max(events.index(e) for e in ("a-earlier", "b-earlier", "train-earlier"))
     assert events.index("copy") < min(events.index(e) for e in ("a-later", "b-later", "train-later"))
 

@@ -231,8 +231,7 @@ def test_concurrent_calls_on_one_sub_job_run_once_each_in_order_and_user_errors_
     try:
         steps: list[int] = []
         callers = [
-            threading.Thread(target=lambda: steps.append(host.step(sub_job_id, None)["global_step"]))
-            for _ in range(3)
+            threading.Thread(target=lambda: steps.append(host.step(sub_job_id, None)["global_step"])) for _ in range(3)
         ]
         for caller in callers:
             caller.start()

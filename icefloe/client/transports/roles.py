@@ -10,7 +10,7 @@ how the role objects come to exist and go away:
   this transport leaves that host running.
 - ``_stop()``: release what ``_start`` created; called once, after the role workers drained.
 - ``_sync_weights(body) -> Future`` (optional): copy trainer weights to the samplers after earlier
-  training work and before later sampling work, queueing on ``self.host.roles``; the default is
+  training work and before later sampling work, queueing on ``self._worker(role)``; the default is
   an in-memory copy through the gate.
 """
 
@@ -100,7 +100,7 @@ class RoleTransport(Transport):
 
     def _worker(self, role: str) -> Any:
         """The ordered worker of ``role``, for a subclass's ``_sync_weights``."""
-        return self.host.roles.workers[role]
+        return self.host.workers[role]
 
 
 def _failed(exc: BaseException) -> Future:
