@@ -240,7 +240,7 @@ class EngineHost:
     Args:
         engines: role name -> engine (or actor group); a role that is None is absent.
         checkpoint_root: the folder checkpoints are saved in, listed from and loaded from.
-        sync_weights: ``(host, body) -> Future`` for a weight-sync; default: an in-memory copy
+        sync_weights: ``(body) -> Future`` for a weight-sync; default: an in-memory copy
             from ``training`` to ``sampling`` through the gate.
         abandoned: polled by a waiting weight sync; a reason stops it (see :class:`SyncGate`).
     """

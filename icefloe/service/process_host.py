@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from icefloe.protocol import ClientClosedError, InvalidRequestError
+from icefloe.service.runtime import SubJobHost
 from icefloe.service.specs import SubJobSpec
 
 __all__ = ["Channel", "EngineProcessDied", "ProcessEngineHost", "serve", "warm_forkserver"]
@@ -150,23 +151,11 @@ class Channel:
             future.set_exception(self._lost(method))
 
 
-def _remote(method: str) -> Callable[..., Any]:
-    """A :class:`ProcessEngineHost` method that runs ``LocalEngineHost.<method>`` in the engine process."""
-
-    def call(self: ProcessEngineHost, sub_job_id: str, *args: Any) -> Any:
-        return self._channel(sub_job_id).call(method, sub_job_id, *args)
-
-    call.__name__ = method
-    return call
-
-
-class ProcessEngineHost:
-    """The engines of one job, in a child process; the ``JobEngines`` methods run there."""
+class ProcessEngineHost(SubJobHost):
+    """The engines of one job, in a child process: each op runs on the child's :class:`LocalEngineHost`."""
 
     def __init__(self, specs: Sequence[SubJobSpec], devices: dict[str, str], checkpoints: dict[str, Path]) -> None:
-        self._specs = {s.sub_job_id: s for s in specs}
-        self._devices = devices
-        self._checkpoints = checkpoints
+        super().__init__(specs, devices, checkpoints)
         self._process: Any = None
         self._control: Connection | None = None
         self._channels: dict[str, Channel] = {}
@@ -175,22 +164,6 @@ class ProcessEngineHost:
         self._pid: int | None = None
         self._stopping = False  # calls cut short from now on were cancelled, not lost to a crash
         self._closed = False
-
-    fwd_bwd = _remote("fwd_bwd")
-    forward = _remote("forward")
-    step = _remote("step")
-    save = _remote("save")
-    load = _remote("load")
-    generate = _remote("generate")
-    generate_json = _remote("generate_json")
-    reset_prefix_cache = _remote("reset_prefix_cache")
-
-    def sync_weights(self, source_sub_job_id: str, target_sub_job_id: str) -> dict[str, Any]:
-        # Runs on the source's thread in the child; the caller's gate keeps the target idle meanwhile.
-        return self._channel(source_sub_job_id).call("sync_weights", source_sub_job_id, target_sub_job_id)
-
-    def max_seq_len(self, sub_job_id: str) -> int:
-        return self._specs[sub_job_id].config.max_seq_len
 
     @property
     def pid(self) -> int | None:
@@ -277,11 +250,11 @@ class ProcessEngineHost:
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
         return EngineProcessDied(f"the engine process {self._pid} {how} during {what}")
 
-    def _channel(self, sub_job_id: str) -> Channel:
+    def _call(self, sub_job_id: str, method: str, *args: Any) -> Any:
         channel = self._channels.get(sub_job_id)
         if channel is None:
             raise InvalidRequestError(f"sub-job {sub_job_id!r} has no engine in this job")
-        return channel
+        return channel.call(method, sub_job_id, *args)
 
 
 class _TensorPickler(pickle.Pickler):

@@ -18,7 +18,7 @@ from icefloe.protocol import ConfigError, InvalidRequestError, SamplingParams
 from icefloe.service.results import encode_json
 from icefloe.service.specs import SubJobSpec
 
-__all__ = ["JobEngines", "LocalEngineHost", "make_engine_host"]
+__all__ = ["JobEngines", "LocalEngineHost", "SubJobHost", "make_engine_host"]
 
 # Engines of two jobs are never built at the same time in one process: transformers' lazy imports
 # and the tiny-model cache (resolve_model) are not safe to enter from two threads at once.
@@ -55,23 +55,49 @@ class JobEngines(Protocol):
         """Release every engine (memory, devices); idempotent."""
 
 
-def _on_engine(method: str) -> Callable[..., Any]:
-    """A :class:`LocalEngineHost` method: ``<method>(*args)`` on the sub-job's engine."""
+def _op(method: str) -> Callable[..., Any]:
+    """A :class:`SubJobHost` method: ``self._call(sub_job_id, method, *args)``."""
 
-    def call(self: LocalEngineHost, sub_job_id: str, *args: Any) -> Any:
-        return getattr(self._engine(sub_job_id), method)(*args)
+    def call(self: SubJobHost, sub_job_id: str, *args: Any) -> Any:
+        return self._call(sub_job_id, method, *args)
 
     call.__name__ = method
     return call
 
 
-class LocalEngineHost:
-    """Engines in this process: one TrainingEngine or SamplingEngine per sub-job, on its slot's device."""
+class SubJobHost:
+    """What the local and process hosts share: the sub-job specs, and each op as one ``_call``."""
 
     def __init__(self, specs: Sequence[SubJobSpec], devices: dict[str, str], checkpoints: dict[str, Path]) -> None:
         self._specs = {s.sub_job_id: s for s in specs}
         self._devices = devices
         self._checkpoints = checkpoints  # sub-job id -> checkpoint folder to start from
+
+    fwd_bwd = _op("fwd_bwd")
+    forward = _op("forward")
+    step = _op("step")
+    save = _op("save")
+    load = _op("load")
+    generate = _op("generate")
+    reset_prefix_cache = _op("reset_prefix_cache")
+    generate_json = _op("generate_json")
+    sync_weights = _op("sync_weights")
+
+    def max_seq_len(self, sub_job_id: str) -> int:
+        return self._specs[sub_job_id].config.max_seq_len
+
+    def _call(self, sub_job_id: str, method: str, *args: Any) -> Any:
+        raise NotImplementedError
+
+
+_ENGINE_METHODS = {"save": "save_checkpoint", "load": "load_checkpoint"}  # the other ops share the engine's names
+
+
+class LocalEngineHost(SubJobHost):
+    """Engines in this process: one TrainingEngine or SamplingEngine per sub-job, on its slot's device."""
+
+    def __init__(self, specs: Sequence[SubJobSpec], devices: dict[str, str], checkpoints: dict[str, Path]) -> None:
+        super().__init__(specs, devices, checkpoints)
         self._engines: dict[str, Any] = {}
 
     def start(self, on_progress: Callable[[str], None]) -> None:
@@ -105,13 +131,8 @@ class LocalEngineHost:
         except KeyError:
             raise InvalidRequestError(f"sub-job {sub_job_id!r} has no engine in this job") from None
 
-    fwd_bwd = _on_engine("fwd_bwd")
-    forward = _on_engine("forward")
-    step = _on_engine("step")
-    save = _on_engine("save_checkpoint")
-    load = _on_engine("load_checkpoint")
-    generate = _on_engine("generate")
-    reset_prefix_cache = _on_engine("reset_prefix_cache")
+    def _call(self, sub_job_id: str, method: str, *args: Any) -> Any:
+        return getattr(self._engine(sub_job_id), _ENGINE_METHODS.get(method, method))(*args)
 
     def generate_json(self, sub_job_id: str, prompts: list[list[int] | str], params: list[SamplingParams]) -> list[str]:
         """:meth:`generate` with each sample encoded as JSON where it was made (an engine process):
@@ -123,9 +144,6 @@ class LocalEngineHost:
         from icefloe.engines.weight_sync import sync_weights_local
 
         return sync_weights_local(self._engine(source_sub_job_id), self._engine(target_sub_job_id))
-
-    def max_seq_len(self, sub_job_id: str) -> int:
-        return self._specs[sub_job_id].config.max_seq_len
 
     def close(self) -> None:
         engines, self._engines = self._engines, {}
