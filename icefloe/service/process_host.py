@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from icefloe.protocol import ClientClosedError, InvalidRequestError
-from icefloe.service.runtime import SubJobHost
+from icefloe.service.runtime import JobEngines
 from icefloe.service.specs import SubJobSpec
 
 __all__ = ["Channel", "EngineProcessDied", "ProcessEngineHost", "serve", "warm_forkserver"]
@@ -151,7 +151,7 @@ class Channel:
             future.set_exception(self._lost(method))
 
 
-class ProcessEngineHost(SubJobHost):
+class ProcessEngineHost(JobEngines):
     """The engines of one job, in a child process: each op runs on the child's :class:`LocalEngineHost`."""
 
     def __init__(self, specs: Sequence[SubJobSpec], devices: dict[str, str], checkpoints: dict[str, Path]) -> None:

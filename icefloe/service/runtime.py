@@ -1,8 +1,8 @@
 """Where a job's engines live: the one seam between the service and the compute behind it.
 
 A :class:`JobEngines` builds and owns the engines of ONE job and runs one op at a time on a named
-sub-job. The job manager calls it from that sub-job's ordered worker (``icefloe.engines.host.Roles``,
-one role per sub-job), so a host need not lock. ``local`` keeps the engines in this process,
+sub-job. The job manager calls it from that sub-job's ordered worker
+(:class:`icefloe.engines.host.RoleWorker`), so a host need not lock. ``local`` keeps the engines in this process,
 ``process`` in a child process, ``ray`` in actors; :func:`make_engine_host` is the only map from
 ``ServeSettings.engines`` to a class.
 """
@@ -12,66 +12,51 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from icefloe.protocol import ConfigError, InvalidRequestError, SamplingParams
 from icefloe.service.results import encode_json
 from icefloe.service.specs import SubJobSpec
 
-__all__ = ["JobEngines", "LocalEngineHost", "SubJobHost", "make_engine_host"]
+__all__ = ["JobEngines", "LocalEngineHost", "make_engine_host"]
 
 # Engines of two jobs are never built at the same time in one process: transformers' lazy imports
 # and the tiny-model cache (resolve_model) are not safe to enter from two threads at once.
 _BUILD_LOCK = threading.Lock()
 
 
-class JobEngines(Protocol):
-    """The engines of one job, addressed by sub-job id."""
-
-    def start(self, on_progress: Callable[[str], None]) -> None:
-        """Load every sub-job's model (slow); raise with the cause when one cannot be built."""
-
-    def fwd_bwd(self, sub_job_id: str, batch: dict[str, Any]) -> dict[str, Any]: ...
-
-    def forward(self, sub_job_id: str, batch: dict[str, Any]) -> dict[str, Any]: ...
-
-    def step(self, sub_job_id: str, learning_rate: float | None) -> dict[str, Any]: ...
-
-    def save(self, sub_job_id: str, root: Path, kind: str) -> dict[str, Any]: ...
-
-    def load(self, sub_job_id: str, path: Path) -> dict[str, Any]: ...
-
-    def generate(
-        self, sub_job_id: str, prompts: list[list[int] | str], params: list[SamplingParams]
-    ) -> list[dict[str, Any]]: ...
-
-    def sync_weights(self, source_sub_job_id: str, target_sub_job_id: str) -> dict[str, Any]: ...
-
-    def reset_prefix_cache(self, sub_job_id: str) -> dict[str, Any]: ...
-
-    def max_seq_len(self, sub_job_id: str) -> int: ...
-
-    def close(self) -> None:
-        """Release every engine (memory, devices); idempotent."""
-
-
 def _op(method: str) -> Callable[..., Any]:
-    """A :class:`SubJobHost` method: ``self._call(sub_job_id, method, *args)``."""
+    """A :class:`JobEngines` method: ``self._call(sub_job_id, method, *args)``."""
 
-    def call(self: SubJobHost, sub_job_id: str, *args: Any) -> Any:
+    def call(self: JobEngines, sub_job_id: str, *args: Any) -> Any:
         return self._call(sub_job_id, method, *args)
 
     call.__name__ = method
     return call
 
 
-class SubJobHost:
-    """What the local and process hosts share: the sub-job specs, and each op as one ``_call``."""
+# The service's name for an op -> the engine method it calls, where the two differ.
+_ENGINE_METHODS = {"save": "save_checkpoint", "load": "load_checkpoint"}
+
+
+class JobEngines:
+    """The engines of one job, addressed by sub-job id.
+
+    The service calls, from the sub-job's ordered worker: ``fwd_bwd(sid, batch)``,
+    ``forward(sid, batch)``, ``step(sid, learning_rate)``, ``save(sid, root, kind)``,
+    ``load(sid, path)``, ``generate(sid, prompts, params)``, ``generate_json`` (the same, each
+    sample as JSON text), ``reset_prefix_cache(sid)``, ``sync_weights(source_sid, target_sid)``
+    and ``max_seq_len(sid)``. Each op is one :meth:`_call`, which by default calls the engine
+    method of that name on ``self._engines[sid]``. A subclass fills ``_engines`` in ``start``
+    (slow; raise with the cause when an engine cannot be built) and releases them in ``close``
+    (idempotent).
+    """
 
     def __init__(self, specs: Sequence[SubJobSpec], devices: dict[str, str], checkpoints: dict[str, Path]) -> None:
         self._specs = {s.sub_job_id: s for s in specs}
         self._devices = devices
         self._checkpoints = checkpoints  # sub-job id -> checkpoint folder to start from
+        self._engines: dict[str, Any] = {}
 
     fwd_bwd = _op("fwd_bwd")
     forward = _op("forward")
@@ -80,25 +65,35 @@ class SubJobHost:
     load = _op("load")
     generate = _op("generate")
     reset_prefix_cache = _op("reset_prefix_cache")
-    generate_json = _op("generate_json")
     sync_weights = _op("sync_weights")
+
+    def generate_json(self, sub_job_id: str, prompts: list[list[int] | str], params: list[SamplingParams]) -> list[str]:
+        """:meth:`generate` with each sample encoded as JSON where it was made (an engine process):
+        the service then answers with the text as it is, instead of unpickling and re-encoding
+        thousands of samples."""
+        return [encode_json(sample) for sample in self.generate(sub_job_id, prompts, params)]
 
     def max_seq_len(self, sub_job_id: str) -> int:
         return self._specs[sub_job_id].config.max_seq_len
 
-    def _call(self, sub_job_id: str, method: str, *args: Any) -> Any:
+    def start(self, on_progress: Callable[[str], None]) -> None:
         raise NotImplementedError
 
+    def close(self) -> None:
+        raise NotImplementedError
 
-_ENGINE_METHODS = {"save": "save_checkpoint", "load": "load_checkpoint"}  # the other ops share the engine's names
+    def _call(self, sub_job_id: str, method: str, *args: Any) -> Any:
+        return getattr(self._engine(sub_job_id), _ENGINE_METHODS.get(method, method))(*args)
+
+    def _engine(self, sub_job_id: str) -> Any:
+        try:
+            return self._engines[sub_job_id]
+        except KeyError:
+            raise InvalidRequestError(f"sub-job {sub_job_id!r} has no engine in this job") from None
 
 
-class LocalEngineHost(SubJobHost):
+class LocalEngineHost(JobEngines):
     """Engines in this process: one TrainingEngine or SamplingEngine per sub-job, on its slot's device."""
-
-    def __init__(self, specs: Sequence[SubJobSpec], devices: dict[str, str], checkpoints: dict[str, Path]) -> None:
-        super().__init__(specs, devices, checkpoints)
-        self._engines: dict[str, Any] = {}
 
     def start(self, on_progress: Callable[[str], None]) -> None:
         with _BUILD_LOCK:
@@ -124,21 +119,6 @@ class LocalEngineHost(SubJobHost):
                         engine.optimizer.state.clear()  # load_optimizer_states=false: weights only, fresh AdamW
                     on_progress(f"{sub_job_id} starts from {loaded['checkpoint_id']} ({loaded['kind']})")
             self._engines[sub_job_id] = engine
-
-    def _engine(self, sub_job_id: str) -> Any:
-        try:
-            return self._engines[sub_job_id]
-        except KeyError:
-            raise InvalidRequestError(f"sub-job {sub_job_id!r} has no engine in this job") from None
-
-    def _call(self, sub_job_id: str, method: str, *args: Any) -> Any:
-        return getattr(self._engine(sub_job_id), _ENGINE_METHODS.get(method, method))(*args)
-
-    def generate_json(self, sub_job_id: str, prompts: list[list[int] | str], params: list[SamplingParams]) -> list[str]:
-        """:meth:`generate` with each sample encoded as JSON where it was made (an engine process):
-        the service then answers with the text as it is, instead of unpickling and re-encoding
-        thousands of samples."""
-        return [encode_json(sample) for sample in self.generate(sub_job_id, prompts, params)]
 
     def sync_weights(self, source_sub_job_id: str, target_sub_job_id: str) -> dict[str, Any]:
         from icefloe.engines.weight_sync import sync_weights_local
