@@ -153,3 +153,22 @@ def test_reference_forward_needs_a_reference_role(tmp_path):
         client.fwd_bwd(batch)
         client.step()
         torch.testing.assert_close(client.forward(batch, reference=True)["logprobs"], policy)
+
+
+def test_transport_handle_returns_futures_that_keep_each_roles_order_and_fail_after_close(tmp_path):
+    from icefloe.client import ops
+    from icefloe.client.transports.local import LocalTransport
+
+    transport = LocalTransport(_config(tmp_path))
+    transport.open()
+    transport.open()  # idempotent
+    batch = build_batch([[5, 6]], [[7]], [1.0], pad_id=0)
+    pending = [transport.handle(ops.fwd_bwd(batch).request), *(transport.handle(ops.step().request) for _ in range(3))]
+    assert [f.result(60)["global_step"] for f in pending[1:]] == [1, 2, 3]
+    assert transport.handle(ops.list_checkpoints().request).result(0) == {"checkpoints": []}
+    transport.close()
+    transport.close()  # idempotent
+    with pytest.raises(ClientClosedError, match="shut down"):
+        transport.handle(ops.step().request).result(0)
+    with pytest.raises(ClientClosedError, match="was closed"):
+        transport.open()
