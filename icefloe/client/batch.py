@@ -54,6 +54,9 @@ def build_batch(
         prompt_ids: one token list per row (``_D`` rows; a GRPO group repeats its prompt).
         response_ids: the sampled tokens of each row, EOS included when sampled.
         advantages: one scalar per row; ``None`` means zeros (SFT with ``cross_entropy``).
+        loss_config: the loss's ``processing.config`` (see :mod:`icefloe.engines.losses`). Unset
+            knobs take this API's defaults, not verl's: no dual clip without ``c_clip``, seq-mean
+            modes over every row, ``seq-mean-token-sum-norm`` ÷ the frame's width S.
         old_logprobs / ref_logprobs: per-row lists aligned with ``response_ids``.
         max_seq_len: refuse rows longer than this instead of truncating silently.
 

@@ -1,12 +1,15 @@
 """Write ``verl_losses.json``: verl 0.9.1's own actor loss on fixed random inputs, values and gradients.
 
-Run once, in a throwaway environment that has verl (CI only reads the JSON)::
+Run once, from the repository root, in a throwaway environment that has verl (CI only reads
+the JSON); verl's full dependency set is not needed, only what its loss modules import::
 
     python3 -m venv /tmp/verlvenv
     /tmp/verlvenv/bin/pip install torch==2.13.0 numpy omegaconf
     /tmp/verlvenv/bin/pip install --no-deps verl==0.9.1
     /tmp/verlvenv/bin/pip install "tensordict>=0.8,<=0.10.0" codetiming datasets
     /tmp/verlvenv/bin/python tests/integrations/verl/golden/make_verl_losses.py
+
+The output records the verl and torch versions it was made with.
 
 The loss is ``verl.workers.utils.losses.ppo_loss`` (policy loss ``vanilla`` from ``core_algos``,
 the entropy term and the KL term through ``core_algos.kl_penalty`` / ``agg_loss``), called as
