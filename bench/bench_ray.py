@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -25,6 +24,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench import timed
 from icefloe.client import Client
 from icefloe.client.batch import build_batch
 from icefloe.config import ClientConfig
@@ -88,12 +88,6 @@ def raw_broadcast_seconds(handle: dict[str, Any], num_bytes: int) -> float:
     return float(ray.get(calls)[0])
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench ray", description=__doc__)
     parser.add_argument("--repeats", type=int, default=5)
@@ -121,13 +115,13 @@ def main(argv: list[str]) -> None:
         for round_index in range(args.repeats):
             order = [("DP=1", dp1), ("DP=2", dp2)]
             for name, client in order if round_index % 2 == 0 else order[::-1]:
-                train_s[name].append(_timed(lambda c=client: (c.fwd_bwd(batch), c.step())))
+                train_s[name].append(timed(lambda c=client: (c.fwd_bwd(batch), c.step())))
 
         handle = syncer.handle()["transport"]
         num_bytes = syncer.sync_weights()["bytes"]  # warm-up: staging buffers
         sync_s, raw_s = [], []
         for _ in range(args.repeats):
-            sync_s.append(_timed(syncer.sync_weights))
+            sync_s.append(timed(syncer.sync_weights))
             raw_s.append(raw_broadcast_seconds(handle, num_bytes))
     finally:
         for client in clients:

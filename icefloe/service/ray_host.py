@@ -71,9 +71,9 @@ class RayEngineHost:
             self._placements.append(placement)
             on_progress(f"starting {count} Ray actor(s) for {sub_job_id} ({spec.config.model!r})")
             if role == "sampling":
-                group = SamplerGroup.launch(job_name, config, workers, placement, model_dir)
+                group = SamplerGroup.create(job_name, config, workers, placement, model_dir).start()
             else:
-                group = TrainerGroup.launch(job_name, config, workers, placement, model_dir)
+                group = TrainerGroup.create(job_name, config, workers, placement, model_dir).start()
                 if start_from is not None:
                     loaded = group.load_checkpoint(start_from)
                     if spec.is_training and not spec.load_optimizer_states:

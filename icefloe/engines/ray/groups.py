@@ -126,19 +126,10 @@ class ActorGroup(abc.ABC):
         ]
         return cls(job_name, specs[0].role, [s.name for s in specs], actors, config.job_ready_timeout_s, ray_config)
 
-    @classmethod
-    def launch(
-        cls,
-        job_name: str,
-        config: ClientConfig,
-        specs: list[WorkerSpec],
-        placement: PlacementGroup | None,
-        model_dir: Path,
-    ) -> Self:
-        """Create the actors and wait until every engine is loaded."""
-        group = cls.create(job_name, config, specs, placement, model_dir)
-        gather(job_name, group.start_calls(), group.timeout_s)
-        return group
+    def start(self) -> Self:
+        """Wait until every actor created by :meth:`create` has loaded its engine."""
+        gather(self.job_name, self.start_calls(), self.timeout_s)
+        return self
 
     @classmethod
     def attach(cls, job_name: str, role: str, names: list[str], namespace: str, timeout_s: float) -> Self:
