@@ -158,9 +158,8 @@ class ActorGroup(abc.ABC):
 
     def _first(self, method: str, *args: Any) -> Any:
         """``method`` on the first actor only (rank 0), within the group's timeout."""
-        return gather(self.job_name, [(self.names[0], getattr(self.actors[0], method).remote(*args))], self.timeout_s)[
-            0
-        ]
+        ref = getattr(self.actors[0], method).remote(*args)
+        return gather(self.job_name, [(self.names[0], ref)], self.timeout_s)[0]
 
     def sleep(self, *level: int) -> dict[str, Any]:
         self._all("call", "sleep", *level)
@@ -193,9 +192,8 @@ class TrainerGroup(ActorGroup):
         """Rank 0 picks the group's rendezvous port first (when the ranks form a group)."""
         assert self.ray_config is not None, "an attached group does not start actors"
         world_size = len(self.actors)
-        master = (
-            self._first("rendezvous") if world_size > 1 or (self.ray_config.fsdp and self.role == "training") else None
-        )
+        forms_group = world_size > 1 or (self.ray_config.fsdp and self.role == "training")
+        master = self._first("rendezvous") if forms_group else None
         backend, device = collective_backend(self.ray_config), worker_device(self.ray_config)
         return [
             (name, actor.start.remote(rank, world_size, master, backend, device))
