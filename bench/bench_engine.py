@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +19,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench import timed
 from icefloe.config import ClientConfig
 from icefloe.engines.models import load_causal_lm, resolve_model
 from icefloe.engines.training import TrainingEngine
@@ -84,17 +84,6 @@ def engine_loop(engine: TrainingEngine, batch: dict[str, Any]) -> Callable[[], f
     return run
 
 
-def _timed(fn: Callable[[], float], iterations: int, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(iterations):
-        fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
-
-
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench engine", description=__doc__)
     parser.add_argument("--preset", default="bench", help="tiny:<preset> model to train")
@@ -125,12 +114,12 @@ def main(argv: list[str]) -> None:
 
     for _ in range(args.warmup):
         for run in contenders.values():
-            _timed(run, 1, device)
+            timed(run, device)
     seconds: dict[str, list[float]] = {name: [] for name in contenders}
     for repeat in range(args.repeats):
         order = list(contenders) if repeat % 2 == 0 else list(reversed(contenders))
         for name in order:
-            seconds[name].append(_timed(contenders[name], args.iterations, device))
+            seconds[name].append(timed(contenders[name], device, args.iterations))
     tok_s = {name: tokens / statistics.median(values) for name, values in seconds.items()}
 
     table = Table(title=f"fwd_bwd + step, tiny:{args.preset}, {args.rows}×{args.width}, {device}")

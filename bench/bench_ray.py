@@ -17,18 +17,18 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
+from typing import Any
 
 import ray
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench import timed
 from icefloe.client import Client
 from icefloe.client.batch import build_batch
 from icefloe.config import ClientConfig
 from icefloe.engines.models import TINY_PRESETS, TinyPreset
-from icefloe.engines.ray_actors import raw_broadcast_seconds
 
 _SYNC_PRESET = "bench-sync"
 
@@ -70,10 +70,22 @@ def _batch(rows: int, width: int, vocab: int) -> dict:
     return build_batch(prompts, responses, advantages, pad_id=0)
 
 
-def _timed(fn: Callable[[], object]) -> float:
+def _raw_broadcast(actor: Any, link: str, num_bytes: int) -> float:
+    """Inside a trainer or sampler actor: seconds of one flat broadcast of ``num_bytes`` on the sync's own group."""
+    group = actor.links[link]
+    flat = torch.empty(num_bytes // 4, dtype=torch.float32, device=group.device)
+    group.broadcast(flat)  # warm-up: the first collective on a group pays its connection set-up
     start = time.perf_counter()
-    fn()
+    group.broadcast(flat)
     return time.perf_counter() - start
+
+
+def raw_broadcast_seconds(handle: dict[str, Any], num_bytes: int) -> float:
+    """One raw broadcast on the weight-sync group of the client ``handle`` names (every member takes part)."""
+    names = handle["actors"]
+    actors = [ray.get_actor(n, namespace=handle["namespace"]) for n in [names["training"][0], *names["sampling"]]]
+    calls = [actor.__ray_call__.remote(_raw_broadcast, handle["weight_link"], num_bytes) for actor in actors]
+    return float(ray.get(calls)[0])
 
 
 def main(argv: list[str]) -> None:
@@ -103,15 +115,14 @@ def main(argv: list[str]) -> None:
         for round_index in range(args.repeats):
             order = [("DP=1", dp1), ("DP=2", dp2)]
             for name, client in order if round_index % 2 == 0 else order[::-1]:
-                train_s[name].append(_timed(lambda c=client: (c.fwd_bwd(batch), c.step())))
+                train_s[name].append(timed(lambda c=client: (c.fwd_bwd(batch), c.step())))
 
-        transport = syncer._transport
-        num_bytes = sum(e.numel * e.torch_dtype.itemsize for e in transport.training.weight_layout())
-        syncer.sync_weights()  # warm-up: staging buffers
+        handle = syncer.handle()["transport"]
+        num_bytes = syncer.sync_weights()["bytes"]  # warm-up: staging buffers
         sync_s, raw_s = [], []
         for _ in range(args.repeats):
-            sync_s.append(_timed(syncer.sync_weights))
-            raw_s.append(raw_broadcast_seconds(transport.training, transport.sampling, transport._link, num_bytes))
+            sync_s.append(timed(syncer.sync_weights))
+            raw_s.append(raw_broadcast_seconds(handle, num_bytes))
     finally:
         for client in clients:
             client.shutdown()

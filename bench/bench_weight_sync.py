@@ -11,28 +11,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench import timed
 from icefloe.config import ClientConfig
 from icefloe.engines.models import resolve_model
 from icefloe.engines.sampling import SamplingEngine
 from icefloe.engines.training import TrainingEngine
 from icefloe.engines.weight_sync import sync_weights_local
-
-
-def _timed(fn: Callable[[], object], device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
 
 
 def main(argv: list[str]) -> None:
@@ -66,13 +56,13 @@ def main(argv: list[str]) -> None:
         "param copy_ loop": copy_loop,
     }
     for run in contenders.values():  # warm-up: first touches of the pages
-        _timed(run, device)
+        timed(run, device)
     seconds: dict[str, list[float]] = {name: [] for name in contenders}
     for repeat in range(args.repeats):
         names = list(contenders)
         order = names[repeat % len(names) :] + names[: repeat % len(names)]
         for name in order:
-            seconds[name].append(_timed(contenders[name], device))
+            seconds[name].append(timed(contenders[name], device))
     gbps = {name: num_bytes / statistics.median(values) / 1e9 for name, values in seconds.items()}
 
     table = Table(title=f"weight sync, tiny:{args.preset}, {num_bytes / 2**20:.1f} MiB, {device}")

@@ -21,17 +21,15 @@ if TYPE_CHECKING:
 
 __all__ = ["build_batch", "is_canonical", "is_verl_payload", "responses_from_canonical", "to_canonical"]
 
-# verl actor_config names → grpo config names of the canonical frame.
+# verl actor_config names → grpo config names of the canonical frame, and verl 0.9.1's defaults
+# (``ActorConfig``), applied where the actor config leaves a knob unset.
 _VERL_ACTOR_KEYS = {
-    "clip_ratio": "eps_clip",
-    "clip_ratio_low": "eps_clip",
-    "clip_ratio_high": "eps_clip_higher",
-    "clip_ratio_c": "c_clip",
-    "loss_agg_mode": "loss_agg_mode",
-    "entropy_coeff": "entropy_coeff",
-    "use_kl_loss": "use_kl_loss",
-    "kl_loss_coef": "kl_coef",
-    "kl_loss_type": "kl_type",
+    "clip_ratio_c": ("c_clip", 3.0),  # verl always applies dual clip
+    "loss_agg_mode": ("loss_agg_mode", "token-mean"),
+    "entropy_coeff": ("entropy_coeff", 0.0),
+    "use_kl_loss": ("use_kl_loss", False),
+    "kl_loss_coef": ("kl_coef", 0.001),
+    "kl_loss_type": ("kl_type", "low_var_kl"),
 }
 _VERL_META_KEYS = ("global_batch_size", "batch_num_tokens", "temperature")
 # verl loss names that mean the canonical clipped surrogate.
@@ -56,6 +54,9 @@ def build_batch(
         prompt_ids: one token list per row (``_D`` rows; a GRPO group repeats its prompt).
         response_ids: the sampled tokens of each row, EOS included when sampled.
         advantages: one scalar per row; ``None`` means zeros (SFT with ``cross_entropy``).
+        loss_config: the loss's ``processing.config`` (see :mod:`icefloe.engines.losses`). Unset
+            knobs take this API's defaults, not verl's: no dual clip without ``c_clip``, seq-mean
+            modes over every row, ``seq-mean-token-sum-norm`` ÷ the frame's width S.
         old_logprobs / ref_logprobs: per-row lists aligned with ``response_ids``.
         max_seq_len: refuse rows longer than this instead of truncating silently.
 
@@ -164,7 +165,11 @@ def to_canonical(payload: Mapping[str, Any], processing: Mapping[str, Any] | Non
 
 
 def _lower_verl(payload: Mapping[str, Any]) -> dict[str, Any]:
-    """verl's left-padded prompt + right-padded response rows → the shifted, right-padded frame."""
+    """verl's left-padded prompt + right-padded response rows → the shifted, right-padded frame.
+
+    The loss config is verl's (:func:`_verl_loss_config`, with verl's defaults); without
+    ``meta.global_batch_size`` the seq-mean modes divide by the rows that have a token, as verl does.
+    """
     import torch
 
     batch = payload["batch"]
@@ -217,14 +222,13 @@ def _lower_verl(payload: Mapping[str, Any]) -> dict[str, Any]:
                 context[target] = shifted(source)
         if batch.get("rollout_is_weights") is not None:
             context["rollout_is_weights"] = shifted("rollout_is_weights", fill=1.0)
-    config: dict[str, Any] = {}
-    actor = meta.get("actor_config") or {}
-    for source, target in _VERL_ACTOR_KEYS.items():
-        if actor.get(source) is not None:
-            config[target] = actor[source]
+    config = _verl_loss_config(meta.get("actor_config") or {}, response_width=_response_width(batch, mask_name))
     for key in _VERL_META_KEYS:
         if meta.get(key) is not None:
             config[key] = meta[key]
+    if config.get("global_batch_size") is None and mask_name is not None:
+        # verl's default seq-mean normaliser counts the rows that have at least one token.
+        config["global_batch_size"] = int(context["loss_mask"].sum(dim=1).gt(0).sum())
     processing = dict(payload.get("processing") or {})
     loss_name = processing.get("loss_fn")
     loss_fn = _VERL_POLICY_LOSSES.get(loss_name, loss_name) if loss_name else "grpo"
@@ -234,6 +238,33 @@ def _lower_verl(payload: Mapping[str, Any]) -> dict[str, Any]:
         "context": context,
         "processing": {"loss_fn": loss_fn, "config": {**config, **dict(processing.get("config") or {})}},
     }
+
+
+def _verl_loss_config(actor: Mapping[str, Any], *, response_width: int | None) -> dict[str, Any]:
+    """verl's actor loss knobs, with verl's defaults, as the grpo loss's config.
+
+    ``clip_ratio_low`` / ``clip_ratio_high`` each fall back to ``clip_ratio`` (then 0.2).
+    ``seq-mean-token-sum-norm`` divides by ``loss_scale_factor``, else by the response width.
+    """
+
+    def knob(name: str, default: Any) -> Any:
+        return default if actor.get(name) is None else actor[name]
+
+    clip = knob("clip_ratio", 0.2)
+    config = {"eps_clip": knob("clip_ratio_low", clip), "eps_clip_higher": knob("clip_ratio_high", clip)}
+    config.update({target: knob(source, default) for source, (target, default) in _VERL_ACTOR_KEYS.items()})
+    scale = knob("loss_scale_factor", response_width)
+    if scale is not None:
+        config["loss_scale_factor"] = scale
+    return config
+
+
+def _response_width(batch: Mapping[str, Any], mask_name: str | None) -> int | None:
+    """R, the width of verl's response-only tensors (``responses``, else the mask as sent)."""
+    for name in ("responses", mask_name):
+        if name is not None and batch.get(name) is not None:
+            return int(_dense(batch[name], f"batch.{name}").shape[-1])
+    return None
 
 
 def responses_from_canonical(

@@ -19,14 +19,19 @@ import datetime
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from icefloe.config import ClientConfig
-from icefloe.engines.training import TrainingEngine, publish_folder
+from icefloe.engines.training import (
+    TrainingEngine,
+    describe_checkpoint,
+    optimizer_file_tensors,
+    optimizer_state_from_file,
+)
 from icefloe.protocol import ConfigError, InvalidRequestError
 
 __all__ = [
@@ -37,6 +42,7 @@ __all__ = [
     "concat_forward",
     "plan_buckets",
     "shard_rows",
+    "unpack_bucket",
     "weight_layout",
 ]
 
@@ -130,19 +136,14 @@ class DataParallelTrainingEngine(TrainingEngine):
     with one all-reduce per bucket before clipping, so clipping and the AdamW update see the global
     gradient on every rank. FSDP mode (``fsdp=True``): parameters are sharded with FSDP2
     ``fully_shard`` and the reduce-scatter sums (divide factor 1); every rank must then run the same
-    number of forward passes, so ``training.micro_batch_tokens`` must be 0.
+    number of forward passes, so ``training.micro_batch_tokens`` must be 0. Checkpoints are the
+    files one unsharded engine writes and reads, so they move freely between both modes.
 
-    The process group must be initialised before construction.
+    The process group must be initialised before construction; other arguments are TrainingEngine's.
     """
 
     def __init__(
-        self,
-        config: ClientConfig,
-        *,
-        device: str | torch.device = "cpu",
-        role: Literal["training", "reference"] = "training",
-        model_dir: Path | None = None,
-        fsdp: bool = False,
+        self, config: ClientConfig, *, fsdp: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES, **engine: Any
     ) -> None:
         if not dist.is_initialized():
             raise ConfigError("DataParallelTrainingEngine needs torch.distributed initialised first")
@@ -151,10 +152,11 @@ class DataParallelTrainingEngine(TrainingEngine):
                 "backend.fsdp=true needs training.micro_batch_tokens=0: sharded ranks must run the same number of "
                 "forward passes; set micro_batch_tokens to 0 or turn fsdp off"
             )
-        super().__init__(config, device=device, role=role, model_dir=model_dir)
+        super().__init__(config, **engine)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.fsdp = fsdp
+        self.bucket_bytes = bucket_bytes  # gradient all-reduce bucket size
         if fsdp:
             self._shard_model()
 
@@ -191,19 +193,17 @@ class DataParallelTrainingEngine(TrainingEngine):
             [p.grad is not None for p in params], dtype=torch.int32, device=self.device
         )  # NCCL: on device
         dist.all_reduce(has_grad, op=dist.ReduceOp.MAX)
-        grads = []
-        for param, flag in zip(params, has_grad.tolist(), strict=True):
+        grads: dict[str, Tensor] = {}
+        for index, (param, flag) in enumerate(zip(params, has_grad.tolist(), strict=True)):
             if flag and param.grad is None:
                 param.grad = torch.zeros_like(param)
             if flag:
-                grads.append(param.grad)
-        for bucket in _buckets_by_dtype(grads, DEFAULT_BUCKET_BYTES):
-            flat = torch.cat([g.reshape(-1) for g in bucket])
+                grads[str(index)] = param.grad
+        for bucket in plan_buckets(weight_layout(grads.items()), self.bucket_bytes):
+            flat = torch.cat([grads[entry.name].reshape(-1) for entry in bucket])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-            offset = 0
-            for grad in bucket:
-                grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-                offset += grad.numel()
+            for name, summed in unpack_bucket(flat, bucket):
+                grads[name].copy_(summed)
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
         """Full (unsharded) parameters; under FSDP every rank must iterate, since gathering is collective."""
@@ -219,113 +219,43 @@ class DataParallelTrainingEngine(TrainingEngine):
             yield name, param.detach().full_tensor()
 
     def save_checkpoint(self, root: Path | str, kind: str = "resumable") -> dict[str, Any]:
-        """Rank 0 writes (replicas are identical); other ranks return the same description."""
-        if self.fsdp:
-            return self._fsdp_save(root, kind)
-        result = super().save_checkpoint(root, kind) if self.rank == 0 else None
-        if self.world_size > 1:
-            dist.barrier()  # nobody reports done before the folder exists
-        if result is None:
-            checkpoint_id = f"global_step{self.global_step}"
-            result = {"checkpoint_id": checkpoint_id, "global_step": self.global_step, "kind": kind}
-            result["path"] = str(Path(root) / checkpoint_id)
-        return result
-
-    def _fsdp_save(self, root: Path | str, kind: str) -> dict[str, Any]:
-        """Gather full weights (and optimizer state) on every rank; rank 0 writes the usual folder.
-
-        The files are those of an unsharded engine (optimizer tensors indexed by parameter order),
-        so a checkpoint moves freely between FSDP and replicated runs.
-        """
-        import json
-        import shutil
-        import tempfile
-
-        from safetensors.torch import save_file
-
-        if kind not in ("resumable", "weights-only"):
-            raise InvalidRequestError(f"checkpoint kind must be 'resumable' or 'weights-only'; got {kind!r}")
-        if kind == "resumable":
-            self._require_training("save_checkpoint(kind='resumable')")
-        weights = {name: t.cpu().contiguous() for name, t in self.named_weights()}
-        optimizer_tensors = self._full_optimizer_tensors() if kind == "resumable" else {}
-        checkpoint_id = f"global_step{self.global_step}"
-        target = Path(root) / checkpoint_id
+        """Rank 0 writes with the engine's own writer; under FSDP every rank first helps gather the full tensors."""
+        self._check_checkpoint_kind(kind)  # on every rank, so a bad kind fails all of them alike
+        tensors = self.checkpoint_tensors(kind) if self.fsdp or self.rank == 0 else None
         if self.rank == 0:
-            target.parent.mkdir(parents=True, exist_ok=True)
-            staging = Path(tempfile.mkdtemp(prefix=f".{checkpoint_id}.", dir=target.parent))
-            try:
-                self.model.config.save_pretrained(str(staging))
-                self.tokenizer.save_pretrained(str(staging))
-                save_file(weights, str(staging / "model.safetensors"))
-                if kind == "resumable":
-                    save_file(optimizer_tensors, str(staging / "optimizer.safetensors"))
-                (staging / "trainer_state.json").write_text(json.dumps(self._trainer_state(kind), indent=1))
-                publish_folder(staging, target)
-            finally:
-                shutil.rmtree(staging, ignore_errors=True)
+            assert tensors is not None
+            self.write_checkpoint(root, kind, *tensors)
         dist.barrier()  # nobody reports done before the folder exists
-        return {"checkpoint_id": checkpoint_id, "global_step": self.global_step, "path": str(target), "kind": kind}
+        return describe_checkpoint(Path(root) / f"global_step{self.global_step}", self.global_step, kind)
 
-    def _full_optimizer_tensors(self) -> dict[str, Tensor]:
-        """AdamW state gathered to full tensors, as ``state.{param_index}.{key}`` (collective; rank 0 gets it)."""
+    def _optimizer_tensors(self) -> dict[str, Tensor]:
+        """Under FSDP, AdamW state gathered to full tensors (collective; only rank 0 gets them)."""
+        if not self.fsdp:
+            return super()._optimizer_tensors()
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         full = get_optimizer_state_dict(self.model, self.optimizer, options=options)
         index_of = {name: index for index, (name, _) in enumerate(self.model.named_parameters())}
-        return {
-            f"state.{index_of[name]}.{key}": value.contiguous()
-            for name, state in full.get("state", {}).items()  # empty off rank 0 (cpu_offload)
-            for key, value in state.items()
-            if isinstance(value, Tensor)
-        }
+        return optimizer_file_tensors({index_of[name]: state for name, state in full.get("state", {}).items()})
 
-    def load_checkpoint(self, path: Path | str) -> dict[str, Any]:
-        """Every rank reads the same files; under FSDP each keeps only its shard of weights and optimizer state."""
+    def _load_weights(self, loaded: dict[str, Tensor]) -> None:
+        """Under FSDP every rank reads the full tensors and keeps its own shard."""
         if not self.fsdp:
-            return super().load_checkpoint(path)
-        import json
+            return super()._load_weights(loaded)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        from safetensors.torch import load_file
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        path = Path(path)
-        files = (
-            sorted(p for p in path.glob("*.safetensors") if p.name != "optimizer.safetensors") if path.is_dir() else []
-        )
-        if not files:
-            raise InvalidRequestError(
-                f"checkpoint path {str(path)!r} holds no model *.safetensors; pass a folder written by save_checkpoint"
-            )
-        state_file = path / "trainer_state.json"
-        state = json.loads(state_file.read_text()) if state_file.is_file() else {"kind": "weights-only"}
-        kind = state.get("kind", "weights-only")
-        weights: dict[str, Tensor] = {}
-        for file in files:
-            weights.update(load_file(str(file)))
         options = StateDictOptions(full_state_dict=True, strict=False)  # a tied embedding is saved once
-        set_model_state_dict(self.model, weights, options=options)
-        if kind == "resumable" and self.optimizer is not None:
-            names = [name for name, _ in self.model.named_parameters()]
-            per_param: dict[str, dict[str, Tensor]] = {}
-            for key, tensor in load_file(str(path / "optimizer.safetensors")).items():
-                _, index, field = key.split(".", 2)
-                per_param.setdefault(names[int(index)], {})[field] = tensor
-            groups = [{**group, "betas": tuple(group["betas"]), "params": names} for group in state["param_groups"]]
-            full = {"state": per_param, "param_groups": groups}
-            set_optimizer_state_dict(self.model, self.optimizer, full, options=StateDictOptions(full_state_dict=True))
-            self._global_step = int(state["global_step"])
-            self._last_lr = float(state["last_lr"])
-            torch.set_rng_state(torch.tensor(state["rng"]["torch"], dtype=torch.uint8))
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-        global_step = int(state.get("global_step", self.global_step))
-        return {"checkpoint_id": path.name, "global_step": global_step, "path": str(path), "kind": kind}
+        set_model_state_dict(self.model, loaded, options=options)
+
+    def _load_optimizer(self, tensors: Mapping[str, Tensor], state: Mapping[str, Any]) -> None:
+        if not self.fsdp:
+            return super()._load_optimizer(tensors, state)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        names = [name for name, _ in self.model.named_parameters()]
+        full = optimizer_state_from_file(tensors, state, names)
+        set_optimizer_state_dict(self.model, self.optimizer, full, options=StateDictOptions(full_state_dict=True))
 
 
 def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -334,21 +264,6 @@ def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
         if isinstance(module, torch.nn.ModuleList) and len(module) > 0:
             return list(module)
     return []
-
-
-def _buckets_by_dtype(tensors: Sequence[Tensor], bucket_bytes: int) -> Iterator[list[Tensor]]:
-    """Consecutive tensors of one dtype, cut so each bucket holds at most ``bucket_bytes`` (or one tensor)."""
-    bucket: list[Tensor] = []
-    size = 0
-    for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and (tensor.dtype != bucket[0].dtype or size + nbytes > bucket_bytes):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(tensor)
-        size += nbytes
-    if bucket:
-        yield bucket
 
 
 # --- weight broadcast ------------------------------------------------------------------------
@@ -394,6 +309,14 @@ def plan_buckets(layout: Sequence[WeightEntry], bucket_bytes: int) -> list[list[
     return buckets
 
 
+def unpack_bucket(flat: Tensor, bucket: Sequence[WeightEntry]) -> Iterator[tuple[str, Tensor]]:
+    """``(name, view)`` of each entry's slice of a packed bucket, in its own shape."""
+    offset = 0
+    for entry in bucket:
+        yield entry.name, flat[offset : offset + entry.numel].view(entry.shape)
+        offset += entry.numel
+
+
 class WeightBroadcast:
     """A process group of its own for trainer rank 0 (rank 0 here) and the samplers (ranks 1..N).
 
@@ -418,7 +341,7 @@ class WeightBroadcast:
         self._buffers: dict[tuple[str, int], Tensor] = {}
 
     def broadcast(self, tensor: Tensor) -> None:
-        """Broadcast ``tensor`` from rank 0 in place (the raw primitive; also the benchmark's baseline)."""
+        """Broadcast ``tensor`` from rank 0 in place."""
         self._start_broadcast(tensor).wait()
 
     def _start_broadcast(self, tensor: Tensor) -> Any:
@@ -442,10 +365,8 @@ class WeightBroadcast:
             if slot in in_flight:
                 in_flight.pop(slot).wait()  # this buffer's previous broadcast must finish before reuse
             flat = self._buffer(bucket, slot)
-            offset = 0
-            for entry in bucket:
-                flat[offset : offset + entry.numel].copy_(tensors[entry.name].reshape(-1))
-                offset += entry.numel
+            for name, view in unpack_bucket(flat, bucket):
+                view.copy_(tensors[name])
             in_flight[slot] = self._start_broadcast(flat)
             sent += flat.numel() * flat.element_size()
         for work in in_flight.values():
@@ -478,11 +399,7 @@ class WeightBroadcast:
                 following = self._buffer(buckets[index + 1], (index + 1) % 2)
                 pending = (following, self._start_broadcast(following))
             work.wait()
-            views, offset = [], 0
-            for entry in bucket:
-                views.append((entry.name, flat[offset : offset + entry.numel].view(entry.shape)))
-                offset += entry.numel
-            load(views, policy_version=version)
+            load(list(unpack_bucket(flat, bucket)), policy_version=version)
             received += flat.numel() * flat.element_size()
         return received, version
 

@@ -15,6 +15,13 @@ Normalisers: token-mean divides by ``batch_num_tokens`` and the seq-mean modes b
 totals of the whole optimizer batch makes several ``fwd_bwd`` calls sum to one full-batch call.
 ``dp_size`` (default 1) multiplies the loss so that averaging gradients over data-parallel ranks
 yields the global sum. Tensors: B rows, S positions.
+
+The aggregation modes and KL estimators are verl's (``core_algos.agg_loss`` / ``kl_penalty``),
+with the same names and meaning. Defaults of this direct API differ from verl's in three places,
+and a verl payload gets verl's (``icefloe.client.batch.to_canonical`` fills them in): no dual clip
+unless ``c_clip`` is set (verl: ``clip_ratio_c=3.0`` always), ``global_batch_size`` = B (verl: rows
+with at least one token), and ``seq-mean-token-sum-norm`` divides by S, the frame's width (verl:
+the response width).
 """
 
 from __future__ import annotations
@@ -41,8 +48,11 @@ __all__ = [
 ]
 
 Metrics = dict[str, Tensor | float]
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
-KL_TYPES = ("k1", "k2", "low_var_kl")
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
+# verl's KL estimator names → the estimator; "kl"/"mse"/"k3" are verl's aliases of k1/k2/low_var_kl.
+_KL_ESTIMATORS = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2", "k3": "k3", "low_var_kl": "k3"}
+# Every name with a "+" suffix is the straight-through variant: its value, the gradient of k2.
+KL_TYPES = (*_KL_ESTIMATORS, *(f"{name}+" for name in _KL_ESTIMATORS))
 # exp() of a log-ratio beyond this overflows float32 gradients; verl clamps at the same bound.
 _LOG_RATIO_BOUND = 20.0
 _LOW_VAR_KL_BOUND = 10.0
@@ -124,43 +134,61 @@ def _masked_mean(values_BS: Tensor, mask_BS: Tensor) -> Tensor:
 
 
 def aggregate(loss_BS: Tensor, mask_BS: Tensor, mode: str, config: Mapping[str, Any]) -> Tensor:
-    """Reduce per-token values to a scalar with one of :data:`AGG_MODES`.
+    """Reduce per-token values to a scalar with one of :data:`AGG_MODES` (verl's ``agg_loss``).
 
-    token-mean: Σ masked / batch_num_tokens. seq-mean-token-sum: Σ per-row sums / global_batch_size;
-    ``-norm`` additionally ÷ S (the sequence width). seq-mean-token-mean: Σ per-row token means /
-    global_batch_size. The result is multiplied by ``dp_size`` (default 1).
+    token-mean: Σ masked / batch_num_tokens. token-sum: Σ masked. seq-mean-token-sum: Σ per-row
+    sums / global_batch_size; ``-norm`` additionally ÷ ``loss_scale_factor`` (default S, the frame's
+    width). seq-mean-token-mean: Σ per-row token means / global_batch_size. The result is
+    multiplied by ``dp_size`` (default 1).
     """
     masked_BS = loss_BS * mask_BS
     if mode == "token-mean":
         num_tokens = _option(config, "batch_num_tokens", None)
         total = masked_BS.sum() / (mask_BS.sum().clamp_min(1.0) if num_tokens is None else max(num_tokens, 1))
+    elif mode == "token-sum":
+        total = masked_BS.sum()
     elif mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"):
         rows_B = masked_BS.sum(dim=-1)
         if mode == "seq-mean-token-mean":
             rows_B = rows_B / mask_BS.sum(dim=-1).clamp_min(1.0)
-        elif mode == "seq-mean-token-sum-norm":
-            rows_B = rows_B / mask_BS.shape[-1]
         total = rows_B.sum() / max(_option(config, "global_batch_size", mask_BS.shape[0]), 1)
+        if mode == "seq-mean-token-sum-norm":
+            total = total / _option(config, "loss_scale_factor", mask_BS.shape[-1])
     else:
         raise InvalidRequestError(f"processing.config.loss_agg_mode must be one of {list(AGG_MODES)}; got {mode!r}")
     return total * _option(config, "dp_size", 1)
 
 
 def kl_penalty(logprobs_BS: Tensor, ref_logprobs_BS: Tensor, kl_type: str) -> Tensor:
-    """Per-token KL estimate of the policy from the reference.
+    """Per-token KL estimate of the policy from the reference, by verl's name (:data:`KL_TYPES`).
 
-    k1 = log π - log π_ref; k2 = ½ (log π - log π_ref)²; low_var_kl (k3) = r - log r - 1 with
-    r = π_ref / π, the log-ratio clamped to ±20 and the estimate to ±10 for stability.
+    k1 (kl) = log π - log π_ref; abs = |k1|; k2 (mse) = ½ k1²; k3 (low_var_kl) = r - log r - 1
+    with r = π_ref / π, the log-ratio clamped to ±20 and the estimate to ±10 for stability. A
+    ``+`` suffix keeps the value and takes the gradient of k2 (straight through), since k2's
+    gradient is the unbiased estimate of the KL's gradient.
     """
-    if kl_type == "k1":
-        return logprobs_BS - ref_logprobs_BS
-    if kl_type == "k2":
-        return 0.5 * (logprobs_BS - ref_logprobs_BS).square()
-    if kl_type == "low_var_kl":
-        log_ratio_BS = (ref_logprobs_BS - logprobs_BS).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
-        kl_BS = log_ratio_BS.exp() - log_ratio_BS - 1.0
-        return kl_BS.clamp(-_LOW_VAR_KL_BOUND, _LOW_VAR_KL_BOUND)
-    raise InvalidRequestError(f"processing.config.kl_type must be one of {list(KL_TYPES)}; got {kl_type!r}")
+    straight_through = kl_type.endswith("+")
+    estimator = _KL_ESTIMATORS.get(kl_type[:-1] if straight_through else kl_type)
+    if estimator is None:
+        why = " ('full' needs whole-vocabulary distributions; verl does not implement it either)"
+        raise InvalidRequestError(
+            f"processing.config.kl_type must be one of {list(KL_TYPES)}; got {kl_type!r}"
+            + (why if kl_type == "full" else "")
+        )
+    diff_BS = logprobs_BS - ref_logprobs_BS
+    if estimator == "k1":
+        kl_BS = diff_BS
+    elif estimator == "abs":
+        kl_BS = diff_BS.abs()
+    elif estimator == "k2":
+        kl_BS = 0.5 * diff_BS.square()
+    else:
+        log_ratio_BS = (-diff_BS).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+        kl_BS = (log_ratio_BS.exp() - log_ratio_BS - 1.0).clamp(-_LOW_VAR_KL_BOUND, _LOW_VAR_KL_BOUND)
+    if straight_through and estimator != "k2":
+        k2_BS = 0.5 * diff_BS.square()
+        kl_BS = k2_BS - k2_BS.detach() + kl_BS.detach()
+    return kl_BS
 
 
 def _importance_ratio(logprobs_BS: Tensor, context: Mapping[str, Tensor]) -> tuple[Tensor, Tensor]:

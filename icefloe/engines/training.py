@@ -17,7 +17,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,7 +31,15 @@ from icefloe.engines.losses import get_loss
 from icefloe.engines.models import load_causal_lm, load_tokenizer, resolve_model
 from icefloe.protocol import InvalidRequestError, UnsupportedOpError
 
-__all__ = ["CHECKPOINT_KINDS", "TrainingEngine", "publish_folder", "resolve_device"]
+__all__ = [
+    "CHECKPOINT_KINDS",
+    "TrainingEngine",
+    "describe_checkpoint",
+    "optimizer_file_tensors",
+    "optimizer_state_from_file",
+    "publish_folder",
+    "resolve_device",
+]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +60,39 @@ def publish_folder(staging: Path, target: Path) -> None:
         os.rename(target, aside)
     os.rename(staging, target)
     shutil.rmtree(aside, ignore_errors=True)
+
+
+def describe_checkpoint(path: Path, global_step: int, kind: str) -> dict[str, Any]:
+    """What saving or loading a checkpoint returns: ``{checkpoint_id, global_step, path, kind}``."""
+    return {"checkpoint_id": path.name, "global_step": global_step, "path": str(path), "kind": kind}
+
+
+def optimizer_file_tensors(state_by_index: Mapping[int, Mapping[str, Any]]) -> dict[str, Tensor]:
+    """AdamW state as ``optimizer.safetensors`` holds it: ``state.{param_index}.{exp_avg|exp_avg_sq|step}``."""
+    return {
+        f"state.{index}.{key}": value.detach().to("cpu").contiguous()
+        for index, state in state_by_index.items()
+        for key, value in state.items()
+        if isinstance(value, Tensor)
+    }
+
+
+def optimizer_state_from_file(
+    tensors: Mapping[str, Tensor], trainer_state: Mapping[str, Any], keys: Sequence[Any]
+) -> dict[str, Any]:
+    """An optimizer state dict from ``optimizer.safetensors``, parameter ``i`` keyed by ``keys[i]``."""
+    per_param: dict[Any, dict[str, Tensor]] = {}
+    for name, tensor in tensors.items():
+        _, index, key = name.split(".", 2)
+        if int(index) >= len(keys):
+            raise InvalidRequestError(
+                f"optimizer state names parameter {index}, but the model has {len(keys)}; the "
+                "checkpoint belongs to a different model"
+            )
+        per_param.setdefault(keys[int(index)], {})[key] = tensor
+    groups = [{**group, "betas": tuple(group["betas"])} for group in trainer_state["param_groups"]]
+    groups[0]["params"] = list(keys)
+    return {"state": per_param, "param_groups": groups}
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -282,25 +323,36 @@ class TrainingEngine:
         RNG) so :meth:`load_checkpoint` continues bit for bit; ``weights-only`` doubles as the HF
         export. The folder is written aside and renamed, so a crash never leaves half a checkpoint.
         """
-        if kind not in CHECKPOINT_KINDS:
-            raise InvalidRequestError(f"checkpoint kind must be one of {list(CHECKPOINT_KINDS)}; got {kind!r}")
-        if kind == "resumable":
-            self._require_training("save_checkpoint(kind='resumable')")
+        self._check_checkpoint_kind(kind)
+        return self.write_checkpoint(root, kind, *self.checkpoint_tensors(kind))
+
+    def checkpoint_tensors(self, kind: str) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """Full CPU tensors a checkpoint of ``kind`` holds: the weights, and the AdamW state when resumable."""
+        weights = {name: t.to("cpu").contiguous() for name, t in self.named_weights()}
+        return weights, self._optimizer_tensors() if kind == "resumable" else {}
+
+    def write_checkpoint(
+        self, root: Path | str, kind: str, weights: Mapping[str, Tensor], optimizer_tensors: Mapping[str, Tensor]
+    ) -> dict[str, Any]:
+        """Write ``root/global_step{N}/`` from full tensors: the one writer of the checkpoint format.
+
+        Files: ``config.json``, the tokenizer, ``model.safetensors``, ``trainer_state.json``, and
+        ``optimizer.safetensors`` when ``kind`` is ``resumable``.
+        """
         root = Path(root)
         root.mkdir(parents=True, exist_ok=True)
-        checkpoint_id = f"global_step{self._global_step}"
-        target = root / checkpoint_id
-        staging = Path(tempfile.mkdtemp(prefix=f".{checkpoint_id}.", dir=root))
+        target = root / f"global_step{self._global_step}"
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
         try:
-            self.model.save_pretrained(str(staging))
+            self.model.save_pretrained(str(staging), state_dict=dict(weights))
             self.tokenizer.save_pretrained(str(staging))
             if kind == "resumable":
-                save_file(self._optimizer_tensors(), str(staging / _OPTIMIZER_FILE))
+                save_file(dict(optimizer_tensors), str(staging / _OPTIMIZER_FILE))
             (staging / _STATE_FILE).write_text(json.dumps(self._trainer_state(kind), indent=1))
             publish_folder(staging, target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        return {"checkpoint_id": checkpoint_id, "global_step": self._global_step, "path": str(target), "kind": kind}
+        return describe_checkpoint(target, self._global_step, kind)
 
     def load_checkpoint(self, path: Path | str) -> dict[str, Any]:
         """Restore weights from a checkpoint folder, plus optimizer, step and RNG when resumable.
@@ -317,7 +369,7 @@ class TrainingEngine:
         state_path = path / _STATE_FILE
         state = json.loads(state_path.read_text()) if state_path.is_file() else {"kind": "weights-only"}
         kind = state.get("kind", "weights-only")
-        self._load_weights(weight_files)
+        self._load_weights({name: t for file in weight_files for name, t in load_file(str(file)).items()})
         if kind == "resumable" and self.optimizer is not None:
             self._load_optimizer(load_file(str(path / _OPTIMIZER_FILE)), state)
             self._global_step = int(state["global_step"])
@@ -327,8 +379,13 @@ class TrainingEngine:
                 torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["rng"]["cuda"]])
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
-        global_step = int(state.get("global_step", self._global_step))
-        return {"checkpoint_id": path.name, "global_step": global_step, "path": str(path), "kind": kind}
+        return describe_checkpoint(path, int(state.get("global_step", self._global_step)), kind)
+
+    def _check_checkpoint_kind(self, kind: str) -> None:
+        if kind not in CHECKPOINT_KINDS:
+            raise InvalidRequestError(f"checkpoint kind must be one of {list(CHECKPOINT_KINDS)}; got {kind!r}")
+        if kind == "resumable":
+            self._require_training("save_checkpoint(kind='resumable')")
 
     def _trainer_state(self, kind: str) -> dict[str, Any]:
         state: dict[str, Any] = {
@@ -350,38 +407,14 @@ class TrainingEngine:
         return state
 
     def _optimizer_tensors(self) -> dict[str, Tensor]:
-        """AdamW state flattened to ``state.{param_index}.{exp_avg|exp_avg_sq|step}`` tensors."""
         assert self.optimizer is not None
-        tensors: dict[str, Tensor] = {}
-        for index, param in enumerate(self._params):
-            for key, value in self.optimizer.state.get(param, {}).items():
-                if isinstance(value, Tensor):
-                    tensors[f"state.{index}.{key}"] = value.detach().to("cpu").contiguous()
-        return tensors
+        return optimizer_file_tensors({i: self.optimizer.state.get(p, {}) for i, p in enumerate(self._params)})
 
-    def _load_optimizer(self, tensors: dict[str, Tensor], state: Mapping[str, Any]) -> None:
+    def _load_optimizer(self, tensors: Mapping[str, Tensor], state: Mapping[str, Any]) -> None:
         assert self.optimizer is not None
-        per_param: dict[int, dict[str, Tensor]] = {}
-        for name, tensor in tensors.items():
-            _, index, key = name.split(".", 2)
-            if int(index) >= len(self._params):
-                raise InvalidRequestError(
-                    f"optimizer state names parameter {index}, but the model has {len(self._params)}; the "
-                    "checkpoint belongs to a different model"
-                )
-            per_param.setdefault(int(index), {})[key] = tensor
-        groups = []
-        for group in state["param_groups"]:
-            restored = dict(group)
-            restored["betas"] = tuple(restored["betas"])
-            groups.append(restored)
-        groups[0]["params"] = list(range(len(self._params)))
-        self.optimizer.load_state_dict({"state": per_param, "param_groups": groups})
+        self.optimizer.load_state_dict(optimizer_state_from_file(tensors, state, list(range(len(self._params)))))
 
-    def _load_weights(self, files: list[Path]) -> None:
-        loaded: dict[str, Tensor] = {}
-        for file in files:
-            loaded.update(load_file(str(file)))
+    def _load_weights(self, loaded: dict[str, Tensor]) -> None:
         missing, unexpected = self.model.load_state_dict(loaded, strict=False)
         # Tied weights are saved once; the other name shares storage with a loaded parameter.
         own = self.model.state_dict()

@@ -1,9 +1,10 @@
 """GRPO on the arithmetic task through the public client API: what ``icefloe demo`` runs.
 
 Each step samples ``group_size`` completions for each of ``problems_per_step`` prompts, scores
-them, turns each group's rewards into advantages (mean-centred, divided by the group's std), and
-trains on them with ``fwd_bwd`` + ``step`` submitted back to back, then syncs the sampler. Lists
-are named by what they index: ``_P`` problems, ``_G`` members of one group, ``_R`` flat rows.
+them, turns each group's rewards into advantages (mean-centred, then divided by the group's std
+unless ``norm_adv_by_std`` is off: Dr.GRPO), and trains on them with ``fwd_bwd`` + ``step``
+submitted back to back, then syncs the sampler. Lists are named by what they index: ``_P``
+problems, ``_G`` members of one group, ``_R`` flat rows.
 
 A tiny model from random weights almost never writes a correct sum, and GRPO alone stalls near
 reward 0.1 (measured over 400 steps). A short supervised warm-up (``warmup_steps``, the
@@ -60,15 +61,21 @@ class GRPOConfig(BaseModel):
     warmup_lr: float = Field(1e-2, gt=0)
     max_operand: int = Field(9, ge=1)  # problems are a+b with a, b in 0..max_operand
     eps: float = Field(1e-6, gt=0)  # added to a group's std before dividing
+    # False: Dr.GRPO, advantages only mean-centred (verl's algorithm.norm_adv_by_std_in_grpo=False).
+    norm_adv_by_std: bool = True
 
 
-def group_advantages(rewards_G: Sequence[float], *, eps: float = 1e-6) -> list[float]:
-    """Mean-centred, std-normalised rewards of one group; all zeros when every member scored the same."""
+def group_advantages(rewards_G: Sequence[float], *, eps: float = 1e-6, norm_by_std: bool = True) -> list[float]:
+    """Mean-centred rewards of one group, divided by the group's std (+ ``eps``) when ``norm_by_std``.
+
+    ``norm_by_std=False`` is Dr.GRPO (verl's ``norm_adv_by_std_in_grpo=False``). All zeros when
+    every member scored the same.
+    """
     mean = sum(rewards_G) / len(rewards_G)
     std = math.sqrt(sum((r - mean) ** 2 for r in rewards_G) / max(len(rewards_G) - 1, 1))
     if std == 0.0:
         return [0.0] * len(rewards_G)
-    return [(r - mean) / (std + eps) for r in rewards_G]
+    return [(r - mean) / (std + eps) if norm_by_std else r - mean for r in rewards_G]
 
 
 def main(config: GRPOConfig) -> list[dict[str, Any]]:
@@ -142,7 +149,9 @@ async def run(config: GRPOConfig, *, on_step: Callable[[dict[str, Any]], None] |
             ]
 
             # --- advantages; groups where every member scored the same teach nothing ----------
-            advantages_P_G = [group_advantages(r, eps=config.eps) for r in rewards_P_G]
+            advantages_P_G = [
+                group_advantages(r, eps=config.eps, norm_by_std=config.norm_adv_by_std) for r in rewards_P_G
+            ]
             useful_P = [p for p, adv_G in enumerate(advantages_P_G) if any(adv_G)]
             shuffler.shuffle(useful_P)
 

@@ -1,7 +1,7 @@
 """``icefloe serve --engines ray``: a job's engines as Ray actors instead of in-process engines.
 
 Implements the :class:`icefloe.service.runtime.EngineHost` methods over the actor groups of
-``icefloe.engines.ray_actors``: a training sub-job with ``n_gpus`` slots becomes ``n``
+``icefloe.engines.ray``: a training sub-job with ``n_gpus`` slots becomes ``n``
 data-parallel ranks, a sampling sub-job one sampler replica, a log-probability sub-job one
 reference rank. Each sub-job reserves its own placement group. Weight sync between a training and
 a sampling sub-job is a broadcast on a process group created the first time that pair syncs.
@@ -52,8 +52,8 @@ class RayEngineHost:
     def start(self, on_progress: Callable[[str], None]) -> None:
         import ray
 
-        from icefloe.engines import ray_actors
         from icefloe.engines.models import resolve_model
+        from icefloe.engines.ray import SamplerGroup, TrainerGroup, create_placement_group, plan_placement
 
         if not ray.is_initialized():
             ray.init(namespace=self._namespace, include_dashboard=False, log_to_driver=False)
@@ -66,14 +66,14 @@ class RayEngineHost:
                 start_from if role == "sampling" and start_from else resolve_model(config.model, seed=config.seed)
             )
             job_name = "icefloe-serve-" + sub_job_id.replace(":", "-")
-            bundles, workers = ray_actors.plan_placement(job_name, {role: count}, config.backend)
-            placement = ray_actors.create_placement_group(job_name, bundles, config.backend, config.job_ready_timeout_s)
+            bundles, workers = plan_placement(job_name, {role: count}, config.backend)
+            placement = create_placement_group(job_name, bundles, config.backend, config.job_ready_timeout_s)
             self._placements.append(placement)
             on_progress(f"starting {count} Ray actor(s) for {sub_job_id} ({spec.config.model!r})")
             if role == "sampling":
-                group = ray_actors.SamplerGroup.launch(config, workers, placement, model_dir)
+                group = SamplerGroup.create(job_name, config, workers, placement, model_dir).start()
             else:
-                group = ray_actors.TrainerGroup.launch(config, workers, placement, model_dir)
+                group = TrainerGroup.create(job_name, config, workers, placement, model_dir).start()
                 if start_from is not None:
                     loaded = group.load_checkpoint(start_from)
                     if spec.is_training and not spec.load_optimizer_states:
@@ -109,16 +109,16 @@ class RayEngineHost:
         return self._group(sub_job_id).generate(prompts, params)
 
     def sync_weights(self, source_sub_job_id: str, target_sub_job_id: str) -> dict[str, Any]:
-        from icefloe.engines import ray_actors
+        from icefloe.engines.ray import collective_backend, link_weight_sync, sync_weights
 
         trainers, samplers = self._group(source_sub_job_id), self._group(target_sub_job_id)
         config = self._config(self._specs[source_sub_job_id])
         pair = (source_sub_job_id, target_sub_job_id)
         if pair not in self._links:
-            backend = ray_actors.collective_backend(config.backend)
-            self._links[pair] = ray_actors.link_weight_sync(trainers, samplers, backend)
+            backend = collective_backend(config.backend)
+            self._links[pair] = link_weight_sync(trainers, samplers, backend)
         bucket_bytes = config.backend.sync_bucket_mb * 1024 * 1024
-        return ray_actors.sync_weights(trainers, samplers, self._links[pair], bucket_bytes)
+        return sync_weights(trainers, samplers, self._links[pair], bucket_bytes)
 
     def reset_prefix_cache(self, sub_job_id: str) -> dict[str, Any]:
         return self._group(sub_job_id).reset_prefix_cache()

@@ -60,11 +60,41 @@ def test_to_canonical_lowers_verl_payload_golden():
         "config": {
             "eps_clip": 0.2,
             "eps_clip_higher": 0.28,
+            "c_clip": 3.0,  # verl's defaults fill what the actor config leaves unset
             "loss_agg_mode": "token-mean",
+            "entropy_coeff": 0.0,
+            "use_kl_loss": False,
+            "kl_coef": 0.001,
+            "kl_type": "low_var_kl",
+            "loss_scale_factor": 3,  # the response width R
             "global_batch_size": 2,
             "temperature": 0.7,
         },
     }
+
+
+@pytest.mark.parametrize(
+    ("actor", "expected"),
+    [
+        ({}, {"eps_clip": 0.2, "eps_clip_higher": 0.2, "c_clip": 3.0, "loss_scale_factor": 3}),
+        ({"clip_ratio": 0.3}, {"eps_clip": 0.3, "eps_clip_higher": 0.3}),
+        ({"clip_ratio": 0.3, "clip_ratio_low": 0.1}, {"eps_clip": 0.1, "eps_clip_higher": 0.3}),
+        ({"clip_ratio_c": 10.0, "loss_scale_factor": 512}, {"c_clip": 10.0, "loss_scale_factor": 512}),
+        ({"kl_loss_type": "k3+", "kl_loss_coef": 0.05}, {"kl_type": "k3+", "kl_coef": 0.05}),
+    ],
+)
+def test_to_canonical_reads_verl_actor_knobs_with_verls_defaults(actor, expected):
+    payload = _verl_payload()
+    payload["meta"]["actor_config"] = actor
+    config = to_canonical(payload)["processing"]["config"]
+    assert {key: config[key] for key in expected} == expected
+
+
+def test_to_canonical_counts_rows_with_a_token_when_verl_sends_no_batch_size():
+    payload = _verl_payload()
+    del payload["meta"]["global_batch_size"]
+    payload["batch"]["response_mask"] = torch.tensor([[0, 0, 0], [1, 1, 1]])
+    assert to_canonical(payload)["processing"]["config"]["global_batch_size"] == 1
 
 
 def test_to_canonical_accepts_full_width_response_tensors():

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from icefloe.engines.losses import AGG_MODES, get_loss, register_loss, registered_losses
+from icefloe.engines.losses import AGG_MODES, KL_TYPES, get_loss, kl_penalty, register_loss, registered_losses
 from icefloe.protocol import InvalidRequestError
 
 B, S = 3, 7
@@ -33,26 +33,32 @@ def _inputs(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 # --- plain references ------------------------------------------------------------------------------
-def _ref_aggregate(values, mask, mode, num_tokens=None, batch_size=None):
+def _ref_aggregate(values, mask, mode, num_tokens=None, batch_size=None, scale=S):
     num_tokens = sum(mask[b][s] for b in range(B) for s in range(S)) if num_tokens is None else num_tokens
     batch_size = B if batch_size is None else batch_size
+    masked_sum = sum(values[b][s] * mask[b][s] for b in range(B) for s in range(S))
     if mode == "token-mean":
-        return sum(values[b][s] * mask[b][s] for b in range(B) for s in range(S)) / num_tokens
+        return masked_sum / num_tokens
+    if mode == "token-sum":
+        return masked_sum
     total = 0.0
     for b in range(B):
         row = sum(values[b][s] * mask[b][s] for s in range(S))
         if mode == "seq-mean-token-mean":
             row /= max(sum(mask[b]), 1.0)
         elif mode == "seq-mean-token-sum-norm":
-            row /= S
+            row /= scale
         total += row
     return total / batch_size
 
 
 def _ref_kl(logp, ref, kind):
-    if kind == "k1":
+    kind = kind.rstrip("+")
+    if kind in ("k1", "kl"):
         return logp - ref
-    if kind == "k2":
+    if kind == "abs":
+        return abs(logp - ref)
+    if kind in ("k2", "mse"):
         return 0.5 * (logp - ref) ** 2
     log_ratio = min(max(ref - logp, -20.0), 20.0)
     return min(max(math.exp(log_ratio) - log_ratio - 1.0, -10.0), 10.0)
@@ -106,13 +112,44 @@ def test_grpo_dual_clip_caps_negative_advantage_tokens():
     assert metrics["clip_ratio"].item() == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("kl_type", ["k1", "k2", "low_var_kl"])
+@pytest.mark.parametrize("kl_type", KL_TYPES)
 def test_grpo_kl_term_matches_reference(kl_type):
     x = _inputs(2)
     config = {"use_kl_loss": True, "kl_coef": 0.3, "kl_type": kl_type, "loss_agg_mode": "seq-mean-token-mean"}
     loss, metrics = _call("grpo", x, config, with_ref=True)
     assert_close(loss, _ref_grpo(x, mode="seq-mean-token-mean", kl=kl_type, kl_coef=0.3))
     assert "kl" in metrics
+
+
+@pytest.mark.parametrize("kl_type", ["kl+", "abs+", "k3+", "low_var_kl+"])
+def test_straight_through_kl_keeps_the_value_and_takes_the_gradient_of_k2(kl_type):
+    x = _inputs(11)
+    logprobs = x["logprobs"].clone().requires_grad_(True)
+    plain = kl_penalty(logprobs, x["ref"], kl_type.rstrip("+"))
+    through = kl_penalty(logprobs, x["ref"], kl_type)
+    assert_close(through, plain)
+    (grad,) = torch.autograd.grad(through.sum(), logprobs)
+    assert_close(grad, logprobs.detach() - x["ref"])  # d/dx ½(x - ref)²
+    (plain_grad,) = torch.autograd.grad(plain.sum(), logprobs)
+    assert not torch.allclose(plain_grad, grad)
+
+
+@pytest.mark.parametrize(("alias", "name"), [("kl", "k1"), ("mse", "k2"), ("k3", "low_var_kl"), ("mse+", "k2")])
+def test_kl_aliases_are_one_estimator(alias, name):
+    x = _inputs(12)
+    logprobs = x["logprobs"].clone().requires_grad_(True)
+    (alias_grad,) = torch.autograd.grad(kl_penalty(logprobs, x["ref"], alias).sum(), logprobs)
+    (name_grad,) = torch.autograd.grad(kl_penalty(logprobs, x["ref"], name).sum(), logprobs)
+    assert_close(kl_penalty(x["logprobs"], x["ref"], alias), kl_penalty(x["logprobs"], x["ref"], name))
+    assert_close(alias_grad, name_grad)
+
+
+def test_seq_mean_token_sum_norm_divides_by_the_loss_scale_factor():
+    x = _inputs(13)
+    by_width, _ = _call("grpo", x, {"loss_agg_mode": "seq-mean-token-sum-norm"})
+    by_factor, _ = _call("grpo", x, {"loss_agg_mode": "seq-mean-token-sum-norm", "loss_scale_factor": 2 * S})
+    assert_close(by_width, _ref_grpo(x, mode="seq-mean-token-sum-norm"))
+    assert_close(by_factor, by_width / 2)
 
 
 def test_grpo_accepts_the_training_api_aliases():
@@ -185,6 +222,8 @@ def test_grpo_rejects_bad_options():
         _call("grpo", x, {"use_kl_loss": True})
     with pytest.raises(InvalidRequestError, match="kl_type must be one of"):
         _call("grpo", x, {"use_kl_loss": True, "kl_type": "k9"}, with_ref=True)
+    with pytest.raises(InvalidRequestError, match="'full' needs whole-vocabulary distributions"):
+        _call("grpo", x, {"use_kl_loss": True, "kl_type": "full"}, with_ref=True)
     with pytest.raises(InvalidRequestError, match="needs token entropies"):
         _call("grpo", x, {"entropy_coeff": 0.1}, entropy=False)
 

@@ -136,7 +136,7 @@ def test_weight_broadcast_copies_every_tensor_in_place_with_the_version():
         assert target[name].data_ptr() == pointers[name]
 
 
-def _fsdp_rank(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+def _dp_rank(rank: int, port: int, model_dir: str, out_dir: str, fsdp: bool) -> None:
     import torch.distributed as dist
 
     from icefloe.engines.distributed import DataParallelTrainingEngine
@@ -145,35 +145,67 @@ def _fsdp_rank(rank: int, port: int, model_dir: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         config = ClientConfig.build(model=model_dir, max_seq_len=48, training={"optimizer": {"lr": 1e-3}})
-        engine = DataParallelTrainingEngine(config, model_dir=Path(model_dir), fsdp=True)
-        shard = shard_rows(make_frame(5), 2)[0][rank]
-        result = engine.fwd_bwd(shard)
+        # 64-byte buckets: the gradient all-reduce runs in many buckets, planned as the weight broadcast's are.
+        engine = DataParallelTrainingEngine(config, model_dir=Path(model_dir), fsdp=fsdp, bucket_bytes=64)
+        result = engine.fwd_bwd(shard_rows(make_frame(5), 2)[0][rank])
         step = engine.step()
+        saved = engine.save_checkpoint(Path(out_dir) / "dp", "resumable")
+        engine.fwd_bwd(shard_rows(make_frame(5, seed=9), 2)[0][rank])
+        second = engine.step()
+        loaded = engine.load_checkpoint(saved["path"])
+        engine.fwd_bwd(shard_rows(make_frame(5, seed=9), 2)[0][rank])
+        replayed = engine.step()
         weights = {name: t.clone() for name, t in engine.named_weights()}
-        if rank == 0:
-            torch.save({"result": result, "step": step, "weights": weights}, Path(out_dir) / "fsdp.pt")
-        else:
-            torch.save({"result": result}, Path(out_dir) / "fsdp1.pt")
+        outcome = {"result": result, "step": step, "second": second, "replayed": replayed, "loaded": loaded}
+        torch.save({**outcome, "saved": saved, "weights": weights}, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
 
-def test_fsdp_dp2_matches_one_engine(model_dir, tmp_path):
+@pytest.mark.parametrize("fsdp", [False, True], ids=["replicated", "fsdp"])
+def test_data_parallel_trains_like_one_engine_and_checkpoints_in_its_format(model_dir, tmp_path, fsdp):
     import torch.multiprocessing as mp
+    from safetensors.torch import load_file
 
-    args = (free_port(), str(model_dir), str(tmp_path))
-    mp.start_processes(_fsdp_rank, args=args, nprocs=2, join=True, start_method="fork")
-    rank0 = torch.load(tmp_path / "fsdp.pt", weights_only=True)
-    rank1 = torch.load(tmp_path / "fsdp1.pt", weights_only=True)
+    mp.start_processes(
+        _dp_rank, args=(free_port(), str(model_dir), str(tmp_path), fsdp), nprocs=2, join=True, start_method="fork"
+    )
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
 
     torch.set_num_threads(1)
     config = ClientConfig.build(model=str(model_dir), max_seq_len=48, training={"optimizer": {"lr": 1e-3}})
     single = TrainingEngine(config, model_dir=model_dir)
     expected = single.fwd_bwd(make_frame(5))
     expected_step = single.step()
-
-    combined = combine_fwd_bwd([rank0["result"], rank1["result"]])
+    combined = combine_fwd_bwd([r["result"] for r in ranks])
     assert combined["loss"] == pytest.approx(expected["loss"], abs=1e-5)
-    assert rank0["step"]["grad_norm"] == pytest.approx(expected_step["grad_norm"], rel=1e-5)
-    for name, tensor in single.named_weights():
-        torch.testing.assert_close(rank0["weights"][name], tensor, atol=1e-5, rtol=0)
+    assert ranks[0]["step"]["grad_norm"] == pytest.approx(expected_step["grad_norm"], rel=1e-5)
+
+    # Every rank reports the folder rank 0 wrote, and it holds the files one engine writes, alike.
+    dp_dir = Path(ranks[0]["saved"]["path"])
+    assert ranks[1]["saved"] == ranks[0]["saved"] == {
+        "checkpoint_id": "global_step1", "global_step": 1, "path": str(dp_dir), "kind": "resumable"
+    }  # fmt: skip
+    single_dir = Path(single.save_checkpoint(tmp_path / "single", "resumable")["path"])
+    assert sorted(p.name for p in dp_dir.iterdir()) == sorted(p.name for p in single_dir.iterdir())
+    for file in ("model.safetensors", "optimizer.safetensors"):
+        ours, theirs = load_file(str(dp_dir / file)), load_file(str(single_dir / file))
+        assert sorted(ours) == sorted(theirs)
+        for name, tensor in theirs.items():
+            torch.testing.assert_close(ours[name], tensor, atol=1e-5, rtol=0, msg=f"{file}: {name}")
+
+    # Reloading the checkpoint restores weights and AdamW moments: step 2 replays exactly.
+    for rank in ranks:
+        assert rank["loaded"]["global_step"] == 1
+        assert rank["replayed"]["global_step"] == 2
+        assert rank["replayed"]["grad_norm"] == pytest.approx(rank["second"]["grad_norm"], rel=1e-6)
+    for name, tensor in ranks[0]["weights"].items():
+        torch.testing.assert_close(ranks[1]["weights"][name], tensor, atol=0, rtol=0)
+
+    # One engine resumes from the data-parallel checkpoint and takes the same second step.
+    resumed = TrainingEngine(config, model_dir=model_dir)
+    assert resumed.load_checkpoint(dp_dir)["global_step"] == 1
+    resumed.fwd_bwd(make_frame(5, seed=9))
+    assert resumed.step()["grad_norm"] == pytest.approx(ranks[0]["second"]["grad_norm"], rel=1e-4)
+    for name, tensor in resumed.named_weights():
+        torch.testing.assert_close(ranks[0]["weights"][name], tensor, atol=1e-5, rtol=0)

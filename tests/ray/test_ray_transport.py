@@ -78,6 +78,13 @@ def colocated_client(ray_session, model_dir, tmp_path_factory):
     client.shutdown()
 
 
+def on_actors(client: Client, role: str, fn) -> list:
+    """``fn(actor)`` run inside each actor of ``role``, found by the names in the client's handle."""
+    info = client.handle()["transport"]
+    actors = [ray.get_actor(name, namespace=info["namespace"]) for name in info["actors"][role]]
+    return ray.get([actor.__ray_call__.remote(fn) for actor in actors])
+
+
 def test_fwd_bwd_dp2_equals_dp1_loss_metrics_and_weights(dp_client, model_dir, tmp_path):
     torch.set_num_threads(1)
     single = TrainingEngine(dp_client.config, model_dir=model_dir)
@@ -92,8 +99,9 @@ def test_fwd_bwd_dp2_equals_dp1_loss_metrics_and_weights(dp_client, model_dir, t
     for name in ("entropy", "approx_kl", "clip_ratio"):
         assert result["metrics"][name] == pytest.approx(expected["metrics"][name], abs=1e-5)
     assert step["grad_norm"] == pytest.approx(expected_step["grad_norm"], rel=1e-5)
-    digests = dp_client._transport.training.weights_digests()
-    assert digests[0] == digests[1]  # both ranks hold identical weights
+    weights = on_actors(dp_client, "training", lambda actor: dict(actor.engine.named_weights()))
+    for name, tensor in weights[0].items():  # both ranks hold identical weights
+        assert torch.equal(weights[1][name], tensor), name
     saved = dp_client.save_checkpoint("weights-only")
     weights = load_file(str(Path(saved["path"]) / "model.safetensors"))
     for name, tensor in single.named_weights():
@@ -217,35 +225,38 @@ def test_handle_reattaches_from_another_process(dp_client, tmp_path):
 
 
 def test_colocated_workers_share_one_bundle_with_fractional_cpus(colocated_client):
-    transport = colocated_client._transport
-    table = ray.util.placement_group_table(transport._placement)
-    assert list(table["bundles"].values()) == [{"CPU": 0.5}]
-    placements = [ray.get(group.actors[0].placement.remote()) for group in (transport.training, transport.sampling)]
-    for placement in placements:  # both in the job's one-bundle group, each holding a quarter CPU
-        assert placement["placement_group_id"] == transport._placement.id.hex()
-        assert placement["resources"] == {"CPU": pytest.approx(0.25)}
+    def placement(actor) -> dict:
+        context = ray.get_runtime_context()
+        return {"group": context.get_placement_group_id(), "resources": context.get_assigned_resources()}
+
+    placements = [p for role in ("training", "sampling") for p in on_actors(colocated_client, role, placement)]
+    assert len(placements) == 2
+    assert placements[0]["group"] == placements[1]["group"] is not None  # both in the job's one placement group
+    table = ray.util.placement_group_table()[placements[0]["group"]]
+    assert list(table["bundles"].values()) == [{"CPU": 0.5}]  # ... of one bundle, each holding a quarter CPU
+    assert [p["resources"] for p in placements] == [{"CPU": pytest.approx(0.25)}] * 2
     assert colocated_client.generate([[1, 2]], {"max_tokens": 2})[0]["token_ids"]
 
 
 def test_killed_sampler_surfaces_as_job_failed_error(colocated_client):
-    transport = colocated_client._transport
-    ray.kill(transport.sampling.actors[0])
+    sampler = colocated_client.handle()["transport"]["actors"]["sampling"][0]
+    ray.kill(ray.get_actor(sampler, namespace="icefloe-tests"))
     started = time.monotonic()
     with pytest.raises(JobFailedError) as raised:
         colocated_client.generate([[1, 2]], {"max_tokens": 2})
-    assert transport.sampling.names[0] in str(raised.value)
-    assert raised.value.sub_jobs == {transport.sampling.names[0]: "dead"}
+    assert sampler in str(raised.value)
+    assert raised.value.sub_jobs == {sampler: "dead"}
     assert isinstance(raised.value.__cause__, ray.exceptions.RayActorError)
-    with pytest.raises(JobFailedError, match=transport.sampling.names[0]):
+    with pytest.raises(JobFailedError, match=sampler):
         colocated_client.sync_weights()  # the trainer's broadcast breaks too; the error names the dead sampler
     assert time.monotonic() - started < 120  # typed errors, not a hang
 
 
 def test_killed_trainer_mid_run_surfaces_as_job_failed_error(colocated_client):
-    transport = colocated_client._transport
+    trainer = colocated_client.handle()["transport"]["actors"]["training"][0]
     colocated_client.fwd_bwd(make_batch())
-    ray.kill(transport.training.actors[0])
-    with pytest.raises(JobFailedError, match=transport.training.names[0]):
+    ray.kill(ray.get_actor(trainer, namespace="icefloe-tests"))
+    with pytest.raises(JobFailedError, match=trainer):
         colocated_client.step()
 
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 
 from icefloe.recipes.grpo import GRPOConfig, _split, group_advantages, summarize
+
+VERL_GOLDEN = Path(__file__).parents[1] / "integrations" / "verl" / "golden" / "verl_losses.json"
 
 
 def test_group_advantages_are_mean_centred_and_std_normalised():
@@ -27,6 +30,20 @@ def test_group_advantages_of_a_uniform_group_are_zero(rewards_G):
 def test_group_advantages_keep_the_order_of_rewards():
     advantages_G = group_advantages([0.0, 1.0, 0.5])
     assert advantages_G[1] > advantages_G[2] > advantages_G[0]
+
+
+@pytest.mark.parametrize("norm_by_std", [True, False])
+def test_group_advantages_equal_verls_grpo_advantages(norm_by_std):
+    """verl 0.9.1's compute_grpo_outcome_advantage on the same rewards (golden values, see the generator)."""
+    golden = json.loads(VERL_GOLDEN.read_text(encoding="utf-8"))["grpo_advantages"]
+    (case,) = [c for c in golden if c["norm_adv_by_std_in_grpo"] is norm_by_std]
+    ours = [a for rewards_G in case["rewards"] for a in group_advantages(rewards_G, norm_by_std=norm_by_std)]
+    assert ours == pytest.approx(case["advantages"], abs=1e-5)
+
+
+def test_dr_grpo_advantages_are_only_mean_centred():
+    assert group_advantages([1.0, 0.0, 0.0, 0.0], norm_by_std=False) == pytest.approx([0.75, -0.25, -0.25, -0.25])
+    assert group_advantages([2.0, 2.0], norm_by_std=False) == [0.0, 0.0]
 
 
 def test_split_covers_every_item_once_in_at_most_parts_slices():

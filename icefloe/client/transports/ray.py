@@ -25,7 +25,7 @@ import ray
 
 from icefloe.client.transports.roles import RoleTransport
 from icefloe.config import ClientConfig, RayConfig
-from icefloe.engines import ray_actors
+from icefloe.engines.ray import groups, placement
 from icefloe.protocol import (
     ConfigError,
     InvalidRequestError,
@@ -95,27 +95,27 @@ class RayTransport(RoleTransport):
                         "backend.job_name"
                     )
         self.model_dir = resolve_model(config.model, seed=config.seed)
-        bundles, specs = ray_actors.plan_placement(self.job_name, counts, self.ray_config)
+        bundles, specs = placement.plan_placement(self.job_name, counts, self.ray_config)
         self._owner = True
-        self._placement = ray_actors.create_placement_group(
+        self._placement = placement.create_placement_group(
             self.job_name, bundles, self.ray_config, config.job_ready_timeout_s
         )
         by_role = {role: [s for s in specs if s.role == role] for role in counts}
+
+        def create(group_class: type[groups.ActorGroup], role: str) -> Any:
+            if not by_role[role]:
+                return None
+            return group_class.create(self.job_name, config, by_role[role], self._placement, self.model_dir)
+
         try:
-            self.training = ray_actors.TrainerGroup.create(config, by_role["training"], self._placement, self.model_dir)
-            if by_role["sampling"]:
-                self.sampling = ray_actors.SamplerGroup.create(
-                    config, by_role["sampling"], self._placement, self.model_dir
-                )
-            if by_role["reference"]:
-                self.reference = ray_actors.TrainerGroup.create(
-                    config, by_role["reference"], self._placement, self.model_dir
-                )
+            self.training = create(groups.TrainerGroup, "training")
+            self.sampling = create(groups.SamplerGroup, "sampling")
+            self.reference = create(groups.TrainerGroup, "reference")
             starts = [call for group in self._groups() for call in group.start_calls()]
-            ray_actors.gather(self.job_name, starts, config.job_ready_timeout_s)
+            groups.gather(self.job_name, starts, config.job_ready_timeout_s)
             if self.sampling is not None:
-                backend = ray_actors.collective_backend(self.ray_config)
-                self._link = ray_actors.link_weight_sync(self.training, self.sampling, backend)
+                backend = placement.collective_backend(self.ray_config)
+                self._link = groups.link_weight_sync(self.training, self.sampling, backend)
                 self.training.weight_layout()  # fetched now: never behind a send on trainer rank 0
         except BaseException:
             self._release_actors()
@@ -125,12 +125,12 @@ class RayTransport(RoleTransport):
         from icefloe.engines.models import resolve_model
 
         names, namespace, timeout = handle["actors"], handle["namespace"], self.config.job_ready_timeout_s
-        self.training = ray_actors.TrainerGroup.attach(self.job_name, "training", names["training"], namespace, timeout)
+        self.training = groups.TrainerGroup.attach(self.job_name, "training", names["training"], namespace, timeout)
         if names.get("sampling"):
-            self.sampling = ray_actors.SamplerGroup.attach(self.job_name, names["sampling"], namespace, timeout)
+            self.sampling = groups.SamplerGroup.attach(self.job_name, "sampling", names["sampling"], namespace, timeout)
             self.training.weight_layout()
         if names.get("reference"):
-            self.reference = ray_actors.TrainerGroup.attach(
+            self.reference = groups.TrainerGroup.attach(
                 self.job_name, "reference", names["reference"], namespace, timeout
             )
         self.model_dir = resolve_model(self.config.model, seed=self.config.seed)
@@ -226,22 +226,20 @@ class RayTransport(RoleTransport):
         handles: Future = Future()
 
         def import_on_samplers() -> dict[str, Any]:
-            shared, version = handles.result()
-            calls = [(n, a.import_cuda_ipc.remote(shared, version)) for n, a in samplers.members]
-            return ray_actors.gather(self.job_name, calls)[0]
+            return samplers.import_cuda_ipc(*handles.result())
 
         def export_from_trainer() -> dict[str, Any]:
             start = time.perf_counter()
             try:
-                version = trainers._call_one(0, "global_step")
-                handles.set_result((trainers._call_one(0, "export_cuda_ipc"), version))
+                shared, version = trainers.export_cuda_ipc()
             except BaseException as exc:
                 handles.set_exception(exc)
                 raise
+            handles.set_result((shared, version))
             try:
                 imported.result()  # the samplers' failure is the op's failure
             finally:
-                trainers._call_one(0, "release_cuda_ipc")
+                trainers.release_cuda_ipc()
             layout_bytes = sum(e.numel * e.torch_dtype.itemsize for e in trainers.weight_layout())
             return {"policy_version": version, "seconds": time.perf_counter() - start, "bytes": layout_bytes}
 

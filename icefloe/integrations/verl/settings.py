@@ -37,6 +37,7 @@ _ACTOR_LOSS_FIELDS = (
     "clip_ratio_high",
     "clip_ratio_c",
     "loss_agg_mode",
+    "loss_scale_factor",
     "entropy_coeff",
     "use_kl_loss",
     "kl_loss_coef",
