@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any, Self
 
 from icefloe.client import ops
 from icefloe.client.transports import Transport, make_transport
 from icefloe.config import ClientConfig
-from icefloe.protocol import ClientClosedError, SamplingParams, UnsupportedOpError
+from icefloe.protocol import ClientClosedError, Request, SamplingParams, UnsupportedOpError
 
 __all__ = ["AsyncClient", "Client"]
 
@@ -117,7 +118,7 @@ class Client(_BaseClient):
     def _call(self, call: ops.OpCall) -> Any:
         self._check_open()
         self._ensure_open_sync()
-        return call.parse(self._transport.handle(call.request))
+        return call.parse(self._transport.handle(call.request).result())
 
     def fwd_bwd(self, batch: Mapping[str, Any], processing: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Forward + backward; gradients accumulate until ``step``. Returns ``{loss, metrics, num_tokens}``."""
@@ -202,107 +203,144 @@ class Client(_BaseClient):
 
 
 class AsyncClient(_BaseClient):
-    """Awaitable client: concurrent calls overlap; calls to one role still run in submission order."""
+    """Awaitable client: concurrent calls overlap; calls to one role still run in call order.
+
+    An op is handed to the backend when it is called, not when it is first awaited: its place in
+    line is fixed by the call, and it starts even while the caller goes on building the next batch.
+    Each op method returns an ``asyncio.Future`` of the canonical result.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._open_lock: asyncio.Lock | None = None
+        self._opening: asyncio.Future[None] | None = None
+        self._queued: list[tuple[Request, asyncio.Future[Future]]] = []  # ops called before open finished
+        self._hand_over: asyncio.Future[None] | None = None
 
     async def open(self) -> Self:
-        """Load engines or attach the job now (in a thread or over async I/O)."""
+        """Load engines or attach the job now (in a worker thread)."""
         self._check_open()
         if self._state is _State.UNOPENED:
-            if self._open_lock is None:
-                self._open_lock = asyncio.Lock()
-            async with self._open_lock:
-                if self._state is _State.UNOPENED:
-                    await self._transport.aopen()
-                    self._state = _State.OPEN
+            if self._opening is None or self._opening.get_loop() is not asyncio.get_running_loop():
+                self._opening = asyncio.ensure_future(asyncio.to_thread(self._transport.open))
+            await asyncio.shield(self._opening)
+            if self._state is _State.UNOPENED:
+                self._state = _State.OPEN
         return self
 
-    async def _call(self, call: ops.OpCall) -> Any:
+    def _call(self, call: ops.OpCall) -> asyncio.Future[Any]:
         self._check_open()
-        if self._state is _State.UNOPENED:
+        if self._state is _State.OPEN and not self._queued:
+            return asyncio.ensure_future(_answer(self._transport.handle(call.request), call.parse))
+        handed: asyncio.Future[Future] = asyncio.get_running_loop().create_future()
+        self._queued.append((call.request, handed))
+        if len(self._queued) == 1:
+            self._hand_over = asyncio.ensure_future(self._hand_over_after_open())
+        return asyncio.ensure_future(_answer(handed, call.parse))
+
+    async def _hand_over_after_open(self) -> None:
+        """Open, then hand every op queued meanwhile to the transport in one go, in call order."""
+        error: Exception | None = None
+        try:
             await self.open()
-        return call.parse(await self._transport.handle_async(call.request))
+        except Exception as exc:
+            error = exc
+        queued, self._queued = self._queued, []
+        for request, handed in queued:
+            try:
+                if error is not None:
+                    raise error
+                handed.set_result(self._transport.handle(request))
+            except Exception as exc:
+                handed.set_exception(exc)
 
-    async def fwd_bwd(self, batch: Mapping[str, Any], processing: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def fwd_bwd(
+        self, batch: Mapping[str, Any], processing: Mapping[str, Any] | None = None
+    ) -> asyncio.Future[dict[str, Any]]:
         """Forward + backward; gradients accumulate until ``step``. Returns ``{loss, metrics, num_tokens}``."""
-        return await self._call(ops.fwd_bwd(batch, processing))
+        return self._call(ops.fwd_bwd(batch, processing))
 
-    async def forward(self, batch: Mapping[str, Any], *, reference: bool = False) -> dict[str, Any]:
+    def forward(self, batch: Mapping[str, Any], *, reference: bool = False) -> asyncio.Future[dict[str, Any]]:
         """Shifted ``{logprobs, entropy}`` ``[B, S]`` of the policy (or the reference) without gradients."""
-        return await self._call(ops.forward(batch, reference=reference))
+        return self._call(ops.forward(batch, reference=reference))
 
-    async def fwd_no_grad(self, batch: Mapping[str, Any], *, reference_model: bool = False) -> dict[str, Any]:
+    def fwd_no_grad(self, batch: Mapping[str, Any], *, reference_model: bool = False) -> asyncio.Future[dict[str, Any]]:
         """``forward`` under the name verl and SkyRL call."""
-        return await self.forward(batch, reference=reference_model)
+        return self.forward(batch, reference=reference_model)
 
-    async def step(self, learning_rate: float | None = None) -> dict[str, Any]:
+    def step(self, learning_rate: float | None = None) -> asyncio.Future[dict[str, Any]]:
         """Optimizer step. Returns ``{global_step, lr, grad_norm, metrics}``."""
-        return await self._call(ops.step(learning_rate))
+        return self._call(ops.step(learning_rate))
 
-    async def generate(self, prompts: Prompts, sampling_params: Params = None) -> list[dict[str, Any]]:
+    def generate(self, prompts: Prompts, sampling_params: Params = None) -> asyncio.Future[list[dict[str, Any]]]:
         """Sample; returns ``[{token_ids, text, finish_reason, logprobs?, policy_version}]`` prompt-major."""
-        return await self._call(ops.generate(prompts, sampling_params))
+        return self._call(ops.generate(prompts, sampling_params))
 
-    async def sync_weights(self, *, cuda_ipc: bool = False, low_memory: bool = False) -> dict[str, Any]:
+    def sync_weights(self, *, cuda_ipc: bool = False, low_memory: bool = False) -> asyncio.Future[dict[str, Any]]:
         """Trainer → sampler weights. Returns ``{policy_version, seconds, bytes}``."""
-        return await self._call(ops.sync_weights(cuda_ipc=cuda_ipc, low_memory=low_memory))
+        return self._call(ops.sync_weights(cuda_ipc=cuda_ipc, low_memory=low_memory))
 
-    async def save_checkpoint(self, kind: str = "resumable") -> dict[str, Any]:
+    def save_checkpoint(self, kind: str = "resumable") -> asyncio.Future[dict[str, Any]]:
         """Save; returns ``{checkpoint_id, global_step, path, kind}``."""
-        return await self._call(ops.save_checkpoint(kind))
+        return self._call(ops.save_checkpoint(kind))
 
-    async def save_weights(self, path: str | None = None) -> dict[str, Any]:
+    def save_weights(self, path: str | None = None) -> asyncio.Future[dict[str, Any]]:
         """Refused on every backend (raises ``UnsupportedOpError``); see ``sync_weights`` / ``save_checkpoint``."""
         raise UnsupportedOpError(_SAVE_WEIGHTS_POINTER)
 
-    async def load_checkpoint(self, checkpoint_id: str, *, source_job_id: str | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, checkpoint_id: str, *, source_job_id: str | None = None
+    ) -> asyncio.Future[dict[str, Any]]:
         """Load a checkpoint into the training role."""
-        return await self._call(ops.load_checkpoint(checkpoint_id, source_job_id=source_job_id))
+        return self._call(ops.load_checkpoint(checkpoint_id, source_job_id=source_job_id))
 
-    async def list_checkpoints(self) -> list[dict[str, Any]]:
+    def list_checkpoints(self) -> asyncio.Future[list[dict[str, Any]]]:
         """Every checkpoint this job saved, oldest first."""
-        return await self._call(ops.list_checkpoints())
+        return self._call(ops.list_checkpoints())
 
-    async def get_checkpoint(self, checkpoint_id: str) -> dict[str, Any]:
+    def get_checkpoint(self, checkpoint_id: str) -> asyncio.Future[dict[str, Any]]:
         """One checkpoint's metadata and files."""
-        return await self._call(ops.get_checkpoint(checkpoint_id))
+        return self._call(ops.get_checkpoint(checkpoint_id))
 
-    async def delete_checkpoint(self, checkpoint_id: str) -> dict[str, Any]:
+    def delete_checkpoint(self, checkpoint_id: str) -> asyncio.Future[dict[str, Any]]:
         """Delete one checkpoint."""
-        return await self._call(ops.delete_checkpoint(checkpoint_id))
+        return self._call(ops.delete_checkpoint(checkpoint_id))
 
-    async def sleep_training(self) -> dict[str, Any]:
+    def sleep_training(self) -> asyncio.Future[dict[str, Any]]:
         """Offload training state from the device (no-op where there is nothing to free)."""
-        return await self._call(ops.sleep_training())
+        return self._call(ops.sleep_training())
 
-    async def wake_training(self) -> dict[str, Any]:
+    def wake_training(self) -> asyncio.Future[dict[str, Any]]:
         """Reload training state onto the device."""
-        return await self._call(ops.wake_training())
+        return self._call(ops.wake_training())
 
-    async def sleep_inference(self, level: int = 1) -> dict[str, Any]:
+    def sleep_inference(self, level: int = 1) -> asyncio.Future[dict[str, Any]]:
         """Free sampler memory."""
-        return await self._call(ops.sleep_inference(level))
+        return self._call(ops.sleep_inference(level))
 
-    async def wake_inference(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
+    def wake_inference(self, tags: Sequence[str] | None = None) -> asyncio.Future[dict[str, Any]]:
         """Restore sampler memory."""
-        return await self._call(ops.wake_inference(tags))
+        return self._call(ops.wake_inference(tags))
 
-    async def reset_prefix_cache(self) -> dict[str, Any]:
+    def reset_prefix_cache(self) -> asyncio.Future[dict[str, Any]]:
         """Drop the sampler's prefix cache."""
-        return await self._call(ops.reset_prefix_cache())
+        return self._call(ops.reset_prefix_cache())
 
     async def shutdown(self) -> None:
         """Release engines / cancel the job and close every connection. Idempotent."""
         if self._state is _State.CLOSED:
             return
         self._state = _State.CLOSED
-        await self._transport.aclose()
+        await asyncio.to_thread(self._transport.close)
 
     async def __aenter__(self) -> Self:
         return await self.open()
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.shutdown()
+
+
+async def _answer(handled: Future | asyncio.Future[Future], parse: Callable[[Any], Any]) -> Any:
+    """The parsed result of the transport's future (of an op queued before open: once it is handed over)."""
+    if isinstance(handled, asyncio.Future):
+        handled = await handled
+    return parse(await asyncio.wrap_future(handled))

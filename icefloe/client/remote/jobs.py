@@ -7,6 +7,7 @@ means "managed" and the transport assumes the managed endpoint's fixed op set.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -14,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from icefloe.client.remote.exchange import Call, Exchange, Retry, Sleep
+from icefloe.client.remote.http import Call, Http, Retry
 from icefloe.client.remote.polling import Backoff
 from icefloe.config import ClientConfig
 from icefloe.protocol import (
@@ -82,7 +83,6 @@ class ServiceInfo:
     max_long_poll_s: float | None = None
     inline_wait: bool = False  # POSTs take ?wait= and answer with the request's poll answer
     sequenced_submit: bool = False  # numbered POSTs (Icefloe-Sequence) are queued in number order
-    max_batch_ops: int = 0  # > 0: POST {job}/batch takes this many fwd_bwd / step ops at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,9 +97,9 @@ class JobRef:
         return ids[0] if ids else None
 
 
-def probe_service() -> Exchange[ServiceInfo]:
+async def probe_service(http: Http) -> ServiceInfo:
     """``GET /capabilities``; a 4xx there means the managed endpoint."""
-    reply = yield Call("GET", "/capabilities", "capabilities", accept=frozenset({400, 404, 405}))
+    reply = await http.send(Call("GET", "/capabilities", "capabilities", accept=frozenset({400, 404, 405})))
     body = reply.body if isinstance(reply.body, Mapping) else None
     if reply.status_code >= 400 or body is None or "ops" not in body:
         return ServiceInfo(managed=True, ops=MANAGED_OPS)
@@ -115,7 +115,6 @@ def probe_service() -> Exchange[ServiceInfo]:
         sequenced_submit=bool(extensions.get("sequenced_submit")),
         max_post_bytes=int(limits["max_post_bytes"]) if limits.get("max_post_bytes") else None,
         max_long_poll_s=float(limits["max_long_poll_s"]) if limits.get("max_long_poll_s") else None,
-        max_batch_ops=int(limits.get("max_batch_ops") or 0) if extensions.get("batch_submit") else 0,
     )
 
 
@@ -178,10 +177,11 @@ def _warn_unmapped_knobs(config: ClientConfig) -> None:
         _log.warning("backend.type='remote' ignores %s: the training API has no such field", ", ".join(ignored))
 
 
-def create_job(body: dict[str, Any], *, idempotent: bool) -> Exchange[str]:
+async def create_job(http: Http, body: dict[str, Any], *, idempotent: bool) -> str:
     """POST the create body; retried fully only when the service honours idempotency keys."""
     retry = Retry.TRANSIENT if idempotent else Retry.CONNECT_ONLY
-    reply = yield Call("POST", "", "create job", json=body, idempotency_key=str(uuid.uuid4()), retry=retry)
+    call = Call("POST", "", "create job", json=body, idempotency_key=str(uuid.uuid4()), retry=retry)
+    reply = await http.send(call)
     job_id = (reply.body or {}).get("job_id") if isinstance(reply.body, Mapping) else None
     if not job_id:
         raise JobFailedError("<none>", "not created", f"create job answered without a job_id: {reply.body!r:.200}")
@@ -211,7 +211,7 @@ def sub_jobs_of(job_id: str, job: Mapping[str, Any], expected: Mapping[str, int]
     return found
 
 
-def wait_running(job_id: str, *, backoff: Backoff, timeout_s: float) -> Exchange[dict[str, Any]]:
+async def wait_running(http: Http, job_id: str, *, backoff: Backoff, timeout_s: float) -> dict[str, Any]:
     """Poll ``GET /{job_id}`` until ``running``.
 
     Raises:
@@ -222,7 +222,7 @@ def wait_running(job_id: str, *, backoff: Backoff, timeout_s: float) -> Exchange
     sleeps = backoff.sleeps(deadline)
     status = "unknown"
     while True:
-        reply = yield Call("GET", f"/{job_id}", "wait for job")
+        reply = await http.send(Call("GET", f"/{job_id}", "wait for job"))
         job = _job_object(reply.body)
         status = normalize_job_state(job.get("status", "unknown"))
         if status == "running":
@@ -239,4 +239,4 @@ def wait_running(job_id: str, *, backoff: Backoff, timeout_s: float) -> Exchange
                 f"job {job_id} is still {status} after {timeout_s:g} s; managed endpoints cold-start in "
                 "minutes, raise job_ready_timeout_s to wait longer"
             )
-        yield Sleep(next(sleeps))
+        await asyncio.sleep(next(sleeps))

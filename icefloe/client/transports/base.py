@@ -1,13 +1,16 @@
-"""The transport seam: deliver a ``Request``, return the backend's answer.
+"""The transport seam: deliver a ``Request``, get a future of the backend's answer.
 
 A transport knows nothing of op semantics beyond routing; ``icefloe.client.ops`` builds requests
-and parses answers. Each flavour has two verbs (``handle``/``close`` and ``handle_async``/``aclose``)
-plus ``open``/``aopen`` for the I/O that attaching needs (loading engines, creating a job).
+and parses answers. Three verbs: ``open`` (blocking, idempotent: load engines, create or re-attach
+a job), ``handle`` (returns a ``concurrent.futures.Future`` at once; the op's place in line is fixed
+by this call) and ``close`` (idempotent). ``Client`` blocks on the future; ``AsyncClient`` awaits it
+with ``asyncio.wrap_future`` and opens with ``asyncio.to_thread``.
 """
 
 from __future__ import annotations
 
 import abc
+from concurrent.futures import Future
 from typing import Any
 
 from icefloe.protocol import Request
@@ -23,31 +26,15 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def open(self) -> None:
-        """Attach: load engines or create/re-attach the job. Idempotent."""
-
-    async def aopen(self) -> None:
-        """Async ``open``; the default runs the blocking one in a thread."""
-        import asyncio
-
-        await asyncio.to_thread(self.open)
+        """Attach: load engines or create/re-attach the job. Blocking; idempotent."""
 
     @abc.abstractmethod
-    def handle(self, request: Request) -> Any:
-        """Deliver one request and block for its result."""
-
-    @abc.abstractmethod
-    async def handle_async(self, request: Request) -> Any:
-        """Deliver one request without blocking the event loop."""
+    def handle(self, request: Request) -> Future:
+        """Queue one request in call order; never blocks. A request refused outright raises here."""
 
     @abc.abstractmethod
     def close(self) -> None:
         """Release everything this transport opened. Idempotent."""
-
-    async def aclose(self) -> None:
-        """Async ``close``; the default runs the blocking one in a thread."""
-        import asyncio
-
-        await asyncio.to_thread(self.close)
 
     def probe_capabilities(self) -> frozenset[str]:
         """The ops this backend executes, learned without creating a job or loading engines.

@@ -10,7 +10,6 @@ trainer to the samplers (``_sync_weights``); the routing of every other op lives
 from __future__ import annotations
 
 import abc
-import asyncio
 import json
 import shutil
 import threading
@@ -96,13 +95,8 @@ class RoleTransport(Transport):
         """Copy trainer weights to the samplers after earlier training work and before later sampling work."""
 
     # --- delivery --------------------------------------------------------------------------------
-    def handle(self, request: Request) -> Any:
-        return self._submit(request).result()
-
-    async def handle_async(self, request: Request) -> Any:
-        if not self._opened:
-            await self.aopen()
-        return await asyncio.wrap_future(self._submit(request))
+    def handle(self, request: Request) -> Future:
+        return self._submit(request)
 
     def _submit(self, request: Request) -> Future:
         if self._closed:

@@ -64,7 +64,7 @@ def test_remote_loop_matches_local_losses_and_tokens(service, tmp_path):
     )
     with Client(remote_config) as remote:
         got = _grpo_trace(remote)
-        job_id = remote._transport.job_id
+        job_id = remote.handle()["transport"]["job_id"]
     assert [t["tokens"] for t in got] == [t["tokens"] for t in expected]
     for g, e in zip(got, expected, strict=True):
         assert g["loss"] == pytest.approx(e["loss"], abs=1e-5)
@@ -144,7 +144,7 @@ def test_remote_handle_reattaches_without_creating_a_job(service):
 
 def test_remote_shutdown_cancels_the_created_job_and_blocks_later_ops(service):
     client = Client(service.config()).open()
-    job_id = client._transport.job_id
+    job_id = client.handle()["transport"]["job_id"]
     client.shutdown()
     client.shutdown()
     with pytest.raises(ClientClosedError):
@@ -245,7 +245,7 @@ def test_remote_pat_never_reaches_repr_logs_or_errors(service, tmp_path, caplog)
 def test_remote_concurrent_generates_share_one_request_and_fail_alone(service):
     async def run() -> None:
         async with AsyncClient(service.config()) as client:
-            job_id = client._transport.job_id
+            job_id = client.handle()["transport"]["job_id"]
             prompts = [[1, 2, 3], [4, 5], [6, 7, 8]]
             params = {"max_tokens": 3, "seed": 5, "n": 2}
             results = await asyncio.gather(*(client.generate([p], params) for p in prompts))
