@@ -18,7 +18,14 @@ from typing import Any, Self
 from icefloe.client import ops
 from icefloe.client.transports import Transport, make_transport
 from icefloe.config import ClientConfig
-from icefloe.protocol import ClientClosedError, Request, SamplingParams, UnsupportedOpError
+from icefloe.protocol import (
+    ClientClosedError,
+    InvalidRequestError,
+    Request,
+    RequestFailedError,
+    SamplingParams,
+    UnsupportedOpError,
+)
 
 __all__ = ["AsyncClient", "Client"]
 
@@ -215,6 +222,8 @@ class AsyncClient(_BaseClient):
         self._opening: asyncio.Future[None] | None = None
         self._queued: list[tuple[Request, asyncio.Future[Future]]] = []  # ops called before open finished
         self._hand_over: asyncio.Future[None] | None = None
+        self._generates: list[tuple[ops.OpCall, asyncio.Future[Any]]] | None = None  # called in this loop turn
+        self._split_tasks: set[asyncio.Future[None]] = set()
 
     async def open(self) -> Self:
         """Load engines or attach the job now (in a worker thread)."""
@@ -227,8 +236,63 @@ class AsyncClient(_BaseClient):
                 self._state = _State.OPEN
         return self
 
+    def _generate(self, call: ops.OpCall) -> asyncio.Future[Any]:
+        """Join the generate calls of this loop turn; they leave as one request when the turn ends.
+
+        Any other op called meanwhile sends them first, so the merged call keeps its first call's place.
+        """
+        self._check_open()
+        loop = asyncio.get_running_loop()
+        if self._generates is None:
+            self._generates = []
+            loop.call_soon(self._send_generates)
+        answer = loop.create_future()
+        self._generates.append((call, answer))
+        return answer
+
+    def _send_generates(self) -> None:
+        calls, self._generates = self._generates or [], None
+        if len(calls) == 1:
+            self._send_alone(*calls[0])
+        elif calls:
+            merged, counts = ops.merge_generates([call for call, _ in calls])
+            try:
+                sent = self._call(merged)
+            except Exception as exc:
+                for _, answer in calls:
+                    _settle(answer, error=exc)
+                return
+            task = asyncio.ensure_future(self._split(sent, calls, counts))
+            self._split_tasks.add(task)
+            task.add_done_callback(self._split_tasks.discard)
+
+    def _send_alone(self, call: ops.OpCall, answer: asyncio.Future[Any]) -> None:
+        try:
+            _settle_from(self._call(call), answer)
+        except Exception as exc:
+            _settle(answer, error=exc)
+
+    async def _split(self, sent: Any, calls: list[tuple[ops.OpCall, asyncio.Future[Any]]], counts: list[int]) -> None:
+        """Hand each caller its own samples; a merged call refused as a caller's fault is retried call by call."""
+        try:
+            samples = await sent
+        except Exception as exc:
+            if isinstance(exc, InvalidRequestError) or (isinstance(exc, RequestFailedError) and exc.category == "user"):
+                for call, answer in calls:  # one bad prompt fails only its own caller
+                    self._send_alone(call, answer)
+            else:
+                for _, answer in calls:
+                    _settle(answer, error=exc)
+            return
+        start = 0
+        for (_, answer), count in zip(calls, counts, strict=True):
+            _settle(answer, result=samples[start : start + count])
+            start += count
+
     def _call(self, call: ops.OpCall) -> asyncio.Future[Any]:
         self._check_open()
+        if self._generates:
+            self._send_generates()  # generates called before this op go first
         if self._state is _State.OPEN and not self._queued:
             return asyncio.ensure_future(_answer(self._transport.handle(call.request), call.parse))
         handed: asyncio.Future[Future] = asyncio.get_running_loop().create_future()
@@ -272,8 +336,11 @@ class AsyncClient(_BaseClient):
         return self._call(ops.step(learning_rate))
 
     def generate(self, prompts: Prompts, sampling_params: Params = None) -> asyncio.Future[list[dict[str, Any]]]:
-        """Sample; returns ``[{token_ids, text, finish_reason, logprobs?, policy_version}]`` prompt-major."""
-        return self._call(ops.generate(prompts, sampling_params))
+        """Sample; returns ``[{token_ids, text, finish_reason, logprobs?, policy_version}]`` prompt-major.
+
+        Generate calls made in one loop turn (``asyncio.gather`` of many) travel as one request.
+        """
+        return self._generate(ops.generate(prompts, sampling_params))
 
     def sync_weights(self, *, cuda_ipc: bool = False, low_memory: bool = False) -> asyncio.Future[dict[str, Any]]:
         """Trainer → sampler weights. Returns ``{policy_version, seconds, bytes}``."""
@@ -344,3 +411,25 @@ async def _answer(handled: Future | asyncio.Future[Future], parse: Callable[[Any
     if isinstance(handled, asyncio.Future):
         handled = await handled
     return parse(await asyncio.wrap_future(handled))
+
+
+def _settle(answer: asyncio.Future[Any], *, result: Any = None, error: BaseException | None = None) -> None:
+    if not answer.done():
+        if error is not None:
+            answer.set_exception(error)
+        else:
+            answer.set_result(result)
+
+
+def _settle_from(source: asyncio.Future[Any], answer: asyncio.Future[Any]) -> None:
+    """Settle ``answer`` with what ``source`` ends with."""
+
+    def copy(done: asyncio.Future[Any]) -> None:
+        if done.cancelled():
+            answer.cancel()
+        elif done.exception() is not None:
+            _settle(answer, error=done.exception())
+        else:
+            _settle(answer, result=done.result())
+
+    source.add_done_callback(copy)

@@ -10,6 +10,7 @@ and re-send the same ``Idempotency-Key``. httpx errors are translated to icefloe
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import enum
 import functools
@@ -304,8 +305,12 @@ class Http:
 
     def submit(self, coroutine: Coroutine[Any, Any, T]) -> Any:
         """Schedule ``coroutine`` on the I/O loop; returns its ``concurrent.futures.Future``."""
-        self.loop  # noqa: B018 - builds the client before the coroutine can use it
-        return self._io.submit(coroutine)
+        try:
+            loop = self.loop  # builds the client before the coroutine can use it
+        except BaseException:
+            coroutine.close()
+            raise
+        return asyncio.run_coroutine_threadsafe(coroutine, loop)
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run ``coroutine`` on the I/O loop and block for its result."""
