@@ -53,6 +53,28 @@ class LoopThread:
             raise
         return asyncio.run_coroutine_threadsafe(coroutine, loop)
 
+    def start(self, coroutine: Coroutine[Any, Any, T]) -> Future[T]:
+        """Run ``coroutine`` to its end on the loop; cancelling the returned future only stops the waiting.
+
+        For work that must finish once begun (a numbered submission). If ``close`` cancels it,
+        the future raises ``ClientClosedError``.
+        """
+        future: Future[T] = Future()
+
+        async def run() -> None:
+            try:
+                result = await coroutine
+            except asyncio.CancelledError:
+                _settle(future, error=ClientClosedError("the client was shut down before this op finished"))
+                raise
+            except Exception as exc:
+                _settle(future, error=exc)
+            else:
+                _settle(future, result=result)
+
+        self.submit(run())
+        return future
+
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run ``coroutine`` on the loop and block until it ends (never call this from the loop itself)."""
         return self.submit(coroutine).result()
@@ -80,3 +102,11 @@ class LoopThread:
         loop = asyncio.get_running_loop()
         await loop.shutdown_asyncgens()
         await loop.shutdown_default_executor()
+
+
+def _settle(future: Future, *, result: Any = None, error: BaseException | None = None) -> None:
+    if future.set_running_or_notify_cancel():  # False: the caller cancelled it and waits no more
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)

@@ -299,7 +299,7 @@ def wake_inference(tags: Sequence[str] | None = None) -> OpCall:
 
 def reset_prefix_cache() -> OpCall:
     """Drop cached prefixes so no sample reuses state computed with old weights."""
-    return OpCall(Request(OP_RESET_PREFIX_CACHE, TARGET_SAMPLING), _empty)
+    return OpCall(Request(OP_RESET_PREFIX_CACHE, TARGET_SAMPLING), lambda result: {})
 
 
 def cancel() -> OpCall:

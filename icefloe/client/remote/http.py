@@ -10,7 +10,6 @@ and re-send the same ``Idempotency-Key``. httpx errors are translated to icefloe
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import enum
 import functools
@@ -139,12 +138,7 @@ class Endpoint:
 
     def public(self) -> dict[str, str]:
         """The pieces a handle carries (never the PAT)."""
-        return {
-            "origin": self.origin,
-            "database": self.database,
-            "schema": self.schema,
-            "endpoint": self.endpoint,
-        }
+        return {name: getattr(self, name) for name in ("origin", "database", "schema", "endpoint")}
 
 
 @functools.lru_cache(maxsize=2)
@@ -305,12 +299,20 @@ class Http:
 
     def submit(self, coroutine: Coroutine[Any, Any, T]) -> Any:
         """Schedule ``coroutine`` on the I/O loop; returns its ``concurrent.futures.Future``."""
+        self._ready(coroutine)
+        return self._io.submit(coroutine)
+
+    def start(self, coroutine: Coroutine[Any, Any, T]) -> Any:
+        """Run ``coroutine`` to its end on the I/O loop even if the caller stops waiting (see ``LoopThread.start``)."""
+        self._ready(coroutine)
+        return self._io.start(coroutine)
+
+    def _ready(self, coroutine: Coroutine[Any, Any, T]) -> None:
         try:
-            loop = self.loop  # builds the client before the coroutine can use it
+            self.loop  # noqa: B018 - starts the loop and builds the client before the coroutine can use it
         except BaseException:
             coroutine.close()
             raise
-        return asyncio.run_coroutine_threadsafe(coroutine, loop)
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run ``coroutine`` on the I/O loop and block for its result."""

@@ -15,26 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from icefloe import protocol as api
 from icefloe.client.remote.http import Call, Http, Retry
 from icefloe.client.remote.polling import Backoff
 from icefloe.config import ClientConfig
-from icefloe.protocol import (
-    JOB_TERMINAL_STATES,
-    OP_CANCEL,
-    OP_DELETE_CHECKPOINT,
-    OP_FWD_BWD,
-    OP_GENERATE,
-    OP_GET_CHECKPOINT,
-    OP_LIST_CHECKPOINTS,
-    OP_LOAD,
-    OP_RESET_PREFIX_CACHE,
-    OP_SAVE,
-    OP_STEP,
-    OP_WEIGHT_SYNC,
-    IcefloeTimeoutError,
-    JobFailedError,
-    normalize_job_state,
-)
 
 __all__ = [
     "MANAGED_OPS",
@@ -50,23 +34,11 @@ __all__ = [
 _log = logging.getLogger("icefloe.client.remote")
 
 # What the managed endpoint executes (it has no forward, sleep or wake).
-MANAGED_OPS: Final = frozenset(
-    {
-        OP_FWD_BWD,
-        OP_STEP,
-        OP_GENERATE,
-        OP_WEIGHT_SYNC,
-        OP_SAVE,
-        OP_LOAD,
-        OP_LIST_CHECKPOINTS,
-        OP_GET_CHECKPOINT,
-        OP_DELETE_CHECKPOINT,
-        OP_RESET_PREFIX_CACHE,
-        OP_CANCEL,
-    }
-)
+MANAGED_OPS: Final = api.OPS - {
+    api.OP_FORWARD, api.OP_SLEEP_TRAINING, api.OP_WAKE_TRAINING, api.OP_SLEEP_INFERENCE, api.OP_WAKE_INFERENCE
+}  # fmt: skip
 # Capability names that differ from the op constants.
-_CAPABILITY_ALIASES: Final = {"export-checkpoint": OP_GET_CHECKPOINT}
+_CAPABILITY_ALIASES: Final = {"export-checkpoint": api.OP_GET_CHECKPOINT}
 _ENGINE_KWARGS_SET_BY_API: Final = ("max_model_len", "tensor_parallel_size")  # the API sets these itself
 _SEGMENTS: Final = {"training": "training", "sampling": "sampling", "log_probability": "log_prob"}
 
@@ -164,16 +136,13 @@ def job_create_body(config: ClientConfig, experiment_name: str | None = None) ->
 def _warn_unmapped_knobs(config: ClientConfig) -> None:
     """The training API has no field for these; say so instead of ignoring them silently."""
     training = config.training
-    ignored = []
-    if training.micro_batch_tokens:
-        ignored.append("training.micro_batch_tokens")
-    if training.gradient_checkpointing:
-        ignored.append("training.gradient_checkpointing")
-    if training.checkpoint_dir is not None:
-        ignored.append("training.checkpoint_dir")
-    if config.sampling.engine != "auto":
-        ignored.append("sampling.engine")
-    if ignored:
+    set_here = {
+        "training.micro_batch_tokens": training.micro_batch_tokens,
+        "training.gradient_checkpointing": training.gradient_checkpointing,
+        "training.checkpoint_dir": training.checkpoint_dir is not None,
+        "sampling.engine": config.sampling.engine != "auto",
+    }
+    if ignored := [name for name, value in set_here.items() if value]:
         _log.warning("backend.type='remote' ignores %s: the training API has no such field", ", ".join(ignored))
 
 
@@ -184,7 +153,7 @@ async def create_job(http: Http, body: dict[str, Any], *, idempotent: bool) -> s
     reply = await http.send(call)
     job_id = (reply.body or {}).get("job_id") if isinstance(reply.body, Mapping) else None
     if not job_id:
-        raise JobFailedError("<none>", "not created", f"create job answered without a job_id: {reply.body!r:.200}")
+        raise api.JobFailedError("<none>", "not created", f"create job answered without a job_id: {reply.body!r:.200}")
     return str(job_id)
 
 
@@ -224,18 +193,18 @@ async def wait_running(http: Http, job_id: str, *, backoff: Backoff, timeout_s: 
     while True:
         reply = await http.send(Call("GET", f"/{job_id}", "wait for job"))
         job = _job_object(reply.body)
-        status = normalize_job_state(job.get("status", "unknown"))
+        status = api.normalize_job_state(job.get("status", "unknown"))
         if status == "running":
             return job
-        if status in JOB_TERMINAL_STATES:
+        if status in api.JOB_TERMINAL_STATES:
             sub_status = {
-                str(sub.get("sub_job_id")): normalize_job_state(sub.get("status", "unknown"))
+                str(sub.get("sub_job_id")): api.normalize_job_state(sub.get("status", "unknown"))
                 for sub in job.get("sub_jobs") or ()
                 if isinstance(sub, Mapping)
             }
-            raise JobFailedError(job_id, status, str(job.get("reason") or ""), sub_status)
+            raise api.JobFailedError(job_id, status, str(job.get("reason") or ""), sub_status)
         if time.monotonic() >= deadline:
-            raise IcefloeTimeoutError(
+            raise api.IcefloeTimeoutError(
                 f"job {job_id} is still {status} after {timeout_s:g} s; managed endpoints cold-start in "
                 "minutes, raise job_ready_timeout_s to wait longer"
             )

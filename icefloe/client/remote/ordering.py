@@ -2,9 +2,9 @@
 
 A service that advertises ``sequenced_submit`` (``icefloe serve``) queues numbered POSTs
 (``Icefloe-Sequence: <session>:<n>``, one counter per client session) in number order, whatever
-order they arrive in over separate connections: every op leaves at once. Against a service without
-it (the managed endpoint) an op's POST waits until every earlier op of its roles has been accepted
-(holds a request id), not until it finished, so the ops still overlap on the service's queue.
+order they arrive in: every op leaves at once. Against a service without it (the managed endpoint)
+an op's POST waits until every earlier op of its roles has been accepted (holds a request id), not
+until it finished, so the ops still overlap on the service's queue.
 """
 
 from __future__ import annotations
@@ -28,27 +28,24 @@ class Turn:
     accepted: asyncio.Future[None] | None = None
 
     async def wait(self) -> None:
-        """Until the ops before this one of the same roles are accepted (on the I/O loop)."""
         if self.before:
             await asyncio.wait(self.before)
 
     def release(self) -> None:
-        """This op was accepted, or ended without being accepted: the next one may send (on the I/O loop)."""
+        """Accepted, or ended without acceptance: the next op may send (call on the I/O loop)."""
         if self.accepted is not None and not self.accepted.done():
             self.accepted.set_result(None)
 
 
 class SubmitOrder:
-    """Hands out turns in call order; safe to call from any thread."""
+    """Hands out turns in call order, from any thread; an op entering no role's queue waits for nothing."""
 
     def __init__(self) -> None:
-        self._session = uuid.uuid4().hex
-        self._numbers = itertools.count()
+        self._session, self._numbers = uuid.uuid4().hex, itertools.count()
         self._last: dict[str, asyncio.Future[None]] = {}
         self._lock = threading.Lock()
 
     def take(self, roles: Iterable[str], *, numbered: bool, loop: asyncio.AbstractEventLoop) -> Turn:
-        """The next turn for an op entering the queues of ``roles`` (none: it is not queued, nothing waits)."""
         roles = tuple(roles)
         with self._lock:
             if not roles:

@@ -13,7 +13,6 @@ only when ``backend.allow_zero_logprobs`` is set.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import uuid
@@ -21,6 +20,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Future
 from typing import Any, Final
 
+from icefloe import protocol as api
 from icefloe import wire
 from icefloe.client.remote import jobs
 from icefloe.client.remote.errors import Redactor
@@ -29,44 +29,15 @@ from icefloe.client.remote.ordering import SubmitOrder, Turn
 from icefloe.client.remote.polling import Backoff, FrameResult, poll_request
 from icefloe.client.transports.base import Transport
 from icefloe.config import ClientConfig, RemoteConfig
-from icefloe.protocol import (
-    INLINE_OPERATIONS,
-    OP_CANCEL,
-    OP_DELETE_CHECKPOINT,
-    OP_FORWARD,
-    OP_FWD_BWD,
-    OP_GENERATE,
-    OP_GET_CHECKPOINT,
-    OP_LIST_CHECKPOINTS,
-    OP_LOAD,
-    OP_RESET_PREFIX_CACHE,
-    OP_SAVE,
-    OP_SLEEP_INFERENCE,
-    OP_SLEEP_TRAINING,
-    OP_STEP,
-    OP_WAKE_INFERENCE,
-    OP_WAKE_TRAINING,
-    OP_WEIGHT_SYNC,
-    OPS,
-    TARGET_REFERENCE,
-    TARGET_SAMPLING,
-    TARGET_TRAINING,
-    ChunkGroupRestartError,
-    ClientClosedError,
-    ConfigError,
-    InvalidRequestError,
-    Request,
-    RequestFailedError,
-    SamplingParams,
-    UnsupportedOpError,
-)
 
 __all__ = ["RemoteTransport"]
 
 _log = logging.getLogger("icefloe.client.remote")
 
 # Sub-jobs on the service are always resident: nothing to offload or restore.
-_NOOP_OPS: Final = frozenset({OP_SLEEP_TRAINING, OP_WAKE_TRAINING, OP_SLEEP_INFERENCE, OP_WAKE_INFERENCE})
+_NOOP_OPS: Final = frozenset(
+    {api.OP_SLEEP_TRAINING, api.OP_WAKE_TRAINING, api.OP_SLEEP_INFERENCE, api.OP_WAKE_INFERENCE}
+)
 # Ask for tensor results as DSSST1 result chunks.
 _TENSOR_RESPONSE: Final = {"response_options": {"format": "dssst1", "delivery": "chunked"}}
 _CHUNK_GROUP_REPLAYS: Final = 1
@@ -88,7 +59,7 @@ class RemoteTransport(Transport):
     ) -> None:
         """``wrap_http_transport`` wraps the httpx transport (a proxy layer, or faults in tests)."""
         if not isinstance(config.backend, RemoteConfig):
-            raise ConfigError(f"RemoteTransport needs backend.type='remote'; got {config.backend.type!r}")
+            raise api.ConfigError(f"RemoteTransport needs backend.type='remote'; got {config.backend.type!r}")
         self.config = config
         self._backend: RemoteConfig = config.backend
         self._endpoint = Endpoint.from_config(self._backend)
@@ -98,7 +69,6 @@ class RemoteTransport(Transport):
         self._http = Http(self._endpoint, self._backend, self._redactor, wrap_http_transport)
         self._backoff = Backoff.from_config(self._backend)
         self._order = SubmitOrder()
-        self._tasks: set[asyncio.Task] = set()  # ops running on the I/O loop
         self._lock = threading.Lock()
         self._service: jobs.ServiceInfo | None = None
         self._job: jobs.JobRef | None = None
@@ -110,24 +80,27 @@ class RemoteTransport(Transport):
         # config.training.lr_schedule by sending each step's learning_rate.
         self._steps_called = int((handle or {}).get("global_step") or 0)
         # op -> (request -> the op's I/O, or its answer when no I/O is needed); run at call time
-        self._routes: dict[str, Callable[[Request], Send | dict[str, Any]]] = {
-            OP_FWD_BWD: self._fwd_bwd,
-            OP_FORWARD: self._forward,
-            OP_STEP: self._step,
-            OP_GENERATE: self._generate,
-            OP_WEIGHT_SYNC: self._weight_sync,
-            OP_SAVE: lambda r: self._json_op("save", {"checkpoint_type": r.body.get("checkpoint_type", "resumable")}),
-            OP_LOAD: self._load,
-            OP_LIST_CHECKPOINTS: lambda r: lambda turn: self._list_checkpoints(),
-            OP_GET_CHECKPOINT: lambda r: lambda turn: self._get_checkpoint(r.body["checkpoint_id"]),
-            OP_DELETE_CHECKPOINT: lambda r: lambda turn: self._delete_checkpoint(r.body["checkpoint_id"]),
-            OP_RESET_PREFIX_CACHE: self._reset_prefix_cache,
-            OP_CANCEL: lambda r: lambda turn: self._cancel_job(by_op=True),
+        self._routes: dict[str, Callable[[api.Request], Send | dict[str, Any]]] = {
+            api.OP_FWD_BWD: self._fwd_bwd,
+            api.OP_FORWARD: self._forward,
+            api.OP_STEP: self._step,
+            api.OP_GENERATE: self._generate,
+            api.OP_WEIGHT_SYNC: self._weight_sync,
+            api.OP_SAVE: lambda r: self._json_op(
+                "save", {"checkpoint_type": r.body.get("checkpoint_type", "resumable")}
+            ),
+            api.OP_LOAD: self._load,
+            api.OP_LIST_CHECKPOINTS: lambda r: lambda turn: self._list_checkpoints(),
+            api.OP_GET_CHECKPOINT: lambda r: lambda turn: self._get_checkpoint(r.body["checkpoint_id"]),
+            api.OP_DELETE_CHECKPOINT: lambda r: lambda turn: self._delete_checkpoint(r.body["checkpoint_id"]),
+            api.OP_RESET_PREFIX_CACHE: self._reset_prefix_cache,
+            api.OP_CANCEL: lambda r: lambda turn: self._cancel_job(by_op=True),
+            **dict.fromkeys(_NOOP_OPS, lambda r: {}),
         }
         if handle is not None:
             job_id = handle.get("job_id")
             if not job_id:
-                raise ConfigError("a remote handle needs 'job_id'; pass what Client.handle() returned")
+                raise api.ConfigError("a remote handle needs 'job_id'; pass what Client.handle() returned")
             self._job = jobs.JobRef(str(job_id), {k: list(v) for k, v in (handle.get("sub_jobs") or {}).items()})
 
     # --- lifecycle -------------------------------------------------------------------------------
@@ -135,9 +108,9 @@ class RemoteTransport(Transport):
     def capabilities(self) -> frozenset[str]:  # type: ignore[override]
         """Ops executed here or on the service; before ``open`` every op is assumed."""
         if self._service is None:
-            return OPS
-        extra = {OP_FORWARD} if self._backend.allow_zero_logprobs else set()
-        return frozenset(self._service.ops & OPS) | _NOOP_OPS | extra
+            return api.OPS
+        extra = {api.OP_FORWARD} if self._backend.allow_zero_logprobs else set()
+        return frozenset(self._service.ops & api.OPS) | _NOOP_OPS | extra
 
     def probe_capabilities(self) -> frozenset[str]:
         """Ask the service what it offers (``GET /capabilities``) without creating a job."""
@@ -204,7 +177,7 @@ class RemoteTransport(Transport):
 
     def handle_info(self) -> dict[str, Any]:
         if self._job is None:
-            raise ConfigError("this remote client has no job yet; call open() before handle()")
+            raise api.ConfigError("this remote client has no job yet; call open() before handle()")
         return {
             "backend": "remote",
             "job_id": self._job.job_id,
@@ -214,37 +187,27 @@ class RemoteTransport(Transport):
         }
 
     # --- delivery --------------------------------------------------------------------------------
-    def handle(self, request: Request) -> Future:
+    def handle(self, request: api.Request) -> Future:
         """Take the op's turn now and hand its I/O to the I/O loop; refusals found here raise at once."""
         self._check_not_closed(request.op)
         self.open()  # a no-op once open; the clients open before their first op
-        done: Future = Future()
-        if request.op in _NOOP_OPS:
-            done.set_result({})
-            return done
         route = self._routes.get(request.op)
         if route is None:
-            raise UnsupportedOpError(f"{request.op!r} is not available on the remote backend")
+            raise api.UnsupportedOpError(f"{request.op!r} is not available on the remote backend")
         loop = self._http.loop
         with self._lock:  # call order = turn order, also for the step count a route reads
             send = route(request)
-            if isinstance(send, dict):
+            if isinstance(send, dict):  # answered here
+                done: Future = Future()
                 done.set_result(send)
                 return done
             numbered = self._service is not None and self._service.sequenced_submit
             turn = self._order.take(_roles_of(request), numbered=numbered, loop=loop)
-        loop.call_soon_threadsafe(self._start, send, turn, done, request.op)
-        return done
-
-    def _start(self, send: Send, turn: Turn, future: Future, op: str) -> None:
-        """On the I/O loop: run the op in its turn; a caller that stops waiting does not stop it."""
-        task = asyncio.ensure_future(_run(send, turn, future, op))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        return self._http.start(_in_turn(send, turn))  # a caller that stops waiting does not stop it
 
     def _check_not_closed(self, op: str) -> None:
         if self._closed:
-            raise ClientClosedError(f"cannot run {op!r}: the client was shut down; build a new client")
+            raise api.ClientClosedError(f"cannot run {op!r}: the client was shut down; build a new client")
 
     @property
     def _job_id(self) -> str:
@@ -285,7 +248,7 @@ class RemoteTransport(Transport):
         if not request_id:
             if inline_ok:
                 return dict(body)
-            raise RequestFailedError(f"{what}: the service answered without a request_id to poll: {body!r:.200}")
+            raise api.RequestFailedError(f"{what}: the service answered without a request_id to poll: {body!r:.200}")
         answered = body if self._service is not None and self._service.inline_wait and "status" in body else None
         return await poll_request(
             self._http,
@@ -342,26 +305,26 @@ class RemoteTransport(Transport):
                     body = (await self._http.send(call)).body
                     body = body if isinstance(body, Mapping) else {}
                     if not last and (not body.get("chunk_cached") or "request_id" in body):
-                        raise RequestFailedError(
+                        raise api.RequestFailedError(
                             f"{what}: chunk {index} of {len(chunks)} was answered with {body!r:.200}, "
                             "expected {'chunk_cached': true}"
                         )
                 return await self._poll(turn, body, what)
-            except ChunkGroupRestartError:
+            except api.ChunkGroupRestartError:
                 if replay == replays:
                     raise
                 _log.warning("%s: the service lost chunk group; replaying it from chunk 0", what)
         raise AssertionError("unreachable")
 
-    def _fwd_bwd(self, request: Request) -> Send:
+    def _fwd_bwd(self, request: api.Request) -> Send:
         frame = wire.encode(request.body["batch"])
-        return lambda turn: self._post_frame(turn, "forward-backward", OP_FWD_BWD, frame, force_chunks=True)
+        return lambda turn: self._post_frame(turn, "forward-backward", api.OP_FWD_BWD, frame, force_chunks=True)
 
-    def _forward(self, request: Request) -> Send | dict[str, Any]:
+    def _forward(self, request: api.Request) -> Send | dict[str, Any]:
         batch = request.body["batch"]
-        if OP_FORWARD not in self._service_ops:
+        if api.OP_FORWARD not in self._service_ops:
             if not self._backend.allow_zero_logprobs:
-                raise UnsupportedOpError(
+                raise api.UnsupportedOpError(
                     "the service has no 'forward' op (the managed endpoint lacks it); set "
                     "backend.allow_zero_logprobs=True only for on-policy, single-epoch GRPO without KL, where "
                     "zero log-probs are never read"
@@ -373,13 +336,13 @@ class RemoteTransport(Transport):
                     "(backend.allow_zero_logprobs=True)"
                 )
             return _zero_logprobs(batch)
-        params = {"sub_job_type": "log_probability"} if request.target == TARGET_REFERENCE else None
+        params = {"sub_job_type": "log_probability"} if request.target == api.TARGET_REFERENCE else None
         if params and self._job is not None and not self._job.first("log_probability"):
-            raise InvalidRequestError("forward(reference=True) needs a reference role; set num_log_prob_workers=1")
+            raise api.InvalidRequestError("forward(reference=True) needs a reference role; set num_log_prob_workers=1")
         frame = wire.encode(batch, op_metadata=_TENSOR_RESPONSE)
-        return lambda turn: self._post_frame(turn, "forward", OP_FORWARD, frame, force_chunks=False, params=params)
+        return lambda turn: self._post_frame(turn, "forward", api.OP_FORWARD, frame, force_chunks=False, params=params)
 
-    def _generate(self, request: Request) -> Send:
+    def _generate(self, request: api.Request) -> Send:
         params = request.body["sampling_params"]
         body = {
             "prompts": request.body["prompts"],
@@ -389,7 +352,7 @@ class RemoteTransport(Transport):
         frame = wire.encode(body)
 
         async def send(turn: Turn) -> dict[str, Any]:
-            result = await self._post_frame(turn, "generate", OP_GENERATE, frame, force_chunks=False)
+            result = await self._post_frame(turn, "generate", api.OP_GENERATE, frame, force_chunks=False)
             # Only a DSSST1 result can hold tensors; walking a JSON one (thousands of samples) costs ms.
             return _tensors_to_lists(result) if isinstance(result, FrameResult) else result
 
@@ -402,7 +365,7 @@ class RemoteTransport(Transport):
 
         return send
 
-    def _step(self, request: Request) -> Send:
+    def _step(self, request: api.Request) -> Send:
         """Without an explicit rate, send the scheduled one (nothing for a flat schedule)."""
         index = self._steps_called
         self._steps_called += 1
@@ -411,13 +374,13 @@ class RemoteTransport(Transport):
         if rate is None and (schedule.kind != "constant" or schedule.warmup_steps > 0):
             # A decay to exactly 0 is sent as the smallest rate the API accepts (it requires > 0).
             rate = max(self.config.training.optimizer.lr * schedule.multiplier(index), _MIN_LR)
-        return self._json_op(OP_STEP, {} if rate is None else {"learning_rate": float(rate)})
+        return self._json_op(api.OP_STEP, {} if rate is None else {"learning_rate": float(rate)})
 
-    def _load(self, request: Request) -> Send:
+    def _load(self, request: api.Request) -> Send:
         body = {k: v for k, v in request.body.items() if v is not None}
 
         async def send(turn: Turn) -> dict[str, Any]:
-            result = await self._poll(turn, await self._post_json(turn, "load", OP_LOAD, body), OP_LOAD)
+            result = await self._poll(turn, await self._post_json(turn, "load", api.OP_LOAD, body), api.OP_LOAD)
             step = result.get("global_step", result.get("global_steps"))
             if isinstance(step, int):
                 self._steps_called = step  # the schedule continues from the loaded step
@@ -428,7 +391,7 @@ class RemoteTransport(Transport):
     def _operation(self, operation_type: str, payload: dict[str, Any], **target: str | None) -> Send:
         """An ``{job}/operation`` POST; ``target`` names ``sub_job_id`` and/or ``sub_job_type``."""
         body = {"operation_type": operation_type, "payload": payload, **{k: v for k, v in target.items() if v}}
-        inline = operation_type in INLINE_OPERATIONS
+        inline = operation_type in api.INLINE_OPERATIONS
 
         async def send(turn: Turn) -> dict[str, Any]:
             accepted = await self._post_json(turn, "operation", operation_type, body, hold=not inline)
@@ -436,38 +399,34 @@ class RemoteTransport(Transport):
 
         return send
 
-    def _weight_sync(self, request: Request) -> Send:
+    def _weight_sync(self, request: api.Request) -> Send:
         assert self._job is not None
         source = self._job.first("training")
         targets = self._job.sub_jobs.get("sampling") or []
         if not targets:
-            raise InvalidRequestError("sync_weights needs a sampling role; set num_sampling_workers=1 in the config")
+            raise api.InvalidRequestError(
+                "sync_weights needs a sampling role; set num_sampling_workers=1 in the config"
+            )
         payload = {
             "source_sub_job_id": source,
             "target_sub_job_ids": list(targets),
             "weight_format": request.body.get("weight_format") or "vllm",
         }
-        return self._operation(OP_WEIGHT_SYNC, payload, sub_job_id=source, sub_job_type="training")
+        return self._operation(api.OP_WEIGHT_SYNC, payload, sub_job_id=source, sub_job_type="training")
 
-    def _reset_prefix_cache(self, request: Request) -> Send | dict[str, Any]:
+    def _reset_prefix_cache(self, request: api.Request) -> Send | dict[str, Any]:
         if (
             self._job is None
             or not self._job.sub_jobs.get("sampling")
-            or OP_RESET_PREFIX_CACHE not in self._service_ops
+            or api.OP_RESET_PREFIX_CACHE not in self._service_ops
         ):
             return {}
         payload = {"drain": True, "timeout_s": 60.0, "retry_interval_s": 0.1}
-        send = self._operation(OP_RESET_PREFIX_CACHE, payload, sub_job_type="sampling")
-
-        async def reset(turn: Turn) -> dict[str, Any]:
-            await send(turn)
-            return {}
-
-        return reset
+        return self._operation(api.OP_RESET_PREFIX_CACHE, payload, sub_job_type="sampling")
 
     # --- checkpoints (job-level: not queued on a sub-job) ----------------------------------------
     async def _list_checkpoints(self) -> dict[str, Any]:
-        reply = await self._http.send(Call("GET", f"/{self._job_id}/checkpoints", OP_LIST_CHECKPOINTS))
+        reply = await self._http.send(Call("GET", f"/{self._job_id}/checkpoints", api.OP_LIST_CHECKPOINTS))
         body = reply.body if isinstance(reply.body, Mapping) else {}
         return {"checkpoints": list(body.get("checkpoints") or [])}
 
@@ -475,7 +434,7 @@ class RemoteTransport(Transport):
         listed = await self._list_checkpoints()
         entry = next((c for c in listed["checkpoints"] if c.get("checkpoint_id") == checkpoint_id), {})
         path = f"/{self._job_id}/checkpoints/{checkpoint_id}:export"
-        reply = await self._http.send(Call("POST", path, OP_GET_CHECKPOINT, idempotency_key=str(uuid.uuid4())))
+        reply = await self._http.send(Call("POST", path, api.OP_GET_CHECKPOINT, idempotency_key=str(uuid.uuid4())))
         out = {**entry, **(reply.body or {})}
         if "global_steps" in out:
             out.setdefault("global_step", out["global_steps"])
@@ -485,34 +444,19 @@ class RemoteTransport(Transport):
 
     async def _delete_checkpoint(self, checkpoint_id: str) -> dict[str, Any]:
         path = f"/{self._job_id}/checkpoints/{checkpoint_id}"
-        await self._http.send(Call("DELETE", path, OP_DELETE_CHECKPOINT, final=frozenset({404})))
+        await self._http.send(Call("DELETE", path, api.OP_DELETE_CHECKPOINT, final=frozenset({404})))
         return {}
 
 
-async def _run(send: Send, turn: Turn, future: Future, op: str) -> None:
+async def _in_turn(send: Send, turn: Turn) -> Any:
     try:
         await turn.wait()
-        result = await send(turn)
-    except asyncio.CancelledError:
-        _settle(future, error=ClientClosedError(f"{op!r} did not finish: the client was shut down"))
-        raise
-    except Exception as exc:
-        _settle(future, error=exc)
-    else:
-        _settle(future, result=result)
+        return await send(turn)
     finally:
         turn.release()
 
 
-def _settle(future: Future, *, result: Any = None, error: BaseException | None = None) -> None:
-    if future.set_running_or_notify_cancel():  # False: the caller cancelled it and waits no more
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)
-
-
-def _params_json(params: SamplingParams) -> dict[str, Any]:
+def _params_json(params: api.SamplingParams) -> dict[str, Any]:
     return {k: v for k, v in params.model_dump(mode="json").items() if v is not None}
 
 
@@ -537,10 +481,10 @@ def _zero_logprobs(batch: Mapping[str, Any]) -> dict[str, Any]:
     return {"logprobs": torch.zeros(shape, dtype=torch.float32), "entropy": torch.zeros(shape, dtype=torch.float32)}
 
 
-def _roles_of(request: Request) -> tuple[str, ...]:
+def _roles_of(request: api.Request) -> tuple[str, ...]:
     """The sub-job roles whose queues this op enters (weight sync enters both sides)."""
-    if request.op == OP_WEIGHT_SYNC:
-        return (TARGET_TRAINING, TARGET_SAMPLING)
-    if request.target in (TARGET_TRAINING, TARGET_SAMPLING, TARGET_REFERENCE):
+    if request.op == api.OP_WEIGHT_SYNC:
+        return (api.TARGET_TRAINING, api.TARGET_SAMPLING)
+    if request.target in (api.TARGET_TRAINING, api.TARGET_SAMPLING, api.TARGET_REFERENCE):
         return (request.target,)
     return ()
