@@ -241,3 +241,22 @@ def test_remote_pipelined_ops_reach_the_service_in_call_order(service):
     steps = asyncio.run(run())
     assert all(s["grad_norm"] and s["grad_norm"] > 0 for s in steps)
     assert faults.rules[0].hits == 2  # both uploads were held back, and still went first
+
+
+def test_remote_an_op_whose_caller_gave_up_is_still_submitted_so_its_number_is_not_left_empty(service):
+    """The first step's upload is slow and its caller cancels it at once: the step still runs, and the
+    step after it (number 1) is not held by a gap at number 0."""
+    faults = Faults(Rule("POST", _JOB + "/step$", "delay"))
+    config = service.config()
+
+    async def run() -> tuple[dict, dict[str, int]]:
+        transport = RemoteTransport(config, wrap_http_transport=faults.wrap)
+        async with AsyncClient(config, transport=transport) as client:
+            abandoned = client.step()
+            abandoned.cancel()
+            second = await client.step()
+            return second, service.request_counts(transport.handle_info()["job_id"])
+
+    second, counts = asyncio.run(run())
+    assert faults.rules[0].hits == 1
+    assert second["global_step"] == 2 and counts == {"step": 2}
