@@ -309,12 +309,12 @@ class RemoteTransport(Transport):
                             f"{what}: chunk {index} of {len(chunks)} was answered with {body!r:.200}, "
                             "expected {'chunk_cached': true}"
                         )
-                return await self._poll(turn, body, what)
+                break
             except api.ChunkGroupRestartError:
                 if replay == replays:
                     raise
                 _log.warning("%s: the service lost chunk group; replaying it from chunk 0", what)
-        raise AssertionError("unreachable")
+        return await self._poll(turn, body, what)
 
     def _fwd_bwd(self, request: api.Request) -> Send:
         frame = wire.encode(request.body["batch"])
