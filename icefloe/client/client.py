@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Self
@@ -19,9 +20,9 @@ from icefloe.client import ops
 from icefloe.client.transports import Transport, make_transport
 from icefloe.config import ClientConfig
 from icefloe.protocol import (
+    OP_GENERATE,
     ClientClosedError,
     InvalidRequestError,
-    Request,
     RequestFailedError,
     SamplingParams,
     UnsupportedOpError,
@@ -220,10 +221,9 @@ class AsyncClient(_BaseClient):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._opening: asyncio.Future[None] | None = None
-        self._queued: list[tuple[Request, asyncio.Future[Future]]] = []  # ops called before open finished
-        self._hand_over: asyncio.Future[None] | None = None
-        self._generates: list[tuple[ops.OpCall, asyncio.Future[Any]]] | None = None  # called in this loop turn
-        self._split_tasks: set[asyncio.Future[None]] = set()
+        # Ops held back, in call order: generates of this loop turn (to merge), or anything called before open.
+        self._pending: list[tuple[ops.OpCall, asyncio.Future[Any]]] = []
+        self._tasks: set[asyncio.Future[Any]] = set()
 
     async def open(self) -> Self:
         """Load engines or attach the job now (in a worker thread)."""
@@ -236,86 +236,85 @@ class AsyncClient(_BaseClient):
                 self._state = _State.OPEN
         return self
 
-    def _generate(self, call: ops.OpCall) -> asyncio.Future[Any]:
-        """Join the generate calls of this loop turn; they leave as one request when the turn ends.
-
-        Any other op called meanwhile sends them first, so the merged call keeps its first call's place.
-        """
+    def _call(self, call: ops.OpCall, *, merge: bool = False) -> asyncio.Future[Any]:
+        """Hand the op over now; hold it only behind held ops, to merge a generate, or until open."""
         self._check_open()
+        if self._state is _State.OPEN and not self._pending and not merge:
+            return self._send(call)
         loop = asyncio.get_running_loop()
-        if self._generates is None:
-            self._generates = []
-            loop.call_soon(self._send_generates)
         answer = loop.create_future()
-        self._generates.append((call, answer))
+        self._pending.append((call, answer))
+        if self._state is not _State.OPEN:
+            if len(self._pending) == 1:
+                self._track(self._open_then_send())
+        elif merge:
+            loop.call_soon(self._send_pending)  # when this loop turn ends: every generate called in it joins
+        else:
+            self._send_pending()  # generates called before this op go first
         return answer
 
-    def _send_generates(self) -> None:
-        calls, self._generates = self._generates or [], None
-        if len(calls) == 1:
-            self._send_alone(*calls[0])
-        elif calls:
-            merged, counts = ops.merge_generates([call for call, _ in calls])
-            try:
-                sent = self._call(merged)
-            except Exception as exc:
-                for _, answer in calls:
-                    _settle(answer, error=exc)
-                return
-            task = asyncio.ensure_future(self._split(sent, calls, counts))
-            self._split_tasks.add(task)
-            task.add_done_callback(self._split_tasks.discard)
+    def _send(self, call: ops.OpCall) -> asyncio.Future[Any]:
+        return self._track(_answer(self._transport.handle(call.request), call.parse))
+
+    def _track(self, coroutine: Any) -> asyncio.Future[Any]:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _open_then_send(self) -> None:
+        try:
+            await self.open()
+        except Exception as exc:
+            pending, self._pending = self._pending, []
+            for _, answer in pending:
+                _settle(answer, error=exc)
+            return
+        self._send_pending()
+
+    def _send_pending(self) -> None:
+        """Hand every held op over in call order; adjacent generates travel as one request."""
+        pending, self._pending = self._pending, []
+        for is_generate, run in itertools.groupby(pending, key=lambda held: held[0].request.op == OP_GENERATE):
+            group = list(run)
+            if is_generate and len(group) > 1:
+                merged, counts = ops.merge_generates([call for call, _ in group])
+                self._send_merged(merged, group, counts)
+            else:
+                for call, answer in group:
+                    self._send_alone(call, answer)
 
     def _send_alone(self, call: ops.OpCall, answer: asyncio.Future[Any]) -> None:
         try:
-            _settle_from(self._call(call), answer)
-        except Exception as exc:
+            _settle_from(self._send(call), answer)
+        except Exception as exc:  # refused when handed over
             _settle(answer, error=exc)
 
-    async def _split(self, sent: Any, calls: list[tuple[ops.OpCall, asyncio.Future[Any]]], counts: list[int]) -> None:
+    def _send_merged(self, merged: ops.OpCall, group: list[tuple[ops.OpCall, Any]], counts: list[int]) -> None:
+        try:
+            sent = self._send(merged)
+        except Exception as exc:
+            for _, answer in group:
+                _settle(answer, error=exc)
+            return
+        self._track(self._split(sent, group, counts))
+
+    async def _split(self, sent: Any, group: list[tuple[ops.OpCall, Any]], counts: list[int]) -> None:
         """Hand each caller its own samples; a merged call refused as a caller's fault is retried call by call."""
         try:
             samples = await sent
         except Exception as exc:
             if isinstance(exc, InvalidRequestError) or (isinstance(exc, RequestFailedError) and exc.category == "user"):
-                for call, answer in calls:  # one bad prompt fails only its own caller
+                for call, answer in group:  # one bad prompt fails only its own caller
                     self._send_alone(call, answer)
             else:
-                for _, answer in calls:
+                for _, answer in group:
                     _settle(answer, error=exc)
             return
         start = 0
-        for (_, answer), count in zip(calls, counts, strict=True):
+        for (_, answer), count in zip(group, counts, strict=True):
             _settle(answer, result=samples[start : start + count])
             start += count
-
-    def _call(self, call: ops.OpCall) -> asyncio.Future[Any]:
-        self._check_open()
-        if self._generates:
-            self._send_generates()  # generates called before this op go first
-        if self._state is _State.OPEN and not self._queued:
-            return asyncio.ensure_future(_answer(self._transport.handle(call.request), call.parse))
-        handed: asyncio.Future[Future] = asyncio.get_running_loop().create_future()
-        self._queued.append((call.request, handed))
-        if len(self._queued) == 1:
-            self._hand_over = asyncio.ensure_future(self._hand_over_after_open())
-        return asyncio.ensure_future(_answer(handed, call.parse))
-
-    async def _hand_over_after_open(self) -> None:
-        """Open, then hand every op queued meanwhile to the transport in one go, in call order."""
-        error: Exception | None = None
-        try:
-            await self.open()
-        except Exception as exc:
-            error = exc
-        queued, self._queued = self._queued, []
-        for request, handed in queued:
-            try:
-                if error is not None:
-                    raise error
-                handed.set_result(self._transport.handle(request))
-            except Exception as exc:
-                handed.set_exception(exc)
 
     def fwd_bwd(
         self, batch: Mapping[str, Any], processing: Mapping[str, Any] | None = None
@@ -340,7 +339,7 @@ class AsyncClient(_BaseClient):
 
         Generate calls made in one loop turn (``asyncio.gather`` of many) travel as one request.
         """
-        return self._generate(ops.generate(prompts, sampling_params))
+        return self._call(ops.generate(prompts, sampling_params), merge=True)
 
     def sync_weights(self, *, cuda_ipc: bool = False, low_memory: bool = False) -> asyncio.Future[dict[str, Any]]:
         """Trainer → sampler weights. Returns ``{policy_version, seconds, bytes}``."""
@@ -406,10 +405,7 @@ class AsyncClient(_BaseClient):
         await self.shutdown()
 
 
-async def _answer(handled: Future | asyncio.Future[Future], parse: Callable[[Any], Any]) -> Any:
-    """The parsed result of the transport's future (of an op queued before open: once it is handed over)."""
-    if isinstance(handled, asyncio.Future):
-        handled = await handled
+async def _answer(handled: Future, parse: Callable[[Any], Any]) -> Any:
     return parse(await asyncio.wrap_future(handled))
 
 
