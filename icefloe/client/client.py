@@ -231,7 +231,11 @@ class AsyncClient(_BaseClient):
         if self._state is _State.UNOPENED:
             if self._opening is None or self._opening.get_loop() is not asyncio.get_running_loop():
                 self._opening = asyncio.ensure_future(asyncio.to_thread(self._transport.open))
-            await asyncio.shield(self._opening)
+            try:
+                await asyncio.shield(self._opening)
+            except Exception:
+                self._opening = None  # a later open() tries again
+                raise
             if self._state is _State.UNOPENED:
                 self._state = _State.OPEN
         return self

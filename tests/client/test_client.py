@@ -136,3 +136,30 @@ def test_shutdown_is_idempotent_and_later_ops_say_why_they_fail():
     with pytest.raises(InvalidRequestError, match="learning_rate"):
         Client(transport=FakeTransport(_answer)).step(learning_rate=-1.0)
     assert "icefloe-fake-io" not in {thread.name for thread in threading.enumerate()}
+
+
+def test_a_failed_open_fails_the_ops_waiting_on_it_and_a_later_open_tries_again():
+    class FlakyOpen(FakeTransport):
+        def __init__(self) -> None:
+            super().__init__(_answer)
+            self.failures = 1
+
+        def open(self) -> None:
+            if self.failures:
+                self.failures -= 1
+                raise RequestFailedError("service not up yet")
+            super().open()
+
+    transport = FlakyOpen()
+
+    async def run() -> dict:
+        client = AsyncClient(transport=transport)
+        with pytest.raises(RequestFailedError, match="not up yet"):
+            await client.step()
+        try:
+            return await client.step()
+        finally:
+            await client.shutdown()
+
+    assert asyncio.run(run())["global_step"] == 1
+    assert [r.op for r in transport.requests] == ["step"]
