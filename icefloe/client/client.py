@@ -11,13 +11,22 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Mapping, Sequence
+import itertools
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any, Self
 
 from icefloe.client import ops
 from icefloe.client.transports import Transport, make_transport
 from icefloe.config import ClientConfig
-from icefloe.protocol import ClientClosedError, SamplingParams, UnsupportedOpError
+from icefloe.protocol import (
+    OP_GENERATE,
+    ClientClosedError,
+    InvalidRequestError,
+    RequestFailedError,
+    SamplingParams,
+    UnsupportedOpError,
+)
 
 __all__ = ["AsyncClient", "Client"]
 
@@ -202,97 +211,189 @@ class Client(_BaseClient):
 
 
 class AsyncClient(_BaseClient):
-    """Awaitable client: concurrent calls overlap; calls to one role still run in submission order."""
+    """Awaitable client: concurrent calls overlap; calls to one role still run in call order.
+
+    An op is handed to the backend when it is called, not when it is first awaited: its place in
+    line is fixed by the call, and it starts even while the caller goes on building the next batch.
+    Each op method returns an ``asyncio.Future`` of the canonical result.
+    """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._open_lock: asyncio.Lock | None = None
+        self._opening: asyncio.Future[None] | None = None
+        # Ops held back, in call order: generates of this loop turn (to merge), or anything called before open.
+        self._pending: list[tuple[ops.OpCall, asyncio.Future[Any]]] = []
+        self._tasks: set[asyncio.Future[Any]] = set()
 
     async def open(self) -> Self:
-        """Load engines or attach the job now (in a thread or over async I/O)."""
+        """Load engines or attach the job now (in a worker thread)."""
         self._check_open()
         if self._state is _State.UNOPENED:
-            if self._open_lock is None:
-                self._open_lock = asyncio.Lock()
-            async with self._open_lock:
-                if self._state is _State.UNOPENED:
-                    await asyncio.to_thread(self._transport.open)
-                    self._state = _State.OPEN
+            if self._opening is None or self._opening.get_loop() is not asyncio.get_running_loop():
+                self._opening = asyncio.ensure_future(asyncio.to_thread(self._transport.open))
+            try:
+                await asyncio.shield(self._opening)
+            except Exception:
+                self._opening = None  # a later open() tries again
+                raise
+            if self._state is _State.UNOPENED:
+                self._state = _State.OPEN
         return self
 
-    async def _call(self, call: ops.OpCall) -> Any:
+    def _call(self, call: ops.OpCall, *, merge: bool = False) -> asyncio.Future[Any]:
+        """Hand the op over now; hold it only behind held ops, to merge a generate, or until open."""
         self._check_open()
-        if self._state is _State.UNOPENED:
+        if self._state is _State.OPEN and not self._pending and not merge:
+            return self._send(call)
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        self._pending.append((call, answer))
+        if self._state is not _State.OPEN:
+            if len(self._pending) == 1:
+                self._track(self._open_then_send())
+        elif merge:
+            loop.call_soon(self._send_pending)  # when this loop turn ends: every generate called in it joins
+        else:
+            self._send_pending()  # generates called before this op go first
+        return answer
+
+    def _send(self, call: ops.OpCall) -> asyncio.Future[Any]:
+        return self._track(_answer(self._transport.handle(call.request), call.parse))
+
+    def _track(self, coroutine: Any) -> asyncio.Future[Any]:
+        task = asyncio.ensure_future(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _open_then_send(self) -> None:
+        try:
             await self.open()
-        return call.parse(await asyncio.wrap_future(self._transport.handle(call.request)))
+        except Exception as exc:
+            pending, self._pending = self._pending, []
+            for _, answer in pending:
+                _settle(answer, error=exc)
+            return
+        self._send_pending()
 
-    async def fwd_bwd(self, batch: Mapping[str, Any], processing: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    def _send_pending(self) -> None:
+        """Hand every held op over in call order; adjacent generates travel as one request."""
+        pending, self._pending = self._pending, []
+        for is_generate, run in itertools.groupby(pending, key=lambda held: held[0].request.op == OP_GENERATE):
+            group = list(run)
+            if is_generate and len(group) > 1:
+                merged, counts = ops.merge_generates([call for call, _ in group])
+                self._send_merged(merged, group, counts)
+            else:
+                for call, answer in group:
+                    self._send_alone(call, answer)
+
+    def _send_alone(self, call: ops.OpCall, answer: asyncio.Future[Any]) -> None:
+        try:
+            _settle_from(self._send(call), answer)
+        except Exception as exc:  # refused when handed over
+            _settle(answer, error=exc)
+
+    def _send_merged(self, merged: ops.OpCall, group: list[tuple[ops.OpCall, Any]], counts: list[int]) -> None:
+        try:
+            sent = self._send(merged)
+        except Exception as exc:
+            for _, answer in group:
+                _settle(answer, error=exc)
+            return
+        self._track(self._split(sent, group, counts))
+
+    async def _split(self, sent: Any, group: list[tuple[ops.OpCall, Any]], counts: list[int]) -> None:
+        """Hand each caller its own samples; a merged call refused as a caller's fault is retried call by call."""
+        try:
+            samples = await sent
+        except Exception as exc:
+            if isinstance(exc, InvalidRequestError) or (isinstance(exc, RequestFailedError) and exc.category == "user"):
+                for call, answer in group:  # one bad prompt fails only its own caller
+                    self._send_alone(call, answer)
+            else:
+                for _, answer in group:
+                    _settle(answer, error=exc)
+            return
+        start = 0
+        for (_, answer), count in zip(group, counts, strict=True):
+            _settle(answer, result=samples[start : start + count])
+            start += count
+
+    def fwd_bwd(
+        self, batch: Mapping[str, Any], processing: Mapping[str, Any] | None = None
+    ) -> asyncio.Future[dict[str, Any]]:
         """Forward + backward; gradients accumulate until ``step``. Returns ``{loss, metrics, num_tokens}``."""
-        return await self._call(ops.fwd_bwd(batch, processing))
+        return self._call(ops.fwd_bwd(batch, processing))
 
-    async def forward(self, batch: Mapping[str, Any], *, reference: bool = False) -> dict[str, Any]:
+    def forward(self, batch: Mapping[str, Any], *, reference: bool = False) -> asyncio.Future[dict[str, Any]]:
         """Shifted ``{logprobs, entropy}`` ``[B, S]`` of the policy (or the reference) without gradients."""
-        return await self._call(ops.forward(batch, reference=reference))
+        return self._call(ops.forward(batch, reference=reference))
 
-    async def fwd_no_grad(self, batch: Mapping[str, Any], *, reference_model: bool = False) -> dict[str, Any]:
+    def fwd_no_grad(self, batch: Mapping[str, Any], *, reference_model: bool = False) -> asyncio.Future[dict[str, Any]]:
         """``forward`` under the name verl and SkyRL call."""
-        return await self.forward(batch, reference=reference_model)
+        return self.forward(batch, reference=reference_model)
 
-    async def step(self, learning_rate: float | None = None) -> dict[str, Any]:
+    def step(self, learning_rate: float | None = None) -> asyncio.Future[dict[str, Any]]:
         """Optimizer step. Returns ``{global_step, lr, grad_norm, metrics}``."""
-        return await self._call(ops.step(learning_rate))
+        return self._call(ops.step(learning_rate))
 
-    async def generate(self, prompts: Prompts, sampling_params: Params = None) -> list[dict[str, Any]]:
-        """Sample; returns ``[{token_ids, text, finish_reason, logprobs?, policy_version}]`` prompt-major."""
-        return await self._call(ops.generate(prompts, sampling_params))
+    def generate(self, prompts: Prompts, sampling_params: Params = None) -> asyncio.Future[list[dict[str, Any]]]:
+        """Sample; returns ``[{token_ids, text, finish_reason, logprobs?, policy_version}]`` prompt-major.
 
-    async def sync_weights(self, *, cuda_ipc: bool = False, low_memory: bool = False) -> dict[str, Any]:
+        Generate calls made in one loop turn (``asyncio.gather`` of many) travel as one request.
+        """
+        return self._call(ops.generate(prompts, sampling_params), merge=True)
+
+    def sync_weights(self, *, cuda_ipc: bool = False, low_memory: bool = False) -> asyncio.Future[dict[str, Any]]:
         """Trainer → sampler weights. Returns ``{policy_version, seconds, bytes}``."""
-        return await self._call(ops.sync_weights(cuda_ipc=cuda_ipc, low_memory=low_memory))
+        return self._call(ops.sync_weights(cuda_ipc=cuda_ipc, low_memory=low_memory))
 
-    async def save_checkpoint(self, kind: str = "resumable") -> dict[str, Any]:
+    def save_checkpoint(self, kind: str = "resumable") -> asyncio.Future[dict[str, Any]]:
         """Save; returns ``{checkpoint_id, global_step, path, kind}``."""
-        return await self._call(ops.save_checkpoint(kind))
+        return self._call(ops.save_checkpoint(kind))
 
-    async def save_weights(self, path: str | None = None) -> dict[str, Any]:
+    def save_weights(self, path: str | None = None) -> asyncio.Future[dict[str, Any]]:
         """Refused on every backend (raises ``UnsupportedOpError``); see ``sync_weights`` / ``save_checkpoint``."""
         raise UnsupportedOpError(_SAVE_WEIGHTS_POINTER)
 
-    async def load_checkpoint(self, checkpoint_id: str, *, source_job_id: str | None = None) -> dict[str, Any]:
+    def load_checkpoint(
+        self, checkpoint_id: str, *, source_job_id: str | None = None
+    ) -> asyncio.Future[dict[str, Any]]:
         """Load a checkpoint into the training role."""
-        return await self._call(ops.load_checkpoint(checkpoint_id, source_job_id=source_job_id))
+        return self._call(ops.load_checkpoint(checkpoint_id, source_job_id=source_job_id))
 
-    async def list_checkpoints(self) -> list[dict[str, Any]]:
+    def list_checkpoints(self) -> asyncio.Future[list[dict[str, Any]]]:
         """Every checkpoint this job saved, oldest first."""
-        return await self._call(ops.list_checkpoints())
+        return self._call(ops.list_checkpoints())
 
-    async def get_checkpoint(self, checkpoint_id: str) -> dict[str, Any]:
+    def get_checkpoint(self, checkpoint_id: str) -> asyncio.Future[dict[str, Any]]:
         """One checkpoint's metadata and files."""
-        return await self._call(ops.get_checkpoint(checkpoint_id))
+        return self._call(ops.get_checkpoint(checkpoint_id))
 
-    async def delete_checkpoint(self, checkpoint_id: str) -> dict[str, Any]:
+    def delete_checkpoint(self, checkpoint_id: str) -> asyncio.Future[dict[str, Any]]:
         """Delete one checkpoint."""
-        return await self._call(ops.delete_checkpoint(checkpoint_id))
+        return self._call(ops.delete_checkpoint(checkpoint_id))
 
-    async def sleep_training(self) -> dict[str, Any]:
+    def sleep_training(self) -> asyncio.Future[dict[str, Any]]:
         """Offload training state from the device (no-op where there is nothing to free)."""
-        return await self._call(ops.sleep_training())
+        return self._call(ops.sleep_training())
 
-    async def wake_training(self) -> dict[str, Any]:
+    def wake_training(self) -> asyncio.Future[dict[str, Any]]:
         """Reload training state onto the device."""
-        return await self._call(ops.wake_training())
+        return self._call(ops.wake_training())
 
-    async def sleep_inference(self, level: int = 1) -> dict[str, Any]:
+    def sleep_inference(self, level: int = 1) -> asyncio.Future[dict[str, Any]]:
         """Free sampler memory."""
-        return await self._call(ops.sleep_inference(level))
+        return self._call(ops.sleep_inference(level))
 
-    async def wake_inference(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
+    def wake_inference(self, tags: Sequence[str] | None = None) -> asyncio.Future[dict[str, Any]]:
         """Restore sampler memory."""
-        return await self._call(ops.wake_inference(tags))
+        return self._call(ops.wake_inference(tags))
 
-    async def reset_prefix_cache(self) -> dict[str, Any]:
+    def reset_prefix_cache(self) -> asyncio.Future[dict[str, Any]]:
         """Drop the sampler's prefix cache."""
-        return await self._call(ops.reset_prefix_cache())
+        return self._call(ops.reset_prefix_cache())
 
     async def shutdown(self) -> None:
         """Release engines / cancel the job and close every connection. Idempotent."""
@@ -306,3 +407,29 @@ class AsyncClient(_BaseClient):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.shutdown()
+
+
+async def _answer(handled: Future, parse: Callable[[Any], Any]) -> Any:
+    return parse(await asyncio.wrap_future(handled))
+
+
+def _settle(answer: asyncio.Future[Any], *, result: Any = None, error: BaseException | None = None) -> None:
+    if not answer.done():
+        if error is not None:
+            answer.set_exception(error)
+        else:
+            answer.set_result(result)
+
+
+def _settle_from(source: asyncio.Future[Any], answer: asyncio.Future[Any]) -> None:
+    """Settle ``answer`` with what ``source`` ends with."""
+
+    def copy(done: asyncio.Future[Any]) -> None:
+        if done.cancelled():
+            answer.cancel()
+        elif done.exception() is not None:
+            _settle(answer, error=done.exception())
+        else:
+            _settle(answer, result=done.result())
+
+    source.add_done_callback(copy)

@@ -49,6 +49,7 @@ __all__ = [
     "get_checkpoint",
     "list_checkpoints",
     "load_checkpoint",
+    "merge_generates",
     "normalize_fwd_bwd",
     "normalize_step",
     "reset_prefix_cache",
@@ -182,6 +183,25 @@ def generate(
     )
 
 
+def merge_generates(calls: Sequence[OpCall]) -> tuple[OpCall, list[int]]:
+    """One generate call holding the prompts of ``calls`` (each keeps its own sampling params per prompt).
+
+    Returns the merged call and how many samples of its prompt-major result belong to each call.
+    """
+    prompts: list[Any] = []
+    params: list[SamplingParams] = []
+    counts: list[int] = []
+    for call in calls:
+        body = call.request.body
+        own = body["sampling_params"]
+        own = list(own) if isinstance(own, list) else [own] * len(body["prompts"])
+        prompts += body["prompts"]
+        params += own
+        counts.append(sum(p.n for p in own))
+    merged = Request(OP_GENERATE, TARGET_SAMPLING, {"prompts": prompts, "sampling_params": params})
+    return OpCall(merged, _parse_generate), counts
+
+
 def _params(value: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
     if value is None:
         return SamplingParams()
@@ -279,7 +299,7 @@ def wake_inference(tags: Sequence[str] | None = None) -> OpCall:
 
 def reset_prefix_cache() -> OpCall:
     """Drop cached prefixes so no sample reuses state computed with old weights."""
-    return OpCall(Request(OP_RESET_PREFIX_CACHE, TARGET_SAMPLING), _empty)
+    return OpCall(Request(OP_RESET_PREFIX_CACHE, TARGET_SAMPLING), lambda result: {})
 
 
 def cancel() -> OpCall:

@@ -165,11 +165,9 @@ async def run(config: GRPOConfig, *, on_step: Callable[[dict[str, Any]], None] |
                 "entropy_coeff": entropy_coeff,
             }
             # Every minibatch's fwd_bwd and step are submitted as soon as it is built, before any is
-            # awaited: the trainer runs them in submission order. The first pair starts at once, so
-            # the trainer works while the rest are built; the rest then leave together (one request
-            # on the remote backend, where each request costs both ends CPU time).
+            # awaited: the trainer runs them in call order and works while the rest are built.
             pending = []
-            for index, chunk_P in enumerate(_split(useful_P, config.num_minibatches)):
+            for chunk_P in _split(useful_P, config.num_minibatches):
                 rows_R = [(p, g) for p in chunk_P for g in range(config.group_size)]
                 batch = build_batch(
                     [prompt_ids_P[p] for p, _ in rows_R],
@@ -180,12 +178,8 @@ async def run(config: GRPOConfig, *, on_step: Callable[[dict[str, Any]], None] |
                     loss_config=loss_config,
                     old_logprobs=[samples_P_G[p][g]["logprobs"] for p, g in rows_R],
                 )
-                pending.append(asyncio.ensure_future(client.fwd_bwd(batch)))
-                pending.append(asyncio.ensure_future(client.step()))
-                if index == 0:  # the first pair starts now, not after the last minibatch is built:
-                    await asyncio.sleep(0)  # one loop turn for their tasks to start,
-                    await asyncio.sleep(0)  # one for a transport that gathers ops to send them
-            synced_future = asyncio.ensure_future(client.sync_weights())
+                pending += [client.fwd_bwd(batch), client.step()]  # sent now, while the next is built
+            synced_future = client.sync_weights()
             results = await asyncio.gather(*pending)
             synced = await synced_future
             losses = [trained["loss"] for trained in results[0::2]]

@@ -20,8 +20,10 @@ def test_sync_and_async_clients_have_the_same_methods_and_parameters():
     assert sorted(sync_methods) == sorted(async_methods)
     for name, signature in sync_methods.items():
         assert list(signature.parameters) == list(async_methods[name].parameters), name
-        is_async = inspect.iscoroutinefunction(getattr(AsyncClient, name))
-        assert is_async or name in {"from_handle", "handle"}, f"AsyncClient.{name} must be awaitable"
+        method = getattr(AsyncClient, name)
+        returns_future = str(async_methods[name].return_annotation).startswith("asyncio.Future")
+        awaitable = inspect.iscoroutinefunction(method) or returns_future
+        assert awaitable or name in {"from_handle", "handle"}, f"AsyncClient.{name} must be awaitable"
 
 
 def test_client_signatures_pinned_for_integrations():
@@ -49,9 +51,8 @@ def test_remote_client_import_stays_light():
         "import sys\n"
         "from icefloe.client import Client\n"
         "from icefloe.config import ClientConfig\n"
-        "from icefloe.client.transports import make_transport\n"
         "client = Client(ClientConfig.build(backend={'type': 'remote', 'base_url': 'http://127.0.0.1:9'}))\n"
-        "assert type(client._transport).__name__ == 'RemoteTransport' and not client.closed\n"
+        "assert not client.closed\n"
         "client.shutdown()  # never opened: no I/O, nothing to cancel\n"
         "for heavy in ('icefloe.engines', 'ray', 'vllm', 'transformers', 'fastapi'):\n"
         "    assert heavy not in sys.modules, heavy\n"

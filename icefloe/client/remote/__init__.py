@@ -1,1 +1,1 @@
-"""Pieces of the remote transport: HTTP sessions, error bodies, polling, jobs, the exchange drivers."""
+"""Pieces of the remote transport: HTTP on the client's I/O loop, error bodies, polling, jobs, submit order."""

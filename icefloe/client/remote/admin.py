@@ -1,7 +1,7 @@
 """Job-level calls for people and scripts: what ``icefloe jobs | logs | checkpoints`` show.
 
-These speak the same training API as the remote transport (same prefix, auth, retries and error
-mapping through :class:`SyncHttp`) but act on jobs by id, so one can inspect or cancel a job that
+These speak the same training API as the remote transport (same prefix, auth, retries, error
+mapping and I/O loop, through :class:`Http`) but act on jobs by id, so one can inspect or cancel a job that
 another process created.
 """
 
@@ -12,8 +12,7 @@ from collections.abc import Iterator
 from typing import Any, Self
 
 from icefloe.client.remote.errors import Redactor
-from icefloe.client.remote.exchange import Call, Retry
-from icefloe.client.remote.http import Endpoint, RetryPolicy, SyncHttp
+from icefloe.client.remote.http import Call, Endpoint, Http, Retry
 from icefloe.config import RemoteConfig
 
 __all__ = ["ServiceAdmin"]
@@ -25,26 +24,29 @@ class ServiceAdmin:
     def __init__(self, backend: RemoteConfig) -> None:
         endpoint = Endpoint.from_config(backend)
         self.url = endpoint.url
-        self._http = SyncHttp(endpoint, backend, RetryPolicy(backend), Redactor([endpoint.pat or ""]))
+        self._http = Http(endpoint, backend, Redactor([endpoint.pat or ""]))
+
+    def _send(self, call: Call) -> Any:
+        return self._http.run(self._http.send(call)).body
 
     def list_jobs(self, status: str | None = None) -> list[dict[str, Any]]:
         """Every job the caller can see, optionally only those in ``status``."""
         params = {"status": status} if status else None
-        body = self._http.send(Call("GET", "", "list jobs", params=params)).body or {}
+        body = self._send(Call("GET", "", "list jobs", params=params)) or {}
         return list(body.get("jobs", []))
 
     def get_job(self, job_id: str) -> dict[str, Any]:
         """One job with its sub-jobs and, once it failed, the reason."""
-        body = self._http.send(Call("GET", f"/{job_id}", "get job")).body or {}
+        body = self._send(Call("GET", f"/{job_id}", "get job")) or {}
         return dict(body.get("job", body))
 
     def cancel_job(self, job_id: str) -> None:
         """Cancel a job; repeating it while the job is cancelling is fine."""
-        self._http.send(Call("POST", f"/{job_id}:cancel", "cancel job", retry=Retry.TRANSIENT))
+        self._send(Call("POST", f"/{job_id}:cancel", "cancel job", retry=Retry.TRANSIENT))
 
     def capacity(self) -> dict[str, Any]:
         """The account's GPU slots: ``max_total_gpus``, ``in_use_gpus``, ``available_gpus``."""
-        return dict(self._http.send(Call("GET", "/capacity", "capacity")).body or {})
+        return dict(self._send(Call("GET", "/capacity", "capacity")) or {})
 
     def tail_logs(
         self, job_id: str, *, sub_job_type: str = "training", cursor: str | None = None, max_lines: int = 200
@@ -54,7 +56,7 @@ class ServiceAdmin:
         if cursor:
             payload["cursor"] = cursor
         body = {"operation_type": "tail-logs", "sub_job_type": sub_job_type, "payload": payload}
-        return dict(self._http.send(Call("POST", f"/{job_id}/operation", "tail-logs", json=body)).body or {})
+        return dict(self._send(Call("POST", f"/{job_id}/operation", "tail-logs", json=body)) or {})
 
     def read_logs(
         self, job_id: str, *, sub_job_type: str = "training", follow: bool = False, max_wait_s: float = 6.0
@@ -81,13 +83,13 @@ class ServiceAdmin:
 
     def list_checkpoints(self, job_id: str) -> list[dict[str, Any]]:
         """Checkpoint records of a job, also after the job ended."""
-        body = self._http.send(Call("GET", f"/{job_id}/checkpoints", "list checkpoints")).body or {}
+        body = self._send(Call("GET", f"/{job_id}/checkpoints", "list checkpoints")) or {}
         return list(body.get("checkpoints", []))
 
     def export_checkpoint(self, job_id: str, checkpoint_id: str) -> dict[str, Any]:
         """Short-lived download URLs: ``{checkpoint_id, files: [{filename, url, size_bytes}], expires_at}``."""
         call = Call("POST", f"/{job_id}/checkpoints/{checkpoint_id}:export", "export checkpoint")
-        return dict(self._http.send(call).body or {})
+        return dict(self._send(call) or {})
 
     def close(self) -> None:
         self._http.close()

@@ -14,25 +14,16 @@ import logging
 from collections.abc import Iterable
 from typing import Any, Final
 
-from icefloe.protocol import (
-    CHUNK_GROUP_CODES,
-    CODE_CHUNK_GROUP_CONFLICT,
-    CODE_CHUNK_GROUP_MISSING_CHUNKS,
-    CODE_CHUNK_GROUP_RESTART_REQUIRED,
-    ChunkGroupConflictError,
-    ChunkGroupMissingChunksError,
-    ChunkGroupRestartError,
-    RequestFailedError,
-)
+from icefloe import protocol as api
 
 __all__ = ["MAX_SEARCH_DEPTH", "Redactor", "error_from_response", "error_message", "find_error_code"]
 
 MAX_SEARCH_DEPTH: Final = 8
 _LEGACY_MISSING_CHUNKS_MESSAGE: Final = "request chunk group is missing chunks"
-_GROUP_ERRORS: Final[dict[str, type[RequestFailedError]]] = {
-    CODE_CHUNK_GROUP_RESTART_REQUIRED: ChunkGroupRestartError,
-    CODE_CHUNK_GROUP_CONFLICT: ChunkGroupConflictError,
-    CODE_CHUNK_GROUP_MISSING_CHUNKS: ChunkGroupMissingChunksError,
+_GROUP_ERRORS: Final[dict[str, type[api.RequestFailedError]]] = {
+    api.CODE_CHUNK_GROUP_RESTART_REQUIRED: api.ChunkGroupRestartError,
+    api.CODE_CHUNK_GROUP_CONFLICT: api.ChunkGroupConflictError,
+    api.CODE_CHUNK_GROUP_MISSING_CHUNKS: api.ChunkGroupMissingChunksError,
 }
 _HTTP_LOGGERS: Final = ("httpx", "httpcore.connection", "httpcore.http11", "httpcore.http2", "httpcore.proxy")
 
@@ -74,10 +65,10 @@ def find_error_code(body: Any) -> str | None:
     outer = None
     for node in _walk(body):
         code = node.get("code")
-        if isinstance(code, str) and code in CHUNK_GROUP_CODES:
+        if isinstance(code, str) and code in api.CHUNK_GROUP_CODES:
             return code
         if node.get("message") == _LEGACY_MISSING_CHUNKS_MESSAGE and "chunk_group_id" in node:
-            return CODE_CHUNK_GROUP_MISSING_CHUNKS
+            return api.CODE_CHUNK_GROUP_MISSING_CHUNKS
         if outer is None and isinstance(code, str) and code:
             outer = code
     return outer
@@ -107,12 +98,12 @@ def error_message(body: Any, fallback: str) -> str:
 
 def error_from_response(
     status_code: int, body: Any, *, what: str, request_id: str | None, redactor: Redactor
-) -> RequestFailedError:
+) -> api.RequestFailedError:
     """The typed error for a non-2xx answer: chunk-group errors by code, else ``RequestFailedError``."""
     code = find_error_code(body)
     message = redactor(f"{what} failed: {error_message(body, f'HTTP {status_code}')}")
     category = "user" if 400 <= status_code < 500 and status_code != 429 else "server"
-    error_class = _GROUP_ERRORS.get(code or "", RequestFailedError)
+    error_class = _GROUP_ERRORS.get(code or "", api.RequestFailedError)
     return error_class(message, category=category, status_code=status_code, code=code, request_id=request_id)
 
 

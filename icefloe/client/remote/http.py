@@ -1,50 +1,85 @@
-"""HTTP sessions of the remote transport: URL prefix, auth headers, retries and error mapping.
+"""HTTP for the remote transport: URL prefix, auth headers, retries, error mapping, and the I/O loop.
 
-One :class:`SyncHttp` (``httpx.Client``) and one :class:`AsyncHttp` (an ``httpx.AsyncClient`` per
-event loop; a loop change closes the old client) send :class:`~icefloe.client.remote.exchange.Call`
-objects. Retries use tenacity with the training API's schedule (0.5 s doubling plus jitter, capped
-at 10 s, ``1 + max_retries`` attempts). httpx errors are translated to icefloe errors in
+:class:`Http` owns one ``httpx.AsyncClient`` on the client's own event loop (:class:`LoopThread`);
+every request of a remote client, blocking or async, goes out from there. A :class:`Call` is one
+request relative to the API prefix plus how it may be retried. Retries use tenacity with the
+training API's schedule (0.5 s doubling plus jitter, capped at 10 s, ``1 + max_retries`` attempts)
+and re-send the same ``Idempotency-Key``. httpx errors are translated to icefloe errors in
 :func:`translate_errors` only; nothing above this module sees an httpx type.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
+import enum
 import functools
 import json
 import logging
 import random
 import ssl
 import threading
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import httpx
 import orjson
 import tenacity
 
-from icefloe.client.remote.eager import EagerTransport
+from icefloe.client.loop import LoopThread
 from icefloe.client.remote.errors import Redactor, error_from_response
-from icefloe.client.remote.exchange import Call, Reply, Retry
 from icefloe.config import RemoteConfig
 from icefloe.protocol import ChunkGroupError, ConfigError, IcefloeTimeoutError, RequestFailedError
 
-__all__ = ["AsyncHttp", "Endpoint", "RetryPolicy", "SyncHttp", "TransportWrapper", "translate_errors"]
+__all__ = ["Call", "Endpoint", "Http", "Reply", "Retry", "RetryPolicy", "TransportWrapper", "translate_errors"]
 
 _log = logging.getLogger("icefloe.client.remote")
 
 _TRANSIENT_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
 _RESTART_STATUSES: Final = frozenset({404, 409})  # the managed endpoint's front door answers these while restarting
 _SERVICE_REQUEST_ID_HEADER: Final = "x-snowflake-request-id"
-_BODY_WRITTEN: Final = "http11.send_request_body.complete"  # the httpcore trace event of a request sent
 _DEFAULT_DATABASE: Final = "icefloe"
 _DEFAULT_SCHEMA: Final = "public"
 # Concurrent ops each hold a connection while their long poll waits; keep room for many.
 _LIMITS: Final = httpx.Limits(max_connections=1024, max_keepalive_connections=128)
 
-TransportWrapper = Callable[[Any], Any]  # wraps an httpx (Async)HTTPTransport, e.g. to inject faults
+T = TypeVar("T")
+TransportWrapper = Callable[[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport]  # a proxy layer, or test faults
+
+
+class Retry(enum.Enum):
+    """Which failures a call may be retried on."""
+
+    TRANSIENT = "transient"  # connection errors, timeouts, 429, 5xx (404/409 on the managed endpoint)
+    CONNECT_ONLY = "connect_only"  # only when the request provably never left (a non-idempotent create)
+    NEVER = "never"
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One HTTP request relative to the API prefix, plus how to retry it."""
+
+    method: str
+    path: str  # "" = the prefix itself; "/{job_id}/step", ...
+    what: str  # names the call in errors and logs, e.g. "forward-backward"
+    json: Any = None
+    content: bytes | None = None
+    params: Mapping[str, Any] | None = None
+    idempotency_key: str | None = None  # sent as Idempotency-Key; the same for every retry
+    retry: Retry = Retry.TRANSIENT
+    accept: frozenset[int] = frozenset()  # non-2xx statuses answered as a Reply instead of an error
+    final: frozenset[int] = frozenset()  # statuses never retried for this call (e.g. 404 on delete)
+    timeout_s: float | None = None  # None = the configured request timeout
+    sequence: str | None = None  # sent as Icefloe-Sequence (the sequenced_submit extension)
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A 2xx (or accepted) answer: its status, JSON body (None when empty) and service request id."""
+
+    status_code: int
+    body: Any = None
+    service_request_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -103,12 +138,7 @@ class Endpoint:
 
     def public(self) -> dict[str, str]:
         """The pieces a handle carries (never the PAT)."""
-        return {
-            "origin": self.origin,
-            "database": self.database,
-            "schema": self.schema,
-            "endpoint": self.endpoint,
-        }
+        return {name: getattr(self, name) for name in ("origin", "database", "schema", "endpoint")}
 
 
 @functools.lru_cache(maxsize=2)
@@ -153,7 +183,7 @@ class RetryPolicy:
         jitter = random.uniform(0.0, 2.0 * self.initial_s)
         return min(self.initial_s * 2 ** (attempt - 1) + jitter, self.max_wait_s)
 
-    def _tenacity_kwargs(self, call: Call, redactor: Redactor) -> dict[str, Any]:
+    def tenacity_kwargs(self, call: Call, redactor: Redactor) -> dict[str, Any]:
         def before_sleep(state: tenacity.RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
             _log.warning(
@@ -190,31 +220,13 @@ def translate_errors(call: Call, endpoint: Endpoint, redactor: Redactor, timeout
         ) from None
 
 
-def _sent_tracer(on_sent: Callable[[], None], is_async: bool) -> Callable[..., Any]:
-    """An httpcore trace hook that calls ``on_sent`` once the request body is written."""
-
-    def note(name: str) -> None:
-        if name == _BODY_WRITTEN:
-            on_sent()
-
-    if not is_async:
-        return lambda name, info: note(name)
-
-    async def trace(name: str, info: Any) -> None:
-        note(name)
-
-    return trace
-
-
-def _request_kwargs(call: Call, endpoint: Endpoint, timeout_s: float, *, is_async: bool) -> dict[str, Any]:
+def _request_kwargs(call: Call, timeout_s: float) -> dict[str, Any]:
     headers = {}
     if call.idempotency_key:
         headers["Idempotency-Key"] = call.idempotency_key
     if call.sequence:
         headers["Icefloe-Sequence"] = call.sequence
     kwargs: dict[str, Any] = {"headers": headers, "timeout": timeout_s}
-    if call.on_sent is not None:
-        kwargs["extensions"] = {"trace": _sent_tracer(call.on_sent, is_async)}
     if call.params:
         kwargs["params"] = dict(call.params)
     if call.content is not None:
@@ -237,7 +249,7 @@ def _json_or_text(response: httpx.Response) -> Any:
         return response.text[:2000]
 
 
-def _reply(call: Call, response: httpx.Response, redactor: Redactor) -> Reply:
+def reply_of(call: Call, response: httpx.Response, redactor: Redactor) -> Reply:
     """A Reply for a 2xx or accepted status, else the typed error (raised)."""
     service_request_id = response.headers.get(_SERVICE_REQUEST_ID_HEADER)
     body: Any = None
@@ -257,154 +269,72 @@ def _reply(call: Call, response: httpx.Response, redactor: Redactor) -> Reply:
     )
 
 
-class SyncHttp:
-    """Blocking session over one ``httpx.Client`` (thread-safe, pooled)."""
+class Http:
+    """One ``httpx.AsyncClient`` on the client's own I/O loop: ``send`` runs there, ``run``/``submit`` hand it work."""
 
     def __init__(
-        self,
-        endpoint: Endpoint,
-        backend: RemoteConfig,
-        policy: RetryPolicy,
-        redactor: Redactor,
-        wrap: TransportWrapper | None = None,
+        self, endpoint: Endpoint, backend: RemoteConfig, redactor: Redactor, wrap: TransportWrapper | None = None
     ) -> None:
-        self._endpoint, self._policy, self._redactor, self._wrap = endpoint, policy, redactor, wrap
+        self.endpoint, self.redactor = endpoint, redactor
+        self.policy = RetryPolicy(backend)
         self._timeout_s = backend.request_timeout_s
+        self._wrap = wrap
+        self._client: httpx.AsyncClient | None = None
         self._lock = threading.Lock()
-        self._client: httpx.Client | None = None
+        self._io = LoopThread("icefloe-remote-io", on_close=self._close_client)
 
-    def _transport(self) -> httpx.BaseTransport:
-        transport = httpx.HTTPTransport(verify=_tls_for(self._endpoint), limits=_LIMITS)
-        return self._wrap(transport) if self._wrap else transport
-
-    def _get(self) -> httpx.Client:
+    @property
+    def loop(self) -> Any:
+        """The I/O loop (an ``asyncio.AbstractEventLoop``), started on first use with its HTTP client."""
+        loop = self._io.loop
         with self._lock:
             if self._client is None:
-                self._client = httpx.Client(
-                    base_url=self._endpoint.url,
-                    headers=self._endpoint.headers(),
-                    transport=self._transport(),
+                transport = httpx.AsyncHTTPTransport(verify=_tls_for(self.endpoint), limits=_LIMITS)
+                self._client = httpx.AsyncClient(
+                    base_url=self.endpoint.url,
+                    headers=self.endpoint.headers(),
+                    transport=self._wrap(transport) if self._wrap else transport,
                 )
-            return self._client
+        return loop
 
-    def send(self, call: Call) -> Reply:
+    def submit(self, coroutine: Coroutine[Any, Any, T]) -> Any:
+        """Schedule ``coroutine`` on the I/O loop; returns its ``concurrent.futures.Future``."""
+        self._ready(coroutine)
+        return self._io.submit(coroutine)
+
+    def start(self, coroutine: Coroutine[Any, Any, T]) -> Any:
+        """Run ``coroutine`` to its end on the I/O loop even if the caller stops waiting (see ``LoopThread.start``)."""
+        self._ready(coroutine)
+        return self._io.start(coroutine)
+
+    def _ready(self, coroutine: Coroutine[Any, Any, T]) -> None:
+        try:
+            self.loop  # noqa: B018 - starts the loop and builds the client before the coroutine can use it
+        except BaseException:
+            coroutine.close()
+            raise
+
+    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        """Run ``coroutine`` on the I/O loop and block for its result."""
+        return self.submit(coroutine).result()
+
+    async def send(self, call: Call) -> Reply:
+        """One call with retries (on the I/O loop); a failure arrives as an icefloe error."""
+        assert self._client is not None, "send runs on the I/O loop, which builds the client first"
         timeout_s = call.timeout_s or self._timeout_s
-        client = self._get()
-        kwargs = _request_kwargs(call, self._endpoint, timeout_s, is_async=False)
-        with translate_errors(call, self._endpoint, self._redactor, timeout_s):
-            for attempt in tenacity.Retrying(**self._policy._tenacity_kwargs(call, self._redactor)):
+        kwargs = _request_kwargs(call, timeout_s)
+        with translate_errors(call, self.endpoint, self.redactor, timeout_s):
+            async for attempt in tenacity.AsyncRetrying(**self.policy.tenacity_kwargs(call, self.redactor)):
                 with attempt:
-                    return _reply(call, client.request(call.method, call.path, **kwargs), self._redactor)
+                    response = await self._client.request(call.method, call.path, **kwargs)
+                    return reply_of(call, response, self.redactor)
         raise AssertionError("unreachable: tenacity re-raises the last failure")
 
     def close(self) -> None:
-        with self._lock:
-            client, self._client = self._client, None
+        """Cancel the calls in flight, close the HTTP client on its loop, stop the thread. Idempotent."""
+        self._io.close()
+
+    async def _close_client(self) -> None:
+        client, self._client = self._client, None
         if client is not None:
-            client.close()
-
-
-class AsyncHttp:
-    """Awaiting session: one ``httpx.AsyncClient`` per event loop; a new loop closes the old client.
-
-    Each client is tied to its loop by a small async generator whose ``finally`` closes it. The
-    loop finalises open async generators when it shuts down (``asyncio.run`` does), so a client
-    whose loop ends without ``aclose()`` still closes its sockets on that loop, where it must.
-    """
-
-    def __init__(
-        self,
-        endpoint: Endpoint,
-        backend: RemoteConfig,
-        policy: RetryPolicy,
-        redactor: Redactor,
-        wrap: TransportWrapper | None = None,
-    ) -> None:
-        self._endpoint, self._policy, self._redactor, self._wrap = endpoint, policy, redactor, wrap
-        self._timeout_s = backend.request_timeout_s
-        self._client: httpx.AsyncClient | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._closer: AsyncGenerator[None, None] | None = None
-
-    def _transport(self, tls: ssl.SSLContext | bool) -> httpx.AsyncBaseTransport:
-        transport: httpx.AsyncBaseTransport
-        if self._endpoint.origin.startswith("http://"):  # icefloe serve: no TLS, latency is all that counts
-            transport = EagerTransport(max_connections=_LIMITS.max_connections or 1024)
-        else:
-            transport = httpx.AsyncHTTPTransport(verify=tls, limits=_LIMITS)
-        return self._wrap(transport) if self._wrap else transport
-
-    async def _get(self) -> httpx.AsyncClient:
-        loop = asyncio.get_running_loop()
-        if self._client is not None and (self._loop is not loop or self._client.is_closed):
-            await self.aclose()
-        if self._client is None:
-            tls = await asyncio.to_thread(_tls_for, self._endpoint)  # file I/O once; never on the loop
-            if self._client is not None and self._loop is loop:
-                return self._client  # a concurrent first call built it while this one awaited
-            client = httpx.AsyncClient(
-                base_url=self._endpoint.url, headers=self._endpoint.headers(), transport=self._transport(tls)
-            )
-            closer = _close_with_loop(client)
-            await anext(closer)  # registers the generator with this loop's shutdown_asyncgens()
-            self._client, self._loop, self._closer = client, loop, closer
-        return self._client
-
-    async def send(self, call: Call) -> Reply:
-        timeout_s = call.timeout_s or self._timeout_s
-        client = await self._get()
-        kwargs = _request_kwargs(call, self._endpoint, timeout_s, is_async=True)
-        with translate_errors(call, self._endpoint, self._redactor, timeout_s):
-            async for attempt in tenacity.AsyncRetrying(**self._policy._tenacity_kwargs(call, self._redactor)):
-                with attempt:
-                    try:
-                        response = await client.request(call.method, call.path, **kwargs)
-                        return _reply(call, response, self._redactor)
-                    except Exception:  # no answer, or one the service keeps the POST's place for a retry
-                        if call.on_lost is not None:
-                            call.on_lost()
-                        raise
-        raise AssertionError("unreachable: tenacity re-raises the last failure")
-
-    def _take(self) -> tuple[asyncio.AbstractEventLoop | None, AsyncGenerator[None, None] | None]:
-        loop, closer = self._loop, self._closer
-        self._client, self._loop, self._closer = None, None, None
-        return loop, closer
-
-    async def aclose(self) -> None:
-        """Close the current client on its own loop (this one, or another thread's running loop)."""
-        loop, closer = self._take()
-        if closer is None:
-            return
-        if loop is asyncio.get_running_loop():
-            await closer.aclose()
-        elif loop is not None and loop.is_running():
-            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(closer.aclose(), loop))
-        # else: its loop has ended, and shutting down closed the client already
-
-    def close_sync(self) -> None:
-        """Close from blocking code; the client's loop must still run elsewhere or have ended."""
-        loop, closer = self._take()
-        if closer is None or loop is None or loop.is_closed():
-            return
-        if loop.is_running():
-            if _running_loop() is loop:
-                loop.create_task(closer.aclose())  # blocking close() called inside the loop itself
-            else:
-                asyncio.run_coroutine_threadsafe(closer.aclose(), loop).result(timeout=30)
-        else:
-            loop.run_until_complete(closer.aclose())
-
-
-async def _close_with_loop(client: httpx.AsyncClient) -> AsyncGenerator[None, None]:
-    try:
-        yield
-    finally:
-        await client.aclose()
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
+            await client.aclose()

@@ -7,6 +7,7 @@ means "managed" and the transport assumes the managed endpoint's fixed op set.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -14,26 +15,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from icefloe.client.remote.exchange import Call, Exchange, Retry, Sleep
+from icefloe import protocol as api
+from icefloe.client.remote.http import Call, Http, Retry
 from icefloe.client.remote.polling import Backoff
 from icefloe.config import ClientConfig
-from icefloe.protocol import (
-    JOB_TERMINAL_STATES,
-    OP_CANCEL,
-    OP_DELETE_CHECKPOINT,
-    OP_FWD_BWD,
-    OP_GENERATE,
-    OP_GET_CHECKPOINT,
-    OP_LIST_CHECKPOINTS,
-    OP_LOAD,
-    OP_RESET_PREFIX_CACHE,
-    OP_SAVE,
-    OP_STEP,
-    OP_WEIGHT_SYNC,
-    IcefloeTimeoutError,
-    JobFailedError,
-    normalize_job_state,
-)
 
 __all__ = [
     "MANAGED_OPS",
@@ -49,23 +34,11 @@ __all__ = [
 _log = logging.getLogger("icefloe.client.remote")
 
 # What the managed endpoint executes (it has no forward, sleep or wake).
-MANAGED_OPS: Final = frozenset(
-    {
-        OP_FWD_BWD,
-        OP_STEP,
-        OP_GENERATE,
-        OP_WEIGHT_SYNC,
-        OP_SAVE,
-        OP_LOAD,
-        OP_LIST_CHECKPOINTS,
-        OP_GET_CHECKPOINT,
-        OP_DELETE_CHECKPOINT,
-        OP_RESET_PREFIX_CACHE,
-        OP_CANCEL,
-    }
-)
+MANAGED_OPS: Final = api.OPS - {
+    api.OP_FORWARD, api.OP_SLEEP_TRAINING, api.OP_WAKE_TRAINING, api.OP_SLEEP_INFERENCE, api.OP_WAKE_INFERENCE
+}  # fmt: skip
 # Capability names that differ from the op constants.
-_CAPABILITY_ALIASES: Final = {"export-checkpoint": OP_GET_CHECKPOINT}
+_CAPABILITY_ALIASES: Final = {"export-checkpoint": api.OP_GET_CHECKPOINT}
 _ENGINE_KWARGS_SET_BY_API: Final = ("max_model_len", "tensor_parallel_size")  # the API sets these itself
 _SEGMENTS: Final = {"training": "training", "sampling": "sampling", "log_probability": "log_prob"}
 
@@ -82,7 +55,6 @@ class ServiceInfo:
     max_long_poll_s: float | None = None
     inline_wait: bool = False  # POSTs take ?wait= and answer with the request's poll answer
     sequenced_submit: bool = False  # numbered POSTs (Icefloe-Sequence) are queued in number order
-    max_batch_ops: int = 0  # > 0: POST {job}/batch takes this many fwd_bwd / step ops at once
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,9 +69,9 @@ class JobRef:
         return ids[0] if ids else None
 
 
-def probe_service() -> Exchange[ServiceInfo]:
+async def probe_service(http: Http) -> ServiceInfo:
     """``GET /capabilities``; a 4xx there means the managed endpoint."""
-    reply = yield Call("GET", "/capabilities", "capabilities", accept=frozenset({400, 404, 405}))
+    reply = await http.send(Call("GET", "/capabilities", "capabilities", accept=frozenset({400, 404, 405})))
     body = reply.body if isinstance(reply.body, Mapping) else None
     if reply.status_code >= 400 or body is None or "ops" not in body:
         return ServiceInfo(managed=True, ops=MANAGED_OPS)
@@ -115,7 +87,6 @@ def probe_service() -> Exchange[ServiceInfo]:
         sequenced_submit=bool(extensions.get("sequenced_submit")),
         max_post_bytes=int(limits["max_post_bytes"]) if limits.get("max_post_bytes") else None,
         max_long_poll_s=float(limits["max_long_poll_s"]) if limits.get("max_long_poll_s") else None,
-        max_batch_ops=int(limits.get("max_batch_ops") or 0) if extensions.get("batch_submit") else 0,
     )
 
 
@@ -165,26 +136,24 @@ def job_create_body(config: ClientConfig, experiment_name: str | None = None) ->
 def _warn_unmapped_knobs(config: ClientConfig) -> None:
     """The training API has no field for these; say so instead of ignoring them silently."""
     training = config.training
-    ignored = []
-    if training.micro_batch_tokens:
-        ignored.append("training.micro_batch_tokens")
-    if training.gradient_checkpointing:
-        ignored.append("training.gradient_checkpointing")
-    if training.checkpoint_dir is not None:
-        ignored.append("training.checkpoint_dir")
-    if config.sampling.engine != "auto":
-        ignored.append("sampling.engine")
-    if ignored:
+    set_here = {
+        "training.micro_batch_tokens": training.micro_batch_tokens,
+        "training.gradient_checkpointing": training.gradient_checkpointing,
+        "training.checkpoint_dir": training.checkpoint_dir is not None,
+        "sampling.engine": config.sampling.engine != "auto",
+    }
+    if ignored := [name for name, value in set_here.items() if value]:
         _log.warning("backend.type='remote' ignores %s: the training API has no such field", ", ".join(ignored))
 
 
-def create_job(body: dict[str, Any], *, idempotent: bool) -> Exchange[str]:
+async def create_job(http: Http, body: dict[str, Any], *, idempotent: bool) -> str:
     """POST the create body; retried fully only when the service honours idempotency keys."""
     retry = Retry.TRANSIENT if idempotent else Retry.CONNECT_ONLY
-    reply = yield Call("POST", "", "create job", json=body, idempotency_key=str(uuid.uuid4()), retry=retry)
+    call = Call("POST", "", "create job", json=body, idempotency_key=str(uuid.uuid4()), retry=retry)
+    reply = await http.send(call)
     job_id = (reply.body or {}).get("job_id") if isinstance(reply.body, Mapping) else None
     if not job_id:
-        raise JobFailedError("<none>", "not created", f"create job answered without a job_id: {reply.body!r:.200}")
+        raise api.JobFailedError("<none>", "not created", f"create job answered without a job_id: {reply.body!r:.200}")
     return str(job_id)
 
 
@@ -211,7 +180,7 @@ def sub_jobs_of(job_id: str, job: Mapping[str, Any], expected: Mapping[str, int]
     return found
 
 
-def wait_running(job_id: str, *, backoff: Backoff, timeout_s: float) -> Exchange[dict[str, Any]]:
+async def wait_running(http: Http, job_id: str, *, backoff: Backoff, timeout_s: float) -> dict[str, Any]:
     """Poll ``GET /{job_id}`` until ``running``.
 
     Raises:
@@ -222,21 +191,21 @@ def wait_running(job_id: str, *, backoff: Backoff, timeout_s: float) -> Exchange
     sleeps = backoff.sleeps(deadline)
     status = "unknown"
     while True:
-        reply = yield Call("GET", f"/{job_id}", "wait for job")
+        reply = await http.send(Call("GET", f"/{job_id}", "wait for job"))
         job = _job_object(reply.body)
-        status = normalize_job_state(job.get("status", "unknown"))
+        status = api.normalize_job_state(job.get("status", "unknown"))
         if status == "running":
             return job
-        if status in JOB_TERMINAL_STATES:
+        if status in api.JOB_TERMINAL_STATES:
             sub_status = {
-                str(sub.get("sub_job_id")): normalize_job_state(sub.get("status", "unknown"))
+                str(sub.get("sub_job_id")): api.normalize_job_state(sub.get("status", "unknown"))
                 for sub in job.get("sub_jobs") or ()
                 if isinstance(sub, Mapping)
             }
-            raise JobFailedError(job_id, status, str(job.get("reason") or ""), sub_status)
+            raise api.JobFailedError(job_id, status, str(job.get("reason") or ""), sub_status)
         if time.monotonic() >= deadline:
-            raise IcefloeTimeoutError(
+            raise api.IcefloeTimeoutError(
                 f"job {job_id} is still {status} after {timeout_s:g} s; managed endpoints cold-start in "
                 "minutes, raise job_ready_timeout_s to wait longer"
             )
-        yield Sleep(next(sleeps))
+        await asyncio.sleep(next(sleeps))

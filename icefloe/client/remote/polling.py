@@ -9,6 +9,7 @@ POST that already carried the poll answer (the ``inline_wait`` extension) is rea
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import time
 from collections.abc import Iterator, Mapping
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from icefloe import wire
-from icefloe.client.remote.exchange import Call, Exchange, Reply, Sleep
+from icefloe.client.remote.http import Call, Http
 from icefloe.config import RemoteConfig
 from icefloe.protocol import (
     REQUEST_FAILURE_STATES,
@@ -89,7 +90,8 @@ def decode_result(result: Any, chunk_events: list[dict[str, Any]]) -> dict[str, 
     return dict(result)
 
 
-def poll_request(
+async def poll_request(
+    http: Http,
     job_id: str,
     request_id: str,
     *,
@@ -98,7 +100,7 @@ def poll_request(
     timeout_s: float,
     long_poll_s: float = 0.0,
     answered: Mapping[str, Any] | None = None,
-) -> Exchange[dict[str, Any]]:
+) -> dict[str, Any]:
     """Poll ``GET /{job_id}/requests/{request_id}`` until it finishes; return the decoded result.
 
     ``answered`` is a poll answer the submitting POST carried: it is read first, and polling
@@ -127,7 +129,7 @@ def poll_request(
             body, answered, held_s = answered, None, None
         else:
             asked_at = time.monotonic()
-            reply: Reply = yield Call("GET", path, f"{what} (poll {request_id})", params=params, timeout_s=timeout)
+            reply = await http.send(Call("GET", path, f"{what} (poll {request_id})", params=params, timeout_s=timeout))
             held_s = time.monotonic() - asked_at
             body = reply.body if isinstance(reply.body, Mapping) else {}
         new_events = [e for e in body.get("events") or () if isinstance(e, Mapping) and e.get("type") == "result_chunk"]
@@ -153,4 +155,4 @@ def poll_request(
         if held_s is None and long_poll_s > 0:
             continue  # the POST's own wait ran out: the long poll takes over at once
         if timeout is None or held_s is None or held_s < 0.1 * (timeout - _LONG_POLL_SLACK_S):
-            yield Sleep(next(sleeps))  # no long poll, or the service answered early without holding it
+            await asyncio.sleep(next(sleeps))  # no long poll, or the service answered early without holding it

@@ -1,9 +1,10 @@
 """The transport seam: deliver a ``Request``, get a future of the backend's answer.
 
 A transport knows nothing of op semantics beyond routing; ``icefloe.client.ops`` builds requests
-and parses answers. Three verbs: ``open`` (the I/O that attaching needs: loading engines, creating
-a job), ``handle`` and ``close``. ``Client`` waits on the future ``handle`` returns; ``AsyncClient``
-awaits it through ``asyncio.wrap_future``.
+and parses answers. Three verbs: ``open`` (blocking, idempotent: load engines, create or re-attach
+a job), ``handle`` (returns a ``concurrent.futures.Future`` at once; the op's place in line is fixed
+by this call) and ``close`` (idempotent). ``Client`` blocks on the future; ``AsyncClient`` awaits it
+with ``asyncio.wrap_future`` and opens with ``asyncio.to_thread``.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def open(self) -> None:
-        """Attach: load engines or create/re-attach the job. Blocking and idempotent."""
+        """Attach: load engines or create/re-attach the job. Blocking; idempotent."""
 
     @abc.abstractmethod
     def handle(self, request: Request) -> Future:
-        """Deliver one request; returns at once with a future of its result (or its error)."""
+        """Queue one request in call order; never blocks. A request refused outright raises here."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -68,7 +68,7 @@ def _synthetic(status: int, request: httpx.Request) -> httpx.Response:
     return httpx.Response(status, json={"code": "unavailable", "message": f"injected {status}"}, request=request)
 
 
-class FaultyTransport(httpx.BaseTransport, httpx.AsyncBaseTransport):
+class FaultyTransport(httpx.AsyncBaseTransport):
     def __init__(self, inner, faults: Faults) -> None:
         self.inner = inner
         self.faults = faults
@@ -89,22 +89,10 @@ class FaultyTransport(httpx.BaseTransport, httpx.AsyncBaseTransport):
             raise httpx.RemoteProtocolError("injected: response lost after the service acted", request=request)
         return _synthetic(int(action.split(":")[1]), request)  # status_after:<code>
 
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         action = self.faults.take(request)
         if action == "rehash_chunk":
             request, action = _rehashed(request), None
-        if action is None:
-            return self.inner.handle_request(request)
-        early = self._before(action, request)
-        if early is not None:
-            return early
-        response = self.inner.handle_request(request)
-        response.read()
-        response.close()
-        return self._after(action, request)
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        action = self.faults.take(request)
         if action == "delay":  # a slow upload: the request arrives late, but intact
             await asyncio.sleep(0.3)
             action = None
@@ -117,9 +105,6 @@ class FaultyTransport(httpx.BaseTransport, httpx.AsyncBaseTransport):
         await response.aread()
         await response.aclose()
         return self._after(action, request)
-
-    def close(self) -> None:
-        self.inner.close()
 
     async def aclose(self) -> None:
         await self.inner.aclose()

@@ -54,7 +54,7 @@ def test_remote_lost_responses_are_retried_exactly_once(service):
         assert client.step()["global_step"] == 1
         assert len(client.generate([[1, 2, 3]], {"max_tokens": 2, "seed": 0})) == 1
         assert client.sync_weights()["policy_version"] == 1
-        counts = service.request_counts(client._transport.job_id)
+        counts = service.request_counts(client.handle()["transport"]["job_id"])
     assert all(rule.hits == rule.times for rule in faults.rules)
     assert counts == {"forward-backward": 1, "step": 1, "generate": 1, "weight-sync": 1}
     assert len(service.app.state.db.fetch_all("SELECT job_id FROM jobs")) == jobs_before + 1
@@ -74,7 +74,7 @@ def test_remote_lost_inline_answers_are_replayed_not_rerun(service):
         assert client.step()["global_step"] == 1
         assert len(client.generate([[1, 2, 3]], {"max_tokens": 2, "seed": 0})) == 1
         assert client.sync_weights()["policy_version"] == 1
-        counts = service.request_counts(client._transport.job_id)
+        counts = service.request_counts(client.handle()["transport"]["job_id"])
     assert [rule.hits for rule in faults.rules] == [1, 1, 1, 1, 0]
     assert counts == {"forward-backward": 1, "step": 1, "generate": 1, "weight-sync": 1}
 
@@ -90,7 +90,7 @@ def test_remote_503_and_429_before_and_after_the_service_acted(service):
         client.fwd_bwd(build_batch([[3, 4]], [[5, 6]], [1.0], pad_id=0))
         assert client.step()["global_step"] == 1
         assert client.step()["global_step"] == 2
-        counts = service.request_counts(client._transport.job_id)
+        counts = service.request_counts(client.handle()["transport"]["job_id"])
     assert counts == {"forward-backward": 1, "step": 2}
 
 
@@ -101,7 +101,7 @@ def test_remote_chunk_upload_cut_midway_resumes_without_double_execution(service
     )
     with _client(service, faults, max_post_bytes=12_000) as client:
         result = client.fwd_bwd(_big_batch())
-        counts = service.request_counts(client._transport.job_id)
+        counts = service.request_counts(client.handle()["transport"]["job_id"])
     assert faults.rules[0].hits == 1 and faults.rules[1].hits == 1
     assert result["num_tokens"] > 0 and counts == {"forward-backward": 1}
 
@@ -110,7 +110,7 @@ def test_remote_lost_chunk_group_is_replayed_once_from_chunk_zero(service):
     faults = Faults(Rule("POST", _JOB + "/forward-backward$", "swallow_chunk"))
     with _client(service, faults, max_post_bytes=12_000) as client:
         assert "loss" in client.fwd_bwd(_big_batch())
-        counts = service.request_counts(client._transport.job_id)
+        counts = service.request_counts(client.handle()["transport"]["job_id"])
     assert counts == {"forward-backward": 1}
 
 
@@ -124,7 +124,7 @@ def test_remote_second_group_restart_raises_a_typed_error(service):
         with pytest.raises(ChunkGroupRestartError) as info:
             client.fwd_bwd(_big_batch())
         assert info.value.status_code == 409 and info.value.code == "chunk_group_restart_required"
-        assert service.request_counts(client._transport.job_id) == {}
+        assert service.request_counts(client.handle()["transport"]["job_id"]) == {}
 
 
 def test_remote_missing_and_conflicting_chunks_raise_typed_errors_without_retry(service):
@@ -138,7 +138,7 @@ def test_remote_missing_and_conflicting_chunks_raise_typed_errors_without_retry(
             client.fwd_bwd(batch)  # chunk 1 never arrives; the final one does
         with pytest.raises(ChunkGroupConflictError) as conflict:
             client.fwd_bwd(batch)  # a chunk of the next group names another frame
-        assert service.request_counts(client._transport.job_id) == {}
+        assert service.request_counts(client.handle()["transport"]["job_id"]) == {}
     assert (missing.value.status_code, conflict.value.status_code) == (409, 409)
     assert missing.value.code == "chunk_group_missing_chunks"
     assert conflict.value.code == "chunk_group_conflict"
@@ -155,26 +155,10 @@ def test_remote_persistent_failures_end_in_typed_errors_not_hangs(service):
         assert info.value.status_code == 503 and info.value.category == "server"
         with pytest.raises(IcefloeTimeoutError):
             client.generate([[1, 2]], {"max_tokens": 2})
-        assert service.request_counts(client._transport.job_id) == {}
+        assert service.request_counts(client.handle()["transport"]["job_id"]) == {}
 
 
-def test_remote_batched_ops_retry_a_lost_response_exactly_once(service):
-    faults = Faults(Rule("POST", _JOB + "/batch$", "drop_response", times=2))
-    config = service.config()
-
-    async def run() -> dict[str, int]:
-        transport = RemoteTransport(config, wrap_http_transport=faults.wrap)
-        async with AsyncClient(config, transport=transport) as client:
-            batch = build_batch([[3, 4]], [[5, 6]], [1.0], pad_id=0)
-            *_, stepped = await asyncio.gather(client.fwd_bwd(batch), client.fwd_bwd(batch), client.step())
-            assert stepped["global_step"] == 1
-            return service.request_counts(transport.job_id)
-
-    assert asyncio.run(run()) == {"forward-backward": 2, "step": 1}
-    assert faults.rules[0].hits == 2
-
-
-def test_remote_an_op_that_fails_in_a_batch_fails_only_its_caller(service):
+def test_remote_an_op_that_fails_on_the_service_fails_only_its_caller(service):
     config = service.config()
 
     async def run() -> tuple:
@@ -190,7 +174,7 @@ def test_remote_an_op_that_fails_in_a_batch_fails_only_its_caller(service):
     assert isinstance(failed, RequestFailedError) and "loss_agg_mode" in str(failed)
 
 
-def test_remote_an_op_refused_in_a_batch_raises_what_its_own_post_would_and_the_rest_run(service):
+def test_remote_an_op_refused_by_the_service_does_not_hold_the_ops_after_it(service):
     config = service.config()
 
     async def run() -> tuple:
@@ -202,7 +186,7 @@ def test_remote_an_op_refused_in_a_batch_raises_what_its_own_post_would_and_the_
 
     refused, stepped = asyncio.run(run())
     assert isinstance(refused, RequestFailedError) and refused.status_code == 400, refused
-    assert "ops.0 (forward-backward): " in str(refused) and "context" in str(refused)
+    assert "context" in str(refused)
     assert stepped["global_step"] == 1  # the schedule counted it, and it ran
 
 
@@ -211,7 +195,7 @@ def test_remote_async_retries_lost_responses_exactly_once(service):
         Rule("POST", _JOB + "/forward-backward$", "drop_response", times=2),
         Rule("POST", _JOB + "/step$", "drop_response"),
     )
-    config = service.config(batch_training_ops=False)
+    config = service.config()
 
     async def run() -> dict[str, int]:
         transport = RemoteTransport(config, wrap_http_transport=faults.wrap)
@@ -219,20 +203,15 @@ def test_remote_async_retries_lost_responses_exactly_once(service):
             batch = build_batch([[3, 4]], [[5, 6]], [1.0], pad_id=0)
             await asyncio.gather(client.fwd_bwd(batch), client.fwd_bwd(batch))
             assert (await client.step())["global_step"] == 1
-            return service.request_counts(transport.job_id)
+            return service.request_counts(transport.handle_info()["job_id"])
 
     assert asyncio.run(run()) == {"forward-backward": 2, "step": 1}
 
 
-@pytest.mark.parametrize(("batched", "delayed"), [(False, "/forward-backward$"), (True, "/batch$")])
-def test_remote_pipelined_ops_reach_the_service_in_call_order(service, batched, delayed):
-    """Regression: fwd_bwd and step sent at once raced on two connections; a slow upload let step go first.
-
-    Batched, each fwd_bwd + step pair shares one POST, and a slow one must still beat the sync
-    and generate called after it.
-    """
-    faults = Faults(Rule("POST", _JOB + delayed, "delay", times=2))
-    config = service.config(batch_training_ops=batched)
+def test_remote_pipelined_ops_reach_the_service_in_call_order(service):
+    """Regression: fwd_bwd and step sent at once raced on two connections; a slow upload let step go first."""
+    faults = Faults(Rule("POST", _JOB + "/forward-backward$", "delay", times=2))
+    config = service.config()
 
     async def run() -> list[dict]:
         transport = RemoteTransport(config, wrap_http_transport=faults.wrap)
@@ -246,7 +225,8 @@ def test_remote_pipelined_ops_reach_the_service_in_call_order(service, batched, 
                 client.generate([[1, 2]], {"max_tokens": 2}),
             )
             rows = service.app.state.db.fetch_all(
-                "SELECT op FROM requests WHERE job_id = ? ORDER BY created_at, rowid", (transport.job_id,)
+                "SELECT op FROM requests WHERE job_id = ? ORDER BY created_at, rowid",
+                (transport.handle_info()["job_id"],),
             )
             assert [row["op"] for row in rows] == [
                 "forward-backward",
@@ -261,3 +241,22 @@ def test_remote_pipelined_ops_reach_the_service_in_call_order(service, batched, 
     steps = asyncio.run(run())
     assert all(s["grad_norm"] and s["grad_norm"] > 0 for s in steps)
     assert faults.rules[0].hits == 2  # both uploads were held back, and still went first
+
+
+def test_remote_an_op_whose_caller_gave_up_is_still_submitted_so_its_number_is_not_left_empty(service):
+    """The first step's upload is slow and its caller cancels it at once: the step still runs, and the
+    step after it (number 1) is not held by a gap at number 0."""
+    faults = Faults(Rule("POST", _JOB + "/step$", "delay"))
+    config = service.config()
+
+    async def run() -> tuple[dict, dict[str, int]]:
+        transport = RemoteTransport(config, wrap_http_transport=faults.wrap)
+        async with AsyncClient(config, transport=transport) as client:
+            abandoned = client.step()
+            abandoned.cancel()
+            second = await client.step()
+            return second, service.request_counts(transport.handle_info()["job_id"])
+
+    second, counts = asyncio.run(run())
+    assert faults.rules[0].hits == 1
+    assert second["global_step"] == 2 and counts == {"step": 2}

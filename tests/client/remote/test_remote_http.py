@@ -1,4 +1,4 @@
-"""Retry predicate and schedule, URL prefix and auth headers: no network needed."""
+"""Retry predicate and schedule, URL prefix and auth headers, the I/O loop's lifecycle."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import httpx
 import pytest
 
 from icefloe.client.remote.errors import Redactor
-from icefloe.client.remote.exchange import Call, Retry
-from icefloe.client.remote.http import Endpoint, RetryPolicy, _reply, translate_errors
+from icefloe.client.remote.http import Call, Endpoint, Http, Retry, RetryPolicy, reply_of, translate_errors
 from icefloe.config import RemoteConfig
 from icefloe.protocol import ChunkGroupRestartError, ConfigError, IcefloeTimeoutError, RequestFailedError
 
@@ -150,51 +149,42 @@ def test_translate_errors_maps_httpx_types_and_scrubs_the_pat():
         ),
     ],
 )
-def test_env_hydration_reaches_the_transport_endpoint(env, url, authorized):
-    from icefloe.client.transports import make_transport
+def test_env_hydration_reaches_the_endpoint(env, url, authorized):
     from icefloe.config import ClientConfig
 
-    transport = make_transport(ClientConfig.from_env(environ=env))
-    assert transport._endpoint.url == url
-    assert ("Authorization" in transport._endpoint.headers()) is authorized
-    transport.close()
+    endpoint = Endpoint.from_config(ClientConfig.from_env(environ=env).backend)
+    assert endpoint.url == url
+    assert ("Authorization" in endpoint.headers()) is authorized
 
 
 def test_remote_helper_modules_export_resolvable_names():
     import importlib
 
-    for name in ("coalesce", "errors", "exchange", "http", "jobs", "ordering", "polling"):
+    for name in ("admin", "errors", "http", "jobs", "ordering", "polling"):
         module = importlib.import_module(f"icefloe.client.remote.{name}")  # ruff RUF022 keeps __all__ sorted
         assert all(hasattr(module, attr) for attr in module.__all__), name
 
 
-def test_async_session_builds_one_client_for_concurrent_first_calls(service, monkeypatch):
-    """Concurrent first sends each built their own httpx.AsyncClient (the TLS lookup yields the loop)."""
-    import asyncio
+def test_http_runs_on_its_own_thread_and_close_leaves_nothing_behind():
+    import threading
 
-    from icefloe.client.remote import http as http_module
+    from icefloe.protocol import ClientClosedError
 
-    built = []
+    seen_on = []
 
-    class CountingClient(httpx.AsyncClient):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            built.append(self)
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen_on.append(threading.current_thread().name)
+        return httpx.Response(200, json={"ok": True})
 
-    monkeypatch.setattr(http_module.httpx, "AsyncClient", CountingClient)
-    backend = service.config().backend
-    endpoint = Endpoint.from_config(backend)
-    session = http_module.AsyncHttp(endpoint, backend, RetryPolicy(backend), Redactor())
-
-    async def run():
-        try:
-            replies = await asyncio.gather(*(session.send(Call("GET", "/capabilities", "caps")) for _ in range(4)))
-        finally:
-            await session.aclose()
-        return replies
-
-    assert all(reply.status_code == 200 for reply in asyncio.run(run()))
-    assert len(built) == 1
+    backend = RemoteConfig(base_url="http://svc")
+    http = Http(Endpoint.from_config(backend), backend, Redactor(), wrap=lambda inner: httpx.MockTransport(answer))
+    assert http.run(http.send(Call("GET", "/capabilities", "caps"))).body == {"ok": True}
+    assert seen_on == ["icefloe-remote-io"]
+    http.close()
+    http.close()
+    assert "icefloe-remote-io" not in {thread.name for thread in threading.enumerate()}
+    with pytest.raises(ClientClosedError):
+        http.run(http.send(Call("GET", "/capabilities", "caps")))
 
 
 @pytest.mark.parametrize(
@@ -206,7 +196,7 @@ def test_async_session_builds_one_client_for_concurrent_first_calls(service, mon
     ],
 )
 def test_answers_parse_as_json_or_stay_text(content: bytes, body: object) -> None:
-    reply = _reply(_POST, httpx.Response(200, content=content), Redactor([]))
+    reply = reply_of(_POST, httpx.Response(200, content=content), Redactor([]))
     if body == "nan":
         assert math.isnan(reply.body["loss"])
     else:

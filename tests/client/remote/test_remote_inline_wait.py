@@ -1,38 +1,44 @@
 """The ``inline_wait`` and ``sequenced_submit`` extensions from the client side, against a real service.
 
-An op nobody queued behind posts with ``?wait=`` and is answered by its POST. With numbered POSTs
-(``sequenced_submit``) every op is sent at once, each with ``?wait=`` and its number, and none is
-polled. Without them, an op with a successor posts without ``?wait=`` (the successor is sent at
-acceptance) and is polled. A service that does not advertise ``inline_wait`` is never sent
-``wait`` on a POST.
+With numbered POSTs (``sequenced_submit``) every op is sent at once, each with ``?wait=`` and its
+number, and none is polled. Without numbering (the managed endpoint) an op's POST waits for the
+acceptance of the one before it, carries neither number nor ``wait``, and is polled. A service
+that does not advertise ``inline_wait`` is never sent ``wait`` on a POST.
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import json
 import threading
 
 import httpx
+import pytest
 
 from icefloe.client import AsyncClient, Client, build_batch
 from icefloe.client.transports.remote import RemoteTransport
 from icefloe.protocol import InvalidRequestError
 
 
-class Recorder(httpx.BaseTransport, httpx.AsyncBaseTransport):
-    """Passes every request on and notes (method, last path segment, query params)."""
+class Recorder(httpx.AsyncBaseTransport):
+    """Passes every request on and notes (method, last path segment, query params + sequence header).
 
-    def __init__(self) -> None:
+    ``hide`` names extensions struck from the service's capabilities, so the client sees a service
+    without them (the managed endpoint advertises none).
+    """
+
+    def __init__(self, *hide: str) -> None:
+        self.hide = set(hide)
         self.seen: list[tuple[str, str, dict[str, str]]] = []
         self._lock = threading.Lock()
-        self.inner = None
+        self.inner: httpx.AsyncBaseTransport | None = None
 
-    def wrap(self, inner):
+    def wrap(self, inner: httpx.AsyncBaseTransport) -> Recorder:
         self.inner = inner
         return self
 
-    def _note(self, request: httpx.Request) -> None:
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        assert self.inner is not None
         segment = request.url.path.rstrip("/").rsplit("/", 1)[-1]
         name = "poll" if "/requests/" in request.url.path else segment
         params = dict(request.url.params)
@@ -40,19 +46,15 @@ class Recorder(httpx.BaseTransport, httpx.AsyncBaseTransport):
             params["sequence"] = request.headers["icefloe-sequence"]
         with self._lock:
             self.seen.append((request.method, name, params))
-
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        self._note(request)
-        return self.inner.handle_request(request)
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        self._note(request)
-        return await self.inner.handle_async_request(request)
-
-    def close(self) -> None:
-        self.inner.close()
+        response = await self.inner.handle_async_request(request)
+        if name != "capabilities" or not self.hide:
+            return response
+        body = json.loads(await response.aread())
+        body["extensions"] = {k: v for k, v in body["extensions"].items() if k not in self.hide}
+        return httpx.Response(response.status_code, json=body)
 
     async def aclose(self) -> None:
+        assert self.inner is not None
         await self.inner.aclose()
 
     def posts(self, name: str) -> list[dict[str, str]]:
@@ -64,6 +66,17 @@ class Recorder(httpx.BaseTransport, httpx.AsyncBaseTransport):
 
 def _batch() -> dict:
     return build_batch([[3, 4, 5]], [[6, 7]], [1.0], pad_id=0)
+
+
+def _pipelined(service, recorder: Recorder) -> tuple[dict, dict, dict]:
+    """fwd_bwd, step and sync_weights called together on one AsyncClient."""
+    config = service.config()
+
+    async def run() -> tuple[dict, dict, dict]:
+        async with AsyncClient(config, transport=RemoteTransport(config, wrap_http_transport=recorder.wrap)) as client:
+            return await asyncio.gather(client.fwd_bwd(_batch()), client.step(), client.sync_weights())
+
+    return asyncio.run(run())
 
 
 def test_remote_inline_wait_answers_awaited_ops_in_their_post(service):
@@ -79,66 +92,33 @@ def test_remote_inline_wait_answers_awaited_ops_in_their_post(service):
     assert recorder.polls() == 0
 
 
-def _pipelined(transport: RemoteTransport, config, *, numbered: bool) -> tuple[dict, dict]:
-    """fwd_bwd and step gathered; ``numbered=False`` is what a service without sequenced_submit offers."""
-
-    async def run() -> tuple[dict, dict]:
-        async with AsyncClient(config, transport=transport) as client:
-            await client.open()
-            if not numbered:
-                transport._service = dataclasses.replace(transport._service, sequenced_submit=False)
-            return await asyncio.gather(client.fwd_bwd(_batch()), client.step())
-
-    return asyncio.run(run())
-
-
-def test_remote_ops_of_one_loop_turn_share_one_numbered_post_and_wait_inline(service):
-    recorder = Recorder()
-    config = service.config()
-    transport = RemoteTransport(config, wrap_http_transport=recorder.wrap)
-    trained, stepped = _pipelined(transport, config, numbered=True)
-    assert trained["loss"] is not None and stepped["global_step"] == 1 and stepped["grad_norm"] > 0
-    assert recorder.posts("forward-backward") == recorder.posts("step") == []
-    [posted] = recorder.posts("batch")
-    assert "wait" in posted and posted["sequence"].endswith(":0")
-    assert recorder.polls() == 0
-    assert service.request_counts(transport.job_id) == {"forward-backward": 1, "step": 1}
-
-
 def test_remote_numbered_posts_all_go_at_once_and_wait_inline(service):
     recorder = Recorder()
-    config = service.config(batch_training_ops=False)
-    transport = RemoteTransport(config, wrap_http_transport=recorder.wrap)
-    trained, stepped = _pipelined(transport, config, numbered=True)
-    assert trained["loss"] is not None and stepped["global_step"] == 1
-    posted = recorder.posts("forward-backward") + recorder.posts("step")
+    trained, stepped, synced = _pipelined(service, recorder)
+    assert trained["loss"] is not None and stepped["global_step"] == 1 and synced["policy_version"] == 1
+    posted = recorder.posts("forward-backward") + recorder.posts("step") + recorder.posts("operation")
     assert all("wait" in params for params in posted)
-    session_0, number_0 = posted[0]["sequence"].split(":")
-    session_1, number_1 = posted[1]["sequence"].split(":")
-    assert session_0 == session_1 and (int(number_0), int(number_1)) == (0, 1)
+    sessions = {params["sequence"].rsplit(":", 1)[0] for params in posted}
+    assert len(sessions) == 1
+    assert [int(params["sequence"].rsplit(":", 1)[1]) for params in posted] == [0, 1, 2]
     assert recorder.polls() == 0
 
 
-def test_remote_inline_wait_skips_an_op_that_has_a_successor(service):
-    recorder = Recorder()
-    config = service.config()
-    transport = RemoteTransport(config, wrap_http_transport=recorder.wrap)
-    trained, stepped = _pipelined(transport, config, numbered=False)
-    assert trained["loss"] is not None and stepped["global_step"] == 1
-    assert ["wait" in params for params in recorder.posts("forward-backward")] == [False]
-    assert ["wait" in params for params in recorder.posts("step")] == [True]
-    assert not any("sequence" in params for params in recorder.posts("step"))
-    assert recorder.polls() >= 1  # the forward-backward result came by poll
+def test_remote_without_numbering_each_post_waits_for_the_acceptance_before_it(service):
+    recorder = Recorder("sequenced_submit")
+    trained, stepped, synced = _pipelined(service, recorder)
+    assert trained["loss"] is not None and stepped["global_step"] == 1 and stepped["grad_norm"] > 0
+    assert synced["policy_version"] == 1
+    posts = [(name, params) for method, name, params in recorder.seen if method == "POST"][1:-1]  # create ... cancel
+    assert [name for name, _ in posts] == ["forward-backward", "step", "operation"]
+    assert not any("wait" in params or "sequence" in params for _, params in posts)
+    assert recorder.polls() >= 3  # every result came by poll
 
 
 def test_remote_inline_wait_is_not_used_unless_advertised(service):
-    recorder = Recorder()
+    recorder = Recorder("inline_wait")
     config = service.config()
-    transport = RemoteTransport(config, wrap_http_transport=recorder.wrap)
-    with Client(config, transport=transport) as client:
-        client.open()
-        # what a service without the extension (the managed endpoint) advertises
-        transport._service = dataclasses.replace(transport._service, inline_wait=False)
+    with Client(config, transport=RemoteTransport(config, wrap_http_transport=recorder.wrap)) as client:
         assert client.fwd_bwd(_batch())["loss"] is not None
         assert client.step()["global_step"] == 1
         assert client.sync_weights()["policy_version"] == 1
@@ -147,20 +127,16 @@ def test_remote_inline_wait_is_not_used_unless_advertised(service):
     assert recorder.polls() >= 3
 
 
-def test_remote_numbered_op_that_fails_before_its_post_is_skipped_so_later_ops_are_not_held(service):
-    """forward(reference=True) without a reference role fails in the client, after taking number 0."""
+def test_remote_an_op_refused_when_called_takes_no_number(service):
+    """forward(reference=True) without a reference role is refused in the client: the step after it is not held."""
     recorder = Recorder()
     config = service.config()
-    transport = RemoteTransport(config, wrap_http_transport=recorder.wrap)
 
-    async def run() -> list:
-        async with AsyncClient(config, transport=transport) as client:
-            await client.open()
-            return await asyncio.gather(client.forward(_batch(), reference=True), client.step(), return_exceptions=True)
+    async def run() -> dict:
+        async with AsyncClient(config, transport=RemoteTransport(config, wrap_http_transport=recorder.wrap)) as client:
+            with pytest.raises(InvalidRequestError, match="reference role"):
+                client.forward(_batch(), reference=True)
+            return await client.step()
 
-    failed, stepped = asyncio.run(run())
-    assert isinstance(failed, InvalidRequestError) and "reference role" in str(failed)
-    assert stepped["global_step"] == 1  # not held 30 s and refused with sequence_gap
-    skips = recorder.posts("operation")
-    step_number = int(recorder.posts("step")[0]["sequence"].rsplit(":", 1)[1])
-    assert [int(params["sequence"].rsplit(":", 1)[1]) for params in skips] == [step_number - 1]
+    assert asyncio.run(run())["global_step"] == 1
+    assert [params["sequence"].rsplit(":", 1)[1] for params in recorder.posts("step")] == ["0"]

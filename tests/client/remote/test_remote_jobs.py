@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from icefloe.client.remote.exchange import Reply
-from icefloe.client.remote.jobs import job_create_body, sub_jobs_of, wait_running
+from icefloe.client.remote.jobs import MANAGED_OPS, job_create_body, probe_service, sub_jobs_of, wait_running
 from icefloe.client.remote.polling import Backoff
 from icefloe.config import ClientConfig
 from icefloe.protocol import IcefloeTimeoutError, JobFailedError
+
+from .canned import canned
 
 
 def test_job_create_body_orders_sub_jobs_and_maps_fields():
@@ -72,13 +73,9 @@ def test_sub_jobs_of_reads_enum_names_and_fills_missing_ids():
     }
 
 
-def _run(exchange, bodies):
-    step = next(exchange)
-    try:
-        while True:
-            step = exchange.send(Reply(200, bodies.pop(0)) if hasattr(step, "method") else None)
-    except StopIteration as stop:
-        return stop.value
+def _wait(bodies, timeout_s=10.0):
+    with canned(*bodies) as (http, _):
+        return http.run(wait_running(http, "j", backoff=Backoff(0.001, 1.0, 0.001), timeout_s=timeout_s))
 
 
 @pytest.mark.parametrize("terminal", ["failed", "terminated", "cancelled", "JOB_STATE_DONE"])
@@ -92,7 +89,7 @@ def test_wait_running_raises_on_every_terminal_state_with_reason_and_sub_jobs(te
         },
     ]
     with pytest.raises(JobFailedError) as info:
-        _run(wait_running("j", backoff=Backoff(0.001, 1.0, 0.001), timeout_s=10), bodies)
+        _wait(bodies)
     assert "capacity exhausted" in str(info.value) and "j:training:0=failed" in str(info.value)
 
 
@@ -102,42 +99,31 @@ def test_wait_running_treats_unknown_states_as_progress_and_tolerates_a_wrapper(
         {"job": {"status": "JOB_STATE_INITIALIZING"}},
         {"job": {"status": "running", "x": 1}},
     ]
-    assert _run(wait_running("j", backoff=Backoff(0.001, 1.0, 0.001), timeout_s=10), bodies)["x"] == 1
+    assert _wait(bodies)["x"] == 1
 
 
 def test_wait_running_times_out():
     with pytest.raises(IcefloeTimeoutError, match="job_ready_timeout_s"):
-        _run(
-            wait_running("j", backoff=Backoff(0.001, 1.0, 0.001), timeout_s=0.01),
-            [{"status": "pending"}] * 10_000,
-        )
+        _wait([{"status": "pending"}] * 10_000, timeout_s=0.01)
 
 
 def test_probe_service_reads_capabilities_or_assumes_the_managed_endpoint():
-    from icefloe.client.remote.jobs import MANAGED_OPS, probe_service
+    def probe(status: int, body: dict):
+        with canned(body, status=status) as (http, seen):
+            info = http.run(probe_service(http))
+        assert [request.url.path.rsplit("/", 1)[-1] for request in seen] == ["capabilities"]
+        return info
 
-    def probe(reply: Reply):
-        exchange = probe_service()
-        call = next(exchange)
-        assert call.path == "/capabilities" and 404 in call.accept
-        try:
-            exchange.send(reply)
-        except StopIteration as stop:
-            return stop.value
-        raise AssertionError("probe asked twice")
-
-    managed = probe(Reply(404, {"code": "not_found", "message": "job capabilities not found"}))
+    managed = probe(404, {"code": "not_found", "message": "job capabilities not found"})
     assert managed.managed and managed.ops == MANAGED_OPS and not managed.long_poll
     assert "forward" not in managed.ops and "sleep-training" not in managed.ops
     served = probe(
-        Reply(
-            200,
-            {
-                "ops": ["forward-backward", "forward", "export-checkpoint"],
-                "extensions": {"long_poll": True, "idempotency_keys": True},
-                "limits": {"max_post_bytes": 1000000, "max_long_poll_s": 60},
-            },
-        )
+        200,
+        {
+            "ops": ["forward-backward", "forward", "export-checkpoint"],
+            "extensions": {"long_poll": True, "idempotency_keys": True, "sequenced_submit": True},
+            "limits": {"max_post_bytes": 1000000, "max_long_poll_s": 60},
+        },
     )
-    assert not served.managed and served.long_poll and served.idempotency_keys
+    assert not served.managed and served.long_poll and served.idempotency_keys and served.sequenced_submit
     assert served.ops == {"forward-backward", "forward", "get-checkpoint"} and served.max_post_bytes == 1000000

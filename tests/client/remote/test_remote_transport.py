@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
+import httpx
 import pytest
 import torch
 
 from icefloe.client import AsyncClient, Client, build_batch
+from icefloe.client.transports.remote import RemoteTransport
 from icefloe.config import ClientConfig
 from icefloe.protocol import (
     ClientClosedError,
@@ -64,7 +67,7 @@ def test_remote_loop_matches_local_losses_and_tokens(service, tmp_path):
     )
     with Client(remote_config) as remote:
         got = _grpo_trace(remote)
-        job_id = remote._transport.job_id
+        job_id = remote.handle()["transport"]["job_id"]
     assert [t["tokens"] for t in got] == [t["tokens"] for t in expected]
     for g, e in zip(got, expected, strict=True):
         assert g["loss"] == pytest.approx(e["loss"], abs=1e-5)
@@ -144,7 +147,7 @@ def test_remote_handle_reattaches_without_creating_a_job(service):
 
 def test_remote_shutdown_cancels_the_created_job_and_blocks_later_ops(service):
     client = Client(service.config()).open()
-    job_id = client._transport.job_id
+    job_id = client.handle()["transport"]["job_id"]
     client.shutdown()
     client.shutdown()
     with pytest.raises(ClientClosedError):
@@ -153,17 +156,29 @@ def test_remote_shutdown_cancels_the_created_job_and_blocks_later_ops(service):
     assert row["status"] in ("cancelling", "cancelled", "terminated")
 
 
-def test_remote_forward_without_service_support_needs_explicit_zero_fill(service, monkeypatch):
+class _WithoutForward(httpx.AsyncBaseTransport):
+    """Passes every request on, but advertises no ``forward`` op (as the managed endpoint lacks it)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        if not request.url.path.endswith("/capabilities"):
+            return response
+        body = json.loads(await response.aread())
+        body["ops"] = [op for op in body["ops"] if op != "forward"]
+        return httpx.Response(response.status_code, json=body)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+def test_remote_forward_without_service_support_needs_explicit_zero_fill(service):
     batch = build_batch([[3, 4]], [[5, 6, 7]], [1.0], pad_id=0)
     for allow in (False, True):
-        client = Client(service.config(allow_zero_logprobs=allow)).open()
-        try:
-            transport = client._transport
-            monkeypatch.setattr(
-                transport,
-                "_service",
-                type(transport._service)(managed=True, ops=transport._service.ops - {"forward"}),
-            )
+        config = service.config(allow_zero_logprobs=allow)
+        with Client(config, transport=RemoteTransport(config, wrap_http_transport=_WithoutForward)) as client:
             if allow:
                 out = client.forward(batch)
                 assert out["logprobs"].shape == batch["kwargs"]["input_ids"].shape
@@ -172,8 +187,7 @@ def test_remote_forward_without_service_support_needs_explicit_zero_fill(service
                 assert "forward" not in client.capabilities
                 with pytest.raises(UnsupportedOpError, match="allow_zero_logprobs"):
                     client.forward(batch)
-        finally:
-            client.shutdown()
+            assert "forward" not in service.request_counts(client.handle()["transport"]["job_id"])
 
 
 def test_remote_job_failure_raises_with_reason_and_sub_jobs(service):
@@ -242,16 +256,15 @@ def test_remote_pat_never_reaches_repr_logs_or_errors(service, tmp_path, caplog)
     assert secret not in caplog.text
 
 
-def test_remote_concurrent_generates_share_one_request_and_fail_alone(service):
+def test_remote_concurrent_generates_each_get_their_own_samples_and_fail_alone(service):
     async def run() -> None:
         async with AsyncClient(service.config()) as client:
-            job_id = client._transport.job_id
             prompts = [[1, 2, 3], [4, 5], [6, 7, 8]]
             params = {"max_tokens": 3, "seed": 5, "n": 2}
             results = await asyncio.gather(*(client.generate([p], params) for p in prompts))
-            assert [len(r) for r in results] == [2, 2, 2]
-            assert service.request_counts(job_id)["generate"] == 1
-            too_long = [5] * 600  # over max_seq_len: the service refuses the whole merged call
+            alone = [await client.generate([p], params) for p in prompts]
+            assert [[s["token_ids"] for s in r] for r in results] == [[s["token_ids"] for s in r] for r in alone]
+            too_long = [5] * 600  # over max_seq_len: the service refuses this call only
             good, bad = await asyncio.gather(
                 client.generate([[1, 2]], params), client.generate([too_long], params), return_exceptions=True
             )
