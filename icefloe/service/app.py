@@ -21,7 +21,7 @@ from icefloe.service.joblog import TokenRedactor
 from icefloe.service.jobs import JobManager
 from icefloe.service.middleware import BodyLimit, IdempotencyKeys
 from icefloe.service.placement import SlotPool
-from icefloe.service.routes import capabilities, checkpoints, compute, health, jobs, operations, requests
+from icefloe.service.routes import capabilities, checkpoints, compute, jobs, operations, requests
 from icefloe.service.sequencing import SubmitOrder
 from icefloe.service.settings import ServeSettings
 from icefloe.service.store import Database, purge_expired
@@ -86,7 +86,7 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     app.state.db = db
     app.state.jobs = manager
     install_error_handlers(app)
-    app.include_router(health.router)
+    app.add_api_route("/health", _health, methods=["GET"], tags=["health"])  # the only route without a token
     app.include_router(checkpoints.files_router)
     app.include_router(operations.statements_router)
     # capabilities first: its fixed paths (/capacity) must win over /{job_id}
@@ -99,6 +99,10 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     app.add_middleware(BodyLimit, max_bytes=settings.max_post_bytes)  # outermost: refuse before buffering
     _install_redaction(redactor)
     return app
+
+
+async def _health() -> dict[str, str]:
+    return {"status": "ok"}
 
 
 class ServerThread:

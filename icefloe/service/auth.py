@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from icefloe.service.errors import unauthenticated
+from icefloe.protocol import UnauthenticatedError
 from icefloe.service.settings import ServeSettings
 
 __all__ = ["PAT_TOKEN_TYPE", "authenticate", "caller_scope"]
@@ -26,16 +26,16 @@ def authenticate(settings: ServeSettings, authorization: str | None, token_type:
         return None
     scheme, _, presented = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not presented.strip():
-        raise unauthenticated("missing bearer token; send 'Authorization: Bearer <token>'")
+        raise UnauthenticatedError("missing bearer token; send 'Authorization: Bearer <token>'")
     if token_type not in (None, PAT_TOKEN_TYPE):
-        raise unauthenticated(f"X-Snowflake-Authorization-Token-Type must be {PAT_TOKEN_TYPE} when sent")
+        raise UnauthenticatedError(f"X-Snowflake-Authorization-Token-Type must be {PAT_TOKEN_TYPE} when sent")
     candidate = presented.strip().encode()
     matched = None
     for token in settings.token_values():  # compare with every token, so timing says nothing about which
         if hmac.compare_digest(candidate, token.encode()):
             matched = token
     if matched is None:
-        raise unauthenticated("the bearer token is not valid for this service")
+        raise UnauthenticatedError("the bearer token is not valid for this service")
     return matched
 
 

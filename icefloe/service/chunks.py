@@ -19,15 +19,12 @@ from typing import Any
 
 from icefloe import wire
 from icefloe.protocol import (
-    CODE_CHUNK_GROUP_CONFLICT,
-    CODE_CHUNK_GROUP_MISSING_CHUNKS,
-    CODE_CHUNK_GROUP_RESTART_REQUIRED,
     ChunkGroupConflictError,
+    ChunkGroupError,
     ChunkGroupMissingChunksError,
     ChunkGroupRestartError,
     InvalidRequestError,
 )
-from icefloe.service.errors import chunk_group_refusal
 
 __all__ = ["ChunkGroups"]
 
@@ -82,9 +79,8 @@ class ChunkGroups:
             group = self._open.get(group_id)
             if group is None:
                 if index != 0:
-                    raise chunk_group_refusal(
+                    raise _refusal(
                         ChunkGroupRestartError,
-                        CODE_CHUNK_GROUP_RESTART_REQUIRED,
                         f"chunk group {group_id} is unknown to this job; restart it from chunk 0",
                         chunk_group_id=group_id,
                         received_chunk=index,
@@ -108,9 +104,8 @@ class ChunkGroups:
                 missing = list(
                     itertools.islice((i for i in range(total) if i not in group.frames), _MAX_LISTED_MISSING)
                 )
-                raise chunk_group_refusal(
+                raise _refusal(
                     ChunkGroupMissingChunksError,
-                    CODE_CHUNK_GROUP_MISSING_CHUNKS,
                     "request chunk group is missing chunks",
                     chunk_group_id=group_id,
                     missing_chunks=missing,
@@ -149,11 +144,14 @@ def _descriptor_fields(descriptor: dict[str, Any]) -> tuple[str, int, int, str, 
     return group_id, index, total, sha, size
 
 
-def _conflict(group_id: str, index: int, what: str) -> Exception:
-    return chunk_group_refusal(
-        ChunkGroupConflictError,
-        CODE_CHUNK_GROUP_CONFLICT,
-        f"chunk group {group_id} {what}",
-        chunk_group_id=group_id,
-        received_chunk=index,
+def _conflict(group_id: str, index: int, what: str) -> ChunkGroupError:
+    return _refusal(
+        ChunkGroupConflictError, f"chunk group {group_id} {what}", chunk_group_id=group_id, received_chunk=index
     )
+
+
+def _refusal(kind: type[ChunkGroupError], message: str, **detail: Any) -> ChunkGroupError:
+    """A chunk-group refusal whose error body also carries ``detail`` (the group id, the chunks at fault)."""
+    error = kind(message, category="user")
+    error.detail = detail
+    return error

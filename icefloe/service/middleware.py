@@ -17,13 +17,13 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from icefloe.protocol import CODE_CONFLICT, CODE_PAYLOAD_TOO_LARGE, RequestFailedError
+from icefloe.protocol import ConflictError, InvalidRequestError, PayloadTooLargeError, UnauthenticatedError
 from icefloe.service import store
 from icefloe.service.auth import authenticate, caller_scope
-from icefloe.service.errors import error_body
+from icefloe.service.errors import send_error
 from icefloe.service.settings import ServeSettings
 
-__all__ = ["BodyLimit", "IdempotencyKeys", "header", "note_acceptance", "send_json"]
+__all__ = ["BodyLimit", "IdempotencyKeys", "header", "note_acceptance"]
 
 _IDEMPOTENCY_HEADER = b"idempotency-key"
 _MAX_KEY_LENGTH = 255
@@ -38,19 +38,8 @@ _ACCEPTANCE: contextvars.ContextVar[dict[str, Any] | None] = contextvars.Context
 def note_acceptance(accepted: dict[str, Any]) -> None:
     """Tell the idempotency layer what this POST accepted, so a large inline answer is kept as just that."""
     holder = _ACCEPTANCE.get()
-    if holder is None:
-        return
-    if "request_id" in accepted:
+    if holder is not None and "request_id" in accepted:
         holder.update(request_id=accepted["request_id"], job_id=accepted.get("job_id"))
-    elif "answers" in accepted:  # a batch POST: one {request_id, job_id} per op
-        holder.update(job_id=accepted.get("job_id"), answers=accepted["answers"])
-
-
-async def send_json(send: Send, status: int, body: dict[str, Any], extra_headers: list | None = None) -> None:
-    raw = json.dumps(body).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers + (extra_headers or [])})
-    await send({"type": "http.response.body", "body": raw})
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:
@@ -103,7 +92,7 @@ class BodyLimit:
 
     async def _refuse(self, send: Send, what: str) -> None:
         message = f"{what}; the cap is {self.max_bytes} bytes per POST: split the frame into request chunks"
-        await send_json(send, 413, error_body(CODE_PAYLOAD_TOO_LARGE, message), [(b"connection", b"close")])
+        await send_error(send, PayloadTooLargeError(message), close=True)
 
 
 class IdempotencyKeys:
@@ -136,9 +125,7 @@ class IdempotencyKeys:
             return
         key = raw_key.decode("latin-1").strip()
         if not key or len(key) > _MAX_KEY_LENGTH:
-            await send_json(
-                send, 400, error_body("invalid_argument", f"Idempotency-Key must be 1-{_MAX_KEY_LENGTH} characters")
-            )
+            await send_error(send, InvalidRequestError(f"Idempotency-Key must be 1-{_MAX_KEY_LENGTH} characters"))
             return
         try:
             token = authenticate(
@@ -146,8 +133,8 @@ class IdempotencyKeys:
                 _optional_text(header(scope, b"authorization")),
                 _optional_text(header(scope, b"x-snowflake-authorization-token-type")),
             )
-        except RequestFailedError as refused:
-            await send_json(send, 401, error_body(refused.code or "unauthenticated", refused.reason))
+        except UnauthenticatedError as refused:
+            await send_error(send, refused)
             return
         caller = caller_scope(token)
         route = f"POST {scope['path']}"
@@ -176,7 +163,7 @@ class IdempotencyKeys:
     async def _replay(self, saved: dict[str, Any], digest: str, send: Send) -> None:
         if saved["body_sha256"] != digest:
             message = "Idempotency-Key was already used on this route with a different body; use a new key"
-            await send_json(send, 409, error_body(CODE_CONFLICT, message))
+            await send_error(send, ConflictError(message))
             return
         response = bytes(saved["response"])
         headers = [

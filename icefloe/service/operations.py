@@ -8,8 +8,6 @@ octet body run on a thread-pool thread (decoding a 60 MiB frame must not stall t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,29 +23,27 @@ from icefloe.protocol import (
     OP_STEP,
     OP_WEIGHT_SYNC,
     ClientClosedError,
+    ConflictError,
     InvalidRequestError,
+    NotFoundError,
     SamplingParams,
+    UnsupportedOpError,
 )
 from icefloe.service import store
-from icefloe.service.errors import bad_request, conflict, not_found, not_implemented, status_and_body
 from icefloe.service.jobs import JobManager, LiveJob
 from icefloe.service.models import GenerateBody, LoadBody, SaveBody, StepBody, WeightSyncPayload
 from icefloe.service.results import JsonText
-from icefloe.service.runtime import queued_call
 
 __all__ = [
-    "BATCHED_OPS",
-    "MAX_BATCH_OPS",
-    "Refusal",
     "generate_target",
     "load_target",
     "sampling_params_per_prompt",
     "submit_frame",
     "submit_load",
-    "submit_ops",
     "submit_save",
     "submit_step",
     "submit_weight_sync",
+    "validation_text",
 ]
 
 _SAMPLING_KEYS = frozenset(SamplingParams.model_fields)
@@ -81,13 +77,6 @@ def _submit_decoded(manager: JobManager, job: LiveJob, op: str, frame: bytes, su
 def _submit_batch_op(
     manager: JobManager, job: LiveJob, op: str, payload: Any, op_metadata: dict[str, Any], sub_job_id: str
 ) -> str:
-    return _prepare_batch_op(manager, job, op, payload, op_metadata, sub_job_id)()
-
-
-def _prepare_batch_op(
-    manager: JobManager, job: LiveJob, op: str, payload: Any, op_metadata: dict[str, Any], sub_job_id: str
-) -> Callable[[], str]:
-    """Validate a forward or forward-backward payload; the returned call queues it (its request id)."""
     from icefloe.engines.batch import validate_batch
 
     if isinstance(payload, dict) and "batch" in payload and "kwargs" not in payload:
@@ -99,94 +88,18 @@ def _prepare_batch_op(
     host = job.host
     assert host is not None  # a running job has engines
     if op == OP_FORWARD:
-
-        def submit_forward() -> str:
-            ahead, forward = queued_call(host, sub_job_id, "forward", batch)
-            return manager.submit(job, sub_job_id, OP_FORWARD, forward, op_metadata=op_metadata, send_ahead=ahead)
-
-        return submit_forward
+        return manager.submit(
+            job, sub_job_id, OP_FORWARD, lambda: host.forward(sub_job_id, batch), op_metadata=op_metadata
+        )
     if not job.specs[sub_job_id].is_training:
-        raise bad_request(f"forward-backward needs a training sub-job; {sub_job_id} is not one")
+        raise InvalidRequestError(f"forward-backward needs a training sub-job; {sub_job_id} is not one")
 
-    def submit_fwd_bwd() -> str:
-        ahead, fwd_bwd = queued_call(host, sub_job_id, "fwd_bwd", batch)
+    def run() -> dict[str, Any]:
+        result = host.fwd_bwd(sub_job_id, batch)
+        job.last_avg_loss[sub_job_id] = float(result["avg_loss"])
+        return {"job_id": job.job_id, **result, "post_process_outputs": {}}
 
-        def run() -> dict[str, Any]:
-            result = fwd_bwd()
-            job.last_avg_loss[sub_job_id] = float(result["avg_loss"])
-            return {"job_id": job.job_id, **result, "post_process_outputs": {}}
-
-        return manager.submit(job, sub_job_id, OP_FWD_BWD, run, op_metadata=op_metadata, send_ahead=ahead)
-
-    return submit_fwd_bwd
-
-
-# --- several ops in one POST (icefloe extension) --------------------------------------------------
-BATCHED_OPS = (OP_FWD_BWD, OP_STEP)
-MAX_BATCH_OPS = 64
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """Why one op of a batch was not queued: the status and body its own POST would have answered."""
-
-    status_code: int
-    code: str
-    message: str
-
-    @classmethod
-    def of(cls, exc: Exception) -> Refusal:
-        status, body = status_and_body(exc)
-        return cls(status, str(body.get("code")), str(body.get("message")))
-
-    def answer(self, job_id: str) -> dict[str, Any]:
-        return {
-            "request_id": None,
-            "job_id": job_id,
-            "status": "failed",
-            "status_code": self.status_code,
-            "code": self.code,
-            "error": self.message,
-        }
-
-
-def submit_ops(manager: JobManager, job: LiveJob, frame: bytes, training_sub_job_id: str) -> list[str | Refusal]:
-    """Validate and queue the ops of one ``batch`` POST in their order: a request id per op, or why not.
-
-    The frame holds ``{"ops": [{"op": "forward-backward", "batch": {...}} | {"op": "step",
-    "learning_rate"?: x}, ...]}``. Each op stands alone, as if sent in a POST of its own: one
-    refused (a bad batch, a job that stopped) is answered as such, and the others still run. So the
-    POST itself succeeds once its frame is readable, and a retry with its Idempotency-Key replays
-    the answer instead of queuing anything twice.
-    """
-    payload = wire.decode(frame, tensors="torch")
-    ops = payload.get("ops") if isinstance(payload, dict) else None
-    if not isinstance(ops, list) or not ops:
-        raise InvalidRequestError("a batch body must be a DSSST1 frame of {'ops': [op, ...]} with at least one op")
-    if len(ops) > MAX_BATCH_OPS:
-        raise InvalidRequestError(f"ops holds {len(ops)} ops; a batch takes at most {MAX_BATCH_OPS}: split it")
-    outcomes: list[str | Refusal] = []
-    for index, entry in enumerate(ops):
-        where = f"ops.{index}"
-        op = entry.get("op") if isinstance(entry, dict) else None
-        try:
-            if op == OP_FWD_BWD:
-                try:
-                    submit = _prepare_batch_op(manager, job, op, entry.get("batch"), {}, training_sub_job_id)
-                except InvalidRequestError as exc:
-                    raise InvalidRequestError(f"{where} ({op}): {exc}") from None
-                outcomes.append(submit())
-            elif op == OP_STEP:
-                try:
-                    body = StepBody.model_validate({k: v for k, v in entry.items() if k != "op"})
-                except ValidationError as exc:
-                    raise InvalidRequestError(_validation_text(exc, prefix=f"{where}.")) from None
-                outcomes.append(submit_step(manager, job, body, training_sub_job_id))
-            else:
-                raise InvalidRequestError(f"{where}.op must be one of {list(BATCHED_OPS)}; got {op!r}")
-        except Exception as exc:  # this op's own refusal, exactly as its own POST would have had it
-            outcomes.append(Refusal.of(exc))
-    return outcomes
+    return manager.submit(job, sub_job_id, OP_FWD_BWD, run, op_metadata=op_metadata)
 
 
 # --- generate ----------------------------------------------------------------------------------
@@ -198,7 +111,7 @@ def _sampling_params(raw: dict[str, Any] | None, where: str, job: LiveJob, sub_j
     try:
         return SamplingParams(**{k: v for k, v in raw.items() if k in _SAMPLING_KEYS and v is not None})
     except ValidationError as exc:
-        raise InvalidRequestError(_validation_text(exc, prefix=f"{where}.")) from None
+        raise InvalidRequestError(validation_text(exc, prefix=f"{where}.")) from None
 
 
 def _as_plain(value: Any) -> Any:
@@ -215,7 +128,7 @@ def _submit_generate(
     try:
         body = GenerateBody.model_validate(payload)
     except ValidationError as exc:
-        raise InvalidRequestError(_validation_text(exc)) from None
+        raise InvalidRequestError(validation_text(exc)) from None
     if sub_job_id is None:
         sub_job_id = generate_target(job, body.routing_key)
     prompts = body.prompts
@@ -267,7 +180,7 @@ def generate_target(job: LiveJob, routing_key: Any) -> str:
     """The sampling sub-job for a generate: a string routing key picks one stably, else the first."""
     samplers = [sid for sid, spec in job.specs.items() if spec.job_type == "sampling"]
     if not samplers:
-        raise bad_request(f"job {job.job_id} has no sampling sub-job; create it with a sampling sub_job_config")
+        raise InvalidRequestError(f"job {job.job_id} has no sampling sub-job; create it with a sampling sub_job_config")
     if isinstance(routing_key, str) and routing_key:
         return samplers[sum(routing_key.encode()) % len(samplers)]
     return samplers[0]
@@ -277,13 +190,12 @@ def generate_target(job: LiveJob, routing_key: Any) -> str:
 def submit_step(manager: JobManager, job: LiveJob, body: StepBody, sub_job_id: str) -> str:
     host = job.host
     assert host is not None
-    ahead, step = queued_call(host, sub_job_id, "step", body.learning_rate)
 
     def run() -> dict[str, Any]:
-        result = step()
+        result = host.step(sub_job_id, body.learning_rate)
         return {"job_id": job.job_id, "global_steps": result["global_step"], "last_lr": result["lr"], **result}
 
-    return manager.submit(job, sub_job_id, OP_STEP, run, send_ahead=ahead)
+    return manager.submit(job, sub_job_id, OP_STEP, run)
 
 
 def submit_save(manager: JobManager, job: LiveJob, body: SaveBody, sub_job_id: str) -> str:
@@ -316,15 +228,15 @@ def load_target(job: LiveJob, body: LoadBody) -> str:
     training = [sid for sid, spec in job.specs.items() if spec.is_training]
     if body.target_sub_job_id is None:
         if not training:
-            raise bad_request(f"job {job.job_id} has no training sub-job to load a checkpoint into")
+            raise InvalidRequestError(f"job {job.job_id} has no training sub-job to load a checkpoint into")
         return training[0]
     target = body.target_sub_job_id
     if target not in job.specs:
-        raise bad_request(
+        raise InvalidRequestError(
             f"target_sub_job_id {target!r} is not in job {job.job_id}; its sub-jobs are {sorted(job.specs)}"
         )
     if not job.specs[target].is_training:
-        raise not_implemented(
+        raise UnsupportedOpError(
             f"load into a {job.specs[target].job_type} sub-job ({target}) is not supported; "
             "load into the training sub-job and run weight-sync"
         )
@@ -335,7 +247,7 @@ def submit_load(manager: JobManager, job: LiveJob, body: LoadBody, sub_job_id: s
     source_job = body.source_job_id or job.job_id
     record = store.get_checkpoint(manager.db, job_id=source_job, checkpoint_id=body.checkpoint_id)
     if record is None:
-        raise not_found(f"checkpoint {body.checkpoint_id!r} not found in job {source_job}")
+        raise NotFoundError(f"checkpoint {body.checkpoint_id!r} not found in job {source_job}")
     host = job.host
     assert host is not None
 
@@ -356,26 +268,29 @@ def submit_weight_sync(
     """
     source = payload.source_sub_job_id or routed_sub_job_id
     if source is None or source not in job.specs or not job.specs[source].is_training:
-        raise bad_request(f"payload.source_sub_job_id must name a training sub-job of job {job.job_id}; got {source!r}")
+        raise InvalidRequestError(
+            f"payload.source_sub_job_id must name a training sub-job of job {job.job_id}; got {source!r}"
+        )
     targets = payload.target_sub_job_ids
     if targets is None:
         targets = [sid for sid, spec in job.specs.items() if spec.job_type == "sampling"]
     bad = sorted(t for t in targets if t not in job.specs or job.specs[t].job_type != "sampling")
     if bad or not targets:
-        raise bad_request(
+        raise InvalidRequestError(
             f"payload.target_sub_job_ids must name sampling sub-jobs of job {job.job_id}; "
             f"not sampling sub-jobs: {bad or '[] (empty list)'}"
         )
     if payload.weight_format == "lora":
-        raise not_implemented("weight_format 'lora' needs LoRA adapters, which local engines do not train")
+        raise UnsupportedOpError("weight_format 'lora' needs LoRA adapters, which local engines do not train")
     from icefloe.engines.worker import SyncGate
 
     sync_request: dict[str, str] = {}
 
     def abandoned() -> str | None:
-        if job.stopping.is_set():
+        if job.stopping:
             return f"job {job.job_id} stopped before weight-sync could run"
-        if sync_request.get("id") in job.cancelled_requests:
+        request_id = sync_request.get("id")
+        if request_id is not None and not manager.requests.is_open(request_id):
             return "the weight-sync request was cancelled"
         return None
 
@@ -401,7 +316,7 @@ def submit_weight_sync(
         try:
             return gate.run(copy)
         except ClientClosedError as exc:
-            raise conflict(str(exc)) from None
+            raise ConflictError(str(exc)) from None
 
     try:
         sync_request["id"] = manager.submit(job, source, OP_WEIGHT_SYNC, run)
@@ -411,7 +326,7 @@ def submit_weight_sync(
     return sync_request["id"]
 
 
-def _validation_text(exc: ValidationError, prefix: str = "") -> str:
+def validation_text(exc: ValidationError, prefix: str = "") -> str:
     """One ``field: problem; got value`` clause per error, fields dotted from ``prefix``."""
     parts = []
     for err in exc.errors():

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from icefloe.protocol import InvalidRequestError
 from icefloe.service.jobs import JobManager, LiveJob
 from icefloe.service.models import GenerateBody
+from icefloe.service.operations import generate_target, sampling_params_per_prompt, validation_text
 
 __all__ = ["OP_GENERATE_STREAM", "GenerateStream", "submit_generate_stream"]
 
@@ -67,28 +68,26 @@ def _parse(body: bytes) -> GenerateBody:
     try:
         return GenerateBody.model_validate(payload)
     except ValidationError as exc:
-        fields = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in exc.errors())
-        raise InvalidRequestError(fields) from None
+        raise InvalidRequestError(validation_text(exc)) from None
 
 
 def submit_generate_stream(manager: JobManager, job: LiveJob, body: bytes, *, sub_job_id: str | None) -> dict:
     """Queue every prompt of the stream; returns ``{request_id, job_id, count}``."""
-    from icefloe.service.operations import generate_target, sampling_params_per_prompt
 
     request = _parse(body)
     target = sub_job_id or generate_target(job, request.routing_key)
     params = sampling_params_per_prompt(request, job, target)
     host = job.host
     assert host is not None
-    request_id = manager.record_request(job, target, OP_GENERATE_STREAM, {})
+    request_id = manager.requests.add(job.job_id, target, OP_GENERATE_STREAM, {})
     stream = GenerateStream(total=len(request.prompts))
     manager.streams[request_id] = stream
 
     def run_batch(items: list[tuple[int, Any, Any]]) -> list[None]:
-        manager.mark_started(request_id, "streaming")
+        manager.requests.start(request_id, "streaming")
         finished = False
         try:
-            if job.stopping.is_set():
+            if job.stopping:
                 raise InvalidRequestError(f"job {job.job_id} is {job.status}")
             samples = host.generate(target, [prompt for _, prompt, _ in items], [p for _, _, p in items])
         except Exception as exc:  # each prompt of the failed batch gets an error event
@@ -102,7 +101,7 @@ def submit_generate_stream(manager: JobManager, job: LiveJob, body: bytes, *, su
                 result = {"job_id": job.job_id, "results": chunk}
                 finished = stream.push({"type": "result", "index": index, "result": result})
         if finished:
-            manager.finish_request(
+            manager.requests.finish(
                 request_id,
                 status="done",
                 result_json=json.dumps({"completed": stream.completed, "failed": stream.failed}),
