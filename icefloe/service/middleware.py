@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from icefloe.protocol import ConflictError, InvalidRequestError, PayloadTooLargeError, UnauthenticatedError
 from icefloe.service import store
-from icefloe.service.auth import authenticate, caller_scope
+from icefloe.service.deps import authenticate, caller_scope
 from icefloe.service.errors import send_error
 from icefloe.service.settings import ServeSettings
 

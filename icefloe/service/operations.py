@@ -54,6 +54,8 @@ def submit_frame(manager: JobManager, job: LiveJob, op: str, body: bytes, *, sub
 
     ``sub_job_id`` None is allowed for generate only: the body's ``routing_key`` then picks one.
     """
+    if op == OP_FORWARD and sub_job_id is not None and job.specs[sub_job_id].job_type == "sampling":
+        raise InvalidRequestError(f"forward runs on a training or log_probability sub-job; {sub_job_id} is a sampler")
     descriptor = wire.chunk_descriptor(body)
     if descriptor is None:
         return _submit_decoded(manager, job, op, body, sub_job_id)

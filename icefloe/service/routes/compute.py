@@ -13,7 +13,7 @@ from fastapi import Response
 from fastapi.concurrency import run_in_threadpool
 
 from icefloe import wire
-from icefloe.protocol import OP_FORWARD, OP_FWD_BWD, OP_GENERATE, InvalidRequestError, WireError
+from icefloe.protocol import OP_FORWARD, OP_FWD_BWD, OP_GENERATE, WireError
 from icefloe.service.deps import JobsDep, OctetBody
 from icefloe.service.jobs import JobManager, LiveJob
 from icefloe.service.models import LoadBody, RequestAccepted, SaveBody, StepBody
@@ -67,10 +67,6 @@ async def forward(
 ) -> dict | Response:
     job = jobs.live(job_id)
     target = jobs.resolve_sub_job(job, sub_job_id=sub_job_id, sub_job_type=sub_job_type, default_type="training")
-    if job.specs[target].job_type == "sampling":
-        raise InvalidRequestError(
-            f"forward runs on a training or log_probability sub-job; {target} is a sampling sub-job"
-        )
     return await with_answer(jobs, await _submit(jobs, job, OP_FORWARD, body, sub_job_id=target), wait)
 
 

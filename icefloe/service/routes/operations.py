@@ -100,10 +100,6 @@ async def operation(job_id: str, body: OperationBody, jobs: JobsDep, wait: float
     target = jobs.resolve_sub_job(
         job, sub_job_id=body.sub_job_id, sub_job_type=body.sub_job_type, default_type="training"
     )
-    if job.specs[target].job_type == "sampling":
-        raise InvalidRequestError(
-            f"forward runs on a training or log_probability sub-job; {target} is a sampling sub-job"
-        )
     accepted = await run_in_threadpool(submit_frame, jobs, job, OP_FORWARD, _frame_bytes(body), sub_job_id=target)
     return await with_answer(jobs, accepted, wait)
 
