@@ -32,23 +32,14 @@ _log = logging.getLogger("icefloe.service")
 _REDACTED_LOGGERS = ("", "icefloe", "uvicorn", "uvicorn.error", "uvicorn.access")
 
 
-def _install_redaction(redactor: TokenRedactor) -> None:
-    """Attach the token filter to the loggers and handlers a request could write through."""
+def _redact(redactor: TokenRedactor, *, on: bool) -> None:
+    """Attach the token filter to (or detach it from) the loggers and handlers a request could write through."""
     for name in _REDACTED_LOGGERS:
         logger = logging.getLogger(name)
-        if redactor not in logger.filters:
-            logger.addFilter(redactor)
-        for handler in logger.handlers:
-            if redactor not in handler.filters:
-                handler.addFilter(redactor)
-
-
-def _remove_redaction(redactor: TokenRedactor) -> None:
-    for name in _REDACTED_LOGGERS:
-        logger = logging.getLogger(name)
-        logger.removeFilter(redactor)
-        for handler in logger.handlers:
-            handler.removeFilter(redactor)
+        for target in (logger, *logger.handlers):
+            target.removeFilter(redactor)  # never twice
+            if on:
+                target.addFilter(redactor)
 
 
 def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> FastAPI:
@@ -66,7 +57,7 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        _install_redaction(redactor)
+        _redact(redactor, on=True)
         engine_logs = logging.getLogger("icefloe")
         engine_logs.addHandler(manager.log_router)
         if settings.engines == "process":  # import torch in the forkserver now, not when the first job comes
@@ -79,7 +70,7 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
             await asyncio.to_thread(manager.close)
             db.close()
             engine_logs.removeHandler(manager.log_router)
-            _remove_redaction(redactor)
+            _redact(redactor, on=False)
 
     app = FastAPI(title="icefloe serve", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
@@ -97,7 +88,7 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     app.add_middleware(SubmitOrder, gap_timeout_s=settings.sequence_gap_timeout_s)
     app.add_middleware(IdempotencyKeys, db=db, settings=settings)
     app.add_middleware(BodyLimit, max_bytes=settings.max_post_bytes)  # outermost: refuse before buffering
-    _install_redaction(redactor)
+    _redact(redactor, on=True)
     return app
 
 

@@ -19,36 +19,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Send
 
-from icefloe.protocol import (
-    CODE_CHUNK_GROUP_CONFLICT,
-    CODE_CHUNK_GROUP_MISSING_CHUNKS,
-    CODE_CHUNK_GROUP_RESTART_REQUIRED,
-    CODE_CONFLICT,
-    CODE_INTERNAL,
-    CODE_INVALID_ARGUMENT,
-    CODE_NOT_FOUND,
-    CODE_NOT_IMPLEMENTED,
-    CODE_PAYLOAD_TOO_LARGE,
-    CODE_SEQUENCE_GAP,
-    CODE_UNAUTHENTICATED,
-    ChunkGroupConflictError,
-    ChunkGroupMissingChunksError,
-    ChunkGroupRestartError,
-    ClientClosedError,
-    ConfigError,
-    ConflictError,
-    ExpiredError,
-    IcefloeError,
-    InvalidRequestError,
-    JobFailedError,
-    NotFoundError,
-    PayloadTooLargeError,
-    RequestFailedError,
-    SequenceGapError,
-    UnauthenticatedError,
-    UnsupportedOpError,
-    WireError,
-)
+from icefloe import protocol as p
 
 __all__ = ["install_error_handlers", "send_error", "status_and_body"]
 
@@ -56,30 +27,30 @@ _log = logging.getLogger("icefloe.service")
 
 # Most specific first: the first class an error is an instance of decides its status and code.
 _STATUS_AND_CODE = (
-    (ChunkGroupRestartError, 409, CODE_CHUNK_GROUP_RESTART_REQUIRED),
-    (ChunkGroupConflictError, 409, CODE_CHUNK_GROUP_CONFLICT),
-    (ChunkGroupMissingChunksError, 409, CODE_CHUNK_GROUP_MISSING_CHUNKS),
-    (SequenceGapError, 409, CODE_SEQUENCE_GAP),
-    (PayloadTooLargeError, 413, CODE_PAYLOAD_TOO_LARGE),
-    (InvalidRequestError | ConfigError | WireError, 400, CODE_INVALID_ARGUMENT),
-    (UnauthenticatedError, 401, CODE_UNAUTHENTICATED),
-    (ExpiredError, 410, CODE_NOT_FOUND),
-    (NotFoundError, 404, CODE_NOT_FOUND),
-    (ConflictError | JobFailedError | ClientClosedError, 409, CODE_CONFLICT),  # the job stopped under the call
-    (UnsupportedOpError, 501, CODE_NOT_IMPLEMENTED),
+    (p.ChunkGroupRestartError, 409, p.CODE_CHUNK_GROUP_RESTART_REQUIRED),
+    (p.ChunkGroupConflictError, 409, p.CODE_CHUNK_GROUP_CONFLICT),
+    (p.ChunkGroupMissingChunksError, 409, p.CODE_CHUNK_GROUP_MISSING_CHUNKS),
+    (p.SequenceGapError, 409, p.CODE_SEQUENCE_GAP),
+    (p.PayloadTooLargeError, 413, p.CODE_PAYLOAD_TOO_LARGE),
+    (p.InvalidRequestError | p.ConfigError | p.WireError, 400, p.CODE_INVALID_ARGUMENT),
+    (p.UnauthenticatedError, 401, p.CODE_UNAUTHENTICATED),
+    (p.ExpiredError, 410, p.CODE_NOT_FOUND),
+    (p.NotFoundError, 404, p.CODE_NOT_FOUND),
+    (p.ConflictError | p.JobFailedError | p.ClientClosedError, 409, p.CODE_CONFLICT),  # the job stopped under the call
+    (p.UnsupportedOpError, 501, p.CODE_NOT_IMPLEMENTED),
 )
-_CODE_BY_STATUS = {401: CODE_UNAUTHENTICATED, 404: CODE_NOT_FOUND, 405: CODE_INVALID_ARGUMENT}
+_CODE_BY_STATUS = {401: p.CODE_UNAUTHENTICATED, 404: p.CODE_NOT_FOUND, 405: p.CODE_INVALID_ARGUMENT}
 
 
 def status_and_body(exc: Exception) -> tuple[int, dict[str, Any]]:
     """The status and ``{code, message}`` body (plus the error's ``detail``) an exception answers with."""
-    if isinstance(exc, IcefloeError):
+    if isinstance(exc, p.IcefloeError):
         for kind, status, code in _STATUS_AND_CODE:
             if isinstance(exc, kind):
-                message = exc.reason if isinstance(exc, RequestFailedError) else str(exc)
+                message = exc.reason if isinstance(exc, p.RequestFailedError) else str(exc)
                 return status, {"code": code, "message": message, **getattr(exc, "detail", {})}
     _log.error("internal error (a bug in the service)", exc_info=exc)
-    return 500, {"code": CODE_INTERNAL, "message": f"{type(exc).__name__}: {exc}"}
+    return 500, {"code": p.CODE_INTERNAL, "message": f"{type(exc).__name__}: {exc}"}
 
 
 async def send_error(send: Send, exc: Exception, *, close: bool = False) -> None:
@@ -112,15 +83,17 @@ def install_error_handlers(app: FastAPI) -> None:
         status, body = status_and_body(exc)
         return JSONResponse(body, status_code=status)
 
-    app.add_exception_handler(IcefloeError, _error)
+    app.add_exception_handler(p.IcefloeError, _error)
     app.add_exception_handler(Exception, _error)  # a bug: Starlette answers with this, then re-raises
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse({"code": CODE_INVALID_ARGUMENT, "message": _validation_message(exc)}, status_code=400)
+        return JSONResponse({"code": p.CODE_INVALID_ARGUMENT, "message": _validation_message(exc)}, status_code=400)
 
     @app.exception_handler(StarletteHTTPException)  # the framework's own: unknown paths, wrong methods
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = _CODE_BY_STATUS.get(exc.status_code, CODE_INTERNAL if exc.status_code >= 500 else CODE_INVALID_ARGUMENT)
+        code = _CODE_BY_STATUS.get(
+            exc.status_code, p.CODE_INTERNAL if exc.status_code >= 500 else p.CODE_INVALID_ARGUMENT
+        )
         body = {"code": code, "message": str(exc.detail)}
         return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
