@@ -63,8 +63,12 @@ async def answer_request(
         else:
             result = json.loads(row["result"]) if row["result"] else {}
             jobs.streams.pop(request_id, None)
-    elif status == "done":
-        result, events, next_cursor = await _render(jobs, request_id, row, cursor, limit)
+    elif status == "done" and row["result_path"] is None:
+        result = RawJson(row["result"]) if row["result"] else {}  # JSON text, spliced in as it is
+    elif status == "done":  # a stored frame, read off the loop
+        render = jobs.results.render
+        args = (request_id, row["result_path"], row["op_metadata"], cursor, limit)
+        result, events, next_cursor = await run_in_threadpool(render, *args)
     return {
         "request_id": request_id,
         "status": status,
@@ -75,23 +79,6 @@ async def answer_request(
         "events": events,
         "next_cursor": next_cursor,
     }
-
-
-async def _render(
-    jobs: JobManager, request_id: str, row: dict[str, Any], cursor: str | None, limit: int
-) -> tuple[dict, list, str]:
-    """A JSON result is the row's text as it is; a stored frame is read off the loop."""
-    if row["result_path"] is None:
-        return (RawJson(row["result"]) if row["result"] else {}), [], ""
-    return await run_in_threadpool(
-        jobs.results.render,
-        request_id=request_id,
-        result=row["result"],
-        result_path=row["result_path"],
-        op_metadata=row["op_metadata"],
-        cursor=cursor,
-        max_events=limit,
-    )
 
 
 async def with_answer(jobs: JobManager, accepted: dict[str, Any], wait: float) -> dict[str, Any] | Response:
