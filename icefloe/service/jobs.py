@@ -121,17 +121,21 @@ class JobManager:
             "schema": schema,
             "experiment_name": body.experiment_name or f"icefloe_{job_id.split('-')[0]}",
             "sub_jobs": [
-                {"sub_job_id": s.sub_job_id, "job_type": s.job_type, "model_name": s.config.model,
-                 "config": s.public_config}
+                {
+                    "sub_job_id": s.sub_job_id,
+                    "job_type": s.job_type,
+                    "model_name": s.config.model,
+                    "config": s.public_config,
+                }
                 for s in specs
             ],
-        }  # fmt: skip
+        }
         if not store.insert_job(self.db, job_id=job_id, status="pending", spec=record):
             raise taken
         job_dir = self.settings.job_dir(job_id)
         log = JobLog(job_dir / "logs", [s.sub_job_id for s in specs])
-        job = LiveJob(job_id, {s.sub_job_id: s for s in specs}, JobState(job_id, self.db, log), log,
-                      ChunkGroups(job_id), job_dir)  # fmt: skip
+        state, chunks = JobState(job_id, self.db, log), ChunkGroups(job_id)
+        job = LiveJob(job_id, {s.sub_job_id: s for s in specs}, state, log, chunks, job_dir)
         self._live[job_id] = job
         self.log_router.bind(f"icefloe-lifecycle-{job_id}", log, None)
         for spec in specs:
