@@ -9,6 +9,9 @@ are validated by their models. Every route answers ``{request_id, job_id}`` (or
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from fastapi import Response
 from fastapi.concurrency import run_in_threadpool
 
@@ -45,6 +48,13 @@ async def _submit(jobs: JobManager, job: LiveJob, op: str, body: bytes, *, sub_j
     if _small_frame(body):
         return submit_frame(jobs, job, op, body, sub_job_id=sub_job_id)
     return await run_in_threadpool(submit_frame, jobs, job, op, body, sub_job_id=sub_job_id)
+
+
+async def _on_training(jobs: JobManager, job_id: str, submit: Callable[..., str], body: Any, wait: float) -> Any:
+    """Queue a JSON op on the job's training sub-job and answer it."""
+    job = jobs.live(job_id)
+    target = jobs.resolve_sub_job(job, sub_job_id=None, sub_job_type=None, default_type="training")
+    return await with_answer(jobs, {"request_id": submit(jobs, job, body, target), "job_id": job_id}, wait)
 
 
 @router.post("/{job_id}/forward-backward", response_model=None)
@@ -91,18 +101,12 @@ async def generate_stream(job_id: str, body: OctetBody, jobs: JobsDep, sub_job_i
 
 @router.post("/{job_id}/step", response_model=RequestAccepted, response_model_exclude_none=True)
 async def step(job_id: str, jobs: JobsDep, body: StepBody | None = None, wait: float = 0.0) -> dict | Response:
-    job = jobs.live(job_id)
-    target = jobs.resolve_sub_job(job, sub_job_id=None, sub_job_type=None, default_type="training")
-    request_id = submit_step(jobs, job, body or StepBody(), target)
-    return await with_answer(jobs, {"request_id": request_id, "job_id": job_id}, wait)
+    return await _on_training(jobs, job_id, submit_step, body or StepBody(), wait)
 
 
 @router.post("/{job_id}/save", response_model=RequestAccepted, response_model_exclude_none=True)
 async def save(job_id: str, jobs: JobsDep, body: SaveBody | None = None, wait: float = 0.0) -> dict | Response:
-    job = jobs.live(job_id)
-    target = jobs.resolve_sub_job(job, sub_job_id=None, sub_job_type=None, default_type="training")
-    request_id = submit_save(jobs, job, body or SaveBody(), target)
-    return await with_answer(jobs, {"request_id": request_id, "job_id": job_id}, wait)
+    return await _on_training(jobs, job_id, submit_save, body or SaveBody(), wait)
 
 
 @router.post("/{job_id}/load", response_model=RequestAccepted, response_model_exclude_none=True)
