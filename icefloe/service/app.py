@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from icefloe.service.errors import install_error_handlers
 from icefloe.service.joblog import TokenRedactor
 from icefloe.service.jobs import JobManager
+from icefloe.service.lifecycle import fail_interrupted_jobs
 from icefloe.service.middleware import BodyLimit, IdempotencyKeys
 from icefloe.service.placement import SlotPool
 from icefloe.service.routes import capabilities, checkpoints, compute, jobs, operations, requests
@@ -51,7 +52,7 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     db = Database(settings.db_path)
     purge_expired(db, idempotency_ttl_s=settings.idempotency_ttl_s)
     manager = JobManager(settings, db, pool or SlotPool.detect(settings.slots))
-    manager.recover()
+    fail_interrupted_jobs(db)
     redactor = TokenRedactor(settings.token_values())
     manager.log_router.addFilter(redactor)
 

@@ -33,7 +33,7 @@ from icefloe.protocol import (
 from icefloe.service import store
 from icefloe.service.chunks import ChunkGroups
 from icefloe.service.joblog import JobLog, JobLogRouter
-from icefloe.service.lifecycle import JobState, fail_interrupted_jobs
+from icefloe.service.lifecycle import JobState
 from icefloe.service.models import JobCreate
 from icefloe.service.placement import SlotPool
 from icefloe.service.requests import RequestTable
@@ -94,13 +94,6 @@ class JobManager:
         self._live: dict[str, LiveJob] = {}
 
     # --- lifecycle ----------------------------------------------------------------------------
-    def recover(self) -> list[str]:
-        """Fail jobs a previous process left active; their checkpoints stay usable."""
-        failed = fail_interrupted_jobs(self.db)
-        for job_id in failed:
-            _log.warning("job %s was active when the service stopped; marked failed", job_id)
-        return failed
-
     def create(self, body: JobCreate, *, database: str, schema: str) -> str:
         job_id = body.job_id or str(uuid.uuid4())
         taken = ConflictError(f"job {job_id} already exists; omit job_id to get a fresh one")

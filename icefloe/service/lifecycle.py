@@ -17,6 +17,7 @@ thread sees the flag, releases the engines and then applies the outcome (:meth:`
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from icefloe.protocol import ConflictError
@@ -24,6 +25,8 @@ from icefloe.service import store
 from icefloe.service.joblog import JobLog
 
 __all__ = ["TRANSITIONS", "JobState", "fail_interrupted_jobs"]
+
+_log = logging.getLogger("icefloe.service.jobs")
 
 TRANSITIONS: dict[str, frozenset[str]] = {
     "pending": frozenset({"placing", "cancelling", "failed"}),
@@ -112,4 +115,7 @@ def fail_interrupted_jobs(db: store.Database) -> list[str]:
             f"source_checkpoint_info={{checkpoint_id: {latest['checkpoint_id']!r}, source_job_id: {job_id!r}}})"
         )
 
-    return store.fail_interrupted_jobs(db, reason_for=reason_for)
+    failed = store.fail_interrupted_jobs(db, reason_for=reason_for)
+    for job_id in failed:
+        _log.warning("job %s was active when the service stopped; marked failed", job_id)
+    return failed

@@ -20,10 +20,16 @@ from icefloe.protocol import OP_FORWARD, OP_FWD_BWD, OP_GENERATE, WireError
 from icefloe.service.deps import JobsDep, OctetBody
 from icefloe.service.jobs import JobManager, LiveJob
 from icefloe.service.models import LoadBody, RequestAccepted, SaveBody, StepBody
-from icefloe.service.operations import load_target, submit_frame, submit_load, submit_save, submit_step
+from icefloe.service.operations import (
+    load_target,
+    submit_frame,
+    submit_generate_stream,
+    submit_load,
+    submit_save,
+    submit_step,
+)
 from icefloe.service.routes import api_router
 from icefloe.service.routes.requests import with_answer
-from icefloe.service.streams import submit_generate_stream
 
 __all__ = ["router"]
 

@@ -18,23 +18,19 @@ from icefloe.service.deps import JobsDep
 from icefloe.service.jobs import JobManager
 from icefloe.service.middleware import note_acceptance
 from icefloe.service.models import RequestPublic
-from icefloe.service.results import DEFAULT_MAX_EVENTS, MAX_EVENTS_CAP
+from icefloe.service.results import DEFAULT_MAX_EVENTS, MAX_EVENTS_CAP, JsonText
 from icefloe.service.routes import api_router
 from icefloe.service.sequencing import release_turn
 
-__all__ = ["RawJson", "answer_request", "answer_response", "router", "with_answer"]
+__all__ = ["answer_request", "answer_response", "router", "with_answer"]
 
 router = api_router("requests")
-
-
-class RawJson(str):
-    """JSON text that goes into an answer unchanged."""
 
 
 def answer_response(answer: dict[str, Any]) -> Response:
     """The answer as a JSON response, its ``result`` spliced in when it is already JSON text."""
     result = answer.get("result")
-    if not isinstance(result, RawJson):
+    if not isinstance(result, JsonText):
         return Response(json.dumps(answer), media_type="application/json")
     head = json.dumps({k: v for k, v in answer.items() if k != "result"})
     return Response(f'{head[:-1]}, "result": {result}}}', media_type="application/json")
@@ -64,7 +60,7 @@ async def answer_request(
             result = json.loads(row["result"]) if row["result"] else {}
             jobs.streams.pop(request_id, None)
     elif status == "done" and row["result_path"] is None:
-        result = RawJson(row["result"]) if row["result"] else {}  # JSON text, spliced in as it is
+        result = JsonText(row["result"]) if row["result"] else {}  # JSON text, spliced in as it is
     elif status == "done":  # a stored frame, read off the loop
         render = jobs.results.render
         args = (request_id, row["result_path"], row["op_metadata"], cursor, limit)

@@ -1,4 +1,4 @@
-"""generate-stream: per-prompt result events drained by polls (icefloe.service.streams)."""
+"""generate-stream: per-prompt result events drained by polls (icefloe.service.operations)."""
 
 from __future__ import annotations
 
