@@ -7,6 +7,7 @@ octet body run on a thread-pool thread (decoding a 60 MiB frame must not stall t
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -349,7 +350,8 @@ class GenerateStream:
     completed, failed}``.
     """
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, request_id: str, total: int) -> None:
+        self.request_id = request_id
         self.total = total
         self.completed = 0
         self.failed = 0
@@ -392,44 +394,41 @@ def _parse(body: bytes) -> GenerateBody:
 
 def submit_generate_stream(manager: JobManager, job: LiveJob, body: bytes, *, sub_job_id: str | None) -> dict:
     """Queue every prompt of the stream; returns ``{request_id, job_id, count}``."""
-
     request = _parse(body)
     target = sub_job_id or generate_target(job, request.routing_key)
     params = sampling_params_per_prompt(request, job, target)
-    host = job.host
-    assert host is not None
     request_id = manager.requests.add(job.job_id, target, OP_GENERATE_STREAM, {})
-    stream = GenerateStream(total=len(request.prompts))
-    manager.streams[request_id] = stream
-
-    def run_batch(items: list[tuple[int, Any, Any]]) -> list[None]:
-        manager.requests.start(request_id, "streaming")
-        finished = False
-        try:
-            if job.stopping:
-                raise InvalidRequestError(f"job {job.job_id} is {job.status}")
-            samples = host.generate(target, [prompt for _, prompt, _ in items], [p for _, _, p in items])
-        except Exception as exc:  # each prompt of the failed batch gets an error event
-            for index, _, _ in items:
-                finished = stream.push({"type": "error", "index": index, "error": f"{type(exc).__name__}: {exc}"})
-        else:
-            cursor = 0
-            for index, _, item_params in items:
-                chunk = samples[cursor : cursor + item_params.n]
-                cursor += item_params.n
-                result = {"job_id": job.job_id, "results": chunk}
-                finished = stream.push({"type": "result", "index": index, "result": result})
-        if finished:
-            manager.requests.finish(
-                request_id,
-                status="done",
-                result_json=json.dumps({"completed": stream.completed, "failed": stream.failed}),
-            )
-        return [None] * len(items)
-
+    stream = manager.streams[request_id] = GenerateStream(request_id, total=len(request.prompts))
+    # Items of every stream queued together on this worker run as one batch: each carries its stream.
+    run_batch = functools.partial(_run_stream_batch, manager, job, target)
     for index, (prompt, prompt_params) in enumerate(zip(request.prompts, params, strict=True)):
-        job.workers[target].submit_batchable(OP_GENERATE_STREAM, (index, prompt, prompt_params), run_batch)
+        job.workers[target].submit_batchable(OP_GENERATE_STREAM, (stream, index, prompt, prompt_params), run_batch)
     return {"request_id": request_id, "job_id": job.job_id, "count": len(request.prompts)}
+
+
+def _run_stream_batch(manager: JobManager, job: LiveJob, target: str, items: list[tuple]) -> list[None]:
+    for stream in {id(item[0]): item[0] for item in items}.values():
+        manager.requests.start(stream.request_id, "streaming")
+    try:
+        if job.stopping:
+            raise InvalidRequestError(f"job {job.job_id} is {job.status}")
+        assert job.host is not None
+        samples = job.host.generate(target, [item[2] for item in items], [item[3] for item in items])
+    except Exception as exc:  # each prompt of the failed batch gets an error event
+        events = [
+            (stream, {"type": "error", "index": i, "error": f"{type(exc).__name__}: {exc}"}) for stream, i, *_ in items
+        ]
+    else:
+        events, cursor = [], 0
+        for stream, index, _, prompt_params in items:  # prompt-major: n samples per prompt
+            result = {"job_id": job.job_id, "results": samples[cursor : cursor + prompt_params.n]}
+            events.append((stream, {"type": "result", "index": index, "result": result}))
+            cursor += prompt_params.n
+    for stream, event in events:
+        if stream.push(event):
+            counts = json.dumps({"completed": stream.completed, "failed": stream.failed})
+            manager.requests.finish(stream.request_id, status="done", result_json=counts)
+    return [None] * len(items)
 
 
 def validation_text(exc: ValidationError, prefix: str = "") -> str:
