@@ -1,7 +1,7 @@
 """Build the FastAPI app of ``icefloe serve`` and run it on uvicorn.
 
 ``create_app(settings)`` opens the SQLite store, fails the jobs a previous process left active,
-and wires routers, error handlers and the two POST middlewares. ``ServerThread`` runs the app on
+and wires routers, error handlers and the three POST layers (size cap, idempotency, order). ``ServerThread`` runs the app on
 a real loopback socket inside this process (tests, benchmarks, an in-process remote backend).
 """
 

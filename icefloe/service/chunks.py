@@ -36,29 +36,22 @@ _MAX_LISTED_MISSING = 1000  # a missing-chunks refusal names at most this many; 
 
 
 @dataclass
-class _OpenGroup:
+class _Group:
     frame_sha256: str
     total_chunks: int
     frame_size_bytes: int
     frames: dict[int, bytes] = field(default_factory=dict)  # chunk index -> the chunk frame as received
     payload_digests: dict[int, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class _DoneGroup:
-    frame_sha256: str
-    total_chunks: int
-    response: dict[str, Any]
+    response: dict[str, Any] | None = None  # once executed: what the final chunk answered
 
 
 class ChunkGroups:
     """Open and finished chunk groups of one job; thread-safe, one group executes at a time."""
 
-    def __init__(self, job_id: str) -> None:
-        self._job_id = job_id
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._open: OrderedDict[str, _OpenGroup] = OrderedDict()
-        self._done: OrderedDict[str, _DoneGroup] = OrderedDict()
+        self._open: OrderedDict[str, _Group] = OrderedDict()
+        self._done: OrderedDict[str, _Group] = OrderedDict()
 
     def accept(
         self, frame: bytes, descriptor: dict[str, Any], *, execute: Callable[[bytes], dict[str, Any]]
@@ -86,7 +79,7 @@ class ChunkGroups:
                         received_chunk=index,
                         expected_start_chunk=0,
                     )
-                group = _OpenGroup(frame_sha256=sha, total_chunks=total, frame_size_bytes=size)
+                group = _Group(frame_sha256=sha, total_chunks=total, frame_size_bytes=size)
                 self._open[group_id] = group
                 while len(self._open) > _MAX_OPEN_GROUPS:
                     self._open.popitem(last=False)
@@ -113,7 +106,8 @@ class ChunkGroups:
             del self._open[group_id]
             joined = wire.join_chunks([group.frames[i] for i in range(total)], kind="request")
             response = execute(joined)  # under the lock: a concurrent replay waits and then sees it done
-            self._done[group_id] = _DoneGroup(frame_sha256=sha, total_chunks=total, response=dict(response))
+            group.frames, group.payload_digests, group.response = {}, {}, dict(response)
+            self._done[group_id] = group
             while len(self._done) > _MAX_DONE_GROUPS:
                 self._done.popitem(last=False)
             return response
