@@ -1,8 +1,9 @@
 """Build the FastAPI app of ``icefloe serve`` and run it on uvicorn.
 
 ``create_app(settings)`` opens the SQLite store, fails the jobs a previous process left active,
-and wires routers, error handlers and the three POST layers (size cap, idempotency, order). ``ServerThread`` runs the app on
-a real loopback socket inside this process (tests, benchmarks, an in-process remote backend).
+and wires routers, error handlers and the three POST layers (size cap, idempotency, order).
+``ServerThread`` runs the app on a real loopback socket inside this process (tests, benchmarks,
+an in-process remote backend).
 """
 
 from __future__ import annotations
