@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -222,9 +223,10 @@ class JobManager:
         jobs = list(self._live.values())
         for job in jobs:
             job.state.shut_down()
+        deadline = time.monotonic() + join_timeout_s
         for job in jobs:
             assert job.thread is not None
-            job.thread.join(join_timeout_s)
+            job.thread.join(max(0.0, deadline - time.monotonic()))
             if job.thread.is_alive():
                 _log.warning("%s still running at shutdown; its late writes to the store are dropped", job.thread.name)
 
