@@ -9,6 +9,7 @@ submission order. Nothing else starts or stops engines. Requests are recorded in
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -337,7 +338,7 @@ class JobManager:
     ) -> str:
         """Like :meth:`submit`, but consecutive items of ``op`` on this worker run as one ``run_batch``."""
         entry = (self.requests.add(job.job_id, sub_job_id, op, op_metadata or {}), item, op_metadata or {})
-        execute: Callable[[list[_Entry]], list[None]] = lambda entries: self._execute(job, op, entries, run_batch)  # noqa: E731
+        execute = functools.partial(self._execute, job, op, run=run_batch)  # called with the entries of one batch
         self._queue(job, entry, lambda: job.workers[sub_job_id].submit_batchable(op, entry, execute))
         return entry[0]
 
