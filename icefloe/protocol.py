@@ -16,6 +16,12 @@ processes::
     │       ├── ChunkIndexError                   duplicate, missing or out-of-range chunk index
     │       └── ChunkDigestError                  size or SHA-256 of the joined frame is wrong
     ├── ClientClosedError (RuntimeError)          an op was called after shutdown()
+    ├── NotFoundError (LookupError)               a job, request, checkpoint or link does not exist
+    │   └── ExpiredError                          a download link outlived its lifetime
+    ├── ConflictError (RuntimeError)              the call does not fit the job's state or an earlier call
+    │   └── SequenceGapError                      a numbered POST waited too long for the one before it
+    ├── UnauthenticatedError (PermissionError)    no valid bearer token
+    ├── PayloadTooLargeError (ValueError)         a POST body over the service's cap
     ├── UnsupportedOpError (NotImplementedError)  the backend has no such op
     ├── RequestFailedError (RuntimeError)         an op failed; ``reason`` + ``category`` user|server
     │   └── ChunkGroupError                       the service refused a chunk group
@@ -48,6 +54,7 @@ __all__ = [
     "CODE_NOT_FOUND",
     "CODE_NOT_IMPLEMENTED",
     "CODE_PAYLOAD_TOO_LARGE",
+    "CODE_SEQUENCE_GAP",
     "CODE_UNAUTHENTICATED",
     "CODE_UNAVAILABLE",
     "INLINE_OPERATIONS",
@@ -88,15 +95,21 @@ __all__ = [
     "ChunkMismatchError",
     "ClientClosedError",
     "ConfigError",
+    "ConflictError",
+    "ExpiredError",
     "FrameFormatError",
     "IcefloeError",
     "IcefloeTimeoutError",
     "InvalidRequestError",
     "JobFailedError",
     "LegacyPickleError",
+    "NotFoundError",
+    "PayloadTooLargeError",
     "Request",
     "RequestFailedError",
     "SamplingParams",
+    "SequenceGapError",
+    "UnauthenticatedError",
     "UnsupportedOpError",
     "WireError",
     "normalize_job_state",
@@ -236,6 +249,7 @@ CODE_PAYLOAD_TOO_LARGE: Final = "payload_too_large"
 CODE_NOT_IMPLEMENTED: Final = "not_implemented"
 CODE_UNAVAILABLE: Final = "unavailable"
 CODE_INTERNAL: Final = "internal"
+CODE_SEQUENCE_GAP: Final = "sequence_gap"
 CODE_CHUNK_GROUP_RESTART_REQUIRED: Final = "chunk_group_restart_required"
 CODE_CHUNK_GROUP_CONFLICT: Final = "chunk_group_conflict"
 CODE_CHUNK_GROUP_MISSING_CHUNKS: Final = "chunk_group_missing_chunks"
@@ -287,6 +301,30 @@ class ChunkDigestError(ChunkError):
 
 class ClientClosedError(IcefloeError, RuntimeError):
     """An op was called on a client after ``shutdown()``; build a new client."""
+
+
+class NotFoundError(IcefloeError, LookupError):
+    """A job, request, checkpoint or download link the call names does not exist."""
+
+
+class ExpiredError(NotFoundError):
+    """A download link outlived its lifetime; export the checkpoint again for a fresh one."""
+
+
+class ConflictError(IcefloeError, RuntimeError):
+    """The call does not fit the current state: a job that is not running, an id or key already used."""
+
+
+class SequenceGapError(ConflictError):
+    """A numbered POST (``Icefloe-Sequence``) waited too long for the POST numbered before it."""
+
+
+class UnauthenticatedError(IcefloeError, PermissionError):
+    """The call carries no bearer token the service accepts."""
+
+
+class PayloadTooLargeError(IcefloeError, ValueError):
+    """A POST body is larger than the service takes; split the frame into request chunks."""
 
 
 class UnsupportedOpError(IcefloeError, NotImplementedError):

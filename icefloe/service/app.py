@@ -1,8 +1,9 @@
 """Build the FastAPI app of ``icefloe serve`` and run it on uvicorn.
 
 ``create_app(settings)`` opens the SQLite store, fails the jobs a previous process left active,
-and wires routers, error handlers and the two POST middlewares. ``ServerThread`` runs the app on
-a real loopback socket inside this process (tests, benchmarks, an in-process remote backend).
+and wires routers, error handlers and the three POST layers (size cap, idempotency, order).
+``ServerThread`` runs the app on a real loopback socket inside this process (tests, benchmarks,
+an in-process remote backend).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from fastapi import FastAPI
 from icefloe.service.errors import install_error_handlers
 from icefloe.service.joblog import TokenRedactor
 from icefloe.service.jobs import JobManager
+from icefloe.service.lifecycle import fail_interrupted_jobs
 from icefloe.service.middleware import BodyLimit, IdempotencyKeys
 from icefloe.service.placement import SlotPool
-from icefloe.service.routes import capabilities, checkpoints, compute, health, jobs, operations, requests
+from icefloe.service.routes import capabilities, checkpoints, compute, jobs, operations, requests
 from icefloe.service.sequencing import SubmitOrder
 from icefloe.service.settings import ServeSettings
 from icefloe.service.store import Database, purge_expired
@@ -32,23 +34,14 @@ _log = logging.getLogger("icefloe.service")
 _REDACTED_LOGGERS = ("", "icefloe", "uvicorn", "uvicorn.error", "uvicorn.access")
 
 
-def _install_redaction(redactor: TokenRedactor) -> None:
-    """Attach the token filter to the loggers and handlers a request could write through."""
+def _redact(redactor: TokenRedactor, *, on: bool) -> None:
+    """Attach the token filter to (or detach it from) the loggers and handlers a request could write through."""
     for name in _REDACTED_LOGGERS:
         logger = logging.getLogger(name)
-        if redactor not in logger.filters:
-            logger.addFilter(redactor)
-        for handler in logger.handlers:
-            if redactor not in handler.filters:
-                handler.addFilter(redactor)
-
-
-def _remove_redaction(redactor: TokenRedactor) -> None:
-    for name in _REDACTED_LOGGERS:
-        logger = logging.getLogger(name)
-        logger.removeFilter(redactor)
-        for handler in logger.handlers:
-            handler.removeFilter(redactor)
+        for target in (logger, *logger.handlers):
+            target.removeFilter(redactor)  # never twice
+            if on:
+                target.addFilter(redactor)
 
 
 def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> FastAPI:
@@ -60,13 +53,13 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     db = Database(settings.db_path)
     purge_expired(db, idempotency_ttl_s=settings.idempotency_ttl_s)
     manager = JobManager(settings, db, pool or SlotPool.detect(settings.slots))
-    manager.recover()
+    fail_interrupted_jobs(db)
     redactor = TokenRedactor(settings.token_values())
     manager.log_router.addFilter(redactor)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        _install_redaction(redactor)
+        _redact(redactor, on=True)
         engine_logs = logging.getLogger("icefloe")
         engine_logs.addHandler(manager.log_router)
         if settings.engines == "process":  # import torch in the forkserver now, not when the first job comes
@@ -79,14 +72,14 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
             await asyncio.to_thread(manager.close)
             db.close()
             engine_logs.removeHandler(manager.log_router)
-            _remove_redaction(redactor)
+            _redact(redactor, on=False)
 
     app = FastAPI(title="icefloe serve", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.db = db
     app.state.jobs = manager
     install_error_handlers(app)
-    app.include_router(health.router)
+    app.add_api_route("/health", _health, methods=["GET"], tags=["health"])  # the only route without a token
     app.include_router(checkpoints.files_router)
     app.include_router(operations.statements_router)
     # capabilities first: its fixed paths (/capacity) must win over /{job_id}
@@ -97,8 +90,12 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     app.add_middleware(SubmitOrder, gap_timeout_s=settings.sequence_gap_timeout_s)
     app.add_middleware(IdempotencyKeys, db=db, settings=settings)
     app.add_middleware(BodyLimit, max_bytes=settings.max_post_bytes)  # outermost: refuse before buffering
-    _install_redaction(redactor)
+    _redact(redactor, on=True)
     return app
+
+
+async def _health() -> dict[str, str]:
+    return {"status": "ok"}
 
 
 class ServerThread:

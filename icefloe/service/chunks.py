@@ -19,15 +19,12 @@ from typing import Any
 
 from icefloe import wire
 from icefloe.protocol import (
-    CODE_CHUNK_GROUP_CONFLICT,
-    CODE_CHUNK_GROUP_MISSING_CHUNKS,
-    CODE_CHUNK_GROUP_RESTART_REQUIRED,
     ChunkGroupConflictError,
+    ChunkGroupError,
     ChunkGroupMissingChunksError,
     ChunkGroupRestartError,
     InvalidRequestError,
 )
-from icefloe.service.errors import chunk_group_refusal
 
 __all__ = ["ChunkGroups"]
 
@@ -39,29 +36,22 @@ _MAX_LISTED_MISSING = 1000  # a missing-chunks refusal names at most this many; 
 
 
 @dataclass
-class _OpenGroup:
+class _Group:
     frame_sha256: str
     total_chunks: int
     frame_size_bytes: int
     frames: dict[int, bytes] = field(default_factory=dict)  # chunk index -> the chunk frame as received
     payload_digests: dict[int, str] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class _DoneGroup:
-    frame_sha256: str
-    total_chunks: int
-    response: dict[str, Any]
+    response: dict[str, Any] | None = None  # once executed: what the final chunk answered
 
 
 class ChunkGroups:
     """Open and finished chunk groups of one job; thread-safe, one group executes at a time."""
 
-    def __init__(self, job_id: str) -> None:
-        self._job_id = job_id
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._open: OrderedDict[str, _OpenGroup] = OrderedDict()
-        self._done: OrderedDict[str, _DoneGroup] = OrderedDict()
+        self._open: OrderedDict[str, _Group] = OrderedDict()
+        self._done: OrderedDict[str, _Group] = OrderedDict()
 
     def accept(
         self, frame: bytes, descriptor: dict[str, Any], *, execute: Callable[[bytes], dict[str, Any]]
@@ -82,15 +72,14 @@ class ChunkGroups:
             group = self._open.get(group_id)
             if group is None:
                 if index != 0:
-                    raise chunk_group_refusal(
+                    raise _refusal(
                         ChunkGroupRestartError,
-                        CODE_CHUNK_GROUP_RESTART_REQUIRED,
                         f"chunk group {group_id} is unknown to this job; restart it from chunk 0",
                         chunk_group_id=group_id,
                         received_chunk=index,
                         expected_start_chunk=0,
                     )
-                group = _OpenGroup(frame_sha256=sha, total_chunks=total, frame_size_bytes=size)
+                group = _Group(frame_sha256=sha, total_chunks=total, frame_size_bytes=size)
                 self._open[group_id] = group
                 while len(self._open) > _MAX_OPEN_GROUPS:
                     self._open.popitem(last=False)
@@ -108,9 +97,8 @@ class ChunkGroups:
                 missing = list(
                     itertools.islice((i for i in range(total) if i not in group.frames), _MAX_LISTED_MISSING)
                 )
-                raise chunk_group_refusal(
+                raise _refusal(
                     ChunkGroupMissingChunksError,
-                    CODE_CHUNK_GROUP_MISSING_CHUNKS,
                     "request chunk group is missing chunks",
                     chunk_group_id=group_id,
                     missing_chunks=missing,
@@ -118,7 +106,8 @@ class ChunkGroups:
             del self._open[group_id]
             joined = wire.join_chunks([group.frames[i] for i in range(total)], kind="request")
             response = execute(joined)  # under the lock: a concurrent replay waits and then sees it done
-            self._done[group_id] = _DoneGroup(frame_sha256=sha, total_chunks=total, response=dict(response))
+            group.frames, group.payload_digests, group.response = {}, {}, dict(response)
+            self._done[group_id] = group
             while len(self._done) > _MAX_DONE_GROUPS:
                 self._done.popitem(last=False)
             return response
@@ -149,11 +138,14 @@ def _descriptor_fields(descriptor: dict[str, Any]) -> tuple[str, int, int, str, 
     return group_id, index, total, sha, size
 
 
-def _conflict(group_id: str, index: int, what: str) -> Exception:
-    return chunk_group_refusal(
-        ChunkGroupConflictError,
-        CODE_CHUNK_GROUP_CONFLICT,
-        f"chunk group {group_id} {what}",
-        chunk_group_id=group_id,
-        received_chunk=index,
+def _conflict(group_id: str, index: int, what: str) -> ChunkGroupError:
+    return _refusal(
+        ChunkGroupConflictError, f"chunk group {group_id} {what}", chunk_group_id=group_id, received_chunk=index
     )
+
+
+def _refusal(kind: type[ChunkGroupError], message: str, **detail: Any) -> ChunkGroupError:
+    """A chunk-group refusal whose error body also carries ``detail`` (the group id, the chunks at fault)."""
+    error = kind(message, category="user")
+    error.detail = detail
+    return error

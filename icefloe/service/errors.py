@@ -1,12 +1,15 @@
-"""The one place that turns exceptions into the wire's ``{code, message}`` error body.
+"""The one place that turns exceptions into the wire's ``{code, message}`` error body and its status.
 
-Handlers raise errors from the tree in :mod:`icefloe.protocol`; a service-side refusal is a
-:class:`RequestFailedError` carrying its HTTP status and code (built by the helpers below). Anything
-else that escapes a handler is a bug in the service and answers 500 ``internal``.
+Domain code raises errors from the tree in :mod:`icefloe.protocol` and never names an HTTP status;
+:func:`status_and_body` maps each class to its status and code, most specific first. The route
+handlers registered by :func:`install_error_handlers` and the ASGI layers (:func:`send_error`)
+both answer through it. Anything else that escapes is a bug in the service and answers 500
+``internal``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from typing import Any
 
@@ -14,164 +17,83 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Send
 
-from icefloe.protocol import (
-    CODE_CONFLICT,
-    CODE_FORBIDDEN,
-    CODE_INTERNAL,
-    CODE_INVALID_ARGUMENT,
-    CODE_NOT_FOUND,
-    CODE_NOT_IMPLEMENTED,
-    CODE_PAYLOAD_TOO_LARGE,
-    CODE_UNAUTHENTICATED,
-    CODE_UNAVAILABLE,
-    ClientClosedError,
-    ConfigError,
-    IcefloeError,
-    InvalidRequestError,
-    JobFailedError,
-    RequestFailedError,
-    UnsupportedOpError,
-    WireError,
-)
+from icefloe import protocol as p
 
-__all__ = [
-    "bad_request",
-    "chunk_group_refusal",
-    "conflict",
-    "error_body",
-    "gone",
-    "install_error_handlers",
-    "not_found",
-    "not_implemented",
-    "payload_too_large",
-    "status_and_body",
-    "unauthenticated",
-]
+__all__ = ["install_error_handlers", "send_error", "status_and_body"]
 
 _log = logging.getLogger("icefloe.service")
 
-_CODE_BY_STATUS = {
-    400: CODE_INVALID_ARGUMENT,
-    401: CODE_UNAUTHENTICATED,
-    403: CODE_FORBIDDEN,
-    404: CODE_NOT_FOUND,
-    405: CODE_INVALID_ARGUMENT,
-    409: CODE_CONFLICT,
-    410: CODE_NOT_FOUND,
-    413: CODE_PAYLOAD_TOO_LARGE,
-    501: CODE_NOT_IMPLEMENTED,
-    503: CODE_UNAVAILABLE,
-}
-
-
-def _refusal(status: int, code: str, message: str, **detail: Any) -> RequestFailedError:
-    error = RequestFailedError(message, category="user", status_code=status, code=code)
-    error.detail = detail  # extra keys of the error body, e.g. chunk_group_id
-    return error
-
-
-def bad_request(message: str) -> RequestFailedError:
-    return _refusal(400, CODE_INVALID_ARGUMENT, message)
-
-
-def not_found(message: str) -> RequestFailedError:
-    return _refusal(404, CODE_NOT_FOUND, message)
-
-
-def gone(message: str) -> RequestFailedError:
-    return _refusal(410, CODE_NOT_FOUND, message)
-
-
-def conflict(message: str) -> RequestFailedError:
-    return _refusal(409, CODE_CONFLICT, message)
-
-
-def unauthenticated(message: str) -> RequestFailedError:
-    return _refusal(401, CODE_UNAUTHENTICATED, message)
-
-
-def payload_too_large(message: str) -> RequestFailedError:
-    return _refusal(413, CODE_PAYLOAD_TOO_LARGE, message)
-
-
-def not_implemented(message: str) -> RequestFailedError:
-    return _refusal(501, CODE_NOT_IMPLEMENTED, message)
-
-
-def chunk_group_refusal(error_cls: type[RequestFailedError], code: str, message: str, **detail: Any):
-    """A 409 chunk-group error whose body carries ``chunk_group_id`` and the chunk indices at fault."""
-    error = error_cls(message, category="user", status_code=409, code=code)
-    error.detail = detail
-    return error
-
-
-def error_body(code: str, message: str, **detail: Any) -> dict[str, Any]:
-    return {"code": code, "message": message, **detail}
+# Most specific first: the first class an error is an instance of decides its status and code.
+_STATUS_AND_CODE = (
+    (p.ChunkGroupRestartError, 409, p.CODE_CHUNK_GROUP_RESTART_REQUIRED),
+    (p.ChunkGroupConflictError, 409, p.CODE_CHUNK_GROUP_CONFLICT),
+    (p.ChunkGroupMissingChunksError, 409, p.CODE_CHUNK_GROUP_MISSING_CHUNKS),
+    (p.SequenceGapError, 409, p.CODE_SEQUENCE_GAP),
+    (p.PayloadTooLargeError, 413, p.CODE_PAYLOAD_TOO_LARGE),
+    (p.InvalidRequestError | p.ConfigError | p.WireError, 400, p.CODE_INVALID_ARGUMENT),
+    (p.UnauthenticatedError, 401, p.CODE_UNAUTHENTICATED),
+    (p.ExpiredError, 410, p.CODE_NOT_FOUND),
+    (p.NotFoundError, 404, p.CODE_NOT_FOUND),
+    (p.ConflictError | p.JobFailedError | p.ClientClosedError, 409, p.CODE_CONFLICT),  # the job stopped under the call
+    (p.UnsupportedOpError, 501, p.CODE_NOT_IMPLEMENTED),
+)
+_CODE_BY_STATUS = {401: p.CODE_UNAUTHENTICATED, 404: p.CODE_NOT_FOUND, 405: p.CODE_INVALID_ARGUMENT}
 
 
 def status_and_body(exc: Exception) -> tuple[int, dict[str, Any]]:
-    """The status and ``{code, message}`` body an exception leaves a route with."""
-    if isinstance(exc, StarletteHTTPException):
-        code = _CODE_BY_STATUS.get(exc.status_code, CODE_INTERNAL if exc.status_code >= 500 else CODE_INVALID_ARGUMENT)
-        return exc.status_code, error_body(code, str(exc.detail))
-    if not isinstance(exc, IcefloeError):
-        _log.exception("internal error (a bug in the service)", exc_info=exc)
-        return 500, error_body(CODE_INTERNAL, f"{type(exc).__name__}: {exc}")
-    return _status_and_body(exc)
+    """The status and ``{code, message}`` body (plus the error's ``detail``) an exception answers with."""
+    if isinstance(exc, p.IcefloeError):
+        for kind, status, code in _STATUS_AND_CODE:
+            if isinstance(exc, kind):
+                message = exc.reason if isinstance(exc, p.RequestFailedError) else str(exc)
+                return status, {"code": code, "message": message, **getattr(exc, "detail", {})}
+    _log.error("internal error (a bug in the service)", exc_info=exc)
+    return 500, {"code": p.CODE_INTERNAL, "message": f"{type(exc).__name__}: {exc}"}
 
 
-def _status_and_body(exc: IcefloeError) -> tuple[int, dict[str, Any]]:
-    if isinstance(exc, RequestFailedError) and exc.status_code is not None:
-        return exc.status_code, error_body(
-            exc.code or _CODE_BY_STATUS.get(exc.status_code, CODE_INTERNAL), exc.reason, **getattr(exc, "detail", {})
-        )
-    if isinstance(exc, InvalidRequestError | ConfigError | WireError):
-        return 400, error_body(CODE_INVALID_ARGUMENT, str(exc))
-    if isinstance(exc, UnsupportedOpError):
-        return 501, error_body(CODE_NOT_IMPLEMENTED, str(exc))
-    if isinstance(exc, JobFailedError | ClientClosedError):  # the job stopped while the call was in flight
-        return 409, error_body(CODE_CONFLICT, str(exc))
-    _log.error("unmapped service error %s: %s", type(exc).__name__, exc)
-    return 500, error_body(CODE_INTERNAL, f"{type(exc).__name__}: {exc}")
-
-
-def _field_path(loc: tuple[Any, ...]) -> str:
-    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
-    return ".".join(parts) or "body"
+async def send_error(send: Send, exc: Exception, *, close: bool = False) -> None:
+    """Answer ``exc`` from an ASGI layer, with the status and body a route would have given it."""
+    status, body = status_and_body(exc)
+    raw = json.dumps(body).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
+    if close:  # the body was not read: the connection cannot carry another request
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": raw})
 
 
 def _validation_message(exc: RequestValidationError) -> str:
     lines = []
     for err in exc.errors():
         if err.get("type") == "json_invalid":
-            lines.append(
-                f"body is not valid JSON ({err.get('ctx', {}).get('error', 'decode error')}); send a JSON object"
-            )
+            problem = err.get("ctx", {}).get("error", "decode error")
+            lines.append(f"body is not valid JSON ({problem}); send a JSON object")
             continue
-        msg = str(err.get("msg", "invalid")).removeprefix("Value error, ")
-        lines.append(f"{_field_path(tuple(err.get('loc', ())))}: {msg}")
+        where = ".".join(str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path", "header"))
+        lines.append(f"{where or 'body'}: {str(err.get('msg', 'invalid')).removeprefix('Value error, ')}")
     return "; ".join(lines) or "invalid request body"
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Register the handlers so every error leaves as ``{code, message}`` with its 4xx/5xx status."""
+    """Register the handlers so every error leaves as ``{code, message}`` with its status."""
 
-    @app.exception_handler(IcefloeError)
-    async def _icefloe_error(_request: Request, exc: IcefloeError) -> JSONResponse:
-        status, body = _status_and_body(exc)
+    async def _error(_request: Request, exc: Exception) -> JSONResponse:
+        status, body = status_and_body(exc)
         return JSONResponse(body, status_code=status)
+
+    app.add_exception_handler(p.IcefloeError, _error)
+    app.add_exception_handler(Exception, _error)  # a bug: Starlette answers with this, then re-raises
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(error_body(CODE_INVALID_ARGUMENT, _validation_message(exc)), status_code=400)
+        return JSONResponse({"code": p.CODE_INVALID_ARGUMENT, "message": _validation_message(exc)}, status_code=400)
 
-    @app.exception_handler(StarletteHTTPException)
+    @app.exception_handler(StarletteHTTPException)  # the framework's own: unknown paths, wrong methods
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = _CODE_BY_STATUS.get(exc.status_code, CODE_INTERNAL if exc.status_code >= 500 else CODE_INVALID_ARGUMENT)
-        return JSONResponse(error_body(code, str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(Exception)
-    async def _bug(_request: Request, exc: Exception) -> JSONResponse:
-        _log.exception("internal error (a bug in the service)", exc_info=exc)
-        return JSONResponse(error_body(CODE_INTERNAL, f"{type(exc).__name__}: {exc}"), status_code=500)
+        code = _CODE_BY_STATUS.get(
+            exc.status_code, p.CODE_INTERNAL if exc.status_code >= 500 else p.CODE_INVALID_ARGUMENT
+        )
+        body = {"code": code, "message": str(exc.detail)}
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)

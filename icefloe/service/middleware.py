@@ -17,13 +17,13 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from icefloe.protocol import CODE_CONFLICT, CODE_PAYLOAD_TOO_LARGE, RequestFailedError
+from icefloe.protocol import ConflictError, InvalidRequestError, PayloadTooLargeError, UnauthenticatedError
 from icefloe.service import store
-from icefloe.service.auth import authenticate, caller_scope
-from icefloe.service.errors import error_body
+from icefloe.service.deps import authenticate, caller_scope
+from icefloe.service.errors import send_error
 from icefloe.service.settings import ServeSettings
 
-__all__ = ["BodyLimit", "IdempotencyKeys", "header", "note_acceptance", "send_json"]
+__all__ = ["BodyLimit", "IdempotencyKeys", "header", "note_acceptance"]
 
 _IDEMPOTENCY_HEADER = b"idempotency-key"
 _MAX_KEY_LENGTH = 255
@@ -38,19 +38,8 @@ _ACCEPTANCE: contextvars.ContextVar[dict[str, Any] | None] = contextvars.Context
 def note_acceptance(accepted: dict[str, Any]) -> None:
     """Tell the idempotency layer what this POST accepted, so a large inline answer is kept as just that."""
     holder = _ACCEPTANCE.get()
-    if holder is None:
-        return
-    if "request_id" in accepted:
+    if holder is not None and "request_id" in accepted:
         holder.update(request_id=accepted["request_id"], job_id=accepted.get("job_id"))
-    elif "answers" in accepted:  # a batch POST: one {request_id, job_id} per op
-        holder.update(job_id=accepted.get("job_id"), answers=accepted["answers"])
-
-
-async def send_json(send: Send, status: int, body: dict[str, Any], extra_headers: list | None = None) -> None:
-    raw = json.dumps(body).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers + (extra_headers or [])})
-    await send({"type": "http.response.body", "body": raw})
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:
@@ -58,6 +47,38 @@ def header(scope: Scope, name: bytes) -> bytes | None:
         if key == name:
             return value
     return None
+
+
+async def _read_body(receive: Receive, max_bytes: int | None = None) -> bytes | None:
+    """The whole body, or None when the client went away; :class:`PayloadTooLargeError` past ``max_bytes``."""
+    chunks, seen, more = [], 0, True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunks.append(message.get("body", b""))
+        seen += len(chunks[-1])
+        if max_bytes is not None and seen > max_bytes:
+            raise PayloadTooLargeError(
+                f"request body exceeds {max_bytes} bytes; the cap is {max_bytes} bytes per POST: "
+                "split the frame into request chunks"
+            )
+        more = message.get("more_body", False)
+    return b"".join(chunks)
+
+
+def _replaying(body: bytes, receive: Receive) -> Receive:
+    """A ``receive`` that hands the app the body already read, then waits on the real one (a disconnect)."""
+    delivered = False
+
+    async def replay() -> Message:
+        nonlocal delivered
+        if delivered:
+            return await receive()
+        delivered = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
 
 
 class BodyLimit:
@@ -72,38 +93,22 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         declared = header(scope, b"content-length")
-        if declared is not None and declared.isdigit():
-            if int(declared) > self.max_bytes:
-                await self._refuse(send, f"request body is {int(declared)} bytes")
+        try:
+            if declared is not None and declared.isdigit():
+                if int(declared) > self.max_bytes:
+                    raise PayloadTooLargeError(
+                        f"request body is {int(declared)} bytes; the cap is {self.max_bytes} bytes per POST: "
+                        "split the frame into request chunks"
+                    )
+                await self.app(scope, receive, send)  # the server enforces Content-Length framing
                 return
-            await self.app(scope, receive, send)  # the server enforces Content-Length framing
+            # No Content-Length (chunked upload): read up to the cap first, then hand the body on.
+            body = await _read_body(receive, self.max_bytes)
+        except PayloadTooLargeError as refused:
+            await send_error(send, refused, close=True)
             return
-        # No Content-Length (chunked upload): read up to the cap first, then hand the body on.
-        chunks, seen, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunks.append(message.get("body", b""))
-            seen += len(chunks[-1])
-            if seen > self.max_bytes:
-                await self._refuse(send, f"request body exceeds {self.max_bytes} bytes")
-                return
-            more = message.get("more_body", False)
-        body, delivered = b"".join(chunks), False
-
-        async def replay() -> Message:
-            nonlocal delivered
-            if delivered:
-                return await receive()
-            delivered = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, send: Send, what: str) -> None:
-        message = f"{what}; the cap is {self.max_bytes} bytes per POST: split the frame into request chunks"
-        await send_json(send, 413, error_body(CODE_PAYLOAD_TOO_LARGE, message), [(b"connection", b"close")])
+        if body is not None:
+            await self.app(scope, _replaying(body, receive), send)
 
 
 class IdempotencyKeys:
@@ -134,119 +139,76 @@ class IdempotencyKeys:
         if raw_key is None or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
-        key = raw_key.decode("latin-1").strip()
-        if not key or len(key) > _MAX_KEY_LENGTH:
-            await send_json(
-                send, 400, error_body("invalid_argument", f"Idempotency-Key must be 1-{_MAX_KEY_LENGTH} characters")
-            )
-            return
+        key, route = raw_key.decode("latin-1").strip(), f"POST {scope['path']}"
         try:
-            token = authenticate(
-                self.settings,
-                _optional_text(header(scope, b"authorization")),
-                _optional_text(header(scope, b"x-snowflake-authorization-token-type")),
+            if not key or len(key) > _MAX_KEY_LENGTH:
+                raise InvalidRequestError(f"Idempotency-Key must be 1-{_MAX_KEY_LENGTH} characters")
+            authorization, token_type = (
+                header(scope, b"authorization"),
+                header(scope, b"x-snowflake-authorization-token-type"),
             )
-        except RequestFailedError as refused:
-            await send_json(send, 401, error_body(refused.code or "unauthenticated", refused.reason))
+            caller = caller_scope(authenticate(self.settings, _text(authorization), _text(token_type)))
+        except (InvalidRequestError, UnauthenticatedError) as refused:
+            await send_error(send, refused)
             return
-        caller = caller_scope(token)
-        route = f"POST {scope['path']}"
+        record = {"route": route, "caller": caller, "key": key}
         lock = self._locks.get((route, caller, key))
         if lock is None:
             lock = self._locks[(route, caller, key)] = asyncio.Lock()
         async with lock:
-            chunks, more = [], True
-            while more:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return
-                chunks.append(message.get("body", b""))
-                more = message.get("more_body", False)
-            body = b"".join(chunks)
-            digest = hashlib.sha256(body).hexdigest()
-            saved = store.get_idempotent_response(
-                self.db, route=route, caller=caller, key=key, ttl_s=self.settings.idempotency_ttl_s
-            )
-            if saved is not None:
-                await self._replay(saved, digest, send)
+            body = await _read_body(receive)
+            if body is None:
                 return
-            await self._run_and_keep(scope, receive, send, body, route=route, caller=caller, key=key, digest=digest)
+            digest = hashlib.sha256(body).hexdigest()
+            saved = store.get_idempotent_response(self.db, **record, ttl_s=self.settings.idempotency_ttl_s)
+            if saved is not None and saved["body_sha256"] != digest:
+                message = "Idempotency-Key was already used on this route with a different body; use a new key"
+                await send_error(send, ConflictError(message))
+            elif saved is not None:
+                response = bytes(saved["response"])
+                headers = [
+                    (b"content-type", saved["media_type"].encode()),
+                    (b"content-length", str(len(response)).encode()),
+                    (b"idempotent-replayed", b"true"),
+                ]
+                await send({"type": "http.response.start", "status": saved["status_code"], "headers": headers})
+                await send({"type": "http.response.body", "body": response})
+            else:
+                await self._run_and_keep(scope, _replaying(body, receive), send, record, digest)
         await self._purge_if_due()
 
-    async def _replay(self, saved: dict[str, Any], digest: str, send: Send) -> None:
-        if saved["body_sha256"] != digest:
-            message = "Idempotency-Key was already used on this route with a different body; use a new key"
-            await send_json(send, 409, error_body(CODE_CONFLICT, message))
-            return
-        response = bytes(saved["response"])
-        headers = [
-            (b"content-type", saved["media_type"].encode()),
-            (b"content-length", str(len(response)).encode()),
-            (b"idempotent-replayed", b"true"),
-        ]
-        await send({"type": "http.response.start", "status": saved["status_code"], "headers": headers})
-        await send({"type": "http.response.body", "body": response})
-
     async def _run_and_keep(
-        self,
-        scope: Scope,
-        receive: Receive,
-        send: Send,
-        body: bytes,
-        *,
-        route: str,
-        caller: str,
-        key: str,
-        digest: str,
+        self, scope: Scope, receive: Receive, send: Send, record: dict[str, str], digest: str
     ) -> None:
-        delivered = False
-
-        async def replay_receive() -> Message:
-            nonlocal delivered
-            if delivered:
-                return await receive()  # the body was consumed above; only a disconnect can come now
-            delivered = True
-            return {"type": "http.request", "body": body, "more_body": False}
-
         status, media_type, parts = 0, "application/json", []
 
         async def keeping_send(message: Message) -> None:
             nonlocal status, media_type
             if message["type"] == "http.response.start":
                 status = message["status"]
-                for name, value in message.get("headers", ()):
-                    if name.lower() == b"content-type":
-                        media_type = value.decode("latin-1")
-            elif message["type"] == "http.response.body":
+                media_type = dict(message.get("headers", ())).get(b"content-type", b"application/json").decode()
+            else:
                 parts.append(message.get("body", b""))
             await send(message)
 
         acceptance: dict[str, Any] = {}
         token = _ACCEPTANCE.set(acceptance)
         try:
-            await self.app(scope, replay_receive, keeping_send)
+            await self.app(scope, receive, keeping_send)
         finally:
             _ACCEPTANCE.reset(token)
         if not 200 <= status < 300:
             return
         response = b"".join(parts)
         if len(response) > self.settings.idempotency_max_response_bytes:
-            if acceptance:  # what the route accepted: no need to parse a reply of megabytes for it
-                response, media_type = json.dumps(acceptance).encode(), "application/json"
-            else:
-                response, media_type = _bare_acceptance(response, media_type)
-            if not response:
-                _log.info("%s: reply too large to keep for its Idempotency-Key; a retry will execute again", route)
+            if not acceptance:
+                _log.info(
+                    "%s: reply too large to keep for its Idempotency-Key; a retry executes again", record["route"]
+                )
                 return
+            response, media_type = json.dumps(acceptance).encode(), "application/json"  # what the route accepted
         store.put_idempotent_response(
-            self.db,
-            route=route,
-            caller=caller,
-            key=key,
-            body_sha256=digest,
-            status_code=status,
-            response=response,
-            media_type=media_type,
+            self.db, **record, body_sha256=digest, status_code=status, response=response, media_type=media_type
         )
 
     async def _purge_if_due(self) -> None:
@@ -257,18 +219,5 @@ class IdempotencyKeys:
         await asyncio.to_thread(store.purge_expired, self.db, idempotency_ttl_s=self.settings.idempotency_ttl_s)
 
 
-def _optional_text(raw: bytes | None) -> str | None:
+def _text(raw: bytes | None) -> str | None:
     return None if raw is None else raw.decode("latin-1")
-
-
-def _bare_acceptance(response: bytes, media_type: str) -> tuple[bytes, str]:
-    """``{request_id, job_id}`` of a large JSON acceptance (what the POST answers without ``?wait=``), else b""."""
-    if not media_type.startswith("application/json"):
-        return b"", media_type
-    try:
-        answer = json.loads(response)
-    except ValueError:
-        return b"", media_type
-    if not isinstance(answer, dict) or not isinstance(answer.get("request_id"), str) or "job_id" not in answer:
-        return b"", media_type
-    return json.dumps({"request_id": answer["request_id"], "job_id": answer["job_id"]}).encode(), "application/json"

@@ -7,9 +7,11 @@ octet body run on a thread-pool thread (decoding a 60 MiB frame must not stall t
 
 from __future__ import annotations
 
+import functools
+import json
+import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -25,28 +27,30 @@ from icefloe.protocol import (
     OP_STEP,
     OP_WEIGHT_SYNC,
     ClientClosedError,
+    ConflictError,
     InvalidRequestError,
+    NotFoundError,
     SamplingParams,
+    UnsupportedOpError,
 )
 from icefloe.service import store
-from icefloe.service.errors import bad_request, conflict, not_found, not_implemented, status_and_body
 from icefloe.service.jobs import JobManager, LiveJob
 from icefloe.service.models import GenerateBody, LoadBody, SaveBody, StepBody, WeightSyncPayload
 from icefloe.service.results import JsonText
 
 __all__ = [
-    "BATCHED_OPS",
-    "MAX_BATCH_OPS",
-    "Refusal",
+    "OP_GENERATE_STREAM",
+    "GenerateStream",
     "generate_target",
     "load_target",
     "sampling_params_per_prompt",
     "submit_frame",
+    "submit_generate_stream",
     "submit_load",
-    "submit_ops",
     "submit_save",
     "submit_step",
     "submit_weight_sync",
+    "validation_text",
 ]
 
 _SAMPLING_KEYS = frozenset(SamplingParams.model_fields)
@@ -57,6 +61,8 @@ def submit_frame(manager: JobManager, job: LiveJob, op: str, body: bytes, *, sub
 
     ``sub_job_id`` None is allowed for generate only: the body's ``routing_key`` then picks one.
     """
+    if op == OP_FORWARD and sub_job_id is not None and job.specs[sub_job_id].job_type == "sampling":
+        raise InvalidRequestError(f"forward runs on a training or log_probability sub-job; {sub_job_id} is a sampler")
     descriptor = wire.chunk_descriptor(body)
     if descriptor is None:
         return _submit_decoded(manager, job, op, body, sub_job_id)
@@ -80,13 +86,6 @@ def _submit_decoded(manager: JobManager, job: LiveJob, op: str, frame: bytes, su
 def _submit_batch_op(
     manager: JobManager, job: LiveJob, op: str, payload: Any, op_metadata: dict[str, Any], sub_job_id: str
 ) -> str:
-    return _prepare_batch_op(manager, job, op, payload, op_metadata, sub_job_id)()
-
-
-def _prepare_batch_op(
-    manager: JobManager, job: LiveJob, op: str, payload: Any, op_metadata: dict[str, Any], sub_job_id: str
-) -> Callable[[], str]:
-    """Validate a forward or forward-backward payload; the returned call queues it (its request id)."""
     from icefloe.engines.batch import validate_batch
 
     if isinstance(payload, dict) and "batch" in payload and "kwargs" not in payload:
@@ -98,92 +97,18 @@ def _prepare_batch_op(
     host = job.host
     assert host is not None  # a running job has engines
     if op == OP_FORWARD:
-
-        def submit_forward() -> str:
-            forward = lambda: host.forward(sub_job_id, batch)  # noqa: E731
-            return manager.submit(job, sub_job_id, OP_FORWARD, forward, op_metadata=op_metadata)
-
-        return submit_forward
+        return manager.submit(
+            job, sub_job_id, OP_FORWARD, lambda: host.forward(sub_job_id, batch), op_metadata=op_metadata
+        )
     if not job.specs[sub_job_id].is_training:
-        raise bad_request(f"forward-backward needs a training sub-job; {sub_job_id} is not one")
+        raise InvalidRequestError(f"forward-backward needs a training sub-job; {sub_job_id} is not one")
 
-    def submit_fwd_bwd() -> str:
-        def run() -> dict[str, Any]:
-            result = host.fwd_bwd(sub_job_id, batch)
-            job.last_avg_loss[sub_job_id] = float(result["avg_loss"])
-            return {"job_id": job.job_id, **result, "post_process_outputs": {}}
+    def run() -> dict[str, Any]:
+        result = host.fwd_bwd(sub_job_id, batch)
+        job.last_avg_loss[sub_job_id] = float(result["avg_loss"])
+        return {"job_id": job.job_id, **result, "post_process_outputs": {}}
 
-        return manager.submit(job, sub_job_id, OP_FWD_BWD, run, op_metadata=op_metadata)
-
-    return submit_fwd_bwd
-
-
-# --- several ops in one POST (icefloe extension) --------------------------------------------------
-BATCHED_OPS = (OP_FWD_BWD, OP_STEP)
-MAX_BATCH_OPS = 64
-
-
-@dataclass(frozen=True)
-class Refusal:
-    """Why one op of a batch was not queued: the status and body its own POST would have answered."""
-
-    status_code: int
-    code: str
-    message: str
-
-    @classmethod
-    def of(cls, exc: Exception) -> Refusal:
-        status, body = status_and_body(exc)
-        return cls(status, str(body.get("code")), str(body.get("message")))
-
-    def answer(self, job_id: str) -> dict[str, Any]:
-        return {
-            "request_id": None,
-            "job_id": job_id,
-            "status": "failed",
-            "status_code": self.status_code,
-            "code": self.code,
-            "error": self.message,
-        }
-
-
-def submit_ops(manager: JobManager, job: LiveJob, frame: bytes, training_sub_job_id: str) -> list[str | Refusal]:
-    """Validate and queue the ops of one ``batch`` POST in their order: a request id per op, or why not.
-
-    The frame holds ``{"ops": [{"op": "forward-backward", "batch": {...}} | {"op": "step",
-    "learning_rate"?: x}, ...]}``. Each op stands alone, as if sent in a POST of its own: one
-    refused (a bad batch, a job that stopped) is answered as such, and the others still run. So the
-    POST itself succeeds once its frame is readable, and a retry with its Idempotency-Key replays
-    the answer instead of queuing anything twice.
-    """
-    payload = wire.decode(frame, tensors="torch")
-    ops = payload.get("ops") if isinstance(payload, dict) else None
-    if not isinstance(ops, list) or not ops:
-        raise InvalidRequestError("a batch body must be a DSSST1 frame of {'ops': [op, ...]} with at least one op")
-    if len(ops) > MAX_BATCH_OPS:
-        raise InvalidRequestError(f"ops holds {len(ops)} ops; a batch takes at most {MAX_BATCH_OPS}: split it")
-    outcomes: list[str | Refusal] = []
-    for index, entry in enumerate(ops):
-        where = f"ops.{index}"
-        op = entry.get("op") if isinstance(entry, dict) else None
-        try:
-            if op == OP_FWD_BWD:
-                try:
-                    submit = _prepare_batch_op(manager, job, op, entry.get("batch"), {}, training_sub_job_id)
-                except InvalidRequestError as exc:
-                    raise InvalidRequestError(f"{where} ({op}): {exc}") from None
-                outcomes.append(submit())
-            elif op == OP_STEP:
-                try:
-                    body = StepBody.model_validate({k: v for k, v in entry.items() if k != "op"})
-                except ValidationError as exc:
-                    raise InvalidRequestError(_validation_text(exc, prefix=f"{where}.")) from None
-                outcomes.append(submit_step(manager, job, body, training_sub_job_id))
-            else:
-                raise InvalidRequestError(f"{where}.op must be one of {list(BATCHED_OPS)}; got {op!r}")
-        except Exception as exc:  # this op's own refusal, exactly as its own POST would have had it
-            outcomes.append(Refusal.of(exc))
-    return outcomes
+    return manager.submit(job, sub_job_id, OP_FWD_BWD, run, op_metadata=op_metadata)
 
 
 # --- generate ----------------------------------------------------------------------------------
@@ -195,7 +120,7 @@ def _sampling_params(raw: dict[str, Any] | None, where: str, job: LiveJob, sub_j
     try:
         return SamplingParams(**{k: v for k, v in raw.items() if k in _SAMPLING_KEYS and v is not None})
     except ValidationError as exc:
-        raise InvalidRequestError(_validation_text(exc, prefix=f"{where}.")) from None
+        raise InvalidRequestError(validation_text(exc, prefix=f"{where}.")) from None
 
 
 def _as_plain(value: Any) -> Any:
@@ -212,7 +137,7 @@ def _submit_generate(
     try:
         body = GenerateBody.model_validate(payload)
     except ValidationError as exc:
-        raise InvalidRequestError(_validation_text(exc)) from None
+        raise InvalidRequestError(validation_text(exc)) from None
     if sub_job_id is None:
         sub_job_id = generate_target(job, body.routing_key)
     prompts = body.prompts
@@ -264,7 +189,7 @@ def generate_target(job: LiveJob, routing_key: Any) -> str:
     """The sampling sub-job for a generate: a string routing key picks one stably, else the first."""
     samplers = [sid for sid, spec in job.specs.items() if spec.job_type == "sampling"]
     if not samplers:
-        raise bad_request(f"job {job.job_id} has no sampling sub-job; create it with a sampling sub_job_config")
+        raise InvalidRequestError(f"job {job.job_id} has no sampling sub-job; create it with a sampling sub_job_config")
     if isinstance(routing_key, str) and routing_key:
         return samplers[sum(routing_key.encode()) % len(samplers)]
     return samplers[0]
@@ -312,15 +237,15 @@ def load_target(job: LiveJob, body: LoadBody) -> str:
     training = [sid for sid, spec in job.specs.items() if spec.is_training]
     if body.target_sub_job_id is None:
         if not training:
-            raise bad_request(f"job {job.job_id} has no training sub-job to load a checkpoint into")
+            raise InvalidRequestError(f"job {job.job_id} has no training sub-job to load a checkpoint into")
         return training[0]
     target = body.target_sub_job_id
     if target not in job.specs:
-        raise bad_request(
+        raise InvalidRequestError(
             f"target_sub_job_id {target!r} is not in job {job.job_id}; its sub-jobs are {sorted(job.specs)}"
         )
     if not job.specs[target].is_training:
-        raise not_implemented(
+        raise UnsupportedOpError(
             f"load into a {job.specs[target].job_type} sub-job ({target}) is not supported; "
             "load into the training sub-job and run weight-sync"
         )
@@ -331,7 +256,7 @@ def submit_load(manager: JobManager, job: LiveJob, body: LoadBody, sub_job_id: s
     source_job = body.source_job_id or job.job_id
     record = store.get_checkpoint(manager.db, job_id=source_job, checkpoint_id=body.checkpoint_id)
     if record is None:
-        raise not_found(f"checkpoint {body.checkpoint_id!r} not found in job {source_job}")
+        raise NotFoundError(f"checkpoint {body.checkpoint_id!r} not found in job {source_job}")
     host = job.host
     assert host is not None
 
@@ -352,32 +277,33 @@ def submit_weight_sync(
     """
     source = payload.source_sub_job_id or routed_sub_job_id
     if source is None or source not in job.specs or not job.specs[source].is_training:
-        raise bad_request(f"payload.source_sub_job_id must name a training sub-job of job {job.job_id}; got {source!r}")
+        raise InvalidRequestError(
+            f"payload.source_sub_job_id must name a training sub-job of job {job.job_id}; got {source!r}"
+        )
     targets = payload.target_sub_job_ids
     if targets is None:
         targets = [sid for sid, spec in job.specs.items() if spec.job_type == "sampling"]
     bad = sorted(t for t in targets if t not in job.specs or job.specs[t].job_type != "sampling")
     if bad or not targets:
-        raise bad_request(
+        raise InvalidRequestError(
             f"payload.target_sub_job_ids must name sampling sub-jobs of job {job.job_id}; "
             f"not sampling sub-jobs: {bad or '[] (empty list)'}"
         )
     if payload.weight_format == "lora":
-        raise not_implemented("weight_format 'lora' needs LoRA adapters, which local engines do not train")
+        raise UnsupportedOpError("weight_format 'lora' needs LoRA adapters, which local engines do not train")
     from icefloe.engines.host import SyncGate
 
     sync_request: dict[str, str] = {}
 
     def abandoned() -> str | None:
-        if job.stopping.is_set():
+        if job.stopping:
             return f"job {job.job_id} stopped before weight-sync could run"
-        if sync_request.get("id") in job.cancelled_requests:
+        request_id = sync_request.get("id")
+        if request_id is not None and not manager.requests.is_open(request_id):
             return "the weight-sync request was cancelled"
         return None
 
-    gate = SyncGate(len(targets), abandoned=abandoned)
-    for target in targets:
-        job.workers[target].submit(gate.park)
+    gate = SyncGate.parked([job.workers[t] for t in targets], abandoned=abandoned)
     host = job.host
     assert host is not None
 
@@ -397,7 +323,7 @@ def submit_weight_sync(
         try:
             return gate.run(copy)
         except ClientClosedError as exc:
-            raise conflict(str(exc)) from None
+            raise ConflictError(str(exc)) from None
 
     try:
         sync_request["id"] = manager.submit(job, source, OP_WEIGHT_SYNC, run)
@@ -407,7 +333,103 @@ def submit_weight_sync(
     return sync_request["id"]
 
 
-def _validation_text(exc: ValidationError, prefix: str = "") -> str:
+# --- generate-stream ---------------------------------------------------------------------------
+OP_GENERATE_STREAM = "generate-stream"
+
+
+class GenerateStream:
+    """Events of one ``generate-stream`` request; filled by the sampler's worker, drained by polls.
+
+    The body is UTF-8 JSON sent as octet-stream (never DSSST1, never chunked), with the fields of a
+    generate. Each prompt is queued as its own batchable item, so the prompts of one stream (and of
+    streams sent close together) are generated as one batch, and each result becomes an event the
+    moment its batch finishes. Polls drain events destructively, as the training API specifies:
+    ``{type: "result", index, result}``, ``{type: "error", index, error}``, then ``{type: "done",
+    completed, failed}``.
+    """
+
+    def __init__(self, request_id: str, total: int) -> None:
+        self.request_id = request_id
+        self.total = total
+        self.completed = 0
+        self.failed = 0
+        self._events: deque[dict[str, Any]] = deque()
+        self._lock = threading.Lock()
+
+    def push(self, event: dict[str, Any]) -> bool:
+        """Queue one event; True when it was the last prompt's (the stream is then complete)."""
+        with self._lock:
+            self._events.append(event)
+            if event["type"] == "result":
+                self.completed += 1
+            elif event["type"] == "error":
+                self.failed += 1
+            finished = self.completed + self.failed == self.total
+            if finished:
+                self._events.append({"type": "done", "completed": self.completed, "failed": self.failed})
+            return finished
+
+    def drain(self, max_events: int) -> list[dict[str, Any]]:
+        with self._lock:
+            return [self._events.popleft() for _ in range(min(max_events, len(self._events)))]
+
+    @property
+    def pending_events(self) -> int:
+        with self._lock:
+            return len(self._events)
+
+
+def _parse(body: bytes) -> GenerateBody:
+    try:
+        payload = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequestError(f"generate-stream body must be UTF-8 JSON (not DSSST1); {exc}") from None
+    try:
+        return GenerateBody.model_validate(payload)
+    except ValidationError as exc:
+        raise InvalidRequestError(validation_text(exc)) from None
+
+
+def submit_generate_stream(manager: JobManager, job: LiveJob, body: bytes, *, sub_job_id: str | None) -> dict:
+    """Queue every prompt of the stream; returns ``{request_id, job_id, count}``."""
+    request = _parse(body)
+    target = sub_job_id or generate_target(job, request.routing_key)
+    params = sampling_params_per_prompt(request, job, target)
+    request_id = manager.requests.add(job.job_id, target, OP_GENERATE_STREAM, {})
+    stream = manager.streams[request_id] = GenerateStream(request_id, total=len(request.prompts))
+    # Items of every stream queued together on this worker run as one batch: each carries its stream.
+    run_batch = functools.partial(_run_stream_batch, manager, job, target)
+    for index, (prompt, prompt_params) in enumerate(zip(request.prompts, params, strict=True)):
+        job.workers[target].submit_batchable(OP_GENERATE_STREAM, (stream, index, prompt, prompt_params), run_batch)
+    return {"request_id": request_id, "job_id": job.job_id, "count": len(request.prompts)}
+
+
+def _run_stream_batch(manager: JobManager, job: LiveJob, target: str, items: list[tuple]) -> list[None]:
+    for stream in {id(item[0]): item[0] for item in items}.values():
+        manager.requests.start(stream.request_id, "streaming")
+    try:
+        if job.stopping:
+            raise InvalidRequestError(f"job {job.job_id} is {job.status}")
+        assert job.host is not None
+        samples = job.host.generate(target, [item[2] for item in items], [item[3] for item in items])
+    except Exception as exc:  # each prompt of the failed batch gets an error event
+        events = [
+            (stream, {"type": "error", "index": i, "error": f"{type(exc).__name__}: {exc}"}) for stream, i, *_ in items
+        ]
+    else:
+        events, cursor = [], 0
+        for stream, index, _, prompt_params in items:  # prompt-major: n samples per prompt
+            result = {"job_id": job.job_id, "results": samples[cursor : cursor + prompt_params.n]}
+            events.append((stream, {"type": "result", "index": index, "result": result}))
+            cursor += prompt_params.n
+    for stream, event in events:
+        if stream.push(event):
+            counts = json.dumps({"completed": stream.completed, "failed": stream.failed})
+            manager.requests.finish(stream.request_id, status="done", result_json=counts)
+    return [None] * len(items)
+
+
+def validation_text(exc: ValidationError, prefix: str = "") -> str:
     """One ``field: problem; got value`` clause per error, fields dotted from ``prefix``."""
     parts = []
     for err in exc.errors():

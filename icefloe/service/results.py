@@ -151,18 +151,9 @@ class ResultPages:
         return str(path)
 
     def render(
-        self,
-        *,
-        request_id: str,
-        result: dict[str, Any] | None,
-        result_path: str | None,
-        op_metadata: Mapping[str, Any],
-        cursor: str | None,
-        max_events: int,
+        self, request_id: str, result_path: str, op_metadata: Mapping[str, Any], cursor: str | None, max_events: int
     ) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
-        """``(result, events, next_cursor)`` for one poll of a finished request."""
-        if result_path is None:
-            return result or {}, [], ""
+        """``(result, events, next_cursor)`` for one poll of a request whose result is the frame at ``result_path``."""
         frame = Path(result_path).read_bytes()
         if not _wants_chunks(op_metadata) and len(frame) <= self._inline_max_bytes:
             return _inline_envelope(frame), [], ""

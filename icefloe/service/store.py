@@ -69,18 +69,6 @@ CREATE TABLE IF NOT EXISTS file_links (
 CREATE INDEX IF NOT EXISTS file_links_by_expiry ON file_links (expires_at);
 """
 
-# A store written before records were scoped by caller: its keys were made without auth, so they
-# become records of the no-auth caller ('') and can never answer a caller who presents a token.
-_MIGRATE_UNSCOPED_IDEMPOTENCY = """
-BEGIN;
-ALTER TABLE idempotency RENAME TO idempotency_unscoped;
-{schema}
-INSERT OR IGNORE INTO idempotency (route, caller, key, body_sha256, status_code, response, media_type, created_at)
-    SELECT route, '', key, body_sha256, status_code, response, media_type, created_at FROM idempotency_unscoped;
-DROP TABLE idempotency_unscoped;
-COMMIT;
-"""
-
 _ACTIVE_JOB_STATES = ("pending", "placing", "initializing", "running", "cancelling")
 _OPEN_REQUEST_STATES = ("pending", "running")
 
@@ -110,11 +98,7 @@ class Database:
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL survives a process crash
         self._closed = False
-        columns = {row["name"] for row in self._conn.execute("PRAGMA table_info(idempotency)").fetchall()}
-        if columns and "caller" not in columns:
-            self._conn.executescript(_MIGRATE_UNSCOPED_IDEMPOTENCY.format(schema=_SCHEMA))
-        else:
-            self._conn.executescript(_SCHEMA)
+        self._conn.executescript(_SCHEMA)
 
     def execute(self, sql: str, params: Iterable[Any] = ()) -> int:
         with self._lock:
@@ -233,14 +217,11 @@ def update_request(
     return now
 
 
-def get_request(db: Database, *, request_id: str, raw_result: bool = False) -> dict[str, Any] | None:
-    """The request's row; ``raw_result`` leaves ``result`` as its JSON text (to splice into an answer)."""
+def get_request(db: Database, *, request_id: str) -> dict[str, Any] | None:
+    """The request's row, ``result`` left as its JSON text (to splice into an answer)."""
     row = db.fetch_one("SELECT * FROM requests WHERE request_id = ?", (request_id,))
-    if row is None:
-        return None
-    if not raw_result:
-        row["result"] = None if row["result"] is None else json.loads(row["result"])
-    row["op_metadata"] = json.loads(row["op_metadata"])
+    if row is not None:
+        row["op_metadata"] = json.loads(row["op_metadata"])
     return row
 
 

@@ -62,6 +62,7 @@ class Api:
         *,
         op_metadata: dict | None = None,
         check: bool = True,
+        headers: dict[str, str] | None = None,
         **kwargs: Any,
     ) -> httpx.Response:
         frame = wire.encode(obj, op_metadata=op_metadata)
@@ -70,7 +71,7 @@ class Api:
             f"/{job_id}/{endpoint}",
             content=frame,
             check=check,
-            headers={"content-type": "application/octet-stream"},
+            headers={"content-type": "application/octet-stream", **(headers or {})},
             **kwargs,
         )
 

@@ -28,9 +28,7 @@ async def test_job_lifecycle_walks_every_endpoint(data_dir, transport):
             "forward": True,
             "inline_wait": True,
             "sequenced_submit": True,
-            "batch_submit": True,
         }
-        assert caps["limits"]["max_batch_ops"] == 64
         job_id = await api.create(TRAINING, SAMPLING, experiment_name="walk")
         job = await api.wait_status(job_id, "running")
         assert [s["sub_job_id"] for s in job["sub_jobs"]] == [f"{job_id}:training:0", f"{job_id}:sampling:0"]

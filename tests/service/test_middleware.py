@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 
 import pytest
 
 from icefloe.service import store
-from icefloe.service.middleware import _bare_acceptance
 
-from .service_client import PREFIX, TRAINING, Api
+from .service_client import PREFIX, SAMPLING, TRAINING, Api
 from .service_harness import asgi_client, make_app, uvicorn_client
 
 pytestmark = pytest.mark.anyio
@@ -100,9 +98,19 @@ async def test_expired_idempotency_records_are_not_replayed_and_are_deleted(data
     restarted.state.db.close()
 
 
-def test_oversized_reply_is_kept_as_its_bare_acceptance():
+async def test_an_oversized_wait_answer_is_replayed_as_its_bare_acceptance(data_dir):
     """Whole ?wait= answers (results included) were stored for every key, however large."""
-    big = json.dumps({"request_id": "r1", "job_id": "j1", "status": "done", "result": "x" * 100_000}).encode()
-    kept, media_type = _bare_acceptance(big, "application/json")
-    assert json.loads(kept) == {"request_id": "r1", "job_id": "j1"} and media_type == "application/json"
-    assert _bare_acceptance(b'{"entries": []}', "application/json")[0] == b""  # not an acceptance: not kept
+    app = make_app(data_dir, idempotency_max_response_bytes=1024)
+    async with asgi_client(app) as http:
+        api = Api(http)
+        job_id = await api.running(TRAINING, SAMPLING)
+        body = {"prompts": [[1, 2, 3]] * 4, "sampling_params": {"max_tokens": 8, "n": 4}}
+        posts = [
+            await api.post_frame(job_id, "generate", body, params={"wait": 30}, headers={"Idempotency-Key": "g-1"})
+            for _ in range(2)
+        ]
+        assert posts[0].json()["status"] == "done" and len(posts[0].content) > 1024
+        assert posts[1].headers["idempotent-replayed"] == "true"
+        assert posts[1].json() == {"request_id": posts[0].json()["request_id"], "job_id": job_id}
+        rows = app.state.db.fetch_all("SELECT op FROM requests WHERE job_id = ? AND op = 'generate'", (job_id,))
+        assert len(rows) == 1

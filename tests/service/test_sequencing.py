@@ -1,13 +1,16 @@
-"""The ``sequenced_submit`` extension: numbered POSTs are queued in number order, whatever order they arrive in."""
+"""The ``sequenced_submit`` extension: numbered POSTs run in number order, whatever order they arrive in."""
 
 from __future__ import annotations
 
 import asyncio
-import uuid
+import contextlib
+from collections import defaultdict
+from collections.abc import AsyncIterator
 
+import httpx
 import pytest
 
-from icefloe import wire
+from icefloe.service.runtime import LocalEngineHost
 from icefloe.service.sequencing import SubmitOrder, release_turn
 
 from .service_batches import small_batch
@@ -17,85 +20,129 @@ from .service_harness import asgi_client, make_app
 pytestmark = pytest.mark.anyio
 
 
-def _numbered(session: str, number: int) -> dict[str, str]:
-    return {"Icefloe-Sequence": f"{session}:{number}"}
+class _Arrivals:
+    """Wraps an ASGI app to tell a test the moment each numbered POST reaches it."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+        self.arrived: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            numbered = dict(scope["headers"]).get(b"icefloe-sequence")
+            if numbered is not None:
+                self.arrived[numbered.decode()].set()
+        await self.app(scope, receive, send)
 
 
-async def _held_step(api: Api, job_id: str, session: str, number: int):
-    """A numbered step POST that asks for its answer inline (?wait=)."""
-    return await api.call("POST", f"/{job_id}/step", json={}, params={"wait": 30}, headers=_numbered(session, number))
+@contextlib.asynccontextmanager
+async def _watched_service(data_dir, **settings) -> AsyncIterator[tuple[Api, _Arrivals]]:
+    """The service with its engines in this process, behind an API client that sees each POST arrive."""
+    app = make_app(data_dir, engines="local", **settings)
+    arrivals = _Arrivals(app)
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=arrivals), base_url="http://t", timeout=60) as http,
+    ):
+        yield Api(http), arrivals
 
 
-def _recorded_ops(app, job_id: str) -> list[str]:
-    rows = app.state.db.fetch_all("SELECT op, created_at FROM requests WHERE job_id = ? ORDER BY created_at", (job_id,))
-    return [row["op"] for row in rows]
+@pytest.fixture
+def executed(monkeypatch) -> list[tuple[str, float]]:
+    """The engine calls ``(op, learning rate or 0)`` in the order they ran."""
+    calls: list[tuple[str, float]] = []
+    step, fwd_bwd = LocalEngineHost.step, LocalEngineHost.fwd_bwd
+
+    def recorded_step(self, sub_job_id, learning_rate):
+        calls.append(("step", learning_rate))
+        return step(self, sub_job_id, learning_rate)
+
+    def recorded_fwd_bwd(self, sub_job_id, batch):
+        calls.append(("forward-backward", 0.0))
+        return fwd_bwd(self, sub_job_id, batch)
+
+    monkeypatch.setattr(LocalEngineHost, "step", recorded_step)
+    monkeypatch.setattr(LocalEngineHost, "fwd_bwd", recorded_fwd_bwd)
+    return calls
 
 
-async def test_a_step_that_arrives_first_waits_for_the_forward_backward_numbered_before_it(data_dir):
-    app = make_app(data_dir)
-    async with asgi_client(app) as http:
-        api = Api(http)
+def _numbered(sequence: str) -> dict[str, str]:
+    return {"Icefloe-Sequence": sequence}
+
+
+async def _step(api: Api, job_id: str, sequence: str | None, learning_rate: float = 1e-3, **headers: str):
+    """A step POST answered inline (``?wait=``), numbered when ``sequence`` is given."""
+    numbered = _numbered(sequence) if sequence else {}
+    return await api.call(
+        "POST",
+        f"/{job_id}/step",
+        json={"learning_rate": learning_rate},
+        params={"wait": 30},
+        headers={**numbered, **headers},
+        check=False,
+    )
+
+
+async def test_steps_arriving_in_reverse_run_in_number_order(data_dir, executed):
+    async with _watched_service(data_dir) as (api, arrivals):
         job_id = await api.running()
-        session = uuid.uuid4().hex
-        step = asyncio.ensure_future(_held_step(api, job_id, session, 1))
-        await asyncio.sleep(0.3)  # the step has arrived and is held
-        assert not step.done() and _recorded_ops(app, job_id) == []
-        trained = await api.call(
-            "POST",
-            f"/{job_id}/forward-backward",
-            content=wire.encode(small_batch()),
-            params={"wait": 30},
-            headers={"content-type": "application/octet-stream", **_numbered(session, 0)},
+        rates = [1e-4 * (n + 1) for n in range(4)]
+        posts = {}
+        for n in reversed(range(4)):  # 3 reaches the service first, 0 last
+            posts[n] = asyncio.ensure_future(_step(api, job_id, f"s:{n}", rates[n]))
+            await arrivals.arrived[f"s:{n}"].wait()
+        answers = {n: (await post).json() for n, post in posts.items()}
+        assert [answers[n]["result"]["global_step"] for n in range(4)] == [1, 2, 3, 4]
+        assert executed == [("step", rate) for rate in rates]
+
+
+async def test_a_step_arriving_first_waits_for_the_forward_backward_numbered_before_it(data_dir, executed):
+    async with _watched_service(data_dir) as (api, arrivals):
+        job_id = await api.running()
+        step = asyncio.ensure_future(_step(api, job_id, "s:1"))
+        await arrivals.arrived["s:1"].wait()
+        trained = await api.post_frame(
+            job_id, "forward-backward", small_batch(), params={"wait": 30}, headers=_numbered("s:0")
         )
         stepped = (await step).json()
-        assert trained.json()["status"] == "done" and stepped["status"] == "done"
-        assert _recorded_ops(app, job_id) == ["forward-backward", "step"]
+        assert trained.json()["status"] == stepped["status"] == "done"
+        assert [op for op, _ in executed] == ["forward-backward", "step"]
         assert stepped["result"]["grad_norm"] > 0  # the gradients were there when the step ran
 
 
-async def test_a_missing_number_is_refused_after_the_gap_timeout_and_nothing_runs(data_dir):
-    app = make_app(data_dir, sequence_gap_timeout_s=0.3)
-    async with asgi_client(app) as http:
-        api = Api(http)
+async def test_a_missing_number_fails_the_waiting_post_with_409_naming_it_and_nothing_runs(data_dir, executed):
+    async with _watched_service(data_dir, sequence_gap_timeout_s=0.2) as (api, _):
         job_id = await api.running()
-        refused = await api.call("POST", f"/{job_id}/step", json={}, headers=_numbered("lonely", 1), check=False)
-        assert refused.status_code == 409 and refused.json()["code"] == "sequence_gap"
-        assert "POST 0" in refused.json()["message"] and "sequence-skip" in refused.json()["message"]
-        assert _recorded_ops(app, job_id) == []
+        await _step(api, job_id, "s:0")
+        refused = await _step(api, job_id, "s:2")
+        assert (refused.status_code, refused.json()["code"]) == (409, "sequence_gap")
+        assert "POST 1 of its session" in refused.json()["message"]
+        assert executed == [("step", 1e-3)]
 
 
-async def test_a_sequence_skip_takes_the_place_of_a_post_that_will_never_come(data_dir):
-    app = make_app(data_dir, sequence_gap_timeout_s=30)
-    async with asgi_client(app) as http:
-        api = Api(http)
+async def test_a_retry_of_a_number_already_let_in_passes_and_unnumbered_posts_never_wait(data_dir, executed):
+    async with _watched_service(data_dir, sequence_gap_timeout_s=0.2) as (api, _):
         job_id = await api.running()
-        session = uuid.uuid4().hex
-        step = asyncio.ensure_future(_held_step(api, job_id, session, 1))
-        await asyncio.sleep(0.2)
-        skip = {"operation_type": "sequence-skip", "payload": {}}
-        skipped = await api.call("POST", f"/{job_id}/operation", json=skip, headers=_numbered(session, 0))
-        assert skipped.json() == {"status": "skipped"}
-        assert (await step).json()["result"]["global_step"] == 1
+        first = await _step(api, job_id, "s:0")
+        again = await _step(api, job_id, "s:0")  # no Idempotency-Key: the caller asked for a second step
+        unnumbered = await _step(api, job_id, None)  # while number 1 of the session is still missing
+        assert [r.json()["result"]["global_step"] for r in (first, again, unnumbered)] == [1, 2, 3]
+        assert len(executed) == 3
 
 
-async def test_a_number_already_let_in_passes_at_once_and_unnumbered_posts_never_wait(data_dir):
-    app = make_app(data_dir, sequence_gap_timeout_s=30)
-    async with asgi_client(app) as http:
-        api = Api(http)
+async def test_a_retried_numbered_post_with_its_idempotency_key_executes_once(data_dir, executed):
+    async with _watched_service(data_dir, sequence_gap_timeout_s=0.2) as (api, _):
         job_id = await api.running()
-        session = uuid.uuid4().hex
-        for _ in range(2):  # a retry of POST 0 (a new Idempotency-Key: a deliberate second step)
-            await api.call("POST", f"/{job_id}/step", json={}, headers=_numbered(session, 0))
-        await api.call("POST", f"/{job_id}/step", json={})  # unnumbered, while 1 is still missing
-        assert _recorded_ops(app, job_id) == ["step"] * 3
+        answers = [await _step(api, job_id, "s:0", **{"Idempotency-Key": "step-0"}) for _ in range(2)]
+        assert answers[1].headers["idempotent-replayed"] == "true"
+        assert answers[0].json() == answers[1].json() and len(executed) == 1
+        assert (await _step(api, job_id, "s:1")).json()["result"]["global_step"] == 2
 
 
 @pytest.mark.parametrize("value", ["nocolon", ":3", "s:-1", "s:x", "a:b:1", f"{'s' * 65}:0"])
 async def test_a_malformed_sequence_header_is_a_400_that_names_the_header(data_dir, value):
-    app = make_app(data_dir)
-    async with asgi_client(app) as http:
-        api = Api(http)
-        response = await api.call("POST", "/any-job/step", json={}, headers={"Icefloe-Sequence": value}, check=False)
+    async with asgi_client(make_app(data_dir)) as http:
+        response = await Api(http).call("POST", "/any-job/step", json={}, headers=_numbered(value), check=False)
         assert response.status_code == 400 and response.json()["code"] == "invalid_argument"
         assert "Icefloe-Sequence must be '<session>:<n>'" in response.json()["message"]
 
@@ -109,48 +156,38 @@ class _Queue:
         self.delay_s = delay_s
 
     async def __call__(self, scope, receive, send) -> None:
-        number = int(scope["headers"][0][1].rsplit(b":", 1)[1])
+        number = int(dict(scope["headers"])[b"icefloe-sequence"].rsplit(b":", 1)[1])
         refused = scope["path"].strip("/")
         await asyncio.sleep(self.delay_s)  # decoding, validation: time spent inside the app
-        if refused:
-            self.order.append((refused, number))
-            await send({"type": "http.response.start", "status": int(refused), "headers": []})
-            await send({"type": "http.response.body", "body": b'{"code": "unavailable"}'})
-            return
-        self.order.append(("queued", number))
-        release_turn()
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"{}"})
+        self.order.append((refused or "queued", number))
+        if not refused:
+            release_turn()
+        await send({"type": "http.response.start", "status": int(refused or 200), "headers": []})
+        await send({"type": "http.response.body", "body": b'{"code": "unavailable"}' if refused else b"{}"})
 
 
-async def _post(layer, session: str, number: int, path: str = "/") -> int:
+async def _post(layer, sequence: str, path: str = "/") -> int:
     answered = {}
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
 
     async def send(message):
         if message["type"] == "http.response.start":
             answered["status"] = message["status"]
 
-    async def receive():
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": path,
-        "headers": [(b"icefloe-sequence", f"{session}:{number}".encode())],
-    }
+    scope = {"type": "http", "method": "POST", "path": path, "headers": [(b"icefloe-sequence", sequence.encode())]}
     await layer(scope, receive, send)
     return answered["status"]
 
 
-async def test_a_post_refused_with_a_retried_status_keeps_its_place_for_the_retry():
+async def test_a_post_answered_with_a_status_its_client_retries_keeps_its_place_for_the_retry():
     app = _Queue()
-    layer = SubmitOrder(app, gap_timeout_s=30)
-    assert await _post(layer, "s", 0, "/503") == 503  # the client retries this one
-    later = asyncio.ensure_future(_post(layer, "s", 1))
-    await asyncio.sleep(0.05)
-    assert not later.done()  # 1 must not jump ahead of the retry of 0
-    assert await _post(layer, "s", 0) == 200
+    layer = _Arrivals(SubmitOrder(app, gap_timeout_s=30))
+    assert await _post(layer, "s:0", "/503") == 503
+    later = asyncio.ensure_future(_post(layer, "s:1"))
+    await layer.arrived["s:1"].wait()
+    assert await _post(layer, "s:0") == 200  # the retry
     assert await later == 200
     assert app.order == [("503", 0), ("queued", 0), ("queued", 1)]
 
@@ -158,121 +195,21 @@ async def test_a_post_refused_with_a_retried_status_keeps_its_place_for_the_retr
 async def test_a_post_refused_for_good_lets_the_next_one_in():
     app = _Queue()
     layer = SubmitOrder(app, gap_timeout_s=30)
-    assert await _post(layer, "s", 0, "/400") == 400  # the caller's mistake: never sent again
-    assert await _post(layer, "s", 1) == 200
+    assert await _post(layer, "s:0", "/400") == 400  # the caller's mistake: never sent again
+    assert await _post(layer, "s:1") == 200
     assert app.order == [("400", 0), ("queued", 1)]
 
 
 async def test_the_gap_timeout_counts_from_the_sessions_last_progress_not_from_arrival():
-    app = _Queue(delay_s=0.2)
-    layer = SubmitOrder(app, gap_timeout_s=0.5)  # the whole chain takes 1 s, each link 0.2 s
-    statuses = await asyncio.gather(*(_post(layer, "s", n) for n in range(5)))
-    assert statuses == [200] * 5 and app.order == [("queued", n) for n in range(5)]
+    app = _Queue(delay_s=0.4)
+    layer = SubmitOrder(app, gap_timeout_s=1.0)  # the whole chain takes 1.6 s or more, each link 0.4 s
+    statuses = await asyncio.gather(*(_post(layer, f"s:{n}") for n in range(4)))
+    assert statuses == [200] * 4 and app.order == [("queued", n) for n in range(4)]
 
 
-async def test_the_least_recently_used_session_is_forgotten_beyond_the_cap_never_a_quiet_one():
-    layer = SubmitOrder(_Queue(), gap_timeout_s=30, max_sessions=2)
-    for session in ("a", "b"):
-        assert await _post(layer, session, 0) == 200
-    assert await _post(layer, "a", 1) == 200  # "a" is now the most recent
-    assert await _post(layer, "c", 0) == 200  # evicts "b", the least recent
-    assert list(layer._next) == ["a", "c"]
-
-
-async def test_a_skip_for_a_number_still_queuing_waits_for_it_so_the_next_number_cannot_overtake():
-    """A client whose op caller gave up after the POST was written sends a skip with the same number;
-    the op's POST is still decoding, and the step numbered after it must still queue after it."""
-    queued: list[str] = []
-
-    async def app(scope, receive, send) -> None:
-        while (await receive()).get("more_body"):
-            pass
-        if scope["path"] == "/forward-backward":
-            await asyncio.sleep(0.2)  # a large frame decoding on the thread pool
-        queued.append(scope["path"])
-        release_turn()
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"{}"})
-
-    order = SubmitOrder(app, gap_timeout_s=5)
-
-    async def post(path: str, number: int) -> None:
-        scope = {"type": "http", "method": "POST", "path": path, "headers": [(b"icefloe-sequence", b"s:%d" % number)]}
-
-        async def receive() -> dict:
-            return {"type": "http.request", "body": b"", "more_body": False}
-
-        async def send(message: dict) -> None:
-            pass
-
-        await order(scope, receive, send)
-
-    trained = asyncio.ensure_future(post("/forward-backward", 0))
-    stepped = asyncio.ensure_future(post("/step", 1))
-    await asyncio.sleep(0.05)
-    await post("/sequence-skip", 0)
-    await asyncio.gather(trained, stepped)
-    assert queued == ["/forward-backward", "/step", "/sequence-skip"]
-
-
-async def _post_numbered(layer, path: str, session: str, number: int) -> None:
-    scope = {
-        "type": "http",
-        "method": "POST",
-        "path": path,
-        "headers": [(b"icefloe-sequence", f"{session}:{number}".encode())],
-    }
-
-    async def receive() -> dict:
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message: dict) -> None:
-        pass
-
-    await layer(scope, receive, send)
-
-
-async def test_a_post_leaving_after_its_session_emptied_and_refilled_keeps_the_later_numbers_held():
-    """0 and 1 queue and stay in the app (long-polls); 0 leaves, 2 comes in and decodes, 1 leaves:
-    number 2 must still count as queuing, so a skip for it cannot let 3 overtake it."""
-    queued: list[str] = []
-    held = {"/wait0": asyncio.Event(), "/wait1": asyncio.Event()}
-
-    async def app(scope, receive, send) -> None:
-        path = scope["path"]
-        if path == "/fwd-bwd2":
-            await asyncio.sleep(0.3)
-        queued.append(path)
-        release_turn()
-        if path in held:
-            await held[path].wait()
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"{}"})
-
-    layer = SubmitOrder(app, gap_timeout_s=5)
-    first = asyncio.ensure_future(_post_numbered(layer, "/wait0", "s", 0))
-    second = asyncio.ensure_future(_post_numbered(layer, "/wait1", "s", 1))
-    await asyncio.sleep(0.02)
-    held["/wait0"].set()
-    await first
-    trained = asyncio.ensure_future(_post_numbered(layer, "/fwd-bwd2", "s", 2))
-    await asyncio.sleep(0.02)
-    held["/wait1"].set()
-    await second
-    stepped = asyncio.ensure_future(_post_numbered(layer, "/step3", "s", 3))
-    await asyncio.sleep(0.01)
-    await _post_numbered(layer, "/skip2", "s", 2)
-    await asyncio.gather(trained, stepped)
-    assert queued.index("/fwd-bwd2") < queued.index("/step3")
-
-
-async def test_a_session_refused_for_a_gap_can_still_be_evicted():
-    async def app(scope, receive, send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"{}"})
-
-    layer = SubmitOrder(app, gap_timeout_s=0.05, max_sessions=10)
-    await _post_numbered(layer, "/x", "gone", 1)  # number 0 never comes: 409 sequence_gap
-    for i in range(100):
-        await _post_numbered(layer, "/x", f"s{i}", 0)
-    assert len(layer._next) <= 10 and layer._progress == {}
+async def test_the_least_recently_used_session_is_forgotten_beyond_the_cap():
+    layer = SubmitOrder(_Queue(), gap_timeout_s=0.2, max_sessions=2)
+    for sequence in ("a:0", "b:0", "a:1", "c:0"):  # "c" makes three: "b" is the least recent
+        assert await _post(layer, sequence) == 200
+    assert await _post(layer, "a:2") == 200
+    assert await _post(layer, "b:1") == 409  # "b" starts over at 0

@@ -9,29 +9,20 @@ from icefloe.protocol import (
     OP_LOAD,
     OP_RESET_PREFIX_CACHE,
     OP_SAVE,
-    OP_SEQUENCE_SKIP,
     OP_STEP,
     OP_WEIGHT_SYNC,
 )
 from icefloe.service.deps import JobsDep, SettingsDep
 from icefloe.service.models import Capabilities, Capacity
-from icefloe.service.operations import MAX_BATCH_OPS
 from icefloe.service.results import MAX_EVENTS_CAP
-from icefloe.service.routes.common import api_router
+from icefloe.service.routes import api_router
 
 __all__ = ["SUPPORTED_OPERATIONS", "router"]
 
 router = api_router("capabilities")
 
 # operation_type values POST {job}/operation executes; the others answer 501.
-SUPPORTED_OPERATIONS = (
-    OP_FORWARD,
-    OP_WEIGHT_SYNC,
-    OP_RESET_PREFIX_CACHE,
-    "cancel-request",
-    "tail-logs",
-    OP_SEQUENCE_SKIP,
-)
+SUPPORTED_OPERATIONS = (OP_FORWARD, OP_WEIGHT_SYNC, OP_RESET_PREFIX_CACHE, "cancel-request", "tail-logs")
 
 
 @router.get("/capabilities", response_model=Capabilities)
@@ -58,13 +49,11 @@ async def capabilities(settings: SettingsDep) -> dict:
             "forward": True,
             "inline_wait": True,
             "sequenced_submit": True,
-            "batch_submit": True,
         },
         "limits": {
             "max_post_bytes": settings.max_post_bytes,
             "max_events": MAX_EVENTS_CAP,
             "max_long_poll_s": int(settings.max_long_poll_s),
-            "max_batch_ops": MAX_BATCH_OPS,
         },
     }
 

@@ -11,11 +11,11 @@ from pathlib import Path
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import FileResponse
 
+from icefloe.protocol import ExpiredError, NotFoundError
 from icefloe.service import store
 from icefloe.service.deps import JobsDep, SettingsDep, StoreDep
-from icefloe.service.errors import gone, not_found
 from icefloe.service.models import CheckpointExport, CheckpointList
-from icefloe.service.routes.common import api_router
+from icefloe.service.routes import api_router
 
 __all__ = ["files_router", "router"]
 
@@ -27,7 +27,7 @@ def _checkpoint(db: store.Database, jobs, job_id: str, checkpoint_id: str) -> di
     jobs.public(job_id)  # 404 for an unknown job
     record = store.get_checkpoint(db, job_id=job_id, checkpoint_id=checkpoint_id)
     if record is None:
-        raise not_found(f"checkpoint {checkpoint_id} not found in job {job_id}")
+        raise NotFoundError(f"checkpoint {checkpoint_id} not found in job {job_id}")
     return record
 
 
@@ -44,7 +44,7 @@ async def export_checkpoint(
     record = _checkpoint(db, jobs, job_id, checkpoint_id)
     folder = Path(record["path"])
     if not folder.is_dir():
-        raise not_found(f"checkpoint {checkpoint_id} of job {job_id} has no files on disk any more")
+        raise NotFoundError(f"checkpoint {checkpoint_id} of job {job_id} has no files on disk any more")
     expires = time.time() + settings.export_ttl_s
     files = []
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
@@ -73,10 +73,10 @@ async def delete_checkpoint(job_id: str, checkpoint_id: str, jobs: JobsDep, db: 
 async def download(token: str, db: StoreDep) -> FileResponse:
     link = store.get_file_link(db, token=token)
     if link is None:
-        raise not_found("download link not found; export the checkpoint to get a new one")
+        raise NotFoundError("download link not found; export the checkpoint to get a new one")
     if link["expires_at"] < time.time():
-        raise gone("download link expired; export the checkpoint again for a fresh link")
+        raise ExpiredError("download link expired; export the checkpoint again for a fresh link")
     path = Path(link["path"])
     if not path.is_file():
-        raise not_found("the file behind this link was deleted with its checkpoint")
+        raise NotFoundError("the file behind this link was deleted with its checkpoint")
     return FileResponse(path, filename=path.name, media_type="application/octet-stream")

@@ -9,26 +9,27 @@ are validated by their models. Every route answers ``{request_id, job_id}`` (or
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from fastapi import Response
 from fastapi.concurrency import run_in_threadpool
 
 from icefloe import wire
 from icefloe.protocol import OP_FORWARD, OP_FWD_BWD, OP_GENERATE, WireError
 from icefloe.service.deps import JobsDep, OctetBody
-from icefloe.service.errors import bad_request
 from icefloe.service.jobs import JobManager, LiveJob
 from icefloe.service.models import LoadBody, RequestAccepted, SaveBody, StepBody
 from icefloe.service.operations import (
     load_target,
     submit_frame,
+    submit_generate_stream,
     submit_load,
-    submit_ops,
     submit_save,
     submit_step,
 )
-from icefloe.service.routes.common import api_router
-from icefloe.service.routes.requests import with_answer, with_answers
-from icefloe.service.streams import submit_generate_stream
+from icefloe.service.routes import api_router
+from icefloe.service.routes.requests import with_answer
 
 __all__ = ["router"]
 
@@ -55,6 +56,13 @@ async def _submit(jobs: JobManager, job: LiveJob, op: str, body: bytes, *, sub_j
     return await run_in_threadpool(submit_frame, jobs, job, op, body, sub_job_id=sub_job_id)
 
 
+async def _on_training(jobs: JobManager, job_id: str, submit: Callable[..., str], body: Any, wait: float) -> Any:
+    """Queue a JSON op on the job's training sub-job and answer it."""
+    job = jobs.live(job_id)
+    target = jobs.resolve_sub_job(job, sub_job_id=None, sub_job_type=None, default_type="training")
+    return await with_answer(jobs, {"request_id": submit(jobs, job, body, target), "job_id": job_id}, wait)
+
+
 @router.post("/{job_id}/forward-backward", response_model=None)
 async def forward_backward(
     job_id: str, body: OctetBody, jobs: JobsDep, sub_job_id: str | None = None, wait: float = 0.0
@@ -75,8 +83,6 @@ async def forward(
 ) -> dict | Response:
     job = jobs.live(job_id)
     target = jobs.resolve_sub_job(job, sub_job_id=sub_job_id, sub_job_type=sub_job_type, default_type="training")
-    if job.specs[target].job_type == "sampling":
-        raise bad_request(f"forward runs on a training or log_probability sub-job; {target} is a sampling sub-job")
     return await with_answer(jobs, await _submit(jobs, job, OP_FORWARD, body, sub_job_id=target), wait)
 
 
@@ -101,36 +107,12 @@ async def generate_stream(job_id: str, body: OctetBody, jobs: JobsDep, sub_job_i
 
 @router.post("/{job_id}/step", response_model=RequestAccepted, response_model_exclude_none=True)
 async def step(job_id: str, jobs: JobsDep, body: StepBody | None = None, wait: float = 0.0) -> dict | Response:
-    job = jobs.live(job_id)
-    target = jobs.resolve_sub_job(job, sub_job_id=None, sub_job_type=None, default_type="training")
-    request_id = submit_step(jobs, job, body or StepBody(), target)
-    return await with_answer(jobs, {"request_id": request_id, "job_id": job_id}, wait)
-
-
-@router.post("/{job_id}/batch", response_model=None)
-async def batch(job_id: str, body: OctetBody, jobs: JobsDep, wait: float = 0.0) -> dict | Response:
-    """forward-backward and step ops in one POST, queued in order (icefloe extension ``batch_submit``).
-
-    Saves an HTTP exchange per op when a client has several ready at once (a minibatch's
-    ``fwd_bwd`` and ``step``). Answers ``{job_id, answers: [...]}``, one entry per op; an op that
-    is refused (400, 409, ...) is answered ``status: failed`` in its entry and the others still run.
-    """
-    job = jobs.live(job_id)
-    target = jobs.resolve_sub_job(job, sub_job_id=None, sub_job_type=None, default_type="training")
-    if len(body) <= _DECODE_ON_LOOP_BYTES:
-        outcomes = submit_ops(jobs, job, body, target)
-    else:
-        outcomes = await run_in_threadpool(submit_ops, jobs, job, body, target)
-    answers = [outcome if isinstance(outcome, str) else outcome.answer(job_id) for outcome in outcomes]
-    return await with_answers(jobs, job_id, answers, wait)
+    return await _on_training(jobs, job_id, submit_step, body or StepBody(), wait)
 
 
 @router.post("/{job_id}/save", response_model=RequestAccepted, response_model_exclude_none=True)
 async def save(job_id: str, jobs: JobsDep, body: SaveBody | None = None, wait: float = 0.0) -> dict | Response:
-    job = jobs.live(job_id)
-    target = jobs.resolve_sub_job(job, sub_job_id=None, sub_job_type=None, default_type="training")
-    request_id = submit_save(jobs, job, body or SaveBody(), target)
-    return await with_answer(jobs, {"request_id": request_id, "job_id": job_id}, wait)
+    return await _on_training(jobs, job_id, submit_save, body or SaveBody(), wait)
 
 
 @router.post("/{job_id}/load", response_model=RequestAccepted, response_model_exclude_none=True)

@@ -6,7 +6,7 @@ from fastapi.concurrency import run_in_threadpool
 
 from icefloe.service.deps import JobsDep
 from icefloe.service.models import ExperimentRun, JobCreate, JobCreated, JobList, JobPublic
-from icefloe.service.routes.common import api_router
+from icefloe.service.routes import api_router
 
 __all__ = ["router"]
 

@@ -16,14 +16,13 @@ from fastapi import APIRouter, Depends, Response
 from fastapi.concurrency import run_in_threadpool
 from pydantic import ValidationError
 
-from icefloe.protocol import OP_FORWARD, OP_RESET_PREFIX_CACHE, OP_SEQUENCE_SKIP, OP_WEIGHT_SYNC, InvalidRequestError
+from icefloe.protocol import OP_FORWARD, OP_RESET_PREFIX_CACHE, OP_WEIGHT_SYNC, InvalidRequestError, UnsupportedOpError
 from icefloe.service.deps import JobsDep, require_token
-from icefloe.service.errors import bad_request, not_implemented
 from icefloe.service.jobs import JobManager
 from icefloe.service.models import CancelRequestPayload, OperationBody, TailLogsPayload, WeightSyncPayload
-from icefloe.service.operations import submit_frame, submit_weight_sync
+from icefloe.service.operations import submit_frame, submit_weight_sync, validation_text
+from icefloe.service.routes import api_router
 from icefloe.service.routes.capabilities import SUPPORTED_OPERATIONS
-from icefloe.service.routes.common import api_router
 from icefloe.service.routes.requests import with_answer
 from icefloe.service.sequencing import release_turn
 
@@ -36,19 +35,18 @@ def _payload(model, body: OperationBody):
     try:
         return model.model_validate(body.payload or {})
     except ValidationError as exc:
-        fields = "; ".join(f"payload.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise InvalidRequestError(f"{body.operation_type}: {fields}") from None
+        raise InvalidRequestError(f"{body.operation_type}: {validation_text(exc, prefix='payload.')}") from None
 
 
 def _frame_bytes(body: OperationBody) -> bytes:
     payload = body.payload or {}
     encoded = payload.get("payload_b64")
     if not isinstance(encoded, str):
-        raise bad_request("forward: payload.payload_b64 must hold the base64 of a DSSST1 frame")
+        raise InvalidRequestError("forward: payload.payload_b64 must hold the base64 of a DSSST1 frame")
     try:
         return base64.b64decode(encoded, validate=True)
     except (binascii.Error, ValueError):
-        raise bad_request("forward: payload.payload_b64 is not valid base64") from None
+        raise InvalidRequestError("forward: payload.payload_b64 is not valid base64") from None
 
 
 async def _reset_prefix_cache(jobs: JobManager, job_id: str, body: OperationBody) -> dict:
@@ -79,16 +77,14 @@ async def operation(job_id: str, body: OperationBody, jobs: JobsDep, wait: float
         )
     if kind not in SUPPORTED_OPERATIONS:
         jobs.public(job_id)  # an unknown job is still a 404
-        raise not_implemented(
+        raise UnsupportedOpError(
             f"operation_type {body.operation_type!r} is not supported by icefloe serve; "
             f"supported: {sorted(SUPPORTED_OPERATIONS)}"
         )
-    if kind == OP_SEQUENCE_SKIP:  # the sequencing layer let it in: its turn is now taken, nothing runs
-        jobs.public(job_id)
-        return {"status": "skipped"}
     job = jobs.live(job_id)
     if kind == "cancel-request":
-        return jobs.cancel_request(job, _payload(CancelRequestPayload, body).request_id)
+        request_id = _payload(CancelRequestPayload, body).request_id
+        return jobs.requests.cancel(job_id, request_id, why="cancelled by cancel-request")
     if kind == OP_RESET_PREFIX_CACHE:
         return await _reset_prefix_cache(jobs, job_id, body)
     if kind == OP_WEIGHT_SYNC:
@@ -104,8 +100,6 @@ async def operation(job_id: str, body: OperationBody, jobs: JobsDep, wait: float
     target = jobs.resolve_sub_job(
         job, sub_job_id=body.sub_job_id, sub_job_type=body.sub_job_type, default_type="training"
     )
-    if job.specs[target].job_type == "sampling":
-        raise bad_request(f"forward runs on a training or log_probability sub-job; {target} is a sampling sub-job")
     accepted = await run_in_threadpool(submit_frame, jobs, job, OP_FORWARD, _frame_bytes(body), sub_job_id=target)
     return await with_answer(jobs, accepted, wait)
 
@@ -117,7 +111,7 @@ statements_router = APIRouter(tags=["operations"], dependencies=[Depends(require
 
 @statements_router.post("/api/v2/statements")
 async def statements() -> dict:
-    raise not_implemented(
+    raise UnsupportedOpError(
         "the statements API (log download from an S3 stage) is not served here; page the logs with the "
         "tail-logs operation, or read DATA_DIR/jobs/<job_id>/logs/ on the service host"
     )

@@ -8,7 +8,6 @@ generate result holds thousands of values, and decoding then re-encoding them co
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -19,30 +18,22 @@ from icefloe.service.deps import JobsDep
 from icefloe.service.jobs import JobManager
 from icefloe.service.middleware import note_acceptance
 from icefloe.service.models import RequestPublic
-from icefloe.service.results import DEFAULT_MAX_EVENTS, MAX_EVENTS_CAP
-from icefloe.service.routes.common import api_router
+from icefloe.service.results import DEFAULT_MAX_EVENTS, MAX_EVENTS_CAP, JsonText
+from icefloe.service.routes import api_router
 from icefloe.service.sequencing import release_turn
 
-__all__ = ["RawJson", "answer_request", "answer_response", "router", "with_answer", "with_answers"]
+__all__ = ["answer_request", "answer_response", "router", "with_answer"]
 
 router = api_router("requests")
 
 
-class RawJson(str):
-    """JSON text that goes into an answer unchanged."""
-
-
 def answer_response(answer: dict[str, Any]) -> Response:
     """The answer as a JSON response, its ``result`` spliced in when it is already JSON text."""
-    return Response(_answer_text(answer), media_type="application/json")
-
-
-def _answer_text(answer: dict[str, Any]) -> str:
     result = answer.get("result")
-    if not isinstance(result, RawJson):
-        return json.dumps(answer)
+    if not isinstance(result, JsonText):
+        return Response(json.dumps(answer), media_type="application/json")
     head = json.dumps({k: v for k, v in answer.items() if k != "result"})
-    return f'{head[:-1]}, "result": {result}}}'
+    return Response(f'{head[:-1]}, "result": {result}}}', media_type="application/json")
 
 
 async def answer_request(
@@ -58,7 +49,7 @@ async def answer_request(
     stream = jobs.streams.get(request_id)
     if stream is not None and stream.pending_events:
         wait = 0.0  # events are ready now; a long-poll would only delay them
-    row = await jobs.wait_for_request(job_id, request_id, max(0.0, wait), raw_result=True)
+    row = await jobs.requests.wait(job_id, request_id, min(max(0.0, wait), jobs.settings.max_long_poll_s))
     result, events, next_cursor, status = {}, [], "", row["status"]
     limit = min(max(1, max_events), MAX_EVENTS_CAP)
     if stream is not None:  # generate-stream: events are drained, the request stays "streaming" until empty
@@ -68,8 +59,12 @@ async def answer_request(
         else:
             result = json.loads(row["result"]) if row["result"] else {}
             jobs.streams.pop(request_id, None)
-    elif status == "done":
-        result, events, next_cursor = await _render(jobs, request_id, row, cursor, limit)
+    elif status == "done" and row["result_path"] is None:
+        result = JsonText(row["result"]) if row["result"] else {}  # JSON text, spliced in as it is
+    elif status == "done":  # a stored frame, read off the loop
+        render = jobs.results.render
+        args = (request_id, row["result_path"], row["op_metadata"], cursor, limit)
+        result, events, next_cursor = await run_in_threadpool(render, *args)
     return {
         "request_id": request_id,
         "status": status,
@@ -80,23 +75,6 @@ async def answer_request(
         "events": events,
         "next_cursor": next_cursor,
     }
-
-
-async def _render(
-    jobs: JobManager, request_id: str, row: dict[str, Any], cursor: str | None, limit: int
-) -> tuple[dict, list, str]:
-    """A JSON result is the row's text as it is; a stored frame is read off the loop."""
-    if row["result_path"] is None:
-        return (RawJson(row["result"]) if row["result"] else {}), [], ""
-    return await run_in_threadpool(
-        jobs.results.render,
-        request_id=request_id,
-        result=row["result"],
-        result_path=row["result_path"],
-        op_metadata=row["op_metadata"],
-        cursor=cursor,
-        max_events=limit,
-    )
 
 
 async def with_answer(jobs: JobManager, accepted: dict[str, Any], wait: float) -> dict[str, Any] | Response:
@@ -112,36 +90,6 @@ async def with_answer(jobs: JobManager, accepted: dict[str, Any], wait: float) -
         return accepted
     answer = await answer_request(jobs, accepted["job_id"], str(request_id), wait=wait)
     return answer_response({**accepted, **answer})
-
-
-async def with_answers(
-    jobs: JobManager, job_id: str, outcomes: list[str | dict[str, Any]], wait: float
-) -> dict[str, Any] | Response:
-    """The ``batch`` POST's answer: ``{job_id, answers}``, one entry per op as its own POST would give.
-
-    ``outcomes`` holds each op's request id, or the answer of an op that was refused (it carries
-    ``status: failed``, ``status_code``, ``code`` and ``error`` and no request id). ``wait`` bounds
-    the whole POST, not each op: ops still running when it runs out answer with their status, and
-    the caller polls those.
-    """
-    release_turn()
-    accepted = [
-        {"request_id": outcome, "job_id": job_id} if isinstance(outcome, str) else outcome for outcome in outcomes
-    ]
-    note_acceptance({"job_id": job_id, "answers": accepted})
-    if wait <= 0:
-        return {"job_id": job_id, "answers": accepted}
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + wait
-    texts = []
-    for item in accepted:
-        if item["request_id"] is None:
-            texts.append(json.dumps(item))
-            continue
-        answer = await answer_request(jobs, job_id, item["request_id"], wait=max(0.0, deadline - loop.time()))
-        texts.append(_answer_text({**item, **answer}))
-    head = json.dumps({"job_id": job_id})
-    return Response(f'{head[:-1]}, "answers": [{", ".join(texts)}]}}', media_type="application/json")
 
 
 @router.get("/{job_id}/requests/{request_id}", response_model=RequestPublic)

@@ -1,0 +1,121 @@
+"""A job's lifecycle as an explicit transition table.
+
+::
+
+    pending → placing → initializing → running → cancelling → cancelled → terminated
+                                                                failed  (from every non-final state)
+
+The states keep the training API's names: ``placing`` waits for slots, ``initializing`` starts the
+engines, ``cancelling`` releases them. :meth:`JobState.move` is the one place a state changes; it
+refuses a move the table does not hold (:class:`ConflictError` naming the state) and records every
+move in SQLite and in the job's log.
+
+A stop is asked for, never carried out, by whoever decides it: a cancel, an engine crash, or the
+service shutting down. The first one sets :attr:`JobState.stop` and the outcome; the job's own
+thread sees the flag, releases the engines and then applies the outcome (:meth:`JobState.finish`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from icefloe.protocol import ConflictError
+from icefloe.service import store
+from icefloe.service.joblog import JobLog
+
+__all__ = ["TRANSITIONS", "JobState", "fail_interrupted_jobs"]
+
+_log = logging.getLogger("icefloe.service.jobs")
+
+TRANSITIONS: dict[str, frozenset[str]] = {
+    "pending": frozenset({"placing", "cancelling", "failed"}),
+    "placing": frozenset({"initializing", "cancelling", "failed"}),
+    "initializing": frozenset({"running", "cancelling", "failed"}),
+    "running": frozenset({"cancelling", "failed"}),
+    "cancelling": frozenset({"cancelled", "failed"}),
+    "cancelled": frozenset({"terminated"}),
+    "terminated": frozenset(),
+    "failed": frozenset(),
+}
+
+
+class JobState:
+    """The live state of one job: where it stands in :data:`TRANSITIONS`, and whether it must stop."""
+
+    def __init__(self, job_id: str, db: store.Database, log: JobLog) -> None:
+        self.job_id = job_id
+        self.status = "pending"
+        self.stop = threading.Event()  # set once: the job's thread then releases the engines
+        self._outcome: tuple[str, str | None] | None = None  # (final state, reason); None = record nothing
+        self._db = db
+        self._log = log
+        self._lock = threading.Lock()
+
+    def _move(self, to: str, reason: str | None = None) -> None:
+        if to not in TRANSITIONS[self.status]:
+            raise ConflictError(f"job {self.job_id} is {self.status}; a {self.status} job cannot become {to}")
+        self.status = to
+        store.update_job(self._db, job_id=self.job_id, status=to, reason=reason)
+        self._log.write(f"job is {to}" + (f": {reason}" if reason else ""), level="ERROR" if to == "failed" else "INFO")
+
+    def advance(self, to: str) -> bool:
+        """The job's thread moves on to ``to``; False (nothing moves) once a stop was asked for."""
+        with self._lock:
+            if self.stop.is_set():
+                return False
+            self._move(to)
+            return True
+
+    def cancel(self) -> str:
+        """Ask for a stop that ends ``cancelled``: ``cancelling`` at once; idempotent while cancelling."""
+        with self._lock:
+            if self.status in ("cancelling", "cancelled") or (self.stop.is_set() and TRANSITIONS[self.status]):
+                return self.status  # already stopping (a failure or shutdown under way: it keeps its outcome)
+            self._move("cancelling")
+            self._outcome = ("cancelled", None)
+            self.stop.set()
+            return self.status
+
+    def fail(self, reason: str) -> None:
+        """Ask for a stop that ends ``failed`` with ``reason``, unless another stop came first."""
+        with self._lock:
+            if not self.stop.is_set():
+                self._outcome = ("failed", reason)
+                self.stop.set()
+
+    def shut_down(self) -> None:
+        """Ask for a stop that records nothing (service shutdown): the next start fails the job."""
+        self.stop.set()
+
+    def finish(self) -> None:
+        """Apply the outcome, once the engines are released."""
+        with self._lock:
+            if self._outcome is None:
+                return
+            final, reason = self._outcome
+            self._outcome = None
+            if final == "failed":
+                self._move("failed", reason)
+            else:
+                self._move("cancelled")
+                self._move("terminated")
+
+
+def fail_interrupted_jobs(db: store.Database) -> list[str]:
+    """Fail the jobs a previous service process left active; the reason names the checkpoint to resume from."""
+
+    def reason_for(job_id: str) -> str:
+        saved = store.list_checkpoints(db, job_id=job_id)
+        if not saved:
+            return "service restarted; no checkpoint was saved"
+        latest = max(saved, key=lambda c: (c["global_steps"], c["created_at"]))
+        return (
+            f"service restarted; resume from checkpoint {latest['checkpoint_id']} (create a job with "
+            f"source_checkpoint_info={{checkpoint_id: {latest['checkpoint_id']!r}, source_job_id: {job_id!r}}})"
+        )
+
+    failed = store.fail_interrupted_jobs(db, reason_for=reason_for)
+    for job_id in failed:
+        _log.warning("job %s was active when the service stopped; marked failed", job_id)
+    return failed

@@ -1,0 +1,158 @@
+"""The request table: every request's record, and the long-polls waiting for one to finish.
+
+Rows live in SQLite (:mod:`icefloe.service.store`); this table is the only reader and writer of
+them, and hides the cache in front: the rows of open requests (as inserted) and of the last few
+finished ones (their result as JSON text) are kept in memory as they are written, so a long-poll
+on the event loop neither re-reads a status nor loads a result from SQLite. ``running`` is a
+memory-only state: a restart fails every unfinished request either way.
+
+Requests finish on worker threads while pollers wait on the event loop. A poller registers its
+future under the table's lock only while the row is still open, and :meth:`RequestTable.finish`
+takes the futures under the same lock, so a completion is never missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+from icefloe.protocol import NotFoundError
+from icefloe.service import store
+
+__all__ = ["RequestTable"]
+
+_FINISHED_ROWS_KEPT = 256  # rows of just-finished requests kept in memory for their pollers
+
+_Waiter = tuple[asyncio.AbstractEventLoop, "asyncio.Future[None]"]
+
+
+class RequestTable:
+    """Record, start, finish, cancel and read requests; thread-safe."""
+
+    def __init__(self, db: store.Database) -> None:
+        self._db = db
+        self._lock = threading.Lock()
+        self._open: dict[str, dict[str, Any]] = {}
+        self._finished: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._waiting: dict[str, list[_Waiter]] = {}
+
+    def add(self, job_id: str, sub_job_id: str, op: str, op_metadata: dict[str, Any]) -> str:
+        """Record a pending request; returns its id."""
+        request_id = f"{sub_job_id}:{op}:{uuid.uuid4().hex}"
+        created_at = store.insert_request(
+            self._db, request_id=request_id, job_id=job_id, sub_job_id=sub_job_id, op=op, op_metadata=op_metadata
+        )
+        row = {
+            "request_id": request_id,
+            "job_id": job_id,
+            "sub_job_id": sub_job_id,
+            "op": op,
+            "status": "pending",
+            "created_at": created_at,
+            "updated_at": created_at,
+            "error": "",
+            "result": None,
+            "result_path": None,
+            "op_metadata": op_metadata,
+        }
+        with self._lock:
+            self._open[request_id] = row
+        return request_id
+
+    def start(self, request_id: str, status: str = "running") -> bool:
+        """Mark an open request ``status``; False when it may not run (cancelled, or finished already)."""
+        with self._lock:
+            row = self._open.get(request_id)
+            if row is None or row["status"] == "cancelled":
+                return False
+            if row["status"] != status:
+                row["status"], row["updated_at"] = status, store.now_iso()
+            return True
+
+    def finish(
+        self,
+        request_id: str,
+        *,
+        status: str,
+        error: str = "",
+        result_json: str | None = None,
+        result_path: str | None = None,
+    ) -> None:
+        """Record the outcome (``result_json``: the result as JSON text) and wake the request's pollers."""
+        updated_at = store.update_request(
+            self._db,
+            request_id=request_id,
+            status=status,
+            error=error,
+            result_json=result_json,
+            result_path=result_path,
+        )
+        finished = {"status": status, "updated_at": updated_at, "error": error, "result": result_json}
+        with self._lock:
+            row = self._open.pop(request_id, None)
+            if row is not None:
+                self._finished[request_id] = {**row, **finished, "result_path": result_path}
+                while len(self._finished) > _FINISHED_ROWS_KEPT:
+                    self._finished.popitem(last=False)
+            waiters = self._waiting.pop(request_id, [])
+        for loop, future in waiters:
+            with contextlib.suppress(RuntimeError):  # the poller's loop already closed
+                loop.call_soon_threadsafe(_resolve, future)
+
+    def cancel(self, job_id: str, request_id: str, *, why: str) -> dict[str, Any]:
+        """Cancel a request that has not started; one that runs or ran is left as it is."""
+        with self._lock:
+            row = self._open.get(request_id)
+            pending = row is not None and row["job_id"] == job_id and row["status"] == "pending"
+            if pending:
+                row["status"] = "cancelled"  # from now on start() refuses it
+        if pending:
+            self.finish(request_id, status="cancelled", error=why)
+        status = "cancelled" if pending else self.get(job_id, request_id)["status"]
+        return {"request_id": request_id, "cancelled": pending, "status": status}
+
+    def is_open(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._open
+
+    def get(self, job_id: str, request_id: str) -> dict[str, Any]:
+        """The request's row, its result as JSON text; :class:`NotFoundError` outside ``job_id``."""
+        with self._lock:
+            row = self._open.get(request_id) or self._finished.get(request_id)
+            row = dict(row) if row is not None else None
+        if row is None:
+            row = store.get_request(self._db, request_id=request_id)
+        if row is None or row["job_id"] != job_id:
+            raise NotFoundError(f"request {request_id} not found in job {job_id}")
+        return row
+
+    async def wait(self, job_id: str, request_id: str, timeout_s: float) -> dict[str, Any]:
+        """The request's row once it finished, or after ``timeout_s`` (a long-poll)."""
+        loop = asyncio.get_running_loop()
+        waiter: _Waiter = (loop, loop.create_future())
+        with self._lock:
+            row = self._open.get(request_id)
+            waiting = timeout_s > 0 and row is not None and row["job_id"] == job_id
+            if waiting:
+                self._waiting.setdefault(request_id, []).append(waiter)
+        if waiting:
+            try:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(waiter[1], timeout_s)
+            finally:
+                with self._lock:
+                    waiters = self._waiting.get(request_id, [])
+                    if waiter in waiters:
+                        waiters.remove(waiter)
+                    if not waiters:
+                        self._waiting.pop(request_id, None)
+        return self.get(job_id, request_id)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
