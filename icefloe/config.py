@@ -196,9 +196,6 @@ class RemoteConfig(BaseSettings):
     max_post_bytes: int = Field(62_914_560, gt=8192)  # per-POST cap of the training API (60 MiB)
     experiment_name: str | None = None
     cancel_on_shutdown: bool = True
-    # fwd_bwd / step ops called in one event-loop turn share one POST where the service offers it
-    # (icefloe serve's batch_submit); False sends each op alone.
-    batch_training_ops: bool = True
     # The service has no forward op: answer forward() with zero logprobs/entropy instead of raising.
     # Sound only for on-policy, single-epoch GRPO without KL; integrations set it after their preflight.
     allow_zero_logprobs: bool = False

@@ -71,7 +71,6 @@ __all__ = [
     "OP_LOAD",
     "OP_RESET_PREFIX_CACHE",
     "OP_SAVE",
-    "OP_SEQUENCE_SKIP",
     "OP_SLEEP_INFERENCE",
     "OP_SLEEP_TRAINING",
     "OP_STEP",
@@ -143,9 +142,6 @@ OPS: Final = frozenset(
     }
 )  # fmt: skip
 
-# icefloe serve's stand-in for a numbered POST that will never come (the sequenced_submit extension).
-OP_SEQUENCE_SKIP: Final = "sequence-skip"
-
 # Operation types the training API answers inline (no request_id to poll).
 INLINE_OPERATIONS: Final = frozenset(
     {
@@ -154,7 +150,6 @@ INLINE_OPERATIONS: Final = frozenset(
         "reset-prefix-cache",
         "router-replay-discard",
         "tail-logs",
-        OP_SEQUENCE_SKIP,
     }
 )
 
