@@ -1,10 +1,8 @@
 """Jobs: the coordinator of their lifecycle, engines, workers and requests.
 
-Each job has one thread of its own, which walks it through :mod:`icefloe.service.lifecycle`
-(wait for slots, start the engines, run until a stop is asked for, release everything, record the
-outcome), and one FIFO :class:`RoleWorker` per sub-job, so the requests to a sub-job execute in
-submission order. Nothing else starts or stops engines. Requests are recorded in the
-:class:`RequestTable`; an engine crash asks the job to stop as failed.
+Each job has one thread of its own, the only one that starts or stops its engines, which walks it
+through :mod:`icefloe.service.lifecycle`, and one FIFO :class:`RoleWorker` per sub-job, so the
+requests to a sub-job run in submission order. An engine crash asks the job to stop as failed.
 """
 
 from __future__ import annotations
@@ -52,9 +50,6 @@ _log = logging.getLogger("icefloe.service.jobs")
 _USER_ERRORS = (InvalidRequestError, ConfigError, WireError, UnsupportedOpError, ConflictError, ValueError, TypeError)
 _IMAGE_TAG = "icefloe-local"
 
-# (request id, item, op metadata) of one request a worker runs; item feeds a batchable op
-_Entry = tuple[str, Any, dict[str, Any]]
-
 
 @dataclass
 class LiveJob:
@@ -78,6 +73,11 @@ class LiveJob:
     @property
     def stopping(self) -> bool:
         return self.state.stop.is_set()
+
+    @property
+    def engines(self) -> JobEngines:
+        assert self.host is not None, "a running job has engines"
+        return self.host
 
 
 class JobManager:
@@ -177,7 +177,8 @@ class JobManager:
                     devices[sub_job_id] = self.pool.device(slots[cursor])
                     cursor += spec.num_slots
                 checkpoints = {sid: p for sid, s in job.specs.items() if (p := self._checkpoint_folder(s)) is not None}
-                job.host = make_engine_host(self.settings.engines, list(job.specs.values()), devices, checkpoints)
+                specs = list(job.specs.values())
+                job.host = make_engine_host(self.settings.engines, specs, devices, checkpoints, job.job_dir / "logs")
                 job.host.start(job.log.write)
                 # No linger for company: requests that arrive while a sampler is busy batch up behind it anyway.
                 job.workers = {sid: RoleWorker(sid, linger_s=0.0) for sid in job.specs}
@@ -191,9 +192,8 @@ class JobManager:
             state.finish()
 
     def _release(self, job: LiveJob, slots: list[int] | None) -> None:
-        interrupt = getattr(job.host, "interrupt", None)
-        if interrupt is not None:
-            interrupt()  # an engine process: no worker may stay blocked on its pipes
+        if job.host is not None:
+            job.host.interrupt()  # no worker may stay blocked on an engine process's pipes
         for worker in job.workers.values():
             worker.close()  # queued requests see the stop and are marked cancelled
         if job.host is not None:
@@ -216,11 +216,8 @@ class JobManager:
         return {"job_id": job_id, "status": status}
 
     def close(self, *, join_timeout_s: float = 30.0) -> None:
-        """Release every job's engines (service shutdown); records stay as they are.
-
-        Each job's own thread releases its engines, so a start in progress finishes first and is
-        then closed once. The threads are joined, so none writes to the store after it closes.
-        """
+        """Release every job's engines (service shutdown); records stay as they are. Each job's own
+        thread releases them and is joined, so none writes to the store after it closes."""
         jobs = list(self._live.values())
         for job in jobs:
             job.state.shut_down()
@@ -317,42 +314,35 @@ class JobManager:
 
     # --- requests -----------------------------------------------------------------------------
     def submit(
-        self, job: LiveJob, sub_job_id: str, op: str, fn: Callable[[], Any], *, op_metadata: dict | None = None
-    ) -> str:
-        """Record a request and queue ``fn`` on the sub-job's worker; returns the request id."""
-        entry = (self.requests.add(job.job_id, sub_job_id, op, op_metadata or {}), None, op_metadata or {})
-        self._queue(
-            job, entry, lambda: job.workers[sub_job_id].submit(self._execute, job, op, [entry], lambda _: [fn()])
-        )
-        return entry[0]
-
-    def submit_batchable(
         self,
         job: LiveJob,
         sub_job_id: str,
         op: str,
-        item: Any,
-        run_batch: Callable[[list[Any]], list[Any]],
+        fn: Callable[..., Any],
         *,
+        batch_item: Any = None,
         op_metadata: dict | None = None,
     ) -> str:
-        """Like :meth:`submit`, but consecutive items of ``op`` on this worker run as one ``run_batch``."""
-        entry = (self.requests.add(job.job_id, sub_job_id, op, op_metadata or {}), item, op_metadata or {})
-        execute = functools.partial(self._execute, job, op, run=run_batch)  # called with the entries of one batch
-        self._queue(job, entry, lambda: job.workers[sub_job_id].submit_batchable(op, entry, execute))
-        return entry[0]
+        """Record a request and queue it on the sub-job's worker; returns the request id.
 
-    def _queue(self, job: LiveJob, entry: _Entry, put: Callable[[], object]) -> None:
+        The worker runs ``fn()``; with ``batch_item`` it runs ``fn(items)`` once for the items of
+        the requests of ``op`` queued next to each other, which returns one result per item.
+        """
+        entry = (self.requests.add(job.job_id, sub_job_id, op, op_metadata or {}), batch_item, op_metadata or {})
+        worker = job.workers[sub_job_id]
         try:
-            put()
+            if batch_item is None:
+                worker.submit(self._execute, job, op, [entry], lambda _: [fn()])
+            else:  # called with the entries of one batch
+                worker.submit_batchable(op, entry, functools.partial(self._execute, job, op, run=fn))
         except ClientClosedError:  # a stop closed the workers after the state check
             self.requests.finish(entry[0], status="cancelled", error=f"job {job.job_id} is stopping")
             raise ConflictError(f"job {job.job_id} is stopping; this call needs it running") from None
+        return entry[0]
 
-    def _execute(
-        self, job: LiveJob, op: str, entries: list[_Entry], run: Callable[[list[Any]], list[Any]]
-    ) -> list[None]:
-        """Run the entries that may still run as one call of ``run`` and record each outcome."""
+    def _execute(self, job: LiveJob, op: str, entries: list[tuple], run: Callable[[list], list]) -> list[None]:
+        """Run the entries ``(request id, batch item, op metadata)`` that may still run as one call
+        of ``run`` and record each outcome."""
         live = [e for e in entries if self._may_run(job, e[0])]
         if live:
             try:

@@ -5,14 +5,11 @@
     pending → placing → initializing → running → cancelling → cancelled → terminated
                                                                 failed  (from every non-final state)
 
-The states keep the training API's names: ``placing`` waits for slots, ``initializing`` starts the
-engines, ``cancelling`` releases them. :meth:`JobState.move` is the one place a state changes; it
-refuses a move the table does not hold (:class:`ConflictError` naming the state) and records every
-move in SQLite and in the job's log.
-
-A stop is asked for, never carried out, by whoever decides it: a cancel, an engine crash, or the
-service shutting down. The first one sets :attr:`JobState.stop` and the outcome; the job's own
-thread sees the flag, releases the engines and then applies the outcome (:meth:`JobState.finish`).
+:meth:`JobState._move` is the one place a state changes; it refuses a move the table does not hold
+(:class:`ConflictError` naming the state) and records every move in SQLite and the job's log.
+A stop is asked for, never carried out, by whoever decides it (a cancel, an engine crash, service
+shutdown): the first sets :attr:`JobState.stop` and the outcome; the job's own thread sees it,
+releases the engines and then applies the outcome (:meth:`JobState.finish`).
 """
 
 from __future__ import annotations
