@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -65,6 +66,8 @@ class LiveJob:
     workers: dict[str, Any] = field(default_factory=dict)  # sub-job id -> RoleWorker
     last_avg_loss: dict[str, float] = field(default_factory=dict)
     thread: threading.Thread | None = None
+    lease_until: float = math.inf  # time.monotonic() after which a job with nothing in flight is cancelled
+    in_flight: dict[str, tuple[str, float]] = field(default_factory=dict)  # request id -> (op, time.monotonic())
 
     @property
     def status(self) -> str:
@@ -94,6 +97,7 @@ class JobManager:
         self.streams: dict[str, Any] = {}  # request id -> GenerateStream of a generate-stream request
         self.log_router = JobLogRouter()  # attached to the "icefloe" logger by the app
         self._live: dict[str, LiveJob] = {}
+        self._closing = threading.Event()
 
     # --- lifecycle ----------------------------------------------------------------------------
     def create(self, body: JobCreate, *, database: str, schema: str) -> str:
@@ -132,6 +136,7 @@ class JobManager:
         state, chunks = JobState(job_id, self.db, log), ChunkGroups()
         job = LiveJob(job_id, {s.sub_job_id: s for s in specs}, state, log, chunks, job_dir)
         self._live[job_id] = job
+        self.renew(job_id)
         self.log_router.bind(f"icefloe-lifecycle-{job_id}", log, None)
         for spec in specs:
             self.log_router.bind(f"icefloe-{spec.sub_job_id}", log, spec.sub_job_id)
@@ -170,7 +175,8 @@ class JobManager:
         state, slots = job.state, None
         try:
             if state.advance("placing"):
-                slots = self.pool.acquire(sum(s.num_slots for s in job.specs.values()), cancelled=state.stop)
+                needs = sum(s.num_slots for s in job.specs.values())
+                slots = self.pool.acquire(needs, cancelled=state.stop, ticket=job)
             if slots is not None and state.advance("initializing"):
                 devices, cursor = {}, 0
                 for sub_job_id, spec in job.specs.items():
@@ -205,6 +211,50 @@ class JobManager:
             self.pool.release(slots)
         self.log_router.unbind(job.log)
 
+    def renew(self, job_id: str) -> None:
+        """Extend the job's lease (every call on the job does; a client with nothing to send heartbeats)."""
+        job = self._live.get(job_id)
+        if job is not None and self.settings.lease_ttl_s:
+            job.lease_until = time.monotonic() + self.settings.lease_ttl_s
+
+    def heartbeat(self, job_id: str) -> dict[str, Any]:
+        self.renew(job_id)
+        job = self._live.get(job_id)
+        status = job.status if job is not None else self._row(job_id)["status"]
+        return {"job_id": job_id, "status": status, "lease_ttl_s": self.settings.lease_ttl_s}
+
+    def watch(self) -> None:
+        """Start the thread that cancels jobs whose lease lapsed and fails jobs with an op past its deadline."""
+        settings = self.settings
+        tick = min(
+            1.0,
+            max(0.02, min(settings.lease_ttl_s or 10, settings.op_deadline_s, *settings.op_deadlines_s.values()) / 10),
+        )
+        threading.Thread(target=self._watch, args=(tick,), name="icefloe-watch", daemon=True).start()
+
+    def _watch(self, tick: float) -> None:
+        while not self._closing.wait(tick):
+            now = time.monotonic()
+            for job in list(self._live.values()):
+                if job.stopping or job.status in JOB_TERMINAL_STATES:
+                    continue
+                for request_id, (op, started) in list(job.in_flight.items()):
+                    if now - started > self.settings.deadline_s(op) and job.host is not None:
+                        self._kill_hung(job, request_id, op)
+                        break
+                if now > job.lease_until and not job.in_flight and not self.requests.has_open(job.job_id):
+                    job.log.write(f"no call or heartbeat for {self.settings.lease_ttl_s:g} s", level="WARNING")
+                    job.state.cancel("client lease expired")
+
+    def _kill_hung(self, job: LiveJob, request_id: str, op: str) -> None:
+        assert job.host is not None
+        what = job.host.killable
+        if what is None:  # engines in this process cannot be stopped from outside
+            return
+        limit, sub_job_id = self.settings.deadline_s(op), request_id.rsplit(":", 2)[0]
+        job.state.fail(f"{op} on {sub_job_id} did not finish within its deadline of {limit:g} s; killed {what}")
+        job.host.kill()
+
     def cancel(self, job_id: str) -> dict[str, Any]:
         """Idempotent while cancelling/cancelled; 409 once the job terminated or failed."""
         job = self._live.get(job_id)
@@ -218,6 +268,7 @@ class JobManager:
     def close(self, *, join_timeout_s: float = 30.0) -> None:
         """Release every job's engines (service shutdown); records stay as they are. Each job's own
         thread releases them and is joined, so none writes to the store after it closes."""
+        self._closing.set()
         jobs = list(self._live.values())
         for job in jobs:
             job.state.shut_down()
@@ -236,7 +287,15 @@ class JobManager:
         return row
 
     def public(self, job_id: str) -> dict[str, Any]:
-        return self._public(self._row(job_id))
+        self.renew(job_id)
+        answer = self._public(self._row(job_id))
+        job = self._live.get(job_id)
+        if job is not None and job.status == "placing":  # why it waits, for the client to show
+            ahead, free = self.pool.waiting(job)
+            needs = sum(s.num_slots for s in job.specs.values())
+            answer["reason"] = f"waiting for {needs} {self.pool.kind} slot(s): {free} of {self.pool.total} free, "
+            answer["reason"] += f"{ahead} job(s) ahead"
+        return answer
 
     def list_public(self, status: str | None) -> list[dict[str, Any]]:
         wanted = normalize_job_state(status) if status else None
@@ -289,6 +348,7 @@ class JobManager:
     def live(self, job_id: str) -> LiveJob:
         """The running job behind ``job_id``: 404 if unknown, 409 naming the state otherwise."""
         job = self._live.get(job_id)  # jobs of this process: no SQLite read on the hot path
+        self.renew(job_id)
         status = job.status if job is not None else self._row(job_id)["status"]
         if job is None or status != "running":
             raise ConflictError(f"job {job_id} is {status}; this call needs it running")
@@ -345,6 +405,7 @@ class JobManager:
         of ``run`` and record each outcome."""
         live = [e for e in entries if self._may_run(job, e[0])]
         if live:
+            job.in_flight[live[0][0]] = (op, time.monotonic())  # watched for its deadline
             try:
                 results = run([item for _, item, _ in live])
             except Exception as exc:  # every failure is recorded on its requests
@@ -352,6 +413,8 @@ class JobManager:
             else:
                 for (request_id, _, op_metadata), result in zip(live, results, strict=True):
                     self._record_result(job, request_id, result, op_metadata)
+            finally:
+                job.in_flight.pop(live[0][0], None)
         return [None] * len(entries)
 
     def _may_run(self, job: LiveJob, request_id: str) -> bool:

@@ -64,12 +64,12 @@ class JobState:
             self._move(to)
             return True
 
-    def cancel(self) -> str:
+    def cancel(self, reason: str | None = None) -> str:
         """Ask for a stop that ends ``cancelled``: ``cancelling`` at once; idempotent while cancelling."""
         with self._lock:
             if self.status in ("cancelling", "cancelled") or (self.stop.is_set() and TRANSITIONS[self.status]):
                 return self.status  # already stopping (a failure or shutdown under way: it keeps its outcome)
-            self._move("cancelling")
+            self._move("cancelling", reason)
             self._outcome = ("cancelled", None)
             self.stop.set()
             return self.status

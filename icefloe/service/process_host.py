@@ -47,7 +47,7 @@ _PRELOAD = [
     "transformers.models.llama.modeling_llama",
 ]
 _START_TIMEOUT_S = 600.0  # a model download or a cold CUDA start can take minutes
-_EXIT_TIMEOUT_S = 5.0  # after the pipes close, a child still running by then is killed
+_EXIT_TIMEOUT_S = 3.0  # after the pipes close, a child still running by then is killed
 
 
 class EngineProcessDied(RuntimeError):
@@ -197,6 +197,14 @@ class ProcessEngineHost(JobEngines):
                 return
             else:
                 raise value
+
+    @property
+    def killable(self) -> str:
+        return f"the engine process {self.pid}"
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError, TypeError):  # gone already, or never started
+            os.kill(self.pid, signal.SIGKILL)  # type: ignore[arg-type]
 
     def interrupt(self) -> None:
         """The job is stopping: every call waiting on the engine process fails now, as cancelled,

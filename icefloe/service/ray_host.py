@@ -82,6 +82,11 @@ class RayEngineHost(JobEngines):
             self._links[pair] = link_weight_sync(trainers, samplers, collective_backend(config.backend))
         return sync_weights(trainers, samplers, self._links[pair], config.backend.sync_bucket_mb * 1024 * 1024)
 
+    killable = "its Ray actors"
+
+    def kill(self) -> None:
+        self.close()
+
     def close(self) -> None:
         import ray
 

@@ -112,6 +112,11 @@ class RequestTable:
         status = "cancelled" if pending else self.get(job_id, request_id)["status"]
         return {"request_id": request_id, "cancelled": pending, "status": status}
 
+    def has_open(self, job_id: str) -> bool:
+        """Whether any request of the job is pending or running."""
+        with self._lock:
+            return any(row["job_id"] == job_id for row in self._open.values())
+
     def is_open(self, request_id: str) -> bool:
         with self._lock:
             return request_id in self._open

@@ -77,6 +77,12 @@ class JobEngines:
     def interrupt(self) -> None:
         """Fail the calls waiting on the engines now (engines in this process have none to fail)."""
 
+    #: What :meth:`kill` ends, in words; None = engines in this process, which nothing can stop.
+    killable: str | None = None
+
+    def kill(self) -> None:
+        """End the engines now, whatever they are running (an op past its deadline)."""
+
     def close(self) -> None:
         raise NotImplementedError
 

@@ -8,7 +8,9 @@ like the record it writes.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -97,6 +99,28 @@ class Database:
             if not self._closed:
                 self._closed = True
                 self._conn.close()
+
+
+class DataDirInUse(RuntimeError):
+    """Another service holds the data dir: two services on one store would fail each other's jobs."""
+
+
+def lock_data_dir(data_dir: Path) -> int:
+    """Take the data dir for this process (an exclusive ``flock``); the returned descriptor holds the
+    lock until it is closed or the process ends. Raises :class:`DataDirInUse` naming the holder's pid."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(data_dir / "serve.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise DataDirInUse(
+            f"data dir {data_dir} is in use by another icefloe serve (pid {holder}); stop it or pick another data dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
 
 
 # --- jobs --------------------------------------------------------------------------------------
