@@ -104,7 +104,20 @@ def test_step_reports_lr_grad_norm_and_honours_an_override(model_dir):
     assert result["global_step"] == engine.global_step == engine.weights_version == 1
     assert result["lr"] == result["metrics"]["lr"] == 0.5
     assert result["grad_norm"] == result["metrics"]["grad_norm"] > 0
+    engine.fwd_bwd(make_batch(*random_rows(2, seed=5)))
     assert engine.step()["lr"] == pytest.approx(1e-2)  # back on the schedule
+
+
+def test_step_without_fwd_bwd_since_the_last_step_is_refused_and_changes_nothing(model_dir):
+    """A step with no gradients used to advance the step and the LR schedule silently."""
+    engine = _engine(model_dir)
+    with pytest.raises(InvalidRequestError, match="needs a fwd_bwd since the last step"):
+        engine.step()
+    engine.fwd_bwd(make_batch(*random_rows(2, seed=4)))
+    assert engine.step()["global_step"] == 1
+    with pytest.raises(InvalidRequestError, match=r"needs a fwd_bwd since the last step \(global_step 1\)"):
+        engine.step()
+    assert engine.global_step == 1
 
 
 def test_schedule_multiplier_warmup_then_linear_and_cosine_decay():

@@ -21,10 +21,12 @@ async def test_same_idempotency_key_returns_the_same_request_and_executes_once(d
         job_id = await api.create(TRAINING)
         await api.wait_status(job_id, "running")
         key = {"Idempotency-Key": "step-1"}
+        await api.fwd_bwd(job_id)
         first = await api.call("POST", f"/{job_id}/step", json={}, headers=key)
         second = await api.call("POST", f"/{job_id}/step", json={}, headers=key)
         assert first.json() == second.json() and second.headers["idempotent-replayed"] == "true"
         assert (await api.result(job_id, first.json()["request_id"]))["global_step"] == 1
+        await api.fwd_bwd(job_id)
         other = await api.call("POST", f"/{job_id}/step", json={}, headers={"Idempotency-Key": "step-2"})
         assert (await api.result(job_id, other.json()["request_id"]))["global_step"] == 2  # the replay never ran
 
