@@ -218,42 +218,36 @@ class JobManager:
             job.lease_until = time.monotonic() + self.settings.lease_ttl_s
 
     def heartbeat(self, job_id: str) -> dict[str, Any]:
-        self.renew(job_id)
-        job = self._live.get(job_id)
-        status = job.status if job is not None else self._row(job_id)["status"]
+        status = self.public(job_id)["status"]  # renews the lease
         return {"job_id": job_id, "status": status, "lease_ttl_s": self.settings.lease_ttl_s}
 
     def watch(self) -> None:
-        """Start the thread that cancels jobs whose lease lapsed and fails jobs with an op past its deadline."""
+        """Start the thread that fails a job whose op passed its deadline (killing its engines) and
+        cancels a job whose lease lapsed with nothing pending or running."""
         settings = self.settings
-        tick = min(
-            1.0,
-            max(0.02, min(settings.lease_ttl_s or 10, settings.op_deadline_s, *settings.op_deadlines_s.values()) / 10),
-        )
-        threading.Thread(target=self._watch, args=(tick,), name="icefloe-watch", daemon=True).start()
+        shortest = min(settings.lease_ttl_s or 10, settings.op_deadline_s, *settings.op_deadlines_s.values())
+        threading.Thread(target=self._watch, args=(min(1.0, max(0.02, shortest / 10)),), daemon=True).start()
 
     def _watch(self, tick: float) -> None:
+        deadline_s = self.settings.deadline_s
         while not self._closing.wait(tick):
             now = time.monotonic()
-            for job in list(self._live.values()):
-                if job.stopping or job.status in JOB_TERMINAL_STATES:
-                    continue
-                for request_id, (op, started) in list(job.in_flight.items()):
-                    if now - started > self.settings.deadline_s(op) and job.host is not None:
-                        self._kill_hung(job, request_id, op)
-                        break
-                if now > job.lease_until and not job.in_flight and not self.requests.has_open(job.job_id):
+            for job in [job for job in self._live.values() if not job.stopping]:
+                late = [
+                    (rid.rsplit(":", 2)[0], op)
+                    for rid, (op, at) in list(job.in_flight.items())
+                    if now - at > deadline_s(op)
+                ]
+                killable = job.host.killable if job.host is not None else None  # None: engines in this process
+                if late and job.host is not None and killable:
+                    where, op = late[0]  # the sub-job and the op
+                    job.state.fail(
+                        f"{op} on {where} did not finish within its deadline of {deadline_s(op):g} s; killed {killable}"
+                    )
+                    job.host.kill()
+                elif now > job.lease_until and not job.in_flight and not self.requests.has_open(job.job_id):
                     job.log.write(f"no call or heartbeat for {self.settings.lease_ttl_s:g} s", level="WARNING")
                     job.state.cancel("client lease expired")
-
-    def _kill_hung(self, job: LiveJob, request_id: str, op: str) -> None:
-        assert job.host is not None
-        what = job.host.killable
-        if what is None:  # engines in this process cannot be stopped from outside
-            return
-        limit, sub_job_id = self.settings.deadline_s(op), request_id.rsplit(":", 2)[0]
-        job.state.fail(f"{op} on {sub_job_id} did not finish within its deadline of {limit:g} s; killed {what}")
-        job.host.kill()
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         """Idempotent while cancelling/cancelled; 409 once the job terminated or failed."""
