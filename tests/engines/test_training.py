@@ -147,6 +147,18 @@ def test_resumable_checkpoint_continues_bit_for_bit(model_dir, tmp_path):
     _assert_weights_close(_weights(resumed), _weights(first), exact=True)
 
 
+def test_saves_at_one_step_each_get_their_own_folder_and_the_resumable_one_keeps_its_optimizer(model_dir, tmp_path):
+    """A weights-only save used to replace the resumable one saved at the same step."""
+    engine = _engine(model_dir)
+    engine.fwd_bwd(make_batch(*random_rows(2, seed=5)))
+    engine.step()
+    saved = [engine.save_checkpoint(tmp_path, kind=kind) for kind in ("resumable", "weights-only", "resumable")]
+    assert [s["checkpoint_id"] for s in saved] == ["global_step1", "global_step1-2", "global_step1-3"]
+    assert [s["kind"] for s in saved] == ["resumable", "weights-only", "resumable"]
+    assert (tmp_path / "global_step1" / "optimizer.safetensors").is_file()
+    assert not (tmp_path / "global_step1-2" / "optimizer.safetensors").exists()
+
+
 def test_checkpoint_folder_is_pickle_free_and_holds_the_documented_files(model_dir, tmp_path):
     engine = _engine(model_dir)
     engine.fwd_bwd(make_batch(*random_rows(2, seed=5)))
