@@ -13,6 +13,7 @@ A step needs gradients, so each round first runs an untimed ``fwd_bwd`` on both 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -79,6 +80,7 @@ def main(argv: list[str]) -> None:
     from icefloe.service.settings import ServeSettings
 
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"  # the service's engine process too: both sides step on one thread
     engine = TrainingEngine(ClientConfig(model=args.model), device="cpu")
     batch = build_batch([[3, 4, 5]], [[6, 7]], [1.0], pad_id=0)
     frame = wire.encode(batch)
