@@ -1,9 +1,10 @@
 """Many clients on one job: throughput, latency and exactly-once under load.
 
 N clients (``--clients``, default 16 then 64) share one training job on an ``icefloe serve``
-subprocess and each runs cheap ops back to back for ``--seconds``: a ``forward`` of a one-row
-batch, posted with ``?wait=`` and polled until it ends. Every accepted request is read back at
-the end; ``lost`` counts those not in a final state (it must be 0). ``ratio`` = ops/s at the
+subprocess, spread over four client processes, and each runs cheap ops back to back for
+``--seconds``: a ``forward`` of a one-row batch, posted with ``?wait=`` and polled until it ends.
+Every accepted request is read back at the end; ``lost`` counts those not in a final state (it
+must be 0). ``ratio`` = ops/s at the
 largest N ÷ ops/s at the smallest: how throughput holds up as clients multiply.
 
     python -m bench load [--clients 16 64] [--seconds 8]
@@ -15,6 +16,7 @@ import argparse
 import asyncio
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +29,7 @@ from icefloe.client import build_batch
 _PREFIX = "/api/v2/databases/BENCH/schemas/PUBLIC/cortex-training"
 _FINAL = ("done", "failed", "cancelled")
 _OCTET = {"Content-Type": "application/octet-stream"}
+_PROCESSES = 4  # client processes the clients are spread over
 
 
 @dataclass
@@ -72,9 +75,27 @@ async def _load(base_url: str, job_id: str, clients: int, seconds: float) -> _Ru
         started = time.monotonic()
         await asyncio.gather(*(_client(http, job_id, frame, started + seconds, run) for _ in range(clients)))
         run.seconds = time.monotonic() - started
-        for request_id in run.accepted:  # every accepted request ends: none lost
-            status = (await http.get(f"/{job_id}/requests/{request_id}")).json()["status"]
-            run.lost += status not in _FINAL
+    return run
+
+
+def _load_in_process(base_url: str, job_id: str, clients: int, seconds: float) -> _Run:
+    return asyncio.run(_load(base_url, job_id, clients, seconds))
+
+
+def _measure(pool: ProcessPoolExecutor, base_url: str, job_id: str, clients: int, seconds: float) -> _Run:
+    """``clients`` clients spread over the pool's processes (one Python process cannot keep 64 busy),
+    then every accepted request read back: ``lost`` counts those not in a final state."""
+    shares = [clients // _PROCESSES + (i < clients % _PROCESSES) for i in range(_PROCESSES)]
+    parts = [pool.submit(_load_in_process, base_url, job_id, n, seconds) for n in shares if n]
+    run = _Run(clients)
+    for part in (future.result() for future in parts):
+        run.seconds = max(run.seconds, part.seconds)
+        run.latencies_ms += part.latencies_ms
+        run.accepted += part.accepted
+        run.errors += part.errors
+    with httpx.Client(base_url=base_url + _PREFIX, timeout=60) as http:
+        for request_id in run.accepted:
+            run.lost += http.get(f"/{job_id}/requests/{request_id}").json()["status"] not in _FINAL
     return run
 
 
@@ -101,8 +122,9 @@ def main(argv: list[str]) -> None:
             if status in ("failed", "cancelled", "terminated") or time.monotonic() > deadline:
                 raise RuntimeError(f"benchmark job is {status}")
             time.sleep(0.1)
-        asyncio.run(_load(base_url, job_id, 4, 1.0))  # warm up: connections, the engine's first calls
-        runs = [asyncio.run(_load(base_url, job_id, n, args.seconds)) for n in args.clients]
+        with ProcessPoolExecutor(_PROCESSES) as pool:
+            _measure(pool, base_url, job_id, _PROCESSES, 1.0)  # warm up: the processes, the engine's first calls
+            runs = [_measure(pool, base_url, job_id, n, args.seconds) for n in args.clients]
         http.post(f"/{job_id}:cancel")
 
     print(f"{'clients':>8}{'ops':>8}{'ops/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'errors':>8}{'lost':>6}")
