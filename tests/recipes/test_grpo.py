@@ -66,7 +66,7 @@ def test_grpo_config_rejects_a_group_of_one():
         GRPOConfig(group_size=1)
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_demo_run_learns_addition(tmp_path, capsys):
     """The demo's own run: the reward of the RL steps rises from <= 0.2 to >= 0.9 (10-step means)."""
     pytest.importorskip("torch")
