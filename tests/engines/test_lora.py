@@ -216,3 +216,40 @@ def test_lora_engine_refuses_a_full_weight_checkpoint_and_the_reverse(model_dir,
 def test_lora_target_modules_that_do_not_exist_are_refused(model_dir):
     with pytest.raises(InvalidRequestError, match=r"lora\.target_modules=\['no_such_proj'\]"):
         TrainingEngine(_config(lora={"target_modules": ["no_such_proj"]}), model_dir=model_dir)
+
+
+def test_lora_through_the_local_client_samples_with_the_synced_adapter(tmp_path):
+    """Client → local transport → engines: generate, fwd_bwd, step, sync, generate, forward."""
+    from icefloe.client import Client, build_batch
+
+    config = make_config(
+        lora=LORA, num_log_prob_workers=1, training={**TRAINING, "checkpoint_dir": str(tmp_path / "ckpt")}
+    )
+    with Client(config) as client:
+        tok = client.tokenizer
+        prompts = [tok.encode(p) for p in ["12+7=", "3*4=", "100-58="]]
+        params = {"n": 2, "max_tokens": 6, "seed": 3, "logprobs": True}
+        samples = client.generate(prompts, params)
+        rows = [prompts[i // 2] for i in range(len(samples))]
+        batch = build_batch(
+            rows, [s["token_ids"] for s in samples], [1.0, -1.0] * 3, pad_id=tok.pad_token_id, loss_fn="grpo"
+        )
+        for _ in range(3):
+            client.fwd_bwd(batch)
+            client.step()
+        synced = client.sync_weights()
+        after = client.generate(prompts, params)
+        saved = client.save_checkpoint("weights-only")
+        responses = [s["token_ids"] for s in after]
+        scored = build_batch(rows, responses, [0.0] * len(after), pad_id=tok.pad_token_id)
+        policy = client.forward(scored)["logprobs"]
+        reference = client.forward(scored, reference=True)["logprobs"]
+
+    adapter_bytes = sum(p.numel() * p.element_size() for _, p in TrainingEngine(config).named_weights())
+    assert synced["bytes"] == adapter_bytes and synced["policy_version"] == 3
+    assert {s["policy_version"] for s in after} == {3}
+    for b, (prompt, sample) in enumerate(zip(rows, after, strict=True)):
+        span = slice(len(prompt) - 1, len(prompt) + len(sample["token_ids"]) - 1)
+        assert_close(torch.tensor(sample["logprobs"]), policy[b, span], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(policy, reference, atol=1e-3)  # the reference is the untrained base
+    assert (tmp_path / "ckpt" / saved["checkpoint_id"] / "adapter_model.safetensors").is_file()
