@@ -46,15 +46,24 @@ def demo(
         str, typer.Option(help="local (engines in this process) or remote (ICEFLOE_REMOTE_*, else a local serve).")
     ] = "local",
     out_dir: Annotated[Path, typer.Option(help="Parent folder of run folders.")] = Path("runs"),
+    lora_rank: Annotated[
+        int, typer.Option(min=0, help="Train LoRA adapters of this rank in RL (0 = the full weights).")
+    ] = 0,
 ) -> None:
     """Teach a tiny model addition with GRPO and print how its reward rose."""
     if backend not in ("local", "remote"):
         raise typer.BadParameter(f"must be local or remote; got {backend!r}", param_hint="--backend")
-    run_demo(steps=steps, seed=seed, name=name, backend=backend, out_dir=out_dir)
+    run_demo(steps=steps, seed=seed, name=name, backend=backend, out_dir=out_dir, lora_rank=lora_rank)
 
 
 def run_demo(
-    *, steps: int = 150, seed: int = 0, name: str = "demo", backend: str = "local", out_dir: Path = Path("runs")
+    *,
+    steps: int = 150,
+    seed: int = 0,
+    name: str = "demo",
+    backend: str = "local",
+    out_dir: Path = Path("runs"),
+    lora_rank: int = 0,
 ) -> list[dict[str, Any]]:
     """Run the GRPO recipe with a progress bar and print one summary line; returns the metric rows.
 
@@ -64,7 +73,16 @@ def run_demo(
 
     _quiet_transformers()
     with _demo_service(backend) as base_url:
-        config = GRPOConfig(name=name, out_dir=out_dir, seed=seed, steps=steps, backend=backend, base_url=base_url)
+        config = GRPOConfig(
+            name=name, out_dir=out_dir, seed=seed, steps=steps, backend=backend, base_url=base_url, lora_rank=lora_rank
+        )
+        if lora_rank:
+            console.print(
+                f"demo: RL trains LoRA adapters (rank {lora_rank}) only, after a {config.warmup_steps}-step "
+                "full-weight supervised warm-up: adapters alone cannot teach the random tiny model the answer format",
+                highlight=False,
+                soft_wrap=True,
+            )
         return _run_demo(config)
 
 

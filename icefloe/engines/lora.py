@@ -10,6 +10,7 @@ and vLLM load.
 from __future__ import annotations
 
 import importlib.util
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -63,7 +64,10 @@ def add_adapters(model: torch.nn.Module, lora: LoraConfig) -> Any:
     import peft
 
     try:
-        return peft.get_peft_model(model, peft_config(lora))
+        with warnings.catch_warnings():
+            # peft reads a transformers attribute that transformers 5 deprecated; nothing for a caller to fix.
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+            return peft.get_peft_model(model, peft_config(lora))
     except ValueError as exc:  # peft names the modules it could not find
         raise InvalidRequestError(
             f"lora.target_modules={lora.target_modules!r} does not fit the model: {exc}; name Linear modules "
