@@ -93,7 +93,7 @@ def main(argv: list[str]) -> None:
         f"state_ratio={lora['grad+adam bytes'] / full['grad+adam bytes']:.4f} "
         f"full_sync_bytes={full['sync bytes']} lora_sync_bytes={lora['sync bytes']} "
         f"full_step_s={full['step s']:.4f} lora_step_s={lora['step s']:.4f} "
-        f"full_peak_bytes={full['peak bytes']} lora_peak_bytes={lora['peak bytes']} rank={args.rank} "
+        f"full_peak_mib={full['peak MiB']} lora_peak_mib={lora['peak MiB']} rank={args.rank} "
         f"device={device.type}"
     )
 
@@ -109,7 +109,7 @@ def _row(trainer: TrainingEngine, stepped: dict[str, Any], step_s: list[float], 
         "step s": statistics.median(step_s),
         "sync s": statistics.median(sync_s),
         "grad+adam bytes": 3 * num_trainable * bytes_per_value,  # one gradient and two moments per value
-        "peak bytes": peak["gpu_peak"] or peak["cpu_peak"],
+        "peak MiB": round((peak["gpu_peak"] or peak["cpu_peak"]) / 2**20),
     }
 
 

@@ -10,6 +10,11 @@ A tiny model from random weights almost never writes a correct sum, and GRPO alo
 reward 0.1 (measured over 400 steps). A short supervised warm-up (``warmup_steps``, the
 ``cross_entropy`` loss) first teaches the answer format and a little arithmetic, leaving the
 reward near 0.1; the reward reported per step is that of the RL steps only.
+
+With ``lora_rank`` > 0 RL trains LoRA adapters only. Adapters alone cannot teach this random
+model the answer format (the supervised loss stalls), so the warm-up still trains the full weights
+on a client of its own, saves them as a Hugging Face folder, and RL starts from that folder.
+Seed 0: reward 0.06 → 0.86 in 200 steps at rank 8.
 """
 
 from __future__ import annotations
@@ -63,8 +68,13 @@ class GRPOConfig(BaseModel):
     eps: float = Field(1e-6, gt=0)  # added to a group's std before dividing
     # False: Dr.GRPO, advantages only mean-centred (verl's algorithm.norm_adv_by_std_in_grpo=False).
     norm_adv_by_std: bool = True
-    lora_rank: int = Field(0, ge=0)  # 0 = train the full weights; > 0 = LoRA adapters of this rank (alpha = rank)
-    lora_lr_scale: float = Field(4.0, gt=0)  # LoRA runs multiply lr and warmup_lr by this
+    lora_rank: int = Field(0, ge=0)  # 0 = RL trains the full weights; > 0 = LoRA adapters of this rank
+    lora_alpha: int = Field(0, ge=0)  # 0 = 4 × lora_rank
+    lora_lr_scale: float = Field(2.0, gt=0)  # RL with LoRA uses lr × this
+    # The output layer too: with its (tied, frozen) embeddings this tiny model cannot make confident answers.
+    lora_target_modules: list[str] | Literal["all-linear"] = [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head",
+    ]  # fmt: skip
 
 
 def group_advantages(rewards_G: Sequence[float], *, eps: float = 1e-6, norm_by_std: bool = True) -> list[float]:
@@ -96,7 +106,10 @@ async def run(config: GRPOConfig, *, on_step: Callable[[dict[str, Any]], None] |
     run_dir.mkdir(parents=True, exist_ok=True)
     task = ArithmeticTask(config.seed, max_operand=config.max_operand)
     shuffler = random.Random(config.seed + 1)
-    lora = {"rank": config.lora_rank, "alpha": config.lora_rank} if config.lora_rank else None
+    lora = None
+    if config.lora_rank:
+        alpha = config.lora_alpha or 4 * config.lora_rank
+        lora = {"rank": config.lora_rank, "alpha": alpha, "target_modules": config.lora_target_modules}
     lr = config.lr * (config.lora_lr_scale if lora else 1.0)  # the last lr the trainer reported
 
     def client_config(model: str, *, warm_up_only: bool = False) -> ClientConfig:
