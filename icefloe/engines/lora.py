@@ -9,6 +9,7 @@ and vLLM load.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import warnings
 from collections.abc import Iterable
@@ -28,6 +29,7 @@ __all__ = [
     "WEIGHT_FORMATS",
     "add_adapters",
     "check_weight_format",
+    "merged_copy",
     "peft_config",
     "peft_key",
     "trainable_parameters",
@@ -78,6 +80,21 @@ def add_adapters(model: torch.nn.Module, lora: LoraConfig) -> Any:
 def trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """``(name, parameter)`` of what a LoRA model trains and a weight sync moves: adapters (+ biases)."""
     return [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+
+
+def merged_copy(model: Any) -> torch.nn.Module:
+    """A plain Hugging Face model with the adapters of peft model ``model`` merged in; ``model`` is untouched.
+
+    An adapted output layer that shares its weight with the input embeddings is untied first:
+    merging into the shared tensor would change the embeddings too.
+    """
+    clone = copy.deepcopy(model)
+    base = clone.get_base_model()
+    head = base.get_output_embeddings()
+    if getattr(base.config, "tie_word_embeddings", False) and head is not None and hasattr(head, "base_layer"):
+        head.base_layer.weight = torch.nn.Parameter(head.base_layer.weight.detach().clone(), requires_grad=False)
+        base.config.tie_word_embeddings = False
+    return clone.merge_and_unload()
 
 
 def check_weight_format(weight_format: str | None, trainer: LoraConfig | None, sampler: LoraConfig | None) -> str:

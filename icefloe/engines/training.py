@@ -12,7 +12,6 @@ then serves as the KL reference. Tensors: B rows, S positions, V vocabulary.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import logging
 import math
@@ -30,7 +29,7 @@ from torch import Tensor
 
 from icefloe.config import ClientConfig
 from icefloe.engines.batch import shifted_token_logprobs, split_micro_batches, validate_batch
-from icefloe.engines.lora import ADAPTER_WEIGHTS_FILE, add_adapters, trainable_parameters
+from icefloe.engines.lora import ADAPTER_WEIGHTS_FILE, add_adapters, merged_copy, trainable_parameters
 from icefloe.engines.losses import get_loss
 from icefloe.engines.models import load_causal_lm, load_tokenizer, resolve_model
 from icefloe.protocol import InvalidRequestError, UnsupportedOpError
@@ -458,7 +457,7 @@ class TrainingEngine:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
-            model = self.model if self.lora is None else copy.deepcopy(self.model).merge_and_unload()
+            model = self.model if self.lora is None else merged_copy(self.model)
             model.save_pretrained(str(staging))
             self.tokenizer.save_pretrained(str(staging))
             publish_folder(staging, target)

@@ -181,8 +181,10 @@ def test_lora_resumable_checkpoint_continues_bit_for_bit(model_dir, tmp_path):
         assert torch.equal(a, b), name
 
 
-def test_lora_export_merged_writes_full_weights_with_the_same_logprobs(model_dir, tmp_path):
-    engine = TrainingEngine(_config(), model_dir=model_dir)
+@pytest.mark.parametrize("target_modules", ["all-linear", ["q_proj", "lm_head"]], ids=["all-linear", "tied-head"])
+def test_lora_export_merged_writes_full_weights_with_the_same_logprobs(model_dir, tmp_path, target_modules):
+    """The tiny model ties its output layer to the input embeddings: merging must not change the embeddings."""
+    engine = TrainingEngine(_config(lora={**LORA, "target_modules": target_modules}), model_dir=model_dir)
     batch = _fixed_batch()
     for _ in range(3):
         engine.fwd_bwd(batch)
@@ -253,3 +255,31 @@ def test_lora_through_the_local_client_samples_with_the_synced_adapter(tmp_path)
         assert_close(torch.tensor(sample["logprobs"]), policy[b, span], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(policy, reference, atol=1e-3)  # the reference is the untrained base
     assert (tmp_path / "ckpt" / saved["checkpoint_id"] / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (vLLM)")
+def test_gpu_vllm_sampler_serves_the_synced_adapter(model_dir):
+    pytest.importorskip("vllm")
+    from icefloe.engines.sampling import VLLMSamplingEngine
+
+    config = _config()
+    trainer = TrainingEngine(config, device="cuda", model_dir=model_dir)
+    sampler = VLLMSamplingEngine(config, model_dir=model_dir)
+    prompts = [[5, 6, 7], [8, 9, 10, 11]]
+    params = SamplingParams(max_tokens=6, seed=1, logprobs=True)
+    for _ in range(3):
+        trainer.fwd_bwd(_fixed_batch())
+        trainer.step()
+    before = sampler.generate(prompts, params)
+
+    synced = sync_weights_local(trainer, sampler)
+
+    assert synced["bytes"] == sum(t.numel() * t.element_size() for _, t in trainer.named_weights())
+    results = sampler.generate(prompts, params)
+    assert {r["policy_version"] for r in results} == {3} and {r["policy_version"] for r in before} == {0}
+    responses = [r["token_ids"] for r in results]
+    forward = trainer.forward(make_batch(prompts, responses, [0.0] * 2))["logprobs"]
+    for b, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
+        expected = forward[b, len(prompt) - 1 : len(prompt) + len(response) - 1]
+        assert_close(torch.tensor(results[b]["logprobs"]), expected, rtol=0, atol=2e-2)
