@@ -74,8 +74,9 @@ class SamplingEngine:
         self.lora = config.lora
         with torch.random.fork_rng(devices=[]):  # the adapters' (overwritten) init leaves the process RNG alone
             self.model = base if self.lora is None else add_adapters(base, self.lora)
-        # What a weight sync may write: every parameter, or with LoRA only the adapters.
-        self._params = dict(self.model.named_parameters() if self.lora is None else trainable_parameters(self.model))
+        # What a weight sync may write (every parameter, or with LoRA only the adapters), by PEFT file name.
+        named = self.model.named_parameters() if self.lora is None else trainable_parameters(self.model)
+        self._params = {peft_key(name): param for name, param in named}
         self.model.requires_grad_(False)
         # transformers renamed the forward's KV-cache argument from past_key_values to cache.
         forward_args = inspect.signature(base.forward).parameters
@@ -242,14 +243,16 @@ class SamplingEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], *, policy_version: int) -> int:
         """Copy tensors into the model's parameters in place; returns the bytes copied.
 
-        With LoRA only adapter tensors are accepted (the base weights never change).
+        With LoRA only adapter tensors are accepted (the base weights never change), named as the
+        trainer's parameters or as a PEFT ``adapter_model.safetensors`` names them, so a sampler
+        can also start from a weights-only LoRA checkpoint.
 
         Raises:
             InvalidRequestError: a name the model does not have, or a shape that differs.
         """
         copied = 0
         for name, tensor in named_tensors:
-            param = self._params.get(name)
+            param = self._params.get(peft_key(name))
             if param is None:
                 what = "an adapter parameter" if self.lora is not None else "a parameter"
                 raise InvalidRequestError(

@@ -470,7 +470,7 @@ class TrainingEngine:
 
         try:
             result = set_peft_model_state_dict(self.model, loaded)
-        except RuntimeError as exc:  # a shape mismatch: another rank or another model
+        except RuntimeError as exc:  # a shape mismatch: another LoRA rank, or another model
             raise InvalidRequestError(
                 f"adapter weights do not fit this engine's adapters ({exc}); load an adapter with the same rank "
                 "and target modules"

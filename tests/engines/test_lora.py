@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch.testing import assert_close
 
 from icefloe.engines.batch import shifted_token_logprobs
@@ -158,6 +159,16 @@ def test_lora_weights_only_checkpoint_is_a_peft_folder(model_dir, tmp_path):
     fresh = TrainingEngine(_config(), model_dir=model_dir)
     assert fresh.load_checkpoint(folder)["kind"] == "weights-only"
     assert_close(fresh.forward(batch)["logprobs"], engine.forward(batch)["logprobs"], rtol=0, atol=0)
+
+    # A sampler starts from the folder too: its tensors carry PEFT's names, not the trainer's.
+    sampler = SamplingEngine(_config(), model_dir=model_dir)
+    adapter = load_file(str(folder / "adapter_model.safetensors"))
+    assert sampler.load_weights(adapter.items(), policy_version=3) == sum(t.nbytes for t in adapter.values())
+    prompt = sampler.tokenizer.encode("12+7=")
+    sample = sampler.generate([prompt], SamplingParams(max_tokens=6, seed=2, logprobs=True))[0]
+    scored = engine.forward(make_batch([prompt], [sample["token_ids"]], [0.0]))["logprobs"][0]
+    span = slice(len(prompt) - 1, len(prompt) + len(sample["token_ids"]) - 1)
+    assert_close(torch.tensor(sample["logprobs"]), scored[span], rtol=1e-5, atol=1e-5)
 
 
 def test_lora_resumable_checkpoint_continues_bit_for_bit(model_dir, tmp_path):
