@@ -24,7 +24,6 @@ from icefloe.config import LoraConfig
 from icefloe.protocol import InvalidRequestError
 
 __all__ = [
-    "ADAPTER_CONFIG_FILE",
     "ADAPTER_WEIGHTS_FILE",
     "WEIGHT_FORMATS",
     "add_adapters",
@@ -36,7 +35,6 @@ __all__ = [
     "write_adapter_folder",
 ]
 
-ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 WEIGHT_FORMATS = ("vllm", "hf", "lora")  # the training API's weight-sync formats ("vllm" is its default)
 _ADAPTER_NAME = "default"  # peft's name for a model's only adapter; it appears in parameter names

@@ -135,6 +135,8 @@ def test_lora_sync_refuses_formats_the_engines_cannot_use(model_dir):
         sync_weights_local(lora, wider_sampler)
     with pytest.raises(InvalidRequestError, match="LoRA vs none"):
         sync_weights_local(lora, full_sampler, "lora")
+    with pytest.raises(InvalidRequestError, match=r"weight_format must be one of \['vllm', 'hf', 'lora'\]; got 'npz'"):
+        sync_weights_local(full, full_sampler, "npz")
     assert sync_weights_local(lora, lora_sampler, "lora")["bytes"] > 0
     assert sync_weights_local(full, full_sampler, "hf")["bytes"] > 0
 
