@@ -20,7 +20,7 @@ def test_cli_import_does_not_load_torch():
 def test_cli_demo_help_lists_its_options():
     result = CliRunner().invoke(app, ["demo", "--help"])
     assert result.exit_code == 0
-    for option in ("--steps", "--seed", "--name", "--backend", "--out-dir"):
+    for option in ("--steps", "--seed", "--name", "--backend", "--out-dir", "--lora-rank"):
         assert option in result.output
 
 
@@ -28,6 +28,12 @@ def test_cli_demo_rejects_an_unknown_backend(tmp_path):
     result = CliRunner().invoke(app, ["demo", "--backend", "cloud", "--out-dir", str(tmp_path)])
     assert result.exit_code != 0
     assert "must be local or remote" in result.output
+    assert not (tmp_path / "demo").exists()
+
+
+def test_cli_demo_rejects_a_negative_lora_rank(tmp_path):
+    result = CliRunner().invoke(app, ["demo", "--lora-rank", "-1", "--out-dir", str(tmp_path)])
+    assert result.exit_code != 0
     assert not (tmp_path / "demo").exists()
 
 

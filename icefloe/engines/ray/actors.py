@@ -82,7 +82,7 @@ class TrainingActor(_EngineActor):
         """Names, shapes and dtypes only: a sharded (DTensor) parameter reports its global shape without a gather."""
         from icefloe.engines.distributed import weight_layout
 
-        return weight_layout(self.engine.model.named_parameters())
+        return weight_layout(self.engine.sync_parameters())  # with LoRA: the adapters only
 
     def send_weights(self, link: str, bucket_bytes: int) -> dict[str, Any]:
         """Broadcast the weights on ``link``; under FSDP every rank must run this (gathering is collective)."""
