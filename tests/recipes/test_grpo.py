@@ -93,7 +93,7 @@ def test_demo_run_learns_addition(tmp_path, capsys):
     assert (tmp_path / "ci" / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_demo_run_with_lora_learns_addition(tmp_path, capsys):
     """``icefloe demo --lora-rank 8``: RL trains adapters only and the reward rises from <= 0.2 to >= 0.8."""
     pytest.importorskip("peft")
