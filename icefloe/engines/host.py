@@ -275,6 +275,10 @@ class EngineHost:
         call = ENGINE_CALLS.get(op)
         if call is not None:
             role = "reference" if op == protocol.OP_FORWARD and target == protocol.TARGET_REFERENCE else call.role
+            if role == "reference" and role not in self.engines and getattr(self.engines.get("training"), "lora", None):
+                # A LoRA trainer is its own reference: the base model with the adapters disabled.
+                trainer = self.engines["training"]
+                return self.workers["training"].submit(trainer.forward, *call.args(body), reference=True)
             if role not in self.engines and call.optional:
                 return _done({})
             method = getattr(self._engine(role, op), call.method)
@@ -325,7 +329,8 @@ class EngineHost:
 
         training, sampling = self.engines["training"], self.engines["sampling"]
         gate = SyncGate.parked([self.workers["sampling"]], abandoned=self._abandoned)
-        return self.workers["training"].submit(gate.run, lambda: sync_weights_local(training, sampling))
+        weight_format = body.get("weight_format")
+        return self.workers["training"].submit(gate.run, lambda: sync_weights_local(training, sampling, weight_format))
 
     # --- checkpoints: folders under checkpoint_root ------------------------------------------------
     def _folder(self, checkpoint_id: str) -> Path:

@@ -2,7 +2,7 @@
 
 Families per resource: ``*Create`` / ``*Body`` arrive, ``*Public`` leave. Configs sent by clients
 of the managed endpoint carry many passthrough keys (DeepSpeed, PrimeRL, vLLM knobs); those models
-allow extra keys so they are accepted and recorded with the job, while the typed keys are checked.
+allow extra keys, and ``service/specs.py`` honours, refuses or reports each one; typed keys are checked here.
 """
 
 from __future__ import annotations
@@ -125,6 +125,7 @@ class JobCreate(_Open):
 
 class JobCreated(BaseModel):
     job_id: str
+    warnings: list[str] | None = None  # create-body keys accepted but not used, with why (omitted when none)
 
 
 # --- jobs --------------------------------------------------------------------------------------
@@ -144,6 +145,7 @@ class JobPublic(BaseModel):
     image_tag: str
     experiment_name: str
     sub_jobs: list[SubJobPublic]
+    warnings: list[str] = Field(default_factory=list)
 
 
 class JobList(BaseModel):
@@ -229,7 +231,7 @@ class OperationBody(_Open):
 class WeightSyncPayload(_Open):
     source_sub_job_id: str | None = None
     target_sub_job_ids: list[str] | None = None
-    weight_format: Literal["vllm", "hf", "lora"] = "vllm"
+    weight_format: Literal["vllm", "hf", "lora"] | None = None  # None: "lora" for LoRA sub-jobs, else "vllm"
 
 
 class TailLogsPayload(_Open):

@@ -289,9 +289,13 @@ def submit_weight_sync(
             f"payload.target_sub_job_ids must name sampling sub-jobs of job {job.job_id}; "
             f"not sampling sub-jobs: {bad or '[] (empty list)'}"
         )
-    if payload.weight_format == "lora":
-        raise UnsupportedOpError("weight_format 'lora' needs LoRA adapters, which local engines do not train")
     from icefloe.engines.host import SyncGate
+    from icefloe.engines.lora import check_weight_format
+
+    for target in targets:  # a format either end cannot use is a 400 now, not a failed request later
+        weight_format = check_weight_format(
+            payload.weight_format, job.specs[source].config.lora, job.specs[target].config.lora
+        )
 
     sync_request: dict[str, str] = {}
 
@@ -309,13 +313,13 @@ def submit_weight_sync(
 
     def copy() -> dict[str, Any]:
         started = time.perf_counter()
-        per_target = {t: host.sync_weights(source, t) for t in targets}
+        per_target = {t: host.sync_weights(source, t, weight_format) for t in targets}
         last = per_target[targets[-1]]
         return {
             "policy_version": last["policy_version"],
             "seconds": time.perf_counter() - started,
             "bytes": sum(int(r["bytes"]) for r in per_target.values()),
-            "weight_format": payload.weight_format,
+            "weight_format": weight_format,
             "targets": per_target,
         }
 

@@ -45,7 +45,7 @@ class JobEngines:
     The service calls, from the sub-job's ordered worker: ``fwd_bwd(sid, batch)``,
     ``forward(sid, batch)``, ``step(sid, learning_rate)``, ``save(sid, root, kind)``,
     ``load(sid, path)``, ``generate(sid, prompts, params)``, ``generate_json`` (the same, each
-    sample as JSON text), ``reset_prefix_cache(sid)``, ``sync_weights(source_sid, target_sid)``
+    sample as JSON text), ``reset_prefix_cache(sid)``, ``sync_weights(source_sid, target_sid, weight_format)``
     and ``max_seq_len(sid)``. Each op is one :meth:`_call`, which by default calls the engine
     method of that name on ``self._engines[sid]``. A subclass fills ``_engines`` in ``start``
     (slow; raise with the cause when an engine cannot be built) and releases them in ``close``
@@ -120,10 +120,13 @@ class LocalEngineHost(JobEngines):
                     on_progress(f"{sub_job_id} starts from {loaded['checkpoint_id']} ({loaded['kind']})")
             self._engines[sub_job_id] = engine
 
-    def sync_weights(self, source_sub_job_id: str, target_sub_job_id: str) -> dict[str, Any]:
+    def sync_weights(
+        self, source_sub_job_id: str, target_sub_job_id: str, weight_format: str | None = None
+    ) -> dict[str, Any]:
         from icefloe.engines.weight_sync import sync_weights_local
 
-        return sync_weights_local(self._engine(source_sub_job_id), self._engine(target_sub_job_id))
+        source, target = self._engine(source_sub_job_id), self._engine(target_sub_job_id)
+        return sync_weights_local(source, target, weight_format)
 
     def close(self) -> None:
         engines, self._engines = self._engines, {}

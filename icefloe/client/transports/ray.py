@@ -186,6 +186,9 @@ class RayTransport(RoleTransport):
         """
         if self._link is None:
             raise InvalidRequestError("sync_weights needs a sampling role; set num_sampling_workers=1 in the config")
+        from icefloe.engines.lora import check_weight_format
+
+        check_weight_format(body.get("weight_format"), self.config.lora, self.config.lora)
         with self._sync_order:  # both halves of one sync enter their queues before another sync's halves
             if body.get("cuda_ipc") and self._cuda_ipc_possible():
                 return self._sync_weights_cuda_ipc()
