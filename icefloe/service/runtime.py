@@ -101,6 +101,9 @@ class LocalEngineHost(JobEngines):
         on_progress("engines ready")
 
     def _build_all(self, on_progress: Callable[[str], None]) -> None:
+        from safetensors.torch import load_file
+
+        from icefloe.engines.lora import ADAPTER_WEIGHTS_FILE
         from icefloe.engines.sampling import build_sampling_engine
         from icefloe.engines.training import TrainingEngine
 
@@ -108,7 +111,16 @@ class LocalEngineHost(JobEngines):
             device = self._devices[sub_job_id]
             start_from = self._checkpoints.get(sub_job_id)
             on_progress(f"loading {spec.config.model!r} for {sub_job_id} on {device}")
-            if spec.job_type == "sampling":
+            adapter = start_from / ADAPTER_WEIGHTS_FILE if start_from is not None else None
+            if spec.job_type == "sampling" and adapter is not None and adapter.is_file():
+                if spec.config.lora is None:
+                    raise InvalidRequestError(
+                        f"{sub_job_id} starts from a LoRA adapter checkpoint ({start_from.name}); give it the "
+                        "peft_config the adapter was trained with"
+                    )
+                engine = build_sampling_engine(spec.config, device)  # the base model, then the saved adapter
+                engine.load_weights(load_file(str(adapter)).items(), policy_version=0)
+            elif spec.job_type == "sampling":
                 engine = build_sampling_engine(spec.config, device, model_dir=start_from)
             else:
                 role = "training" if spec.is_training else "reference"
