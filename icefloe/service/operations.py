@@ -35,7 +35,7 @@ from icefloe.protocol import (
 )
 from icefloe.service import store
 from icefloe.service.jobs import JobManager, LiveJob
-from icefloe.service.models import GenerateBody, LoadBody, SaveBody, StepBody, WeightSyncPayload
+from icefloe.service.models import GenerateBody, LoadBody, SaveBody, StepBody, WeightSyncPayload, parse_json_body
 from icefloe.service.results import JsonText
 
 __all__ = [
@@ -380,10 +380,7 @@ class GenerateStream:
 
 
 def _parse(body: bytes) -> GenerateBody:
-    try:
-        payload = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequestError(f"generate-stream body must be UTF-8 JSON (not DSSST1); {exc}") from None
+    payload = parse_json_body(body, "generate-stream body (UTF-8 JSON, not DSSST1)")
     try:
         return GenerateBody.model_validate(payload)
     except ValidationError as exc:
