@@ -129,7 +129,7 @@ class JobManager:
             raise taken
         job_dir = self.settings.job_dir(job_id)
         log = JobLog(job_dir / "logs", [s.sub_job_id for s in specs])
-        state, chunks = JobState(job_id, self.db, log), ChunkGroups()
+        state, chunks = JobState(job_id, self.db, log), ChunkGroups(max_bytes=self.settings.max_job_chunk_bytes)
         job = LiveJob(job_id, {s.sub_job_id: s for s in specs}, state, log, chunks, job_dir)
         self._live[job_id] = job
         self.log_router.bind(f"icefloe-lifecycle-{job_id}", log, None)

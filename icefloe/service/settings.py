@@ -38,6 +38,9 @@ class ServeSettings(BaseModel):
     max_post_bytes: int = Field(_MAX_POST_BYTES, gt=8192)
     inline_result_max_bytes: int = Field(4 * 1024 * 1024, gt=0)  # larger DSSST1 results go as result chunks
     result_chunk_bytes: int = Field(8 * 1024 * 1024, gt=16384)  # size of one result_chunk frame
+    # Request chunks one job holds for groups not yet complete; older groups are dropped to stay under
+    # it (they restart from chunk 0), and a frame larger than this is refused with 413.
+    max_job_chunk_bytes: int = Field(1024**3, gt=0)
     export_ttl_s: float = Field(3600.0, gt=0)  # lifetime of a checkpoint download link
     max_long_poll_s: float = Field(60.0, ge=0)  # cap on ?wait= so a proxy never sees a silent socket
     # A numbered POST (Icefloe-Sequence) waits this long for a missing predecessor, then gets 409.
