@@ -101,7 +101,7 @@ class JobManager:
         taken = ConflictError(f"job {job_id} already exists; omit job_id to get a fresh one")
         if store.get_job(self.db, job_id=job_id) is not None:
             raise taken
-        specs = sub_job_specs(job_id, body)
+        specs = sub_job_specs(job_id, body, model_root=self.settings.model_root)
         for spec in specs:
             self._checkpoint_folder(spec)  # refuse an unknown source checkpoint now, not at load time
         num_slots = sum(s.num_slots for s in specs)
@@ -119,7 +119,7 @@ class JobManager:
                 {
                     "sub_job_id": s.sub_job_id,
                     "job_type": s.job_type,
-                    "model_name": s.config.model,
+                    "model_name": s.model_name,
                     "config": s.public_config,
                 }
                 for s in specs

@@ -31,6 +31,9 @@ class ServeSettings(BaseModel):
     host: str = "127.0.0.1"  # loopback unless told otherwise: the API runs training code for its callers
     port: int = Field(8321, ge=0, le=65535)  # 0 = any free port
     tokens: tuple[SecretStr, ...] = ()  # empty = no auth (a local, single-user service)
+    # Folder whose model folders jobs may load (model_name "org/name" = model_root/org/name);
+    # None = tiny:<preset> models only. Nothing outside it is ever read on a caller's behalf.
+    model_root: Path | None = None
     slots: int = Field(4, gt=0)  # CPU slots handed to sub-jobs when torch sees no GPU
     # Where a job's engines run: a child process per job, this process (threads), or Ray actors.
     engines: Literal["process", "local", "ray"] = "process"
