@@ -87,7 +87,7 @@ def _client_config(sub: SubJobConfig, model_root: Path | None, where: str) -> Cl
         raise InvalidRequestError(f"{where}: {exc}") from None
 
 
-def sub_job_specs(job_id: str, body: JobCreate, *, model_root: Path | None) -> list[SubJobSpec]:
+def sub_job_specs(job_id: str, body: JobCreate, *, model_root: Path | None = None) -> list[SubJobSpec]:
     """One spec per entry of ``sub_job_configs``; ids count occurrences of each type from zero.
 
     Raises:
