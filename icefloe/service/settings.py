@@ -89,9 +89,26 @@ class ServeSettings(BaseModel):
             raise ConfigError(format_validation_error(exc, prefix="serve.")) from None
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **values: Any) -> ServeSettings:
-        """Build settings, adding tokens from ``ICEFLOE_SERVE_TOKENS`` to any given explicitly."""
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, *, token_file: Path | None = None, **values: Any
+    ) -> ServeSettings:
+        """Build settings, adding tokens from ``ICEFLOE_SERVE_TOKENS`` and ``token_file`` to any given explicitly.
+
+        ``token_file`` holds one token per line; blank lines and lines starting with ``#`` are skipped.
+        Unlike a token on the command line, neither source shows the secret in ``ps``.
+        """
         env = os.environ if environ is None else environ
         from_env = [t for t in env.get(TOKENS_ENV_VAR, "").split(",") if t.strip()]
         explicit = list(values.pop("tokens", None) or ())
-        return cls.build(tokens=explicit + from_env, **values)
+        return cls.build(tokens=explicit + from_env + (_read_tokens(token_file) if token_file else []), **values)
+
+
+def _read_tokens(path: Path) -> list[str]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"serve.token_file: cannot read {str(path)!r} ({type(exc).__name__}); fix the path") from None
+    tokens = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not tokens:
+        raise ConfigError(f"serve.token_file: {str(path)!r} holds no token; write one token per line")
+    return tokens
