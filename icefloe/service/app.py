@@ -83,7 +83,7 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     app.state.db = db
     app.state.jobs = manager
     install_error_handlers(app)
-    app.add_api_route("/health", _health, methods=["GET"], tags=["health"])  # open: see middleware.OPEN_PATHS
+    app.add_api_route("/health", _health, methods=["GET"], tags=["health"])  # open: see middleware.OPEN_PATH
     app.include_router(checkpoints.files_router)
     app.include_router(operations.statements_router)
     # capabilities first: its fixed paths (/capacity) must win over /{job_id}

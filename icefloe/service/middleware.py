@@ -29,7 +29,8 @@ from icefloe.service.settings import ServeSettings
 
 __all__ = [
     "CALLER_SCOPE_KEY",
-    "OPEN_PATHS",
+    "OPEN_PATH",
+    "OPEN_PREFIX",
     "PAT_TOKEN_TYPE",
     "BodyLimit",
     "IdempotencyKeys",
@@ -40,8 +41,8 @@ __all__ = [
 ]
 
 PAT_TOKEN_TYPE = "PROGRAMMATIC_ACCESS_TOKEN"
-# Paths answered without a token: liveness, and checkpoint downloads (the token in their URL is the credential).
-OPEN_PATHS = ("/health", "/files/")
+# Answered without a token: liveness, and checkpoint downloads (the token in their URL is the credential).
+OPEN_PATH, OPEN_PREFIX = "/health", "/files/"
 CALLER_SCOPE_KEY = "icefloe.caller"  # set by RequireToken: a hash of the caller's token (absent = '', no auth)
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _CHECK_ON_LOOP_BYTES = 64 * 1024  # larger JSON bodies are checked on a worker thread
@@ -126,10 +127,11 @@ def _authenticate(settings: ServeSettings, authorization: str | None, token_type
 class RequireToken:
     """401 from the headers alone, before any body is read, unless the request carries a configured token.
 
-    Every path needs the token but :data:`OPEN_PATHS` (the API docs and their assets included). The
-    refusal closes the connection, since the body it did not read cannot be skipped. An accepted
-    caller is recorded in the scope as a hash of its token (:data:`CALLER_SCOPE_KEY`), which the
-    later layers scope their records by; with auth off every caller is ``''``.
+    Every path needs the token but :data:`OPEN_PATH` and :data:`OPEN_PREFIX` (the API docs and their
+    assets included). The refusal closes the connection, since the body it did not read cannot be
+    skipped. An accepted caller is recorded in the scope as a hash of its token
+    (:data:`CALLER_SCOPE_KEY`), which the later layers scope their records by; with auth off every
+    caller is ``''``.
     """
 
     def __init__(self, app: ASGIApp, *, settings: ServeSettings) -> None:
@@ -137,7 +139,7 @@ class RequireToken:
         self.settings = settings
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.settings.auth_enabled and not scope["path"].startswith(OPEN_PATHS):
+        if scope["type"] == "http" and self.settings.auth_enabled and not _is_open(scope["path"]):
             authorization = header(scope, b"authorization")
             token_type = header(scope, b"x-snowflake-authorization-token-type")
             try:
@@ -147,6 +149,10 @@ class RequireToken:
                 return
             scope[CALLER_SCOPE_KEY] = hashlib.sha256(b"icefloe-caller\0" + token.encode()).hexdigest()
         await self.app(scope, receive, send)
+
+
+def _is_open(path: str) -> bool:
+    return path == OPEN_PATH or path.startswith(OPEN_PREFIX)
 
 
 class BodyLimit:

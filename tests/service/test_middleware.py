@@ -14,6 +14,7 @@ import pytest
 from icefloe.service import store
 from icefloe.service.app import ServerThread
 
+from .service_batches import small_batch
 from .service_client import PREFIX, SAMPLING, TRAINING, Api
 from .service_harness import asgi_client, make_app, uvicorn_client
 
@@ -58,7 +59,7 @@ async def test_api_docs_need_the_token_and_load_their_assets_from_the_service(da
         )
         for page in ("/docs", "/redoc"):
             html = (await http.get(page, headers=auth)).text
-            assert "//" not in re.sub(r"<!--.*?-->", "", html, flags=re.S).replace("://", ""), page  # no remote URL
+            assert "//" not in html, page  # no http://, https:// or protocol-relative URL: nothing remote
             assets = re.findall(r"""(?:src|href)=["']([^"']+)["']""", html) + re.findall(r"url: ?'([^']+)'", html)
             assert any(a.endswith(".js") for a in assets), page
             for asset in assets:
@@ -261,6 +262,16 @@ async def test_non_finite_numbers_are_refused_naming_the_field(data_dir):
             check=False,
         )
         assert response.status_code == 400 and "sampling_params.temperature=inf" in response.json()["message"]
+        batch = small_batch()  # a DSSST1 frame's plain values too: a NaN loss knob made a NaN loss
+        batch["processing"]["config"] = {"clip_ratio": float("nan")}
+        generate = {"prompts": [[1, 2]], "sampling_params": {"temperature": float("inf")}}
+        for endpoint, body, field in (
+            ("forward-backward", batch, "processing.config.clip_ratio=nan"),
+            ("generate", generate, "sampling_params.temperature=inf"),
+        ):
+            response = await api.post_frame(job_id, endpoint, body, check=False)
+            assert (response.status_code, response.json()["code"]) == (400, "invalid_argument"), endpoint
+            assert f"frame holds non-finite numbers: {field}" in response.json()["message"]
         training = json.dumps({"sub_job_configs": [TRAINING], "vendor": {"knob": 1.0}})
         for text, field in (
             (training.replace("0.001", "1e400"), "sub_job_configs.0.training_config.optimizer.lr=inf"),
