@@ -54,9 +54,11 @@ def _model(name: str, model_root: Path | None, where: str) -> str:
         return name
     if model_root is not None:
         root = model_root.resolve()
-        named = Path(os.path.normpath(root / name))  # ".." and an absolute path outside are refused unread
-        if named.is_relative_to(root) and named.resolve().is_relative_to(root) and (named / "config.json").is_file():
-            return str(named.resolve())
+        named = Path(os.path.normpath(root / name))  # lexical first: ".." or a path outside is refused unread
+        if named.is_relative_to(root):
+            real = named.resolve()  # a link inside the root may lead out of it
+            if real.is_relative_to(root) and (real / "config.json").is_file():
+                return str(real)
     raise InvalidRequestError(
         f"{where}.model_name {name!r} is not a model this service offers; send tiny:<preset> or the name of a "
         "model folder under the service's model root (icefloe serve --model-root), such as org/name"
