@@ -101,7 +101,7 @@ class JobManager:
         taken = ConflictError(f"job {job_id} already exists; omit job_id to get a fresh one")
         if store.get_job(self.db, job_id=job_id) is not None:
             raise taken
-        specs = sub_job_specs(job_id, body)
+        specs = sub_job_specs(job_id, body, model_root=self.settings.model_root)
         for spec in specs:
             self._checkpoint_folder(spec)  # refuse an unknown source checkpoint now, not at load time
         num_slots = sum(s.num_slots for s in specs)
@@ -119,7 +119,7 @@ class JobManager:
                 {
                     "sub_job_id": s.sub_job_id,
                     "job_type": s.job_type,
-                    "model_name": s.config.model,
+                    "model_name": s.model_name,
                     "config": s.public_config,
                 }
                 for s in specs
@@ -130,7 +130,7 @@ class JobManager:
             raise taken
         job_dir = self.settings.job_dir(job_id)
         log = JobLog(job_dir / "logs", [s.sub_job_id for s in specs])
-        state, chunks = JobState(job_id, self.db, log), ChunkGroups()
+        state, chunks = JobState(job_id, self.db, log), ChunkGroups(max_bytes=self.settings.max_job_chunk_bytes)
         job = LiveJob(job_id, {s.sub_job_id: s for s in specs}, state, log, chunks, job_dir)
         self._live[job_id] = job
         self.log_router.bind(f"icefloe-lifecycle-{job_id}", log, None)

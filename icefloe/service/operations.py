@@ -35,7 +35,15 @@ from icefloe.protocol import (
 )
 from icefloe.service import store
 from icefloe.service.jobs import JobManager, LiveJob
-from icefloe.service.models import GenerateBody, LoadBody, SaveBody, StepBody, WeightSyncPayload
+from icefloe.service.models import (
+    GenerateBody,
+    LoadBody,
+    SaveBody,
+    StepBody,
+    WeightSyncPayload,
+    check_body,
+    parse_json_body,
+)
 from icefloe.service.results import JsonText
 
 __all__ = [
@@ -73,6 +81,7 @@ def submit_frame(manager: JobManager, job: LiveJob, op: str, body: bytes, *, sub
 
 def _submit_decoded(manager: JobManager, job: LiveJob, op: str, frame: bytes, sub_job_id: str | None) -> dict[str, Any]:
     payload = wire.decode(frame, tensors="torch")
+    check_body(payload, "frame")
     op_metadata = wire.read_metadata(frame)
     if op == OP_GENERATE:
         request_id = _submit_generate(manager, job, payload, op_metadata, sub_job_id)
@@ -384,10 +393,7 @@ class GenerateStream:
 
 
 def _parse(body: bytes) -> GenerateBody:
-    try:
-        payload = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequestError(f"generate-stream body must be UTF-8 JSON (not DSSST1); {exc}") from None
+    payload = parse_json_body(body, "generate-stream body (UTF-8 JSON, not DSSST1)")
     try:
         return GenerateBody.model_validate(payload)
     except ValidationError as exc:

@@ -4,6 +4,11 @@ The training API names things its own way (``model_name``, ``training_config.gra
 ``inference_config.max_seq_len``, ``peft_config``); engines take a :class:`ClientConfig`. This is
 the one mapping between the two, so a field the API adds later is wired in one place.
 
+``model_name`` is a ``tiny:<preset>`` or a model folder under ``ServeSettings.model_root``, named
+relative to it (``org/name`` for a hub-style layout) or by its full path. Anything else gets one
+fixed refusal that says nothing about the file system: not whether a path exists, nor why it
+was refused.
+
 The managed API also accepts open "passthrough" keys (DeepSpeed, PrimeRL, vLLM knobs). Each one is
 honoured (mapped onto the config), refused with the fix when it would change what is trained and
 the engines cannot do it, or, when it only tunes machinery these engines do not have, recorded
@@ -12,7 +17,9 @@ and reported in the job's ``warnings``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from icefloe.config import ClientConfig, LoraConfig
@@ -23,6 +30,7 @@ __all__ = ["SEGMENT_BY_JOB_TYPE", "SubJobSpec", "sub_job_specs"]
 
 SEGMENT_BY_JOB_TYPE = {"training": "training", "sampling": "sampling", "log_probability": "log_prob"}
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_PRESET_PREFIX = "tiny:"  # models built in code (icefloe.engines.models.TINY_PRESETS)
 _PRIME_RL_DTYPES = ("optimization_dtype", "reduce_dtype")
 # Passthrough keys that tune machinery these engines do not have: accepted, reported as unused.
 _NO_COUNTERPART = {
@@ -56,6 +64,7 @@ class SubJobSpec:
 
     sub_job_id: str
     job_type: str  # training | sampling | log_probability
+    model_name: str  # as the caller sent it; config.model holds the folder it names
     config: ClientConfig
     num_slots: int
     source_checkpoint: dict[str, Any] | None  # {checkpoint_id, source_job_id?} to start from
@@ -68,6 +77,23 @@ class SubJobSpec:
         return self.job_type == "training"
 
 
+def _model(name: str, model_root: Path | None, where: str) -> str:
+    """What the engines load for ``model_name``: the preset itself, or the folder it names under the root."""
+    if name.startswith(_PRESET_PREFIX):
+        return name
+    if model_root is not None:
+        root = model_root.resolve()
+        named = Path(os.path.normpath(root / name))  # lexical first: ".." or a path outside is refused unread
+        if named.is_relative_to(root):
+            real = named.resolve()  # a link inside the root may lead out of it
+            if real.is_relative_to(root) and (real / "config.json").is_file():
+                return str(real)
+    raise InvalidRequestError(
+        f"{where}.model_name {name!r} is not a model this service offers; send tiny:<preset> or the name of a "
+        "model folder under the service's model root (icefloe serve --model-root), such as org/name"
+    )
+
+
 def _lora(raw: Any, where: str) -> LoraConfig:
     if not isinstance(raw, dict):
         raise InvalidRequestError(f"{where}.peft_config must be an object like {{'peft_type': 'Lora', 'r': 8}}")
@@ -77,13 +103,18 @@ def _lora(raw: Any, where: str) -> LoraConfig:
         raise InvalidRequestError(f"{where}.{exc}") from None
 
 
+def _section(sub: SubJobConfig) -> str:
+    return "training_config" if sub.job_type == "training" else "inference_config"
+
+
 def _refuse_training_changes(sub: SubJobConfig, extra: dict[str, Any], dtype: str, where: str) -> None:
     """Passthrough settings that would change what is trained and that these engines cannot honour."""
     if sub.post_init_hooks:
         raise InvalidRequestError(
-            f"{where.rsplit('.', 1)[0]}.model_post_init={sub.post_init_hooks!r}: model post-init hooks "
+            f"{where}.model_post_init={sub.post_init_hooks!r}: model post-init hooks "
             "are not supported here; remove model_post_init"
         )
+    where = f"{where}.{_section(sub)}"
     if extra.get("router_replay"):
         raise InvalidRequestError(
             f"{where}.router_replay={extra['router_replay']!r}: MoE router replay is not supported; remove it"
@@ -117,9 +148,10 @@ def _refuse_training_changes(sub: SubJobConfig, extra: dict[str, Any], dtype: st
         )
 
 
-def _client_config(sub: SubJobConfig, where: str) -> tuple[ClientConfig, list[str]]:
+def _client_config(sub: SubJobConfig, model_root: Path | None, where: str) -> tuple[ClientConfig, list[str]]:
     """The sub-job's engine config and the warnings for passthrough keys it accepts but does not use."""
-    data: dict[str, Any] = {"model": sub.model_name.strip(), "seed": sub.seed or 0}
+    model = _model(sub.model_name.strip(), model_root, where)
+    data: dict[str, Any] = {"model": model, "seed": sub.seed or 0}
     if sub.dtype:
         data["dtype"] = _DTYPES.get(sub.dtype, sub.dtype)
     section: TrainingConfigSpec | InferenceConfig | None = (
@@ -130,7 +162,7 @@ def _client_config(sub: SubJobConfig, where: str) -> tuple[ClientConfig, list[st
         extra["multiplex_job_id"] = section.multiplex_job_id
     _refuse_training_changes(sub, extra, data.get("dtype", "float32"), where)
     if extra.get("peft_config") is not None:
-        data["lora"] = _lora(extra.pop("peft_config"), where)
+        data["lora"] = _lora(extra.pop("peft_config"), f"{where}.{_section(sub)}")
     if sub.job_type == "training":
         tc = sub.training_config or TrainingConfigSpec()
         opt = tc.optimizer
@@ -146,7 +178,9 @@ def _client_config(sub: SubJobConfig, where: str) -> tuple[ClientConfig, list[st
             training["gradient_checkpointing"] = extra.pop("activation_checkpointing")
         mb_spec = extra.pop("mb_spec", None) or {}
         if not isinstance(mb_spec, dict):
-            raise InvalidRequestError(f"{where}.mb_spec must be an object like {{'max_tokens_per_mb': 4096}}")
+            raise InvalidRequestError(
+                f"{where}.training_config.mb_spec must be an object like {{'max_tokens_per_mb': 4096}}"
+            )
         if "max_tokens_per_mb" in mb_spec:
             training["micro_batch_tokens"] = mb_spec["max_tokens_per_mb"]
         extra.update({f"mb_spec.{key}": value for key, value in mb_spec.items() if key != "max_tokens_per_mb"})
@@ -162,12 +196,13 @@ def _client_config(sub: SubJobConfig, where: str) -> tuple[ClientConfig, list[st
     except ConfigError as exc:
         raise InvalidRequestError(f"{where}: {exc}") from None
     warnings = [
-        f"{where}.{key} is recorded but not used: {_NO_COUNTERPART.get(key, 'icefloe does not know this key')}"
+        f"{where}.{_section(sub)}.{key} is recorded but not used: "
+        f"{_NO_COUNTERPART.get(key, 'icefloe does not know this key')}"
         for key in sorted(extra)
     ]
     if sub.global_batch_size is not None:
         why = _NO_COUNTERPART["global_batch_size"]
-        warnings.append(f"{where.rsplit('.', 1)[0]}.global_batch_size is recorded but not used: {why}")
+        warnings.append(f"{where}.global_batch_size is recorded but not used: {why}")
     return config, warnings
 
 
@@ -197,16 +232,21 @@ def _check_adapters_match(specs: list[SubJobSpec]) -> None:
             )
 
 
-def sub_job_specs(job_id: str, body: JobCreate) -> list[SubJobSpec]:
-    """One spec per entry of ``sub_job_configs``; ids count occurrences of each type from zero."""
+def sub_job_specs(job_id: str, body: JobCreate, *, model_root: Path | None = None) -> list[SubJobSpec]:
+    """One spec per entry of ``sub_job_configs``; ids count occurrences of each type from zero.
+
+    Raises:
+        InvalidRequestError: a bad field, or a ``model_name`` that is not a preset nor a model folder
+            under ``model_root`` (None: presets only).
+    """
     counts: dict[str, int] = {}
     specs = []
     for position, sub in enumerate(body.sub_job_configs):
         index = counts.get(sub.job_type, 0)
         counts[sub.job_type] = index + 1
         section = sub.training_config if sub.job_type == "training" else sub.inference_config
-        where = f"sub_job_configs.{position}.{'training_config' if sub.job_type == 'training' else 'inference_config'}"
-        config, warnings = _client_config(sub, where)
+        where = f"sub_job_configs.{position}"
+        config, warnings = _client_config(sub, model_root, where)
         num_gpus = section.n_gpus if section is not None else 1
         load_optimizer = True
         if isinstance(section, TrainingConfigSpec) and section.load_optimizer_states is False:
@@ -215,6 +255,7 @@ def sub_job_specs(job_id: str, body: JobCreate) -> list[SubJobSpec]:
             SubJobSpec(
                 sub_job_id=f"{job_id}:{SEGMENT_BY_JOB_TYPE[sub.job_type]}:{index}",
                 job_type=sub.job_type,
+                model_name=sub.model_name.strip(),
                 config=config,
                 num_slots=num_gpus,
                 source_checkpoint=(
