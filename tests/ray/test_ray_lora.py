@@ -23,7 +23,8 @@ LORA = {"rank": 4, "alpha": 8}
 BATCH = build_batch([[1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10]], [1.0, -1.0], pad_id=0)
 
 
-def _train_sync_and_compare(client: Client) -> dict:
+def _train_sync_and_compare(client: Client, *, reference: bool) -> dict:
+    base = client.forward(BATCH)["logprobs"]  # fresh adapters are a no-op
     for _ in range(2):
         client.fwd_bwd(BATCH)
         client.step()
@@ -35,6 +36,8 @@ def _train_sync_and_compare(client: Client) -> dict:
     trainer = client.forward(scored)["logprobs"][0]
     mask = scored["context"]["loss_mask"][0].bool()
     torch.testing.assert_close(trainer[mask], torch.tensor(sample["logprobs"]), atol=1e-5, rtol=0)
+    if reference:  # the reference policy is the base model
+        torch.testing.assert_close(client.forward(BATCH, reference=True)["logprobs"], base, atol=1e-6, rtol=0)
     return synced
 
 
@@ -43,19 +46,23 @@ def test_ray_transport_syncs_only_adapters(ray_session, model_dir, tmp_path):
         "model": str(model_dir),
         "max_seq_len": 48,
         "lora": LORA,
+        "num_training_workers": 2,
+        "num_log_prob_workers": 1,  # with LoRA the trainers score the reference: no reference actor starts
         "training": {"optimizer": {"lr": 2e-2}, "checkpoint_dir": str(tmp_path)},
         "backend": {"type": "ray", "namespace": "icefloe-tests", "num_cpus_per_worker": 0.25},
     }
     with Client(config) as client:
         with pytest.raises(InvalidRequestError, match="moves full weights"):
             client.sync_weights(weight_format="vllm")
-        synced = _train_sync_and_compare(client)
+        synced = _train_sync_and_compare(client, reference=True)
+        assert client.handle()["transport"]["actors"]["reference"] == []
         adapters = TrainingEngine(client.config, model_dir=model_dir).named_weights()
     assert synced["bytes"] == sum(t.numel() * t.element_size() for _, t in adapters)
 
 
 def test_serve_with_ray_engines_syncs_lora_adapters(ray_session, model_dir, tmp_path):
-    app = create_app(ServeSettings(data_dir=tmp_path / "serve", engines="ray"), pool=SlotPool("cpu", 2))
+    settings = ServeSettings(data_dir=tmp_path / "serve", engines="ray", model_root=model_dir.parent)
+    app = create_app(settings, pool=SlotPool("cpu", 2))
     with ServerThread(app) as base_url:
         config = {
             "model": str(model_dir),
@@ -67,6 +74,6 @@ def test_serve_with_ray_engines_syncs_lora_adapters(ray_session, model_dir, tmp_
         with Client(config) as client:
             with pytest.raises(RequestFailedError, match="moves full weights"):
                 client.sync_weights(weight_format="hf")
-            synced = _train_sync_and_compare(client)
+            synced = _train_sync_and_compare(client, reference=False)
         adapters = TrainingEngine(client.config, model_dir=model_dir).named_weights()
     assert synced["bytes"] == sum(t.numel() * t.element_size() for _, t in adapters)

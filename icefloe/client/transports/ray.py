@@ -84,7 +84,7 @@ class RayTransport(RoleTransport):
         counts = {
             "training": config.num_training_workers,
             "sampling": config.num_sampling_workers,
-            "reference": config.num_log_prob_workers,
+            "reference": config.num_log_prob_workers if config.lora is None else 0,  # LoRA: trainers score it
         }
         for role, count in counts.items():
             for index in range(count):
