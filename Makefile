@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints-cpu.txt | cksum | cut -d' ' -f1)
 
-.PHONY: demo test bench lint format clean
+.PHONY: demo test test-slow bench lint format clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -17,7 +17,11 @@ demo: $(STAMP)
 	$(VENV)/bin/icefloe demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m 'not slow'
+
+# The whole-demo runs (tens of seconds each); CI runs them after `make test`.
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
 
 bench: $(STAMP)
 	for name in engine weight_sync wire service remote ray; do $(PY) -m bench $$name || exit 1; done

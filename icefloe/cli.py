@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -30,6 +31,7 @@ app = typer.Typer(
 console = Console()
 
 SUMMARY_WINDOW = 10  # steps averaged for the start and end rewards of the demo's summary line
+LORA_DEMO_STEPS = 200  # adapters learn the demo task more slowly than the full weights
 
 
 @app.callback()
@@ -39,22 +41,35 @@ def _root() -> None:
 
 @app.command()
 def demo(
-    steps: Annotated[int, typer.Option(min=1, help="GRPO steps after the warm-up.")] = 150,
+    steps: Annotated[
+        int | None, typer.Option(min=1, help="GRPO steps after the warm-up [default: 150; 200 with --lora-rank].")
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seeds the model, the problems and the sampler.")] = 0,
     name: Annotated[str, typer.Option(help="Run name: results go to OUT_DIR/NAME/.")] = "demo",
     backend: Annotated[
         str, typer.Option(help="local (engines in this process) or remote (ICEFLOE_REMOTE_*, else a local serve).")
     ] = "local",
     out_dir: Annotated[Path, typer.Option(help="Parent folder of run folders.")] = Path("runs"),
+    lora_rank: Annotated[
+        int, typer.Option(min=0, help="Train LoRA adapters of this rank in RL (0 = the full weights).")
+    ] = 0,
 ) -> None:
     """Teach a tiny model addition with GRPO and print how its reward rose."""
     if backend not in ("local", "remote"):
         raise typer.BadParameter(f"must be local or remote; got {backend!r}", param_hint="--backend")
-    run_demo(steps=steps, seed=seed, name=name, backend=backend, out_dir=out_dir)
+    if steps is None:
+        steps = LORA_DEMO_STEPS if lora_rank else 150
+    run_demo(steps=steps, seed=seed, name=name, backend=backend, out_dir=out_dir, lora_rank=lora_rank)
 
 
 def run_demo(
-    *, steps: int = 150, seed: int = 0, name: str = "demo", backend: str = "local", out_dir: Path = Path("runs")
+    *,
+    steps: int = 150,
+    seed: int = 0,
+    name: str = "demo",
+    backend: str = "local",
+    out_dir: Path = Path("runs"),
+    lora_rank: int = 0,
 ) -> list[dict[str, Any]]:
     """Run the GRPO recipe with a progress bar and print one summary line; returns the metric rows.
 
@@ -64,7 +79,19 @@ def run_demo(
 
     _quiet_transformers()
     with _demo_service(backend) as base_url:
-        config = GRPOConfig(name=name, out_dir=out_dir, seed=seed, steps=steps, backend=backend, base_url=base_url)
+        config = GRPOConfig(
+            name=name, out_dir=out_dir, seed=seed, steps=steps, backend=backend, base_url=base_url, lora_rank=lora_rank
+        )
+        if lora_rank:
+            # The demo adapts its tied output layer on purpose and never merges the adapter into it.
+            warnings.filterwarnings("ignore", "Model has `tie_word_embeddings=True`", UserWarning)
+            console.print(
+                f"demo: RL trains LoRA adapters only (rank {lora_rank}, on the attention, MLP and output layers), "
+                f"after a {config.warmup_steps}-step full-weight supervised warm-up: adapters alone cannot teach "
+                "the random tiny model the answer format",
+                highlight=False,
+                soft_wrap=True,
+            )
         return _run_demo(config)
 
 
@@ -129,7 +156,16 @@ def serve(
         "serve-data"
     ),
     token: Annotated[
-        list[str] | None, typer.Option(help="Bearer token callers must send (repeatable; also ICEFLOE_SERVE_TOKENS).")
+        list[str] | None,
+        typer.Option(help="Bearer token callers must send (repeatable). Shows in `ps`: prefer --token-file."),
+    ] = None,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(help="File of bearer tokens, one per line (recommended; or set ICEFLOE_SERVE_TOKENS)."),
+    ] = None,
+    model_root: Annotated[
+        Path | None,
+        typer.Option(help="Folder of model folders jobs may load (model_name org/name); default: tiny:* presets only."),
     ] = None,
     slots: Annotated[int, typer.Option(min=1, help="CPU slots to hand out when there is no GPU.")] = 4,
     engines: Annotated[
@@ -146,15 +182,19 @@ def serve(
         float, typer.Option(min=0.001, help="Fail a job whose op runs longer, and kill its engine process.")
     ] = 3600.0,
 ) -> None:
-    """Run the training-API service (`icefloe serve`) that remote clients point their base URL at."""
+    """Run the training-API service (`icefloe serve`) that remote clients point their base URL at.
+
+    Tokens: give them with --token-file or ICEFLOE_SERVE_TOKENS, not --token (`ps` shows it to every user).
+    """
     from icefloe.protocol import ConfigError
     from icefloe.service.app import serve as run_service
     from icefloe.service.settings import ServeSettings
 
     try:
         settings = ServeSettings.from_env(
-            data_dir=data_dir, host=host, port=port, tokens=token or [], slots=slots, engines=engines,
-            ray_address=address, lease_ttl_s=lease_ttl_s, op_deadline_s=op_deadline_s,
+            data_dir=data_dir, host=host, port=port, tokens=token or [], token_file=token_file, slots=slots,
+            engines=engines, ray_address=address, model_root=model_root, lease_ttl_s=lease_ttl_s,
+            op_deadline_s=op_deadline_s,
         )  # fmt: skip
         if address is not None and settings.engines != "ray":
             raise ConfigError("--address names a Ray cluster; it needs --engines ray")

@@ -32,6 +32,7 @@ __all__ = [
     "BackendConfig",
     "ClientConfig",
     "LocalConfig",
+    "LoraConfig",
     "OptimizerConfig",
     "RayConfig",
     "RemoteConfig",
@@ -117,6 +118,93 @@ class TrainingConfig(_Model):
     checkpoint_dir: Path | None = None  # None = a folder under the run's working directory
     gradient_checkpointing: bool = False
     peak_memory_log: bool = False  # each step reports peak_memory {gpu_peak, cpu_peak} in bytes
+
+
+class LoraConfig(_Model):
+    """LoRA adapters trained (through ``peft``) instead of the full weights.
+
+    The training API spells the same settings as a ``peft_config`` dict; :meth:`from_peft_config`
+    and :meth:`to_peft_config` translate both ways.
+    """
+
+    rank: int = Field(8, ge=1)  # r: width of the low-rank update
+    alpha: int = Field(8, gt=0)  # lora_alpha: the update is scaled by alpha / rank
+    dropout: float = Field(0.0, ge=0, lt=1)  # on the adapter's input, in training only
+    # Names (or suffixes) of the Linear modules that get an adapter, or "all-linear" (every one but the output layer).
+    target_modules: list[str] | Literal["all-linear"] = "all-linear"
+    bias: Literal["none", "all", "lora_only"] = "none"  # which biases train alongside the adapters
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _modules_named(cls, value: Any) -> Any:
+        if isinstance(value, str) and value != "all-linear":
+            raise ValueError(f"must be a list of module names or 'all-linear' (write [{value!r}] for one module)")
+        if isinstance(value, list | tuple):
+            if not value or not all(isinstance(name, str) and name.strip() for name in value):
+                raise ValueError(
+                    f"must be a non-empty list of module names (e.g. ['q_proj', 'v_proj']) or 'all-linear'; "
+                    f"got {list(value)!r}"
+                )
+            return list(value)
+        return value
+
+    @classmethod
+    def from_peft_config(cls, peft_config: Mapping[str, Any]) -> LoraConfig:
+        """Read the training API's ``peft_config`` (``peft_type: "Lora"``, ``r``, ``lora_alpha``, ...).
+
+        Missing keys take the API's defaults (r = alpha = 8). Unknown keys and other ``peft_type``
+        values raise :class:`ConfigError`: each would change what is trained.
+        """
+        known = {"peft_type", "r", "lora_alpha", "lora_dropout", "bias", "target_modules"}
+        unknown = sorted(set(peft_config) - known)
+        if unknown:
+            raise ConfigError(
+                f"peft_config has keys icefloe does not train with: {unknown}; remove them (supported: {sorted(known)})"
+            )
+        kind = peft_config.get("peft_type", "Lora")
+        if str(kind).lower() != "lora":
+            raise ConfigError(f"peft_config.peft_type must be 'Lora'; got {kind!r} (LoRA is the only adapter type)")
+        fields = {"r": "rank", "lora_alpha": "alpha", "lora_dropout": "dropout", "bias": "bias"}
+        data = {ours: peft_config[theirs] for theirs, ours in fields.items() if peft_config.get(theirs) is not None}
+        if peft_config.get("target_modules") is not None:
+            data["target_modules"] = peft_config["target_modules"]
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            message = format_validation_error(exc, prefix="peft_config.")
+            for ours, theirs in {**{v: k for k, v in fields.items()}, "target_modules": "target_modules"}.items():
+                message = message.replace(f"peft_config.{ours}:", f"peft_config.{theirs}:")
+            raise ConfigError(message) from None
+
+    def to_peft_config(self) -> dict[str, Any]:
+        """The training API's ``peft_config`` for these settings."""
+        return {
+            "peft_type": "Lora",
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "lora_dropout": self.dropout,
+            "bias": self.bias,
+            "target_modules": self.target_modules,
+        }
+
+    def mismatch(self, other: LoraConfig | None) -> list[str]:
+        """What differs from ``other`` in ways a weight sync cannot bridge (rank, alpha, target modules).
+
+        Each entry reads ``"r: 8 vs 16"``; empty when the two adapters have the same shape and scale.
+        """
+        if other is None:
+            return ["peft_config: LoRA vs none"]
+        pairs = {
+            "r": (self.rank, other.rank),
+            "lora_alpha": (self.alpha, other.alpha),
+            "target_modules": (_module_set(self.target_modules), _module_set(other.target_modules)),
+        }
+        return [f"{name}: {mine!r} vs {theirs!r}" for name, (mine, theirs) in pairs.items() if mine != theirs]
+
+
+def _module_set(target_modules: list[str] | str) -> list[str] | str:
+    """Target modules compared without regard to order or repeats."""
+    return target_modules if isinstance(target_modules, str) else sorted(set(target_modules))
 
 
 class SamplingConfig(_Model):
@@ -228,6 +316,7 @@ class ClientConfig(_Model):
     training: TrainingConfig = Field(default_factory=TrainingConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     backend: BackendConfig = Field(default_factory=LocalConfig)
+    lora: LoraConfig | None = None  # None = train the full weights; set = train LoRA adapters only
     job_ready_timeout_s: float = Field(1800.0, gt=0)  # managed endpoints cold-start in 7-9 minutes
 
     @field_validator("model")
@@ -236,6 +325,15 @@ class ClientConfig(_Model):
         if not model.strip():
             raise ValueError("model must name a local Hugging Face directory or tiny:<preset>; got ''")
         return model
+
+    @model_validator(mode="after")
+    def _lora_fits_backend(self) -> ClientConfig:
+        if self.lora is not None and isinstance(self.backend, RayConfig) and self.backend.fsdp:
+            raise ValueError(
+                "lora with backend.fsdp=true is not supported: set backend.fsdp=false (the frozen base is "
+                "replicated and only the small adapters are all-reduced) or train full weights (lora=None)"
+            )
+        return self
 
     @classmethod
     def build(cls, data: Mapping[str, Any] | None = None, **overrides: Any) -> ClientConfig:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from icefloe.config import ClientConfig, LocalConfig, RemoteConfig
+from icefloe.config import ClientConfig, LocalConfig, LoraConfig, RemoteConfig
 from icefloe.protocol import ConfigError
 
 CORTEX_ENV = {
@@ -25,6 +25,11 @@ CORTEX_ENV = {
         ({"backend": {"type": "remote", "host": "h"}}, "backend.database and backend.schema are required"),
         ({"model": " "}, "model must name a local Hugging Face directory"),
         ({"modle": "x"}, "modle: Extra inputs are not permitted"),
+        ({"lora": {"rank": 0}}, "lora.rank: Input should be greater than or equal to 1; got 0"),
+        ({"lora": {"target_modules": "q_proj"}}, "lora.target_modules: must be a list of module names or 'all-linear'"),
+        ({"lora": {"target_modules": []}}, "lora.target_modules: must be a non-empty list of module names"),
+        ({"lora": {"bias": "some"}}, "lora.bias"),
+        ({"lora": {}, "backend": {"type": "ray", "fsdp": True}}, "lora with backend.fsdp=true is not supported"),
     ],
 )
 def test_build_names_the_bad_field(data, fragment):
@@ -99,3 +104,49 @@ def test_schedule_multiplier_is_the_one_formula():
     assert [warm.multiplier(s) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     cosine = ScheduleConfig(kind="cosine", total_steps=3, min_lr_ratio=0.5)
     assert [round(cosine.multiplier(s), 4) for s in range(5)] == [1.0, 0.875, 0.625, 0.5, 0.5]
+
+
+def test_lora_is_off_unless_set_and_defaults_to_the_training_api_defaults():
+    assert ClientConfig.build().lora is None
+    lora = ClientConfig.build(lora={}).lora
+    assert lora is not None and (lora.rank, lora.alpha, lora.target_modules) == (8, 8, "all-linear")
+
+
+def test_lora_peft_config_round_trips_in_the_training_api_spelling():
+    peft_config = {
+        "peft_type": "Lora",
+        "r": 16,
+        "lora_alpha": 32,
+        "lora_dropout": 0.05,
+        "bias": "none",
+        "target_modules": ["q_proj", "v_proj"],
+    }
+    lora = LoraConfig.from_peft_config(peft_config)
+    assert (lora.rank, lora.alpha, lora.dropout, lora.target_modules) == (16, 32, 0.05, ["q_proj", "v_proj"])
+    assert lora.to_peft_config() == peft_config
+    assert LoraConfig.from_peft_config({"peft_type": "Lora"}) == LoraConfig()  # r = alpha = 8
+
+
+@pytest.mark.parametrize(
+    ("peft_config", "fragment"),
+    [
+        ({"peft_type": "IA3"}, "peft_config.peft_type must be 'Lora'; got 'IA3'"),
+        ({"r": 0}, "peft_config.r: Input should be greater than or equal to 1; got 0"),
+        ({"lora_alpha": -1}, "peft_config.lora_alpha: Input should be greater than 0; got -1"),
+        ({"use_dora": True}, "peft_config has keys icefloe does not train with: ['use_dora']"),
+    ],
+)
+def test_lora_from_peft_config_names_the_bad_key(peft_config, fragment):
+    with pytest.raises(ConfigError) as info:
+        LoraConfig.from_peft_config(peft_config)
+    assert fragment in str(info.value)
+
+
+def test_lora_mismatch_names_both_values_of_what_differs():
+    trainer = LoraConfig(rank=8, alpha=16, target_modules=["v_proj", "q_proj"])
+    assert trainer.mismatch(LoraConfig(rank=8, alpha=16, target_modules=["q_proj", "v_proj", "q_proj"])) == []
+    assert trainer.mismatch(LoraConfig(rank=4, alpha=16, dropout=0.1, target_modules="all-linear")) == [
+        "r: 8 vs 4",
+        "target_modules: ['q_proj', 'v_proj'] vs 'all-linear'",
+    ]
+    assert trainer.mismatch(None) == ["peft_config: LoRA vs none"]

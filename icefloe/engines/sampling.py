@@ -8,14 +8,17 @@ and the log-prob of each sampled token. Reported log-probs are under the raw dis
 A stop token (the tokenizer's EOS, or one of ``stop_token_ids``) is kept as the last entry of
 ``token_ids``, as vLLM does, because RL must train on the decision to stop; it is left out of
 ``text`` when it is a special token. A stop string cuts ``text`` before the string and
-``token_ids`` after the token that completed it. Tensors: B rows, P prompt positions, V vocabulary,
-T generated tokens.
+``token_ids`` after the token that completed it. With ``config.lora`` both engines sample with the
+adapter the last weight sync delivered (before any sync it is a no-op: the base model samples).
+Tensors: B rows, P prompt positions, V vocabulary, T generated tokens.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import inspect
+import shutil
+import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from icefloe.config import ClientConfig
+from icefloe.engines.lora import add_adapters, peft_key, trainable_parameters, write_adapter_folder
 from icefloe.engines.models import load_causal_lm, load_tokenizer, resolve_model
 from icefloe.engines.training import resolve_device
 from icefloe.protocol import InvalidRequestError, SamplingParams
@@ -66,11 +70,16 @@ class SamplingEngine:
         self.model_dir = Path(model_dir) if model_dir is not None else resolve_model(config.model, seed=config.seed)
         self.tokenizer = load_tokenizer(self.model_dir)
         dtype = _DTYPES[config.dtype] if self.device.type == "cuda" else torch.float32
-        self.model = load_causal_lm(self.model_dir, dtype=dtype, device=self.device)
+        base = load_causal_lm(self.model_dir, dtype=dtype, device=self.device)
+        self.lora = config.lora
+        with torch.random.fork_rng(devices=[]):  # the adapters' (overwritten) init leaves the process RNG alone
+            self.model = base if self.lora is None else add_adapters(base, self.lora)
+        # What a weight sync may write (every parameter, or with LoRA only the adapters), by PEFT file name.
+        named = self.model.named_parameters() if self.lora is None else trainable_parameters(self.model)
+        self._params = {peft_key(name): param for name, param in named}
         self.model.requires_grad_(False)
-        self._params = dict(self.model.named_parameters())
         # transformers renamed the forward's KV-cache argument from past_key_values to cache.
-        forward_args = inspect.signature(self.model.forward).parameters
+        forward_args = inspect.signature(base.forward).parameters
         self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
         self._generator = torch.Generator().manual_seed(config.seed)
         self._asleep = False
@@ -234,15 +243,21 @@ class SamplingEngine:
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], *, policy_version: int) -> int:
         """Copy tensors into the model's parameters in place; returns the bytes copied.
 
+        With LoRA only adapter tensors are accepted (the base weights never change), named as the
+        trainer's parameters or as a PEFT ``adapter_model.safetensors`` names them, so a sampler
+        can also start from a weights-only LoRA checkpoint.
+
         Raises:
             InvalidRequestError: a name the model does not have, or a shape that differs.
         """
         copied = 0
         for name, tensor in named_tensors:
-            param = self._params.get(name)
+            param = self._params.get(peft_key(name))
             if param is None:
+                what = "an adapter parameter" if self.lora is not None else "a parameter"
                 raise InvalidRequestError(
-                    f"weight {name!r} is not a parameter of the sampling model; sync from a trainer of the same model"
+                    f"weight {name!r} is not {what} of the sampling model; sync from a trainer of the same model "
+                    "and the same lora settings"
                 )
             if param.shape != tensor.shape:
                 raise InvalidRequestError(
@@ -325,7 +340,9 @@ class VLLMSamplingEngine:
 
     Weight loading hands the tensors to the model through ``LLM.apply_model``; to pass them without
     serialising, vLLM's engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set
-    here unless the caller chose). Not exercised by the CPU test suite.
+    here unless the caller chose). With LoRA, synced adapter tensors are gathered (they may arrive
+    in several buckets) and, before the next generate, written as a PEFT folder that vLLM loads
+    through a fresh ``LoRARequest``; the previous adapter is dropped. Not exercised by the CPU test suite.
     """
 
     def __init__(self, config: ClientConfig, *, device: str | torch.device = "cuda", model_dir: Path | None = None):
@@ -342,10 +359,17 @@ class VLLMSamplingEngine:
         self.model_dir = Path(model_dir) if model_dir is not None else resolve_model(config.model, seed=config.seed)
         kwargs = {"dtype": config.dtype, "seed": config.seed, "max_model_len": config.max_seq_len}
         # raw_logprobs: log-probs before temperature/top-p, the quantity the trainer's forward returns.
-        kwargs |= {"enable_sleep_mode": True, "logprobs_mode": "raw_logprobs", **config.sampling.engine_kwargs}
-        self.llm = vllm.LLM(model=str(self.model_dir), **kwargs)
+        kwargs |= {"enable_sleep_mode": True, "logprobs_mode": "raw_logprobs"}
+        self.lora = config.lora
+        if self.lora is not None:
+            kwargs |= {"enable_lora": True, "max_loras": 1, "max_lora_rank": _vllm_lora_rank(self.lora.rank)}
+        self.llm = vllm.LLM(model=str(self.model_dir), **(kwargs | config.sampling.engine_kwargs))
         self.tokenizer = self.llm.get_tokenizer()
         self.policy_version = 0
+        self._adapter_tensors: dict[str, Tensor] = {}  # synced since the adapter was last written
+        self._adapter_dir = Path(tempfile.mkdtemp(prefix="icefloe-lora-")) if self.lora is not None else None
+        self._lora_request: Any = None  # None until the first sync: the base model (zero adapters) samples
+        self._num_adapters = 0
 
     def generate(
         self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams]
@@ -354,8 +378,10 @@ class VLLMSamplingEngine:
         inputs = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]
         vllm_params = [self._vllm_params(p) for p in per_prompt]
         version = self.policy_version
+        lora_request = self._current_adapter()
+        outputs = self.llm.generate(inputs, vllm_params, use_tqdm=False, lora_request=lora_request)
         results = []
-        for request, wanted in zip(self.llm.generate(inputs, vllm_params, use_tqdm=False), per_prompt, strict=True):
+        for request, wanted in zip(outputs, per_prompt, strict=True):
             for completion in request.outputs:
                 result: dict[str, Any] = {
                     "token_ids": list(completion.token_ids),
@@ -380,9 +406,31 @@ class VLLMSamplingEngine:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], *, policy_version: int) -> int:
         tensors = list(named_tensors)
-        self.llm.apply_model(lambda model: model.load_weights(weights=tensors))
+        if self.lora is None:
+            self.llm.apply_model(lambda model: model.load_weights(weights=tensors))
+        else:  # copies: a broadcast hands over views of a staging buffer it reuses for the next bucket
+            self._adapter_tensors.update((peft_key(name), t.detach().to("cpu", copy=True)) for name, t in tensors)
         self.policy_version = int(policy_version)
         return sum(t.numel() * t.element_size() for _, t in tensors)
+
+    def _current_adapter(self) -> Any:
+        """The ``LoRARequest`` of the last synced adapter, writing it first when a sync delivered a new one."""
+        if not self._adapter_tensors:
+            return self._lora_request
+        from vllm.lora.request import LoRARequest
+
+        assert self.lora is not None and self._adapter_dir is not None
+        previous = self._lora_request
+        self._num_adapters += 1
+        folder = self._adapter_dir / f"adapter-{self._num_adapters}"
+        write_adapter_folder(folder, self.lora, self._adapter_tensors.items())
+        # A new id each time: vLLM caches adapters by id and would keep serving the old weights.
+        self._lora_request = LoRARequest(f"icefloe-{self._num_adapters}", self._num_adapters, str(folder))
+        self._adapter_tensors = {}
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        return self._lora_request
 
     def sleep(self, level: int = 1) -> dict[str, Any]:
         self.llm.sleep(level=level)
@@ -395,6 +443,15 @@ class VLLMSamplingEngine:
     def reset_prefix_cache(self) -> dict[str, Any]:
         self.llm.reset_prefix_cache()
         return {}
+
+
+def _vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds ``rank``."""
+    allowed = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+    fitting = [value for value in allowed if value >= rank]
+    if not fitting:
+        raise InvalidRequestError(f"lora.rank={rank} is above vLLM's largest LoRA rank ({allowed[-1]}); lower it")
+    return fitting[0]
 
 
 def build_sampling_engine(

@@ -4,7 +4,9 @@ One engine is one model replica in one process. ``fwd_bwd`` accumulates gradient
 so several calls that pass the whole optimizer batch's normalisers (``batch_num_tokens``,
 ``global_batch_size``) train exactly like one big call. Master weights stay float32; on CUDA,
 ``dtype="bfloat16"`` runs forward and backward under autocast. Dropout is off in ``forward`` so
-the log-probs it returns are the ones the sampler sees. Tensors: B rows, S positions, V vocabulary.
+the log-probs it returns are the ones the sampler sees. With ``config.lora`` the model is wrapped
+by ``peft`` and only the adapters train (see ``engines/lora.py``); the base with adapters disabled
+then serves as the KL reference. Tensors: B rows, S positions, V vocabulary.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch import Tensor
 
 from icefloe.config import ClientConfig
 from icefloe.engines.batch import shifted_token_logprobs, split_micro_batches, validate_batch
+from icefloe.engines.lora import ADAPTER_WEIGHTS_FILE, add_adapters, merged_copy, trainable_parameters
 from icefloe.engines.losses import get_loss
 from icefloe.engines.models import load_causal_lm, load_tokenizer, resolve_model
 from icefloe.protocol import InvalidRequestError, UnsupportedOpError
@@ -118,7 +121,8 @@ class TrainingEngine:
             are read.
         device: ``"cpu"``, ``"cuda"``, ``"cuda:N"`` or ``"auto"``.
         role: ``"training"``, or ``"reference"`` for an eval-only copy (no optimizer) that serves
-            reference log-probs through ``forward``.
+            reference log-probs through ``forward``. A reference copy never has adapters: with
+            LoRA, prefer ``forward(batch, reference=True)`` on the trainer, which needs no copy.
         model_dir: load this Hugging Face directory instead of resolving ``config.model``.
     """
 
@@ -139,7 +143,12 @@ class TrainingEngine:
         self.model_dir = Path(model_dir) if model_dir is not None else resolve_model(config.model, seed=config.seed)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.model = load_causal_lm(self.model_dir, dtype=torch.float32, device=self.device)
-        self._params = [p for p in self.model.parameters()]
+        self.lora = config.lora if role == "training" else None
+        if role == "training" and config.training.gradient_checkpointing:
+            _enable_activation_checkpointing(self.model)  # on the base model, before peft wraps it
+        if self.lora is not None:
+            self.model = add_adapters(self.model, self.lora)
+        self._params = [p for p in self.model.parameters() if p.requires_grad]
         self._autocast_dtype = _AUTOCAST_DTYPES.get(config.dtype) if self.device.type == "cuda" else None
         if config.dtype == "float16" and self._autocast_dtype is not None:
             log.warning("dtype=float16 trains under fp16 autocast without loss scaling; prefer bfloat16")
@@ -155,8 +164,6 @@ class TrainingEngine:
         self.optimizer = torch.optim.AdamW(
             self._params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
         )
-        if config.training.gradient_checkpointing:
-            _enable_activation_checkpointing(self.model)
 
     # --- properties --------------------------------------------------------------------------
     @property
@@ -227,19 +234,26 @@ class TrainingEngine:
         return {"loss": loss_value, "avg_loss": loss_value, "metrics": metrics_out, "num_tokens": num_tokens}
 
     @torch.no_grad()
-    def forward(self, batch: Mapping[str, Any]) -> dict[str, Tensor]:
+    def forward(self, batch: Mapping[str, Any], *, reference: bool = False) -> dict[str, Tensor]:
         """Shifted log-probs and entropies of the batch's tokens, float32 ``[B, S]`` on CPU.
 
-        ``processing.config.temperature`` (default 1) divides the logits first.
+        ``processing.config.temperature`` (default 1) divides the logits first. ``reference=True``
+        scores with the reference policy: the base model with the adapters disabled, which only a
+        LoRA trainer has (otherwise the reference is a separate ``role="reference"`` engine).
         """
         self._require_awake()
+        if reference and self.lora is None:
+            raise UnsupportedOpError(
+                "forward(reference=True) on a training engine needs LoRA (the base model is the reference); "
+                "set lora, or score with a role='reference' engine (num_log_prob_workers=1)"
+            )
         frame = self._validated(batch, require_context=False)
         temperature = _temperature(frame["processing"]["config"])
         self._set_train_mode(False)
         logprobs, entropies = [], []
         for part in split_micro_batches(frame, self.config.training.micro_batch_tokens):
             kwargs = self._to_device(part["kwargs"])
-            with self._autocast():
+            with self._autocast(), self.model.disable_adapter() if reference else contextlib.nullcontext():
                 logits_BSV = self.model(**kwargs, use_cache=False).logits
             logprobs_BS, entropy_BS = shifted_token_logprobs(logits_BSV, kwargs["input_ids"], temperature)
             logprobs.append(logprobs_BS)
@@ -295,9 +309,15 @@ class TrainingEngine:
             torch.cuda.reset_peak_memory_stats(self.device)  # the next reading covers the next fwd-bwd + step
         return {"gpu_peak": gpu_peak, "cpu_peak": _peak_rss_bytes()}
 
+    def sync_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """``(name, parameter)`` of what a weight sync moves: every parameter, or with LoRA the adapters only."""
+        if self.lora is not None:
+            return trainable_parameters(self.model)
+        return list(self.model.named_parameters())
+
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """``(name, tensor)`` for every parameter (tied weights once), detached, on the engine device."""
-        for name, param in self.model.named_parameters():
+        """``(name, tensor)`` of :meth:`sync_parameters` (tied weights once), detached, on the engine device."""
+        for name, param in self.sync_parameters():
             yield name, param.detach()
 
     # --- memory -------------------------------------------------------------------------------
@@ -331,7 +351,9 @@ class TrainingEngine:
 
         ``resumable`` adds ``optimizer.safetensors`` and ``trainer_state.json`` (step, LR schedule,
         RNG) so :meth:`load_checkpoint` continues bit for bit; ``weights-only`` doubles as the HF
-        export. The folder is written aside and renamed, so a crash never leaves half a checkpoint.
+        export. With LoRA the weights are a PEFT adapter folder instead (``adapter_config.json`` +
+        ``adapter_model.safetensors``); :meth:`export_merged` writes full weights. The folder is
+        written aside and renamed, so a crash never leaves half a checkpoint.
         """
         self._check_checkpoint_kind(kind)
         return self.write_checkpoint(root, kind, *self.checkpoint_tensors(kind))
@@ -346,7 +368,8 @@ class TrainingEngine:
     ) -> dict[str, Any]:
         """Write ``root/global_step{N}/`` from full tensors: the one writer of the checkpoint format.
 
-        Files: ``config.json``, the tokenizer, ``model.safetensors``, ``trainer_state.json``, and
+        Files: ``config.json`` and ``model.safetensors`` (with LoRA: ``adapter_config.json`` and
+        ``adapter_model.safetensors``), the tokenizer, ``trainer_state.json``, and
         ``optimizer.safetensors`` when ``kind`` is ``resumable``.
         """
         root = Path(root)
@@ -367,7 +390,8 @@ class TrainingEngine:
     def load_checkpoint(self, path: Path | str) -> dict[str, Any]:
         """Restore weights from a checkpoint folder, plus optimizer, step and RNG when resumable.
 
-        A plain Hugging Face directory (no ``trainer_state.json``) loads as ``weights-only``.
+        A plain Hugging Face directory (no ``trainer_state.json``) loads as ``weights-only``; so
+        does a plain PEFT adapter folder into a LoRA engine.
         """
         path = Path(path)
         weight_files = sorted(p for p in path.glob("*.safetensors") if p.name != _OPTIMIZER_FILE)
@@ -376,10 +400,20 @@ class TrainingEngine:
                 f"checkpoint path {str(path)!r} holds no model *.safetensors; pass a folder written by "
                 "save_checkpoint (e.g. <checkpoint_dir>/global_step12)"
             )
+        is_adapter = (path / ADAPTER_WEIGHTS_FILE).is_file()
+        if is_adapter != (self.lora is not None):
+            held, engine = ("a LoRA adapter", "full weights") if is_adapter else ("full weights", "LoRA adapters")
+            raise InvalidRequestError(
+                f"checkpoint {str(path)!r} holds {held} but this engine trains {engine}; load it into an "
+                f"engine configured {'with' if is_adapter else 'without'} lora"
+            )
         state_path = path / _STATE_FILE
         state = json.loads(state_path.read_text()) if state_path.is_file() else {"kind": "weights-only"}
         kind = state.get("kind", "weights-only")
-        self._load_weights({name: t for file in weight_files for name, t in load_file(str(file)).items()})
+        if is_adapter:
+            self._load_adapter(load_file(str(path / ADAPTER_WEIGHTS_FILE)))
+        else:
+            self._load_weights({name: t for file in weight_files for name, t in load_file(str(file)).items()})
         if kind == "resumable" and self.optimizer is not None:
             self._load_optimizer(load_file(str(path / _OPTIMIZER_FILE)), state)
             self._global_step = int(state["global_step"])
@@ -423,6 +457,40 @@ class TrainingEngine:
     def _load_optimizer(self, tensors: Mapping[str, Tensor], state: Mapping[str, Any]) -> None:
         assert self.optimizer is not None
         self.optimizer.load_state_dict(optimizer_state_from_file(tensors, state, list(range(len(self._params)))))
+
+    def export_merged(self, target: Path | str) -> dict[str, Any]:
+        """Write the policy's full weights as a Hugging Face folder at ``target`` (LoRA: base + adapter merged).
+
+        The merge runs on a copy, so the trainer's base weights and adapters stay exactly as they were.
+        """
+        target = Path(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            model = self.model if self.lora is None else merged_copy(self.model)
+            model.save_pretrained(str(staging))
+            self.tokenizer.save_pretrained(str(staging))
+            publish_folder(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return describe_checkpoint(target, self._global_step, "merged")
+
+    def _load_adapter(self, loaded: dict[str, Tensor]) -> None:
+        from peft import set_peft_model_state_dict
+
+        try:
+            result = set_peft_model_state_dict(self.model, loaded)
+        except RuntimeError as exc:  # a shape mismatch: another LoRA rank, or another model
+            raise InvalidRequestError(
+                f"adapter weights do not fit this engine's adapters ({exc}); load an adapter with the same rank "
+                "and target modules"
+            ) from None
+        missing = [name for name in result.missing_keys if ".lora_" in name]
+        if missing or result.unexpected_keys:
+            raise InvalidRequestError(
+                f"adapter weights do not match this engine's adapters: missing {sorted(missing)}, unexpected "
+                f"{sorted(result.unexpected_keys)}; load an adapter with the same rank and target modules"
+            )
 
     def _load_weights(self, loaded: dict[str, Tensor]) -> None:
         missing, unexpected = self.model.load_state_dict(loaded, strict=False)

@@ -10,6 +10,11 @@ A tiny model from random weights almost never writes a correct sum, and GRPO alo
 reward 0.1 (measured over 400 steps). A short supervised warm-up (``warmup_steps``, the
 ``cross_entropy`` loss) first teaches the answer format and a little arithmetic, leaving the
 reward near 0.1; the reward reported per step is that of the RL steps only.
+
+With ``lora_rank`` > 0 RL trains LoRA adapters only. Adapters alone cannot teach this random
+model the answer format (the supervised loss stalls), so the warm-up still trains the full weights
+on a client of its own, saves them as a Hugging Face folder, and RL starts from that folder.
+Seed 0: reward 0.06 → 0.86 in 200 steps at rank 8.
 """
 
 from __future__ import annotations
@@ -63,6 +68,13 @@ class GRPOConfig(BaseModel):
     eps: float = Field(1e-6, gt=0)  # added to a group's std before dividing
     # False: Dr.GRPO, advantages only mean-centred (verl's algorithm.norm_adv_by_std_in_grpo=False).
     norm_adv_by_std: bool = True
+    lora_rank: int = Field(0, ge=0)  # 0 = RL trains the full weights; > 0 = LoRA adapters of this rank
+    lora_alpha: int = Field(0, ge=0)  # 0 = 4 × lora_rank
+    lora_lr_scale: float = Field(2.0, gt=0)  # RL with LoRA uses lr × this
+    # The output layer too: with its (tied, frozen) embeddings this tiny model cannot make confident answers.
+    lora_target_modules: list[str] | Literal["all-linear"] = [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head",
+    ]  # fmt: skip
 
 
 def group_advantages(rewards_G: Sequence[float], *, eps: float = 1e-6, norm_by_std: bool = True) -> list[float]:
@@ -94,46 +106,56 @@ async def run(config: GRPOConfig, *, on_step: Callable[[dict[str, Any]], None] |
     run_dir.mkdir(parents=True, exist_ok=True)
     task = ArithmeticTask(config.seed, max_operand=config.max_operand)
     shuffler = random.Random(config.seed + 1)
-    num_updates = config.warmup_steps + config.steps * config.num_minibatches  # optimizer steps in the run
-    client_config = ClientConfig.from_env(
-        model=config.model,
-        seed=config.seed,
-        max_seq_len=64,
-        training={
-            "optimizer": {"lr": config.lr},
-            "lr_schedule": {
-                "kind": config.lr_schedule,
-                "total_steps": num_updates,
-                "min_lr_ratio": config.min_lr_ratio,
+    lora = None
+    if config.lora_rank:
+        alpha = config.lora_alpha or 4 * config.lora_rank
+        lora = {"rank": config.lora_rank, "alpha": alpha, "target_modules": config.lora_target_modules}
+    lr = config.lr * (config.lora_lr_scale if lora else 1.0)  # the last lr the trainer reported
+
+    def client_config(model: str, *, warm_up_only: bool = False) -> ClientConfig:
+        rl_updates = 0 if warm_up_only else config.steps * config.num_minibatches
+        warm_up_here = config.warmup_steps if warm_up_only or not lora else 0
+        return ClientConfig.from_env(
+            model=model,
+            seed=config.seed,
+            max_seq_len=64,
+            lora=None if warm_up_only else lora,
+            num_sampling_workers=0 if warm_up_only else 1,
+            training={
+                "optimizer": {"lr": lr},
+                "lr_schedule": {
+                    "kind": config.lr_schedule,
+                    "total_steps": max(1, warm_up_here + rl_updates),  # the optimizer steps this client takes
+                    "min_lr_ratio": config.min_lr_ratio,
+                },
+                "checkpoint_dir": str(run_dir / ("warm-up" if warm_up_only else "checkpoints")),
             },
-            "checkpoint_dir": str(run_dir / "checkpoints"),
-        },
-        sampling={"max_batch_size": config.problems_per_step * config.group_size},
-        backend={"type": config.backend, **({"base_url": config.base_url} if config.base_url else {})},
-    )
+            sampling={"max_batch_size": config.problems_per_step * config.group_size},
+            backend={"type": config.backend, **({"base_url": config.base_url} if config.base_url else {})},
+        )
+
     sampling = SamplingParams(
         max_tokens=config.max_tokens, temperature=config.temperature, n=config.group_size, logprobs=True
     )
     history: list[dict[str, Any]] = []
     metrics_path = run_dir / "metrics.jsonl"
     metrics_path.write_text("", encoding="utf-8")
-    lr = config.lr  # the last lr the trainer reported
-    async with AsyncClient(client_config) as client:
+    model = config.model
+    if lora and config.warmup_steps:
+        # Adapters alone cannot teach a random tiny model the answer format (the loss stalls), so the
+        # warm-up trains the full weights and RL then trains adapters on top of the warmed-up model.
+        async with AsyncClient(client_config(model, warm_up_only=True)) as client:
+            await _warm_up(client, task, config)
+            model = (await client.save_checkpoint("weights-only"))["path"]
+    async with AsyncClient(client_config(model)) as client:
         tokenizer = client.tokenizer
-        eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+        pad_id = tokenizer.pad_token_id
 
         def encode(problems_P: Sequence[Problem]) -> list[list[int]]:
             return [tokenizer.encode(p.prompt, add_special_tokens=False) for p in problems_P]
 
-        # --- supervised warm-up: correct answers, cross-entropy --------------------------------
-        for _ in range(config.warmup_steps):
-            problems_P = task.sample(config.warmup_batch_size)
-            answers_P = [[*tokenizer.encode(p.answer, add_special_tokens=False), eos_id] for p in problems_P]
-            batch = build_batch(encode(problems_P), answers_P, None, pad_id=pad_id, loss_fn="cross_entropy")
-            pending = asyncio.ensure_future(client.fwd_bwd(batch))
-            stepped = asyncio.ensure_future(client.step(learning_rate=config.warmup_lr))
-            await pending, await stepped
-        if config.warmup_steps:
+        if config.warmup_steps and not lora:
+            await _warm_up(client, task, config)
             await client.sync_weights()
 
         for step in range(1, config.steps + 1):
@@ -206,6 +228,22 @@ async def run(config: GRPOConfig, *, on_step: Callable[[dict[str, Any]], None] |
                 on_step(row)
     plot_rewards(history, run_dir / "reward.png", title=f"GRPO on {config.model} (seed {config.seed})")
     return history
+
+
+async def _warm_up(client: Any, task: ArithmeticTask, config: GRPOConfig) -> None:
+    """Supervised steps on correct answers (cross-entropy), before RL."""
+    from icefloe.client.batch import build_batch
+
+    tokenizer = client.tokenizer
+    eos_id = tokenizer.eos_token_id
+    for _ in range(config.warmup_steps):
+        problems_P = task.sample(config.warmup_batch_size)
+        prompts_P = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in problems_P]
+        answers_P = [[*tokenizer.encode(p.answer, add_special_tokens=False), eos_id] for p in problems_P]
+        batch = build_batch(prompts_P, answers_P, None, pad_id=tokenizer.pad_token_id, loss_fn="cross_entropy")
+        pending = asyncio.ensure_future(client.fwd_bwd(batch))
+        stepped = asyncio.ensure_future(client.step(learning_rate=config.warmup_lr))
+        await pending, await stepped
 
 
 def summarize(history: Sequence[dict[str, Any]], window: int = 10) -> tuple[float, float]:

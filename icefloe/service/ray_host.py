@@ -72,11 +72,15 @@ class RayEngineHost(JobEngines):
             self._engines[sub_job_id] = group
         on_progress("engines ready")
 
-    def sync_weights(self, source_sub_job_id: str, target_sub_job_id: str) -> dict[str, Any]:
+    def sync_weights(
+        self, source_sub_job_id: str, target_sub_job_id: str, weight_format: str | None = None
+    ) -> dict[str, Any]:
+        from icefloe.engines.lora import check_weight_format
         from icefloe.engines.ray import collective_backend, link_weight_sync, sync_weights
 
         trainers, samplers = self._engine(source_sub_job_id), self._engine(target_sub_job_id)
         config = self._config(self._specs[source_sub_job_id])
+        check_weight_format(weight_format, config.lora, self._specs[target_sub_job_id].config.lora)
         pair = (source_sub_job_id, target_sub_job_id)
         if pair not in self._links:
             self._links[pair] = link_weight_sync(trainers, samplers, collective_backend(config.backend))

@@ -4,7 +4,9 @@ A POST numbered ``Icefloe-Sequence: <session>:<n>`` goes into the app only once 
 its session has queued its request (the app calls :func:`release_turn`) or been answered, so a
 sub-job queues them in number order whatever order they arrive in. A POST answered with a status
 its client retries keeps its number; a number below the session's next passes at once; no
-progress for ``gap_timeout_s`` is a 409 ``sequence_gap``. docs/service.md has the whole contract.
+progress for ``gap_timeout_s`` is a 409 ``sequence_gap``. Sessions belong to a caller (the token
+:class:`~icefloe.service.middleware.RequireToken` let in), and this layer runs only after that
+check: an unauthenticated POST never holds or advances a session. docs/service.md has the contract.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from icefloe.protocol import CODE_CHUNK_GROUP_RESTART_REQUIRED, InvalidRequestError, SequenceGapError
 from icefloe.service.errors import send_error
-from icefloe.service.middleware import header
+from icefloe.service.middleware import CALLER_SCOPE_KEY, header
 
 __all__ = ["SEQUENCE_HEADER", "SubmitOrder", "release_turn"]
 
@@ -63,7 +65,7 @@ class SubmitOrder:
         self.max_sessions = max_sessions
         # Least recently used first. Never expired by time: a client may stay quiet for hours (a long
         # rollout) and must find its place kept.
-        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._sessions: OrderedDict[tuple[str, str], _Session] = OrderedDict()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw = header(scope, _HEADER_KEY) if scope["type"] == "http" and scope["method"] == "POST" else None
@@ -78,7 +80,7 @@ class SubmitOrder:
             )
             await send_error(send, InvalidRequestError(message))
             return
-        number, session = int(number_text), self._session(session_id)
+        number, session = int(number_text), self._session((scope.get(CALLER_SCOPE_KEY, ""), session_id))
         if not await self._turn(session, number):
             message = (
                 f"{SEQUENCE_HEADER} {session_id}:{number} waited {self.gap_timeout_s:g} s for POST "
@@ -105,12 +107,13 @@ class SubmitOrder:
         if status and not retried:  # answered without queuing, or refused for good: the next may go in
             session.advance(number)
 
-    def _session(self, session_id: str) -> _Session:
-        session = self._sessions.get(session_id)
+    def _session(self, key: tuple[str, str]) -> _Session:
+        """The session of (caller, session id), made on first use."""
+        session = self._sessions.get(key)
         if session is not None:
-            self._sessions.move_to_end(session_id)
+            self._sessions.move_to_end(key)
             return session
-        session = self._sessions[session_id] = _Session()
+        session = self._sessions[key] = _Session()
         while len(self._sessions) > self.max_sessions:
             oldest_id, oldest = next(iter(self._sessions.items()))
             if oldest.waiting:  # someone waits on it: keep it

@@ -66,7 +66,7 @@ def test_grpo_config_rejects_a_group_of_one():
         GRPOConfig(group_size=1)
 
 
-@pytest.mark.integration
+@pytest.mark.slow
 def test_demo_run_learns_addition(tmp_path, capsys):
     """The demo's own run: the reward of the RL steps rises from <= 0.2 to >= 0.9 (10-step means)."""
     pytest.importorskip("torch")
@@ -91,3 +91,21 @@ def test_demo_run_learns_addition(tmp_path, capsys):
     assert rows[-1]["policy_version"] > rows[0]["policy_version"]
     assert 1.0 < rows[-1]["response_len"] < 3.0  # answers of one and two digits, each followed by EOS
     assert (tmp_path / "ci" / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_demo_run_with_lora_learns_addition(tmp_path, capsys):
+    """``icefloe demo --lora-rank 8``: RL trains adapters only and the reward rises from <= 0.2 to >= 0.8."""
+    pytest.importorskip("peft")
+    pytest.importorskip("matplotlib")
+    from icefloe.cli import LORA_DEMO_STEPS, run_demo
+
+    history = run_demo(steps=LORA_DEMO_STEPS, seed=0, name="lora", out_dir=tmp_path, lora_rank=8)
+
+    start, end = summarize(history, window=10)
+    assert start <= 0.2, f"the first RL steps already score {start:.2f}"
+    assert end >= 0.8, f"the last 10 steps score {end:.2f}; GRPO with LoRA did not learn the task"
+    out = capsys.readouterr().out
+    assert "RL trains LoRA adapters only (rank 8" in out and "full-weight supervised warm-up" in out
+    checkpoints = tmp_path / "lora" / "warm-up"
+    assert any(checkpoints.glob("global_step*/model.safetensors"))  # the warm-up's full weights, RL's base

@@ -31,9 +31,9 @@ class _EngineActor:
         self.engine: Any = None
         self.links: dict[str, Any] = {}  # weight-sync groups by link id (WeightBroadcast)
 
-    def call(self, method: str, *args: Any) -> Any:
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run one engine method here (``fwd_bwd``, ``generate``, ``save_checkpoint``, ...)."""
-        return getattr(self.engine, method)(*args)
+        return getattr(self.engine, method)(*args, **kwargs)
 
     def rendezvous(self) -> tuple[str, int]:
         """An address and free port on this node for a group's TCP store."""
@@ -82,7 +82,7 @@ class TrainingActor(_EngineActor):
         """Names, shapes and dtypes only: a sharded (DTensor) parameter reports its global shape without a gather."""
         from icefloe.engines.distributed import weight_layout
 
-        return weight_layout(self.engine.model.named_parameters())
+        return weight_layout(self.engine.sync_parameters())  # with LoRA: the adapters only
 
     def send_weights(self, link: str, bucket_bytes: int) -> dict[str, Any]:
         """Broadcast the weights on ``link``; under FSDP every rank must run this (gathering is collective)."""

@@ -16,7 +16,7 @@ from icefloe.config import ClientConfig
 from icefloe.integrations.skyrl.legacy import LegacyClientConfig
 from icefloe.protocol import ConfigError
 
-__all__ = ["IcefloeSection", "client_config_from_skyrl", "loss_config_from_skyrl", "section_of"]
+__all__ = ["IcefloeSection", "client_config_from_skyrl", "lora_from_skyrl", "loss_config_from_skyrl", "section_of"]
 
 # SkyRL trainer.algorithm.loss_reduction → icefloe loss_agg_mode.
 _LOSS_REDUCTIONS = {
@@ -96,6 +96,7 @@ def client_config_from_skyrl(cfg: Any) -> ClientConfig:
     return legacy.to_client_config(
         dtype=section.dtype,
         max_seq_len=max_seq_len,
+        lora=lora_from_skyrl(getattr(trainer.policy.model, "lora", None)),
         backend={"type": kind, **backend},
         training={
             "optimizer": {
@@ -114,6 +115,31 @@ def client_config_from_skyrl(cfg: Any) -> ClientConfig:
             "engine_kwargs": dict(section.engine_kwargs),
         },
     )
+
+
+def lora_from_skyrl(lora: Any) -> dict[str, Any] | None:
+    """``trainer.policy.model.lora`` (rank 0 = full weights) → icefloe's ``lora`` section.
+
+    Settings that would change what is trained and that icefloe cannot honour are refused, never dropped.
+
+    Raises:
+        ConfigError: names each such SkyRL field and the fix.
+    """
+    if lora is None or int(lora.rank) <= 0:
+        return None
+    prefix = "trainer.policy.model.lora"
+    problems = []
+    if getattr(lora, "exclude_modules", None) is not None:
+        problems.append(f"{prefix}.exclude_modules={lora.exclude_modules!r} (list the modules to adapt instead)")
+    if getattr(lora, "init_method", "kaiming") != "kaiming":
+        problems.append(f"{prefix}.init_method={lora.init_method!r} (peft's default initialisation is 'kaiming')")
+    target_modules = lora.target_modules
+    if isinstance(target_modules, str) and target_modules != "all-linear":
+        problems.append(f"{prefix}.target_modules={target_modules!r} (a pattern; give a list of names or 'all-linear')")
+    if problems:
+        raise ConfigError("these SkyRL LoRA settings have no icefloe equivalent:\n  " + "\n  ".join(sorted(problems)))
+    modules = target_modules if isinstance(target_modules, str) else [str(m) for m in target_modules]
+    return {"rank": int(lora.rank), "alpha": int(lora.alpha), "dropout": float(lora.dropout), "target_modules": modules}
 
 
 def loss_config_from_skyrl(cfg: Any) -> dict[str, Any]:

@@ -197,11 +197,40 @@ def _client_data(main_config: Any) -> dict[str, Any]:
             ),
         },
         "sampling": sampling,
+        "lora": _lora(main_config),
     }
     checkpoint_dir = select(main_config, "trainer.default_local_dir")
     if checkpoint_dir:
         data["training"]["checkpoint_dir"] = str(checkpoint_dir)
     return data
+
+
+def _lora(main_config: Any) -> dict[str, Any] | None:
+    """``actor_rollout_ref.model.lora_rank`` (0 = full weights), ``lora_alpha``, ``target_modules`` → ``lora``.
+
+    verl's LoRA settings that icefloe cannot honour are refused, never dropped: each changes what is trained.
+    """
+    model = select(main_config, "actor_rollout_ref.model", {})
+    rank = int(select(model, "lora_rank", 0) or 0)
+    if rank <= 0:
+        return None
+    problems = [
+        f"actor_rollout_ref.model.{name}={_plain(select(model, name))!r} ({fix})"
+        for name, fix in (
+            ("exclude_modules", "list the modules to adapt in target_modules instead"),
+            ("lora_adapter_path", "start from the base model, or load the adapter as an icefloe checkpoint"),
+        )
+        if select(model, name) is not None
+    ]
+    target_modules = _plain(select(model, "target_modules", "all-linear"))
+    if isinstance(target_modules, str) and target_modules != "all-linear":
+        problems.append(
+            f"actor_rollout_ref.model.target_modules={target_modules!r} (a pattern; give a list of module names "
+            "or 'all-linear')"
+        )
+    if problems:
+        raise ConfigError("these verl LoRA settings have no icefloe equivalent:\n  " + "\n  ".join(sorted(problems)))
+    return {"rank": rank, "alpha": int(select(model, "lora_alpha", 16)), "target_modules": target_modules}
 
 
 def _schedule(main_config: Any, optim: Any) -> dict[str, Any]:

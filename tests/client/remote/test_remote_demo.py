@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 
+@pytest.mark.slow
 def test_remote_demo_runs_over_a_local_service(tmp_path, monkeypatch, capsys):
     pytest.importorskip("matplotlib")
     for name in (

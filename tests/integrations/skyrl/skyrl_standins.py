@@ -64,8 +64,21 @@ class BaseConfig(ABC):  # noqa: B024 - SkyRL's base is an ABC without abstract m
 
 
 @dataclass
+class SkyRLLoraConfig(BaseConfig):
+    rank: int = 0
+    alpha: int = 16
+    dropout: float = 0.0
+    lora_sync_path: str = "/tmp/skyrl_lora_sync"
+    target_modules: str = "all-linear"
+    exclude_modules: Optional[str] = None  # noqa: UP045
+    init_method: str = "kaiming"
+    max_loras: int = 1
+
+
+@dataclass
 class ModelConfig(BaseConfig):
     path: Optional[str] = None  # noqa: UP045
+    lora: SkyRLLoraConfig = field(default_factory=SkyRLLoraConfig)
 
 
 @dataclass
@@ -378,7 +391,7 @@ def build_modules(*, legacy_inference: bool) -> dict[str, types.ModuleType]:
             setattr(modules[parent], child, modules[name])
     config_names = (
         "AlgorithmConfig", "BaseConfig", "CriticConfig", "DataConfig", "ModelConfig", "OptimizerConfig",
-        "PlacementConfig", "PolicyConfig", "SamplingParams", "TrainerConfig",
+        "PlacementConfig", "PolicyConfig", "SamplingParams", "SkyRLLoraConfig", "TrainerConfig",
     )  # fmt: skip
     namespace = {
         **{name: globals()[name] for name in config_names},

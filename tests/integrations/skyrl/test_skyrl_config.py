@@ -94,3 +94,35 @@ def test_loss_config_lists_every_unsupported_setting(make_cfg):
         loss_config_from_skyrl(cfg)
     assert "policy_loss_type='sapo'" in str(raised.value)
     assert "loss_reduction='prompt_mean'" in str(raised.value)
+
+
+def test_config_translation_maps_skyrl_lora(make_cfg):
+    assert client_config_from_skyrl(make_cfg()).lora is None  # rank 0: full weights
+    cfg = make_cfg(
+        "trainer.policy.model.path=tiny:arith",
+        "trainer.policy.model.lora.rank=8",
+        "trainer.policy.model.lora.alpha=32",
+        "trainer.policy.model.lora.dropout=0.05",
+        "trainer.icefloe.dtype=float32",
+    )
+    lora = client_config_from_skyrl(cfg).lora
+    assert lora is not None
+    assert (lora.rank, lora.alpha, lora.dropout, lora.target_modules) == (8, 32, 0.05, "all-linear")
+
+
+def test_config_translation_refuses_skyrl_lora_settings_it_cannot_honour(make_cfg):
+    cfg = make_cfg(
+        "trainer.policy.model.path=tiny:arith",
+        "trainer.policy.model.lora.rank=8",
+        "trainer.policy.model.lora.init_method=xavier",
+        "trainer.policy.model.lora.exclude_modules=lm_head",
+        "trainer.policy.model.lora.target_modules=.*proj",
+    )
+    with pytest.raises(ConfigError) as refused:
+        client_config_from_skyrl(cfg)
+    lines = str(refused.value).splitlines()[1:]
+    assert [line.split("=")[0].strip() for line in lines] == [
+        "trainer.policy.model.lora.exclude_modules",
+        "trainer.policy.model.lora.init_method",
+        "trainer.policy.model.lora.target_modules",
+    ]

@@ -33,6 +33,37 @@ def test_client_config_maps_optimizer_schedule_and_lengths(make_config) -> None:
     assert settings.actor_loss_config["clip_ratio"] == 0.2
 
 
+def test_client_config_maps_verl_lora_settings(make_config) -> None:
+    assert client_config(make_config(), environ={}).lora is None
+    assert client_config(make_config(**{"actor_rollout_ref.model.lora_rank": 0}), environ={}).lora is None
+    lora = client_config(make_config(**{"actor_rollout_ref.model.lora_rank": 8}), environ={}).lora
+    assert lora is not None and (lora.rank, lora.alpha, lora.target_modules) == (8, 16, "all-linear")  # verl defaults
+    config = make_config(**{
+        "actor_rollout_ref.model.lora_rank": 4,
+        "actor_rollout_ref.model.lora_alpha": 32,
+        "actor_rollout_ref.model.target_modules": ["q_proj", "v_proj"],
+    })  # fmt: skip
+    lora = client_config(config, environ={}).lora
+    assert lora is not None and (lora.rank, lora.alpha, lora.target_modules) == (4, 32, ["q_proj", "v_proj"])
+
+
+def test_client_config_refuses_verl_lora_settings_it_cannot_honour(make_config) -> None:
+    config = make_config(**{
+        "actor_rollout_ref.model.lora_rank": 8,
+        "actor_rollout_ref.model.exclude_modules": ["lm_head"],
+        "actor_rollout_ref.model.lora_adapter_path": "/ckpt/adapter",
+        "actor_rollout_ref.model.target_modules": ".*proj",
+    })  # fmt: skip
+    with pytest.raises(ConfigError) as refused:
+        client_config(config, environ={})
+    lines = str(refused.value).splitlines()[1:]
+    assert [line.split("=")[0].strip() for line in lines] == [
+        "actor_rollout_ref.model.exclude_modules",
+        "actor_rollout_ref.model.lora_adapter_path",
+        "actor_rollout_ref.model.target_modules",
+    ]
+
+
 def test_client_config_backend_from_env_when_yaml_leaves_it_null(make_config) -> None:
     config = make_config(**{"remote_backend.backend": None})
     assert client_config(config, environ={"ICEFLOE_BACKEND": "local"}).backend.device == "cpu"
