@@ -19,7 +19,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -m 'not slow'
 
-# The whole-demo runs (tens of seconds each); CI runs them after `make test`.
+# The whole-demo runs and the fault suite (tens of seconds each); CI runs them after `make test`.
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 

@@ -18,7 +18,7 @@ from icefloe.protocol import IcefloeTimeoutError, RequestFailedError
 from ..service.service_batches import small_batch
 from .serve_process import TRAINING, Serve, gone, wait_for
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real services, 5-15 s each: `make test-slow`
 
 
 def _client(serve: Serve, **config) -> Client:
