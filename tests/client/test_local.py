@@ -172,3 +172,20 @@ def test_transport_handle_returns_futures_that_keep_each_roles_order_and_fail_af
         transport.handle(ops.step().request).result(0)
     with pytest.raises(ClientClosedError, match="was closed"):
         transport.open()
+
+
+def sft_object(frame: dict) -> dict:
+    """The training API's SFT forward-backward object (§3.1): pre-shifted labels, -100 ignored, no context."""
+    ids_BS = frame["kwargs"]["input_ids"]
+    labels_BS = torch.where(frame["context"]["loss_mask"] > 0, ids_BS.roll(-1, dims=1), -100)
+    return {"args": (), "kwargs": {**frame["kwargs"], "labels": labels_BS}}
+
+
+def test_sft_object_trains_with_cross_entropy_over_its_labels(tmp_path):
+    frame = build_batch([[1, 11, 2, 13], [3, 12]], [[3, 1], [4, 13, 5]], pad_id=0, loss_fn="cross_entropy")
+    with Client(_config(tmp_path)) as client:
+        sft = client.fwd_bwd(sft_object(frame))
+        same = client.fwd_bwd(frame)  # the same weights: nothing stepped in between
+        assert sft["loss"] == pytest.approx(same["loss"]) and sft["num_tokens"] == same["num_tokens"] == 5
+        client.step()
+        assert client.fwd_bwd(sft_object(frame))["loss"] < sft["loss"]
