@@ -12,11 +12,28 @@ from collections.abc import Iterator
 from typing import Any, Self
 
 from icefloe.client.remote.errors import Redactor
-from icefloe.client.remote.http import Call, Endpoint, Http, Retry
+from icefloe.client.remote.http import Call, Endpoint, Http, Retry, RetryPolicy
 from icefloe.config import RemoteConfig
 from icefloe.protocol import JOB_TERMINAL_STATES, normalize_job_state
 
 __all__ = ["ServiceAdmin"]
+
+
+class _AdminRetryPolicy(RetryPolicy):
+    """The transport's retries, except a refused connection: a person waiting at a terminal is told
+    at once that no service listens there, instead of after a minute of retries."""
+
+    def should_retry(self, call: Call, exc: BaseException) -> bool:
+        return not _refused(exc) and super().should_retry(call, exc)
+
+
+def _refused(exc: BaseException | None) -> bool:
+    """True when ``exc`` was caused by a refused TCP connection (nothing listens on the port)."""
+    while exc is not None:
+        if isinstance(exc, ConnectionRefusedError):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 class ServiceAdmin:
@@ -26,6 +43,7 @@ class ServiceAdmin:
         endpoint = Endpoint.from_config(backend)
         self.url = endpoint.url
         self._http = Http(endpoint, backend, Redactor([endpoint.pat or ""]))
+        self._http.policy = _AdminRetryPolicy(backend)
 
     def _send(self, call: Call) -> Any:
         return self._http.run(self._http.send(call)).body
