@@ -7,7 +7,7 @@ import torch
 
 from icefloe.client import AsyncClient, Client, build_batch
 from icefloe.config import ClientConfig
-from icefloe.protocol import ClientClosedError, ConfigError, InvalidRequestError
+from icefloe.protocol import ClientClosedError, ConfigError, InvalidRequestError, NotFoundError
 
 PROMPTS = ["12+7=", "3+4=", "25+17="]
 
@@ -119,7 +119,7 @@ def test_checkpoint_round_trip_through_the_client(tmp_path):
         assert {"model.safetensors", "config.json"} <= files
         client.delete_checkpoint("global_step1")
         assert client.list_checkpoints() == []
-        with pytest.raises(InvalidRequestError, match="does not exist"):
+        with pytest.raises(NotFoundError, match="does not exist"):
             client.load_checkpoint("global_step1")
 
 
