@@ -22,6 +22,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 from ray.util.placement_group import PlacementGroup
 
 from icefloe.config import ClientConfig, RayConfig
+from icefloe.engines.batch import validate_batch
 from icefloe.engines.distributed import combine_fwd_bwd, concat_forward, shard_rows
 from icefloe.engines.ray.actors import SamplingActor, TrainingActor
 from icefloe.engines.ray.placement import WorkerSpec, actor_options, collective_backend, worker_device
@@ -201,11 +202,12 @@ class TrainerGroup(ActorGroup):
         ]
 
     def fwd_bwd(self, frame: dict[str, Any]) -> dict[str, Any]:
-        shards, _ = shard_rows(frame, len(self.actors))
+        # Validated first: the shards then share the whole batch's loss mask, loss and normalisers.
+        shards, _ = shard_rows(validate_batch(frame), len(self.actors))
         return combine_fwd_bwd(self._each("call", [("fwd_bwd", shard) for shard in shards]))
 
     def forward(self, frame: dict[str, Any]) -> dict[str, Any]:
-        shards, real_rows = shard_rows(frame, len(self.actors))
+        shards, real_rows = shard_rows(validate_batch(frame, require_context=False), len(self.actors))
         return concat_forward(self._each("call", [("forward", shard) for shard in shards]), real_rows)
 
     def step(self, learning_rate: float | None = None) -> dict[str, Any]:
