@@ -301,18 +301,16 @@ def test_gpu_vllm_sampler_receives_synced_weights(ray_session, model_dir, tmp_pa
         check_sampler_matches_trainer(client, atol=2e-2)
 
 
-def test_bad_requests_sft_and_checkpoint_listings_match_the_local_backend(ray_session, model_dir, tmp_path):
-    from tests.client.remote.test_remote_parity import BAD_CALLS, errors_loss_and_listing
+def test_bad_requests_sft_and_checkpoint_listings_match_the_local_backend(dp_client, model_dir, tmp_path):
+    """Last in the module: it trains ``dp_client`` on. Its SFT batch is split over the two ranks."""
+    from tests.client.remote.test_remote_parity import BAD_CALLS, cross_entropy_frame, errors_loss_and_listing
 
-    training = {"optimizer": {"lr": LR}, "checkpoint_dir": str(tmp_path / "a")}
-    local = ClientConfig.build(model=str(model_dir), max_seq_len=48, training=training)
-    on_ray = ray_config(model_dir, tmp_path / "b", num_training_workers=2, num_cpus_per_worker=0.25)
-    (local_errors, local_loss, local_listed), (ray_errors, ray_loss, ray_listed) = (
-        errors_loss_and_listing(c) for c in (local, on_ray)
-    )
-    assert {k: type(v) for k, v in ray_errors.items()} == {k: type(v) for k, v in local_errors.items()}
-    assert set(ray_errors) == set(BAD_CALLS)
-    assert ray_loss == pytest.approx(local_loss, abs=1e-5)  # the SFT object, its rows split over two ranks
-    assert [{k: type(v) for k, v in c.items()} for c in ray_listed] == [
-        {k: type(v) for k, v in c.items()} for c in local_listed
-    ]
+    local = ClientConfig.build(model=str(model_dir), max_seq_len=48, training={"checkpoint_dir": str(tmp_path)})
+    with Client(local) as client:
+        local_errors, _, local_listed = errors_loss_and_listing(client)
+    same_weights_loss = dp_client.fwd_bwd(cross_entropy_frame())["loss"]
+    ray_errors, ray_loss, ray_listed = errors_loss_and_listing(dp_client)
+    assert ray_errors == local_errors and set(ray_errors) == set(BAD_CALLS)
+    assert ray_loss == pytest.approx(same_weights_loss, abs=1e-6)
+    types = {tuple(sorted((k, type(v)) for k, v in c.items())) for c in ray_listed + local_listed}
+    assert len(types) == 1  # every field of every listed checkpoint has one type on both backends

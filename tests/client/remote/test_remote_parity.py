@@ -28,9 +28,14 @@ def _bad_loss_mode() -> dict:
     return build_batch([[3, 4, 5]], [[6, 7]], [1.0], pad_id=0, loss_config={"loss_agg_mode": "bogus"})
 
 
+def cross_entropy_frame() -> dict:
+    return build_batch([[3, 4, 5], [8, 9]], [[6, 7], [10, 11, 12]], pad_id=0, loss_fn="cross_entropy")
+
+
 def sft_object() -> dict:
-    """The training API's SFT object: pre-shifted labels (-100 = ignored), no context, no processing."""
-    frame = build_batch([[3, 4, 5], [8, 9]], [[6, 7], [10, 11, 12]], pad_id=0)
+    """The training API's SFT object for :func:`cross_entropy_frame`: pre-shifted labels (-100 =
+    ignored), no context, no processing."""
+    frame = cross_entropy_frame()
     ids_BS = frame["kwargs"]["input_ids"]
     labels_BS = torch.where(frame["context"]["loss_mask"] > 0, ids_BS.roll(-1, dims=1), -100)
     return {"args": (), "kwargs": {**frame["kwargs"], "labels": labels_BS}}
@@ -53,21 +58,20 @@ def _types(record: dict) -> dict[str, type]:
     return {key: type(value) for key, value in record.items()}
 
 
-def errors_loss_and_listing(config: ClientConfig) -> tuple[dict[str, IcefloeError], float, list[dict]]:
-    """The error each bad call raises, the loss of one SFT batch, the checkpoint listing after its step."""
-    with Client(config) as client:
-        errors = {what: _error(client, call) for what, call in BAD_CALLS.items()}
-        loss = client.fwd_bwd(sft_object())["loss"]
-        client.step()
-        client.save_checkpoint()
-        return errors, loss, client.list_checkpoints()
+def errors_loss_and_listing(client: Client) -> tuple[dict[str, type], float, list[dict]]:
+    """The class of the error each bad call raises, the loss of one SFT batch, the checkpoint listing after its step."""
+    errors = {what: type(_error(client, call)) for what, call in BAD_CALLS.items()}
+    loss = client.fwd_bwd(sft_object())["loss"]
+    client.step()
+    client.save_checkpoint()
+    return errors, loss, client.list_checkpoints()
 
 
 def test_bad_requests_and_checkpoint_listings_have_one_type_on_every_backend(service, tmp_path):
-    (local_errors, local_loss, local_listed), (remote_errors, remote_loss, remote_listed) = (
-        errors_loss_and_listing(config) for config in (_local(tmp_path), service.config())
-    )
-    assert {k: type(v) for k, v in remote_errors.items()} == {k: type(v) for k, v in local_errors.items()}
+    with Client(_local(tmp_path)) as local, Client(service.config()) as remote:
+        local_errors, local_loss, local_listed = errors_loss_and_listing(local)
+        remote_errors, remote_loss, remote_listed = errors_loss_and_listing(remote)
+    assert remote_errors == local_errors
     assert remote_loss == pytest.approx(local_loss)  # the SFT object trains alike
     assert len(local_listed) == len(remote_listed) == 1
     shared = set(local_listed[0]) & set(remote_listed[0])
