@@ -255,7 +255,15 @@ CHUNK_GROUP_CODES: Final = frozenset(
 
 # --- errors ------------------------------------------------------------------------------------
 class IcefloeError(Exception):
-    """Root of every error icefloe raises on purpose."""
+    """Root of every error icefloe raises on purpose.
+
+    The remote transport raises the class the service's wire ``code`` names, so a caller catches
+    the same class on every backend; such an error also carries the answer's ``status_code`` and
+    ``code`` (both None for an error raised in this process).
+    """
+
+    status_code: int | None = None
+    code: str | None = None
 
 
 class ConfigError(IcefloeError, ValueError):

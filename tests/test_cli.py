@@ -129,3 +129,15 @@ def test_cli_serve_takes_its_tokens_from_a_file(tmp_path):
         finally:
             child.terminate()
             child.wait(timeout=60)
+
+
+def test_cli_jobs_against_a_port_where_nothing_listens_fails_at_once(caplog):
+    import socket
+
+    with socket.socket() as sock:  # bound, never listening: every connection to it is refused
+        sock.bind(("127.0.0.1", 0))
+        base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        with caplog.at_level("WARNING", logger="icefloe.client.remote"):
+            result = CliRunner().invoke(app, ["jobs", "list", "--base-url", base_url])
+    assert result.exit_code == 1 and "is the service running?" in result.output
+    assert not [r for r in caplog.records if "retrying" in r.getMessage()], "a refused connection is not retried"

@@ -125,7 +125,7 @@ def build_batch(
 
 
 def is_canonical(payload: Mapping[str, Any]) -> bool:
-    """True for the training API's ``{args, kwargs, context, processing}`` frame."""
+    """True for the training API's ``{args, kwargs, context?, processing?}`` frame."""
     return isinstance(payload, Mapping) and "kwargs" in payload and "batch" not in payload
 
 
@@ -137,16 +137,14 @@ def is_verl_payload(payload: Mapping[str, Any]) -> bool:
 def to_canonical(payload: Mapping[str, Any], processing: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Return the canonical frame for either accepted payload shape.
 
-    ``processing`` (the ``fwd_bwd`` argument) is merged over the payload's own: its ``loss_fn``
-    wins and its ``config`` keys override.
+    A canonical frame passes as given: the training API's SFT frame (pre-shifted ``kwargs.labels``,
+    no ``context``) and the RL frame alike. ``processing`` (the ``fwd_bwd`` argument) is merged
+    over the payload's own: its ``loss_fn`` wins and its ``config`` keys override.
     """
     if is_verl_payload(payload):
         frame = _lower_verl(payload)
     elif is_canonical(payload):
-        frame = {key: value for key, value in payload.items()}
-        frame.setdefault("args", ())
-        frame.setdefault("context", {})
-        frame["processing"] = dict(frame.get("processing") or {})
+        frame = {"args": (), **payload}  # sent as given: the service fills the defaults (SFT or RL)
     else:
         keys = sorted(payload) if isinstance(payload, Mapping) else type(payload).__name__
         raise InvalidRequestError(
@@ -154,13 +152,11 @@ def to_canonical(payload: Mapping[str, Any], processing: Mapping[str, Any] | Non
             f"icefloe.client.batch.build_batch) or a verl-style {{batch, meta, processing}} payload; got {keys}"
         )
     if processing:
-        merged = dict(frame["processing"])
+        merged = dict(frame.get("processing") or {})
         if processing.get("loss_fn") is not None:
             merged["loss_fn"] = processing["loss_fn"]
         merged["config"] = {**dict(merged.get("config") or {}), **dict(processing.get("config") or {})}
         frame["processing"] = merged
-    frame["processing"].setdefault("loss_fn", "grpo")
-    frame["processing"]["config"] = dict(frame["processing"].get("config") or {})
     return frame
 
 

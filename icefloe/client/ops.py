@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from icefloe.client.batch import to_canonical
@@ -252,7 +253,7 @@ def list_checkpoints() -> OpCall:
 
 def get_checkpoint(checkpoint_id: str) -> OpCall:
     """One checkpoint's metadata and its files (paths or download URLs)."""
-    return OpCall(Request(OP_GET_CHECKPOINT, TARGET_JOB, {"checkpoint_id": checkpoint_id}), _identity)
+    return OpCall(Request(OP_GET_CHECKPOINT, TARGET_JOB, {"checkpoint_id": checkpoint_id}), _parse_checkpoint)
 
 
 def delete_checkpoint(checkpoint_id: str) -> OpCall:
@@ -268,6 +269,8 @@ def _parse_checkpoint(result: Mapping[str, Any]) -> dict[str, Any]:
         out["path"] = out["checkpoint_path"]
     if "kind" not in out and "checkpoint_type" in out:
         out["kind"] = out["checkpoint_type"]
+    if isinstance(out.get("created_at"), int | float):  # a folder's mtime (local, ray) → the API's ISO-8601 text
+        out["created_at"] = datetime.fromtimestamp(out["created_at"], UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
     return out
 
 

@@ -18,6 +18,7 @@ from icefloe.protocol import InvalidRequestError
 
 __all__ = [
     "CONTEXT_ALIASES",
+    "IGNORE_INDEX",
     "batch_rows",
     "shifted_token_logprobs",
     "split_micro_batches",
@@ -27,6 +28,7 @@ __all__ = [
 # Training-API spellings accepted for context tensors, mapped to the canonical names.
 CONTEXT_ALIASES = {"old_log_probs_shifted": "old_logprobs", "ref_log_probs_shifted": "ref_logprobs"}
 _FLOAT_CONTEXT = ("advantages", "loss_mask", "old_logprobs", "ref_logprobs", "rollout_is_weights")
+IGNORE_INDEX = -100  # a label that trains nothing
 
 
 def validate_batch(
@@ -37,6 +39,10 @@ def validate_batch(
     Normalised means: context aliases renamed, ids and ``attention_mask`` int64, context floats
     float32, ``position_ids`` filled with ``arange(S)`` when absent, ``processing`` defaulted to
     ``{"loss_fn": "grpo", "config": {}}``. ``require_context=False`` accepts a forward-only batch.
+
+    The training API's SFT frame, ``kwargs.labels`` (pre-shifted: ``labels[:, i]`` is
+    ``input_ids[:, i+1]``, or ``-100`` to ignore) without ``context.advantages``, gets
+    ``context.loss_mask`` = 1 where a label is set, and its loss defaults to ``cross_entropy``.
 
     Raises:
         InvalidRequestError: naming the offending field (e.g. ``context.loss_mask``) and the fix.
@@ -49,7 +55,6 @@ def validate_batch(
             "batch.kwargs is missing; pass {'kwargs': {'input_ids', 'attention_mask', 'position_ids'}, ...} "
             "(icefloe.client.batch.build_batch builds it)"
         )
-    processing = _processing(batch.get("processing"))
     input_ids_BS = _tensor(kwargs, "input_ids", "kwargs", integer=True)
     if input_ids_BS.dim() != 2 or input_ids_BS.shape[0] == 0 or input_ids_BS.shape[1] == 0:
         raise InvalidRequestError(
@@ -75,13 +80,20 @@ def validate_batch(
         position_BS = _tensor(kwargs, "position_ids", "kwargs", integer=True, shape=shape)
     normal_kwargs["position_ids"] = position_BS
 
-    context = _context(batch.get("context"), shape, input_ids_BS, processing["loss_fn"], require_context)
+    raw_context = batch.get("context")
+    labels_mask_BS = None
+    if kwargs.get("labels") is not None:
+        labels_BS = _tensor(kwargs, "labels", "kwargs", integer=True, shape=shape)
+        labels_mask_BS = _labels_mask(labels_BS, input_ids_BS)
+    sft = labels_mask_BS is not None and "advantages" not in (raw_context if isinstance(raw_context, Mapping) else {})
+    processing = _processing(batch.get("processing"), default_loss="cross_entropy" if sft else "grpo")
+    context = _context(raw_context, shape, input_ids_BS, processing["loss_fn"], require_context, labels_mask_BS)
     return {"args": (), "kwargs": normal_kwargs, "context": context, "processing": processing}
 
 
-def _processing(processing: Any) -> dict[str, Any]:
+def _processing(processing: Any, *, default_loss: str) -> dict[str, Any]:
     if processing is None:
-        return {"loss_fn": "grpo", "config": {}}
+        return {"loss_fn": default_loss, "config": {}}
     if not isinstance(processing, Mapping):
         raise InvalidRequestError(
             f"batch.processing must be a dict {{loss_fn, config}}; got {type(processing).__name__}"
@@ -89,16 +101,37 @@ def _processing(processing: Any) -> dict[str, Any]:
     config = processing.get("config") or {}
     if not isinstance(config, Mapping):
         raise InvalidRequestError(f"processing.config must be a dict; got {type(config).__name__}")
-    return {**processing, "loss_fn": processing.get("loss_fn") or "grpo", "config": dict(config)}
+    return {**processing, "loss_fn": processing.get("loss_fn") or default_loss, "config": dict(config)}
 
 
-def _context(raw: Any, shape: tuple[int, ...], input_ids_BS: Tensor, loss_fn: str, required: bool) -> dict[str, Tensor]:
-    if raw is None and not required:
-        return {}
+def _labels_mask(labels_BS: Tensor, input_ids_BS: Tensor) -> Tensor:
+    """1.0 where ``kwargs.labels`` sets a target; each target must be the next input token."""
+    scored_BS = labels_BS != IGNORE_INDEX
+    if scored_BS[:, -1].any():
+        raise InvalidRequestError(
+            "kwargs.labels[:, -1] must be -100: labels are pre-shifted (labels[:, i] = input_ids[:, i+1]), so the "
+            "last column has no target; shift Hugging Face style labels left by one"
+        )
+    wrong_BS = scored_BS[:, :-1] & (labels_BS[:, :-1] != input_ids_BS[:, 1:])
+    if wrong_BS.any():
+        row, col = wrong_BS.nonzero()[0].tolist()
+        raise InvalidRequestError(
+            f"kwargs.labels[{row}, {col}] is {int(labels_BS[row, col])} but input_ids[{row}, {col + 1}] is "
+            f"{int(input_ids_BS[row, col + 1])}; labels must be pre-shifted (labels[:, i] = input_ids[:, i+1]) "
+            "or -100 where nothing is trained"
+        )
+    return scored_BS.to(torch.float32)
+
+
+def _context(
+    raw: Any, shape: tuple[int, ...], input_ids_BS: Tensor, loss_fn: str, required: bool, labels_mask_BS: Tensor | None
+) -> dict[str, Tensor]:
+    if raw is None and (labels_mask_BS is not None or not required):
+        raw = {}
     if not isinstance(raw, Mapping):
         raise InvalidRequestError(
             "batch.context is missing; a training batch needs context.loss_mask (and context.advantages for "
-            "policy-gradient losses), each float32 [B, S]"
+            "policy-gradient losses), each float32 [B, S], or pre-shifted kwargs.labels for cross-entropy"
         )
     context: dict[str, Tensor] = {}
     for key, value in raw.items():
@@ -116,6 +149,8 @@ def _context(raw: Any, shape: tuple[int, ...], input_ids_BS: Tensor, loss_fn: st
         if not torch.equal(ids_BS, input_ids_BS):
             raise InvalidRequestError("context.input_ids must equal kwargs.input_ids; pass the same tensor to both")
         context["input_ids"] = ids_BS
+    if labels_mask_BS is not None:
+        context.setdefault("loss_mask", labels_mask_BS)
     if not required:
         return context
     needed = ("loss_mask", *loss_requirements(loss_fn))
@@ -127,6 +162,10 @@ def _context(raw: Any, shape: tuple[int, ...], input_ids_BS: Tensor, loss_fn: st
         if name in context:
             context[name] = _tensor(context, name, "context", integer=False, shape=shape)
     loss_mask_BS = context["loss_mask"]
+    if labels_mask_BS is not None and not torch.equal(loss_mask_BS, labels_mask_BS):
+        raise InvalidRequestError(
+            "context.loss_mask disagrees with kwargs.labels (1 exactly where a label is not -100); send one of the two"
+        )
     _binary(loss_mask_BS, "context.loss_mask")
     if loss_mask_BS[:, -1].any():
         raise InvalidRequestError(

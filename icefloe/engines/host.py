@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from icefloe import protocol
-from icefloe.protocol import ClientClosedError, InvalidRequestError, Request
+from icefloe.protocol import ClientClosedError, InvalidRequestError, NotFoundError, Request
 
 __all__ = ["ENGINE_CALLS", "EngineHost", "RoleWorker", "SyncGate"]
 
@@ -343,7 +343,7 @@ class EngineHost:
         path = self.checkpoint_root / checkpoint_id
         if not path.is_dir():
             known = [c["checkpoint_id"] for c in self._list()]
-            raise InvalidRequestError(f"checkpoint {checkpoint_id!r} does not exist; saved checkpoints: {known}")
+            raise NotFoundError(f"checkpoint {checkpoint_id!r} does not exist; saved checkpoints: {known}")
         return path
 
     def _load(self, checkpoint_id: str) -> dict[str, Any]:

@@ -68,10 +68,11 @@ class JobLog:
                 with self._path(target).open("a", encoding="utf-8") as fh:
                     fh.write(line)
 
-    def tail(self, sub_job_id: str, *, cursor: str | None, max_lines: int, finished: bool) -> dict[str, Any]:
+    def tail(self, sub_job_id: str, *, cursor: str | None, max_lines: int) -> dict[str, Any]:
         """One page ``{entries, next_cursor, eof}`` from ``cursor`` (empty = from the start).
 
-        ``eof`` is true only when the job is finished and the page reached the end of the file.
+        ``eof`` is true when the page reached the current end of the log, also while the job runs:
+        a reader that does not follow stops there; one that follows polls again for later lines.
         """
         try:
             offset = int(cursor) if cursor else 0
@@ -96,7 +97,7 @@ class JobLog:
                         entries.append(json.loads(raw))
                     except json.JSONDecodeError:
                         entries.append({"_raw": raw.decode("utf-8", "replace").rstrip("\n")})
-        return {"entries": entries, "next_cursor": str(offset), "eof": finished and offset >= size}
+        return {"entries": entries, "next_cursor": str(offset), "eof": offset >= size}
 
 
 class JobLogRouter(logging.Handler):

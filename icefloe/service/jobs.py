@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 from icefloe.protocol import (
-    JOB_TERMINAL_STATES,
     ClientClosedError,
     ConfigError,
     ConflictError,
@@ -364,7 +363,7 @@ class JobManager:
         target = _pick_sub_job(job_id, kinds, sub_job_id, sub_job_type, None)
         job = self._live.get(job_id)
         log = job.log if job is not None else JobLog(self.settings.job_dir(job_id) / "logs", list(kinds))
-        return log.tail(target, cursor=cursor, max_lines=max_lines, finished=row["status"] in JOB_TERMINAL_STATES)
+        return log.tail(target, cursor=cursor, max_lines=max_lines)
 
     # --- requests -----------------------------------------------------------------------------
     def submit(

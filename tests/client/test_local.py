@@ -7,7 +7,7 @@ import torch
 
 from icefloe.client import AsyncClient, Client, build_batch
 from icefloe.config import ClientConfig
-from icefloe.protocol import ClientClosedError, ConfigError, InvalidRequestError
+from icefloe.protocol import ClientClosedError, ConfigError, InvalidRequestError, NotFoundError
 
 PROMPTS = ["12+7=", "3+4=", "25+17="]
 
@@ -119,7 +119,7 @@ def test_checkpoint_round_trip_through_the_client(tmp_path):
         assert {"model.safetensors", "config.json"} <= files
         client.delete_checkpoint("global_step1")
         assert client.list_checkpoints() == []
-        with pytest.raises(InvalidRequestError, match="does not exist"):
+        with pytest.raises(NotFoundError, match="does not exist"):
             client.load_checkpoint("global_step1")
 
 
@@ -197,3 +197,20 @@ def test_lora_reference_is_the_trainer_with_adapters_off_and_sync_takes_a_weight
     torch.testing.assert_close(reference, base, rtol=0, atol=1e-6)
     assert not torch.allclose(policy, base, atol=1e-3)
     assert synced["policy_version"] == 2
+
+
+def sft_object(frame: dict) -> dict:
+    """The training API's SFT forward-backward object (§3.1): pre-shifted labels, -100 ignored, no context."""
+    ids_BS = frame["kwargs"]["input_ids"]
+    labels_BS = torch.where(frame["context"]["loss_mask"] > 0, ids_BS.roll(-1, dims=1), -100)
+    return {"args": (), "kwargs": {**frame["kwargs"], "labels": labels_BS}}
+
+
+def test_sft_object_trains_with_cross_entropy_over_its_labels(tmp_path):
+    frame = build_batch([[1, 11, 2, 13], [3, 12]], [[3, 1], [4, 13, 5]], pad_id=0, loss_fn="cross_entropy")
+    with Client(_config(tmp_path)) as client:
+        sft = client.fwd_bwd(sft_object(frame))
+        same = client.fwd_bwd(frame)  # the same weights: nothing stepped in between
+        assert sft["loss"] == pytest.approx(same["loss"]) and sft["num_tokens"] == same["num_tokens"] == 5
+        client.step()
+        assert client.fwd_bwd(sft_object(frame))["loss"] < sft["loss"]

@@ -122,3 +122,39 @@ def test_validate_batch_keeps_per_row_extras_and_drops_batch_level_ones():
     frame = validate_batch(batch)
     assert "versions" in frame["context"] and "cu_seqlens" not in frame["context"] and "note" not in frame["context"]
     assert [p["context"]["versions"].tolist() for p in split_micro_batches(frame, 5)] == [[3], [4]]
+
+
+def _sft(frame: dict) -> dict:
+    """The training API's SFT object: pre-shifted labels (-100 = ignored) and no context or processing."""
+    ids_BS = frame["kwargs"]["input_ids"]
+    labels_BS = torch.where(frame["context"]["loss_mask"] > 0, ids_BS.roll(-1, dims=1), -100)
+    return {"args": (), "kwargs": {**frame["kwargs"], "labels": labels_BS, "use_cache": False}}
+
+
+def test_validate_batch_reads_the_sft_object_as_cross_entropy_over_its_labels():
+    frame = _batch()
+    normal = validate_batch(_sft(frame))
+    assert normal["processing"] == {"loss_fn": "cross_entropy", "config": {}}
+    assert_close(normal["context"]["loss_mask"], frame["context"]["loss_mask"])
+    assert set(normal["kwargs"]) == {"input_ids", "attention_mask", "position_ids"}, "labels never reach the model"
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda labels: labels.__setitem__((0, -1), 3), r"kwargs.labels\[:, -1\] must be -100"),
+        (lambda labels: labels.__setitem__((0, 2), 3), r"kwargs.labels\[0, 2\] is 3 but input_ids\[0, 3\] is 10"),
+    ],
+)
+def test_validate_batch_refuses_labels_that_are_not_pre_shifted(mutate, message):
+    batch = _sft(_batch())
+    mutate(batch["kwargs"]["labels"])
+    with pytest.raises(InvalidRequestError, match=message):
+        validate_batch(batch)
+
+
+def test_validate_batch_refuses_labels_that_disagree_with_the_loss_mask():
+    frame = _batch()
+    batch = {**_sft(frame), "context": {**frame["context"], "loss_mask": torch.zeros(2, 5)}}
+    with pytest.raises(InvalidRequestError, match=r"context\.loss_mask disagrees with kwargs\.labels"):
+        validate_batch(batch)

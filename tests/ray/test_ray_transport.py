@@ -299,3 +299,18 @@ def test_gpu_vllm_sampler_receives_synced_weights(ray_session, model_dir, tmp_pa
         client.step()
         assert client.sync_weights()["policy_version"] == 1
         check_sampler_matches_trainer(client, atol=2e-2)
+
+
+def test_bad_requests_sft_and_checkpoint_listings_match_the_local_backend(dp_client, model_dir, tmp_path):
+    """Last in the module: it trains ``dp_client`` on. Its SFT batch is split over the two ranks."""
+    from tests.client.remote.test_remote_parity import BAD_CALLS, cross_entropy_frame, errors_loss_and_listing
+
+    local = ClientConfig.build(model=str(model_dir), max_seq_len=48, training={"checkpoint_dir": str(tmp_path)})
+    with Client(local) as client:
+        local_errors, _, local_listed = errors_loss_and_listing(client)
+    same_weights_loss = dp_client.fwd_bwd(cross_entropy_frame())["loss"]
+    ray_errors, ray_loss, ray_listed = errors_loss_and_listing(dp_client)
+    assert ray_errors == local_errors and set(ray_errors) == set(BAD_CALLS)
+    assert ray_loss == pytest.approx(same_weights_loss, abs=1e-6)
+    types = {tuple(sorted((k, type(v)) for k, v in c.items())) for c in ray_listed + local_listed}
+    assert len(types) == 1  # every field of every listed checkpoint has one type on both backends

@@ -117,7 +117,7 @@ async def test_job_lifecycle_walks_every_endpoint(data_dir, transport):
                 json={"operation_type": "tail-logs", "sub_job_type": "training", "payload": {"max_lines": 500}},
             )
         ).json()
-        assert any("job is running" in e["msg"] for e in logs["entries"]) and logs["eof"] is False
+        assert any("job is running" in e["msg"] for e in logs["entries"]) and logs["eof"] is True
         run = (await api.call("GET", f"/{job_id}/experiment-run")).json()
         assert run == {"experiment_name": "DB.SC.WALK", "experiment_run_name": job_id}
 

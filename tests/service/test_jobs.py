@@ -62,7 +62,7 @@ async def test_job_waits_in_placing_until_slots_are_free(data_dir):
         second = await api.create(TRAINING)
         await api.wait_status(second, "placing", timeout_s=30)
         logs = (await api.call("POST", f"/{second}/operation", json={"operation_type": "tail-logs"})).json()
-        assert logs["eof"] is False and any("placing" in e["msg"] for e in logs["entries"])
+        assert logs["eof"] is True and any("placing" in e["msg"] for e in logs["entries"])
         refused = await api.call("POST", f"/{second}/step", json={}, check=False)
         assert refused.status_code == 409 and "placing" in refused.json()["message"]
         await api.call("POST", f"/{first}:cancel")

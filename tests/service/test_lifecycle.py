@@ -21,7 +21,7 @@ def job(tmp_path):
 
 def _recorded(db, log) -> tuple[str, str, list[str]]:
     row = store.get_job(db, job_id="j")
-    entries = log.tail("j:training:0", cursor=None, max_lines=100, finished=False)["entries"]
+    entries = log.tail("j:training:0", cursor=None, max_lines=100)["entries"]
     return row["status"], row["reason"], [e["msg"] for e in entries]
 
 

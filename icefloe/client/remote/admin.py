@@ -12,10 +12,28 @@ from collections.abc import Iterator
 from typing import Any, Self
 
 from icefloe.client.remote.errors import Redactor
-from icefloe.client.remote.http import Call, Endpoint, Http, Retry
+from icefloe.client.remote.http import Call, Endpoint, Http, Retry, RetryPolicy
 from icefloe.config import RemoteConfig
+from icefloe.protocol import JOB_TERMINAL_STATES, normalize_job_state
 
 __all__ = ["ServiceAdmin"]
+
+
+class _AdminRetryPolicy(RetryPolicy):
+    """The transport's retries, except a refused connection: a person waiting at a terminal is told
+    at once that no service listens there, instead of after a minute of retries."""
+
+    def should_retry(self, call: Call, exc: BaseException) -> bool:
+        return not _refused(exc) and super().should_retry(call, exc)
+
+
+def _refused(exc: BaseException | None) -> bool:
+    """True when ``exc`` was caused by a refused TCP connection (nothing listens on the port)."""
+    while exc is not None:
+        if isinstance(exc, ConnectionRefusedError):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 class ServiceAdmin:
@@ -25,6 +43,7 @@ class ServiceAdmin:
         endpoint = Endpoint.from_config(backend)
         self.url = endpoint.url
         self._http = Http(endpoint, backend, Redactor([endpoint.pat or ""]))
+        self._http.policy = _AdminRetryPolicy(backend)
 
     def _send(self, call: Call) -> Any:
         return self._http.run(self._http.send(call)).body
@@ -61,13 +80,15 @@ class ServiceAdmin:
     def read_logs(
         self, job_id: str, *, sub_job_type: str = "training", follow: bool = False, max_wait_s: float = 6.0
     ) -> Iterator[dict[str, Any]]:
-        """Log entries from the start: all there are now, or with ``follow`` until the log ends.
+        """Log entries from the start: all there are now, or with ``follow`` until the job has ended.
 
-        An empty page means caught up; following, the next poll waits 0.5 s × 1.25 per empty page
-        (at most ``max_wait_s``) and stops once the service says the log is complete (``eof``).
+        A page with entries is followed by the next at once. At the end of the log (``eof``) a
+        reader that does not follow stops; a follower polls again after 0.5 s × 1.25 per empty
+        page (at most ``max_wait_s``) and stops after one more read once the job is terminal.
         """
         cursor: str | None = None
         delay_s = 0.5
+        ended = False  # the job was terminal before the last read, so that read saw its every line
         while True:
             page = self.tail_logs(job_id, sub_job_type=sub_job_type, cursor=cursor)
             entries = page.get("entries") or []
@@ -76,8 +97,12 @@ class ServiceAdmin:
                 yield from entries
                 delay_s = 0.5
                 continue
-            if not follow or page.get("eof"):
+            if page.get("eof") and (not follow or ended):
                 return
+            if follow:
+                ended = normalize_job_state(self.get_job(job_id).get("status")) in JOB_TERMINAL_STATES
+                if ended:
+                    continue
             time.sleep(delay_s)
             delay_s = min(delay_s * 1.25, max_wait_s)
 

@@ -16,7 +16,14 @@ from typing import Any, Final
 
 from icefloe import protocol as api
 
-__all__ = ["MAX_SEARCH_DEPTH", "Redactor", "error_from_response", "error_message", "find_error_code"]
+__all__ = [
+    "MAX_SEARCH_DEPTH",
+    "Redactor",
+    "error_from_failed_request",
+    "error_from_response",
+    "error_message",
+    "find_error_code",
+]
 
 MAX_SEARCH_DEPTH: Final = 8
 _LEGACY_MISSING_CHUNKS_MESSAGE: Final = "request chunk group is missing chunks"
@@ -24,6 +31,31 @@ _GROUP_ERRORS: Final[dict[str, type[api.RequestFailedError]]] = {
     api.CODE_CHUNK_GROUP_RESTART_REQUIRED: api.ChunkGroupRestartError,
     api.CODE_CHUNK_GROUP_CONFLICT: api.ChunkGroupConflictError,
     api.CODE_CHUNK_GROUP_MISSING_CHUNKS: api.ChunkGroupMissingChunksError,
+}
+# The service's wire codes (``icefloe.service.errors``) back to the class the service raised, so a
+# remote caller catches what a local one does. Any other code (429, 5xx, the managed endpoint's own
+# numeric codes) stays a RequestFailedError.
+_CODE_ERRORS: Final[dict[str, type[api.IcefloeError]]] = {
+    api.CODE_INVALID_ARGUMENT: api.InvalidRequestError,
+    api.CODE_NOT_FOUND: api.NotFoundError,
+    api.CODE_CONFLICT: api.ConflictError,
+    api.CODE_SEQUENCE_GAP: api.SequenceGapError,
+    api.CODE_UNAUTHENTICATED: api.UnauthenticatedError,
+    api.CODE_PAYLOAD_TOO_LARGE: api.PayloadTooLargeError,
+    api.CODE_NOT_IMPLEMENTED: api.UnsupportedOpError,
+}
+# A failed request's ``error`` starts with the class the engine raised ("InvalidRequestError: ..."),
+# as icefloe serve writes it; these classes are raised again on the client.
+_NAMED_ERRORS: Final[dict[str, type[api.IcefloeError]]] = {
+    cls.__name__: cls
+    for cls in (
+        api.InvalidRequestError,
+        api.ConfigError,
+        api.NotFoundError,
+        api.ConflictError,
+        api.UnsupportedOpError,
+        api.WireError,
+    )
 }
 _HTTP_LOGGERS: Final = ("httpx", "httpcore.connection", "httpcore.http11", "httpcore.http2", "httpcore.proxy")
 
@@ -98,13 +130,31 @@ def error_message(body: Any, fallback: str) -> str:
 
 def error_from_response(
     status_code: int, body: Any, *, what: str, request_id: str | None, redactor: Redactor
-) -> api.RequestFailedError:
-    """The typed error for a non-2xx answer: chunk-group errors by code, else ``RequestFailedError``."""
+) -> api.IcefloeError:
+    """The typed error for a non-2xx answer: the class its wire code names, else ``RequestFailedError``.
+
+    Every one carries ``status_code`` and ``code``, which the retry policy reads.
+    """
     code = find_error_code(body)
     message = redactor(f"{what} failed: {error_message(body, f'HTTP {status_code}')}")
+    named = _CODE_ERRORS.get(code or "")
+    if named is not None:
+        error = (api.ExpiredError if status_code == 410 and named is api.NotFoundError else named)(message)
+        error.status_code, error.code = status_code, code
+        return error
     category = "user" if 400 <= status_code < 500 and status_code != 429 else "server"
     error_class = _GROUP_ERRORS.get(code or "", api.RequestFailedError)
     return error_class(message, category=category, status_code=status_code, code=code, request_id=request_id)
+
+
+def error_from_failed_request(what: str, status: str, error: str, *, request_id: str) -> api.IcefloeError:
+    """The error for a request that ended ``failed`` or ``cancelled``: the engine's own class when
+    ``error`` names one (see ``_NAMED_ERRORS``), else ``RequestFailedError``."""
+    name, _, reason = error.partition(": ")
+    named = _NAMED_ERRORS.get(name) if status == "failed" else None
+    if named is not None:
+        return named(f"{what} {status}: {reason}")
+    return api.RequestFailedError(f"{what} {status}: {error}", category="server", request_id=request_id)
 
 
 class Redactor:

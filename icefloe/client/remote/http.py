@@ -29,7 +29,7 @@ import tenacity
 from icefloe.client.loop import LoopThread
 from icefloe.client.remote.errors import Redactor, error_from_response
 from icefloe.config import RemoteConfig
-from icefloe.protocol import ChunkGroupError, ConfigError, IcefloeTimeoutError, RequestFailedError
+from icefloe.protocol import ChunkGroupError, ConfigError, IcefloeError, IcefloeTimeoutError, RequestFailedError
 
 __all__ = ["Call", "Endpoint", "Http", "Reply", "Retry", "RetryPolicy", "TransportWrapper", "translate_errors"]
 
@@ -171,7 +171,7 @@ class RetryPolicy:
             return False
         if isinstance(exc, httpx.TimeoutException | httpx.NetworkError | httpx.RemoteProtocolError):
             return True
-        if isinstance(exc, ChunkGroupError) or not isinstance(exc, RequestFailedError):
+        if isinstance(exc, ChunkGroupError) or not isinstance(exc, IcefloeError):
             return False
         status = exc.status_code
         if status is None or status in call.final:

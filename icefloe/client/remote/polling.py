@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from icefloe import wire
+from icefloe.client.remote.errors import error_from_failed_request
 from icefloe.client.remote.http import Call, Http
 from icefloe.config import RemoteConfig
 from icefloe.protocol import (
@@ -107,7 +108,9 @@ async def poll_request(
     continues only while the request is unfinished or result chunks remain.
 
     Raises:
-        RequestFailedError: the request failed or was cancelled (message = the service's error).
+        IcefloeError: the request failed or was cancelled (message = the service's error): the
+            engine's own class when the service names it (``InvalidRequestError``, ...), else
+            ``RequestFailedError``.
         IcefloeTimeoutError: ``timeout_s`` passed; the request may still run on the service.
     """
     deadline = time.monotonic() + timeout_s
@@ -143,7 +146,7 @@ async def poll_request(
             return decode_result(body.get("result"), events)
         if status in REQUEST_FAILURE_STATES:
             error = str(body.get("error") or f"request {status}")
-            raise RequestFailedError(f"{what} {status}: {error}", category="server", request_id=request_id)
+            raise error_from_failed_request(what, status, error, request_id=request_id)
         if time.monotonic() >= deadline:
             raise IcefloeTimeoutError(
                 f"{what}: request {request_id} of job {job_id} still {status or 'pending'} after "

@@ -7,12 +7,26 @@ import logging
 
 import pytest
 
-from icefloe.client.remote.errors import Redactor, error_from_response, error_message, find_error_code
+from icefloe.client.remote.errors import (
+    Redactor,
+    error_from_failed_request,
+    error_from_response,
+    error_message,
+    find_error_code,
+)
 from icefloe.protocol import (
     ChunkGroupConflictError,
     ChunkGroupMissingChunksError,
     ChunkGroupRestartError,
+    ConflictError,
+    ExpiredError,
+    InvalidRequestError,
+    NotFoundError,
+    PayloadTooLargeError,
     RequestFailedError,
+    SequenceGapError,
+    UnauthenticatedError,
+    UnsupportedOpError,
 )
 
 _GS_WRAPPED = {
@@ -71,13 +85,48 @@ def test_error_message_reads_every_shape(body, message):
             {"message": "request chunk group is missing chunks", "chunk_group_id": "g"},
             ChunkGroupMissingChunksError,
         ),
-        ({"code": "conflict", "message": "job is pending"}, RequestFailedError),
+        ({"code": "517604", "message": "job is pending"}, RequestFailedError),
     ],
 )
 def test_error_from_response_types_chunk_group_errors(body, error_class):
     error = error_from_response(409, body, what="forward-backward", request_id="r1", redactor=Redactor())
     assert type(error) is error_class
     assert error.status_code == 409 and error.category == "user" and error.request_id == "r1"
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "error_class"),
+    [
+        (400, "invalid_argument", InvalidRequestError),
+        (401, "unauthenticated", UnauthenticatedError),
+        (404, "not_found", NotFoundError),
+        (410, "not_found", ExpiredError),
+        (409, "conflict", ConflictError),
+        (409, "sequence_gap", SequenceGapError),
+        (413, "payload_too_large", PayloadTooLargeError),
+        (501, "not_implemented", UnsupportedOpError),
+        (503, "unavailable", RequestFailedError),
+    ],
+)
+def test_error_from_response_raises_the_class_the_services_code_names(status, code, error_class):
+    body = {"code": code, "message": "m"}
+    error = error_from_response(status, body, what="step", request_id=None, redactor=Redactor())
+    assert type(error) is error_class and (error.status_code, error.code) == (status, code)
+    assert str(error).startswith("step failed: m")
+
+
+@pytest.mark.parametrize(
+    ("status", "error", "error_class"),
+    [
+        ("failed", "InvalidRequestError: processing.config.loss_agg_mode must be one of ...", InvalidRequestError),
+        ("failed", "NotFoundError: checkpoint 'x' does not exist", NotFoundError),
+        ("failed", "RuntimeError: CUDA out of memory", RequestFailedError),
+        ("cancelled", "InvalidRequestError: looks named, but the request was cancelled", RequestFailedError),
+    ],
+)
+def test_error_from_failed_request_raises_the_engines_class_when_named(status, error, error_class):
+    raised = error_from_failed_request("fwd_bwd", status, error, request_id="r1")
+    assert type(raised) is error_class and str(raised).startswith(f"fwd_bwd {status}: ")
 
 
 def test_error_from_response_marks_429_and_5xx_as_server_side():

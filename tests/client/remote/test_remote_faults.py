@@ -17,6 +17,7 @@ from icefloe.protocol import (
     ChunkGroupMissingChunksError,
     ChunkGroupRestartError,
     IcefloeTimeoutError,
+    InvalidRequestError,
     RequestFailedError,
 )
 
@@ -171,7 +172,7 @@ def test_remote_an_op_that_fails_on_the_service_fails_only_its_caller(service):
 
     trained, failed, stepped = asyncio.run(run())
     assert trained["loss"] is not None and stepped["global_step"] == 1
-    assert isinstance(failed, RequestFailedError) and "loss_agg_mode" in str(failed)
+    assert isinstance(failed, InvalidRequestError) and "loss_agg_mode" in str(failed)  # as the engine raised it
 
 
 def test_remote_an_op_refused_by_the_service_does_not_hold_the_ops_after_it(service):
@@ -186,7 +187,7 @@ def test_remote_an_op_refused_by_the_service_does_not_hold_the_ops_after_it(serv
             return await asyncio.gather(client.fwd_bwd(no_context), client.step(), return_exceptions=True)
 
     refused, stepped = asyncio.run(run())
-    assert isinstance(refused, RequestFailedError) and refused.status_code == 400, refused
+    assert isinstance(refused, InvalidRequestError) and refused.status_code == 400, refused
     assert "context" in str(refused)
     assert stepped["global_step"] == 1  # the schedule counted it, and it ran
 

@@ -7,7 +7,7 @@ import math
 import httpx
 import pytest
 
-from icefloe.client.remote.errors import Redactor
+from icefloe.client.remote.errors import Redactor, error_from_response
 from icefloe.client.remote.http import Call, Endpoint, Http, Retry, RetryPolicy, reply_of, translate_errors
 from icefloe.config import RemoteConfig
 from icefloe.protocol import ChunkGroupRestartError, ConfigError, IcefloeTimeoutError, RequestFailedError
@@ -17,6 +17,11 @@ _POST = Call("POST", "/j/step", "step")
 
 def _status(code: int, wire_code: str | None = None) -> RequestFailedError:
     return RequestFailedError("failed", status_code=code, code=wire_code)
+
+
+def _coded(status: int, wire_code: str) -> Exception:
+    body = {"code": wire_code, "message": "m"}
+    return error_from_response(status, body, what="step", request_id=None, redactor=Redactor())
 
 
 @pytest.mark.parametrize(
@@ -32,6 +37,9 @@ def _status(code: int, wire_code: str | None = None) -> RequestFailedError:
         (_status(404), False, False),  # icefloe serve: a 404 is definitive
         (_status(404), True, True),  # managed endpoint: front-door restarts surface as 404
         (_status(409), True, True),
+        (_coded(404, "not_found"), True, True),  # the class a wire code names keeps its status for the policy
+        (_coded(409, "conflict"), False, False),
+        (_coded(400, "invalid_argument"), True, False),
         (
             ChunkGroupRestartError("restart", status_code=409, code="chunk_group_restart_required"),
             True,

@@ -17,7 +17,8 @@ from icefloe.protocol import (
     ClientClosedError,
     InvalidRequestError,
     JobFailedError,
-    RequestFailedError,
+    NotFoundError,
+    UnauthenticatedError,
     UnsupportedOpError,
 )
 
@@ -104,9 +105,9 @@ def test_remote_every_op_returns_the_canonical_shapes(service):
             assert noop() == {}
         assert client.reset_prefix_cache() == {}
         assert client.delete_checkpoint("global_step1") == {}
-        with pytest.raises(RequestFailedError) as info:
+        with pytest.raises(NotFoundError) as info:
             client.delete_checkpoint("global_step1")
-        assert info.value.status_code == 404 and info.value.category == "user"
+        assert info.value.status_code == 404
         with pytest.raises(UnsupportedOpError, match=r"sync_weights\(\)"):
             client.save_weights("/tmp/x")
         with pytest.raises(InvalidRequestError, match="num_log_prob_workers"):
@@ -256,7 +257,7 @@ def test_remote_pat_never_reaches_repr_logs_or_errors(service, tmp_path, caplog)
             backend={"type": "remote", "base_url": base_url, "max_retries": 0},
             environ={"CORTEX_PAT": secret + "-wrong"},
         )
-        with pytest.raises(RequestFailedError) as info:
+        with pytest.raises(UnauthenticatedError) as info:
             Client(bad).open()
         assert info.value.status_code == 401
         assert secret not in str(info.value) and secret not in repr(info.value.args)
@@ -276,7 +277,7 @@ def test_remote_concurrent_generates_each_get_their_own_samples_and_fail_alone(s
                 client.generate([[1, 2]], params), client.generate([too_long], params), return_exceptions=True
             )
             assert isinstance(good, list) and len(good) == 2
-            assert isinstance(bad, RequestFailedError) and bad.status_code == 400 and "max_seq_len" in str(bad)
+            assert isinstance(bad, InvalidRequestError) and bad.status_code == 400 and "max_seq_len" in str(bad)
 
     asyncio.run(run())
 
