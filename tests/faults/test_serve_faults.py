@@ -13,7 +13,7 @@ import pytest
 
 from icefloe.client import Client
 from icefloe.config import ClientConfig
-from icefloe.protocol import IcefloeTimeoutError, RequestFailedError
+from icefloe.protocol import IcefloeTimeoutError, InvalidRequestError
 
 from ..service.service_batches import small_batch
 from .serve_process import TRAINING, Serve, gone, wait_for
@@ -147,7 +147,7 @@ def test_a_client_that_gives_up_waiting_for_slots_says_why_and_cancels_its_job(t
 def test_two_saves_at_one_step_keep_both_and_loading_the_resumable_one_restores_the_optimizer(tmp_path):
     """The second save used to replace the first under the same id, losing the optimizer state."""
     with Serve(tmp_path / "serve") as serve, _client(serve) as client:
-        with pytest.raises(RequestFailedError, match="needs a fwd_bwd since the last step"):
+        with pytest.raises(InvalidRequestError, match="needs a fwd_bwd since the last step"):
             client.step()
         client.fwd_bwd(small_batch(0))
         client.step()

@@ -12,7 +12,7 @@ pytest.importorskip("peft")
 from icefloe.client import Client  # noqa: E402
 from icefloe.client.batch import build_batch  # noqa: E402
 from icefloe.engines.training import TrainingEngine  # noqa: E402
-from icefloe.protocol import InvalidRequestError, RequestFailedError  # noqa: E402
+from icefloe.protocol import InvalidRequestError  # noqa: E402
 from icefloe.service.app import ServerThread, create_app  # noqa: E402
 from icefloe.service.placement import SlotPool  # noqa: E402
 from icefloe.service.settings import ServeSettings  # noqa: E402
@@ -72,7 +72,7 @@ def test_serve_with_ray_engines_syncs_lora_adapters(ray_session, model_dir, tmp_
             "backend": {"type": "remote", "base_url": base_url},
         }
         with Client(config) as client:
-            with pytest.raises(RequestFailedError, match="moves full weights"):
+            with pytest.raises(InvalidRequestError, match="moves full weights"):
                 client.sync_weights(weight_format="hf")
             synced = _train_sync_and_compare(client, reference=False)
         adapters = TrainingEngine(client.config, model_dir=model_dir).named_weights()

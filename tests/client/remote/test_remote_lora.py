@@ -8,7 +8,7 @@ from torch.testing import assert_close
 
 from icefloe.client import Client, build_batch
 from icefloe.config import ClientConfig
-from icefloe.protocol import RequestFailedError
+from icefloe.protocol import InvalidRequestError
 
 pytest.importorskip("peft")
 
@@ -34,7 +34,7 @@ def test_sampler_logprobs_equal_trainer_logprobs_after_a_lora_sync(service):
         for _ in range(3):
             client.fwd_bwd(batch)
             client.step()
-        with pytest.raises(RequestFailedError, match="moves full weights"):
+        with pytest.raises(InvalidRequestError, match="moves full weights"):
             client.sync_weights(weight_format="vllm")
         synced = client.sync_weights()  # LoRA on: weight_format "lora"
         after = client.generate(prompts, params)
