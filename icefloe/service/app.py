@@ -27,6 +27,7 @@ from icefloe.service.routes import capabilities, checkpoints, compute, jobs, ope
 from icefloe.service.sequencing import SubmitOrder
 from icefloe.service.settings import ServeSettings
 from icefloe.service.store import Database, purge_expired
+from icefloe.service.tinker import install_tinker
 
 __all__ = ["ServerThread", "create_app", "serve"]
 
@@ -85,6 +86,7 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     # capabilities first: its fixed paths (/capacity) must win over /{job_id}
     for module in (capabilities, jobs, compute, operations, requests, checkpoints):
         app.include_router(module.router)
+    install_tinker(app)  # the Tinker API, /api/v1
     # Innermost: replays skip it, and a POST waiting for its turn has its body read and its key
     # looked up already (moved outside IdempotencyKeys, a demo step took 3% longer).
     app.add_middleware(SubmitOrder, gap_timeout_s=settings.sequence_gap_timeout_s)
