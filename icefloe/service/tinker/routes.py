@@ -44,9 +44,12 @@ State = Annotated[TinkerState, Depends(_state)]
 
 # --- client and session ----------------------------------------------------------------------
 @router.post("/client/config")
-async def client_config() -> dict[str, Any]:
-    # Plain httpx on the SDK side, uncompressed protobuf bodies, samples polled one by one.
-    return {"use_pyqwest_transport": False, "proto_compress_fwdbwd": False, "parallel_fwdbwd_chunks": True}
+async def client_config() -> Response:
+    # Uncompressed protobuf bodies; chunks of one forward_backward sent at once (ordered here by seq_id).
+    # The SDK asks this on a connection pool of its own that it never closes: closing the
+    # connection from here keeps its socket from outliving the ServiceClient (a ResourceWarning).
+    flags = {"proto_compress_fwdbwd": False, "parallel_fwdbwd_chunks": True}
+    return JSONResponse(flags, headers={"Connection": "close"})
 
 
 @router.post("/create_session")
