@@ -363,7 +363,9 @@ def cispo_loss(
     low = float(_option(config, "clip_low_threshold", 0.8))
     high = float(_option(config, "clip_high_threshold", 1.2))
     weight_BS = _sampling_ratio(logprobs_BS, context, "cispo").clamp(low, high).detach()
-    loss = aggregate(-weight_BS * advantages_BS * logprobs_BS, mask_BS, _option(config, "loss_agg_mode", "token-sum"), config)
+    loss = aggregate(
+        -weight_BS * advantages_BS * logprobs_BS, mask_BS, _option(config, "loss_agg_mode", "token-sum"), config
+    )
     return loss, {"loss": loss.detach()}
 
 

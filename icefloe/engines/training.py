@@ -283,7 +283,9 @@ class TrainingEngine:
         if adam is not None:
             unknown = sorted(set(adam) - {"beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"})
             if unknown:
-                raise InvalidRequestError(f"adam has unknown keys {unknown}; use beta1, beta2, eps, weight_decay, grad_clip_norm")
+                raise InvalidRequestError(
+                    f"adam has unknown keys {unknown}; use beta1, beta2, eps, weight_decay, grad_clip_norm"
+                )
             for group in optimizer.param_groups:
                 beta1, beta2 = group["betas"]
                 group["betas"] = (float(adam.get("beta1", beta1)), float(adam.get("beta2", beta2)))

@@ -101,7 +101,9 @@ def batch_from_request(request: pb.ForwardBackwardRequest, *, pad_id: int) -> tu
         if loss_fn == "cross_entropy" and "weights" not in fields:
             context["weights"][row, : len(tokens)] = 1.0
         for name, array in fields.items():
-            context[name][row, : len(tokens)] = torch.from_numpy(array.astype(np.int64 if name == "target_tokens" else np.float32))
+            context[name][row, : len(tokens)] = torch.from_numpy(
+                array.astype(np.int64 if name == "target_tokens" else np.float32)
+            )
     context["loss_mask"] = attention.float()
     for name in ("advantages", "old_logprobs") if loss_fn != "cross_entropy" else ():
         if name not in context:

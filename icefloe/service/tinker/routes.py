@@ -156,7 +156,9 @@ async def optim_step(body: dict[str, Any], state: State) -> dict[str, Any]:
         job = await state.live(model.job_id)
         sub_job_id, host = state.sub_job(job, "training"), job.host
         assert host is not None
-        request_id = state.manager.submit(job, sub_job_id, OP_STEP, lambda: host.step(sub_job_id, learning_rate, params))
+        request_id = state.manager.submit(
+            job, sub_job_id, OP_STEP, lambda: host.step(sub_job_id, learning_rate, params)
+        )
         return {"request_id": state.future(job.job_id, _optim_result, request_id)}
 
     return await state.in_turn(model, body.get("seq_id"), submit)
@@ -183,7 +185,9 @@ async def save_weights_for_sampler(body: dict[str, Any], state: State) -> dict[s
     path = CheckpointPath(model.model_id, "sampler_weights", str(name))
     CheckpointPath.parse(str(path))
     session_seq = body.get("sampling_session_seq_id")
-    submit = _saver(state, model, path, "weights-only", sync=True, session_seq=session_seq, named=bool(body.get("path")))
+    submit = _saver(
+        state, model, path, "weights-only", sync=True, session_seq=session_seq, named=bool(body.get("path"))
+    )
     return await state.in_turn(model, body.get("seq_id"), submit)
 
 
@@ -238,7 +242,8 @@ async def load_weights(body: dict[str, Any], state: State) -> dict[str, Any]:
             state.models[model_id] = Model(model_id, session_id, job_id, base_model, rank)
             answer = {"type": "load_weights", "path": str(path), "model_id": model_id}
             state.models[model_id].taken[-1] = {
-                "request_id": state.future(job_id, lambda _: answer), "model_id": model_id
+                "request_id": state.future(job_id, lambda _: answer),
+                "model_id": model_id,
             }
         return state.models[model_id].taken[-1]
     model = state.model(str(body.get("model_id")))
@@ -348,7 +353,9 @@ def convert_prompt(prompt: dict[str, Any]) -> list[int]:
     tokens: list[int] = []
     for index, chunk in enumerate(prompt.get("chunks") or []):
         if chunk.get("type", "encoded_text") != "encoded_text":
-            raise InvalidRequestError(f"prompt.chunks.{index} is a {chunk.get('type')} chunk; only encoded_text is served")
+            raise InvalidRequestError(
+                f"prompt.chunks.{index} is a {chunk.get('type')} chunk; only encoded_text is served"
+            )
         tokens += [int(t) for t in chunk.get("tokens") or []]
     if not tokens:
         raise InvalidRequestError("prompt is empty; give at least one token")

@@ -12,6 +12,7 @@ with a sampling job of its own (a base model, or weights saved earlier).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import uuid
 from collections.abc import Awaitable, Callable
@@ -121,10 +122,8 @@ class TinkerState:
         self.session(session_id)
         self.sessions[session_id] = "finished"
         for job_id in self.session_jobs.get(session_id, []):
-            try:
+            with contextlib.suppress(ConflictError):  # failed or finished already
                 self.manager.cancel(job_id)
-            except ConflictError:  # failed or finished already
-                pass
 
     # --- jobs ---------------------------------------------------------------------------------
     def create_job(
@@ -230,7 +229,8 @@ class TinkerState:
         raise NotFoundError(f"checkpoint {path} not found; save it with save_weights or save_weights_for_sampler")
 
     def checkpoint_folder(self, path: CheckpointPath) -> Path:
-        record = store.get_checkpoint(self.manager.db, job_id=self.checkpoint_job(path), checkpoint_id=path.checkpoint_id)
+        job_id = self.checkpoint_job(path)
+        record = store.get_checkpoint(self.manager.db, job_id=job_id, checkpoint_id=path.checkpoint_id)
         assert record is not None
         return Path(record["path"])
 
