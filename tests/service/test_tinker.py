@@ -175,3 +175,24 @@ def test_leaving_the_service_client_finishes_its_session(base_url, model):
     assert answer.status_code == 410
     refused = httpx.post(f"{base_url}/api/v1/create_session", json={}, headers={"X-API-Key": "tml-wrong"})
     assert refused.status_code == 401
+
+
+def test_a_session_without_heartbeats_lapses_and_its_jobs_are_cancelled(tmp_path, model):
+    import time
+
+    import httpx
+
+    service_app = make_app(tmp_path / "serve", engines="local")
+    with ServerThread(service_app) as url:
+        service_app.state.tinker.session_lease_s = 0.2
+        session_id = httpx.post(f"{url}/api/v1/create_session", json={}).json()["session_id"]
+        httpx.post(
+            f"{url}/api/v1/create_model", json={"session_id": session_id, "model_seq_id": 0, "base_model": model}
+        )
+        deadline = time.monotonic() + 60
+        while (
+            status := httpx.post(f"{url}/api/v1/session_heartbeat", json={"session_id": session_id})
+        ).status_code == 200:
+            assert time.monotonic() < deadline, "the lapsed session was never finished"
+            time.sleep(1.0)  # five leases without a heartbeat (each probe is one)
+        assert status.status_code == 410

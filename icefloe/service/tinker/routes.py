@@ -59,8 +59,10 @@ async def create_session(state: State) -> dict[str, Any]:
 
 @router.post("/session_heartbeat")
 async def session_heartbeat(body: dict[str, Any], state: State) -> Response:
-    if state.session(str(body.get("session_id"))) != "active":
+    session_id = str(body.get("session_id"))
+    if state.session(session_id) != "active":
         return JSONResponse({"code": "session_finished", "message": "the session has finished"}, status_code=410)
+    state.heartbeat(session_id)
     return JSONResponse({"type": "session_heartbeat"})
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ from icefloe.service.models import JobCreate
 
 __all__ = ["CheckpointPath", "Future", "Model", "SamplingSession", "TinkerState"]
 
+_log = logging.getLogger("icefloe.service.tinker")
 _KINDS = ("weights", "sampler_weights")
 _START_POLL_S = 0.05  # how often a waiter looks at a starting job's state (no event exists for it)
 
@@ -95,10 +98,13 @@ class SamplingSession:
 class TinkerState:
     """Everything the Tinker routes keep between calls; lives on ``app.state.tinker``."""
 
-    def __init__(self, manager: JobManager, *, gap_timeout_s: float) -> None:
+    def __init__(self, manager: JobManager, *, gap_timeout_s: float, session_lease_s: float = 120.0) -> None:
         self.manager = manager
         self.gap_timeout_s = gap_timeout_s
+        self.session_lease_s = session_lease_s  # the SDK heartbeats every 10 s
         self.sessions: dict[str, str] = {}  # session id -> "active" | "finished"
+        self.heartbeats: dict[str, float] = {}  # session id -> monotonic time of its last sign of life
+        self._reaper: asyncio.Task[None] | None = None
         self.session_jobs: dict[str, list[str]] = {}
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, SamplingSession] = {}
@@ -109,7 +115,28 @@ class TinkerState:
         session_id = uuid.uuid4().hex
         self.sessions[session_id] = "active"
         self.session_jobs[session_id] = []
+        self.heartbeat(session_id)
+        if self._reaper is None:  # on the server's loop, which cancels it at shutdown
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_lapsed_sessions())
         return session_id
+
+    def heartbeat(self, session_id: str) -> None:
+        self.heartbeats[session_id] = time.monotonic()
+
+    async def _reap_lapsed_sessions(self) -> None:
+        """The session is the lease: one whose heartbeats stop for ``session_lease_s`` is finished."""
+        while True:
+            await asyncio.sleep(min(5.0, self.session_lease_s / 2))
+            now = time.monotonic()
+            for session_id, status in list(self.sessions.items()):
+                if status == "active" and now - self.heartbeats[session_id] > self.session_lease_s:
+                    _log.warning(
+                        "session %s sent no heartbeat for %g s; finishing it", session_id, self.session_lease_s
+                    )
+                    try:
+                        await asyncio.to_thread(self.finish_session, session_id)
+                    except Exception as exc:  # the service is shutting down under it
+                        _log.warning("finishing lapsed session %s failed: %s", session_id, exc)
 
     def session(self, session_id: str) -> str:
         status = self.sessions.get(session_id)
