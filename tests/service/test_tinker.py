@@ -196,3 +196,22 @@ def test_a_session_without_heartbeats_lapses_and_its_jobs_are_cancelled(tmp_path
             assert time.monotonic() < deadline, "the lapsed session was never finished"
             time.sleep(1.0)  # five leases without a heartbeat (each probe is one)
         assert status.status_code == 410
+
+
+def test_save_weights_and_get_sampling_client_and_a_custom_loss(service, model):
+    training = service.create_lora_training_client(base_model=model, rank=4).result()
+    tokenizer = training.get_tokenizer()
+    datum = _sft_datum(tokenizer, "custom loss\n")
+
+    def negative_log_likelihood(data, logprobs_list):
+        loss = sum(-lp.sum() for lp in logprobs_list)
+        return loss, {"nll": float(loss.detach())}
+
+    custom = training.forward_backward_custom([datum], negative_log_likelihood).result()
+    builtin = training.forward([datum], "cross_entropy").result()
+    assert custom.metrics["loss:sum"] == pytest.approx(builtin.metrics["loss:sum"], rel=1e-5)
+    training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    sampler = training.save_weights_and_get_sampling_client().result()
+    tokens = tokenizer.encode("custom loss\n")
+    trained = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    assert sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:] == pytest.approx(trained, abs=1e-4)
