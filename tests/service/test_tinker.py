@@ -215,3 +215,16 @@ def test_save_weights_and_get_sampling_client_and_a_custom_loss(service, model):
     tokens = tokenizer.encode("custom loss\n")
     trained = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
     assert sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:] == pytest.approx(trained, abs=1e-4)
+
+
+def test_a_refused_op_uses_up_its_seq_id_and_the_next_op_runs(service, model):
+    training = service.create_lora_training_client(base_model=model, rank=4).result()
+    tokenizer = training.get_tokenizer()
+    tokens = tokenizer.encode("no targets")
+    missing_targets = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens), loss_fn_inputs={"weights": [1.0] * 10}
+    )
+    with pytest.raises(tinker.BadRequestError, match="target_tokens is missing"):
+        training.forward_backward([missing_targets], "cross_entropy").result()
+    result = training.forward_backward([_sft_datum(tokenizer, "next one runs")], "cross_entropy").result()
+    assert result.metrics["loss:sum"] > 0

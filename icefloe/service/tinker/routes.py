@@ -83,7 +83,11 @@ async def create_model(body: dict[str, Any], state: State) -> dict[str, Any]:
     session_id, seq = str(body.get("session_id")), int(body.get("model_seq_id", 0))
     model_id = f"{session_id}:train:{seq}"
     if model_id not in state.models:
-        rank = (body.get("lora_config") or {}).get("rank")
+        lora = body.get("lora_config") or {}
+        narrowed = sorted(k for k in ("train_unembed", "train_mlp", "train_attn") if lora.get(k) is False)
+        if narrowed:
+            raise InvalidRequestError(f"lora_config {narrowed} = false is not served; adapters go on every layer")
+        rank = lora.get("rank")
         base_model = _base_model(body.get("base_model"))
         job_id = await asyncio.to_thread(
             state.create_job, session_id, base_model, lora_rank=rank, training=True, name=model_id
@@ -417,8 +421,11 @@ async def retrieve_future(body: dict[str, Any], state: State) -> Response:
             if row["status"] in ("pending", "running"):
                 return JSONResponse({"type": "try_again", "request_id": future_id, "queue_state": "active"})
             if row["status"] != "done":
-                category = "user" if "Error" in row["error"].split(":", 1)[0] else "server"
-                return JSONResponse({"error": row["error"] or row["status"], "category": category})
+                # A caller's mistake fails the request and leaves the job up; an engine crash fails the job.
+                running = state.manager.public(future.job_id)["status"] == "running"
+                return JSONResponse(
+                    {"error": row["error"] or row["status"], "category": "user" if running else "server"}
+                )
             answer = future.render(result_of(row))
     except Exception as exc:  # the job failed to start, or the result could not be turned into an answer
         if isinstance(exc, InvalidRequestError):

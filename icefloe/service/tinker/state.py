@@ -31,6 +31,7 @@ __all__ = ["CheckpointPath", "Future", "Model", "SamplingSession", "TinkerState"
 
 _log = logging.getLogger("icefloe.service.tinker")
 _KINDS = ("weights", "sampler_weights")
+_FUTURES_KEPT = 100_000
 _START_POLL_S = 0.05  # how often a waiter looks at a starting job's state (no event exists for it)
 
 
@@ -231,6 +232,7 @@ class TinkerState:
             try:
                 answer = await submit()
                 model.taken[seq_id] = answer
+                model.taken.pop(seq_id - _FUTURES_KEPT, None)
                 return answer
             finally:  # taken or refused: the number is used up
                 model.next_seq = max(model.next_seq, seq_id + 1)
@@ -239,6 +241,8 @@ class TinkerState:
     def future(self, job_id: str, render: Callable[[Any], Any], request_id: str | None = None) -> str:
         future_id = request_id or f"{job_id}:start:{uuid.uuid4().hex}"
         self.futures[future_id] = Future(job_id, render, request_id)
+        while len(self.futures) > _FUTURES_KEPT:  # the oldest first: long retrieved by now
+            del self.futures[next(iter(self.futures))]
         return future_id
 
     # --- checkpoints --------------------------------------------------------------------------
