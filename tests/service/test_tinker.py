@@ -228,3 +228,17 @@ def test_a_refused_op_uses_up_its_seq_id_and_the_next_op_runs(service, model):
         training.forward_backward([missing_targets], "cross_entropy").result()
     result = training.forward_backward([_sft_datum(tokenizer, "next one runs")], "cross_entropy").result()
     assert result.metrics["loss:sum"] > 0
+
+
+def test_one_service_answers_the_tinker_sdk_and_the_training_api_at_once(service, base_url, model):
+    from icefloe.client import Client
+    from icefloe.config import ClientConfig
+
+    training = service.create_lora_training_client(base_model=model, rank=4).result()
+    tokenizer = training.get_tokenizer()
+    pending = training.forward_backward([_sft_datum(tokenizer, "both APIs")], "cross_entropy")
+    config = ClientConfig.build(model=model, backend={"type": "remote", "base_url": base_url, "pat": API_KEY})
+    with Client(config) as client:
+        (sample,) = client.generate([tokenizer.encode("both")], {"max_tokens": 3, "seed": 1})
+    assert len(sample["token_ids"]) <= 3
+    assert pending.result().metrics["loss:sum"] > 0
