@@ -15,7 +15,16 @@ from fastapi import APIRouter, Depends, Header, Request, Response
 from fastapi.responses import JSONResponse
 from tinker.proto import tinker_public_pb2 as pb
 
-from icefloe.protocol import OP_FORWARD, OP_FWD_BWD, OP_GENERATE, OP_LOAD, OP_SAVE, OP_STEP, InvalidRequestError
+from icefloe.protocol import (
+    OP_FORWARD,
+    OP_FWD_BWD,
+    OP_GENERATE,
+    OP_LOAD,
+    OP_SAVE,
+    OP_STEP,
+    InvalidRequestError,
+    NotFoundError,
+)
 from icefloe.protocol import SamplingParams as EngineSamplingParams
 from icefloe.service import store
 from icefloe.service.deps import authenticate
@@ -315,8 +324,6 @@ async def get_sampler(sampling_session_id: str, state: State) -> dict[str, Any]:
 def _sampler(state: TinkerState, sampling_session_id: str) -> SamplingSession:
     sampler = state.samplers.get(sampling_session_id)
     if sampler is None:
-        from icefloe.protocol import NotFoundError
-
         raise NotFoundError(f"sampling session {sampling_session_id} not found; create it with create_sampling_session")
     return sampler
 
@@ -329,7 +336,7 @@ async def asample(body: dict[str, Any], state: State) -> dict[str, Any]:
     seq_id = body.get("seq_id")
     if seq_id is not None and seq_id in sampler.taken:
         return sampler.taken[seq_id]
-    prompt = convert_prompt(body.get("prompt") or {})
+    prompt = _prompt_tokens(body.get("prompt") or {})
     params = _sampling_params(body)
     job = await state.live(sampler.job_id)
     sub_job_id, host = state.sub_job(job, "sampling"), job.host
@@ -355,7 +362,7 @@ async def asample(body: dict[str, Any], state: State) -> dict[str, Any]:
     return answer
 
 
-def convert_prompt(prompt: dict[str, Any]) -> list[int]:
+def _prompt_tokens(prompt: dict[str, Any]) -> list[int]:
     tokens: list[int] = []
     for index, chunk in enumerate(prompt.get("chunks") or []):
         if chunk.get("type", "encoded_text") != "encoded_text":
@@ -407,8 +414,6 @@ async def retrieve_future(body: dict[str, Any], state: State) -> Response:
     future_id = str(body.get("request_id"))
     future = state.futures.get(future_id)
     if future is None:
-        from icefloe.protocol import NotFoundError
-
         raise NotFoundError(f"future {future_id} not found")
     try:
         if future.request_id is None:
