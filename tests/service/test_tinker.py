@@ -242,3 +242,17 @@ def test_one_service_answers_the_tinker_sdk_and_the_training_api_at_once(service
         (sample,) = client.generate([tokenizer.encode("both")], {"max_tokens": 3, "seed": 1})
     assert len(sample["token_ids"]) <= 3
     assert pending.result().metrics["loss:sum"] > 0
+
+
+def test_rest_client_lists_a_runs_checkpoints_and_their_weights_info(service, base_url, model):
+    training = service.create_lora_training_client(base_model=model, rank=4).result()
+    state_path = training.save_state("kept").result().path
+    sampler_path = training.save_weights_for_sampler("for-sampling").result().path
+    rest = tinker.RestClient(base_url=base_url, api_key=API_KEY)
+    listed = rest.list_checkpoints(training.model_id).result().checkpoints
+    assert sorted((c.checkpoint_type, c.tinker_path) for c in listed) == [
+        ("sampler", sampler_path),
+        ("training", state_path),
+    ]
+    info = rest.get_weights_info_by_tinker_path(state_path).result()
+    assert (info.base_model, info.is_lora, info.lora_rank) == (model, True, 4)

@@ -408,6 +408,32 @@ def _sampling_params(body: dict[str, Any]) -> EngineSamplingParams:
         raise InvalidRequestError(f"sampling_params: {exc}") from None
 
 
+# --- RestClient: checkpoints of a run ------------------------------------------------------------
+@router.get("/training_runs/{model_id}/checkpoints")
+async def list_checkpoints(model_id: str, state: State) -> dict[str, Any]:
+    model = state.model(model_id)
+    records = await asyncio.to_thread(store.list_checkpoints, state.manager.db, job_id=model.job_id)
+    checkpoints = []
+    for record in records:
+        kind, _, name = record["checkpoint_id"].removeprefix("tinker-").partition("-")
+        if kind not in ("weights", "sampler_weights") or not name:
+            continue  # saved through the training API, not a tinker:// path
+        checkpoints.append({
+            "checkpoint_id": f"{kind}/{name}",
+            "checkpoint_type": "training" if kind == "weights" else "sampler",
+            "time": record["created_at"],
+            "tinker_path": str(CheckpointPath(model_id, kind, name)),
+        })  # fmt: skip
+    return {"checkpoints": checkpoints}
+
+
+@router.post("/weights_info")
+async def weights_info(body: dict[str, Any], state: State) -> dict[str, Any]:
+    path = CheckpointPath.parse(str(body.get("tinker_path")))
+    base_model, rank = await asyncio.to_thread(state.base_model_of, path)
+    return {"base_model": base_model, "is_lora": rank is not None, "lora_rank": rank}
+
+
 # --- futures ---------------------------------------------------------------------------------
 @router.post("/retrieve_future")
 async def retrieve_future(body: dict[str, Any], state: State) -> Response:
