@@ -12,12 +12,11 @@ import math
 from typing import Any
 
 import numpy as np
-import torch
 from tinker.proto import tinker_public_pb2 as pb
 
 from icefloe.protocol import InvalidRequestError
 
-__all__ = ["batch_from_request", "forward_backward_output", "sample_response", "tokens_of"]
+__all__ = ["batch_from_request", "forward_backward_output", "pb", "sample_response", "tokens_of"]
 
 _NUMPY_DTYPES = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
 # Tinker input name -> canonical context name
@@ -58,6 +57,8 @@ def tokens_of(chunks: Any, where: str) -> list[int]:
 
 def batch_from_request(request: pb.ForwardBackwardRequest, *, pad_id: int) -> tuple[dict[str, Any], list[int]]:
     """The canonical batch of one forward(-backward) chunk, and each datum's length."""
+    import torch
+
     loss_fn = request.loss_fn
     if loss_fn not in _TINKER_LOSSES:
         raise InvalidRequestError(f"loss_fn {loss_fn!r} is not served; use one of {list(_TINKER_LOSSES)}")

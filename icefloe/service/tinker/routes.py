@@ -1,5 +1,8 @@
 """The Tinker API's routes (``/api/v1``), as the ``tinker`` SDK calls them.
 
+The ``tinker`` package (its protobuf classes) imports torch, so :mod:`.convert` is imported on
+first use: ``icefloe serve`` starts without torch in its own process.
+
 Each handler checks the ``X-API-Key`` against the service's tokens, validates, queues the work on
 the model's job (see :mod:`icefloe.service.tinker.state`) and answers the SDK's shape: a future
 ``{request_id}`` for ops, the result itself for the rest. Forward-backward requests and
@@ -13,7 +16,6 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Request, Response
 from fastapi.responses import JSONResponse
-from tinker.proto import tinker_public_pb2 as pb
 
 from icefloe.protocol import (
     OP_FORWARD,
@@ -30,7 +32,6 @@ from icefloe.service import store
 from icefloe.service.deps import authenticate
 from icefloe.service.models import WeightSyncPayload
 from icefloe.service.operations import submit_weight_sync
-from icefloe.service.tinker import convert
 from icefloe.service.tinker.state import CheckpointPath, Model, SamplingSession, TinkerState, result_of
 
 __all__ = ["router"]
@@ -128,7 +129,9 @@ async def get_info(body: dict[str, Any], state: State) -> dict[str, Any]:
 # --- training ops, in seq_id order -----------------------------------------------------------
 @router.post("/forward_backward")
 async def forward_backward(request: Request, state: State) -> dict[str, Any]:
-    message = pb.ForwardBackwardRequest()
+    from icefloe.service.tinker import convert  # protobuf and torch: imported on first use
+
+    message = convert.pb.ForwardBackwardRequest()
     try:
         message.ParseFromString(await request.body())
     except Exception as exc:  # protobuf raises DecodeError, a plain Exception subclass
@@ -353,6 +356,8 @@ async def asample(body: dict[str, Any], state: State) -> dict[str, Any]:
             cursor += item_params.n
             results.append({"samples": mine, "prompt_logprobs": mine[0].get("prompt_logprobs")})
         return results
+
+    from icefloe.service.tinker import convert
 
     request_id = state.manager.submit_batchable(job, sub_job_id, OP_GENERATE, (prompt, params), run_batch)
     future_id = state.future(job.job_id, convert.sample_response, request_id)
