@@ -14,19 +14,51 @@ futures, ``forward_backward`` and ``optim_step`` submitted back to back; icefloe
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 from rich.console import Console
 from rich.table import Table
 
-from bench.bench_remote import _service
 from icefloe.client import Client, build_batch
 from icefloe.config import ClientConfig
 
 API_KEY = "tml-bench"  # the SDK wants a key; the service runs without auth here
+
+
+@contextlib.contextmanager
+def _service(data_dir: Path, model_root: Path) -> Iterator[str]:
+    """``icefloe serve`` in its own process, as a user runs it, serving the models under ``model_root``."""
+    from bench.bench_remote import _free_port
+
+    port = _free_port()
+    command = [sys.executable, "-m", "icefloe.cli", "serve", "--port", str(port), "--data-dir", str(data_dir),
+               "--model-root", str(model_root)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                    break
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"icefloe serve did not come up on {base_url}")
+            time.sleep(0.2)
+        yield base_url
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
 
 
 def _reward(text: str) -> float:
@@ -80,7 +112,9 @@ class _SdkSide:
 class _IcefloeSide:
     def __init__(self, base_url: str, model: str, args: argparse.Namespace) -> None:
         self.args = args
-        config = ClientConfig.build(model=model, backend={"type": "remote", "base_url": base_url})
+        # The SDK's LoRA (rank 8; the Tinker routes set alpha = rank), so both sides train the same adapters.
+        lora = {"rank": 8, "alpha": 8}
+        config = ClientConfig.build(model=model, lora=lora, backend={"type": "remote", "base_url": base_url})
         self.client = Client(config).open()
 
     def step(self, prompts: list[list[int]]) -> None:
@@ -114,10 +148,11 @@ def main(argv: list[str]) -> None:
 
     _quiet_transformers()
     with tempfile.TemporaryDirectory(prefix="bench-tinker-") as tmp:
-        model = str(resolve_model("tiny:chat"))
+        model = str(Path(tmp) / "models" / "tiny-chat")
+        shutil.copytree(resolve_model("tiny:chat"), model)
         tokenizer = load_tokenizer(model)
         prompts = [tokenizer.encode(f"Q: {i} + {i + 3} = ?\nA:") for i in range(args.prompts)]
-        with _service(Path(tmp) / "serve") as base_url:
+        with _service(Path(tmp) / "serve", Path(tmp) / "models") as base_url:
             sides = {"sdk": _SdkSide(base_url, model, args), "icefloe": _IcefloeSide(base_url, model, args)}
             seconds: dict[str, list[float]] = {name: [] for name in sides}
             try:

@@ -156,7 +156,16 @@ def serve(
         "serve-data"
     ),
     token: Annotated[
-        list[str] | None, typer.Option(help="Bearer token callers must send (repeatable; also ICEFLOE_SERVE_TOKENS).")
+        list[str] | None,
+        typer.Option(help="Bearer token callers must send (repeatable). Shows in `ps`: prefer --token-file."),
+    ] = None,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(help="File of bearer tokens, one per line (recommended; or set ICEFLOE_SERVE_TOKENS)."),
+    ] = None,
+    model_root: Annotated[
+        Path | None,
+        typer.Option(help="Folder of model folders jobs may load (model_name org/name); default: tiny:* presets only."),
     ] = None,
     slots: Annotated[int, typer.Option(min=1, help="CPU slots to hand out when there is no GPU.")] = 4,
     engines: Annotated[
@@ -167,15 +176,18 @@ def serve(
         str | None, typer.Option(help="With --engines ray: the Ray cluster to join ('auto' = the running one).")
     ] = None,
 ) -> None:
-    """Run the training-API service (`icefloe serve`) that remote clients point their base URL at."""
+    """Run the training-API service (`icefloe serve`) that remote clients point their base URL at.
+
+    Tokens: give them with --token-file or ICEFLOE_SERVE_TOKENS, not --token (`ps` shows it to every user).
+    """
     from icefloe.protocol import ConfigError
     from icefloe.service.app import serve as run_service
     from icefloe.service.settings import ServeSettings
 
     try:
         settings = ServeSettings.from_env(
-            data_dir=data_dir, host=host, port=port, tokens=token or [], slots=slots, engines=engines,
-            ray_address=address,
+            data_dir=data_dir, host=host, port=port, tokens=token or [], token_file=token_file, slots=slots,
+            engines=engines, ray_address=address, model_root=model_root,
         )  # fmt: skip
         if address is not None and settings.engines != "ray":
             raise ConfigError("--address names a Ray cluster; it needs --engines ray")

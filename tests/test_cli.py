@@ -78,3 +78,53 @@ def test_cli_jobs_without_a_service_names_the_setting():
     result = CliRunner().invoke(app, ["jobs", "list"], env={"ICEFLOE_REMOTE_BASE_URL": "", "ARCTIC_CORTEX_HOST": ""})
     assert result.exit_code != 0
     assert "base_url" in result.output
+
+
+def test_cli_serve_help_recommends_a_token_file_or_the_env_var_over_token():
+    result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    assert "--token-file" in result.output and "ICEFLOE_SERVE_TOKENS" in result.output
+    assert "prefer --token-file" in result.output
+
+
+def test_cli_serve_refuses_a_token_file_it_cannot_use(tmp_path):
+    empty = tmp_path / "empty-tokens"
+    empty.write_text("# no token yet\n\n")
+    for path, problem in ((tmp_path / "missing", "cannot read"), (empty, "holds no token")):
+        result = CliRunner().invoke(app, ["serve", "--token-file", str(path), "--data-dir", str(tmp_path / "d")])
+        assert result.exit_code != 0 and problem in result.output, result.output
+
+
+def test_cli_serve_takes_its_tokens_from_a_file(tmp_path):
+    """--token put the secret in `ps`; a token file keeps it out of the command line."""
+    import socket
+    import time
+
+    import httpx
+
+    token = "file-token-" + "x" * 24
+    token_file = tmp_path / "tokens"
+    token_file.write_text(f"# serve tokens\n{token}\n")
+    with socket.socket() as probe:  # a free port for the child to bind
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = [sys.executable, "-m", "icefloe.cli", "serve", "--port", str(port), "--engines", "local"]
+    command += ["--data-dir", str(tmp_path / "serve"), "--token-file", str(token_file)]
+    log = tmp_path / "serve.log"
+    with log.open("wb") as output, subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT) as child:
+        try:
+            base_url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+            while True:
+                try:
+                    httpx.get(f"{base_url}/health", timeout=5).raise_for_status()
+                    break
+                except httpx.TransportError:
+                    assert child.poll() is None and time.monotonic() < deadline, log.read_text()
+                    time.sleep(0.2)
+            assert token not in " ".join(command)
+            capacity = f"{base_url}/api/v2/databases/DB/schemas/SC/cortex-training/capacity"
+            assert httpx.get(capacity, timeout=30).status_code == 401
+            assert httpx.get(capacity, headers={"Authorization": f"Bearer {token}"}, timeout=30).status_code == 200
+        finally:
+            child.terminate()
+            child.wait(timeout=60)

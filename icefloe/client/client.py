@@ -148,9 +148,15 @@ class Client(_BaseClient):
         """Sample; returns ``[{token_ids, text, finish_reason, logprobs?, policy_version}]`` prompt-major."""
         return self._call(ops.generate(prompts, sampling_params))
 
-    def sync_weights(self, *, cuda_ipc: bool = False, low_memory: bool = False) -> dict[str, Any]:
-        """Trainer → sampler weights. Returns ``{policy_version, seconds, bytes}``."""
-        return self._call(ops.sync_weights(cuda_ipc=cuda_ipc, low_memory=low_memory))
+    def sync_weights(
+        self, *, cuda_ipc: bool = False, low_memory: bool = False, weight_format: str | None = None
+    ) -> dict[str, Any]:
+        """Trainer → sampler weights. Returns ``{policy_version, seconds, bytes}``.
+
+        ``weight_format``: ``"lora"`` (adapters only), ``"vllm"`` / ``"hf"`` (full weights), or
+        None for the default (``"lora"`` when ``config.lora`` is set).
+        """
+        return self._call(ops.sync_weights(cuda_ipc=cuda_ipc, low_memory=low_memory, weight_format=weight_format))
 
     def save_checkpoint(self, kind: str = "resumable") -> dict[str, Any]:
         """Save; returns ``{checkpoint_id, global_step, path, kind}``."""
@@ -345,9 +351,15 @@ class AsyncClient(_BaseClient):
         """
         return self._call(ops.generate(prompts, sampling_params), merge=True)
 
-    def sync_weights(self, *, cuda_ipc: bool = False, low_memory: bool = False) -> asyncio.Future[dict[str, Any]]:
-        """Trainer → sampler weights. Returns ``{policy_version, seconds, bytes}``."""
-        return self._call(ops.sync_weights(cuda_ipc=cuda_ipc, low_memory=low_memory))
+    def sync_weights(
+        self, *, cuda_ipc: bool = False, low_memory: bool = False, weight_format: str | None = None
+    ) -> asyncio.Future[dict[str, Any]]:
+        """Trainer → sampler weights. Returns ``{policy_version, seconds, bytes}``.
+
+        ``weight_format``: ``"lora"`` (adapters only), ``"vllm"`` / ``"hf"`` (full weights), or
+        None for the default (``"lora"`` when ``config.lora`` is set).
+        """
+        return self._call(ops.sync_weights(cuda_ipc=cuda_ipc, low_memory=low_memory, weight_format=weight_format))
 
     def save_checkpoint(self, kind: str = "resumable") -> asyncio.Future[dict[str, Any]]:
         """Save; returns ``{checkpoint_id, global_step, path, kind}``."""

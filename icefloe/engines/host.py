@@ -243,6 +243,9 @@ class EngineHost:
         sync_weights: ``(body) -> Future`` for a weight-sync; default: an in-memory copy
             from ``training`` to ``sampling`` through the gate.
         abandoned: polled by a waiting weight sync; a reason stops it (see :class:`SyncGate`).
+        lora_reference: the trainer trains LoRA adapters and is its own reference policy (the base
+            with the adapters disabled): ``forward(reference=True)`` runs on it when there is no
+            ``reference`` role.
     """
 
     def __init__(
@@ -252,12 +255,14 @@ class EngineHost:
         checkpoint_root: Path,
         sync_weights: Callable[[dict[str, Any]], Future] | None = None,
         abandoned: Callable[[], str | None] = lambda: None,
+        lora_reference: bool = False,
     ) -> None:
         self.engines = {role: engine for role, engine in engines.items() if engine is not None}
         self.checkpoint_root = Path(checkpoint_root)
         self.workers = {role: RoleWorker(role) for role in self.engines}
         self._sync_weights = sync_weights or self._sync_in_memory
         self._abandoned = abandoned
+        self._lora_reference = lora_reference
 
     def submit(self, request: Request) -> Future:
         """Queue ``request`` on its role's worker; never blocks. Errors land on the future."""
@@ -275,6 +280,9 @@ class EngineHost:
         call = ENGINE_CALLS.get(op)
         if call is not None:
             role = "reference" if op == protocol.OP_FORWARD and target == protocol.TARGET_REFERENCE else call.role
+            if role == "reference" and role not in self.engines and self._lora_reference:
+                trainer = self.engines["training"]
+                return self.workers["training"].submit(trainer.forward, *call.args(body), reference=True)
             if role not in self.engines and call.optional:
                 return _done({})
             method = getattr(self._engine(role, op), call.method)
@@ -325,7 +333,8 @@ class EngineHost:
 
         training, sampling = self.engines["training"], self.engines["sampling"]
         gate = SyncGate.parked([self.workers["sampling"]], abandoned=self._abandoned)
-        return self.workers["training"].submit(gate.run, lambda: sync_weights_local(training, sampling))
+        weight_format = body.get("weight_format")
+        return self.workers["training"].submit(gate.run, lambda: sync_weights_local(training, sampling, weight_format))
 
     # --- checkpoints: folders under checkpoint_root ------------------------------------------------
     def _folder(self, checkpoint_id: str) -> Path:

@@ -1,7 +1,10 @@
 """Build the FastAPI app of ``icefloe serve`` and run it on uvicorn.
 
 ``create_app(settings)`` opens the SQLite store, fails the jobs a previous process left active,
-and wires routers, error handlers and the three POST layers (size cap, idempotency, order).
+and wires routers, error handlers and the ASGI layers (token, size cap, idempotency, order, JSON
+bounds). The API docs (``/docs``, ``/redoc``, ``/openapi.json``) need the token like every route
+but ``/health`` and ``/files/*``; their scripts and styles are served from the ``fastapi-offline``
+package, so the pages load with no network.
 ``ServerThread`` runs the app on a real loopback socket inside this process (tests, benchmarks,
 an in-process remote backend).
 """
@@ -16,12 +19,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi_offline import FastAPIOffline
 
 from icefloe.service.errors import install_error_handlers
 from icefloe.service.joblog import TokenRedactor
 from icefloe.service.jobs import JobManager
 from icefloe.service.lifecycle import fail_interrupted_jobs
-from icefloe.service.middleware import BodyLimit, IdempotencyKeys
+from icefloe.service.middleware import BodyLimit, IdempotencyKeys, JsonBodies, RequireToken
 from icefloe.service.placement import SlotPool
 from icefloe.service.routes import capabilities, checkpoints, compute, jobs, operations, requests
 from icefloe.service.sequencing import SubmitOrder
@@ -75,23 +79,26 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
             engine_logs.removeHandler(manager.log_router)
             _redact(redactor, on=False)
 
-    app = FastAPI(title="icefloe serve", version="0.1.0", lifespan=lifespan)
+    app = FastAPIOffline(title="icefloe serve", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.db = db
     app.state.jobs = manager
     install_error_handlers(app)
-    app.add_api_route("/health", _health, methods=["GET"], tags=["health"])  # the only route without a token
+    app.add_api_route("/health", _health, methods=["GET"], tags=["health"])  # open: see middleware.OPEN_PATH
     app.include_router(checkpoints.files_router)
     app.include_router(operations.statements_router)
     # capabilities first: its fixed paths (/capacity) must win over /{job_id}
     for module in (capabilities, jobs, compute, operations, requests, checkpoints):
         app.include_router(module.router)
     install_tinker(app)  # the Tinker API, /api/v1
-    # Innermost: replays skip it, and a POST waiting for its turn has its body read and its key
-    # looked up already (moved outside IdempotencyKeys, a demo step took 3% longer).
+    # Listed innermost first. JsonBodies inside SubmitOrder: a body it refuses still frees its number.
+    app.add_middleware(JsonBodies)
+    # Replays skip SubmitOrder, and a POST waiting for its turn has its body read and its key looked
+    # up already (moved outside IdempotencyKeys, a demo step took 3% longer).
     app.add_middleware(SubmitOrder, gap_timeout_s=settings.sequence_gap_timeout_s)
     app.add_middleware(IdempotencyKeys, db=db, settings=settings)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_post_bytes)  # outermost: refuse before buffering
+    app.add_middleware(BodyLimit, max_bytes=settings.max_post_bytes)  # refuse before buffering
+    app.add_middleware(RequireToken, settings=settings)  # outermost: nothing is read before the token passes
     _redact(redactor, on=True)
     return app
 

@@ -5,6 +5,11 @@ A client splits a large (or, for forward-backward, every) frame into request chu
 POST. The group executes exactly once per (group id, frame hash): a replayed final chunk of a group
 that already ran answers with the ORIGINAL ``{request_id, job_id}``. Refusals are the three
 chunk-group 409s of the training API.
+
+Memory is bounded twice: a group holds at most the ``frame_size_bytes`` it declared (a chunk
+carrying more is a 400), and a job holds at most ``max_bytes`` of chunks in all. To stay under
+that, the least recently sent other groups are dropped (their next chunk answers
+``chunk_group_restart_required``); a group that alone exceeds it is a 413.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from icefloe.protocol import (
     ChunkGroupMissingChunksError,
     ChunkGroupRestartError,
     InvalidRequestError,
+    PayloadTooLargeError,
 )
 
 __all__ = ["ChunkGroups"]
@@ -42,16 +48,20 @@ class _Group:
     frame_size_bytes: int
     frames: dict[int, bytes] = field(default_factory=dict)  # chunk index -> the chunk frame as received
     payload_digests: dict[int, str] = field(default_factory=dict)
+    payload_bytes: int = 0  # summed over the chunks held; at most frame_size_bytes
+    held_bytes: int = 0  # the chunk frames held, headers included: what counts against the job's cap
     response: dict[str, Any] | None = None  # once executed: what the final chunk answered
 
 
 class ChunkGroups:
     """Open and finished chunk groups of one job; thread-safe, one group executes at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_bytes: int) -> None:
+        self.max_bytes = max_bytes  # chunk frames held for this job's unfinished groups, at most
         self._lock = threading.Lock()
-        self._open: OrderedDict[str, _Group] = OrderedDict()
+        self._open: OrderedDict[str, _Group] = OrderedDict()  # least recently sent to first
         self._done: OrderedDict[str, _Group] = OrderedDict()
+        self._held_bytes = 0
 
     def accept(
         self, frame: bytes, descriptor: dict[str, Any], *, execute: Callable[[bytes], dict[str, Any]]
@@ -82,15 +92,17 @@ class ChunkGroups:
                 group = _Group(frame_sha256=sha, total_chunks=total, frame_size_bytes=size)
                 self._open[group_id] = group
                 while len(self._open) > _MAX_OPEN_GROUPS:
-                    self._open.popitem(last=False)
+                    self._drop_oldest()
             elif (group.frame_sha256, group.total_chunks, group.frame_size_bytes) != (sha, total, size):
                 raise _conflict(group_id, index, "was reused with a different frame hash, size or chunk count")
-            if total > 1:  # a lone chunk cannot come twice while its group is open: it executes at once
-                digest = hashlib.sha256(wire.chunk_payload(frame)).hexdigest()
-                if group.payload_digests.get(index, digest) != digest:
-                    raise _conflict(group_id, index, f"received chunk {index} again with a different payload")
-                group.payload_digests[index] = digest
-            group.frames[index] = frame
+            self._open.move_to_end(group_id)
+            payload = wire.chunk_payload(frame)
+            # A lone chunk cannot come twice while its group is open (it executes at once): no digest needed.
+            digest = hashlib.sha256(payload).hexdigest() if total > 1 else ""
+            if group.payload_digests.get(index, digest) != digest:
+                raise _conflict(group_id, index, f"received chunk {index} again with a different payload")
+            self._hold(group_id, group, index, frame, len(payload))
+            group.payload_digests[index] = digest
             if not final:
                 return {"chunk_cached": True}
             if len(group.frames) < total:  # indices are checked to lie in [0, total): a full count means all came
@@ -104,6 +116,7 @@ class ChunkGroups:
                     missing_chunks=missing,
                 )
             del self._open[group_id]
+            self._held_bytes -= group.held_bytes
             joined = wire.join_chunks([group.frames[i] for i in range(total)], kind="request")
             response = execute(joined)  # under the lock: a concurrent replay waits and then sees it done
             group.frames, group.payload_digests, group.response = {}, {}, dict(response)
@@ -111,6 +124,33 @@ class ChunkGroups:
             while len(self._done) > _MAX_DONE_GROUPS:
                 self._done.popitem(last=False)
             return response
+
+    def _hold(self, group_id: str, group: _Group, index: int, frame: bytes, payload_bytes: int) -> None:
+        """Keep one chunk of ``group``, within its declared size and the job's cap (called under the lock)."""
+        previous = group.frames.get(index)  # a resent chunk: its digest matched, so its payload is the same size
+        payload_total = group.payload_bytes + (0 if previous is not None else payload_bytes)
+        if payload_total > group.frame_size_bytes:
+            raise InvalidRequestError(
+                f"chunk {index} of chunk group {group_id} brings its payload to {payload_total} bytes, more than "
+                f"the request_chunk.frame_size_bytes={group.frame_size_bytes} it declared; send the frame's "
+                "true size, split into chunks that add up to it"
+            )
+        growth = len(frame) - (len(previous) if previous else 0)
+        if group.held_bytes + growth > self.max_bytes:
+            raise PayloadTooLargeError(
+                f"chunk group {group_id} needs more than the {self.max_bytes} bytes of request chunks this "
+                "service holds per job (ServeSettings.max_job_chunk_bytes); send a smaller frame"
+            )
+        while self._held_bytes + growth > self.max_bytes:  # never empty of other groups: the check above
+            self._drop_oldest()
+        group.frames[index] = frame
+        group.payload_bytes, group.held_bytes = payload_total, group.held_bytes + growth
+        self._held_bytes += growth
+
+    def _drop_oldest(self) -> None:
+        """Forget the least recently sent open group; its next chunk answers chunk_group_restart_required."""
+        _, dropped = self._open.popitem(last=False)
+        self._held_bytes -= dropped.held_bytes
 
 
 def _descriptor_fields(descriptor: dict[str, Any]) -> tuple[str, int, int, str, int]:

@@ -42,7 +42,7 @@ from icefloe.service.requests import RequestTable
 from icefloe.service.results import JsonText, ResultPages, json_text, wants_dssst1
 from icefloe.service.runtime import JobEngines, make_engine_host
 from icefloe.service.settings import ServeSettings
-from icefloe.service.specs import SEGMENT_BY_JOB_TYPE, TYPED_CONFIG_KEYS, SubJobSpec, sub_job_specs
+from icefloe.service.specs import SEGMENT_BY_JOB_TYPE, SubJobSpec, sub_job_specs
 
 __all__ = ["JobManager", "LiveJob"]
 
@@ -101,7 +101,7 @@ class JobManager:
         taken = ConflictError(f"job {job_id} already exists; omit job_id to get a fresh one")
         if store.get_job(self.db, job_id=job_id) is not None:
             raise taken
-        specs = sub_job_specs(job_id, body)
+        specs = sub_job_specs(job_id, body, model_root=self.settings.model_root)
         for spec in specs:
             self._checkpoint_folder(spec)  # refuse an unknown source checkpoint now, not at load time
         num_slots = sum(s.num_slots for s in specs)
@@ -119,17 +119,18 @@ class JobManager:
                 {
                     "sub_job_id": s.sub_job_id,
                     "job_type": s.job_type,
-                    "model_name": s.config.model,
+                    "model_name": s.model_name,
                     "config": s.public_config,
                 }
                 for s in specs
             ],
+            "warnings": [warning for s in specs for warning in s.warnings],
         }
         if not store.insert_job(self.db, job_id=job_id, status="pending", spec=record):
             raise taken
         job_dir = self.settings.job_dir(job_id)
         log = JobLog(job_dir / "logs", [s.sub_job_id for s in specs])
-        state, chunks = JobState(job_id, self.db, log), ChunkGroups()
+        state, chunks = JobState(job_id, self.db, log), ChunkGroups(max_bytes=self.settings.max_job_chunk_bytes)
         job = LiveJob(job_id, {s.sub_job_id: s for s in specs}, state, log, chunks, job_dir)
         self._live[job_id] = job
         self.log_router.bind(f"icefloe-lifecycle-{job_id}", log, None)
@@ -137,10 +138,8 @@ class JobManager:
             self.log_router.bind(f"icefloe-{spec.sub_job_id}", log, spec.sub_job_id)
         log.write(f"job created with sub-jobs {[s.sub_job_id for s in specs]}")
         for spec in specs:
-            unused = sorted(set(spec.public_config) - TYPED_CONFIG_KEYS)
-            if unused:
-                message = f"passthrough keys recorded, not used by local engines: {unused}"
-                log.write(message, level="WARNING", sub_job_id=spec.sub_job_id)
+            for warning in spec.warnings:
+                log.write(warning, level="WARNING", sub_job_id=spec.sub_job_id)
         job.thread = threading.Thread(target=self._run, args=(job,), name=f"icefloe-lifecycle-{job_id}", daemon=True)
         job.thread.start()
         return job_id
@@ -267,6 +266,7 @@ class JobManager:
             "image_tag": "" if status in ("pending", "placing") else _IMAGE_TAG,
             "experiment_name": spec["experiment_name"],
             "sub_jobs": sub_jobs,
+            "warnings": spec.get("warnings", []),
         }
 
     def experiment_run(self, job_id: str) -> dict[str, str]:

@@ -1,5 +1,8 @@
-"""Two pure-ASGI layers every POST passes through: the body-size cap and ``Idempotency-Key`` replay.
+"""The pure-ASGI layers in front of the routes: the bearer token, the body-size cap, ``Idempotency-Key``
+replay and the JSON-body bounds.
 
+The token is checked first, from the headers alone, so an unauthenticated request never has its
+body read or parsed and never reaches a later layer (the ``Icefloe-Sequence`` order among them).
 Pure ASGI (not ``BaseHTTPMiddleware``) keeps the per-request cost to a few attribute reads, which
 matters for the latency of small ops such as ``step``.
 """
@@ -9,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import hashlib
+import hmac
 import json
 import logging
 import time
@@ -19,11 +23,30 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from icefloe.protocol import ConflictError, InvalidRequestError, PayloadTooLargeError, UnauthenticatedError
 from icefloe.service import store
-from icefloe.service.deps import authenticate, caller_scope
 from icefloe.service.errors import send_error
+from icefloe.service.models import parse_json_body
 from icefloe.service.settings import ServeSettings
 
-__all__ = ["BodyLimit", "IdempotencyKeys", "header", "note_acceptance"]
+__all__ = [
+    "CALLER_SCOPE_KEY",
+    "OPEN_PATH",
+    "OPEN_PREFIX",
+    "PAT_TOKEN_TYPE",
+    "BodyLimit",
+    "IdempotencyKeys",
+    "JsonBodies",
+    "RequireToken",
+    "header",
+    "note_acceptance",
+]
+
+PAT_TOKEN_TYPE = "PROGRAMMATIC_ACCESS_TOKEN"
+# Answered without a token: liveness, and checkpoint downloads (the token in their URL is the credential).
+OPEN_PATH, OPEN_PREFIX = "/health", "/files/"
+TINKER_PREFIX = "/api/v1/"  # the Tinker API: its token comes as X-API-Key
+CALLER_SCOPE_KEY = "icefloe.caller"  # set by RequireToken: a hash of the caller's token (absent = '', no auth)
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+_CHECK_ON_LOOP_BYTES = 64 * 1024  # larger JSON bodies are checked on a worker thread
 
 _IDEMPOTENCY_HEADER = b"idempotency-key"
 _MAX_KEY_LENGTH = 255
@@ -81,6 +104,61 @@ def _replaying(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
+def _authenticate(settings: ServeSettings, authorization: str | None, token_type: str | None) -> str:
+    """The configured token the caller presented; :class:`UnauthenticatedError` otherwise.
+
+    Accepts ``Authorization: Bearer <token>``, optionally with the PAT form's
+    ``X-Snowflake-Authorization-Token-Type: PROGRAMMATIC_ACCESS_TOKEN``.
+    """
+    scheme, _, presented = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not presented.strip():
+        raise UnauthenticatedError("missing bearer token; send 'Authorization: Bearer <token>'")
+    if token_type not in (None, PAT_TOKEN_TYPE):
+        raise UnauthenticatedError(f"X-Snowflake-Authorization-Token-Type must be {PAT_TOKEN_TYPE} when sent")
+    candidate = presented.strip().encode()
+    matched = None
+    for token in settings.token_values():  # compare with every token, so timing says nothing about which
+        if hmac.compare_digest(candidate, token.encode()):
+            matched = token
+    if matched is None:
+        raise UnauthenticatedError("the bearer token is not valid for this service")
+    return matched
+
+
+class RequireToken:
+    """401 from the headers alone, before any body is read, unless the request carries a configured token.
+
+    Every path needs the token but :data:`OPEN_PATH` and :data:`OPEN_PREFIX` (the API docs and their
+    assets included). The refusal closes the connection, since the body it did not read cannot be
+    skipped. An accepted caller is recorded in the scope as a hash of its token
+    (:data:`CALLER_SCOPE_KEY`), which the later layers scope their records by; with auth off every
+    caller is ``''``.
+    """
+
+    def __init__(self, app: ASGIApp, *, settings: ServeSettings) -> None:
+        self.app = app
+        self.settings = settings
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self.settings.auth_enabled and not _is_open(scope["path"]):
+            authorization = header(scope, b"authorization")
+            api_key = header(scope, b"x-api-key") if scope["path"].startswith(TINKER_PREFIX) else None
+            if authorization is None and api_key is not None:  # the Tinker SDK sends its key so
+                authorization = b"Bearer " + api_key
+            token_type = header(scope, b"x-snowflake-authorization-token-type")
+            try:
+                token = _authenticate(self.settings, _text(authorization), _text(token_type))
+            except UnauthenticatedError as refused:
+                await send_error(send, refused, close=True)
+                return
+            scope[CALLER_SCOPE_KEY] = hashlib.sha256(b"icefloe-caller\0" + token.encode()).hexdigest()
+        await self.app(scope, receive, send)
+
+
+def _is_open(path: str) -> bool:
+    return path == OPEN_PATH or path.startswith(OPEN_PREFIX)
+
+
 class BodyLimit:
     """413 before reading a body whose Content-Length exceeds the cap; stop reading one that grows past it."""
 
@@ -118,9 +196,8 @@ class IdempotencyKeys:
     bound to the body's SHA-256; reusing it with a different body is a 409. Records live in SQLite,
     so a replay after a service restart still answers from the record.
 
-    With auth on, the caller is authenticated here, before any replay, by the rules of the routes'
-    dependency, and records are scoped by a hash of the caller's token: another token using the
-    same key gets a record of its own. Records expire after ``settings.idempotency_ttl_s``. A reply
+    Records are scoped by the caller :class:`RequireToken` let in (a hash of its token): another
+    token using the same key gets a record of its own. Records expire after ``settings.idempotency_ttl_s``. A reply
     over ``settings.idempotency_max_response_bytes`` (a ``?wait=`` answer carrying a result) is
     kept as its bare ``{request_id, job_id}``, so a replay answers as the POST without ``?wait=``
     would and the caller polls for the result; any other reply that large is not kept, and a retry
@@ -139,17 +216,9 @@ class IdempotencyKeys:
         if raw_key is None or scope["method"] != "POST":
             await self.app(scope, receive, send)
             return
-        key, route = raw_key.decode("latin-1").strip(), f"POST {scope['path']}"
-        try:
-            if not key or len(key) > _MAX_KEY_LENGTH:
-                raise InvalidRequestError(f"Idempotency-Key must be 1-{_MAX_KEY_LENGTH} characters")
-            authorization, token_type = (
-                header(scope, b"authorization"),
-                header(scope, b"x-snowflake-authorization-token-type"),
-            )
-            caller = caller_scope(authenticate(self.settings, _text(authorization), _text(token_type)))
-        except (InvalidRequestError, UnauthenticatedError) as refused:
-            await send_error(send, refused)
+        key, route, caller = raw_key.decode("latin-1").strip(), f"POST {scope['path']}", scope.get(CALLER_SCOPE_KEY, "")
+        if not key or len(key) > _MAX_KEY_LENGTH:
+            await send_error(send, InvalidRequestError(f"Idempotency-Key must be 1-{_MAX_KEY_LENGTH} characters"))
             return
         record = {"route": route, "caller": caller, "key": key}
         lock = self._locks.get((route, caller, key))
@@ -221,3 +290,39 @@ class IdempotencyKeys:
 
 def _text(raw: bytes | None) -> str | None:
     return None if raw is None else raw.decode("latin-1")
+
+
+class JsonBodies:
+    """400 for a JSON body nested too deeply or holding a non-finite number, before a route parses it.
+
+    The routes' models cannot refuse either: ``1e400`` parses as infinity, and a body nested a few
+    hundred levels deep breaks the framework's own encoders (a 500). See :func:`parse_json_body`.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] not in _BODY_METHODS or not _is_json(scope):
+            await self.app(scope, receive, send)
+            return
+        body = await _read_body(receive)
+        if body is None:
+            return
+        try:
+            if len(body) > _CHECK_ON_LOOP_BYTES:
+                await asyncio.to_thread(parse_json_body, body)
+            elif body:
+                parse_json_body(body)
+        except InvalidRequestError as refused:
+            await send_error(send, refused)
+            return
+        await self.app(scope, _replaying(body, receive), send)
+
+
+def _is_json(scope: Scope) -> bool:
+    """True for the media types the routes parse as JSON (``application/json``, ``application/*+json``)."""
+    media_type = (header(scope, b"content-type") or b"").partition(b";")[0].strip().lower()
+    return media_type == b"application/json" or (
+        media_type.startswith(b"application/") and media_type.endswith(b"+json")
+    )

@@ -2,16 +2,22 @@
 
 Families per resource: ``*Create`` / ``*Body`` arrive, ``*Public`` leave. Configs sent by clients
 of the managed endpoint carry many passthrough keys (DeepSpeed, PrimeRL, vLLM knobs); those models
-allow extra keys so they are accepted and recorded with the job, while the typed keys are checked.
+allow extra keys, and ``service/specs.py`` honours, refuses or reports each one; typed keys are checked here.
+:func:`parse_json_body` bounds every JSON body before a model sees it.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from icefloe.protocol import InvalidRequestError
+
 __all__ = [
+    "MAX_JSON_DEPTH",
     "CancelRequestPayload",
     "Capabilities",
     "Capacity",
@@ -39,7 +45,72 @@ __all__ = [
     "TailLogsPayload",
     "TrainingConfigSpec",
     "WeightSyncPayload",
+    "check_body",
+    "parse_json_body",
 ]
+
+# Containers nested deeper than this are refused. Real bodies nest fewer than ten; past a few
+# hundred, pydantic's encoder fails (a 500), past about a thousand the parser itself does.
+MAX_JSON_DEPTH = 64
+_CHECKED_TYPES = frozenset({dict, list, tuple, float})
+_MAX_LISTED_FIELDS = 10
+
+
+def parse_json_body(raw: bytes | str, what: str = "body") -> Any:
+    """Parse a JSON request body and :func:`check_body` it.
+
+    Raises:
+        InvalidRequestError: not JSON, or refused by :func:`check_body`.
+    """
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise InvalidRequestError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels; flatten it") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise InvalidRequestError(f"{what} is not valid JSON ({exc}); send a JSON object") from None
+    check_body(value, what)
+    return value
+
+
+def check_body(value: Any, what: str = "body") -> None:
+    """Refuse what no model can: nesting deeper than :data:`MAX_JSON_DEPTH`, and non-finite numbers.
+
+    ``NaN``, ``Infinity`` and numbers beyond a double (``1e400``, which JSON parsers read as
+    infinity) are refused wherever they sit, passthrough keys included, since one reaching an
+    optimizer or a loss turns the weights into NaN. Tensors of a decoded DSSST1 frame are leaves
+    and are not looked into.
+
+    Raises:
+        InvalidRequestError: the message names every offending field
+            (``sub_job_configs.0.training_config.optimizer.lr=inf``).
+    """
+    non_finite: list[str] = []
+    pending = [(value, ())] if type(value) in _CHECKED_TYPES else []
+    while pending:
+        node, path = pending.pop()
+        if type(node) is float:
+            if not math.isfinite(node):
+                non_finite.append(f"{_dotted(path) or what}={node}")
+            continue
+        if len(path) >= MAX_JSON_DEPTH:
+            raise InvalidRequestError(
+                f"{what} nests deeper than {MAX_JSON_DEPTH} levels (at {_dotted(path[:8])}...); flatten it"
+            )
+        if type(node) is not dict and _CHECKED_TYPES.isdisjoint(map(type, node)):
+            continue  # a list of ints or strings (token ids, prompts): nothing below to check
+        children = node.items() if type(node) is dict else enumerate(node)
+        pending.extend((child, (*path, key)) for key, child in children if type(child) in _CHECKED_TYPES)
+    if non_finite:
+        listed = ", ".join(sorted(non_finite)[:_MAX_LISTED_FIELDS])
+        raise InvalidRequestError(
+            f"{what} holds non-finite numbers: {listed}; send finite values (JSON has no NaN or Infinity, "
+            "and a literal beyond ±1.8e308 such as 1e400 overflows to infinity)"
+        )
+
+
+def _dotted(path: tuple[Any, ...]) -> str:
+    return ".".join(str(key) for key in path)
+
 
 JobType = Literal["training", "sampling", "log_probability"]
 
@@ -125,6 +196,7 @@ class JobCreate(_Open):
 
 class JobCreated(BaseModel):
     job_id: str
+    warnings: list[str] | None = None  # create-body keys accepted but not used, with why (omitted when none)
 
 
 # --- jobs --------------------------------------------------------------------------------------
@@ -144,6 +216,7 @@ class JobPublic(BaseModel):
     image_tag: str
     experiment_name: str
     sub_jobs: list[SubJobPublic]
+    warnings: list[str] = Field(default_factory=list)
 
 
 class JobList(BaseModel):
@@ -229,7 +302,7 @@ class OperationBody(_Open):
 class WeightSyncPayload(_Open):
     source_sub_job_id: str | None = None
     target_sub_job_ids: list[str] | None = None
-    weight_format: Literal["vllm", "hf", "lora"] = "vllm"
+    weight_format: Literal["vllm", "hf", "lora"] | None = None  # None: "lora" for LoRA sub-jobs, else "vllm"
 
 
 class TailLogsPayload(_Open):

@@ -35,7 +35,15 @@ from icefloe.protocol import (
 )
 from icefloe.service import store
 from icefloe.service.jobs import JobManager, LiveJob
-from icefloe.service.models import GenerateBody, LoadBody, SaveBody, StepBody, WeightSyncPayload
+from icefloe.service.models import (
+    GenerateBody,
+    LoadBody,
+    SaveBody,
+    StepBody,
+    WeightSyncPayload,
+    check_body,
+    parse_json_body,
+)
 from icefloe.service.results import JsonText
 
 __all__ = [
@@ -73,6 +81,7 @@ def submit_frame(manager: JobManager, job: LiveJob, op: str, body: bytes, *, sub
 
 def _submit_decoded(manager: JobManager, job: LiveJob, op: str, frame: bytes, sub_job_id: str | None) -> dict[str, Any]:
     payload = wire.decode(frame, tensors="torch")
+    check_body(payload, "frame")
     op_metadata = wire.read_metadata(frame)
     if op == OP_GENERATE:
         request_id = _submit_generate(manager, job, payload, op_metadata, sub_job_id)
@@ -289,9 +298,13 @@ def submit_weight_sync(
             f"payload.target_sub_job_ids must name sampling sub-jobs of job {job.job_id}; "
             f"not sampling sub-jobs: {bad or '[] (empty list)'}"
         )
-    if payload.weight_format == "lora":
-        raise UnsupportedOpError("weight_format 'lora' needs LoRA adapters, which local engines do not train")
     from icefloe.engines.host import SyncGate
+    from icefloe.engines.lora import check_weight_format
+
+    for target in targets:  # a format either end cannot use is a 400 now, not a failed request later
+        weight_format = check_weight_format(
+            payload.weight_format, job.specs[source].config.lora, job.specs[target].config.lora
+        )
 
     sync_request: dict[str, str] = {}
 
@@ -309,13 +322,13 @@ def submit_weight_sync(
 
     def copy() -> dict[str, Any]:
         started = time.perf_counter()
-        per_target = {t: host.sync_weights(source, t) for t in targets}
+        per_target = {t: host.sync_weights(source, t, weight_format) for t in targets}
         last = per_target[targets[-1]]
         return {
             "policy_version": last["policy_version"],
             "seconds": time.perf_counter() - started,
             "bytes": sum(int(r["bytes"]) for r in per_target.values()),
-            "weight_format": payload.weight_format,
+            "weight_format": weight_format,
             "targets": per_target,
         }
 
@@ -380,10 +393,7 @@ class GenerateStream:
 
 
 def _parse(body: bytes) -> GenerateBody:
-    try:
-        payload = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequestError(f"generate-stream body must be UTF-8 JSON (not DSSST1); {exc}") from None
+    payload = parse_json_body(body, "generate-stream body (UTF-8 JSON, not DSSST1)")
     try:
         return GenerateBody.model_validate(payload)
     except ValidationError as exc:

@@ -108,11 +108,15 @@ class RayEngineHost:
     ) -> list[dict[str, Any]]:
         return self._group(sub_job_id).generate(prompts, params)
 
-    def sync_weights(self, source_sub_job_id: str, target_sub_job_id: str) -> dict[str, Any]:
+    def sync_weights(
+        self, source_sub_job_id: str, target_sub_job_id: str, weight_format: str | None = None
+    ) -> dict[str, Any]:
+        from icefloe.engines.lora import check_weight_format
         from icefloe.engines.ray import collective_backend, link_weight_sync, sync_weights
 
         trainers, samplers = self._group(source_sub_job_id), self._group(target_sub_job_id)
         config = self._config(self._specs[source_sub_job_id])
+        check_weight_format(weight_format, config.lora, self._specs[target_sub_job_id].config.lora)
         pair = (source_sub_job_id, target_sub_job_id)
         if pair not in self._links:
             backend = collective_backend(config.backend)

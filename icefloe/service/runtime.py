@@ -45,7 +45,7 @@ class JobEngines:
     The service calls, from the sub-job's ordered worker: ``fwd_bwd(sid, batch)``,
     ``forward(sid, batch)``, ``step(sid, learning_rate)``, ``save(sid, root, kind)``,
     ``load(sid, path)``, ``generate(sid, prompts, params)``, ``generate_json`` (the same, each
-    sample as JSON text), ``reset_prefix_cache(sid)``, ``sync_weights(source_sid, target_sid)``
+    sample as JSON text), ``reset_prefix_cache(sid)``, ``sync_weights(source_sid, target_sid, weight_format)``
     and ``max_seq_len(sid)``. Each op is one :meth:`_call`, which by default calls the engine
     method of that name on ``self._engines[sid]``. A subclass fills ``_engines`` in ``start``
     (slow; raise with the cause when an engine cannot be built) and releases them in ``close``
@@ -101,6 +101,9 @@ class LocalEngineHost(JobEngines):
         on_progress("engines ready")
 
     def _build_all(self, on_progress: Callable[[str], None]) -> None:
+        from safetensors.torch import load_file
+
+        from icefloe.engines.lora import ADAPTER_WEIGHTS_FILE
         from icefloe.engines.sampling import build_sampling_engine
         from icefloe.engines.training import TrainingEngine
 
@@ -108,7 +111,16 @@ class LocalEngineHost(JobEngines):
             device = self._devices[sub_job_id]
             start_from = self._checkpoints.get(sub_job_id)
             on_progress(f"loading {spec.config.model!r} for {sub_job_id} on {device}")
-            if spec.job_type == "sampling":
+            adapter = start_from / ADAPTER_WEIGHTS_FILE if start_from is not None else None
+            if spec.job_type == "sampling" and adapter is not None and adapter.is_file():
+                if spec.config.lora is None:
+                    raise InvalidRequestError(
+                        f"{sub_job_id} starts from a LoRA adapter checkpoint ({start_from.name}); give it the "
+                        "peft_config the adapter was trained with"
+                    )
+                engine = build_sampling_engine(spec.config, device)  # the base model, then the saved adapter
+                engine.load_weights(load_file(str(adapter)).items(), policy_version=0)
+            elif spec.job_type == "sampling":
                 engine = build_sampling_engine(spec.config, device, model_dir=start_from)
             else:
                 role = "training" if spec.is_training else "reference"
@@ -120,10 +132,13 @@ class LocalEngineHost(JobEngines):
                     on_progress(f"{sub_job_id} starts from {loaded['checkpoint_id']} ({loaded['kind']})")
             self._engines[sub_job_id] = engine
 
-    def sync_weights(self, source_sub_job_id: str, target_sub_job_id: str) -> dict[str, Any]:
+    def sync_weights(
+        self, source_sub_job_id: str, target_sub_job_id: str, weight_format: str | None = None
+    ) -> dict[str, Any]:
         from icefloe.engines.weight_sync import sync_weights_local
 
-        return sync_weights_local(self._engine(source_sub_job_id), self._engine(target_sub_job_id))
+        source, target = self._engine(source_sub_job_id), self._engine(target_sub_job_id)
+        return sync_weights_local(source, target, weight_format)
 
     def close(self) -> None:
         engines, self._engines = self._engines, {}

@@ -11,7 +11,9 @@ A POST answered with a status its client retries (5xx, 429, a chunk group to rep
 number, so the retry still comes first. A number below the session's next (a retry of a POST let
 in already) passes at once. A POST that sees its session make no progress for ``gap_timeout_s``
 fails with 409 ``sequence_gap`` naming the missing number. POSTs without the header pass straight
-through.
+through. Sessions belong to a caller (the token :class:`~icefloe.service.middleware.RequireToken`
+let in), and this layer runs only after that check: an unauthenticated POST never holds or
+advances a session.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from icefloe.protocol import CODE_CHUNK_GROUP_RESTART_REQUIRED, InvalidRequestError, SequenceGapError
 from icefloe.service.errors import send_error
-from icefloe.service.middleware import header
+from icefloe.service.middleware import CALLER_SCOPE_KEY, header
 
 __all__ = ["SEQUENCE_HEADER", "SubmitOrder", "release_turn"]
 
@@ -70,7 +72,7 @@ class SubmitOrder:
         self.max_sessions = max_sessions
         # Least recently used first. Never expired by time: a client may stay quiet for hours (a long
         # rollout) and must find its place kept.
-        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._sessions: OrderedDict[tuple[str, str], _Session] = OrderedDict()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw = header(scope, _HEADER_KEY) if scope["type"] == "http" and scope["method"] == "POST" else None
@@ -85,7 +87,7 @@ class SubmitOrder:
             )
             await send_error(send, InvalidRequestError(message))
             return
-        number, session = int(number_text), self._session(session_id)
+        number, session = int(number_text), self._session((scope.get(CALLER_SCOPE_KEY, ""), session_id))
         if not await self._turn(session, number):
             message = (
                 f"{SEQUENCE_HEADER} {session_id}:{number} waited {self.gap_timeout_s:g} s for POST "
@@ -112,12 +114,13 @@ class SubmitOrder:
         if status and not retried:  # answered without queuing, or refused for good: the next may go in
             session.advance(number)
 
-    def _session(self, session_id: str) -> _Session:
-        session = self._sessions.get(session_id)
+    def _session(self, key: tuple[str, str]) -> _Session:
+        """The session of (caller, session id), made on first use."""
+        session = self._sessions.get(key)
         if session is not None:
-            self._sessions.move_to_end(session_id)
+            self._sessions.move_to_end(key)
             return session
-        session = self._sessions[session_id] = _Session()
+        session = self._sessions[key] = _Session()
         while len(self._sessions) > self.max_sessions:
             oldest_id, oldest = next(iter(self._sessions.items()))
             if oldest.waiting:  # someone waits on it: keep it

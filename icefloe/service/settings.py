@@ -31,6 +31,9 @@ class ServeSettings(BaseModel):
     host: str = "127.0.0.1"  # loopback unless told otherwise: the API runs training code for its callers
     port: int = Field(8321, ge=0, le=65535)  # 0 = any free port
     tokens: tuple[SecretStr, ...] = ()  # empty = no auth (a local, single-user service)
+    # Folder whose model folders jobs may load (model_name "org/name" = model_root/org/name);
+    # None = tiny:<preset> models only. Nothing outside it is ever read on a caller's behalf.
+    model_root: Path | None = None
     slots: int = Field(4, gt=0)  # CPU slots handed to sub-jobs when torch sees no GPU
     # Where a job's engines run: a child process per job, this process (threads), or Ray actors.
     engines: Literal["process", "local", "ray"] = "process"
@@ -38,6 +41,9 @@ class ServeSettings(BaseModel):
     max_post_bytes: int = Field(_MAX_POST_BYTES, gt=8192)
     inline_result_max_bytes: int = Field(4 * 1024 * 1024, gt=0)  # larger DSSST1 results go as result chunks
     result_chunk_bytes: int = Field(8 * 1024 * 1024, gt=16384)  # size of one result_chunk frame
+    # Request chunks one job holds for groups not yet complete; older groups are dropped to stay under
+    # it (they restart from chunk 0), and a frame larger than this is refused with 413.
+    max_job_chunk_bytes: int = Field(1024**3, gt=0)
     export_ttl_s: float = Field(3600.0, gt=0)  # lifetime of a checkpoint download link
     max_long_poll_s: float = Field(60.0, ge=0)  # cap on ?wait= so a proxy never sees a silent socket
     # A numbered POST (Icefloe-Sequence) waits this long for a missing predecessor, then gets 409.
@@ -83,9 +89,26 @@ class ServeSettings(BaseModel):
             raise ConfigError(format_validation_error(exc, prefix="serve.")) from None
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **values: Any) -> ServeSettings:
-        """Build settings, adding tokens from ``ICEFLOE_SERVE_TOKENS`` to any given explicitly."""
+    def from_env(
+        cls, environ: Mapping[str, str] | None = None, *, token_file: Path | None = None, **values: Any
+    ) -> ServeSettings:
+        """Build settings, adding tokens from ``ICEFLOE_SERVE_TOKENS`` and ``token_file`` to any given explicitly.
+
+        ``token_file`` holds one token per line; blank lines and lines starting with ``#`` are skipped.
+        Unlike a token on the command line, neither source shows the secret in ``ps``.
+        """
         env = os.environ if environ is None else environ
         from_env = [t for t in env.get(TOKENS_ENV_VAR, "").split(",") if t.strip()]
         explicit = list(values.pop("tokens", None) or ())
-        return cls.build(tokens=explicit + from_env, **values)
+        return cls.build(tokens=explicit + from_env + (_read_tokens(token_file) if token_file else []), **values)
+
+
+def _read_tokens(path: Path) -> list[str]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"serve.token_file: cannot read {str(path)!r} ({type(exc).__name__}); fix the path") from None
+    tokens = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not tokens:
+        raise ConfigError(f"serve.token_file: {str(path)!r} holds no token; write one token per line")
+    return tokens

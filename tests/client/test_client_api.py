@@ -34,7 +34,7 @@ def test_client_signatures_pinned_for_integrations():
         "forward": ["self", "batch", "reference"],
         "step": ["self", "learning_rate"],
         "generate": ["self", "prompts", "sampling_params"],
-        "sync_weights": ["self", "cuda_ipc", "low_memory"],
+        "sync_weights": ["self", "cuda_ipc", "low_memory", "weight_format"],
         "save_checkpoint": ["self", "kind"],
         "load_checkpoint": ["self", "checkpoint_id", "source_job_id"],
         "sleep_inference": ["self", "level"],

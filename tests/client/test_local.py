@@ -172,3 +172,24 @@ def test_transport_handle_returns_futures_that_keep_each_roles_order_and_fail_af
         transport.handle(ops.step().request).result(0)
     with pytest.raises(ClientClosedError, match="was closed"):
         transport.open()
+
+
+def test_lora_reference_is_the_trainer_with_adapters_off_and_sync_takes_a_weight_format(tmp_path):
+    pytest.importorskip("peft")
+    config = _config(tmp_path, lora={"rank": 4, "alpha": 8}, num_log_prob_workers=0)
+    with Client(config) as client:
+        tok = client.tokenizer
+        samples = client.generate([tok(p)["input_ids"] for p in PROMPTS], {"n": 2, "max_tokens": 4, "seed": 7})
+        batch = _batch(tok, samples, PROMPTS, 2)
+        base = client.forward(batch)["logprobs"]  # fresh adapters are a no-op: the policy is the base
+        for _ in range(2):
+            client.fwd_bwd(batch)
+            client.step()
+        reference = client.forward(batch, reference=True)["logprobs"]  # no reference role was built
+        policy = client.forward(batch)["logprobs"]
+        with pytest.raises(InvalidRequestError, match="moves full weights"):
+            client.sync_weights(weight_format="hf")
+        synced = client.sync_weights(weight_format="lora")
+    torch.testing.assert_close(reference, base, rtol=0, atol=1e-6)
+    assert not torch.allclose(policy, base, atol=1e-3)
+    assert synced["policy_version"] == 2

@@ -25,7 +25,7 @@ def test_make_engine_host_ray_names_the_choice():
 
 
 def test_serve_with_ray_engines_trains_syncs_and_samples(ray_session, model_dir, tmp_path):
-    settings = ServeSettings(data_dir=tmp_path / "serve", engines="ray")
+    settings = ServeSettings(data_dir=tmp_path / "serve", engines="ray", model_root=model_dir.parent)
     app = create_app(settings, pool=SlotPool("cpu", 2))
     with ServerThread(app) as base_url:
         config = {"model": str(model_dir), "max_seq_len": 48, "backend": {"type": "remote", "base_url": base_url}}

@@ -127,7 +127,9 @@ async def test_final_chunk_with_earlier_ones_missing_is_refused(data_dir):
         assert "request_id" in last.json()
 
 
-def _hostile_chunk(*, chunk_idx: int, total_chunks: int, frame_size_bytes: int, group_id: str) -> bytes:
+def _hostile_chunk(
+    *, chunk_idx: int, total_chunks: int, frame_size_bytes: int, group_id: str, payload_bytes: int = 1
+) -> bytes:
     descriptor = {
         "chunk_idx": chunk_idx,
         "total_chunks": total_chunks,
@@ -135,7 +137,52 @@ def _hostile_chunk(*, chunk_idx: int, total_chunks: int, frame_size_bytes: int, 
         "frame_size_bytes": frame_size_bytes,
         "chunk_group_id": group_id,
     }
-    return wire.encode({"payload": np.zeros(1, dtype=np.uint8)}, op_metadata={"request_chunk": descriptor})
+    payload = np.full(payload_bytes, chunk_idx % 256, dtype=np.uint8)
+    return wire.encode({"payload": payload}, op_metadata={"request_chunk": descriptor})
+
+
+async def test_a_group_holds_no_more_than_the_frame_size_it_declared(data_dir):
+    """32 chunks of 1 MiB for a group declaring 1000 bytes were all cached: nothing totalled a group's bytes."""
+    async with asgi_client(make_app(data_dir)) as http:
+        api = Api(http)
+        job_id = await api.running()
+        group_id = str(uuid.uuid4())
+        big = _hostile_chunk(
+            chunk_idx=0, total_chunks=32, frame_size_bytes=1000, group_id=group_id, payload_bytes=2**20
+        )
+        response = await _post(api, job_id, big)
+        assert (response.status_code, response.json()["code"]) == (400, "invalid_argument")
+        assert "request_chunk.frame_size_bytes=1000" in response.json()["message"]
+        group_id = str(uuid.uuid4())
+        for idx, expected in ((0, 200), (1, 200), (0, 200), (2, 400)):  # 400 + 400 fit in 1000, a third does not
+            chunk = _hostile_chunk(
+                chunk_idx=idx, total_chunks=3, frame_size_bytes=1000, group_id=group_id, payload_bytes=400
+            )
+            assert (await _post(api, job_id, chunk)).status_code == expected, idx
+
+
+async def test_a_job_holds_a_bounded_total_of_chunks(data_dir):
+    """Groups of one job were held without any total: 16 open groups of 64 GiB each could be cached."""
+    async with asgi_client(make_app(data_dir, max_job_chunk_bytes=350_000)) as http:
+        api = Api(http)
+        job_id = await api.running()
+        first, second = str(uuid.uuid4()), str(uuid.uuid4())
+
+        def chunk(group_id: str, idx: int) -> bytes:
+            return _hostile_chunk(
+                chunk_idx=idx, total_chunks=10, frame_size_bytes=10**6, group_id=group_id, payload_bytes=100_000
+            )
+
+        for group_id in (first, second):
+            for idx in (0, 1):
+                assert (await _post(api, job_id, chunk(group_id, idx))).json() == {"chunk_cached": True}
+        # the second group's chunks pushed the first (least recently sent) out: it must start over
+        dropped = await _post(api, job_id, chunk(first, 2))
+        assert (dropped.status_code, dropped.json()["code"]) == (409, "chunk_group_restart_required")
+        assert (await _post(api, job_id, chunk(second, 2))).json() == {"chunk_cached": True}
+        too_big = await _post(api, job_id, chunk(second, 3))  # 4 chunks of 100 kB: over the cap on their own
+        assert (too_big.status_code, too_big.json()["code"]) == (413, "payload_too_large")
+        assert "max_job_chunk_bytes" in too_big.json()["message"]
 
 
 async def test_hostile_chunk_counts_and_sizes_are_refused_without_building_huge_sets(data_dir):

@@ -19,13 +19,13 @@ from .service_harness import asgi_client, make_app
 pytestmark = pytest.mark.anyio
 
 
-async def test_create_with_missing_model_fails_naming_the_path(data_dir, tmp_path):
-    missing = str(tmp_path / "no-such-model")
+async def test_create_with_a_model_that_cannot_load_fails_naming_it(data_dir):
+    missing = "tiny:no-such-preset"
     async with asgi_client(make_app(data_dir)) as http:
         api = Api(http)
         job_id = await api.create({**TRAINING, "model_name": missing})
         job = await api.wait_status(job_id, "failed")
-        assert missing in job["reason"] and job["reason"].startswith("initializing failed")
+        assert "no-such-preset" in job["reason"] and job["reason"].startswith("initializing failed")
         assert (await api.call("GET", "/capacity")).json()["in_use_slots"] == 0
 
 

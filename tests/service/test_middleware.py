@@ -1,18 +1,139 @@
-"""Idempotency-Key replay and the per-POST size cap (icefloe.service.middleware)."""
+"""The ASGI layers (icefloe.service.middleware): bearer token first, size cap, Idempotency-Key, JSON bounds."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import re
 import time
 import uuid
 
+import httpx
 import pytest
 
 from icefloe.service import store
+from icefloe.service.app import ServerThread
 
+from .service_batches import small_batch
 from .service_client import PREFIX, SAMPLING, TRAINING, Api
 from .service_harness import asgi_client, make_app, uvicorn_client
 
 pytestmark = pytest.mark.anyio
+
+
+def _token() -> str:
+    return "serve-token-" + uuid.uuid4().hex
+
+
+async def test_every_route_but_health_needs_a_valid_token(data_dir):
+    token = _token()
+    async with asgi_client(make_app(data_dir, tokens=(token,))) as http:
+        assert (await http.get("/health")).status_code == 200
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": f"Basic {token}"},
+            {"Authorization": f"Bearer {token}", "X-Snowflake-Authorization-Token-Type": "OAUTH"},
+        ):
+            for path in (f"{PREFIX}/capacity", "/no-such-path"):
+                response = await http.get(path, headers=headers)
+                assert (response.status_code, response.json()["code"]) == (401, "unauthenticated"), headers
+                assert token not in response.text
+        refused = await http.post(f"{PREFIX}/", json={"sub_job_configs": [TRAINING]})
+        assert refused.status_code == 401
+        pat = {"Authorization": f"Bearer {token}", "X-Snowflake-Authorization-Token-Type": "PROGRAMMATIC_ACCESS_TOKEN"}
+        assert (await http.get(f"{PREFIX}/", headers=pat)).json() == {"jobs": []}  # the refused create made nothing
+        assert (await http.get(f"{PREFIX}/capacity", headers={"Authorization": f"Bearer {token}"})).status_code == 200
+
+
+async def test_api_docs_need_the_token_and_load_their_assets_from_the_service(data_dir):
+    """/docs, /redoc and /openapi.json answered 200 without a token, and the pages loaded their scripts from a CDN."""
+    token = _token()
+    async with asgi_client(make_app(data_dir, tokens=(token,))) as http:
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert (await http.get(path)).status_code == 401, path
+        auth = {"Authorization": f"Bearer {token}"}
+        assert (
+            "/api/v2/databases/{database}/schemas/{schema}/{endpoint}/"
+            in (await http.get("/openapi.json", headers=auth)).json()["paths"]
+        )
+        for page in ("/docs", "/redoc"):
+            html = (await http.get(page, headers=auth)).text
+            assert "//" not in html, page  # no http://, https:// or protocol-relative URL: nothing remote
+            assets = re.findall(r"""(?:src|href)=["']([^"']+)["']""", html) + re.findall(r"url: ?'([^']+)'", html)
+            assert any(a.endswith(".js") for a in assets), page
+            for asset in assets:
+                assert asset.startswith("/"), (page, asset)
+                assert (await http.get(asset)).status_code == 401, asset
+                loaded = await http.get(asset, headers=auth)
+                assert loaded.status_code == 200 and loaded.content, asset
+
+
+async def test_an_unauthenticated_malformed_body_gets_401(data_dir):
+    """The JSON body was parsed before the token dependency ran: a bad body without a token got 400."""
+    async with asgi_client(make_app(data_dir, tokens=(_token(),))) as http:
+        for content in (b"{not json", b"[" * 5000):
+            response = await http.post(f"{PREFIX}/", content=content, headers={"content-type": "application/json"})
+            assert (response.status_code, response.json()["code"]) == (401, "unauthenticated")
+
+
+async def test_an_unauthenticated_large_body_is_refused_before_any_of_it_is_sent(data_dir):
+    """A 50 MiB body without a token was read and parsed (~146 MiB of RSS) before its 401."""
+    with ServerThread(make_app(data_dir, tokens=(_token(),))) as base_url:
+        host, port = base_url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        head = (
+            f"POST {PREFIX}/ HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {50 * 1024 * 1024}\r\n\r\n"
+        )
+        writer.write(head.encode())  # the headers only: the server must answer without waiting for the body
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), timeout=60)  # read() returns once the server closes
+        writer.close()
+    status_line, _, rest = answer.partition(b"\r\n")
+    assert status_line == b"HTTP/1.1 401 Unauthorized"
+    assert b"connection: close" in rest.lower() and b'"unauthenticated"' in rest
+
+
+async def test_an_unauthenticated_numbered_post_neither_holds_nor_advances_its_session(data_dir):
+    """Icefloe-Sequence was handled before the token check: a POST without a token moved the session on."""
+    token = _token()
+    async with asgi_client(make_app(data_dir, tokens=(token,), sequence_gap_timeout_s=0.5)) as http:
+        auth = {"Authorization": f"Bearer {token}"}
+
+        async def step(number: int, headers: dict[str, str]) -> tuple[int, str]:
+            numbered = {"Icefloe-Sequence": f"session-1:{number}", **headers}
+            response = await http.post(f"{PREFIX}/no-such-job/step", json={}, headers=numbered)
+            return response.status_code, response.json()["code"]
+
+        assert await step(1, {}) == (401, "unauthenticated")  # at once: it never waited for POST 0
+        assert await step(0, {}) == (401, "unauthenticated")
+        assert await step(1, auth) == (409, "sequence_gap")  # the session still waits for the caller's POST 0
+        assert await step(0, auth) == (404, "not_found")  # refused for good: the next one may go in
+        assert await step(1, auth) == (404, "not_found")
+
+
+async def test_tokens_never_appear_in_logs(data_dir, capfd, caplog):
+    token = _token()
+    app = make_app(data_dir, tokens=(token,))
+    with ServerThread(app, log_level="info") as base_url:
+        auth = {"Authorization": f"Bearer {token}"}
+        async with httpx.AsyncClient(base_url=base_url, headers=auth, timeout=60) as http:
+            api = Api(http)
+            job_id = await api.create(TRAINING)
+            await api.wait_status(job_id, "running")
+            # a careless client that also puts the token in the URL: the access log must not show it
+            await http.get(f"{PREFIX}/capacity", params={"access_token": token})
+            await http.get(f"{PREFIX}/capacity", headers={"Authorization": f"Bearer {token}-wrong"})
+            logs = (await api.call("POST", f"/{job_id}/operation", json={"operation_type": "tail-logs"})).text
+    captured = capfd.readouterr()
+    output = captured.out + captured.err + caplog.text + logs
+    assert "GET " in output and "/capacity" in output  # the access log did run
+    assert "Logging error" not in output, "redaction must keep records formattable (uvicorn unpacks args)"
+    assert token not in output
+    assert "***" in output
+    for path in data_dir.rglob("*.jsonl"):
+        assert token not in path.read_text()
 
 
 async def test_same_idempotency_key_returns_the_same_request_and_executes_once(data_dir):
@@ -114,3 +235,80 @@ async def test_an_oversized_wait_answer_is_replayed_as_its_bare_acceptance(data_
         assert posts[1].json() == {"request_id": posts[0].json()["request_id"], "job_id": job_id}
         rows = app.state.db.fetch_all("SELECT op FROM requests WHERE job_id = ? AND op = 'generate'", (job_id,))
         assert len(rows) == 1
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "1" + "]" * depth
+
+
+async def test_non_finite_numbers_are_refused_naming_the_field(data_dir):
+    """1e400 and Infinity parsed as infinity and were accepted: a step with that learning rate made the weights NaN."""
+    async with asgi_client(make_app(data_dir, engines="local")) as http:
+        api = Api(http)
+        job_id = await api.running(TRAINING, SAMPLING)
+        json_body = {"content-type": "application/json"}
+        for number in ("1e400", "Infinity", "-1e999", "NaN"):
+            response = await api.call(
+                "POST", f"/{job_id}/step", content=f'{{"learning_rate": {number}}}', headers=json_body, check=False
+            )
+            assert (response.status_code, response.json()["code"]) == (400, "invalid_argument"), number
+            assert "learning_rate=" in response.json()["message"], number
+        stream = b'{"prompts": [[1, 2]], "sampling_params": {"temperature": Infinity, "max_tokens": 2}}'
+        response = await api.call(
+            "POST",
+            f"/{job_id}/generate-stream",
+            content=stream,
+            headers={"content-type": "application/octet-stream"},
+            check=False,
+        )
+        assert response.status_code == 400 and "sampling_params.temperature=inf" in response.json()["message"]
+        batch = small_batch()  # a DSSST1 frame's plain values too: a NaN loss knob made a NaN loss
+        batch["processing"]["config"] = {"clip_ratio": float("nan")}
+        generate = {"prompts": [[1, 2]], "sampling_params": {"temperature": float("inf")}}
+        for endpoint, body, field in (
+            ("forward-backward", batch, "processing.config.clip_ratio=nan"),
+            ("generate", generate, "sampling_params.temperature=inf"),
+        ):
+            response = await api.post_frame(job_id, endpoint, body, check=False)
+            assert (response.status_code, response.json()["code"]) == (400, "invalid_argument"), endpoint
+            assert f"frame holds non-finite numbers: {field}" in response.json()["message"]
+        training = json.dumps({"sub_job_configs": [TRAINING], "vendor": {"knob": 1.0}})
+        for text, field in (
+            (training.replace("0.001", "1e400"), "sub_job_configs.0.training_config.optimizer.lr=inf"),
+            (training.replace('"knob": 1.0', '"knob": NaN'), "vendor.knob=nan"),  # a passthrough key too
+        ):
+            response = await api.call("POST", "/", content=text, headers=json_body, check=False)
+            assert (response.status_code, response.json()["code"]) == (400, "invalid_argument"), field
+            assert field in response.json()["message"]
+        assert [job["job_id"] for job in (await api.call("GET", "/")).json()["jobs"]] == [job_id]
+        assert (await api.run(job_id, "POST", "step", json={"learning_rate": 1e-3}))["global_step"] == 1
+
+
+async def test_deeply_nested_bodies_get_400(data_dir):
+    """A create body nested a few hundred levels, or a generate-stream body a few thousand, answered 500."""
+    async with asgi_client(make_app(data_dir, engines="local")) as http:
+        api = Api(http)
+        job_id = await api.running(TRAINING, SAMPLING)
+        json_body = {"content-type": "application/json"}
+        training = json.dumps(TRAINING)
+        for text in (
+            f'{{"sub_job_configs": [{training}], "debug": {{"trace": {_nested(300)}}}}}',
+            f'{{"sub_job_configs": [{training}], "vendor_knobs": {_nested(300)}}}',
+            f'{{"sub_job_configs": [{training}], "debug": {{"trace": {_nested(5000)}}}}}',
+        ):
+            response = await api.call("POST", "/", content=text, headers=json_body, check=False)
+            assert (response.status_code, response.json()["code"]) == (400, "invalid_argument")
+            assert "nests deeper than 64 levels" in response.json()["message"]
+        for depth in (300, 5000):
+            stream = f'{{"prompts": [[1, 2]], "routing_key": {_nested(depth)}}}'.encode()
+            response = await api.call(
+                "POST",
+                f"/{job_id}/generate-stream",
+                content=stream,
+                headers={"content-type": "application/octet-stream"},
+                check=False,
+            )
+            assert (response.status_code, response.json()["code"]) == (400, "invalid_argument"), depth
+            assert "generate-stream body" in response.json()["message"]
+        nested_ok = {"sub_job_configs": [TRAINING], "debug": {"a": {"b": {"c": [[[1.5]]]}}}}
+        assert (await api.call("POST", "/", json=nested_ok)).status_code == 200

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -27,8 +28,11 @@ def model(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory):
-    service_app = make_app(tmp_path_factory.mktemp("serve"), slots=8, engines="local", tokens=[API_KEY])
+def base_url(tmp_path_factory, model):
+    root = Path(model).parent
+    service_app = make_app(
+        tmp_path_factory.mktemp("serve"), slots=8, engines="local", tokens=[API_KEY], model_root=root
+    )
     with ServerThread(service_app) as url:
         yield url
 
@@ -182,7 +186,7 @@ def test_a_session_without_heartbeats_lapses_and_its_jobs_are_cancelled(tmp_path
 
     import httpx
 
-    service_app = make_app(tmp_path / "serve", engines="local")
+    service_app = make_app(tmp_path / "serve", engines="local", model_root=Path(model).parent)
     with ServerThread(service_app) as url:
         service_app.state.tinker.session_lease_s = 0.2
         session_id = httpx.post(f"{url}/api/v1/create_session", json={}).json()["session_id"]

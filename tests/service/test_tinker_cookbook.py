@@ -27,7 +27,7 @@ def test_math_rl_arithmetic_trains_against_icefloe_serve(tmp_path):
     model = tmp_path / "tiny-chat"
     subprocess.run([sys.executable, "-m", "icefloe.cli", "models", "export", "tiny:chat", str(model)], check=True)
     log_path = tmp_path / "run"
-    with ServerThread(make_app(tmp_path / "serve", engines="local")) as base_url:
+    with ServerThread(make_app(tmp_path / "serve", engines="local", model_root=tmp_path)) as base_url:
         recipe = subprocess.run(
             [
                 sys.executable, "-m", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic",

@@ -96,9 +96,12 @@ def job_create_body(config: ClientConfig, experiment_name: str | None = None) ->
     common = {"model_name": config.model, "seed": config.seed, "dtype": config.dtype}
     inference = {"max_seq_len": config.max_seq_len}
     engine_kwargs = {k: v for k, v in config.sampling.engine_kwargs.items() if k not in _ENGINE_KWARGS_SET_BY_API}
+    # LoRA on the trainer and the samplers (a weight sync moves adapters); a log_probability
+    # sub-job is the reference policy, which for LoRA is the base model, so it gets none.
+    peft = {"peft_config": config.lora.to_peft_config()} if config.lora is not None else {}
     subs: list[dict[str, Any]] = []
     if config.num_sampling_workers > 0:
-        sampling = {**inference, "n_gpus": config.num_sampling_workers}
+        sampling = {**inference, "n_gpus": config.num_sampling_workers, **peft}
         if engine_kwargs:
             sampling["vllm_config"] = engine_kwargs
         subs.append({"job_type": "sampling", **common, "inference_config": sampling})
@@ -126,6 +129,11 @@ def job_create_body(config: ClientConfig, experiment_name: str | None = None) ->
     }
     if config.training.peak_memory_log:
         training["step_peak_memory_log"] = True
+    if config.training.micro_batch_tokens:
+        training["mb_spec"] = {"max_tokens_per_mb": config.training.micro_batch_tokens}
+    if config.training.gradient_checkpointing:
+        training["activation_checkpointing"] = True
+    training.update(peft)
     subs.append({"job_type": "training", **common, "training_config": training})
     body: dict[str, Any] = {"sub_job_configs": subs}
     if experiment_name:
@@ -137,8 +145,6 @@ def _warn_unmapped_knobs(config: ClientConfig) -> None:
     """The training API has no field for these; say so instead of ignoring them silently."""
     training = config.training
     set_here = {
-        "training.micro_batch_tokens": training.micro_batch_tokens,
-        "training.gradient_checkpointing": training.gradient_checkpointing,
         "training.checkpoint_dir": training.checkpoint_dir is not None,
         "sampling.engine": config.sampling.engine != "auto",
     }

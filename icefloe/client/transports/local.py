@@ -52,7 +52,7 @@ class LocalTransport(RoleTransport):
         self.training = TrainingEngine(self.config, device=device, model_dir=model_dir)
         if self.config.num_sampling_workers > 0:
             self.sampling = build_sampling_engine(self.config, device=device, model_dir=model_dir)
-        if self.config.num_log_prob_workers > 0:
+        if self.config.num_log_prob_workers > 0 and self.config.lora is None:  # LoRA: the trainer is the reference
             self.reference = TrainingEngine(self.config, device=device, role="reference", model_dir=model_dir)
         _LIVE[self._session] = self
 

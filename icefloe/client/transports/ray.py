@@ -84,7 +84,7 @@ class RayTransport(RoleTransport):
         counts = {
             "training": config.num_training_workers,
             "sampling": config.num_sampling_workers,
-            "reference": config.num_log_prob_workers,
+            "reference": config.num_log_prob_workers if config.lora is None else 0,  # LoRA: trainers score it
         }
         for role, count in counts.items():
             for index in range(count):
@@ -186,6 +186,9 @@ class RayTransport(RoleTransport):
         """
         if self._link is None:
             raise InvalidRequestError("sync_weights needs a sampling role; set num_sampling_workers=1 in the config")
+        from icefloe.engines.lora import check_weight_format
+
+        check_weight_format(body.get("weight_format"), self.config.lora, self.config.lora)
         with self._sync_order:  # both halves of one sync enter their queues before another sync's halves
             if body.get("cuda_ipc") and self._cuda_ipc_possible():
                 return self._sync_weights_cuda_ipc()

@@ -410,7 +410,7 @@ class RemoteTransport(Transport):
         payload = {
             "source_sub_job_id": source,
             "target_sub_job_ids": list(targets),
-            "weight_format": request.body.get("weight_format") or "vllm",
+            "weight_format": request.body.get("weight_format") or ("lora" if self.config.lora else "vllm"),
         }
         return self._operation(api.OP_WEIGHT_SYNC, payload, sub_job_id=source, sub_job_type="training")
 

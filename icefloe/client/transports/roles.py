@@ -65,6 +65,7 @@ class RoleTransport(Transport):
                     checkpoint_root=self.checkpoint_root,
                     sync_weights=self._sync_weights,
                     abandoned=self._abandoned,
+                    lora_reference=self.config.lora is not None,
                 )
                 self._owns_host = True
 

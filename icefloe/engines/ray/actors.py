@@ -31,9 +31,9 @@ class _EngineActor:
         self.engine: Any = None
         self.links: dict[str, Any] = {}  # weight-sync groups by link id (WeightBroadcast)
 
-    def call(self, method: str, *args: Any) -> Any:
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run one engine method here (``fwd_bwd``, ``generate``, ``save_checkpoint``, ...)."""
-        return getattr(self.engine, method)(*args)
+        return getattr(self.engine, method)(*args, **kwargs)
 
     def rendezvous(self) -> tuple[str, int]:
         """An address and free port on this node for a group's TCP store."""

@@ -204,9 +204,14 @@ class TrainerGroup(ActorGroup):
         shards, _ = shard_rows(frame, len(self.actors))
         return combine_fwd_bwd(self._each("call", [("fwd_bwd", shard) for shard in shards]))
 
-    def forward(self, frame: dict[str, Any]) -> dict[str, Any]:
+    def forward(self, frame: dict[str, Any], *, reference: bool = False) -> dict[str, Any]:
+        """``reference=True``: LoRA trainers score with the adapters disabled (the base model)."""
         shards, real_rows = shard_rows(frame, len(self.actors))
-        return concat_forward(self._each("call", [("forward", shard) for shard in shards]), real_rows)
+        calls = [
+            (name, actor.call.remote("forward", shard, reference=reference))
+            for (name, actor), shard in zip(self.members, shards, strict=True)
+        ]
+        return concat_forward(gather(self.job_name, calls), real_rows)
 
     def step(self, learning_rate: float | None = None) -> dict[str, Any]:
         results = self._all("call", "step", learning_rate)

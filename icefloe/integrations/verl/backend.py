@@ -103,9 +103,13 @@ class IcefloeBackend:
     async def update_weights(self) -> dict[str, Any]:
         """Trainer → sampler weight sync, then wake the sampler verl put to sleep after the rollout.
 
-        Bumps the policy version every later sample is tagged with.
+        Bumps the policy version every later sample is tagged with. With LoRA only the adapters move.
         """
-        synced = await self.client.sync_weights(cuda_ipc=self.settings.cuda_ipc, low_memory=self.settings.low_memory)
+        synced = await self.client.sync_weights(
+            cuda_ipc=self.settings.cuda_ipc,
+            low_memory=self.settings.low_memory,
+            weight_format="lora" if self.client.config.lora is not None else None,
+        )
         await self.client.wake_inference()
         await self.client.reset_prefix_cache()  # no sample may reuse prefixes computed with the old weights
         return synced

@@ -1,10 +1,11 @@
-"""One APIRouter per resource, each under the training API's path prefix and its bearer-token check."""
+"""One APIRouter per resource, each under the training API's path prefix.
+
+The bearer token is checked before any route runs (:class:`icefloe.service.middleware.RequireToken`).
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
-
-from icefloe.service.deps import require_token
+from fastapi import APIRouter
 
 __all__ = ["API_PREFIX", "api_router"]
 
@@ -13,5 +14,5 @@ API_PREFIX = "/api/v2/databases/{database}/schemas/{schema}/{endpoint}"
 
 
 def api_router(tag: str) -> APIRouter:
-    """A router under the training-API prefix whose every route needs a valid bearer token."""
-    return APIRouter(prefix=API_PREFIX, tags=[tag], dependencies=[Depends(require_token)])
+    """A router under the training-API prefix."""
+    return APIRouter(prefix=API_PREFIX, tags=[tag])

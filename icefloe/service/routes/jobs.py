@@ -13,11 +13,11 @@ __all__ = ["router"]
 router = api_router("jobs")
 
 
-@router.post("/", response_model=JobCreated)
-@router.post("", response_model=JobCreated, include_in_schema=False)
+@router.post("/", response_model=JobCreated, response_model_exclude_none=True)
+@router.post("", response_model=JobCreated, response_model_exclude_none=True, include_in_schema=False)
 async def create_job(body: JobCreate, database: str, schema: str, jobs: JobsDep) -> dict:
     job_id = await run_in_threadpool(jobs.create, body, database=database, schema=schema)
-    return {"job_id": job_id}
+    return {"job_id": job_id, "warnings": jobs.public(job_id)["warnings"] or None}
 
 
 @router.get("/", response_model=JobList)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
 from icefloe.protocol import (
@@ -29,7 +29,6 @@ from icefloe.protocol import (
 )
 from icefloe.protocol import SamplingParams as EngineSamplingParams
 from icefloe.service import store
-from icefloe.service.deps import authenticate
 from icefloe.service.models import WeightSyncPayload
 from icefloe.service.operations import submit_weight_sync
 from icefloe.service.tinker.state import CheckpointPath, Model, SamplingSession, TinkerState, result_of
@@ -40,15 +39,12 @@ _POLL_S = 30.0  # the SDK gives retrieve_future 45 s; answer try_again well befo
 _PROTO = "application/x-protobuf"
 
 
-async def _api_key(request: Request, x_api_key: Annotated[str | None, Header()] = None) -> None:
-    authenticate(request.app.state.settings, f"Bearer {x_api_key}" if x_api_key else None, None)
-
-
 async def _state(request: Request) -> TinkerState:
     return request.app.state.tinker
 
 
-router = APIRouter(prefix="/api/v1", tags=["tinker"], dependencies=[Depends(_api_key)])
+# The X-API-Key is checked by the service's RequireToken layer, like every other token.
+router = APIRouter(prefix="/api/v1", tags=["tinker"])
 State = Annotated[TinkerState, Depends(_state)]
 
 
@@ -213,7 +209,11 @@ def _saver(
     state: TinkerState, model: Model, path: CheckpointPath, kind: str, *, sync: bool,
     session_seq: int | None = None, named: bool = True,
 ) -> Any:  # fmt: skip
-    """Queue a save of ``kind`` (and, for a sampler, a weight sync into the model's sampler)."""
+    """Queue a save of ``kind`` (and, for a sampler, a weight sync into the model's sampler).
+
+    An unnamed sampler save (``save_weights_and_get_sampling_client``) writes no files: its
+    weights only ever live in the model's sampler, which the sync fills.
+    """
 
     async def submit() -> dict[str, Any]:
         job = await state.live(model.job_id)
@@ -229,7 +229,8 @@ def _saver(
             )  # fmt: skip
             return result
 
-        request_id = state.manager.submit(job, sub_job_id, OP_SAVE, run)
+        if named or not sync:
+            request_id = state.manager.submit(job, sub_job_id, OP_SAVE, run)
         answer: dict[str, Any] = {"type": "save_weights" if not sync else "save_weights_for_sampler"}
         if sync:
             request_id = submit_weight_sync(state.manager, job, WeightSyncPayload(), sub_job_id)

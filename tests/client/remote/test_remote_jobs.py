@@ -53,9 +53,34 @@ def test_job_create_body_without_sampling_has_only_training():
 
 
 def test_job_create_body_warns_about_knobs_the_api_lacks(caplog):
-    config = ClientConfig.build(training={"micro_batch_tokens": 64}, backend={"type": "remote", "base_url": "http://x"})
+    config = ClientConfig.build(
+        training={"checkpoint_dir": "/tmp/x"}, backend={"type": "remote", "base_url": "http://x"}
+    )
     job_create_body(config)
-    assert "training.micro_batch_tokens" in caplog.text
+    assert "training.checkpoint_dir" in caplog.text
+
+
+def test_job_create_body_sends_lora_and_memory_knobs_as_the_api_spells_them(caplog):
+    config = ClientConfig.build(
+        num_log_prob_workers=1,
+        lora={"rank": 4, "alpha": 16, "target_modules": ["q_proj", "v_proj"]},
+        training={"micro_batch_tokens": 64, "gradient_checkpointing": True},
+        backend={"type": "remote", "base_url": "http://x"},
+    )
+    sampling, reference, training = job_create_body(config)["sub_job_configs"]
+    peft = {
+        "peft_type": "Lora",
+        "r": 4,
+        "lora_alpha": 16,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": ["q_proj", "v_proj"],
+    }
+    assert training["training_config"]["peft_config"] == peft and sampling["inference_config"]["peft_config"] == peft
+    assert "peft_config" not in reference["inference_config"]  # the reference of a LoRA policy is the base model
+    assert training["training_config"]["mb_spec"] == {"max_tokens_per_mb": 64}
+    assert training["training_config"]["activation_checkpointing"] is True
+    assert "ignores" not in caplog.text
 
 
 def test_sub_jobs_of_reads_enum_names_and_fills_missing_ids():

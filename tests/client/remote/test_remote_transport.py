@@ -191,7 +191,7 @@ def test_remote_forward_without_service_support_needs_explicit_zero_fill(service
 
 
 def test_remote_job_failure_raises_with_reason_and_sub_jobs(service):
-    config = ClientConfig.build(model="/nonexistent/model/dir", backend=service.config().backend)
+    config = ClientConfig.build(model="tiny:no-such-preset", backend=service.config().backend)
     with pytest.raises(JobFailedError) as info:
         Client(config).open()
     assert info.value.status == "failed" and info.value.sub_jobs

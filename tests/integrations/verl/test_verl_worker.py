@@ -66,7 +66,7 @@ def _reward_weighted_loss(log_probs: torch.Tensor) -> float:
     return total / count
 
 
-def _run_step(plugin_loader, make_config, *, v1: bool) -> None:
+def _run_step(plugin_loader, make_config, *, v1: bool, **overrides) -> dict:
     load_plugin = plugin_loader
     load_plugin(v1=v1)
     from verl.remote_backend.base import RemoteBackendRegistry
@@ -78,6 +78,7 @@ def _run_step(plugin_loader, make_config, *, v1: bool) -> None:
         "actor_rollout_ref.actor.ppo_epochs": 2,
         "actor_rollout_ref.actor.ppo_mini_batch_size": 2,
         "data.train_batch_size": 2,
+        **overrides,
     })  # fmt: skip
     driver = RemoteBackendRegistry.create("icefloe", config)
     handle = driver.reconnect_handle()
@@ -112,6 +113,7 @@ def _run_step(plugin_loader, make_config, *, v1: bool) -> None:
         assert len(sample.token_ids) <= 3 and len(sample.log_probs) == len(sample.token_ids)
         assert sample.extra_fields["global_steps"] == synced["policy_version"]
         loop_run(server.destroy())
+        return synced
     finally:
         call(worker.destroy())
         asyncio.run(driver.destroy())
@@ -124,3 +126,13 @@ def test_v0_worker_step_lowers_reward_weighted_loss(load_plugin, make_config) ->
 
 def test_v1_worker_densifies_nested_batches_and_trains(load_plugin, make_config) -> None:
     _run_step(load_plugin, make_config, v1=True)
+
+
+def test_v1_worker_with_lora_trains_and_syncs_only_the_adapters(load_plugin, make_config) -> None:
+    from icefloe.engines.models import load_causal_lm, resolve_model
+
+    lora = {"actor_rollout_ref.model.lora_rank": 4, "actor_rollout_ref.model.lora_alpha": 32}
+    synced = _run_step(load_plugin, make_config, v1=True, **lora)
+    model = load_causal_lm(resolve_model("tiny:arith", seed=0))
+    full_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert 0 < synced["bytes"] < full_bytes / 5  # adapters only (weight_format "lora")

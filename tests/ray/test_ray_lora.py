@@ -1,0 +1,79 @@
+"""LoRA on Ray: the broadcast moves only adapters and the sampler then scores like the trainer,
+through the Ray transport and through ``icefloe serve --engines ray``."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("ray")
+pytest.importorskip("peft")
+
+from icefloe.client import Client  # noqa: E402
+from icefloe.client.batch import build_batch  # noqa: E402
+from icefloe.engines.training import TrainingEngine  # noqa: E402
+from icefloe.protocol import InvalidRequestError, RequestFailedError  # noqa: E402
+from icefloe.service.app import ServerThread, create_app  # noqa: E402
+from icefloe.service.placement import SlotPool  # noqa: E402
+from icefloe.service.settings import ServeSettings  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+LORA = {"rank": 4, "alpha": 8}
+BATCH = build_batch([[1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10]], [1.0, -1.0], pad_id=0)
+
+
+def _train_sync_and_compare(client: Client, *, reference: bool) -> dict:
+    base = client.forward(BATCH)["logprobs"]  # fresh adapters are a no-op
+    for _ in range(2):
+        client.fwd_bwd(BATCH)
+        client.step()
+    synced = client.sync_weights()
+    prompt = [1, 2, 3]
+    sample = client.generate([prompt], {"max_tokens": 6, "logprobs": True, "seed": 5})[0]
+    assert sample["policy_version"] == 2
+    scored = build_batch([prompt], [sample["token_ids"]], [0.0], pad_id=0)
+    trainer = client.forward(scored)["logprobs"][0]
+    mask = scored["context"]["loss_mask"][0].bool()
+    torch.testing.assert_close(trainer[mask], torch.tensor(sample["logprobs"]), atol=1e-5, rtol=0)
+    if reference:  # the reference policy is the base model
+        torch.testing.assert_close(client.forward(BATCH, reference=True)["logprobs"], base, atol=1e-6, rtol=0)
+    return synced
+
+
+def test_ray_transport_syncs_only_adapters(ray_session, model_dir, tmp_path):
+    config = {
+        "model": str(model_dir),
+        "max_seq_len": 48,
+        "lora": LORA,
+        "num_training_workers": 2,
+        "num_log_prob_workers": 1,  # with LoRA the trainers score the reference: no reference actor starts
+        "training": {"optimizer": {"lr": 2e-2}, "checkpoint_dir": str(tmp_path)},
+        "backend": {"type": "ray", "namespace": "icefloe-tests", "num_cpus_per_worker": 0.25},
+    }
+    with Client(config) as client:
+        with pytest.raises(InvalidRequestError, match="moves full weights"):
+            client.sync_weights(weight_format="vllm")
+        synced = _train_sync_and_compare(client, reference=True)
+        assert client.handle()["transport"]["actors"]["reference"] == []
+        adapters = TrainingEngine(client.config, model_dir=model_dir).named_weights()
+    assert synced["bytes"] == sum(t.numel() * t.element_size() for _, t in adapters)
+
+
+def test_serve_with_ray_engines_syncs_lora_adapters(ray_session, model_dir, tmp_path):
+    settings = ServeSettings(data_dir=tmp_path / "serve", engines="ray", model_root=model_dir.parent)
+    app = create_app(settings, pool=SlotPool("cpu", 2))
+    with ServerThread(app) as base_url:
+        config = {
+            "model": str(model_dir),
+            "max_seq_len": 48,
+            "lora": LORA,
+            "training": {"optimizer": {"lr": 2e-2}},
+            "backend": {"type": "remote", "base_url": base_url},
+        }
+        with Client(config) as client:
+            with pytest.raises(RequestFailedError, match="moves full weights"):
+                client.sync_weights(weight_format="hf")
+            synced = _train_sync_and_compare(client, reference=False)
+        adapters = TrainingEngine(client.config, model_dir=model_dir).named_weights()
+    assert synced["bytes"] == sum(t.numel() * t.element_size() for _, t in adapters)

@@ -1,0 +1,57 @@
+"""Create bodies → sub-job specs (icefloe.service.specs): which models a caller may name."""
+
+from __future__ import annotations
+
+import pytest
+
+from icefloe.engines.models import resolve_model
+
+from .service_client import TRAINING, Api
+from .service_harness import asgi_client, make_app
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_model_name_is_a_preset_or_a_folder_under_the_model_root_and_nothing_else(data_dir, tmp_path):
+    """model_name took any server path, and the error said whether a directory existed there."""
+    root = tmp_path / "models"
+    built = resolve_model("tiny:arith", cache_dir=tmp_path / "build")
+    (root / "org").mkdir(parents=True)
+    built.rename(root / "org" / "tiny-arith")  # a hub-style org/name folder
+    (root / "no-config").mkdir()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "config.json").write_text("{}")
+    (root / "org" / "escape").symlink_to(outside)
+    async with asgi_client(make_app(data_dir, model_root=root)) as http:
+        api = Api(http)
+        job_id = await api.running({**TRAINING, "model_name": "org/tiny-arith"})
+        assert (await api.job(job_id))["sub_jobs"][0]["model_name"] == "org/tiny-arith"
+        assert (
+            await api.call(
+                "POST", "/", json={"sub_job_configs": [{**TRAINING, "model_name": str(root / "org" / "tiny-arith")}]}
+            )
+        ).status_code == 200
+        refusals = {}
+        for name in (
+            str(outside),  # exists, outside the root
+            "/no/such/dir",
+            "../outside",
+            "org/../../outside",
+            "org/escape",  # a link inside the root to a folder outside it
+            "org/missing",
+            "no-config",  # a folder under the root that holds no model
+            "~",
+        ):
+            response = await api.call(
+                "POST", "/", json={"sub_job_configs": [{**TRAINING, "model_name": name}]}, check=False
+            )
+            assert (response.status_code, response.json()["code"]) == (400, "invalid_argument"), name
+            refusals[name] = response.json()["message"].replace(repr(name), "<name>")
+        assert len(set(refusals.values())) == 1, refusals  # one message: nothing tells the cases apart
+        assert "tiny:<preset>" in refusals["/no/such/dir"] and "--model-root" in refusals["/no/such/dir"]
+    async with asgi_client(make_app(tmp_path / "serve-2")) as http:  # no model root: presets only
+        response = await Api(http).call(
+            "POST", "/", json={"sub_job_configs": [{**TRAINING, "model_name": "org/tiny-arith"}]}, check=False
+        )
+        assert response.status_code == 400 and "is not a model this service offers" in response.json()["message"]
