@@ -186,6 +186,8 @@ class TinkerState:
 
     async def running(self, job_id: str, timeout_s: float) -> LiveJob | None:
         """The job once it runs; None if it is still starting after ``timeout_s``."""
+        with contextlib.suppress(ConflictError):  # the common case, from memory: it runs
+            return self.manager.live(job_id)
         deadline = asyncio.get_running_loop().time() + timeout_s
         while True:
             status = self.manager.public(job_id)["status"]
