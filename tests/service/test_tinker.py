@@ -52,6 +52,8 @@ def _sft_datum(tokenizer, text: str) -> types.Datum:
 
 
 def test_forward_backward_and_optim_step_lower_the_loss(service, model):
+    by_name = service.create_lora_training_client(base_model=Path(model).name, rank=4).result()
+    assert by_name.get_info().model_data.tokenizer_id == model  # a name under the model root, resolved
     training = service.create_lora_training_client(base_model=model, rank=4).result()
     assert training.get_info().is_lora and training.get_info().lora_rank == 4
     tokenizer = training.get_tokenizer()

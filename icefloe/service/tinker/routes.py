@@ -111,7 +111,9 @@ async def get_info(body: dict[str, Any], state: State) -> dict[str, Any]:
     model = state.model(str(body.get("model_id")))
     from icefloe.engines.models import resolve_model
 
-    folder = await asyncio.to_thread(resolve_model, model.base_model)
+    # The folder the job loads (a name under --model-root resolved), where the SDK finds the tokenizer.
+    job = await state.live(model.job_id)
+    folder = await asyncio.to_thread(resolve_model, next(iter(job.specs.values())).config.model)
     return {
         "type": "get_info",
         "model_id": model.model_id,
