@@ -3,10 +3,10 @@
 The ``tinker`` package (its protobuf classes) imports torch, so :mod:`.convert` is imported on
 first use: ``icefloe serve`` starts without torch in its own process.
 
-Each handler checks the ``X-API-Key`` against the service's tokens, validates, queues the work on
-the model's job (see :mod:`icefloe.service.tinker.state`) and answers the SDK's shape: a future
-``{request_id}`` for ops, the result itself for the rest. Forward-backward requests and
-forward-backward / sample results travel as protobuf, everything else as JSON.
+The ``X-API-Key`` is checked before a handler runs (``middleware.RequireToken``). Each handler
+validates, queues the work on the model's job (see :mod:`icefloe.service.tinker.state`) and
+answers the SDK's shape: a future ``{request_id}`` for ops, the result itself for the rest.
+Forward-backward requests and forward-backward / sample results travel as protobuf, the rest as JSON.
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ def _saver(
             request_id = submit_weight_sync(state.manager, job, WeightSyncPayload(), sub_job_id)
             model.sampler_path = str(path)
             if session_seq is not None:
-                sampler = _sampling_session(state, model.session_id, int(session_seq), job.job_id, model, str(path))
+                sampler = _sampling_session(state, model.session_id, int(session_seq), model, str(path))
                 answer["sampling_session_id"] = sampler.sampling_session_id
         if named or not sync:
             answer["path"] = str(path)
@@ -282,12 +282,10 @@ async def load_weights(body: dict[str, Any], state: State) -> dict[str, Any]:
 
 
 # --- sampling --------------------------------------------------------------------------------
-def _sampling_session(
-    state: TinkerState, session_id: str, seq: int, job_id: str, model: Model | None, model_path: str | None
-) -> SamplingSession:
+def _sampling_session(state: TinkerState, session_id: str, seq: int, model: Model, model_path: str) -> SamplingSession:
+    """A sampling session on the model's own sampler."""
     sampling_session_id = f"{session_id}:sample:{seq}"
-    base_model = model.base_model if model is not None else ""
-    sampler = SamplingSession(sampling_session_id, session_id, job_id, base_model, model_path)
+    sampler = SamplingSession(sampling_session_id, session_id, model.job_id, model.base_model, model_path)
     state.samplers[sampling_session_id] = sampler
     return sampler
 
@@ -303,7 +301,7 @@ async def create_sampling_session(body: dict[str, Any], state: State) -> dict[st
         path = CheckpointPath.parse(str(model_path))
         model = state.models.get(path.run)
         if model is not None and model.sampler_path == str(path):  # the model's sampler holds these weights
-            sampler = _sampling_session(state, session_id, seq, model.job_id, model, str(path))
+            sampler = _sampling_session(state, session_id, seq, model, str(path))
         else:
             base_model, rank = await asyncio.to_thread(state.base_model_of, path)
             job_id = await asyncio.to_thread(
