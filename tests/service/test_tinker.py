@@ -262,3 +262,30 @@ def test_rest_client_lists_a_runs_checkpoints_and_their_weights_info(service, ba
     ]
     info = rest.get_weights_info_by_tinker_path(state_path).result()
     assert (info.base_model, info.is_lora, info.lora_rank) == (model, True, 4)
+
+
+def test_a_resent_seq_id_gets_its_first_future_and_a_later_one_waits_its_turn(base_url, model):
+    import concurrent.futures
+
+    import httpx
+
+    with httpx.Client(base_url=f"{base_url}/api/v1", headers={"X-API-Key": API_KEY}, timeout=60) as http:
+        session_id = http.post("/create_session", json={}).json()["session_id"]
+        created = http.post("/create_model", json={"session_id": session_id, "model_seq_id": 0, "base_model": model})
+        model_id = created.json()["model_id"]
+        future = {"request_id": created.json()["request_id"]}
+        while http.post("/retrieve_future", json=future).json().get("type") == "try_again":
+            pass  # long-polls until the model runs
+
+        def step(seq_id: int) -> dict:
+            body = {"model_id": model_id, "seq_id": seq_id, "adam_params": {"learning_rate": 0.01 * seq_id}}
+            return http.post("/optim_step", json=body).json()
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            second = pool.submit(step, 2)  # sent first: held until seq_id 1 is taken
+            first = step(1)
+            assert step(1) == first  # a resend (the SDK's retry) is not run twice
+            answers = [first, second.result()]
+        results = [http.post("/retrieve_future", json={"request_id": a["request_id"]}).json() for a in answers]
+        assert [r["metrics"]["learning_rate:mean"] for r in results] == [0.01, 0.02]
+        http.post(f"/sessions/{session_id}/finish", json={"reason": {"type": "success"}})
