@@ -5,6 +5,7 @@ submitted over HTTP (``POST {job}/step``) to a real uvicorn on loopback and awai
 long-poll (``GET {job}/requests/{id}?wait=30``), through one keep-alive httpx client. The two run
 interleaved, one call each per round, so machine noise hits both alike. The difference of the
 medians is what the service adds: HTTP, JSON, SQLite records, the FIFO worker hop, the wake-up.
+A step needs gradients, so each round first runs an untimed ``fwd_bwd`` on both sides.
 
     python -m bench service [--iters 300] [--warmup 30] [--model tiny:arith]
 """
@@ -12,6 +13,7 @@ medians is what the service adds: HTTP, JSON, SQLite records, the FIFO worker ho
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -40,6 +42,14 @@ def _http_step(client, job_id: str) -> None:
             raise RuntimeError(f"step {request_id} {status}: {polled.json()['error']}")
 
 
+def _http_fwd_bwd(client, job_id: str, frame: bytes) -> None:
+    headers = {"Content-Type": "application/octet-stream"}
+    accepted = client.post(f"{_PREFIX}/{job_id}/forward-backward", content=frame, params={"wait": 30}, headers=headers)
+    accepted.raise_for_status()
+    if accepted.json().get("status") != "done":
+        raise RuntimeError(f"forward-backward did not finish: {accepted.json()}")
+
+
 def _wait_running(client, job_id: str, timeout_s: float = 300.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -61,6 +71,8 @@ def main(argv: list[str]) -> None:
     import httpx
     import torch
 
+    from icefloe import wire
+    from icefloe.client.batch import build_batch
     from icefloe.config import ClientConfig
     from icefloe.engines.training import TrainingEngine
     from icefloe.service.app import ServerThread, create_app
@@ -68,7 +80,10 @@ def main(argv: list[str]) -> None:
     from icefloe.service.settings import ServeSettings
 
     torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"  # the service's engine process too: both sides step on one thread
     engine = TrainingEngine(ClientConfig(model=args.model), device="cpu")
+    batch = build_batch([[3, 4, 5]], [[6, 7]], [1.0], pad_id=0)
+    frame = wire.encode(batch)
     with tempfile.TemporaryDirectory(prefix="icefloe-bench-") as tmp:
         app = create_app(ServeSettings(data_dir=Path(tmp)), pool=SlotPool("cpu", 2))
         with ServerThread(app) as base_url, httpx.Client(base_url=base_url, timeout=60) as client:
@@ -78,6 +93,8 @@ def main(argv: list[str]) -> None:
             in_process_ms: list[float] = []
             http_ms: list[float] = []
             for round_index in range(args.warmup + args.iters):
+                engine.fwd_bwd(batch)
+                _http_fwd_bwd(client, job_id, frame)
                 started = time.perf_counter()
                 engine.step()
                 local = (time.perf_counter() - started) * 1000

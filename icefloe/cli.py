@@ -175,6 +175,12 @@ def serve(
     address: Annotated[
         str | None, typer.Option(help="With --engines ray: the Ray cluster to join ('auto' = the running one).")
     ] = None,
+    lease_ttl_s: Annotated[
+        float, typer.Option(min=0, help="Cancel a job its client has not renewed for this long (0 = never).")
+    ] = 600.0,
+    op_deadline_s: Annotated[
+        float, typer.Option(min=0.001, help="Fail a job whose op runs longer, and kill its engine process.")
+    ] = 3600.0,
 ) -> None:
     """Run the training-API service (`icefloe serve`) that remote clients point their base URL at.
 
@@ -187,7 +193,8 @@ def serve(
     try:
         settings = ServeSettings.from_env(
             data_dir=data_dir, host=host, port=port, tokens=token or [], token_file=token_file, slots=slots,
-            engines=engines, ray_address=address, model_root=model_root,
+            engines=engines, ray_address=address, model_root=model_root, lease_ttl_s=lease_ttl_s,
+            op_deadline_s=op_deadline_s,
         )  # fmt: skip
         if address is not None and settings.engines != "ray":
             raise ConfigError("--address names a Ray cluster; it needs --engines ray")

@@ -44,7 +44,7 @@ def test_cli_demo_rejects_zero_steps():
 
 def test_cli_jobs_logs_and_checkpoints_against_a_real_service(tmp_path):
     """A person inspects a job another process created: list, log, checkpoints, export, cancel."""
-    from icefloe.client import Client
+    from icefloe.client import Client, build_batch
     from icefloe.service.app import ServerThread, create_app
     from icefloe.service.settings import ServeSettings
 
@@ -52,6 +52,7 @@ def test_cli_jobs_logs_and_checkpoints_against_a_real_service(tmp_path):
     with ServerThread(create_app(ServeSettings(data_dir=tmp_path / "serve", port=0))) as base_url:
         client = Client({"model": "tiny:arith", "backend": {"type": "remote", "base_url": base_url}}).open()
         try:
+            client.fwd_bwd(build_batch([[3, 4]], [[5, 6]], [1.0], pad_id=0))
             client.step()
             client.save_checkpoint()
             job_id = client.handle()["transport"]["job_id"]

@@ -222,11 +222,12 @@ class DataParallelTrainingEngine(TrainingEngine):
         """Rank 0 writes with the engine's own writer; under FSDP every rank first helps gather the full tensors."""
         self._check_checkpoint_kind(kind)  # on every rank, so a bad kind fails all of them alike
         tensors = self.checkpoint_tensors(kind) if self.fsdp or self.rank == 0 else None
-        if self.rank == 0:
+        saved = describe_checkpoint(Path(root) / f"global_step{self.global_step}", self.global_step, kind)
+        if self.rank == 0:  # its answer names the folder (the group answers with rank 0's)
             assert tensors is not None
-            self.write_checkpoint(root, kind, *tensors)
+            saved = self.write_checkpoint(root, kind, *tensors)
         dist.barrier()  # nobody reports done before the folder exists
-        return describe_checkpoint(Path(root) / f"global_step{self.global_step}", self.global_step, kind)
+        return saved
 
     def _optimizer_tensors(self) -> dict[str, Tensor]:
         """Under FSDP, AdamW state gathered to full tensors (collective; only rank 0 gets them)."""

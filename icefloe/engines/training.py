@@ -65,6 +65,14 @@ def publish_folder(staging: Path, target: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
+def free_checkpoint_name(root: Path, global_step: int) -> str:
+    """``global_step{N}``, or ``global_step{N}-2``, ``-3``, ... when saves at step N exist: no save replaces another."""
+    name, copy = f"global_step{global_step}", 1
+    while (root / (name if copy == 1 else f"{name}-{copy}")).exists():
+        copy += 1
+    return name if copy == 1 else f"{name}-{copy}"
+
+
 def describe_checkpoint(path: Path, global_step: int, kind: str) -> dict[str, Any]:
     """What saving or loading a checkpoint returns: ``{checkpoint_id, global_step, path, kind}``."""
     return {"checkpoint_id": path.name, "global_step": global_step, "path": str(path), "kind": kind}
@@ -298,13 +306,15 @@ class TrainingEngine:
         for group in optimizer.param_groups:
             group["lr"] = lr
         grads = [p.grad for p in self._params if p.grad is not None]
-        if grads:
-            grad_norm_t = torch.nn.utils.get_total_norm(grads)
-            if grad_clip > 0:
-                torch.nn.utils.clip_grads_with_norm_(self._params, grad_clip, grad_norm_t)
-            grad_norm = float(grad_norm_t.item())
-        else:
-            grad_norm = 0.0
+        if not grads:  # nothing to apply: advancing the step and the LR schedule would be silent damage
+            raise InvalidRequestError(
+                f"step() needs a fwd_bwd since the last step (global_step {self._global_step}); "
+                "call fwd_bwd first, and to skip a step do not call step()"
+            )
+        grad_norm_t = torch.nn.utils.get_total_norm(grads)
+        if grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(self._params, grad_clip, grad_norm_t)
+        grad_norm = float(grad_norm_t.item())
         if math.isfinite(grad_norm):
             optimizer.step()
         else:
@@ -395,7 +405,7 @@ class TrainingEngine:
         """
         root = Path(root)
         root.mkdir(parents=True, exist_ok=True)
-        target = root / f"global_step{self._global_step}"
+        target = root / free_checkpoint_name(root, self._global_step)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
         try:
             self.model.save_pretrained(str(staging), state_dict=dict(weights))

@@ -1,12 +1,11 @@
 """Build the FastAPI app of ``icefloe serve`` and run it on uvicorn.
 
-``create_app(settings)`` opens the SQLite store, fails the jobs a previous process left active,
-and wires routers, error handlers and the ASGI layers (token, size cap, idempotency, order, JSON
-bounds). The API docs (``/docs``, ``/redoc``, ``/openapi.json``) need the token like every route
-but ``/health`` and ``/files/*``; their scripts and styles are served from the ``fastapi-offline``
-package, so the pages load with no network.
-``ServerThread`` runs the app on a real loopback socket inside this process (tests, benchmarks,
-an in-process remote backend).
+``create_app(settings)`` locks the data dir, opens the SQLite store and wires routers, error
+handlers and the ASGI layers (token, size cap, idempotency, order, JSON bounds). The jobs a previous
+process left active are failed when the app starts, which :func:`serve` and :class:`ServerThread`
+do only once its socket is bound: lock, bind, recover, so a service that cannot start harms nothing.
+The API docs (``/docs``, ``/redoc``, ``/openapi.json``) need the token like every route but
+``/health`` and ``/files/*``; their assets come from the ``fastapi-offline`` package.
 """
 
 from __future__ import annotations
@@ -14,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import threading
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -30,7 +31,7 @@ from icefloe.service.placement import SlotPool
 from icefloe.service.routes import capabilities, checkpoints, compute, jobs, operations, requests
 from icefloe.service.sequencing import SubmitOrder
 from icefloe.service.settings import ServeSettings
-from icefloe.service.store import Database, purge_expired
+from icefloe.service.store import Database, DataDirInUse, lock_data_dir, purge_expired
 from icefloe.service.tinker import install_tinker
 
 __all__ = ["ServerThread", "create_app", "serve"]
@@ -52,19 +53,21 @@ def _redact(redactor: TokenRedactor, *, on: bool) -> None:
 def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> FastAPI:
     """The service app for ``settings``; ``pool`` overrides slot detection (tests pin CPU slots).
 
-    Leaving the app's lifespan releases every job's engines and closes the store.
+    Raises :class:`DataDirInUse` when another service holds the data dir. Leaving the app's
+    lifespan releases every job's engines, closes the store and unlocks the data dir.
     """
-    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    lock_fd = lock_data_dir(settings.data_dir)
     db = Database(settings.db_path)
     purge_expired(db, idempotency_ttl_s=settings.idempotency_ttl_s)
     manager = JobManager(settings, db, pool or SlotPool.detect(settings.slots))
-    fail_interrupted_jobs(db)
     redactor = TokenRedactor(settings.token_values())
     manager.log_router.addFilter(redactor)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         _redact(redactor, on=True)
+        fail_interrupted_jobs(db)
+        manager.watch()
         engine_logs = logging.getLogger("icefloe")
         engine_logs.addHandler(manager.log_router)
         if settings.engines == "process":  # import torch in the forkserver now, not when the first job comes
@@ -76,6 +79,7 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
         finally:
             await asyncio.to_thread(manager.close)
             db.close()
+            unlock()
             engine_logs.removeHandler(manager.log_router)
             _redact(redactor, on=False)
 
@@ -83,6 +87,7 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     app.state.settings = settings
     app.state.db = db
     app.state.jobs = manager
+    unlock = weakref.finalize(app, os.close, lock_fd)  # at lifespan exit, or when an app never run is dropped
     install_error_handlers(app)
     app.add_api_route("/health", _health, methods=["GET"], tags=["health"])  # open: see middleware.OPEN_PATH
     app.include_router(checkpoints.files_router)
@@ -115,10 +120,12 @@ class ServerThread:
 
         self._config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on")
         self._server = uvicorn.Server(self._config)
-        self._thread = threading.Thread(target=self._server.run, name="icefloe-serve", daemon=True)
+        self._thread: threading.Thread | None = None
         self.base_url = ""
 
     def __enter__(self) -> str:
+        sockets = [self._config.bind_socket()]  # bound before the app starts (and recovers)
+        self._thread = threading.Thread(target=self._server.run, args=(sockets,), name="icefloe-serve", daemon=True)
         self._thread.start()
         while not self._server.started:
             if not self._thread.is_alive():
@@ -130,13 +137,23 @@ class ServerThread:
 
     def __exit__(self, *exc: object) -> None:
         self._server.should_exit = True
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def serve(settings: ServeSettings, *, log_level: str = "info") -> None:
-    """Run the service in the foreground until interrupted."""
+    """Run the service in the foreground until interrupted: lock the data dir, bind, then recover and serve.
+
+    A data dir another service holds, or a port that cannot be bound, exits with a one-line error.
+    """
     import uvicorn
 
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except DataDirInUse as exc:
+        raise SystemExit(f"icefloe serve: {exc}") from None
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=log_level, access_log=settings.access_log
+    )
     _log.info("icefloe serve on http://%s:%d (data in %s)", settings.host, settings.port, settings.data_dir)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level, access_log=settings.access_log)
+    uvicorn.Server(config).run(sockets=[config.bind_socket()])

@@ -1,10 +1,8 @@
 """The one place that turns exceptions into the wire's ``{code, message}`` error body and its status.
 
-Domain code raises errors from the tree in :mod:`icefloe.protocol` and never names an HTTP status;
-:func:`status_and_body` maps each class to its status and code, most specific first. The route
-handlers registered by :func:`install_error_handlers` and the ASGI layers (:func:`send_error`)
-both answer through it. Anything else that escapes is a bug in the service and answers 500
-``internal``.
+Domain code raises errors from :mod:`icefloe.protocol` and never names an HTTP status;
+:func:`status_and_body` maps each class to its status and code, for the route handlers and the ASGI
+layers alike. Anything else that escapes is a bug in the service and answers 500 ``internal``.
 """
 
 from __future__ import annotations

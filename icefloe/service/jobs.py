@@ -1,10 +1,8 @@
 """Jobs: the coordinator of their lifecycle, engines, workers and requests.
 
-Each job has one thread of its own, which walks it through :mod:`icefloe.service.lifecycle`
-(wait for slots, start the engines, run until a stop is asked for, release everything, record the
-outcome), and one FIFO :class:`RoleWorker` per sub-job, so the requests to a sub-job execute in
-submission order. Nothing else starts or stops engines. Requests are recorded in the
-:class:`RequestTable`; an engine crash asks the job to stop as failed.
+Each job has one thread of its own, the only one that starts or stops its engines, which walks it
+through :mod:`icefloe.service.lifecycle`, and one FIFO :class:`RoleWorker` per sub-job, so the
+requests to a sub-job run in submission order. An engine crash asks the job to stop as failed.
 """
 
 from __future__ import annotations
@@ -12,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -52,9 +51,6 @@ _log = logging.getLogger("icefloe.service.jobs")
 _USER_ERRORS = (InvalidRequestError, ConfigError, WireError, UnsupportedOpError, ConflictError, ValueError, TypeError)
 _IMAGE_TAG = "icefloe-local"
 
-# (request id, item, op metadata) of one request a worker runs; item feeds a batchable op
-_Entry = tuple[str, Any, dict[str, Any]]
-
 
 @dataclass
 class LiveJob:
@@ -70,6 +66,8 @@ class LiveJob:
     workers: dict[str, Any] = field(default_factory=dict)  # sub-job id -> RoleWorker
     last_avg_loss: dict[str, float] = field(default_factory=dict)
     thread: threading.Thread | None = None
+    lease_until: float = math.inf  # time.monotonic() after which a job with nothing in flight is cancelled
+    in_flight: dict[str, tuple[str, float]] = field(default_factory=dict)  # request id -> (op, time.monotonic())
 
     @property
     def status(self) -> str:
@@ -78,6 +76,11 @@ class LiveJob:
     @property
     def stopping(self) -> bool:
         return self.state.stop.is_set()
+
+    @property
+    def engines(self) -> JobEngines:
+        assert self.host is not None, "a running job has engines"
+        return self.host
 
 
 class JobManager:
@@ -94,6 +97,7 @@ class JobManager:
         self.streams: dict[str, Any] = {}  # request id -> GenerateStream of a generate-stream request
         self.log_router = JobLogRouter()  # attached to the "icefloe" logger by the app
         self._live: dict[str, LiveJob] = {}
+        self._closing = threading.Event()
 
     # --- lifecycle ----------------------------------------------------------------------------
     def create(self, body: JobCreate, *, database: str, schema: str) -> str:
@@ -133,6 +137,7 @@ class JobManager:
         state, chunks = JobState(job_id, self.db, log), ChunkGroups(max_bytes=self.settings.max_job_chunk_bytes)
         job = LiveJob(job_id, {s.sub_job_id: s for s in specs}, state, log, chunks, job_dir)
         self._live[job_id] = job
+        self.renew(job_id)
         self.log_router.bind(f"icefloe-lifecycle-{job_id}", log, None)
         for spec in specs:
             self.log_router.bind(f"icefloe-{spec.sub_job_id}", log, spec.sub_job_id)
@@ -169,14 +174,16 @@ class JobManager:
         state, slots = job.state, None
         try:
             if state.advance("placing"):
-                slots = self.pool.acquire(sum(s.num_slots for s in job.specs.values()), cancelled=state.stop)
+                needs = sum(s.num_slots for s in job.specs.values())
+                slots = self.pool.acquire(needs, cancelled=state.stop, ticket=job)
             if slots is not None and state.advance("initializing"):
                 devices, cursor = {}, 0
                 for sub_job_id, spec in job.specs.items():
                     devices[sub_job_id] = self.pool.device(slots[cursor])
                     cursor += spec.num_slots
                 checkpoints = {sid: p for sid, s in job.specs.items() if (p := self._checkpoint_folder(s)) is not None}
-                job.host = make_engine_host(self.settings.engines, list(job.specs.values()), devices, checkpoints)
+                specs = list(job.specs.values())
+                job.host = make_engine_host(self.settings.engines, specs, devices, checkpoints, job.job_dir / "logs")
                 job.host.start(job.log.write)
                 # No linger for company: requests that arrive while a sampler is busy batch up behind it anyway.
                 job.workers = {sid: RoleWorker(sid, linger_s=0.0) for sid in job.specs}
@@ -190,9 +197,8 @@ class JobManager:
             state.finish()
 
     def _release(self, job: LiveJob, slots: list[int] | None) -> None:
-        interrupt = getattr(job.host, "interrupt", None)
-        if interrupt is not None:
-            interrupt()  # an engine process: no worker may stay blocked on its pipes
+        if job.host is not None:
+            job.host.interrupt()  # no worker may stay blocked on an engine process's pipes
         for worker in job.workers.values():
             worker.close()  # queued requests see the stop and are marked cancelled
         if job.host is not None:
@@ -203,6 +209,44 @@ class JobManager:
         if slots:
             self.pool.release(slots)
         self.log_router.unbind(job.log)
+
+    def renew(self, job_id: str) -> None:
+        """Extend the job's lease (every call on the job does; a client with nothing to send heartbeats)."""
+        job = self._live.get(job_id)
+        if job is not None and self.settings.lease_ttl_s:
+            job.lease_until = time.monotonic() + self.settings.lease_ttl_s
+
+    def heartbeat(self, job_id: str) -> dict[str, Any]:
+        status = self.public(job_id)["status"]  # renews the lease
+        return {"job_id": job_id, "status": status, "lease_ttl_s": self.settings.lease_ttl_s}
+
+    def watch(self) -> None:
+        """Start the thread that fails a job whose op passed its deadline (killing its engines) and
+        cancels a job whose lease lapsed with nothing pending or running."""
+        settings = self.settings
+        shortest = min(settings.lease_ttl_s or 10, settings.op_deadline_s, *settings.op_deadlines_s.values())
+        threading.Thread(target=self._watch, args=(min(1.0, max(0.02, shortest / 10)),), daemon=True).start()
+
+    def _watch(self, tick: float) -> None:
+        deadline_s = self.settings.deadline_s
+        while not self._closing.wait(tick):
+            now = time.monotonic()
+            for job in [job for job in self._live.values() if not job.stopping]:
+                late = [
+                    (rid.rsplit(":", 2)[0], op)
+                    for rid, (op, at) in list(job.in_flight.items())
+                    if now - at > deadline_s(op)
+                ]
+                killable = job.host.killable if job.host is not None else None  # None: engines in this process
+                if late and job.host is not None and killable:
+                    where, op = late[0]  # the sub-job and the op
+                    job.state.fail(
+                        f"{op} on {where} did not finish within its deadline of {deadline_s(op):g} s; killed {killable}"
+                    )
+                    job.host.kill()
+                elif now > job.lease_until and not job.in_flight and not self.requests.has_open(job.job_id):
+                    job.log.write(f"no call or heartbeat for {self.settings.lease_ttl_s:g} s", level="WARNING")
+                    job.state.cancel("client lease expired")
 
     def cancel(self, job_id: str) -> dict[str, Any]:
         """Idempotent while cancelling/cancelled; 409 once the job terminated or failed."""
@@ -215,11 +259,9 @@ class JobManager:
         return {"job_id": job_id, "status": status}
 
     def close(self, *, join_timeout_s: float = 30.0) -> None:
-        """Release every job's engines (service shutdown); records stay as they are.
-
-        Each job's own thread releases its engines, so a start in progress finishes first and is
-        then closed once. The threads are joined, so none writes to the store after it closes.
-        """
+        """Release every job's engines (service shutdown); records stay as they are. Each job's own
+        thread releases them and is joined, so none writes to the store after it closes."""
+        self._closing.set()
         jobs = list(self._live.values())
         for job in jobs:
             job.state.shut_down()
@@ -238,7 +280,15 @@ class JobManager:
         return row
 
     def public(self, job_id: str) -> dict[str, Any]:
-        return self._public(self._row(job_id))
+        self.renew(job_id)
+        answer = self._public(self._row(job_id))
+        job = self._live.get(job_id)
+        if job is not None and job.status == "placing":  # why it waits, for the client to show
+            ahead, free = self.pool.waiting(job)
+            needs = sum(s.num_slots for s in job.specs.values())
+            answer["reason"] = f"waiting for {needs} {self.pool.kind} slot(s): {free} of {self.pool.total} free, "
+            answer["reason"] += f"{ahead} job(s) ahead"
+        return answer
 
     def list_public(self, status: str | None) -> list[dict[str, Any]]:
         wanted = normalize_job_state(status) if status else None
@@ -292,6 +342,7 @@ class JobManager:
     def live(self, job_id: str) -> LiveJob:
         """The running job behind ``job_id``: 404 if unknown, 409 naming the state otherwise."""
         job = self._live.get(job_id)  # jobs of this process: no SQLite read on the hot path
+        self.renew(job_id)
         status = job.status if job is not None else self._row(job_id)["status"]
         if job is None or status != "running":
             raise ConflictError(f"job {job_id} is {status}; this call needs it running")
@@ -317,44 +368,38 @@ class JobManager:
 
     # --- requests -----------------------------------------------------------------------------
     def submit(
-        self, job: LiveJob, sub_job_id: str, op: str, fn: Callable[[], Any], *, op_metadata: dict | None = None
-    ) -> str:
-        """Record a request and queue ``fn`` on the sub-job's worker; returns the request id."""
-        entry = (self.requests.add(job.job_id, sub_job_id, op, op_metadata or {}), None, op_metadata or {})
-        self._queue(
-            job, entry, lambda: job.workers[sub_job_id].submit(self._execute, job, op, [entry], lambda _: [fn()])
-        )
-        return entry[0]
-
-    def submit_batchable(
         self,
         job: LiveJob,
         sub_job_id: str,
         op: str,
-        item: Any,
-        run_batch: Callable[[list[Any]], list[Any]],
+        fn: Callable[..., Any],
         *,
+        batch_item: Any = None,
         op_metadata: dict | None = None,
     ) -> str:
-        """Like :meth:`submit`, but consecutive items of ``op`` on this worker run as one ``run_batch``."""
-        entry = (self.requests.add(job.job_id, sub_job_id, op, op_metadata or {}), item, op_metadata or {})
-        execute = functools.partial(self._execute, job, op, run=run_batch)  # called with the entries of one batch
-        self._queue(job, entry, lambda: job.workers[sub_job_id].submit_batchable(op, entry, execute))
-        return entry[0]
+        """Record a request and queue it on the sub-job's worker; returns the request id.
 
-    def _queue(self, job: LiveJob, entry: _Entry, put: Callable[[], object]) -> None:
+        The worker runs ``fn()``; with ``batch_item`` it runs ``fn(items)`` once for the items of
+        the requests of ``op`` queued next to each other, which returns one result per item.
+        """
+        entry = (self.requests.add(job.job_id, sub_job_id, op, op_metadata or {}), batch_item, op_metadata or {})
+        worker = job.workers[sub_job_id]
         try:
-            put()
+            if batch_item is None:
+                worker.submit(self._execute, job, op, [entry], lambda _: [fn()])
+            else:  # called with the entries of one batch
+                worker.submit_batchable(op, entry, functools.partial(self._execute, job, op, run=fn))
         except ClientClosedError:  # a stop closed the workers after the state check
             self.requests.finish(entry[0], status="cancelled", error=f"job {job.job_id} is stopping")
             raise ConflictError(f"job {job.job_id} is stopping; this call needs it running") from None
+        return entry[0]
 
-    def _execute(
-        self, job: LiveJob, op: str, entries: list[_Entry], run: Callable[[list[Any]], list[Any]]
-    ) -> list[None]:
-        """Run the entries that may still run as one call of ``run`` and record each outcome."""
+    def _execute(self, job: LiveJob, op: str, entries: list[tuple], run: Callable[[list], list]) -> list[None]:
+        """Run the entries ``(request id, batch item, op metadata)`` that may still run as one call
+        of ``run`` and record each outcome."""
         live = [e for e in entries if self._may_run(job, e[0])]
         if live:
+            job.in_flight[live[0][0]] = (op, time.monotonic())  # watched for its deadline
             try:
                 results = run([item for _, item, _ in live])
             except Exception as exc:  # every failure is recorded on its requests
@@ -362,6 +407,8 @@ class JobManager:
             else:
                 for (request_id, _, op_metadata), result in zip(live, results, strict=True):
                     self._record_result(job, request_id, result, op_metadata)
+            finally:
+                job.in_flight.pop(live[0][0], None)
         return [None] * len(entries)
 
     def _may_run(self, job: LiveJob, request_id: str) -> bool:

@@ -5,14 +5,11 @@
     pending → placing → initializing → running → cancelling → cancelled → terminated
                                                                 failed  (from every non-final state)
 
-The states keep the training API's names: ``placing`` waits for slots, ``initializing`` starts the
-engines, ``cancelling`` releases them. :meth:`JobState.move` is the one place a state changes; it
-refuses a move the table does not hold (:class:`ConflictError` naming the state) and records every
-move in SQLite and in the job's log.
-
-A stop is asked for, never carried out, by whoever decides it: a cancel, an engine crash, or the
-service shutting down. The first one sets :attr:`JobState.stop` and the outcome; the job's own
-thread sees the flag, releases the engines and then applies the outcome (:meth:`JobState.finish`).
+:meth:`JobState._move` is the one place a state changes; it refuses a move the table does not hold
+(:class:`ConflictError` naming the state) and records every move in SQLite and the job's log.
+A stop is asked for, never carried out, by whoever decides it (a cancel, an engine crash, service
+shutdown): the first sets :attr:`JobState.stop` and the outcome; the job's own thread sees it,
+releases the engines and then applies the outcome (:meth:`JobState.finish`).
 """
 
 from __future__ import annotations
@@ -67,12 +64,12 @@ class JobState:
             self._move(to)
             return True
 
-    def cancel(self) -> str:
+    def cancel(self, reason: str | None = None) -> str:
         """Ask for a stop that ends ``cancelled``: ``cancelling`` at once; idempotent while cancelling."""
         with self._lock:
             if self.status in ("cancelling", "cancelled") or (self.stop.is_set() and TRANSITIONS[self.status]):
                 return self.status  # already stopping (a failure or shutdown under way: it keeps its outcome)
-            self._move("cancelling")
+            self._move("cancelling", reason)
             self._outcome = ("cancelled", None)
             self.stop.set()
             return self.status

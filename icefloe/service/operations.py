@@ -46,21 +46,6 @@ from icefloe.service.models import (
 )
 from icefloe.service.results import JsonText
 
-__all__ = [
-    "OP_GENERATE_STREAM",
-    "GenerateStream",
-    "generate_target",
-    "load_target",
-    "sampling_params_per_prompt",
-    "submit_frame",
-    "submit_generate_stream",
-    "submit_load",
-    "submit_save",
-    "submit_step",
-    "submit_weight_sync",
-    "validation_text",
-]
-
 _SAMPLING_KEYS = frozenset(SamplingParams.model_fields)
 
 
@@ -102,13 +87,9 @@ def _submit_batch_op(
             "a verl-style {batch, meta, processing} payload was sent; lower it to the canonical "
             "{args, kwargs, context, processing} frame first (icefloe.client.batch.to_canonical)"
         )
-    batch = validate_batch(payload, require_context=op == OP_FWD_BWD)
-    host = job.host
-    assert host is not None  # a running job has engines
+    batch, host = validate_batch(payload, require_context=op == OP_FWD_BWD), job.engines
     if op == OP_FORWARD:
-        return manager.submit(
-            job, sub_job_id, OP_FORWARD, lambda: host.forward(sub_job_id, batch), op_metadata=op_metadata
-        )
+        return manager.submit(job, sub_job_id, op, lambda: host.forward(sub_job_id, batch), op_metadata=op_metadata)
     if not job.specs[sub_job_id].is_training:
         raise InvalidRequestError(f"forward-backward needs a training sub-job; {sub_job_id} is not one")
 
@@ -132,46 +113,45 @@ def _sampling_params(raw: dict[str, Any] | None, where: str, job: LiveJob, sub_j
         raise InvalidRequestError(validation_text(exc, prefix=f"{where}.")) from None
 
 
-def _as_plain(value: Any) -> Any:
-    return value.tolist() if hasattr(value, "tolist") else value
+def _generate_body(payload: Any) -> GenerateBody:
+    if not isinstance(payload, dict):
+        raise InvalidRequestError(f"generate body must be a dict with 'prompts'; got {type(payload).__name__}")
+    if isinstance(payload.get("prompts"), list):  # token prompts may come as tensors
+        payload = {**payload, "prompts": [p.tolist() if hasattr(p, "tolist") else p for p in payload["prompts"]]}
+    try:
+        return GenerateBody.model_validate(payload)
+    except ValidationError as exc:
+        raise InvalidRequestError(validation_text(exc)) from None
 
 
 def _submit_generate(
     manager: JobManager, job: LiveJob, payload: Any, op_metadata: dict[str, Any], sub_job_id: str | None
 ) -> str:
-    if not isinstance(payload, dict):
-        raise InvalidRequestError(f"generate body must be a dict with 'prompts'; got {type(payload).__name__}")
-    if isinstance(payload.get("prompts"), list):
-        payload = {**payload, "prompts": [_as_plain(p) for p in payload["prompts"]]}
-    try:
-        body = GenerateBody.model_validate(payload)
-    except ValidationError as exc:
-        raise InvalidRequestError(validation_text(exc)) from None
+    body = _generate_body(payload)
     if sub_job_id is None:
         sub_job_id = generate_target(job, body.routing_key)
-    prompts = body.prompts
-    params = sampling_params_per_prompt(body, job, sub_job_id)
-    host = job.host
-    assert host is not None
-
-    # Engines that can encode each sample as JSON where it is made do (see LocalEngineHost.generate_json).
-    generate_json = getattr(host, "generate_json", None)
+    params, host = sampling_params_per_prompt(body, job, sub_job_id), job.engines
 
     def run_batch(items: list[tuple[list, list[SamplingParams]]]) -> list[Any]:
-        all_prompts = [p for item_prompts, _ in items for p in item_prompts]
-        all_params = [p for _, item_params in items for p in item_params]
-        samples = (generate_json or host.generate)(sub_job_id, all_prompts, all_params)
-        results: list[Any] = []
-        cursor = 0
-        for _, item_params in items:  # prompt-major: n samples per prompt, in order
-            count = sum(p.n for p in item_params)
-            part = samples[cursor : cursor + count]
-            fields = {"job_id": job.job_id}
-            results.append(JsonText.object(fields, results=part) if generate_json else {**fields, "results": part})
-            cursor += count
-        return results
+        # Each sample is encoded as JSON where it is made (an engine process: see JobEngines.generate_json).
+        prompts = [prompt for item_prompts, _ in items for prompt in item_prompts]
+        samples = host.generate_json(sub_job_id, prompts, [p for _, item_params in items for p in item_params])
+        return [
+            JsonText.object({"job_id": job.job_id}, results=part)
+            for part in _split(samples, [sum(p.n for p in item_params) for _, item_params in items])
+        ]
 
-    return manager.submit_batchable(job, sub_job_id, OP_GENERATE, (prompts, params), run_batch, op_metadata=op_metadata)
+    item = (body.prompts, params)
+    return manager.submit(job, sub_job_id, OP_GENERATE, run_batch, batch_item=item, op_metadata=op_metadata)
+
+
+def _split(samples: list[Any], counts: list[int]) -> list[list[Any]]:
+    """Hand each call its slice of a merged batch's samples (prompt-major: n samples per prompt)."""
+    out, cursor = [], 0
+    for count in counts:
+        out.append(samples[cursor : cursor + count])
+        cursor += count
+    return out
 
 
 def sampling_params_per_prompt(body: GenerateBody, job: LiveJob, sub_job_id: str) -> list[SamplingParams]:
@@ -184,8 +164,7 @@ def sampling_params_per_prompt(body: GenerateBody, job: LiveJob, sub_job_id: str
         ]
     else:
         params = [_sampling_params(body.sampling_params, "sampling_params", job, sub_job_id)] * len(body.prompts)
-    assert job.host is not None
-    limit = job.host.max_seq_len(sub_job_id)
+    limit = job.specs[sub_job_id].config.max_seq_len
     for i, prompt in enumerate(body.prompts):
         if isinstance(prompt, list) and len(prompt) >= limit:
             raise InvalidRequestError(
@@ -206,22 +185,16 @@ def generate_target(job: LiveJob, routing_key: Any) -> str:
 
 # --- step / save / load ------------------------------------------------------------------------
 def submit_step(manager: JobManager, job: LiveJob, body: StepBody, sub_job_id: str) -> str:
-    host = job.host
-    assert host is not None
-
     def run() -> dict[str, Any]:
-        result = host.step(sub_job_id, body.learning_rate)
+        result = job.engines.step(sub_job_id, body.learning_rate)
         return {"job_id": job.job_id, "global_steps": result["global_step"], "last_lr": result["lr"], **result}
 
     return manager.submit(job, sub_job_id, OP_STEP, run)
 
 
 def submit_save(manager: JobManager, job: LiveJob, body: SaveBody, sub_job_id: str) -> str:
-    host = job.host
-    assert host is not None
-
     def run() -> dict[str, Any]:
-        result = host.save(sub_job_id, job.job_dir / "checkpoints", body.checkpoint_type)
+        result = job.engines.save(sub_job_id, job.job_dir / "checkpoints", body.checkpoint_type)
         store.upsert_checkpoint(
             manager.db,
             job_id=job.job_id,
@@ -266,13 +239,8 @@ def submit_load(manager: JobManager, job: LiveJob, body: LoadBody, sub_job_id: s
     record = store.get_checkpoint(manager.db, job_id=source_job, checkpoint_id=body.checkpoint_id)
     if record is None:
         raise NotFoundError(f"checkpoint {body.checkpoint_id!r} not found in job {source_job}")
-    host = job.host
-    assert host is not None
-
-    def run() -> dict[str, Any]:
-        return {"job_id": job.job_id, **host.load(sub_job_id, Path(record["path"]))}
-
-    return manager.submit(job, sub_job_id, OP_LOAD, run)
+    load = functools.partial(job.engines.load, sub_job_id, Path(record["path"]))
+    return manager.submit(job, sub_job_id, OP_LOAD, lambda: {"job_id": job.job_id, **load()})
 
 
 # --- weight sync -------------------------------------------------------------------------------
@@ -316,9 +284,7 @@ def submit_weight_sync(
             return "the weight-sync request was cancelled"
         return None
 
-    gate = SyncGate.parked([job.workers[t] for t in targets], abandoned=abandoned)
-    host = job.host
-    assert host is not None
+    gate, host = SyncGate.parked([job.workers[t] for t in targets], abandoned=abandoned), job.engines
 
     def copy() -> dict[str, Any]:
         started = time.perf_counter()
@@ -351,14 +317,10 @@ OP_GENERATE_STREAM = "generate-stream"
 
 
 class GenerateStream:
-    """Events of one ``generate-stream`` request; filled by the sampler's worker, drained by polls.
-
-    The body is UTF-8 JSON sent as octet-stream (never DSSST1, never chunked), with the fields of a
-    generate. Each prompt is queued as its own batchable item, so the prompts of one stream (and of
-    streams sent close together) are generated as one batch, and each result becomes an event the
-    moment its batch finishes. Polls drain events destructively, as the training API specifies:
-    ``{type: "result", index, result}``, ``{type: "error", index, error}``, then ``{type: "done",
-    completed, failed}``.
+    """Events of one ``generate-stream`` request (UTF-8 JSON with a generate's fields): each prompt
+    is a batchable item, and each result an event the moment its batch finishes. Polls drain events
+    destructively, as the training API specifies: ``{type: "result", index, result}``,
+    ``{type: "error", index, error}``, then ``{type: "done", completed, failed}``.
     """
 
     def __init__(self, request_id: str, total: int) -> None:
@@ -392,17 +354,9 @@ class GenerateStream:
             return len(self._events)
 
 
-def _parse(body: bytes) -> GenerateBody:
-    payload = parse_json_body(body, "generate-stream body (UTF-8 JSON, not DSSST1)")
-    try:
-        return GenerateBody.model_validate(payload)
-    except ValidationError as exc:
-        raise InvalidRequestError(validation_text(exc)) from None
-
-
 def submit_generate_stream(manager: JobManager, job: LiveJob, body: bytes, *, sub_job_id: str | None) -> dict:
     """Queue every prompt of the stream; returns ``{request_id, job_id, count}``."""
-    request = _parse(body)
+    request = _generate_body(parse_json_body(body, "generate-stream body (UTF-8 JSON, not DSSST1)"))
     target = sub_job_id or generate_target(job, request.routing_key)
     params = sampling_params_per_prompt(request, job, target)
     request_id = manager.requests.add(job.job_id, target, OP_GENERATE_STREAM, {})
@@ -420,18 +374,17 @@ def _run_stream_batch(manager: JobManager, job: LiveJob, target: str, items: lis
     try:
         if job.stopping:
             raise InvalidRequestError(f"job {job.job_id} is {job.status}")
-        assert job.host is not None
-        samples = job.host.generate(target, [item[2] for item in items], [item[3] for item in items])
+        samples = job.engines.generate(target, [item[2] for item in items], [item[3] for item in items])
     except Exception as exc:  # each prompt of the failed batch gets an error event
         events = [
             (stream, {"type": "error", "index": i, "error": f"{type(exc).__name__}: {exc}"}) for stream, i, *_ in items
         ]
     else:
-        events, cursor = [], 0
-        for stream, index, _, prompt_params in items:  # prompt-major: n samples per prompt
-            result = {"job_id": job.job_id, "results": samples[cursor : cursor + prompt_params.n]}
-            events.append((stream, {"type": "result", "index": index, "result": result}))
-            cursor += prompt_params.n
+        parts = _split(samples, [item[3].n for item in items])
+        events = [
+            (stream, {"type": "result", "index": index, "result": {"job_id": job.job_id, "results": part}})
+            for (stream, index, *_), part in zip(items, parts, strict=True)
+        ]
     for stream, event in events:
         if stream.push(event):
             counts = json.dumps({"completed": stream.completed, "failed": stream.failed})

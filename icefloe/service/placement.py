@@ -38,12 +38,18 @@ class SlotPool:
         with self._cond:
             return self.total - len(self._free)
 
+    def waiting(self, ticket: object) -> tuple[int, int]:
+        """``(jobs ahead of ticket, free slots)`` for a job waiting in :meth:`acquire`."""
+        with self._cond:
+            return (self._queue.index(ticket) if ticket in self._queue else 0), len(self._free)
+
     def device(self, slot: int) -> str:
         return f"cuda:{slot}" if self.kind == "gpu" else "cpu"
 
-    def acquire(self, count: int, *, cancelled: threading.Event) -> list[int] | None:
-        """Block until ``count`` slots are free and take them; None if ``cancelled`` was set first."""
-        ticket = object()
+    def acquire(self, count: int, *, cancelled: threading.Event, ticket: object = None) -> list[int] | None:
+        """Block until ``count`` slots are free and take them; None if ``cancelled`` was set first.
+        ``ticket`` names the waiter for :meth:`waiting`."""
+        ticket = object() if ticket is None else ticket
         with self._cond:
             self._queue.append(ticket)
             try:

@@ -1,16 +1,11 @@
 """``icefloe serve --engines process``: each job's engines in a child process of their own.
 
-Inside the service process the engines share one GIL with the HTTP loop, so every request the loop
-parses stalls the step running beside it. A child process also contains a crash: a CUDA fault or
-the OOM killer ends one job (``failed``, with the exit signal as its reason), never the service.
-
-The child runs a :class:`LocalEngineHost`. Each sub-job talks to it over a pipe of its own: a
-:class:`Channel` on this side, :func:`serve` on a thread of the child, so sub-jobs run side by side
-and each one's calls run in order. Calls and replies are pickled by hand (``send_bytes``), not by
-multiprocessing's pickler, which would move every small tensor through a shared-memory segment of
-its own. Log records the engines emit during a call travel back with its reply and are re-emitted
-on the caller's thread, so they land in the job's log as in-process ones do. Children fork from a
-forkserver that imported torch and common model code once, so a tiny job starts in about 0.2 s.
+In the service process the engines would share one GIL with the HTTP loop; a child also contains a
+crash (a CUDA fault, the OOM killer ends one job, never the service). The child runs a
+:class:`LocalEngineHost`; each sub-job talks to it over its own pipe (a :class:`Channel` here,
+:func:`serve` on a thread there), pickled by hand (multiprocessing's pickler would move each tensor
+through a shared-memory segment). The child writes what its engines log into the job's log itself.
+Children fork from a forkserver that imported torch once, so a tiny job starts in about 0.2 s.
 """
 
 from __future__ import annotations
@@ -52,7 +47,7 @@ _PRELOAD = [
     "transformers.models.llama.modeling_llama",
 ]
 _START_TIMEOUT_S = 600.0  # a model download or a cold CUDA start can take minutes
-_EXIT_TIMEOUT_S = 5.0  # after the pipes close, a child still running by then is killed
+_EXIT_TIMEOUT_S = 3.0  # after the pipes close, a child still running by then is killed
 
 
 class EngineProcessDied(RuntimeError):
@@ -77,17 +72,12 @@ def warm_forkserver() -> None:
 
 
 class Channel:
-    """Calls over one pipe to :func:`serve` on the other end.
+    """Calls over one pipe to :func:`serve` on the other end (``name`` names the reader thread;
+    ``lost(method)`` is the error for a call once the pipe is broken).
 
-    Each call is written whole and gets a future. One reader thread reads the replies, which come
-    back in call order, and resolves the futures. Because that thread always reads, the engine
-    never blocks writing a large reply while this side writes a large call: with nobody reading
-    at either end, both would wait on each other for good.
-
-    Args:
-        pipe: this end of the pipe.
-        name: names the reader thread.
-        lost: the error for a call on ``method`` once the pipe is broken (EOF or shut down).
+    Each call is written whole and gets a future, resolved by one reader thread as the replies come
+    back in call order. Because that thread always reads, the engine never blocks writing a large
+    reply while this side writes a large call (with nobody reading, both would wait for good).
     """
 
     def __init__(self, pipe: Connection, name: str, *, lost: Callable[[str], BaseException]) -> None:
@@ -101,8 +91,7 @@ class Channel:
 
     def call(self, method: str, *args: Any) -> Any:
         """``method(*args)`` on the engines at the other end; blocks for its result or raises its error."""
-        kind, value, records = self._send(method, args).result()
-        _replay(records)
+        kind, value = self._send(method, args).result()
         if kind == "error":
             raise value
         return value
@@ -141,9 +130,9 @@ class Channel:
                 break
             future, method = self._pending.popleft()
             try:
-                future.set_result(_loads(data))
+                future.set_result(pickle.loads(data))
             except Exception as exc:  # a reply this side cannot unpickle fails its call only
-                future.set_result(("error", RuntimeError(f"the reply to {method} could not be read: {exc}"), []))
+                future.set_result(("error", RuntimeError(f"the reply to {method} could not be read: {exc}")))
         with self._lock:
             self._broken = True
             pending, self._pending = list(self._pending), deque()
@@ -152,29 +141,27 @@ class Channel:
 
 
 class ProcessEngineHost(JobEngines):
-    """The engines of one job, in a child process: each op runs on the child's :class:`LocalEngineHost`."""
+    """The engines of one job, in a child process: each op runs on the child's :class:`LocalEngineHost`.
 
-    def __init__(self, specs: Sequence[SubJobSpec], devices: dict[str, str], checkpoints: dict[str, Path]) -> None:
+    ``log_dir``: the job's log folder, where the child writes what its engines log (None: nowhere).
+    """
+
+    def __init__(
+        self,
+        specs: Sequence[SubJobSpec],
+        devices: dict[str, str],
+        checkpoints: dict[str, Path],
+        log_dir: Path | None = None,
+    ) -> None:
         super().__init__(specs, devices, checkpoints)
+        self._log_dir = log_dir
         self._process: Any = None
         self._control: Connection | None = None
         self._channels: dict[str, Channel] = {}
         self._reaping = threading.Lock()
-        self._exit_code: int | None = None
-        self._pid: int | None = None
+        self.pid: int | None = None
+        self.exit_code: int | None = None  # once the child ended; negative: the signal that ended it
         self._stopping = False  # calls cut short from now on were cancelled, not lost to a crash
-        self._closed = False
-
-    @property
-    def pid(self) -> int | None:
-        return self._pid
-
-    @property
-    def exit_code(self) -> int | None:
-        """The child's exit status once it has ended (negative: the signal that ended it)."""
-        if self._exit_code is None and self._process is not None and not self._closed:
-            return self._process.exitcode
-        return self._exit_code
 
     def start(self, on_progress: Callable[[str], None]) -> None:
         context = _context()
@@ -184,7 +171,7 @@ class ProcessEngineHost(JobEngines):
         process = context.Process(
             target=_child_main,
             args=(child_control, {sid: child for sid, (_, child) in ends.items()}, list(self._specs.values())),
-            kwargs={"devices": self._devices, "checkpoints": self._checkpoints},
+            kwargs={"devices": self._devices, "checkpoints": self._checkpoints, "log_dir": self._log_dir},
             name="icefloe-engines",
             daemon=True,
         )
@@ -194,23 +181,30 @@ class ProcessEngineHost(JobEngines):
             child_control.close()
             for _, child in ends.values():
                 child.close()
-        self._process, self._pid = process, process.pid
+        self._process, self.pid = process, process.pid
         self._channels = {sid: Channel(parent, sid, lost=self._lost) for sid, (parent, _) in ends.items()}
         on_progress(f"engines run in process {process.pid}")
         while True:
             if not control.poll(_START_TIMEOUT_S):
                 raise TimeoutError(f"the engine process did not finish loading within {_START_TIMEOUT_S:.0f} s")
             try:
-                kind, value, records = _loads(control.recv_bytes())
+                kind, value = pickle.loads(control.recv_bytes())
             except (EOFError, OSError):
                 raise self._lost("start") from None
-            _replay(records)
             if kind == "progress":
                 on_progress(value)
             elif kind == "ready":
                 return
             else:
                 raise value
+
+    @property
+    def killable(self) -> str:
+        return f"the engine process {self.pid}"
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError, TypeError):  # gone already, or never started
+            os.kill(self.pid, signal.SIGKILL)  # type: ignore[arg-type]
 
     def interrupt(self) -> None:
         """The job is stopping: every call waiting on the engine process fails now, as cancelled,
@@ -221,34 +215,32 @@ class ProcessEngineHost(JobEngines):
 
     def close(self) -> None:
         """Interrupt, let the child release its engines and exit; kill it after a few seconds."""
-        if self._closed:
-            return
         self.interrupt()
         for channel in self._channels.values():
             channel.close()
         if self._control is not None:
             self._control.close()  # the child's EOF: it releases its engines and exits
         if self._process is not None and self._reap(_EXIT_TIMEOUT_S) is None:
-            _log.warning("engine process %s did not exit within %.0f s; killing it", self._pid, _EXIT_TIMEOUT_S)
+            _log.warning("engine process %s did not exit within %.0f s; killing it", self.pid, _EXIT_TIMEOUT_S)
             self._process.kill()
             self._reap(10)
-        self._closed = True
-        if self._exit_code is not None:
+        if self.exit_code is not None and self._process is not None:
             self._process.close()  # its sentinel and the pipe to the forkserver
+            self._process = None
 
     def _reap(self, timeout_s: float) -> int | None:
         with self._reaping:  # one thread joins the child; the others read the code it left
-            if self._exit_code is None and self._process is not None and not self._closed:
+            if self.exit_code is None and self._process is not None:
                 self._process.join(timeout_s)
-                self._exit_code = self._process.exitcode
-        return self._exit_code
+                self.exit_code = self._process.exitcode
+        return self.exit_code
 
     def _lost(self, what: str) -> BaseException:
         if self._stopping:
             return ClientClosedError(f"the job is stopping; {what} was not completed")
         code = self._reap(5)
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-        return EngineProcessDied(f"the engine process {self._pid} {how} during {what}")
+        return EngineProcessDied(f"the engine process {self.pid} {how} during {what}")
 
     def _call(self, sub_job_id: str, method: str, *args: Any) -> Any:
         channel = self._channels.get(sub_job_id)
@@ -284,85 +276,26 @@ def _dumps(value: Any) -> bytes:
     return buffer.getvalue()
 
 
-def _loads(data: bytes) -> Any:
-    return pickle.loads(data)
-
-
-def _replay(records: list[logging.LogRecord]) -> None:
-    """Emit the child's log records as if they came from this thread (the job log routes by thread)."""
-    thread = threading.current_thread()
-    for record in records:
-        record.threadName, record.thread = thread.name, thread.ident
-        logger = logging.getLogger(record.name)
-        if logger.isEnabledFor(record.levelno):
-            logger.handle(record)
-
-
-# --- the engine process -----------------------------------------------------------------------------
-class _CallRecords(logging.Handler):
-    """Collects the records each serving thread emits during one call, to send back with its reply."""
-
-    def __init__(self) -> None:
-        super().__init__(level=logging.INFO)
-        self._local = threading.local()
-
-    def start(self) -> None:
-        self._local.records = []
-
-    def take(self) -> list[logging.LogRecord]:
-        records, self._local.records = getattr(self._local, "records", []), None
-        return records or []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        records = getattr(self._local, "records", None)
-        if records is None:
-            return
-        # A plain copy: args and ``extra=`` attributes may not pickle.
-        plain = logging.makeLogRecord(
-            {
-                "name": record.name,
-                "levelno": record.levelno,
-                "levelname": record.levelname,
-                "msg": record.getMessage(),
-                "created": record.created,
-                "msecs": record.msecs,
-                "pathname": record.pathname,
-                "lineno": record.lineno,
-                "funcName": record.funcName,
-                "exc_text": self.format(record) if record.exc_info else None,
-            }
-        )
-        records.append(plain)
-
-
-_RECORDS = _CallRecords()
-
-
 def serve(engines: Any, pipe: Connection) -> None:
     """Answer the calls a :class:`Channel` writes to ``pipe``, one at a time, until EOF.
 
     A call ``(method, args)`` runs ``engines.<method>(*args)``; its reply carries the result or
-    the error (one that does not pickle as a RuntimeError naming it) and the icefloe log records
-    emitted meanwhile. A result that cannot be sent fails its call, never this loop.
+    the error (one that does not pickle as a RuntimeError naming it). A result that cannot be
+    sent fails its call, never this loop.
     """
-    icefloe_logger = logging.getLogger("icefloe")
-    if _RECORDS not in icefloe_logger.handlers:
-        icefloe_logger.addHandler(_RECORDS)
     while True:
         try:
-            method, args = _loads(pipe.recv_bytes())
+            method, args = pickle.loads(pipe.recv_bytes())
         except (EOFError, OSError):
             return
-        _RECORDS.start()
         try:
             kind, value = "ok", getattr(engines, method)(*args)
         except BaseException as exc:  # the caller decides whether this is a user error or a crash
             kind, value = "error", _portable(exc)
-        records = _RECORDS.take()
         try:
-            reply = _dumps((kind, value, records))
+            reply = _dumps((kind, value))
         except Exception as exc:
-            reply = _dumps(("error", RuntimeError(f"{method} returned a result that cannot be sent: {exc}"), records))
+            reply = _dumps(("error", RuntimeError(f"{method} returned a result that cannot be sent: {exc}")))
         try:
             pipe.send_bytes(reply)
         except (BrokenPipeError, OSError):
@@ -387,22 +320,31 @@ def _child_main(
     *,
     devices: dict[str, str],
     checkpoints: dict[str, Path],
+    log_dir: Path | None,
 ) -> None:
+    from icefloe.service.joblog import JobLog, JobLogRouter
     from icefloe.service.runtime import LocalEngineHost
 
     # Ctrl-C reaches the whole process group: the service shuts down and closes the pipes, and
     # that (not the signal) ends this process, after any op in flight.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _quiet_progress_bars()
-    logging.getLogger("icefloe").addHandler(_RECORDS)
-    logging.getLogger("icefloe").setLevel(logging.INFO)
+    # No weight-loading bars: nobody reads this terminal, and tqdm's process-shared lock would
+    # outlive the process as a leaked semaphore.
+    with contextlib.suppress(ImportError):
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
+    if log_dir is not None:  # what the engines log on a job's threads goes to the job's log, as in-process
+        router, log = JobLogRouter(), JobLog(log_dir, [spec.sub_job_id for spec in specs])
+        router.bind(threading.current_thread().name, log, None)  # loading: job-wide
+        for spec in specs:
+            router.bind(f"icefloe-{spec.sub_job_id}", log, spec.sub_job_id)
+        logging.getLogger("icefloe").addHandler(router)
     host = LocalEngineHost(specs, devices, checkpoints)
 
     def tell(kind: str, value: Any) -> None:
-        control.send_bytes(_dumps((kind, value, _RECORDS.take())))
-        _RECORDS.start()
+        control.send_bytes(_dumps((kind, value)))
 
-    _RECORDS.start()
     try:
         host.start(lambda message: tell("progress", message))
     except BaseException as exc:
@@ -423,14 +365,3 @@ def _child_main(
         thread.join(timeout=_EXIT_TIMEOUT_S)
     host.close()
     os._exit(0)  # skip interpreter teardown: engine threads may still hold torch state
-
-
-def _quiet_progress_bars() -> None:
-    """No weight-loading bars from an engine process: nobody reads its terminal, and tqdm's
-    process-shared lock would outlive the process as a leaked semaphore."""
-    try:
-        from transformers.utils import logging as transformers_logging
-
-        transformers_logging.disable_progress_bar()
-    except ImportError:  # pragma: no cover - the engines need transformers
-        pass

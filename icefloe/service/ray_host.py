@@ -1,11 +1,11 @@
 """``icefloe serve --engines ray``: a job's engines as Ray actors instead of in-process engines.
 
-Implements the :class:`icefloe.service.runtime.EngineHost` methods over the actor groups of
-``icefloe.engines.ray``: a training sub-job with ``n_gpus`` slots becomes ``n``
-data-parallel ranks, a sampling sub-job one sampler replica, a log-probability sub-job one
-reference rank. Each sub-job reserves its own placement group. Weight sync between a training and
-a sampling sub-job is a broadcast on a process group created the first time that pair syncs.
-Ray must be connected (``icefloe serve --address``) or is started locally on first use.
+A training sub-job with ``n_gpus`` slots becomes ``n`` data-parallel ranks, a sampling sub-job one
+sampler replica, a log-probability sub-job one reference rank; each reserves its own placement
+group. The actor groups share the engines' method names, so every op but weight sync is
+:class:`JobEngines`' own call. Weight sync between a training and a sampling sub-job is a broadcast
+on a process group created the first time that pair syncs. Ray must be connected
+(``icefloe serve --address``) or is started locally on first use.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from icefloe.config import ClientConfig, RayConfig
-from icefloe.protocol import InvalidRequestError, SamplingParams
+from icefloe.service.runtime import JobEngines
 from icefloe.service.specs import SubJobSpec
 
 __all__ = ["RayEngineHost"]
@@ -23,22 +23,12 @@ __all__ = ["RayEngineHost"]
 _ROLE_BY_JOB_TYPE = {"training": "training", "sampling": "sampling", "log_probability": "reference"}
 
 
-class RayEngineHost:
+class RayEngineHost(JobEngines):
     """The engines of one service job, one actor group per sub-job."""
 
-    def __init__(
-        self,
-        specs: Sequence[SubJobSpec],
-        devices: dict[str, str],
-        checkpoints: dict[str, Path],
-        *,
-        namespace: str = "icefloe-serve",
-    ) -> None:
-        self._specs = {s.sub_job_id: s for s in specs}
-        self._devices = devices
-        self._checkpoints = checkpoints
-        self._namespace = namespace
-        self._groups: dict[str, Any] = {}
+    def __init__(self, specs: Sequence[SubJobSpec], devices: dict[str, str], checkpoints: dict[str, Path]) -> None:
+        super().__init__(specs, devices, checkpoints)
+        self._namespace = "icefloe-serve"
         self._placements: list[Any] = []
         self._links: dict[tuple[str, str], str] = {}
 
@@ -79,34 +69,8 @@ class RayEngineHost:
                     if spec.is_training and not spec.load_optimizer_states:
                         group.reset_optimizer()
                     on_progress(f"{sub_job_id} starts from {loaded['checkpoint_id']} ({loaded['kind']})")
-            self._groups[sub_job_id] = group
+            self._engines[sub_job_id] = group
         on_progress("engines ready")
-
-    def _group(self, sub_job_id: str) -> Any:
-        try:
-            return self._groups[sub_job_id]
-        except KeyError:
-            raise InvalidRequestError(f"sub-job {sub_job_id!r} has no engine in this job") from None
-
-    def fwd_bwd(self, sub_job_id: str, batch: dict[str, Any]) -> dict[str, Any]:
-        return self._group(sub_job_id).fwd_bwd(batch)
-
-    def forward(self, sub_job_id: str, batch: dict[str, Any]) -> dict[str, Any]:
-        return self._group(sub_job_id).forward(batch)
-
-    def step(self, sub_job_id: str, learning_rate: float | None) -> dict[str, Any]:
-        return self._group(sub_job_id).step(learning_rate)
-
-    def save(self, sub_job_id: str, root: Path, kind: str) -> dict[str, Any]:
-        return self._group(sub_job_id).save_checkpoint(root, kind)
-
-    def load(self, sub_job_id: str, path: Path) -> dict[str, Any]:
-        return self._group(sub_job_id).load_checkpoint(path)
-
-    def generate(
-        self, sub_job_id: str, prompts: list[list[int] | str], params: list[SamplingParams]
-    ) -> list[dict[str, Any]]:
-        return self._group(sub_job_id).generate(prompts, params)
 
     def sync_weights(
         self, source_sub_job_id: str, target_sub_job_id: str, weight_format: str | None = None
@@ -114,26 +78,23 @@ class RayEngineHost:
         from icefloe.engines.lora import check_weight_format
         from icefloe.engines.ray import collective_backend, link_weight_sync, sync_weights
 
-        trainers, samplers = self._group(source_sub_job_id), self._group(target_sub_job_id)
+        trainers, samplers = self._engine(source_sub_job_id), self._engine(target_sub_job_id)
         config = self._config(self._specs[source_sub_job_id])
         check_weight_format(weight_format, config.lora, self._specs[target_sub_job_id].config.lora)
         pair = (source_sub_job_id, target_sub_job_id)
         if pair not in self._links:
-            backend = collective_backend(config.backend)
-            self._links[pair] = link_weight_sync(trainers, samplers, backend)
-        bucket_bytes = config.backend.sync_bucket_mb * 1024 * 1024
-        return sync_weights(trainers, samplers, self._links[pair], bucket_bytes)
+            self._links[pair] = link_weight_sync(trainers, samplers, collective_backend(config.backend))
+        return sync_weights(trainers, samplers, self._links[pair], config.backend.sync_bucket_mb * 1024 * 1024)
 
-    def reset_prefix_cache(self, sub_job_id: str) -> dict[str, Any]:
-        return self._group(sub_job_id).reset_prefix_cache()
+    killable = "its Ray actors"
 
-    def max_seq_len(self, sub_job_id: str) -> int:
-        return self._specs[sub_job_id].config.max_seq_len
+    def kill(self) -> None:
+        self.close()
 
     def close(self) -> None:
         import ray
 
-        groups, self._groups = self._groups, {}
+        groups, self._engines = self._engines, {}
         for group in groups.values():
             group.kill()
         placements, self._placements = self._placements, []

@@ -1,14 +1,11 @@
 """The request table: every request's record, and the long-polls waiting for one to finish.
 
-Rows live in SQLite (:mod:`icefloe.service.store`); this table is the only reader and writer of
-them, and hides the cache in front: the rows of open requests (as inserted) and of the last few
-finished ones (their result as JSON text) are kept in memory as they are written, so a long-poll
-on the event loop neither re-reads a status nor loads a result from SQLite. ``running`` is a
-memory-only state: a restart fails every unfinished request either way.
-
-Requests finish on worker threads while pollers wait on the event loop. A poller registers its
-future under the table's lock only while the row is still open, and :meth:`RequestTable.finish`
-takes the futures under the same lock, so a completion is never missed.
+Rows live in SQLite; this table is their only reader and writer, and hides the cache in front:
+the rows of open and of just-finished requests are kept in memory as they are written, so a
+long-poll neither re-reads a status nor loads a result from SQLite. ``running`` is a memory-only
+state (a restart fails every unfinished request either way). A poller registers its future under
+the table's lock only while the row is open, and :meth:`RequestTable.finish` takes the futures
+under the same lock, so a completion is never missed.
 """
 
 from __future__ import annotations
@@ -114,6 +111,11 @@ class RequestTable:
             self.finish(request_id, status="cancelled", error=why)
         status = "cancelled" if pending else self.get(job_id, request_id)["status"]
         return {"request_id": request_id, "cancelled": pending, "status": status}
+
+    def has_open(self, job_id: str) -> bool:
+        """Whether any request of the job is pending or running."""
+        with self._lock:
+            return any(row["job_id"] == job_id for row in self._open.values())
 
     def is_open(self, request_id: str) -> bool:
         with self._lock:

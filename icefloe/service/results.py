@@ -1,10 +1,8 @@
 """Keep a request's result and hand it back in the form the poller can read.
 
-Three forms, as the training API defines them: plain JSON; an inline base64 DSSST1 envelope (a
-result holding tensors, or one whose op metadata asked ``response_options.format == "dssst1"``);
-or ``result_chunk`` events paged by cursor (when op metadata asked ``delivery == "chunked"``, or
-the frame is larger than ``inline_result_max_bytes``). Tensor results are written to disk as one
-DSSST1 frame; JSON results live in the request's SQLite row.
+Three forms, as the training API defines them: plain JSON (kept in the request's row); an inline
+base64 DSSST1 envelope; or ``result_chunk`` events paged by cursor (asked for, or a frame over
+``inline_result_max_bytes``). A tensor result is one DSSST1 frame on disk.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Where a job's engines live: the one seam between the service and the compute behind it.
 
 A :class:`JobEngines` builds and owns the engines of ONE job and runs one op at a time on a named
-sub-job. The job manager calls it from that sub-job's ordered worker
-(:class:`icefloe.engines.host.RoleWorker`), so a host need not lock. ``local`` keeps the engines in this process,
-``process`` in a child process, ``ray`` in actors; :func:`make_engine_host` is the only map from
-``ServeSettings.engines`` to a class.
+sub-job, called from that sub-job's ordered worker, so a host need not lock. ``local`` keeps the
+engines in this process, ``process`` in a child process, ``ray`` in actors.
 """
 
 from __future__ import annotations
@@ -45,11 +43,11 @@ class JobEngines:
     The service calls, from the sub-job's ordered worker: ``fwd_bwd(sid, batch)``,
     ``forward(sid, batch)``, ``step(sid, learning_rate)``, ``save(sid, root, kind)``,
     ``load(sid, path)``, ``generate(sid, prompts, params)``, ``generate_json`` (the same, each
-    sample as JSON text), ``reset_prefix_cache(sid)``, ``sync_weights(source_sid, target_sid, weight_format)``
-    and ``max_seq_len(sid)``. Each op is one :meth:`_call`, which by default calls the engine
-    method of that name on ``self._engines[sid]``. A subclass fills ``_engines`` in ``start``
-    (slow; raise with the cause when an engine cannot be built) and releases them in ``close``
-    (idempotent).
+    sample as JSON text), ``reset_prefix_cache(sid)`` and ``sync_weights(source_sid, target_sid,
+    weight_format)``. Each op is one :meth:`_call`, by default the engine method of that name on
+    ``self._engines[sid]``. A subclass fills ``_engines`` in ``start`` (slow; raise with the cause
+    when an engine cannot be built) and releases them in ``close`` (idempotent); ``interrupt`` fails
+    the calls waiting on engines elsewhere (a job that stops).
     """
 
     def __init__(self, specs: Sequence[SubJobSpec], devices: dict[str, str], checkpoints: dict[str, Path]) -> None:
@@ -73,11 +71,17 @@ class JobEngines:
         thousands of samples."""
         return [encode_json(sample) for sample in self.generate(sub_job_id, prompts, params)]
 
-    def max_seq_len(self, sub_job_id: str) -> int:
-        return self._specs[sub_job_id].config.max_seq_len
-
     def start(self, on_progress: Callable[[str], None]) -> None:
         raise NotImplementedError
+
+    def interrupt(self) -> None:
+        """Fail the calls waiting on the engines now (engines in this process have none to fail)."""
+
+    #: What :meth:`kill` ends, in words; None = engines in this process, which nothing can stop.
+    killable: str | None = None
+
+    def kill(self) -> None:
+        """End the engines now, whatever they are running (an op past its deadline)."""
 
     def close(self) -> None:
         raise NotImplementedError
@@ -141,31 +145,26 @@ class LocalEngineHost(JobEngines):
         return sync_weights_local(source, target, weight_format)
 
     def close(self) -> None:
+        import torch
+
         engines, self._engines = self._engines, {}
         for engine in engines.values():
-            close = getattr(engine, "close", None)
-            if callable(close):
-                close()
-        engines.clear()
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        except ImportError:  # pragma: no cover - the service always runs with torch
-            pass
+            if callable(getattr(engine, "close", None)):
+                engine.close()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 def make_engine_host(
-    engines: str, specs: Sequence[SubJobSpec], devices: dict[str, str], checkpoints: dict[str, Path]
+    engines: str, specs: Sequence[SubJobSpec], devices: dict[str, str], checkpoints: dict[str, Path], log_dir: Path
 ) -> JobEngines:
-    """Build the host ``--engines`` names for one job's sub-jobs."""
+    """Build the host ``--engines`` names for one job's sub-jobs (``log_dir``: the job's log folder)."""
     if engines == "local":
         return LocalEngineHost(specs, devices, checkpoints)
     if engines == "process":
         from icefloe.service.process_host import ProcessEngineHost
 
-        return ProcessEngineHost(specs, devices, checkpoints)
+        return ProcessEngineHost(specs, devices, checkpoints, log_dir)
     if engines == "ray":
         from icefloe.service.ray_host import RayEngineHost
 

@@ -1,19 +1,12 @@
 """Submission order across connections: the ``sequenced_submit`` extension.
 
-A client fixes each op's place in line when the op is called and sends its POST numbered by a
-header ``Icefloe-Sequence: <session>:<n>`` (``n`` from 0, per client session). POSTs sent at once
-on separate connections may arrive in any order; this layer lets POST ``n`` into the app only once
-POST ``n-1`` of its session has queued its request (the app calls :func:`release_turn` then) or
-been answered, so a sub-job queues them in number order. An op held open by ``?wait=`` does not
-hold back the ops behind it.
-
-A POST answered with a status its client retries (5xx, 429, a chunk group to replay) keeps its
-number, so the retry still comes first. A number below the session's next (a retry of a POST let
-in already) passes at once. A POST that sees its session make no progress for ``gap_timeout_s``
-fails with 409 ``sequence_gap`` naming the missing number. POSTs without the header pass straight
-through. Sessions belong to a caller (the token :class:`~icefloe.service.middleware.RequireToken`
-let in), and this layer runs only after that check: an unauthenticated POST never holds or
-advances a session.
+A POST numbered ``Icefloe-Sequence: <session>:<n>`` goes into the app only once POST ``n-1`` of
+its session has queued its request (the app calls :func:`release_turn`) or been answered, so a
+sub-job queues them in number order whatever order they arrive in. A POST answered with a status
+its client retries keeps its number; a number below the session's next passes at once; no
+progress for ``gap_timeout_s`` is a 409 ``sequence_gap``. Sessions belong to a caller (the token
+:class:`~icefloe.service.middleware.RequireToken` let in), and this layer runs only after that
+check: an unauthenticated POST never holds or advances a session. docs/service.md has the contract.
 """
 
 from __future__ import annotations

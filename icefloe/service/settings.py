@@ -51,6 +51,11 @@ class ServeSettings(BaseModel):
     idempotency_ttl_s: float = Field(86400.0, gt=0)  # an Idempotency-Key record is replayed for this long
     # Replies above this are kept as their bare {request_id, job_id} (a ?wait= answer) or not kept at all.
     idempotency_max_response_bytes: int = Field(64 * 1024, ge=1024)
+    # A job whose client renewed nothing for this long, with no request in flight, is cancelled; 0 = never.
+    lease_ttl_s: float = Field(600.0, ge=0)
+    # An op running longer than this fails its job and kills its engine process (per op name, else the default).
+    op_deadline_s: float = Field(3600.0, gt=0)
+    op_deadlines_s: dict[str, float] = Field(default_factory=dict)
     # One uvicorn line per HTTP request: off by default, since writing it stalls the event loop
     # while an engine thread holds the GIL (~0.5 ms per request on a busy CPU service).
     access_log: bool = False
@@ -72,6 +77,9 @@ class ServeSettings(BaseModel):
     def token_values(self) -> tuple[str, ...]:
         """The raw tokens, for comparison and log redaction only; never log or return them."""
         return tuple(t.get_secret_value() for t in self.tokens)
+
+    def deadline_s(self, op: str) -> float:
+        return self.op_deadlines_s.get(op, self.op_deadline_s)
 
     @property
     def db_path(self) -> Path:

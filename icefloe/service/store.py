@@ -8,7 +8,9 @@ like the record it writes.
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -16,30 +18,6 @@ from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
-
-__all__ = [
-    "Database",
-    "delete_checkpoint",
-    "fail_interrupted_jobs",
-    "find_checkpoints",
-    "get_checkpoint",
-    "get_file_link",
-    "get_idempotent_response",
-    "get_job",
-    "get_request",
-    "insert_file_link",
-    "insert_job",
-    "insert_request",
-    "iso_ago",
-    "list_checkpoints",
-    "list_jobs",
-    "now_iso",
-    "purge_expired",
-    "put_idempotent_response",
-    "update_job",
-    "update_request",
-    "upsert_checkpoint",
-]
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -123,6 +101,28 @@ class Database:
                 self._conn.close()
 
 
+class DataDirInUse(RuntimeError):
+    """Another service holds the data dir: two services on one store would fail each other's jobs."""
+
+
+def lock_data_dir(data_dir: Path) -> int:
+    """Take the data dir for this process (an exclusive ``flock``); the returned descriptor holds the
+    lock until it is closed or the process ends. Raises :class:`DataDirInUse` naming the holder's pid."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(data_dir / "serve.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise DataDirInUse(
+            f"data dir {data_dir} is in use by another icefloe serve (pid {holder}); stop it or pick another data dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    return fd
+
+
 # --- jobs --------------------------------------------------------------------------------------
 def insert_job(db: Database, *, job_id: str, status: str, spec: dict[str, Any]) -> bool:
     """False when a job with this id already exists (nothing is written then)."""
@@ -135,31 +135,20 @@ def insert_job(db: Database, *, job_id: str, status: str, spec: dict[str, Any]) 
 
 
 def update_job(db: Database, *, job_id: str, status: str, reason: str | None = None) -> None:
-    if reason is None:
-        db.execute("UPDATE jobs SET status = ?, updated_at = ? WHERE job_id = ?", (status, now_iso(), job_id))
-    else:
-        db.execute(
-            "UPDATE jobs SET status = ?, reason = ?, updated_at = ? WHERE job_id = ?",
-            (status, reason, now_iso(), job_id),
-        )
-
-
-def _job_row(row: dict[str, Any]) -> dict[str, Any]:
-    row["spec"] = json.loads(row["spec"])
-    return row
+    """Set the job's status, and its reason unless ``reason`` is None (the old one is kept)."""
+    sql = "UPDATE jobs SET status = ?, reason = COALESCE(?, reason), updated_at = ? WHERE job_id = ?"
+    db.execute(sql, (status, reason, now_iso(), job_id))
 
 
 def get_job(db: Database, *, job_id: str) -> dict[str, Any] | None:
     row = db.fetch_one("SELECT * FROM jobs WHERE job_id = ?", (job_id,))
-    return _job_row(row) if row else None
+    return {**row, "spec": json.loads(row["spec"])} if row else None
 
 
 def list_jobs(db: Database, *, status: str | None = None) -> list[dict[str, Any]]:
-    if status is None:
-        rows = db.fetch_all("SELECT * FROM jobs ORDER BY created_at")
-    else:
-        rows = db.fetch_all("SELECT * FROM jobs WHERE status = ? ORDER BY created_at", (status,))
-    return [_job_row(r) for r in rows]
+    """Jobs in creation order, ``spec`` decoded; ``status`` None: all of them."""
+    sql = "SELECT * FROM jobs WHERE ?1 IS NULL OR status = ?1 ORDER BY created_at"
+    return [{**row, "spec": json.loads(row["spec"])} for row in db.fetch_all(sql, (status,))]
 
 
 def fail_interrupted_jobs(db: Database, *, reason_for: Any) -> list[str]:

@@ -135,9 +135,13 @@ def test_from_handle_reattaches_in_process_and_refuses_elsewhere(tmp_path):
     with Client(_config(tmp_path)) as owner:
         handle = owner.handle()
         twin = Client.from_handle(handle)
+        batch = build_batch([[5, 6]], [[7]], [1.0], pad_id=0)
+        twin.fwd_bwd(batch)
         assert twin.step()["global_step"] == 1
+        owner.fwd_bwd(batch)
         assert owner.step()["global_step"] == 2, "the twin drove the same engines"
         twin.shutdown()
+        owner.fwd_bwd(batch)
         assert owner.step()["global_step"] == 3, "closing a twin leaves the owner's engines running"
     with pytest.raises(ConfigError, match="inside one process"):
         Client.from_handle(handle).open()
@@ -163,8 +167,8 @@ def test_transport_handle_returns_futures_that_keep_each_roles_order_and_fail_af
     transport.open()
     transport.open()  # idempotent
     batch = build_batch([[5, 6]], [[7]], [1.0], pad_id=0)
-    pending = [transport.handle(ops.fwd_bwd(batch).request), *(transport.handle(ops.step().request) for _ in range(3))]
-    assert [f.result(60)["global_step"] for f in pending[1:]] == [1, 2, 3]
+    pending = [transport.handle(op.request) for _ in range(3) for op in (ops.fwd_bwd(batch), ops.step())]
+    assert [f.result(60)["global_step"] for f in pending[1::2]] == [1, 2, 3]
     assert transport.handle(ops.list_checkpoints().request).result(0) == {"checkpoints": []}
     transport.close()
     transport.close()  # idempotent

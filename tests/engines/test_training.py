@@ -104,7 +104,20 @@ def test_step_reports_lr_grad_norm_and_honours_an_override(model_dir):
     assert result["global_step"] == engine.global_step == engine.weights_version == 1
     assert result["lr"] == result["metrics"]["lr"] == 0.5
     assert result["grad_norm"] == result["metrics"]["grad_norm"] > 0
+    engine.fwd_bwd(make_batch(*random_rows(2, seed=5)))
     assert engine.step()["lr"] == pytest.approx(1e-2)  # back on the schedule
+
+
+def test_step_without_fwd_bwd_since_the_last_step_is_refused_and_changes_nothing(model_dir):
+    """A step with no gradients used to advance the step and the LR schedule silently."""
+    engine = _engine(model_dir)
+    with pytest.raises(InvalidRequestError, match="needs a fwd_bwd since the last step"):
+        engine.step()
+    engine.fwd_bwd(make_batch(*random_rows(2, seed=4)))
+    assert engine.step()["global_step"] == 1
+    with pytest.raises(InvalidRequestError, match=r"needs a fwd_bwd since the last step \(global_step 1\)"):
+        engine.step()
+    assert engine.global_step == 1
 
 
 def test_schedule_multiplier_warmup_then_linear_and_cosine_decay():
@@ -132,6 +145,18 @@ def test_resumable_checkpoint_continues_bit_for_bit(model_dir, tmp_path):
     resumed.fwd_bwd(batches[2])
     assert resumed.step() == expected_step
     _assert_weights_close(_weights(resumed), _weights(first), exact=True)
+
+
+def test_saves_at_one_step_each_get_their_own_folder_and_the_resumable_one_keeps_its_optimizer(model_dir, tmp_path):
+    """A weights-only save used to replace the resumable one saved at the same step."""
+    engine = _engine(model_dir)
+    engine.fwd_bwd(make_batch(*random_rows(2, seed=5)))
+    engine.step()
+    saved = [engine.save_checkpoint(tmp_path, kind=kind) for kind in ("resumable", "weights-only", "resumable")]
+    assert [s["checkpoint_id"] for s in saved] == ["global_step1", "global_step1-2", "global_step1-3"]
+    assert [s["kind"] for s in saved] == ["resumable", "weights-only", "resumable"]
+    assert (tmp_path / "global_step1" / "optimizer.safetensors").is_file()
+    assert not (tmp_path / "global_step1-2" / "optimizer.safetensors").exists()
 
 
 def test_checkpoint_folder_is_pickle_free_and_holds_the_documented_files(model_dir, tmp_path):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -21,7 +23,7 @@ pytestmark = pytest.mark.integration
 def test_make_engine_host_ray_names_the_choice():
     from icefloe.service.ray_host import RayEngineHost
 
-    assert isinstance(make_engine_host("ray", [], {}, {}), RayEngineHost)
+    assert isinstance(make_engine_host("ray", [], {}, {}, Path("logs")), RayEngineHost)
 
 
 def test_serve_with_ray_engines_trains_syncs_and_samples(ray_session, model_dir, tmp_path):

@@ -10,6 +10,8 @@ import httpx
 
 from icefloe import wire
 
+from .service_batches import small_batch
+
 PREFIX = "/api/v2/databases/DB/schemas/SC/cortex-training"
 TRAINING = {
     "job_type": "training",
@@ -101,6 +103,11 @@ class Api:
                 return body["result"]
             if time.monotonic() > deadline:
                 raise AssertionError(f"request {request_id} still {body['status']}")
+
+    async def fwd_bwd(self, job_id: str, seed: int = 0) -> Any:
+        """A forward-backward of a small batch, done: what a step needs before it."""
+        accepted = (await self.post_frame(job_id, "forward-backward", small_batch(seed))).json()
+        return await self.result(job_id, accepted["request_id"])
 
     async def run(self, job_id: str, method: str, path: str, **kwargs: Any) -> Any:
         """POST a JSON op and wait for its result."""

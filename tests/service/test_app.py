@@ -28,7 +28,9 @@ async def test_job_lifecycle_walks_every_endpoint(data_dir, transport):
             "forward": True,
             "inline_wait": True,
             "sequenced_submit": True,
+            "leases": True,
         }
+        assert caps["limits"]["lease_ttl_ms"] == 600_000
         job_id = await api.create(TRAINING, SAMPLING, experiment_name="walk")
         job = await api.wait_status(job_id, "running")
         assert [s["sub_job_id"] for s in job["sub_jobs"]] == [f"{job_id}:training:0", f"{job_id}:sampling:0"]

@@ -186,6 +186,7 @@ async def test_long_poll_answers_when_the_request_finishes(data_dir, monkeypatch
         api = Api(http)
         job_id = await api.create(TRAINING)
         await api.wait_status(job_id, "running")
+        await api.fwd_bwd(job_id)
         request_id = (await api.call("POST", f"/{job_id}/step", json={})).json()["request_id"]
         short = await api.poll(job_id, request_id, wait=0.2)
         assert short["status"] in ("pending", "running") and short["result"] == {}
@@ -210,6 +211,7 @@ async def test_cancel_request_cancels_only_requests_that_have_not_started(data_d
         api = Api(http)
         job_id = await api.create(TRAINING)
         await api.wait_status(job_id, "running")
+        await api.fwd_bwd(job_id)
         running = (await api.call("POST", f"/{job_id}/step", json={})).json()["request_id"]
         queued = (await api.call("POST", f"/{job_id}/step", json={})).json()["request_id"]
         while (await api.poll(job_id, running, wait=0))["status"] != "running":
@@ -223,6 +225,7 @@ async def test_cancel_request_cancels_only_requests_that_have_not_started(data_d
         assert (await api.result(job_id, running))["global_step"] == 1
         cancelled = await api.poll(job_id, queued)
         assert cancelled["status"] == "cancelled" and "cancel-request" in cancelled["error"]
+        await api.fwd_bwd(job_id)
         after = await api.run(job_id, "POST", "step", json={})
         assert after["global_step"] == 2  # the cancelled step never ran
 
@@ -239,6 +242,7 @@ async def test_engine_warnings_land_in_the_sub_jobs_log(data_dir, monkeypatch):
         api = Api(http)
         job_id = await api.create(TRAINING, SAMPLING)
         await api.wait_status(job_id, "running")
+        await api.fwd_bwd(job_id)
         await api.run(job_id, "POST", "step", json={})
         pages = {}
         for kind in ("training", "sampling"):

@@ -142,10 +142,12 @@ async def test_same_idempotency_key_returns_the_same_request_and_executes_once(d
         job_id = await api.create(TRAINING)
         await api.wait_status(job_id, "running")
         key = {"Idempotency-Key": "step-1"}
+        await api.fwd_bwd(job_id)
         first = await api.call("POST", f"/{job_id}/step", json={}, headers=key)
         second = await api.call("POST", f"/{job_id}/step", json={}, headers=key)
         assert first.json() == second.json() and second.headers["idempotent-replayed"] == "true"
         assert (await api.result(job_id, first.json()["request_id"]))["global_step"] == 1
+        await api.fwd_bwd(job_id)
         other = await api.call("POST", f"/{job_id}/step", json={}, headers={"Idempotency-Key": "step-2"})
         assert (await api.result(job_id, other.json()["request_id"]))["global_step"] == 2  # the replay never ran
 
@@ -281,6 +283,7 @@ async def test_non_finite_numbers_are_refused_naming_the_field(data_dir):
             assert (response.status_code, response.json()["code"]) == (400, "invalid_argument"), field
             assert field in response.json()["message"]
         assert [job["job_id"] for job in (await api.call("GET", "/")).json()["jobs"]] == [job_id]
+        await api.fwd_bwd(job_id)
         assert (await api.run(job_id, "POST", "step", json={"learning_rate": 1e-3}))["global_step"] == 1
 
 

@@ -81,6 +81,7 @@ async def test_a_killed_engine_process_fails_its_job_and_the_service_keeps_servi
         assert polled["status"] == "failed" and "killed by signal 9" in polled["error"]
         job = await api.wait_status(doomed, "failed")
         assert "killed by signal 9" in job["reason"]
+        await api.fwd_bwd(survivor)
         stepped = await api.run(survivor, "POST", "step", json={})
         assert stepped["global_step"] == 1
 
@@ -229,18 +230,22 @@ def _started_host(name: str) -> tuple[ProcessEngineHost, str]:
 def test_concurrent_calls_on_one_sub_job_run_once_each_in_order_and_user_errors_keep_it_serving():
     host, sub_job_id = _started_host("calls")
     try:
-        steps: list[int] = []
+        batches = [small_batch(seed) for seed in range(3)]
+        tokens: dict[int, int] = {}
         callers = [
-            threading.Thread(target=lambda: steps.append(host.step(sub_job_id, None)["global_step"])) for _ in range(3)
+            threading.Thread(target=lambda i=i: tokens.update({i: host.fwd_bwd(sub_job_id, batches[i])["num_tokens"]}))
+            for i in range(3)
         ]
         for caller in callers:
             caller.start()
         for caller in callers:
             caller.join(60)
-        assert sorted(steps) == [1, 2, 3]
+        assert tokens == {i: int(batch["context"]["loss_mask"].sum()) for i, batch in enumerate(batches)}
         with pytest.raises(InvalidRequestError, match="learning_rate must be >= 0"):
             host.step(sub_job_id, -1.0)
-        assert host.step(sub_job_id, None)["global_step"] == 4
+        assert host.step(sub_job_id, None)["global_step"] == 1
+        with pytest.raises(InvalidRequestError, match="step\\(\\) needs a fwd_bwd since the last step"):
+            host.step(sub_job_id, None)
         host.interrupt()
         with pytest.raises(ClientClosedError, match="the job is stopping; step was not completed"):
             host.step(sub_job_id, None)

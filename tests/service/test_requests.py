@@ -73,6 +73,7 @@ async def test_post_wait_replayed_by_idempotency_key_runs_once_and_repeats_the_a
         job_id = await api.create(TRAINING)
         await api.wait_status(job_id, "running")
         headers = {"Idempotency-Key": "step-once"}
+        await api.fwd_bwd(job_id)
         first = await api.call("POST", f"/{job_id}/step", json={}, params={"wait": 30}, headers=headers)
         again = await api.call("POST", f"/{job_id}/step", json={}, params={"wait": 30}, headers=headers)
         assert again.headers.get("idempotent-replayed") == "true"

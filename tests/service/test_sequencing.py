@@ -70,6 +70,13 @@ def _numbered(sequence: str) -> dict[str, str]:
     return {"Icefloe-Sequence": sequence}
 
 
+async def _fwd_bwd(api: Api, job_id: str, sequence: str):
+    """A numbered forward-backward POST answered inline."""
+    return await api.post_frame(
+        job_id, "forward-backward", small_batch(), params={"wait": 30}, headers=_numbered(sequence)
+    )
+
+
 async def _step(api: Api, job_id: str, sequence: str | None, learning_rate: float = 1e-3, **headers: str):
     """A step POST answered inline (``?wait=``), numbered when ``sequence`` is given."""
     numbered = _numbered(sequence) if sequence else {}
@@ -83,17 +90,23 @@ async def _step(api: Api, job_id: str, sequence: str | None, learning_rate: floa
     )
 
 
-async def test_steps_arriving_in_reverse_run_in_number_order(data_dir, executed):
+async def test_ops_arriving_in_reverse_run_in_number_order(data_dir, executed):
     async with _watched_service(data_dir) as (api, arrivals):
         job_id = await api.running()
         rates = [1e-4 * (n + 1) for n in range(4)]
         posts = {}
-        for n in reversed(range(4)):  # 3 reaches the service first, 0 last
-            posts[n] = asyncio.ensure_future(_step(api, job_id, f"s:{n}", rates[n]))
+        for n in reversed(range(4)):  # 3 reaches the service first, 0 last; even numbers train, odd ones step
+            post = _step(api, job_id, f"s:{n}", rates[n]) if n % 2 else _fwd_bwd(api, job_id, f"s:{n}")
+            posts[n] = asyncio.ensure_future(post)
             await arrivals.arrived[f"s:{n}"].wait()
         answers = {n: (await post).json() for n, post in posts.items()}
-        assert [answers[n]["result"]["global_step"] for n in range(4)] == [1, 2, 3, 4]
-        assert executed == [("step", rate) for rate in rates]
+        assert [answers[n]["result"]["global_step"] for n in (1, 3)] == [1, 2]
+        assert executed == [
+            ("forward-backward", 0.0),
+            ("step", rates[1]),
+            ("forward-backward", 0.0),
+            ("step", rates[3]),
+        ]
 
 
 async def test_a_step_arriving_first_waits_for_the_forward_backward_numbered_before_it(data_dir, executed):
@@ -123,19 +136,24 @@ async def test_a_missing_number_fails_the_waiting_post_with_409_naming_it_and_no
 async def test_a_retry_of_a_number_already_let_in_passes_and_unnumbered_posts_never_wait(data_dir, executed):
     async with _watched_service(data_dir, sequence_gap_timeout_s=0.2) as (api, _):
         job_id = await api.running()
+        await api.fwd_bwd(job_id)
         first = await _step(api, job_id, "s:0")
+        await api.fwd_bwd(job_id)
         again = await _step(api, job_id, "s:0")  # no Idempotency-Key: the caller asked for a second step
+        await api.fwd_bwd(job_id)  # unnumbered, as is the step after it
         unnumbered = await _step(api, job_id, None)  # while number 1 of the session is still missing
         assert [r.json()["result"]["global_step"] for r in (first, again, unnumbered)] == [1, 2, 3]
-        assert len(executed) == 3
+        assert [op for op, _ in executed].count("step") == 3
 
 
 async def test_a_retried_numbered_post_with_its_idempotency_key_executes_once(data_dir, executed):
     async with _watched_service(data_dir, sequence_gap_timeout_s=0.2) as (api, _):
         job_id = await api.running()
+        await api.fwd_bwd(job_id)
         answers = [await _step(api, job_id, "s:0", **{"Idempotency-Key": "step-0"}) for _ in range(2)]
         assert answers[1].headers["idempotent-replayed"] == "true"
-        assert answers[0].json() == answers[1].json() and len(executed) == 1
+        assert answers[0].json() == answers[1].json() and [op for op, _ in executed].count("step") == 1
+        await api.fwd_bwd(job_id)
         assert (await _step(api, job_id, "s:1")).json()["result"]["global_step"] == 2
 
 

@@ -268,6 +268,7 @@ def test_a_resent_seq_id_gets_its_first_future_and_a_later_one_waits_its_turn(ba
     import concurrent.futures
 
     import httpx
+    from tinker.proto.request_conv import forward_backward_request_to_proto
 
     with httpx.Client(base_url=f"{base_url}/api/v1", headers={"X-API-Key": API_KEY}, timeout=60) as http:
         session_id = http.post("/create_session", json={}).json()["session_id"]
@@ -277,15 +278,24 @@ def test_a_resent_seq_id_gets_its_first_future_and_a_later_one_waits_its_turn(ba
         while http.post("/retrieve_future", json=future).json().get("type") == "try_again":
             pass  # long-polls until the model runs
 
-        def step(seq_id: int) -> dict:
-            body = {"model_id": model_id, "seq_id": seq_id, "adam_params": {"learning_rate": 0.01 * seq_id}}
-            return http.post("/optim_step", json=body).json()
+        def optim_step() -> dict:  # seq_id 2: refused by the engine if it ran before the forward_backward
+            return http.post("/optim_step", json={"model_id": model_id, "seq_id": 2, "adam_params": {}}).json()
 
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            second = pool.submit(step, 2)  # sent first: held until seq_id 1 is taken
-            first = step(1)
-            assert step(1) == first  # a resend (the SDK's retry) is not run twice
-            answers = [first, second.result()]
-        results = [http.post("/retrieve_future", json={"request_id": a["request_id"]}).json() for a in answers]
-        assert [r["metrics"]["learning_rate:mean"] for r in results] == [0.01, 0.02]
+        tokens = list(range(10, 20))
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:]}
+        )
+        request = types.ForwardBackwardRequest(
+            forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy"),
+            model_id=model_id,
+            seq_id=1,
+        )
+        body = forward_backward_request_to_proto(request).SerializeToString()
+        headers = {"Content-Type": "application/x-protobuf"}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            second = pool.submit(optim_step)  # sent first: held until seq_id 1 is taken
+            first = http.post("/forward_backward", content=body, headers=headers).json()
+            assert http.post("/forward_backward", content=body, headers=headers).json() == first  # a resend
+            step = http.post("/retrieve_future", json={"request_id": second.result()["request_id"]}).json()
+        assert step["metrics"]["grad_norm:mean"] > 0  # the step saw the forward_backward's gradients
         http.post(f"/sessions/{session_id}/finish", json={"reason": {"type": "success"}})

@@ -55,6 +55,7 @@ class ServiceInfo:
     max_long_poll_s: float | None = None
     inline_wait: bool = False  # POSTs take ?wait= and answer with the request's poll answer
     sequenced_submit: bool = False  # numbered POSTs (Icefloe-Sequence) are queued in number order
+    lease_ttl_s: float | None = None  # a job nobody renews for this long is cancelled (POST {job}:heartbeat)
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +88,7 @@ async def probe_service(http: Http) -> ServiceInfo:
         sequenced_submit=bool(extensions.get("sequenced_submit")),
         max_post_bytes=int(limits["max_post_bytes"]) if limits.get("max_post_bytes") else None,
         max_long_poll_s=float(limits["max_long_poll_s"]) if limits.get("max_long_poll_s") else None,
+        lease_ttl_s=limits["lease_ttl_ms"] / 1000 if extensions.get("leases") and limits.get("lease_ttl_ms") else None,
     )
 
 
@@ -187,7 +189,7 @@ def sub_jobs_of(job_id: str, job: Mapping[str, Any], expected: Mapping[str, int]
 
 
 async def wait_running(http: Http, job_id: str, *, backoff: Backoff, timeout_s: float) -> dict[str, Any]:
-    """Poll ``GET /{job_id}`` until ``running``.
+    """Poll ``GET /{job_id}`` until ``running``, logging why a job waits (the ``reason`` while placing).
 
     Raises:
         JobFailedError: a terminal state, with the job's ``reason`` and every sub-job's status.
@@ -195,11 +197,15 @@ async def wait_running(http: Http, job_id: str, *, backoff: Backoff, timeout_s: 
     """
     deadline = time.monotonic() + timeout_s
     sleeps = backoff.sleeps(deadline)
-    status = "unknown"
+    status, shown = "unknown", ""
     while True:
         reply = await http.send(Call("GET", f"/{job_id}", "wait for job"))
         job = _job_object(reply.body)
         status = api.normalize_job_state(job.get("status", "unknown"))
+        reason = str(job.get("reason") or "") if status in ("pending", "placing") else ""
+        if reason and reason != shown:
+            _log.warning("job %s is %s: %s", job_id, status, reason)
+            shown = reason
         if status == "running":
             return job
         if status in api.JOB_TERMINAL_STATES:
@@ -210,8 +216,10 @@ async def wait_running(http: Http, job_id: str, *, backoff: Backoff, timeout_s: 
             }
             raise api.JobFailedError(job_id, status, str(job.get("reason") or ""), sub_status)
         if time.monotonic() >= deadline:
+            why = f" ({reason})" if reason else ""
             raise api.IcefloeTimeoutError(
-                f"job {job_id} is still {status} after {timeout_s:g} s; managed endpoints cold-start in "
-                "minutes, raise job_ready_timeout_s to wait longer"
+                f"job {job_id} is still {status} after {timeout_s:g} s{why}; a service starts a job once its "
+                "slots are free (a managed endpoint also cold-starts for minutes): free slots, or raise "
+                "job_ready_timeout_s to wait longer"
             )
         await asyncio.sleep(next(sleeps))

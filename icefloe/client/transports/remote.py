@@ -13,6 +13,8 @@ only when ``backend.allow_zero_logprobs`` is set.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import threading
 import uuid
@@ -76,6 +78,7 @@ class RemoteTransport(Transport):
         self._attached = False
         self._closed = False
         self._warned_zero_fill = False
+        self._lease: asyncio.Task | None = None  # the renewing task, kept so it is not collected
         # Optimizer steps called so far: the service has no LR schedule, so the client applies
         # config.training.lr_schedule by sending each step's learning_rate.
         self._steps_called = int((handle or {}).get("global_step") or 0)
@@ -142,7 +145,14 @@ class RemoteTransport(Transport):
             self._job, self._created = jobs.JobRef(job_id), True
             _log.info("created job %s on %s", job_id, self._endpoint.origin)
         timeout_s = self.config.job_ready_timeout_s
-        job = await jobs.wait_running(self._http, self._job.job_id, backoff=self._backoff, timeout_s=timeout_s)
+        try:
+            job = await jobs.wait_running(self._http, self._job.job_id, backoff=self._backoff, timeout_s=timeout_s)
+        except Exception:
+            if self._created:  # given up: cancel the job, or it starts later and holds slots nobody uses
+                with contextlib.suppress(Exception):
+                    await self._cancel_job()
+                self._job, self._created = None, False  # a retried open creates a fresh one
+            raise
         expected = {
             "training": 1,
             "sampling": int(self.config.num_sampling_workers > 0),
@@ -151,6 +161,24 @@ class RemoteTransport(Transport):
         known = {k: v for k, v in self._job.sub_jobs.items() if v}
         self._job = jobs.JobRef(self._job.job_id, {**jobs.sub_jobs_of(self._job.job_id, job, expected), **known})
         self._attached = True
+        if service.lease_ttl_s:
+            self._lease = asyncio.get_running_loop().create_task(self._keep_lease(service.lease_ttl_s / 3))
+
+    async def _keep_lease(self, period_s: float) -> None:
+        """Renew the job's lease from the I/O loop while this client is open; the service cancels a
+        job whose lease lapses (a client killed without closing). Ends with the loop or the job."""
+        path = f"/{self._job_id}:heartbeat"
+        call = Call("POST", path, "heartbeat", retry=Retry.NEVER, accept=frozenset({404}), timeout_s=period_s)
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                reply = await self._http.send(call)
+            except Exception as exc:  # a missed renewal is tried again next period
+                _log.warning("job %s: renewing its lease failed: %s", self._job_id, exc)
+                continue
+            status = reply.body.get("status") if isinstance(reply.body, Mapping) else None
+            if reply.status_code == 404 or api.normalize_job_state(status or "") in api.JOB_TERMINAL_STATES:
+                return
 
     def close(self) -> None:
         with self._lock:

@@ -49,11 +49,13 @@ async def capabilities(settings: SettingsDep) -> dict:
             "forward": True,
             "inline_wait": True,
             "sequenced_submit": True,
+            "leases": bool(settings.lease_ttl_s),  # renew with POST {job}:heartbeat well within lease_ttl_ms
         },
         "limits": {
             "max_post_bytes": settings.max_post_bytes,
             "max_events": MAX_EVENTS_CAP,
             "max_long_poll_s": int(settings.max_long_poll_s),
+            "lease_ttl_ms": int(settings.lease_ttl_s * 1000),
         },
     }
 

@@ -1,10 +1,8 @@
 """The data plane: forward-backward, forward, step, save, load, generate.
 
-Octet bodies (DSSST1 frames or request chunks) over 64 KiB are decoded on a thread-pool thread,
-smaller ones on the loop, where the hop would cost more than the decoding; JSON bodies
-are validated by their models. Every route answers ``{request_id, job_id}`` (or
-``{chunk_cached: true}`` for a non-final chunk) and the work runs on the sub-job's FIFO worker.
-``?wait=S`` (icefloe extension) adds the request's poll answer once it finishes, or after S seconds.
+Octet bodies over 64 KiB decode on a thread-pool thread, smaller ones on the loop. Every route
+answers ``{request_id, job_id}`` (or ``{chunk_cached: true}`` for a non-final chunk); ``?wait=S``
+adds the request's poll answer once it finishes, or after S seconds.
 """
 
 from __future__ import annotations

@@ -36,6 +36,12 @@ async def cancel_job(job_id: str, jobs: JobsDep) -> dict:
     return jobs.cancel(job_id)
 
 
+@router.post("/{job_id}:heartbeat")
+async def heartbeat(job_id: str, jobs: JobsDep) -> dict:
+    """Renew the job's lease (icefloe extension): a job nobody calls for ``lease_ttl_s`` is cancelled."""
+    return jobs.heartbeat(job_id)
+
+
 @router.get("/{job_id}/experiment-run", response_model=ExperimentRun)
 async def experiment_run(job_id: str, jobs: JobsDep) -> dict:
     return jobs.experiment_run(job_id)

@@ -54,10 +54,8 @@ async def _reset_prefix_cache(jobs: JobManager, job_id: str, body: OperationBody
     target = jobs.resolve_sub_job(
         job, sub_job_id=body.sub_job_id, sub_job_type=body.sub_job_type or "sampling", default_type="sampling"
     )
-    host = job.host
-    assert host is not None
     # On the sampler's own worker, so it never runs in the middle of a generate.
-    done = job.workers[target].submit(host.reset_prefix_cache, target)
+    done = job.workers[target].submit(job.engines.reset_prefix_cache, target)
     release_turn()
     await asyncio.wrap_future(done)
     return {"sub_job_id": target, "status": "ok"}

@@ -46,6 +46,7 @@ async def answer_request(
     max_events: int = DEFAULT_MAX_EVENTS,
 ) -> dict[str, Any]:
     """The poll answer of a request, after holding up to ``wait`` seconds for it to finish."""
+    jobs.renew(job_id)
     stream = jobs.streams.get(request_id)
     if stream is not None and stream.pending_events:
         wait = 0.0  # events are ready now; a long-poll would only delay them

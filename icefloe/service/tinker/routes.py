@@ -345,7 +345,7 @@ async def asample(body: dict[str, Any], state: State) -> dict[str, Any]:
     job = await state.live(sampler.job_id)
     sub_job_id, host = state.sub_job(job, "sampling"), job.host
     assert host is not None
-    limit = host.max_seq_len(sub_job_id)
+    limit = job.specs[sub_job_id].config.max_seq_len
     if len(prompt) >= limit:
         raise InvalidRequestError(f"prompt has {len(prompt)} tokens; the sampler takes fewer than {limit}")
 
@@ -360,7 +360,7 @@ async def asample(body: dict[str, Any], state: State) -> dict[str, Any]:
 
     from icefloe.service.tinker import convert
 
-    request_id = state.manager.submit_batchable(job, sub_job_id, OP_GENERATE, (prompt, params), run_batch)
+    request_id = state.manager.submit(job, sub_job_id, OP_GENERATE, run_batch, batch_item=(prompt, params))
     future_id = state.future(job.job_id, convert.sample_response, request_id)
     answer = {"request_id": future_id, "sample_sequence_ids": [f"{future_id}:{i}" for i in range(params.n)]}
     if seq_id is not None:

@@ -122,7 +122,10 @@ class TinkerState:
         return session_id
 
     def heartbeat(self, session_id: str) -> None:
+        """The session lives on, and so do its jobs: their leases are renewed with it."""
         self.heartbeats[session_id] = time.monotonic()
+        for job_id in self.session_jobs.get(session_id, []):
+            self.manager.renew(job_id)
 
     async def _reap_lapsed_sessions(self) -> None:
         """The session is the lease: one whose heartbeats stop for ``session_lease_s`` is finished."""

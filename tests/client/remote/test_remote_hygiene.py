@@ -47,6 +47,7 @@ _LOOP = textwrap.dedent(
     shared = AsyncClient(config)
     async def step() -> None:
         watch_loop()
+        await shared.fwd_bwd(batch)
         await shared.step()
 
     for _ in range(3):

@@ -136,7 +136,8 @@ def test_remote_an_op_refused_when_called_takes_no_number(service):
         async with AsyncClient(config, transport=RemoteTransport(config, wrap_http_transport=recorder.wrap)) as client:
             with pytest.raises(InvalidRequestError, match="reference role"):
                 client.forward(_batch(), reference=True)
-            return await client.step()
+            trained = client.fwd_bwd(_batch())
+            return await client.step(), await trained
 
-    assert asyncio.run(run())["global_step"] == 1
-    assert [params["sequence"].rsplit(":", 1)[1] for params in recorder.posts("step")] == ["0"]
+    assert asyncio.run(run())[0]["global_step"] == 1
+    assert [params["sequence"].rsplit(":", 1)[1] for params in recorder.posts("step")] == ["1"]

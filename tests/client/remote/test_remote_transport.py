@@ -127,15 +127,21 @@ def test_remote_reference_forward_routes_to_the_log_probability_sub_job(service)
         assert set(client.handle()["transport"]["sub_jobs"]) == {"training", "sampling", "log_probability"}
 
 
+def _step(client: Client) -> dict:
+    """A step after the fwd_bwd it needs."""
+    client.fwd_bwd(build_batch([[3, 4]], [[5, 6]], [1.0], pad_id=0))
+    return client.step()
+
+
 def test_remote_handle_reattaches_without_creating_a_job(service):
     with Client(service.config(cancel_on_shutdown=False)) as first:
-        first.step()
+        _step(first)
         handle = first.handle()
         assert "pat" not in handle["config"]["backend"] and "pat" not in handle["transport"]
         jobs_before = len(service.app.state.db.fetch_all("SELECT job_id FROM jobs"))
         second = Client.from_handle(handle)
         try:
-            assert second.step()["global_step"] == 2
+            assert _step(second)["global_step"] == 2
         finally:
             second.shutdown()
         assert len(service.app.state.db.fetch_all("SELECT job_id FROM jobs")) == jobs_before
@@ -216,6 +222,7 @@ def test_remote_async_client_survives_an_event_loop_change(service):
     client = AsyncClient(service.config())
 
     async def one_step() -> int:
+        await client.fwd_bwd(build_batch([[3, 4]], [[5, 6]], [1.0], pad_id=0))
         return (await client.step())["global_step"]
 
     assert asyncio.run(one_step()) == 1
@@ -243,7 +250,7 @@ def test_remote_pat_never_reaches_repr_logs_or_errors(service, tmp_path, caplog)
         client = Client(good)
         assert secret not in repr(client) and secret not in repr(good) and secret not in str(good.model_dump())
         with client:
-            client.step()
+            _step(client)
             assert secret not in str(client.handle())
         bad = ClientConfig.from_env(
             backend={"type": "remote", "base_url": base_url, "max_retries": 0},
@@ -280,14 +287,14 @@ def test_remote_steps_follow_the_lr_schedule_like_local(service):
         "lr_schedule": {"kind": "cosine", "warmup_steps": 2, "total_steps": 5},
     }
     with Client(ClientConfig.build(training=training)) as local:
-        expected = [local.step()["lr"] for _ in range(6)]
+        expected = [_step(local)["lr"] for _ in range(6)]
     config = ClientConfig.build(training=training, backend=service.config().backend)
     with Client(config) as remote:
-        got = [remote.step()["lr"] for _ in range(3)]
+        got = [_step(remote)["lr"] for _ in range(3)]
         saved = remote.save_checkpoint()
-        got += [remote.step()["lr"] for _ in range(3)]
+        got += [_step(remote)["lr"] for _ in range(3)]
         remote.load_checkpoint(saved["checkpoint_id"])  # back to step 3: the schedule resumes there
-        assert remote.step()["lr"] == pytest.approx(expected[3])
+        assert _step(remote)["lr"] == pytest.approx(expected[3])
     assert got == pytest.approx(expected)
 
 
