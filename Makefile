@@ -19,8 +19,20 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -m 'not slow'
 
-# The whole-demo runs and the fault suite (tens of seconds each); CI runs them after `make test`.
-test-slow: $(STAMP)
+# tinker-cookbook for its integration test: --no-deps, since it declares tml-renderers (which PyPI
+# cannot satisfy and math_rl never imports); the rest is what its math_rl recipe imports.
+COOKBOOK := $(VENV)/.cookbook-0.6.1
+$(COOKBOOK): $(STAMP)
+	$(PY) -m pip install -q --no-deps tinker-cookbook==0.6.1 chz==0.4.0 termcolor==3.3.0 cloudpickle==3.1.3 \
+		blobfile==3.3.0 pycryptodomex==3.24.2 lxml==6.1.3 tiktoken==0.14.0 pyrage==1.4.0 datasets==4.4.2 \
+		dill==0.4.1 xxhash==4.1.0 multiprocess==0.70.19 aiohttp==3.14.5 aiosignal==1.4.0 aiohappyeyeballs==2.7.1 \
+		frozenlist==1.8.0 multidict==7.2.1 propcache==0.5.4 yarl==1.25.1 pylatexenc==2.11 math-verify==0.9.0 \
+		latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2
+	touch $@
+
+# The whole-demo runs, the fault suite and the cookbook run (tens of seconds each); CI runs them after
+# `make test`.
+test-slow: $(STAMP) $(COOKBOOK)
 	$(PY) -m pytest -q -m slow
 
 bench: $(STAMP)

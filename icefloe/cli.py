@@ -336,6 +336,27 @@ def checkpoints(
     console.print(table)
 
 
+models_app = typer.Typer(help="Tiny built-in models.", no_args_is_help=True)
+app.add_typer(models_app, name="models")
+
+
+@models_app.command("export")
+def models_export(
+    spec: Annotated[str, typer.Argument(help="A tiny preset, e.g. tiny:chat.")],
+    target: Annotated[Path, typer.Argument(help="The folder to write (a Hugging Face model folder).")],
+    seed: Annotated[int, typer.Option(help="Initialises the weights.")] = 0,
+) -> None:
+    """Write a tiny model and its tokenizer to a folder that transformers (and the Tinker SDK) load offline."""
+    import shutil
+
+    from icefloe.engines.models import resolve_model
+
+    if not spec.startswith("tiny:"):
+        raise typer.BadParameter(f"spec must be a tiny preset like tiny:chat; got {spec!r}")
+    shutil.copytree(resolve_model(spec, seed=seed), target, dirs_exist_ok=True)
+    console.print(f"{spec} (seed {seed}) written to {target}")
+
+
 def _quiet_transformers() -> None:
     """Silence transformers' load/save progress bars, which would break up the demo's own bar."""
     from transformers.utils import logging

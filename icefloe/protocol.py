@@ -201,6 +201,8 @@ class SamplingParams(BaseModel):
     n: int = Field(1, gt=0)  # samples per prompt; results are prompt-major
     seed: int | None = None  # None = the engine's running generator
     logprobs: bool = False
+    ignore_eos: bool = False  # True: only stop / stop_token_ids / max_tokens end a sample
+    prompt_logprobs: bool = False  # each result also carries the prompt's log-probs (None at position 0)
 
     @field_validator("logprobs", mode="before")
     @classmethod

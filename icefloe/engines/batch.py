@@ -167,7 +167,9 @@ def _context(
             "context.loss_mask disagrees with kwargs.labels (1 exactly where a label is not -100); send one of the two"
         )
     _binary(loss_mask_BS, "context.loss_mask")
-    if loss_mask_BS[:, -1].any():
+    if "target_tokens" in context:  # explicit targets: column i scores target_tokens[:, i], the last one too
+        context["target_tokens"] = _tensor(context, "target_tokens", "context", integer=True, shape=shape)
+    elif loss_mask_BS[:, -1].any():
         raise InvalidRequestError(
             "context.loss_mask[:, -1] must be 0: labels are pre-shifted (column i scores token i+1), so the "
             "last column has no target; shift the mask left by one"
@@ -233,19 +235,30 @@ def split_micro_batches(batch: Mapping[str, Any], micro_batch_tokens: int) -> li
 
 
 def shifted_token_logprobs(
-    logits_BSV: Tensor, input_ids_BS: Tensor, temperature: float = 1.0, *, entropy_requires_grad: bool = True
+    logits_BSV: Tensor,
+    input_ids_BS: Tensor,
+    temperature: float = 1.0,
+    *,
+    entropy_requires_grad: bool = True,
+    targets_BS: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Log-prob of each next token and the entropy of each next-token distribution, float32 [B, S].
 
     Column ``i`` scores ``input_ids[:, i+1]`` under ``logits[:, i] / temperature``; the last column
-    has no target and is 0 in both outputs. log_softmax runs once and the entropy reuses it.
-    ``entropy_requires_grad=False`` computes the entropy without building its backward graph.
+    has no target and is 0 in both outputs. With ``targets_BS`` (explicit targets, the Tinker API's
+    ``target_tokens``) column ``i`` scores ``targets_BS[:, i]`` instead, the last column included.
+    log_softmax runs once and the entropy reuses it. ``entropy_requires_grad=False`` computes the
+    entropy without building its backward graph.
     """
-    logits_BSV = logits_BSV[:, :-1].float()
+    if targets_BS is None:
+        logits_BSV, targets_BS, pad = logits_BSV[:, :-1], input_ids_BS[:, 1:], 1
+    else:
+        pad = 0
+    logits_BSV = logits_BSV.float()
     if temperature != 1.0:
         logits_BSV = logits_BSV / temperature
     logp_BSV = F.log_softmax(logits_BSV, dim=-1)
-    logprobs_BS = logp_BSV.gather(-1, input_ids_BS[:, 1:, None]).squeeze(-1)
+    logprobs_BS = logp_BSV.gather(-1, targets_BS[..., None]).squeeze(-1)
     with torch.set_grad_enabled(entropy_requires_grad and torch.is_grad_enabled()):
         entropy_BS = -(logp_BSV.exp() * logp_BSV).sum(-1)
-    return F.pad(logprobs_BS, (0, 1)), F.pad(entropy_BS, (0, 1))
+    return F.pad(logprobs_BS, (0, pad)), F.pad(entropy_BS, (0, pad))

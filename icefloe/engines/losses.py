@@ -308,10 +308,79 @@ def importance_sampling_loss(
 def cross_entropy_loss(
     logprobs_BS: Tensor, *, context: Mapping[str, Tensor], config: Mapping[str, Any], entropy_BS: Tensor | None
 ) -> tuple[Tensor, Metrics]:
-    """Supervised fine-tuning: -Σ masked log π(target) / batch_num_tokens (token-mean)."""
+    """Supervised fine-tuning: -Σ masked w·log π(target) / batch_num_tokens (token-mean).
+
+    ``context.weights`` (optional, [B, S]) weighs each token (w = 1 without it); ``loss_agg_mode``
+    (default token-mean) picks the normaliser, ``token-sum`` giving the Tinker API's plain sum.
+    """
     mask_BS = context["loss_mask"]
-    loss = aggregate(-logprobs_BS, mask_BS, "token-mean", config)
+    weights_BS = context.get("weights")
+    nll_BS = -logprobs_BS if weights_BS is None else -logprobs_BS * weights_BS
+    loss = aggregate(nll_BS, mask_BS, _option(config, "loss_agg_mode", "token-mean"), config)
     metrics: Metrics = {"loss": loss.detach()}
     if entropy_BS is not None:
         metrics["entropy"] = _masked_mean(entropy_BS.detach(), mask_BS)
     return loss, metrics
+
+
+# --- the Tinker API's RL losses: sums over tokens unless loss_agg_mode says otherwise -------------
+def _sampling_ratio(logprobs_BS: Tensor, context: Mapping[str, Tensor], name: str) -> Tensor:
+    old_BS = _context(context, "old_logprobs", "old_log_probs_shifted")
+    if old_BS is None:
+        raise InvalidRequestError(f"context.old_logprobs is required by loss {name!r}; add the sampler's log-probs")
+    return (logprobs_BS - old_BS).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND).exp()
+
+
+@register_loss("ppo", requires=("advantages", "old_logprobs"))
+def ppo_loss(
+    logprobs_BS: Tensor, *, context: Mapping[str, Tensor], config: Mapping[str, Any], entropy_BS: Tensor | None
+) -> tuple[Tensor, Metrics]:
+    """PPO clipped objective as the Tinker API defines it: per token -min(r·A, clip(r, low, high)·A).
+
+    ``clip_low_threshold`` / ``clip_high_threshold`` default to 0.8 / 1.2. Normaliser: see
+    :func:`aggregate` (``loss_agg_mode``, default token-sum).
+    """
+    mask_BS, advantages_BS = context["loss_mask"], context["advantages"]
+    low = float(_option(config, "clip_low_threshold", 0.8))
+    high = float(_option(config, "clip_high_threshold", 1.2))
+    ratio_BS = _sampling_ratio(logprobs_BS, context, "ppo")
+    surrogate_BS = -torch.minimum(ratio_BS * advantages_BS, ratio_BS.clamp(low, high) * advantages_BS)
+    loss = aggregate(surrogate_BS, mask_BS, _option(config, "loss_agg_mode", "token-sum"), config)
+    clipped_BS = ((ratio_BS < low) | (ratio_BS > high)).float()
+    return loss, {"loss": loss.detach(), "clip_ratio": _masked_mean(clipped_BS, mask_BS)}
+
+
+@register_loss("cispo", requires=("advantages", "old_logprobs"))
+def cispo_loss(
+    logprobs_BS: Tensor, *, context: Mapping[str, Tensor], config: Mapping[str, Any], entropy_BS: Tensor | None
+) -> tuple[Tensor, Metrics]:
+    """CISPO: per token -sg(clip(r, low, high))·A·log π, the clipped ratio a constant weight.
+
+    ``clip_low_threshold`` / ``clip_high_threshold`` default to 0.8 / 1.2. Normaliser: see
+    :func:`aggregate` (``loss_agg_mode``, default token-sum).
+    """
+    mask_BS, advantages_BS = context["loss_mask"], context["advantages"]
+    low = float(_option(config, "clip_low_threshold", 0.8))
+    high = float(_option(config, "clip_high_threshold", 1.2))
+    weight_BS = _sampling_ratio(logprobs_BS, context, "cispo").clamp(low, high).detach()
+    loss = aggregate(
+        -weight_BS * advantages_BS * logprobs_BS, mask_BS, _option(config, "loss_agg_mode", "token-sum"), config
+    )
+    return loss, {"loss": loss.detach()}
+
+
+@register_loss("dro", requires=("advantages", "old_logprobs"))
+def dro_loss(
+    logprobs_BS: Tensor, *, context: Mapping[str, Tensor], config: Mapping[str, Any], entropy_BS: Tensor | None
+) -> tuple[Tensor, Metrics]:
+    """DRO: per token -(A·log π - ½·beta·(log π - log π_old)²), a quadratic pull to the sampler.
+
+    ``beta`` defaults to 0.05. Normaliser: see :func:`aggregate` (``loss_agg_mode``, default token-sum).
+    """
+    mask_BS, advantages_BS = context["loss_mask"], context["advantages"]
+    old_BS = _context(context, "old_logprobs", "old_log_probs_shifted")
+    assert old_BS is not None  # required above
+    beta = float(_option(config, "beta", 0.05))
+    per_token_BS = -(advantages_BS * logprobs_BS - 0.5 * beta * (logprobs_BS - old_BS).square())
+    loss = aggregate(per_token_BS, mask_BS, _option(config, "loss_agg_mode", "token-sum"), config)
+    return loss, {"loss": loss.detach()}

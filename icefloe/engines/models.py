@@ -85,6 +85,17 @@ TINY_PRESETS: dict[str, TinyPreset] = {
         max_position_embeddings=2048,
         tie_word_embeddings=False,
     ),
+    # For the Tinker SDK and cookbook: printable ASCII and newline, so chat-style prompts tokenise.
+    "chat": TinyPreset(
+        alphabet=string.printable[:95] + "\n",
+        hidden_size=64,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+    ),
 }
 
 
@@ -176,7 +187,8 @@ def _char_tokenizer(alphabet: str):
 
     vocab = {token: index for index, token in enumerate([PAD, BOS, EOS, UNK, *dict.fromkeys(alphabet)])}
     core = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
-    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    # "." matches no newline; "[\s\S]" is every character, for alphabets that hold one.
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]" if "\n" in alphabet else "."), behavior="isolated")
     core.decoder = decoders.Fuse()  # characters join back without separators
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK)
 

@@ -118,7 +118,23 @@ class SamplingEngine:
         limit = self.config.sampling.max_batch_size
         for start in range(0, len(rows), limit):
             self._decode(rows[start : start + limit])
-        return [self._result(row, version) for row in rows]
+        results = [self._result(row, version) for row in rows]
+        scored: dict[tuple[int, ...], list[float | None]] = {}
+        for row, result in zip(rows, results, strict=True):
+            if row.params.prompt_logprobs:
+                key = tuple(row.prompt_ids)
+                if key not in scored:
+                    scored[key] = self._prompt_logprobs(row.prompt_ids)
+                result["prompt_logprobs"] = scored[key]
+        return results
+
+    @torch.no_grad()
+    def _prompt_logprobs(self, ids: list[int]) -> list[float | None]:
+        """log π(prompt[i] | prompt[:i]) for every position; position 0 has no context (None)."""
+        input_1P = torch.tensor([ids], device=self.device)
+        logits_PV = self.model(input_ids=input_1P, use_cache=False).logits[0, :-1].float()
+        logprobs_P = torch.log_softmax(logits_PV, dim=-1).gather(-1, input_1P[0, 1:, None]).squeeze(-1)
+        return [None, *logprobs_P.tolist()]
 
     def _params_per_prompt(
         self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams]
@@ -208,7 +224,7 @@ class SamplingEngine:
                 sampler = _RowSampler([rows[i] for i in live], device)
 
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
-        eos = self.tokenizer.eos_token_id
+        eos = None if params.ignore_eos else self.tokenizer.eos_token_id
         return frozenset(params.stop_token_ids) | ({eos} if eos is not None else set())
 
     def _finished(self, row: _Row, stop_ids: frozenset[int]) -> bool:
@@ -375,6 +391,8 @@ class VLLMSamplingEngine:
         self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams]
     ) -> list[dict[str, Any]]:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if any(p.prompt_logprobs for p in per_prompt):
+            raise InvalidRequestError("prompt_logprobs is served by the torch sampler only; sample on CPU for it")
         inputs = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]
         vllm_params = [self._vllm_params(p) for p in per_prompt]
         version = self.policy_version
@@ -402,6 +420,7 @@ class VLLMSamplingEngine:
             n=params.n, max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
             top_k=params.top_k if params.top_k > 0 else -1, stop=list(params.stop),
             stop_token_ids=list(params.stop_token_ids), seed=params.seed, logprobs=0 if params.logprobs else None,
+            ignore_eos=params.ignore_eos,
         )  # fmt: skip
 
     def load_weights(self, named_tensors: Iterable[tuple[str, Tensor]], *, policy_version: int) -> int:

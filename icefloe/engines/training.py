@@ -203,21 +203,30 @@ class TrainingEngine:
         temperature = _temperature(loss_config)
         entropy_grad = float(loss_config.get("entropy_coeff") or 0.0) != 0.0
 
-        self._set_train_mode(True)
+        # Opt-in extras (the Tinker API's): the per-token log-probs of every row, and a forward-only
+        # pass that scores the loss without touching the gradients.
+        return_logprobs = bool(loss_config.get("return_logprobs"))
+        forward_only = bool(loss_config.get("forward_only"))
+        logprobs_parts: list[Tensor] = []
+        self._set_train_mode(not forward_only)
         total_loss: Tensor | None = None
         weighted: dict[str, Tensor | float] = {}
         for part in split_micro_batches(frame, self.config.training.micro_batch_tokens):
             part_tokens = float(part["context"]["loss_mask"].sum().item())
             kwargs = self._to_device(part["kwargs"])
             context = self._to_device(part["context"])
-            with self._autocast():
+            with self._autocast(), torch.set_grad_enabled(not forward_only):
                 logits_BSV = self.model(**kwargs, use_cache=False).logits
             logprobs_BS, entropy_BS = shifted_token_logprobs(
-                logits_BSV, kwargs["input_ids"], temperature, entropy_requires_grad=entropy_grad
-            )
+                logits_BSV, kwargs["input_ids"], temperature, entropy_requires_grad=entropy_grad,
+                targets_BS=context.get("target_tokens"),
+            )  # fmt: skip
             del logits_BSV
             loss, metrics = loss_fn(logprobs_BS, context=context, config=loss_config, entropy_BS=entropy_BS)
-            loss.backward()
+            if not forward_only:
+                loss.backward()
+            if return_logprobs:
+                logprobs_parts.append(logprobs_BS.detach().cpu())
             total_loss = loss.detach() if total_loss is None else total_loss + loss.detach()
             for name, value in metrics.items():
                 if name != "loss":
@@ -231,7 +240,10 @@ class TrainingEngine:
         metrics_out = {name: value / max(num_tokens, 1) for name, value in zip(names, values[1:], strict=True)}
         metrics_out["loss"] = loss_value
         self._last_loss = loss_value
-        return {"loss": loss_value, "avg_loss": loss_value, "metrics": metrics_out, "num_tokens": num_tokens}
+        result = {"loss": loss_value, "avg_loss": loss_value, "metrics": metrics_out, "num_tokens": num_tokens}
+        if return_logprobs:
+            result["logprobs"] = torch.cat(logprobs_parts)
+        return result
 
     @torch.no_grad()
     def forward(self, batch: Mapping[str, Any], *, reference: bool = False) -> dict[str, Tensor]:
@@ -255,20 +267,39 @@ class TrainingEngine:
             kwargs = self._to_device(part["kwargs"])
             with self._autocast(), self.model.disable_adapter() if reference else contextlib.nullcontext():
                 logits_BSV = self.model(**kwargs, use_cache=False).logits
-            logprobs_BS, entropy_BS = shifted_token_logprobs(logits_BSV, kwargs["input_ids"], temperature)
+            targets_BS = part["context"].get("target_tokens")
+            targets_BS = None if targets_BS is None else targets_BS.to(self.device, torch.int64)
+            logprobs_BS, entropy_BS = shifted_token_logprobs(
+                logits_BSV, kwargs["input_ids"], temperature, targets_BS=targets_BS
+            )
             logprobs.append(logprobs_BS)
             entropies.append(entropy_BS)
         return {"logprobs": torch.cat(logprobs).cpu(), "entropy": torch.cat(entropies).cpu()}
 
-    def step(self, learning_rate: float | None = None) -> dict[str, Any]:
+    def step(self, learning_rate: float | None = None, adam: Mapping[str, float] | None = None) -> dict[str, Any]:
         """Clip gradients, apply one AdamW update, zero the gradients.
 
-        ``learning_rate`` overrides the scheduled LR for this step only. ``grad_norm`` is the
-        global norm before clipping; a non-finite norm skips the update (the step still counts).
+        ``learning_rate`` overrides the scheduled LR for this step only. ``adam`` (the Tinker API's
+        per-step Adam parameters) sets ``beta1``, ``beta2``, ``eps``, ``weight_decay`` from this
+        step on and ``grad_clip_norm`` for this step (0 = no clipping). ``grad_norm`` is the global
+        norm before clipping; a non-finite norm skips the update (the step still counts).
         """
         optimizer = self._require_training("step")
         if learning_rate is not None and not learning_rate >= 0:
             raise InvalidRequestError(f"learning_rate must be >= 0; got {learning_rate}")
+        grad_clip = self.config.training.grad_clip
+        if adam is not None:
+            unknown = sorted(set(adam) - {"beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"})
+            if unknown:
+                raise InvalidRequestError(
+                    f"adam has unknown keys {unknown}; use beta1, beta2, eps, weight_decay, grad_clip_norm"
+                )
+            for group in optimizer.param_groups:
+                beta1, beta2 = group["betas"]
+                group["betas"] = (float(adam.get("beta1", beta1)), float(adam.get("beta2", beta2)))
+                group["eps"] = float(adam.get("eps", group["eps"]))
+                group["weight_decay"] = float(adam.get("weight_decay", group["weight_decay"]))
+            grad_clip = float(adam.get("grad_clip_norm", grad_clip))
         schedule = self.config.training.lr_schedule
         base_lr = self.config.training.optimizer.lr
         lr = learning_rate if learning_rate is not None else base_lr * schedule.multiplier(self._global_step)
@@ -281,8 +312,8 @@ class TrainingEngine:
                 "call fwd_bwd first, and to skip a step do not call step()"
             )
         grad_norm_t = torch.nn.utils.get_total_norm(grads)
-        if self.config.training.grad_clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(self._params, self.config.training.grad_clip, grad_norm_t)
+        if grad_clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(self._params, grad_clip, grad_norm_t)
         grad_norm = float(grad_norm_t.item())
         if math.isfinite(grad_norm):
             optimizer.step()
@@ -387,11 +418,12 @@ class TrainingEngine:
             shutil.rmtree(staging, ignore_errors=True)
         return describe_checkpoint(target, self._global_step, kind)
 
-    def load_checkpoint(self, path: Path | str) -> dict[str, Any]:
+    def load_checkpoint(self, path: Path | str, optimizer: bool = True) -> dict[str, Any]:
         """Restore weights from a checkpoint folder, plus optimizer, step and RNG when resumable.
 
         A plain Hugging Face directory (no ``trainer_state.json``) loads as ``weights-only``; so
-        does a plain PEFT adapter folder into a LoRA engine.
+        does a plain PEFT adapter folder into a LoRA engine. ``optimizer=False`` loads the weights
+        only, whatever the folder holds, and starts a fresh AdamW.
         """
         path = Path(path)
         weight_files = sorted(p for p in path.glob("*.safetensors") if p.name != _OPTIMIZER_FILE)
@@ -414,7 +446,9 @@ class TrainingEngine:
             self._load_adapter(load_file(str(path / ADAPTER_WEIGHTS_FILE)))
         else:
             self._load_weights({name: t for file in weight_files for name, t in load_file(str(file)).items()})
-        if kind == "resumable" and self.optimizer is not None:
+        if not optimizer and self.optimizer is not None:
+            self.optimizer.state.clear()
+        elif kind == "resumable" and self.optimizer is not None:
             self._load_optimizer(load_file(str(path / _OPTIMIZER_FILE)), state)
             self._global_step = int(state["global_step"])
             self._last_lr = float(state["last_lr"])

@@ -32,6 +32,7 @@ from icefloe.service.routes import capabilities, checkpoints, compute, jobs, ope
 from icefloe.service.sequencing import SubmitOrder
 from icefloe.service.settings import ServeSettings
 from icefloe.service.store import Database, DataDirInUse, lock_data_dir, purge_expired
+from icefloe.service.tinker import install_tinker
 
 __all__ = ["ServerThread", "create_app", "serve"]
 
@@ -94,6 +95,7 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     # capabilities first: its fixed paths (/capacity) must win over /{job_id}
     for module in (capabilities, jobs, compute, operations, requests, checkpoints):
         app.include_router(module.router)
+    install_tinker(app)  # the Tinker API, /api/v1
     # Listed innermost first. JsonBodies inside SubmitOrder: a body it refuses still frees its number.
     app.add_middleware(JsonBodies)
     # Replays skip SubmitOrder, and a POST waiting for its turn has its body read and its key looked

@@ -43,6 +43,7 @@ __all__ = [
 PAT_TOKEN_TYPE = "PROGRAMMATIC_ACCESS_TOKEN"
 # Answered without a token: liveness, and checkpoint downloads (the token in their URL is the credential).
 OPEN_PATH, OPEN_PREFIX = "/health", "/files/"
+TINKER_PREFIX = "/api/v1/"  # the Tinker API: its token comes as X-API-Key
 CALLER_SCOPE_KEY = "icefloe.caller"  # set by RequireToken: a hash of the caller's token (absent = '', no auth)
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _CHECK_ON_LOOP_BYTES = 64 * 1024  # larger JSON bodies are checked on a worker thread
@@ -141,6 +142,9 @@ class RequireToken:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.settings.auth_enabled and not _is_open(scope["path"]):
             authorization = header(scope, b"authorization")
+            api_key = header(scope, b"x-api-key") if scope["path"].startswith(TINKER_PREFIX) else None
+            if authorization is None and api_key is not None:  # the Tinker SDK sends its key so
+                authorization = b"Bearer " + api_key
             token_type = header(scope, b"x-snowflake-authorization-token-type")
             try:
                 token = _authenticate(self.settings, _text(authorization), _text(token_type))

@@ -1,0 +1,152 @@
+"""Tinker's wire forms <-> icefloe's: protobuf requests to canonical batches, results to protobuf.
+
+The protobuf classes come from the ``tinker`` package (``pip install icefloe[tinker]``). A datum
+of ``L`` tokens becomes one row of the canonical batch with explicit targets: column ``i`` scores
+``target_tokens[i]`` (not necessarily the next input token), every column counts, and the Tinker
+losses are sums (``loss_agg_mode: token-sum``). Tensors: B rows, S positions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+from tinker.proto import tinker_public_pb2 as pb
+
+from icefloe.protocol import InvalidRequestError
+
+__all__ = ["batch_from_request", "forward_backward_output", "pb", "sample_response", "tokens_of"]
+
+_NUMPY_DTYPES = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
+# Tinker input name -> canonical context name
+_CONTEXT_NAMES = {"target_tokens": "target_tokens", "weights": "weights", "advantages": "advantages",
+                  "logprobs": "old_logprobs"}  # fmt: skip
+_TINKER_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+
+
+def _array(tensor: pb.Tensor, where: str) -> np.ndarray:
+    dtype = _NUMPY_DTYPES.get(tensor.dtype)
+    if dtype is None:
+        raise InvalidRequestError(f"{where}: dtype {tensor.dtype} is not supported; send float32 or int64")
+    shape = list(tensor.shape)
+    if tensor.WhichOneof("encoding") == "sparse_csr":
+        csr = tensor.sparse_csr
+        values = np.frombuffer(csr.values, dtype=dtype)
+        rows = np.frombuffer(csr.crow_indices, dtype=np.int64)
+        cols = np.frombuffer(csr.col_indices, dtype=np.int64)
+        width = shape[-1] if shape else int(cols.max(initial=-1)) + 1
+        dense = np.zeros((max(len(rows) - 1, 1), width), dtype=dtype)
+        for row in range(len(rows) - 1):
+            dense[row, cols[rows[row] : rows[row + 1]]] = values[rows[row] : rows[row + 1]]
+        return dense.reshape(shape) if shape else dense.reshape(-1)
+    array = np.frombuffer(tensor.dense, dtype=dtype)
+    return array.reshape(shape) if shape else array
+
+
+def tokens_of(chunks: Any, where: str) -> list[int]:
+    """The token ids of a model input (protobuf chunks); images and audio are refused."""
+    tokens: list[int] = []
+    for index, chunk in enumerate(chunks):
+        kind = chunk.WhichOneof("chunk") if hasattr(chunk, "WhichOneof") else None
+        if kind != "encoded_text":
+            raise InvalidRequestError(f"{where}.chunks.{index} is a {kind} chunk; only encoded_text is served")
+        tokens += np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist()
+    return tokens
+
+
+def batch_from_request(request: pb.ForwardBackwardRequest, *, pad_id: int) -> tuple[dict[str, Any], list[int]]:
+    """The canonical batch of one forward(-backward) chunk, and each datum's length."""
+    import torch
+
+    loss_fn = request.loss_fn
+    if loss_fn not in _TINKER_LOSSES:
+        raise InvalidRequestError(f"loss_fn {loss_fn!r} is not served; use one of {list(_TINKER_LOSSES)}")
+    if not request.data:
+        raise InvalidRequestError("data is empty; send at least one datum")
+    config: dict[str, Any] = {name: value for name, value in request.loss_fn_config.items()}
+    for name, value in request.loss_fn_config_v2.items():
+        config[name] = value.text if value.WhichOneof("value") == "text" else value.number
+    rows: list[list[int]] = []
+    inputs: list[dict[str, np.ndarray]] = []
+    for index, datum in enumerate(request.data):
+        tokens = tokens_of(datum.model_input, f"data.{index}.model_input")
+        if not tokens:
+            raise InvalidRequestError(f"data.{index}.model_input is empty; give at least one token")
+        fields = {}
+        for name, tensor in datum.loss_fn_inputs.items():
+            if name not in _CONTEXT_NAMES:
+                continue
+            array = _array(tensor, f"data.{index}.loss_fn_inputs.{name}").reshape(-1)
+            if len(array) != len(tokens):
+                raise InvalidRequestError(
+                    f"data.{index}.loss_fn_inputs.{name} has {len(array)} values for {len(tokens)} input tokens; "
+                    "give one per input position"
+                )
+            fields[_CONTEXT_NAMES[name]] = array
+        if "target_tokens" not in fields:
+            raise InvalidRequestError(f"data.{index}.loss_fn_inputs.target_tokens is missing; it is required")
+        rows.append(tokens)
+        inputs.append(fields)
+    lengths = [len(r) for r in rows]
+    num_rows, width = len(rows), max(lengths)
+    input_ids = torch.full((num_rows, width), pad_id, dtype=torch.int64)
+    attention = torch.zeros((num_rows, width), dtype=torch.int64)
+    context = {name: torch.zeros((num_rows, width)) for name in {n for fields in inputs for n in fields}}
+    context["target_tokens"] = torch.full((num_rows, width), pad_id, dtype=torch.int64)
+    if loss_fn == "cross_entropy" and "weights" not in context:
+        context["weights"] = torch.zeros((num_rows, width))
+    for row, (tokens, fields) in enumerate(zip(rows, inputs, strict=True)):
+        input_ids[row, : len(tokens)] = torch.tensor(tokens)
+        attention[row, : len(tokens)] = 1
+        if loss_fn == "cross_entropy" and "weights" not in fields:
+            context["weights"][row, : len(tokens)] = 1.0
+        for name, array in fields.items():
+            context[name][row, : len(tokens)] = torch.from_numpy(
+                array.astype(np.int64 if name == "target_tokens" else np.float32)
+            )
+    context["loss_mask"] = attention.float()
+    for name in ("advantages", "old_logprobs") if loss_fn != "cross_entropy" else ():
+        if name not in context:
+            field = "advantages" if name == "advantages" else "logprobs"
+            raise InvalidRequestError(f"loss {loss_fn!r} needs loss_fn_inputs.{field} in every datum")
+    processing = {"loss_fn": loss_fn, "config": {**config, "loss_agg_mode": "token-sum", "return_logprobs": True,
+                                                 "forward_only": request.forward_only}}  # fmt: skip
+    batch = {"kwargs": {"input_ids": input_ids, "attention_mask": attention}, "context": context,
+             "processing": processing}  # fmt: skip
+    return batch, lengths
+
+
+def _batched(arrays: list[np.ndarray], dtype: int) -> pb.BatchedTensor:
+    offsets = np.cumsum([0, *(a.nbytes for a in arrays)]).astype(np.int64)
+    return pb.BatchedTensor(data=b"".join(a.tobytes() for a in arrays), offsets=offsets.tobytes(), dtype=dtype)
+
+
+def forward_backward_output(result: dict[str, Any]) -> bytes:
+    """A stored forward(-backward) result (``loss``, ``metrics``, per-datum ``logprobs``) as protobuf."""
+    logprobs = [np.asarray(row, dtype=np.float32) for row in result["logprobs"]]
+    metrics = {"loss:sum": float(result["loss"])}
+    metrics |= {f"{name}:mean": float(v) for name, v in result["metrics"].items() if name != "loss"}
+    record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=len(logprobs))
+    record.fields["logprobs"].CopyFrom(_batched(logprobs, pb.DTYPE_FLOAT32))
+    message = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics=metrics)
+    message.loss_fn_outputs.append(record)
+    return message.SerializeToString()
+
+
+def sample_response(result: dict[str, Any]) -> bytes:
+    """A stored sample result (``samples`` of one prompt, ``prompt_logprobs``) as protobuf."""
+    message = pb.SampleResponse()
+    for sample in result["samples"]:
+        message.sequences.append(
+            pb.SampledSequence(
+                stop_reason=pb.STOP_REASON_STOP if sample["finish_reason"] == "stop" else pb.STOP_REASON_LENGTH,
+                tokens=np.asarray(sample["token_ids"], dtype=np.int32).tobytes(),
+                logprobs=np.asarray(sample.get("logprobs", []), dtype=np.float32).tobytes(),
+            )
+        )
+    prompt_logprobs = result.get("prompt_logprobs")
+    if prompt_logprobs is not None:
+        values = [math.nan if v is None else v for v in prompt_logprobs]
+        message.prompt_logprobs = np.asarray(values, dtype=np.float32).tobytes()
+    return message.SerializeToString()

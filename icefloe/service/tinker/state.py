@@ -1,0 +1,283 @@
+"""Sessions, models, sampling sessions and futures of the Tinker API, mapped onto jobs.
+
+A Tinker model is one job with a training and a sampling sub-job (LoRA from ``lora_config.rank``);
+its training ops run on the training sub-job's ordered worker, in ``seq_id`` order: a POST waits
+until the number before it was taken (accepted or refused: a refused number counts as consumed),
+and a resent number gets the future it got the first time. A future is a request of the request
+table (or, for a model being created, the job reaching ``running``); ``retrieve_future`` long-polls
+it through the table's waiters. A sampling session samples with its model's sampling sub-job, or
+with a sampling job of its own (a base model, or weights saved earlier).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from icefloe.protocol import ConflictError, InvalidRequestError, NotFoundError
+from icefloe.service import store
+from icefloe.service.jobs import JobManager, LiveJob
+from icefloe.service.models import JobCreate
+
+__all__ = ["CheckpointPath", "Future", "Model", "SamplingSession", "TinkerState"]
+
+_log = logging.getLogger("icefloe.service.tinker")
+_KINDS = ("weights", "sampler_weights")
+_FUTURES_KEPT = 100_000
+_START_POLL_S = 0.05  # how often a waiter looks at a starting job's state (no event exists for it)
+
+
+@dataclass(frozen=True)
+class CheckpointPath:
+    """``tinker://<run>/<weights|sampler_weights>/<name>``: run = the model id that saved it."""
+
+    run: str
+    kind: str
+    name: str
+
+    @classmethod
+    def parse(cls, path: str) -> CheckpointPath:
+        parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
+        if len(parts) != 3 or parts[1] not in _KINDS or not all(parts):
+            raise InvalidRequestError(
+                f"path must be tinker://<run>/<weights|sampler_weights>/<name> (no '/' inside a part); got {path!r}"
+            )
+        return cls(*parts)
+
+    @property
+    def checkpoint_id(self) -> str:  # the job's checkpoint record
+        return f"tinker-{self.kind}-{self.name}"
+
+    def __str__(self) -> str:
+        return f"tinker://{self.run}/{self.kind}/{self.name}"
+
+
+@dataclass
+class Future:
+    """What ``retrieve_future`` answers for one request id.
+
+    ``request_id`` set: a request of the job's table, its stored result passed through ``render``
+    (a JSON dict, or protobuf bytes). Unset: the job itself, ``render(None)`` once it runs.
+    """
+
+    job_id: str
+    render: Callable[[Any], dict[str, Any] | bytes]
+    request_id: str | None = None
+
+
+@dataclass
+class Model:
+    model_id: str
+    session_id: str
+    job_id: str
+    base_model: str
+    lora_rank: int | None
+    next_seq: int = 1
+    taken: dict[int, dict[str, Any]] = field(default_factory=dict)  # seq_id -> the answer it got
+    turn: asyncio.Condition = field(default_factory=asyncio.Condition)
+    sampler_path: str | None = None  # the saved weights the model's own sampler holds now
+
+
+@dataclass
+class SamplingSession:
+    sampling_session_id: str
+    session_id: str
+    job_id: str
+    base_model: str
+    model_path: str | None
+    taken: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+class TinkerState:
+    """Everything the Tinker routes keep between calls; lives on ``app.state.tinker``."""
+
+    def __init__(self, manager: JobManager, *, gap_timeout_s: float, session_lease_s: float = 120.0) -> None:
+        self.manager = manager
+        self.gap_timeout_s = gap_timeout_s
+        self.session_lease_s = session_lease_s  # the SDK heartbeats every 10 s
+        self.sessions: dict[str, str] = {}  # session id -> "active" | "finished"
+        self.heartbeats: dict[str, float] = {}  # session id -> monotonic time of its last sign of life
+        self._reaper: asyncio.Task[None] | None = None
+        self.session_jobs: dict[str, list[str]] = {}
+        self.models: dict[str, Model] = {}
+        self.samplers: dict[str, SamplingSession] = {}
+        self.futures: dict[str, Future] = {}
+
+    # --- sessions -----------------------------------------------------------------------------
+    def create_session(self) -> str:
+        session_id = uuid.uuid4().hex
+        self.sessions[session_id] = "active"
+        self.session_jobs[session_id] = []
+        self.heartbeat(session_id)
+        if self._reaper is None:  # on the server's loop, which cancels it at shutdown
+            self._reaper = asyncio.get_running_loop().create_task(self._reap_lapsed_sessions())
+        return session_id
+
+    def heartbeat(self, session_id: str) -> None:
+        """The session lives on, and so do its jobs: their leases are renewed with it."""
+        self.heartbeats[session_id] = time.monotonic()
+        for job_id in self.session_jobs.get(session_id, []):
+            self.manager.renew(job_id)
+
+    async def _reap_lapsed_sessions(self) -> None:
+        """The session is the lease: one whose heartbeats stop for ``session_lease_s`` is finished."""
+        while True:
+            await asyncio.sleep(min(5.0, self.session_lease_s / 2))
+            now = time.monotonic()
+            for session_id, status in list(self.sessions.items()):
+                if status == "active" and now - self.heartbeats[session_id] > self.session_lease_s:
+                    _log.warning(
+                        "session %s sent no heartbeat for %g s; finishing it", session_id, self.session_lease_s
+                    )
+                    try:
+                        await asyncio.to_thread(self.finish_session, session_id)
+                    except Exception as exc:  # the service is shutting down under it
+                        _log.warning("finishing lapsed session %s failed: %s", session_id, exc)
+
+    def session(self, session_id: str) -> str:
+        status = self.sessions.get(session_id)
+        if status is None:
+            raise NotFoundError(f"session {session_id} not found; create one with create_session")
+        return status
+
+    def finish_session(self, session_id: str) -> None:
+        """End the session and cancel its jobs (models and samplers); idempotent."""
+        self.session(session_id)
+        self.sessions[session_id] = "finished"
+        for job_id in self.session_jobs.get(session_id, []):
+            with contextlib.suppress(ConflictError):  # failed or finished already
+                self.manager.cancel(job_id)
+
+    # --- jobs ---------------------------------------------------------------------------------
+    def create_job(
+        self,
+        session_id: str,
+        base_model: str,
+        *,
+        lora_rank: int | None,
+        training: bool,
+        name: str,
+        source: CheckpointPath | None = None,
+        load_optimizer: bool = True,
+    ) -> str:
+        if self.session(session_id) != "active":
+            raise ConflictError(f"session {session_id} is finished; create a new session")
+        peft = {"peft_config": {"peft_type": "Lora", "r": lora_rank, "lora_alpha": lora_rank}} if lora_rank else {}
+        sub_jobs: list[dict[str, Any]] = []
+        if training:
+            training_config = {**peft, "max_seq_len": 2048, "load_optimizer_states": load_optimizer}
+            sub_jobs.append({"job_type": "training", "model_name": base_model, "training_config": training_config})
+        sampling: dict[str, Any] = {"job_type": "sampling", "model_name": base_model,
+                                    "inference_config": {**peft, "max_seq_len": 2048}}  # fmt: skip
+        sub_jobs.append(sampling)
+        if source is not None:
+            job_id = self.checkpoint_job(source)
+            info = {"checkpoint_id": source.checkpoint_id, "source_job_id": job_id}
+            sub_jobs[0]["source_checkpoint_info"] = info
+        body = JobCreate.model_validate({"sub_job_configs": sub_jobs, "experiment_name": name})
+        job_id = self.manager.create(body, database="tinker", schema=session_id)
+        self.session_jobs[session_id].append(job_id)
+        return job_id
+
+    async def running(self, job_id: str, timeout_s: float) -> LiveJob | None:
+        """The job once it runs; None if it is still starting after ``timeout_s``."""
+        with contextlib.suppress(ConflictError):  # the common case, from memory: it runs
+            return self.manager.live(job_id)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            status = self.manager.public(job_id)["status"]
+            if status == "running":
+                return self.manager.live(job_id)
+            if status not in ("pending", "placing", "initializing"):
+                raise ConflictError(f"job {job_id} is {status}: {self.manager.public(job_id)['reason'] or ''}")
+            if asyncio.get_running_loop().time() >= deadline:
+                return None
+            await asyncio.sleep(_START_POLL_S)
+
+    async def live(self, job_id: str) -> LiveJob:
+        job = await self.running(job_id, timeout_s=600.0)
+        if job is None:
+            raise ConflictError(f"job {job_id} did not start within 600 s")
+        return job
+
+    def sub_job(self, job: LiveJob, job_type: str) -> str:
+        return next(sid for sid, spec in job.specs.items() if spec.job_type == job_type)
+
+    # --- models and their ordered ops ---------------------------------------------------------
+    def model(self, model_id: str) -> Model:
+        model = self.models.get(model_id)
+        if model is None:
+            raise NotFoundError(f"model {model_id} not found; create it with create_model")
+        return model
+
+    async def in_turn(self, model: Model, seq_id: int | None, submit: Callable[[], Awaitable[dict[str, Any]]]) -> dict:
+        """Run ``submit`` (which queues the op) when ``seq_id`` is next for the model; dedupe resends."""
+        if seq_id is None:
+            return await submit()
+        if seq_id in model.taken:
+            return model.taken[seq_id]
+        async with model.turn:
+            try:
+                await asyncio.wait_for(model.turn.wait_for(lambda: model.next_seq >= seq_id), self.gap_timeout_s)
+            except TimeoutError:
+                raise ConflictError(
+                    f"seq_id {seq_id} of model {model.model_id} waited {self.gap_timeout_s:g} s for "
+                    f"seq_id {model.next_seq}, which never arrived"
+                ) from None
+            if seq_id in model.taken:  # a resend that waited behind its first copy
+                return model.taken[seq_id]
+            try:
+                answer = await submit()
+                model.taken[seq_id] = answer
+                model.taken.pop(seq_id - _FUTURES_KEPT, None)
+                return answer
+            finally:  # taken or refused: the number is used up
+                model.next_seq = max(model.next_seq, seq_id + 1)
+                model.turn.notify_all()
+
+    def future(self, job_id: str, render: Callable[[Any], Any], request_id: str | None = None) -> str:
+        future_id = request_id or f"{job_id}:start:{uuid.uuid4().hex}"
+        self.futures[future_id] = Future(job_id, render, request_id)
+        while len(self.futures) > _FUTURES_KEPT:  # the oldest first: long retrieved by now
+            del self.futures[next(iter(self.futures))]
+        return future_id
+
+    # --- checkpoints --------------------------------------------------------------------------
+    def checkpoint_job(self, path: CheckpointPath) -> str:
+        """The job that saved ``path`` (from this process's models, or the store)."""
+        model = self.models.get(path.run)
+        if model is not None and store.get_checkpoint(
+            self.manager.db, job_id=model.job_id, checkpoint_id=path.checkpoint_id
+        ):
+            return model.job_id
+        for record in store.find_checkpoints(self.manager.db, checkpoint_id=path.checkpoint_id):
+            row = store.get_job(self.manager.db, job_id=record["job_id"])
+            if row is not None and row["spec"].get("experiment_name") == path.run:
+                return record["job_id"]
+        raise NotFoundError(f"checkpoint {path} not found; save it with save_weights or save_weights_for_sampler")
+
+    def checkpoint_folder(self, path: CheckpointPath) -> Path:
+        job_id = self.checkpoint_job(path)
+        record = store.get_checkpoint(self.manager.db, job_id=job_id, checkpoint_id=path.checkpoint_id)
+        assert record is not None
+        return Path(record["path"])
+
+    def base_model_of(self, path: CheckpointPath) -> tuple[str, int | None]:
+        """The base model and LoRA rank of the run that saved ``path``."""
+        row = store.get_job(self.manager.db, job_id=self.checkpoint_job(path))
+        assert row is not None
+        first = row["spec"]["body"]["sub_job_configs"][0]
+        section = first.get("training_config") or first.get("inference_config") or {}
+        return first["model_name"], (section.get("peft_config") or {}).get("r")
+
+
+def result_of(row: dict[str, Any]) -> Any:
+    return json.loads(row["result"]) if row.get("result") else None

@@ -1,0 +1,301 @@
+"""The unmodified ``tinker`` SDK (0.38.0) against ``icefloe serve`` on a real uvicorn, with the tiny chat model."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+tinker = pytest.importorskip("tinker")
+
+from tinker import types  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+from icefloe.cli import app  # noqa: E402
+from icefloe.service.app import ServerThread  # noqa: E402
+from tests.service.service_harness import make_app  # noqa: E402
+
+API_KEY = "tml-icefloe-test"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    """The exported tiny:chat folder, which the SDK and the service both load offline."""
+    folder = str(tmp_path_factory.mktemp("models") / "tiny-chat")
+    assert CliRunner().invoke(app, ["models", "export", "tiny:chat", folder]).exit_code == 0
+    return folder
+
+
+@pytest.fixture(scope="module")
+def base_url(tmp_path_factory, model):
+    root = Path(model).parent
+    service_app = make_app(
+        tmp_path_factory.mktemp("serve"), slots=8, engines="local", tokens=[API_KEY], model_root=root
+    )
+    with ServerThread(service_app) as url:
+        yield url
+
+
+@pytest.fixture
+def service(base_url):
+    with tinker.ServiceClient(base_url=base_url, api_key=API_KEY) as client:
+        yield client
+
+
+def _sft_datum(tokenizer, text: str) -> types.Datum:
+    tokens = tokenizer.encode(text)
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+
+
+def test_forward_backward_and_optim_step_lower_the_loss(service, model):
+    by_name = service.create_lora_training_client(base_model=Path(model).name, rank=4).result()
+    assert by_name.get_info().model_data.tokenizer_id == model  # a name under the model root, resolved
+    training = service.create_lora_training_client(base_model=model, rank=4).result()
+    assert training.get_info().is_lora and training.get_info().lora_rank == 4
+    tokenizer = training.get_tokenizer()
+    data = [_sft_datum(tokenizer, "hello world\n"), _sft_datum(tokenizer, "Tinker on icefloe!")]
+    adam = types.AdamParams(learning_rate=1e-2)
+    losses = []
+    for _ in range(4):
+        result = training.forward_backward(data, "cross_entropy").result()
+        training.optim_step(adam).result()
+        losses.append(result.metrics["loss:sum"])
+        assert [len(out["logprobs"].tolist()) for out in result.loss_fn_outputs] == [11, 17]
+    assert losses[-1] < losses[0]
+    expected = -sum(sum(out["logprobs"].tolist()) for out in result.loss_fn_outputs)
+    assert math.isclose(result.metrics["loss:sum"], expected, rel_tol=1e-4)
+
+
+def _policy_data(tokenizer, text: str, logprobs: list[float], advantage: float) -> types.Datum:
+    tokens = tokenizer.encode(text)
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": tokens[1:],
+            "logprobs": logprobs,
+            "advantages": [advantage] * (len(tokens) - 1),
+        },
+    )
+
+
+def test_forward_logprobs_equal_compute_logprobs_of_saved_weights(service, model):
+    training = service.create_lora_training_client(base_model=model, rank=4).result()
+    tokenizer = training.get_tokenizer()
+    datum = _sft_datum(tokenizer, "logprobs agree\n")
+    training.forward_backward([datum], "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    path = training.save_weights_for_sampler("after-one-step").result().path
+    assert path == f"tinker://{training.model_id}/sampler_weights/after-one-step"
+    sampler = service.create_sampling_client(model_path=path).result()
+    tokens = tokenizer.encode("logprobs agree\n")
+    prompt_logprobs = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
+    trained = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    assert prompt_logprobs[0] is None and len(prompt_logprobs) == len(tokens)
+    assert prompt_logprobs[1:] == pytest.approx(trained, abs=1e-4)
+
+
+def test_sample_returns_several_sequences_with_stops_logprobs_and_ids(service, model):
+    sampler = service.create_sampling_client(base_model=model).result()
+    tokenizer = sampler.get_tokenizer()
+    stops = sorted(set(tokenizer.encode("aeiouAEIOU stn")))
+    prompt = types.ModelInput.from_ints(tokenizer.encode("Q: say something\nA:"))
+    params = types.SamplingParams(max_tokens=40, temperature=1.0, stop=stops, seed=3)
+    response = sampler.sample(prompt, num_samples=3, sampling_params=params).result()
+    assert len(response.sequences) == 3
+    assert len({seq.sequence_id for seq in response.sequences}) == 3
+    for seq in response.sequences:
+        assert len(seq.logprobs) == len(seq.tokens) and all(lp <= 0 for lp in seq.logprobs)
+        assert not set(seq.tokens[:-1]) & set(stops)  # nothing stops before the stop token
+        if seq.stop_reason == "stop":
+            assert seq.tokens[-1] in stops  # the stop token is the last one returned
+    assert any(seq.stop_reason == "stop" for seq in response.sequences)
+    unstoppable = types.SamplingParams(max_tokens=5, stop=[], seed=3)
+    response = sampler.sample(prompt, num_samples=2, sampling_params=unstoppable).result()
+    assert [(seq.stop_reason, len(seq.tokens)) for seq in response.sequences] == [("length", 5)] * 2
+
+
+def test_importance_sampling_and_ppo_losses_are_sums_over_tokens(service, model):
+    training = service.create_lora_training_client(base_model=model, rank=4).result()
+    tokenizer = training.get_tokenizer()
+    texts = ["2+2=4", "one more rollout"]
+    current = training.forward([_sft_datum(tokenizer, t) for t in texts], "cross_entropy").result()
+    on_policy = [out["logprobs"].tolist() for out in current.loss_fn_outputs]
+    data = [_policy_data(tokenizer, t, lp, adv) for t, lp, adv in zip(texts, on_policy, [1.0, -0.5], strict=True)]
+    expected = -(1.0 * 4 - 0.5 * 15)  # ratio 1 on-policy: -Σ A over every target token
+    result = training.forward_backward(data, "importance_sampling").result()
+    assert result.metrics["loss:sum"] == pytest.approx(expected, abs=1e-4)
+    ppo = training.forward(data, "ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}).result()
+    assert ppo.metrics["loss:sum"] == pytest.approx(expected, abs=1e-4)
+    scored = [lp for out in ppo.loss_fn_outputs for lp in out["logprobs"].tolist()]
+    assert scored == pytest.approx([lp for row in on_policy for lp in row], abs=1e-5)
+
+
+def test_save_state_then_resume_with_optimizer_continues_exactly(service, model):
+    training = service.create_lora_training_client(base_model=model, rank=4).result()
+    tokenizer = training.get_tokenizer()
+    data = [_sft_datum(tokenizer, "resume me exactly")]
+    adam = types.AdamParams(learning_rate=1e-2)
+    training.forward_backward(data, "cross_entropy").result()
+    training.optim_step(adam).result()
+    path = training.save_state("step-1").result().path
+    assert path == f"tinker://{training.model_id}/weights/step-1"
+
+    def one_more_step(client) -> float:
+        client.forward_backward(data, "cross_entropy").result()
+        client.optim_step(adam).result()
+        return client.forward(data, "cross_entropy").result().metrics["loss:sum"]
+
+    continued = one_more_step(training)
+    resumed = service.create_training_client_from_state_with_optimizer(path).result()
+    assert one_more_step(resumed) == pytest.approx(continued, abs=1e-5)
+    weights_only = service.create_training_client_from_state(path).result()
+    assert one_more_step(weights_only) != pytest.approx(continued, abs=1e-5)  # fresh Adam moments
+
+
+def test_async_ops_submitted_back_to_back_complete_in_order(service, model):
+    training = service.create_lora_training_client(base_model=model, rank=4).result()
+    tokenizer = training.get_tokenizer()
+    data = [_sft_datum(tokenizer, "pipelined"), _sft_datum(tokenizer, "steps")]
+    futures = []
+    for step in range(4):  # nothing awaited until every op is submitted
+        futures.append(training.forward_backward(data, "cross_entropy"))
+        futures.append(training.optim_step(types.AdamParams(learning_rate=1e-2 * (step + 1))))
+    results = [future.result() for future in futures]
+    losses = [r.metrics["loss:sum"] for r in results[0::2]]
+    assert losses == sorted(losses, reverse=True) and len(set(losses)) == 4  # each saw the step before it
+    assert [r.metrics["learning_rate:mean"] for r in results[1::2]] == pytest.approx([0.01, 0.02, 0.03, 0.04])
+
+
+def test_leaving_the_service_client_finishes_its_session(base_url, model):
+    import httpx
+
+    with tinker.ServiceClient(base_url=base_url, api_key=API_KEY) as service:
+        service.create_lora_training_client(base_model=model, rank=4).result()
+        session_id = service.holder.get_session_id()
+    headers = {"X-API-Key": API_KEY}
+    answer = httpx.post(f"{base_url}/api/v1/session_heartbeat", json={"session_id": session_id}, headers=headers)
+    assert answer.status_code == 410
+    refused = httpx.post(f"{base_url}/api/v1/create_session", json={}, headers={"X-API-Key": "tml-wrong"})
+    assert refused.status_code == 401
+
+
+def test_a_session_without_heartbeats_lapses_and_its_jobs_are_cancelled(tmp_path, model):
+    import time
+
+    import httpx
+
+    service_app = make_app(tmp_path / "serve", engines="local", model_root=Path(model).parent)
+    with ServerThread(service_app) as url:
+        service_app.state.tinker.session_lease_s = 0.2
+        session_id = httpx.post(f"{url}/api/v1/create_session", json={}).json()["session_id"]
+        httpx.post(
+            f"{url}/api/v1/create_model", json={"session_id": session_id, "model_seq_id": 0, "base_model": model}
+        )
+        deadline = time.monotonic() + 60
+        while (
+            status := httpx.post(f"{url}/api/v1/session_heartbeat", json={"session_id": session_id})
+        ).status_code == 200:
+            assert time.monotonic() < deadline, "the lapsed session was never finished"
+            time.sleep(1.0)  # five leases without a heartbeat (each probe is one)
+        assert status.status_code == 410
+
+
+def test_save_weights_and_get_sampling_client_and_a_custom_loss(service, model):
+    training = service.create_lora_training_client(base_model=model, rank=4).result()
+    tokenizer = training.get_tokenizer()
+    datum = _sft_datum(tokenizer, "custom loss\n")
+
+    def negative_log_likelihood(data, logprobs_list):
+        loss = sum(-lp.sum() for lp in logprobs_list)
+        return loss, {"nll": float(loss.detach())}
+
+    custom = training.forward_backward_custom([datum], negative_log_likelihood).result()
+    builtin = training.forward([datum], "cross_entropy").result()
+    assert custom.metrics["loss:sum"] == pytest.approx(builtin.metrics["loss:sum"], rel=1e-5)
+    training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    sampler = training.save_weights_and_get_sampling_client().result()
+    tokens = tokenizer.encode("custom loss\n")
+    trained = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    assert sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()[1:] == pytest.approx(trained, abs=1e-4)
+
+
+def test_a_refused_op_uses_up_its_seq_id_and_the_next_op_runs(service, model):
+    training = service.create_lora_training_client(base_model=model, rank=4).result()
+    tokenizer = training.get_tokenizer()
+    tokens = tokenizer.encode("no targets")
+    missing_targets = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens), loss_fn_inputs={"weights": [1.0] * 10}
+    )
+    with pytest.raises(tinker.BadRequestError, match="target_tokens is missing"):
+        training.forward_backward([missing_targets], "cross_entropy").result()
+    result = training.forward_backward([_sft_datum(tokenizer, "next one runs")], "cross_entropy").result()
+    assert result.metrics["loss:sum"] > 0
+
+
+def test_one_service_answers_the_tinker_sdk_and_the_training_api_at_once(service, base_url, model):
+    from icefloe.client import Client
+    from icefloe.config import ClientConfig
+
+    training = service.create_lora_training_client(base_model=model, rank=4).result()
+    tokenizer = training.get_tokenizer()
+    pending = training.forward_backward([_sft_datum(tokenizer, "both APIs")], "cross_entropy")
+    config = ClientConfig.build(model=model, backend={"type": "remote", "base_url": base_url, "pat": API_KEY})
+    with Client(config) as client:
+        (sample,) = client.generate([tokenizer.encode("both")], {"max_tokens": 3, "seed": 1})
+    assert len(sample["token_ids"]) <= 3
+    assert pending.result().metrics["loss:sum"] > 0
+
+
+def test_rest_client_lists_a_runs_checkpoints_and_their_weights_info(service, base_url, model):
+    training = service.create_lora_training_client(base_model=model, rank=4).result()
+    state_path = training.save_state("kept").result().path
+    sampler_path = training.save_weights_for_sampler("for-sampling").result().path
+    rest = tinker.RestClient(base_url=base_url, api_key=API_KEY)
+    listed = rest.list_checkpoints(training.model_id).result().checkpoints
+    assert sorted((c.checkpoint_type, c.tinker_path) for c in listed) == [
+        ("sampler", sampler_path),
+        ("training", state_path),
+    ]
+    info = rest.get_weights_info_by_tinker_path(state_path).result()
+    assert (info.base_model, info.is_lora, info.lora_rank) == (model, True, 4)
+
+
+def test_a_resent_seq_id_gets_its_first_future_and_a_later_one_waits_its_turn(base_url, model):
+    import concurrent.futures
+
+    import httpx
+    from tinker.proto.request_conv import forward_backward_request_to_proto
+
+    with httpx.Client(base_url=f"{base_url}/api/v1", headers={"X-API-Key": API_KEY}, timeout=60) as http:
+        session_id = http.post("/create_session", json={}).json()["session_id"]
+        created = http.post("/create_model", json={"session_id": session_id, "model_seq_id": 0, "base_model": model})
+        model_id = created.json()["model_id"]
+        future = {"request_id": created.json()["request_id"]}
+        while http.post("/retrieve_future", json=future).json().get("type") == "try_again":
+            pass  # long-polls until the model runs
+
+        def optim_step() -> dict:  # seq_id 2: refused by the engine if it ran before the forward_backward
+            return http.post("/optim_step", json={"model_id": model_id, "seq_id": 2, "adam_params": {}}).json()
+
+        tokens = list(range(10, 20))
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={"target_tokens": tokens[1:]}
+        )
+        request = types.ForwardBackwardRequest(
+            forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy"),
+            model_id=model_id,
+            seq_id=1,
+        )
+        body = forward_backward_request_to_proto(request).SerializeToString()
+        headers = {"Content-Type": "application/x-protobuf"}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            second = pool.submit(optim_step)  # sent first: held until seq_id 1 is taken
+            first = http.post("/forward_backward", content=body, headers=headers).json()
+            assert http.post("/forward_backward", content=body, headers=headers).json() == first  # a resend
+            step = http.post("/retrieve_future", json={"request_id": second.result()["request_id"]}).json()
+        assert step["metrics"]["grad_norm:mean"] > 0  # the step saw the forward_backward's gradients
+        http.post(f"/sessions/{session_id}/finish", json={"reason": {"type": "success"}})

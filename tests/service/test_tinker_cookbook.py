@@ -1,0 +1,48 @@
+"""tinker-cookbook's math_rl recipe (0.6.1, unmodified) against ``icefloe serve``, run as a user runs it.
+
+CI installs the cookbook with ``make test-slow`` (``--no-deps`` plus what it imports: it declares
+``tml-renderers``, which PyPI cannot satisfy and this recipe never imports).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+if importlib.util.find_spec("tinker_cookbook") is None:
+    pytest.skip("needs tinker-cookbook (make test-slow installs it)", allow_module_level=True)
+
+from icefloe.service.app import ServerThread  # noqa: E402
+from tests.service.service_harness import make_app  # noqa: E402
+
+
+def test_math_rl_arithmetic_trains_against_icefloe_serve(tmp_path):
+    model = tmp_path / "tiny-chat"
+    subprocess.run([sys.executable, "-m", "icefloe.cli", "models", "export", "tiny:chat", str(model)], check=True)
+    log_path = tmp_path / "run"
+    with ServerThread(make_app(tmp_path / "serve", engines="local", model_root=tmp_path)) as base_url:
+        recipe = subprocess.run(
+            [
+                sys.executable, "-m", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic",
+                f"model_name={model}", "renderer_name=role_colon", f"base_url={base_url}", "lora_rank=8",
+                "groups_per_batch=4", "group_size=4", "max_tokens=8", "max_steps=3", "learning_rate=1e-3",
+                "loss_fn=importance_sampling", f"log_path={log_path}", "behavior_if_log_dir_exists=delete",
+            ],
+            env={**os.environ, "TINKER_API_KEY": "tml-cookbook", "HF_HUB_OFFLINE": "1"},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )  # fmt: skip
+    assert recipe.returncode == 0, recipe.stdout[-3000:] + recipe.stderr[-3000:]
+    rows = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
+    kls = [row["optim/kl_sample_train_v1"] for row in rows if "optim/kl_sample_train_v1" in row]
+    assert len(kls) == 3 and all(abs(kl) < 1e-4 for kl in kls)  # the sampler samples what the trainer trains
+    final = json.loads((log_path / "checkpoints.jsonl").read_text().splitlines()[-1])
+    assert final["name"] == "final" and final["state_path"].endswith("/weights/final")
