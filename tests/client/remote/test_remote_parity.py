@@ -82,7 +82,7 @@ def test_bad_requests_and_checkpoint_listings_have_one_type_on_every_backend(ser
 
 def test_reading_a_running_jobs_log_without_follow_ends_at_its_current_end(service):
     with Client(service.config()) as client, ServiceAdmin(service.config().backend) as admin:
-        client.step()
+        client.open()  # the job is running
         job_id = client.handle()["transport"]["job_id"]
         entries = list(admin.read_logs(job_id, follow=False))
         assert any("job is running" in entry["msg"] for entry in entries)
