@@ -53,8 +53,10 @@ class JobState:
         if to not in TRANSITIONS[self.status]:
             raise ConflictError(f"job {self.job_id} is {self.status}; a {self.status} job cannot become {to}")
         self.status = to
-        store.update_job(self._db, job_id=self.job_id, status=to, reason=reason)
+        # Logged before the row changes: a `logs --follow` reader stops once it sees the job ended,
+        # so the line saying so must already be in the log.
         self._log.write(f"job is {to}" + (f": {reason}" if reason else ""), level="ERROR" if to == "failed" else "INFO")
+        store.update_job(self._db, job_id=self.job_id, status=to, reason=reason)
 
     def advance(self, to: str) -> bool:
         """The job's thread moves on to ``to``; False (nothing moves) once a stop was asked for."""
