@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import socket
+import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 
@@ -22,3 +28,30 @@ def _synchronize(device: Any) -> None:
         import torch
 
         torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def serve(data_dir: Path, *args: str) -> Iterator[str]:
+    """``icefloe serve`` in its own process, as a user runs it (``args``: more flags); yields its base URL."""
+    import httpx
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "icefloe.cli", "serve", "--port", str(port), "--data-dir", str(data_dir), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one torch thread, like the benchmark process: a fair comparison
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                    break
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"icefloe serve did not come up on {base_url}")
+            time.sleep(0.2)
+        yield base_url
+    finally:
+        process.terminate()
+        process.wait(timeout=60)

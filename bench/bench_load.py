@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.bench_remote import _service
+from bench import serve
 from icefloe import wire
 from icefloe.client import build_batch
 
@@ -112,7 +112,7 @@ def main(argv: list[str]) -> None:
 
     with (
         tempfile.TemporaryDirectory(prefix="icefloe-bench-") as tmp,
-        _service(Path(tmp)) as base_url,
+        serve(Path(tmp)) as base_url,
         httpx.Client(base_url=base_url + _PREFIX, timeout=60) as http,
     ):
         sub_job = {"job_type": "training", "model_name": "tiny:arith"}

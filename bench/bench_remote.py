@@ -20,53 +20,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import os
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 from rich.console import Console
 from rich.table import Table
 
+from bench import serve
 from icefloe.client import AsyncClient, build_batch
 from icefloe.config import ClientConfig
 from icefloe.recipes.grpo import GRPOConfig, run
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _service(data_dir: Path) -> Iterator[str]:
-    """``icefloe serve`` in its own process, as a user would run it."""
-    port = _free_port()
-    command = [sys.executable, "-m", "icefloe.cli", "serve", "--port", str(port), "--data-dir", str(data_dir)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one torch thread, like this process: a fair comparison
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                    break
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"icefloe serve did not come up on {base_url}")
-            time.sleep(0.2)
-        yield base_url
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
 
 
 def _demo_step_s(backend: str, base_url: str, out_dir: Path, steps: int, warmup: int) -> list[float]:
@@ -138,7 +104,7 @@ def main(argv: list[str]) -> None:
     _quiet_transformers()
     with (
         tempfile.TemporaryDirectory(prefix="bench-remote-") as tmp,
-        _service(Path(tmp) / "serve") as base_url,
+        serve(Path(tmp) / "serve") as base_url,
     ):
         step_s: dict[str, list[list[float]]] = {"local": [], "remote": []}
         for _ in range(args.repeats):

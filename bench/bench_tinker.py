@@ -14,51 +14,20 @@ futures, ``forward_backward`` and ``optim_step`` submitted back to back; icefloe
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 from rich.console import Console
 from rich.table import Table
 
+from bench import serve
 from icefloe.client import Client, build_batch
 from icefloe.config import ClientConfig
 
 API_KEY = "tml-bench"  # the SDK wants a key; the service runs without auth here
-
-
-@contextlib.contextmanager
-def _service(data_dir: Path, model_root: Path) -> Iterator[str]:
-    """``icefloe serve`` in its own process, as a user runs it, serving the models under ``model_root``."""
-    from bench.bench_remote import _free_port
-
-    port = _free_port()
-    command = [sys.executable, "-m", "icefloe.cli", "serve", "--port", str(port), "--data-dir", str(data_dir),
-               "--model-root", str(model_root)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                    break
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"icefloe serve did not come up on {base_url}")
-            time.sleep(0.2)
-        yield base_url
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
 
 
 def _reward(text: str) -> float:
@@ -152,7 +121,7 @@ def main(argv: list[str]) -> None:
         shutil.copytree(resolve_model("tiny:chat"), model)
         tokenizer = load_tokenizer(model)
         prompts = [tokenizer.encode(f"Q: {i} + {i + 3} = ?\nA:") for i in range(args.prompts)]
-        with _service(Path(tmp) / "serve", Path(tmp) / "models") as base_url:
+        with serve(Path(tmp) / "serve", "--model-root", str(Path(tmp) / "models")) as base_url:
             sides = {"sdk": _SdkSide(base_url, model, args), "icefloe": _IcefloeSide(base_url, model, args)}
             seconds: dict[str, list[float]] = {name: [] for name in sides}
             try:

@@ -324,11 +324,20 @@ def cross_entropy_loss(
 
 
 # --- the Tinker API's RL losses: sums over tokens unless loss_agg_mode says otherwise -------------
-def _sampling_ratio(logprobs_BS: Tensor, context: Mapping[str, Tensor], name: str) -> Tensor:
+def _clipped_ratio(
+    logprobs_BS: Tensor, context: Mapping[str, Tensor], config: Mapping[str, Any], name: str
+) -> tuple[Tensor, float, float]:
+    """The sampling ratio r = exp(logp - old_logp) and the clip range (``clip_low_threshold`` /
+    ``clip_high_threshold``, default 0.8 / 1.2) of the Tinker API's clipped losses."""
     old_BS = _context(context, "old_logprobs", "old_log_probs_shifted")
     if old_BS is None:
         raise InvalidRequestError(f"context.old_logprobs is required by loss {name!r}; add the sampler's log-probs")
-    return (logprobs_BS - old_BS).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND).exp()
+    ratio_BS = (logprobs_BS - old_BS).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND).exp()
+    return (
+        ratio_BS,
+        float(_option(config, "clip_low_threshold", 0.8)),
+        float(_option(config, "clip_high_threshold", 1.2)),
+    )
 
 
 @register_loss("ppo", requires=("advantages", "old_logprobs"))
@@ -341,9 +350,7 @@ def ppo_loss(
     :func:`aggregate` (``loss_agg_mode``, default token-sum).
     """
     mask_BS, advantages_BS = context["loss_mask"], context["advantages"]
-    low = float(_option(config, "clip_low_threshold", 0.8))
-    high = float(_option(config, "clip_high_threshold", 1.2))
-    ratio_BS = _sampling_ratio(logprobs_BS, context, "ppo")
+    ratio_BS, low, high = _clipped_ratio(logprobs_BS, context, config, "ppo")
     surrogate_BS = -torch.minimum(ratio_BS * advantages_BS, ratio_BS.clamp(low, high) * advantages_BS)
     loss = aggregate(surrogate_BS, mask_BS, _option(config, "loss_agg_mode", "token-sum"), config)
     clipped_BS = ((ratio_BS < low) | (ratio_BS > high)).float()
@@ -360,9 +367,8 @@ def cispo_loss(
     :func:`aggregate` (``loss_agg_mode``, default token-sum).
     """
     mask_BS, advantages_BS = context["loss_mask"], context["advantages"]
-    low = float(_option(config, "clip_low_threshold", 0.8))
-    high = float(_option(config, "clip_high_threshold", 1.2))
-    weight_BS = _sampling_ratio(logprobs_BS, context, "cispo").clamp(low, high).detach()
+    ratio_BS, low, high = _clipped_ratio(logprobs_BS, context, config, "cispo")
+    weight_BS = ratio_BS.clamp(low, high).detach()
     loss = aggregate(
         -weight_BS * advantages_BS * logprobs_BS, mask_BS, _option(config, "loss_agg_mode", "token-sum"), config
     )

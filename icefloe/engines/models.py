@@ -15,7 +15,7 @@ import shutil
 import string
 import tempfile
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,19 +60,21 @@ class TinyPreset:
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
+_ARITH = TinyPreset(
+    alphabet="0123456789+-*= ",
+    hidden_size=64,
+    intermediate_size=192,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=64,
+)
+
 TINY_PRESETS: dict[str, TinyPreset] = {
     # The demo model: a vocabulary of 20 tokens keeps a fresh policy's guesses within reach of RL,
     # and ~100k parameters learn the arithmetic task in about a minute on two CPU cores.
-    "arith": TinyPreset(
-        alphabet="0123456789+-*= ",
-        hidden_size=64,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-    ),
+    "arith": _ARITH,
     # Compute-bound shapes for benchmarks: matmuls dominate, not Python overhead.
     "bench": TinyPreset(
         alphabet=string.printable[:95],  # digits, letters, punctuation, space
@@ -85,17 +87,9 @@ TINY_PRESETS: dict[str, TinyPreset] = {
         max_position_embeddings=2048,
         tie_word_embeddings=False,
     ),
-    # For the Tinker SDK and cookbook: printable ASCII and newline, so chat-style prompts tokenise.
-    "chat": TinyPreset(
-        alphabet=string.printable[:95] + "\n",
-        hidden_size=64,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-    ),
+    # For the Tinker SDK and cookbook: the demo model's shapes over printable ASCII and newline, so
+    # chat-style prompts tokenise.
+    "chat": replace(_ARITH, alphabet=string.printable[:95] + "\n", max_position_embeddings=512),
 }
 
 
