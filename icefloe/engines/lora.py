@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from icefloe.config import LoraConfig
@@ -31,6 +32,7 @@ __all__ = [
     "merged_copy",
     "peft_config",
     "peft_key",
+    "read_adapter_checkpoint",
     "trainable_parameters",
     "write_adapter_folder",
 ]
@@ -149,6 +151,34 @@ def write_adapter_folder(path: Path, lora: LoraConfig, named: Iterable[tuple[str
     peft_config(lora, target_modules=modules).save_pretrained(str(path))
     save_file(tensors, str(path / ADAPTER_WEIGHTS_FILE))
     return path
+
+
+def read_adapter_checkpoint(folder: Path, lora: LoraConfig | None) -> dict[str, Tensor] | None:
+    """The adapter tensors of a weights-only LoRA checkpoint (a PEFT folder), by PEFT file name;
+    None when ``folder`` holds no adapter (a full model).
+
+    Raises:
+        InvalidRequestError: ``lora`` is None, or its rank or alpha differ from the adapter's.
+    """
+    weights = Path(folder) / ADAPTER_WEIGHTS_FILE
+    if not weights.is_file():
+        return None
+    if lora is None:
+        raise InvalidRequestError(
+            f"{Path(folder).name} is a LoRA adapter checkpoint; start from it with the lora settings "
+            "(peft_config) it was trained with"
+        )
+    saved = json.loads((Path(folder) / "adapter_config.json").read_text())
+    differences = [
+        f"{key}: {saved.get(key)} vs {mine}" for key, mine in (("r", lora.rank), ("lora_alpha", lora.alpha))
+        if saved.get(key) != mine
+    ]  # fmt: skip
+    if differences:
+        raise InvalidRequestError(
+            f"the adapter in {Path(folder).name} and the lora settings differ (adapter vs settings): "
+            f"{'; '.join(differences)}; give the sampler the peft_config the adapter was trained with"
+        )
+    return load_file(str(weights))
 
 
 def _module_path(key: str) -> str:

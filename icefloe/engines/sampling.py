@@ -29,7 +29,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from icefloe.config import ClientConfig
-from icefloe.engines.lora import add_adapters, peft_key, trainable_parameters, write_adapter_folder
+from icefloe.engines.lora import (
+    add_adapters,
+    peft_key,
+    read_adapter_checkpoint,
+    trainable_parameters,
+    write_adapter_folder,
+)
 from icefloe.engines.models import load_causal_lm, load_tokenizer, resolve_model
 from icefloe.engines.training import resolve_device
 from icefloe.protocol import InvalidRequestError, SamplingParams
@@ -478,12 +484,19 @@ def build_sampling_engine(
 ) -> SamplingEngine | VLLMSamplingEngine:
     """The sampling engine ``config.sampling.engine`` asks for.
 
-    ``auto`` picks vLLM when the device is CUDA and vLLM is installed, else torch.
+    ``auto`` picks vLLM when the device is CUDA and vLLM is installed, else torch. ``model_dir`` is
+    the model folder to load (None: ``config.model``), or a weights-only LoRA checkpoint (a PEFT
+    folder): the engine then loads the base ``config.model`` and starts with that adapter.
     """
+    adapter = read_adapter_checkpoint(model_dir, config.lora) if model_dir is not None else None
+    if adapter is not None:
+        model_dir = None
     resolved = resolve_device(device)
     choice = config.sampling.engine
     if choice == "auto":
         choice = "vllm" if resolved.type == "cuda" and importlib.util.find_spec("vllm") is not None else "torch"
-    if choice == "vllm":
-        return VLLMSamplingEngine(config, device=resolved, model_dir=model_dir)
-    return SamplingEngine(config, device=resolved, model_dir=model_dir)
+    engine_class = VLLMSamplingEngine if choice == "vllm" else SamplingEngine
+    engine = engine_class(config, device=resolved, model_dir=model_dir)
+    if adapter is not None:
+        engine.load_weights(adapter.items(), policy_version=0)
+    return engine

@@ -49,22 +49,28 @@ from icefloe.service.results import JsonText
 _SAMPLING_KEYS = frozenset(SamplingParams.model_fields)
 
 
-def submit_frame(manager: JobManager, job: LiveJob, op: str, body: bytes, *, sub_job_id: str | None) -> dict[str, Any]:
+def submit_frame(
+    manager: JobManager, job: LiveJob, op: str, body: bytes, *, sub_job_id: str | None, reference: bool = False
+) -> dict[str, Any]:
     """Take an octet body (a DSSST1 frame or one request chunk of it) for ``op``.
 
     ``sub_job_id`` None is allowed for generate only: the body's ``routing_key`` then picks one.
+    ``reference``: a forward on a LoRA training sub-job scores with its adapters disabled (see
+    :func:`forward_target`).
     """
     if op == OP_FORWARD and sub_job_id is not None and job.specs[sub_job_id].job_type == "sampling":
         raise InvalidRequestError(f"forward runs on a training or log_probability sub-job; {sub_job_id} is a sampler")
     descriptor = wire.chunk_descriptor(body)
     if descriptor is None:
-        return _submit_decoded(manager, job, op, body, sub_job_id)
+        return _submit_decoded(manager, job, op, body, sub_job_id, reference)
     return job.chunks.accept(
-        body, descriptor, execute=lambda frame: _submit_decoded(manager, job, op, frame, sub_job_id)
+        body, descriptor, execute=lambda frame: _submit_decoded(manager, job, op, frame, sub_job_id, reference)
     )
 
 
-def _submit_decoded(manager: JobManager, job: LiveJob, op: str, frame: bytes, sub_job_id: str | None) -> dict[str, Any]:
+def _submit_decoded(
+    manager: JobManager, job: LiveJob, op: str, frame: bytes, sub_job_id: str | None, reference: bool
+) -> dict[str, Any]:
     payload = wire.decode(frame, tensors="torch")
     check_body(payload, "frame")
     op_metadata = wire.read_metadata(frame)
@@ -72,13 +78,38 @@ def _submit_decoded(manager: JobManager, job: LiveJob, op: str, frame: bytes, su
         request_id = _submit_generate(manager, job, payload, op_metadata, sub_job_id)
     else:
         assert sub_job_id is not None
-        request_id = _submit_batch_op(manager, job, op, payload, op_metadata, sub_job_id)
+        request_id = _submit_batch_op(manager, job, op, payload, op_metadata, sub_job_id, reference)
     return {"request_id": request_id, "job_id": job.job_id}
 
 
 # --- forward-backward / forward ----------------------------------------------------------------
+def forward_target(
+    manager: JobManager, job: LiveJob, *, sub_job_id: str | None, sub_job_type: str | None
+) -> tuple[str, bool]:
+    """The sub-job a forward runs on, and whether it scores the reference policy there.
+
+    A LoRA job's reference policy is its trainer with the adapters disabled, not a second copy of
+    the model: a forward addressed to the ``log_probability`` type on a job without such a sub-job
+    runs on the LoRA training sub-job with ``reference`` True. Any other address resolves as usual.
+    """
+    wanted = (sub_job_type or "").strip().lower().removeprefix("job_type_")
+    if sub_job_id is None and wanted in ("log_probability", "log_prob"):
+        kinds = {spec.job_type for spec in job.specs.values()}
+        lora_trainers = [sid for sid, spec in job.specs.items() if spec.is_training and spec.config.lora is not None]
+        if "log_probability" not in kinds and lora_trainers:
+            return lora_trainers[0], True
+    target = manager.resolve_sub_job(job, sub_job_id=sub_job_id, sub_job_type=sub_job_type, default_type="training")
+    return target, False
+
+
 def _submit_batch_op(
-    manager: JobManager, job: LiveJob, op: str, payload: Any, op_metadata: dict[str, Any], sub_job_id: str
+    manager: JobManager,
+    job: LiveJob,
+    op: str,
+    payload: Any,
+    op_metadata: dict[str, Any],
+    sub_job_id: str,
+    reference: bool,
 ) -> str:
     from icefloe.engines.batch import validate_batch
 
@@ -89,7 +120,8 @@ def _submit_batch_op(
         )
     batch, host = validate_batch(payload, require_context=op == OP_FWD_BWD), job.engines
     if op == OP_FORWARD:
-        return manager.submit(job, sub_job_id, op, lambda: host.forward(sub_job_id, batch), op_metadata=op_metadata)
+        forward = host.forward_reference if reference else host.forward
+        return manager.submit(job, sub_job_id, op, lambda: forward(sub_job_id, batch), op_metadata=op_metadata)
     if not job.specs[sub_job_id].is_training:
         raise InvalidRequestError(f"forward-backward needs a training sub-job; {sub_job_id} is not one")
 

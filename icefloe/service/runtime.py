@@ -33,15 +33,21 @@ def _op(method: str) -> Callable[..., Any]:
     return call
 
 
-# The service's name for an op -> the engine method it calls, where the two differ.
-_ENGINE_METHODS = {"save": "save_checkpoint", "load": "load_checkpoint"}
+# The service's name for an op -> the engine method it calls and that method's keyword arguments,
+# where the two differ.
+_ENGINE_METHODS: dict[str, tuple[str, dict[str, Any]]] = {
+    "save": ("save_checkpoint", {}),
+    "load": ("load_checkpoint", {}),
+    "forward_reference": ("forward", {"reference": True}),  # a LoRA trainer with its adapters disabled
+}
 
 
 class JobEngines:
     """The engines of one job, addressed by sub-job id.
 
     The service calls, from the sub-job's ordered worker: ``fwd_bwd(sid, batch)``,
-    ``forward(sid, batch)``, ``step(sid, learning_rate)``, ``save(sid, root, kind)``,
+    ``forward(sid, batch)``, ``forward_reference(sid, batch)`` (a LoRA trainer scoring the reference
+    policy: its base model, adapters disabled), ``step(sid, learning_rate)``, ``save(sid, root, kind)``,
     ``load(sid, path)``, ``generate(sid, prompts, params)``, ``generate_json`` (the same, each
     sample as JSON text), ``reset_prefix_cache(sid)`` and ``sync_weights(source_sid, target_sid,
     weight_format)``. Each op is one :meth:`_call`, by default the engine method of that name on
@@ -58,6 +64,7 @@ class JobEngines:
 
     fwd_bwd = _op("fwd_bwd")
     forward = _op("forward")
+    forward_reference = _op("forward_reference")
     step = _op("step")
     save = _op("save")
     load = _op("load")
@@ -87,7 +94,8 @@ class JobEngines:
         raise NotImplementedError
 
     def _call(self, sub_job_id: str, method: str, *args: Any) -> Any:
-        return getattr(self._engine(sub_job_id), _ENGINE_METHODS.get(method, method))(*args)
+        name, kwargs = _ENGINE_METHODS.get(method, (method, {}))
+        return getattr(self._engine(sub_job_id), name)(*args, **kwargs)
 
     def _engine(self, sub_job_id: str) -> Any:
         try:
@@ -105,9 +113,6 @@ class LocalEngineHost(JobEngines):
         on_progress("engines ready")
 
     def _build_all(self, on_progress: Callable[[str], None]) -> None:
-        from safetensors.torch import load_file
-
-        from icefloe.engines.lora import ADAPTER_WEIGHTS_FILE
         from icefloe.engines.sampling import build_sampling_engine
         from icefloe.engines.training import TrainingEngine
 
@@ -115,16 +120,7 @@ class LocalEngineHost(JobEngines):
             device = self._devices[sub_job_id]
             start_from = self._checkpoints.get(sub_job_id)
             on_progress(f"loading {spec.config.model!r} for {sub_job_id} on {device}")
-            adapter = start_from / ADAPTER_WEIGHTS_FILE if start_from is not None else None
-            if spec.job_type == "sampling" and adapter is not None and adapter.is_file():
-                if spec.config.lora is None:
-                    raise InvalidRequestError(
-                        f"{sub_job_id} starts from a LoRA adapter checkpoint ({start_from.name}); give it the "
-                        "peft_config the adapter was trained with"
-                    )
-                engine = build_sampling_engine(spec.config, device)  # the base model, then the saved adapter
-                engine.load_weights(load_file(str(adapter)).items(), policy_version=0)
-            elif spec.job_type == "sampling":
+            if spec.job_type == "sampling":  # a weights-only LoRA checkpoint: the base model with its adapter
                 engine = build_sampling_engine(spec.config, device, model_dir=start_from)
             else:
                 role = "training" if spec.is_training else "reference"

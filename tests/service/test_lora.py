@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from .service_batches import small_batch
 from .service_client import SAMPLING, TRAINING, Api
@@ -88,6 +89,28 @@ async def test_lora_job_trains_syncs_saves_and_loads_adapters(data_dir):
         assert [s["token_ids"] for s in results] == [s["token_ids"] for s in synced]
         for served_sample, synced_sample in zip(results, synced, strict=True):
             assert served_sample["logprobs"] == pytest.approx(synced_sample["logprobs"], abs=1e-5)
+
+
+async def test_lora_reference_is_the_trainer_with_its_adapters_disabled(data_dir):
+    """A LoRA job needs no log_probability sub-job: a forward addressed to that type scores the base model."""
+    async with asgi_client(make_app(data_dir)) as http:
+        api = Api(http)
+        lora = await api.running(_training(peft_config=PEFT, optimizer={"name": "AdamW", "lr": 2e-2}))
+        full = await api.running(TRAINING)  # untrained full weights: the base model
+
+        async def forward(job_id: str, **params) -> torch.Tensor:
+            accepted = (await api.post_frame(job_id, "forward", small_batch(), params=params)).json()
+            return (await api.result(job_id, accepted["request_id"]))["logprobs"]
+
+        await api.fwd_bwd(lora)
+        await api.run(lora, "POST", "step", json={})
+        reference = await forward(lora, sub_job_type="log_probability")
+        torch.testing.assert_close(reference, await forward(full), rtol=0, atol=1e-5)
+        assert not torch.allclose(await forward(lora), reference, atol=1e-3)  # the policy has moved
+        assert [s["job_type"] for s in (await api.job(lora))["sub_jobs"]] == ["training"]
+
+        refused = await api.post_frame(full, "forward", small_batch(), params={"sub_job_type": "log_prob"}, check=False)
+        assert refused.status_code == 400 and "has no log_probability sub-job" in refused.json()["message"]
 
 
 async def test_peft_configs_that_differ_between_sub_jobs_are_a_400_naming_both(data_dir):

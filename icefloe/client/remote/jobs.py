@@ -27,6 +27,7 @@ __all__ = [
     "create_job",
     "job_create_body",
     "probe_service",
+    "reference_sub_jobs",
     "sub_jobs_of",
     "wait_running",
 ]
@@ -98,8 +99,8 @@ def job_create_body(config: ClientConfig, experiment_name: str | None = None) ->
     common = {"model_name": config.model, "seed": config.seed, "dtype": config.dtype}
     inference = {"max_seq_len": config.max_seq_len}
     engine_kwargs = {k: v for k, v in config.sampling.engine_kwargs.items() if k not in _ENGINE_KWARGS_SET_BY_API}
-    # LoRA on the trainer and the samplers (a weight sync moves adapters); a log_probability
-    # sub-job is the reference policy, which for LoRA is the base model, so it gets none.
+    # LoRA on the trainer and the samplers (a weight sync moves adapters). A LoRA trainer is its own
+    # reference policy (the base with the adapters disabled), so no log_probability sub-job is asked for.
     peft = {"peft_config": config.lora.to_peft_config()} if config.lora is not None else {}
     subs: list[dict[str, Any]] = []
     if config.num_sampling_workers > 0:
@@ -107,12 +108,12 @@ def job_create_body(config: ClientConfig, experiment_name: str | None = None) ->
         if engine_kwargs:
             sampling["vllm_config"] = engine_kwargs
         subs.append({"job_type": "sampling", **common, "inference_config": sampling})
-    if config.num_log_prob_workers > 0:
+    if reference_sub_jobs(config):
         subs.append(
             {
                 "job_type": "log_probability",
                 **common,
-                "inference_config": {**inference, "n_gpus": config.num_log_prob_workers},
+                "inference_config": {**inference, "n_gpus": reference_sub_jobs(config)},
             }
         )
     optimizer = config.training.optimizer
@@ -141,6 +142,11 @@ def job_create_body(config: ClientConfig, experiment_name: str | None = None) ->
     if experiment_name:
         body["experiment_name"] = experiment_name
     return body
+
+
+def reference_sub_jobs(config: ClientConfig) -> int:
+    """GPUs of the log_probability sub-job: none for LoRA, whose trainer scores the reference itself."""
+    return config.num_log_prob_workers if config.lora is None else 0
 
 
 def _warn_unmapped_knobs(config: ClientConfig) -> None:

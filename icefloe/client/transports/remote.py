@@ -156,7 +156,7 @@ class RemoteTransport(Transport):
         expected = {
             "training": 1,
             "sampling": int(self.config.num_sampling_workers > 0),
-            "log_probability": int(self.config.num_log_prob_workers > 0),
+            "log_probability": int(jobs.reference_sub_jobs(self.config) > 0),
         }
         known = {k: v for k, v in self._job.sub_jobs.items() if v}
         self._job = jobs.JobRef(self._job.job_id, {**jobs.sub_jobs_of(self._job.job_id, job, expected), **known})
@@ -364,8 +364,10 @@ class RemoteTransport(Transport):
                     "(backend.allow_zero_logprobs=True)"
                 )
             return _zero_logprobs(batch)
+        # The reference is addressed by job type; on a LoRA job without that sub-job the service
+        # scores it on the trainer with the adapters disabled.
         params = {"sub_job_type": "log_probability"} if request.target == api.TARGET_REFERENCE else None
-        if params and self._job is not None and not self._job.first("log_probability"):
+        if params and self.config.lora is None and self._job is not None and not self._job.first("log_probability"):
             raise api.InvalidRequestError("forward(reference=True) needs a reference role; set num_log_prob_workers=1")
         frame = wire.encode(batch, op_metadata=_TENSOR_RESPONSE)
         return lambda turn: self._post_frame(turn, "forward", api.OP_FORWARD, frame, force_chunks=False, params=params)

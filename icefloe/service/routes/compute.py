@@ -19,6 +19,7 @@ from icefloe.service.deps import JobsDep, OctetBody
 from icefloe.service.jobs import JobManager, LiveJob
 from icefloe.service.models import LoadBody, RequestAccepted, SaveBody, StepBody
 from icefloe.service.operations import (
+    forward_target,
     load_target,
     submit_frame,
     submit_generate_stream,
@@ -48,10 +49,12 @@ def _small_frame(body: bytes) -> bool:
     return descriptor is None or descriptor.get("total_chunks") == 1
 
 
-async def _submit(jobs: JobManager, job: LiveJob, op: str, body: bytes, *, sub_job_id: str | None) -> dict:
+async def _submit(
+    jobs: JobManager, job: LiveJob, op: str, body: bytes, *, sub_job_id: str | None, reference: bool = False
+) -> dict:
     if _small_frame(body):
-        return submit_frame(jobs, job, op, body, sub_job_id=sub_job_id)
-    return await run_in_threadpool(submit_frame, jobs, job, op, body, sub_job_id=sub_job_id)
+        return submit_frame(jobs, job, op, body, sub_job_id=sub_job_id, reference=reference)
+    return await run_in_threadpool(submit_frame, jobs, job, op, body, sub_job_id=sub_job_id, reference=reference)
 
 
 async def _on_training(jobs: JobManager, job_id: str, submit: Callable[..., str], body: Any, wait: float) -> Any:
@@ -80,8 +83,9 @@ async def forward(
     wait: float = 0.0,
 ) -> dict | Response:
     job = jobs.live(job_id)
-    target = jobs.resolve_sub_job(job, sub_job_id=sub_job_id, sub_job_type=sub_job_type, default_type="training")
-    return await with_answer(jobs, await _submit(jobs, job, OP_FORWARD, body, sub_job_id=target), wait)
+    target, reference = forward_target(jobs, job, sub_job_id=sub_job_id, sub_job_type=sub_job_type)
+    submitted = await _submit(jobs, job, OP_FORWARD, body, sub_job_id=target, reference=reference)
+    return await with_answer(jobs, submitted, wait)
 
 
 @router.post("/{job_id}/generate", response_model=None)

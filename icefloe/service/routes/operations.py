@@ -20,7 +20,7 @@ from icefloe.protocol import OP_FORWARD, OP_RESET_PREFIX_CACHE, OP_WEIGHT_SYNC, 
 from icefloe.service.deps import JobsDep
 from icefloe.service.jobs import JobManager
 from icefloe.service.models import CancelRequestPayload, OperationBody, TailLogsPayload, WeightSyncPayload
-from icefloe.service.operations import submit_frame, submit_weight_sync, validation_text
+from icefloe.service.operations import forward_target, submit_frame, submit_weight_sync, validation_text
 from icefloe.service.routes import api_router
 from icefloe.service.routes.capabilities import SUPPORTED_OPERATIONS
 from icefloe.service.routes.requests import with_answer
@@ -95,10 +95,11 @@ async def operation(job_id: str, body: OperationBody, jobs: JobsDep, wait: float
         accepted = {"request_id": submit_weight_sync(jobs, job, payload, routed or None), "job_id": job_id}
         return await with_answer(jobs, accepted, wait)
     assert kind == OP_FORWARD
-    target = jobs.resolve_sub_job(
-        job, sub_job_id=body.sub_job_id, sub_job_type=body.sub_job_type, default_type="training"
+    target, reference = forward_target(jobs, job, sub_job_id=body.sub_job_id, sub_job_type=body.sub_job_type)
+    frame = _frame_bytes(body)
+    accepted = await run_in_threadpool(
+        submit_frame, jobs, job, OP_FORWARD, frame, sub_job_id=target, reference=reference
     )
-    accepted = await run_in_threadpool(submit_frame, jobs, job, OP_FORWARD, _frame_bytes(body), sub_job_id=target)
     return await with_answer(jobs, accepted, wait)
 
 

@@ -67,7 +67,8 @@ def test_job_create_body_sends_lora_and_memory_knobs_as_the_api_spells_them(capl
         training={"micro_batch_tokens": 64, "gradient_checkpointing": True},
         backend={"type": "remote", "base_url": "http://x"},
     )
-    sampling, reference, training = job_create_body(config)["sub_job_configs"]
+    # With LoRA the trainer scores the reference (adapters disabled): no log_probability sub-job.
+    sampling, training = job_create_body(config)["sub_job_configs"]
     peft = {
         "peft_type": "Lora",
         "r": 4,
@@ -77,7 +78,6 @@ def test_job_create_body_sends_lora_and_memory_knobs_as_the_api_spells_them(capl
         "target_modules": ["q_proj", "v_proj"],
     }
     assert training["training_config"]["peft_config"] == peft and sampling["inference_config"]["peft_config"] == peft
-    assert "peft_config" not in reference["inference_config"]  # the reference of a LoRA policy is the base model
     assert training["training_config"]["mb_spec"] == {"max_tokens_per_mb": 64}
     assert training["training_config"]["activation_checkpointing"] is True
     assert "ignores" not in caplog.text
