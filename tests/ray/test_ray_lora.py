@@ -3,6 +3,10 @@ through the Ray transport and through ``icefloe serve --engines ray``."""
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
+
+import httpx
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -11,11 +15,14 @@ pytest.importorskip("peft")
 
 from icefloe.client import Client  # noqa: E402
 from icefloe.client.batch import build_batch  # noqa: E402
+from icefloe.config import LoraConfig  # noqa: E402
 from icefloe.engines.training import TrainingEngine  # noqa: E402
 from icefloe.protocol import InvalidRequestError  # noqa: E402
 from icefloe.service.app import ServerThread, create_app  # noqa: E402
 from icefloe.service.placement import SlotPool  # noqa: E402
 from icefloe.service.settings import ServeSettings  # noqa: E402
+
+from ..service.service_client import Api  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -58,6 +65,51 @@ def test_ray_transport_syncs_only_adapters(ray_session, model_dir, tmp_path):
         assert client.handle()["transport"]["actors"]["reference"] == []
         adapters = TrainingEngine(client.config, model_dir=model_dir).named_weights()
     assert synced["bytes"] == sum(t.numel() * t.element_size() for _, t in adapters)
+
+
+@pytest.mark.slow
+def test_serve_with_ray_engines_starts_a_lora_sampler_from_an_adapter_checkpoint(ray_session, model_dir, tmp_path):
+    """--engines ray once started a sampler from the checkpoint folder itself, which holds no base model."""
+    settings = ServeSettings(data_dir=tmp_path / "serve", engines="ray", model_root=model_dir.parent)
+    app = create_app(settings, pool=SlotPool("cpu", 2))
+    greedy = {"max_tokens": 6, "temperature": 0.0, "logprobs": True}
+    with ServerThread(app) as base_url:
+        config = {
+            "model": str(model_dir),
+            "max_seq_len": 48,
+            "lora": LORA,
+            "training": {"optimizer": {"lr": 2e-2}},
+            "backend": {"type": "remote", "base_url": base_url},
+        }
+        with Client(config) as client:
+            for _ in range(2):
+                client.fwd_bwd(BATCH)
+                client.step()
+            client.sync_weights()
+            synced = client.generate([[1, 2, 3]], greedy)[0]
+            saved = client.save_checkpoint("weights-only")
+            job_id = client.handle()["transport"]["job_id"]
+        # The first job has ended (its slots are free); the checkpoint outlives it.
+        served = asyncio.run(_sample_from_checkpoint(base_url, model_dir, job_id, saved["checkpoint_id"], greedy))
+    assert served["token_ids"] == synced["token_ids"] and served["policy_version"] == 0
+    torch.testing.assert_close(torch.tensor(served["logprobs"]), torch.tensor(synced["logprobs"]), atol=1e-5, rtol=0)
+
+
+async def _sample_from_checkpoint(base_url: str, model_dir: Path, job_id: str, checkpoint_id: str, params: dict):
+    """A sampling-only job started from a weights-only LoRA checkpoint; its sample of ``[1, 2, 3]``."""
+    async with httpx.AsyncClient(base_url=base_url, timeout=60) as http:
+        api = Api(http)
+        sampler = {
+            "job_type": "sampling",
+            "model_name": model_dir.name,
+            "inference_config": {"max_seq_len": 48, "peft_config": LoraConfig(**LORA).to_peft_config()},
+            "source_checkpoint_info": {"checkpoint_id": checkpoint_id, "source_job_id": job_id},
+        }
+        served = await api.create(sampler)
+        await api.wait_status(served, "running", timeout_s=240)
+        body = {"prompts": [[1, 2, 3]], "sampling_params": params}
+        accepted = (await api.post_frame(served, "generate", body)).json()
+        return (await api.result(served, accepted["request_id"]))["results"][0]
 
 
 def test_serve_with_ray_engines_syncs_lora_adapters(ray_session, model_dir, tmp_path):
