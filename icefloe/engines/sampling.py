@@ -368,6 +368,11 @@ class VLLMSamplingEngine:
     """
 
     def __init__(self, config: ClientConfig, *, device: str | torch.device = "cuda", model_dir: Path | None = None):
+        if config.lora is not None and config.lora.bias != "none":  # vLLM's PEFT loader takes bias="none" only
+            raise InvalidRequestError(
+                f"lora.bias={config.lora.bias!r}: vLLM serves LoRA adapters without biases; set lora.bias='none', "
+                "or sample with the torch engine (sampling.engine='torch')"
+            )
         if importlib.util.find_spec("vllm") is None:
             raise ImportError("sampling.engine='vllm' needs vLLM: pip install icefloe[gpu]")
         import os
@@ -450,7 +455,9 @@ class VLLMSamplingEngine:
         folder = self._adapter_dir / f"adapter-{self._num_adapters}"
         write_adapter_folder(folder, self.lora, self._adapter_tensors.items())
         # A new id each time: vLLM caches adapters by id and would keep serving the old weights.
-        self._lora_request = LoRARequest(f"icefloe-{self._num_adapters}", self._num_adapters, str(folder))
+        self._lora_request = LoRARequest(
+            lora_name=f"icefloe-{self._num_adapters}", lora_int_id=self._num_adapters, lora_path=str(folder)
+        )
         self._adapter_tensors = {}
         if previous is not None:
             self.llm.llm_engine.remove_lora(previous.lora_int_id)

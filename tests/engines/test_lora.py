@@ -6,12 +6,12 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from torch.testing import assert_close
 
+from icefloe.config import LoraConfig
 from icefloe.engines.batch import shifted_token_logprobs
 from icefloe.engines.models import load_causal_lm
-from icefloe.engines.sampling import SamplingEngine
+from icefloe.engines.sampling import SamplingEngine, build_sampling_engine
 from icefloe.engines.training import TrainingEngine
 from icefloe.engines.weight_sync import sync_weights_local
 from icefloe.protocol import InvalidRequestError, SamplingParams, UnsupportedOpError
@@ -162,10 +162,14 @@ def test_lora_weights_only_checkpoint_is_a_peft_folder(model_dir, tmp_path):
     assert fresh.load_checkpoint(folder)["kind"] == "weights-only"
     assert_close(fresh.forward(batch)["logprobs"], engine.forward(batch)["logprobs"], rtol=0, atol=0)
 
-    # A sampler starts from the folder too: its tensors carry PEFT's names, not the trainer's.
-    sampler = SamplingEngine(_config(), model_dir=model_dir)
-    adapter = load_file(str(folder / "adapter_model.safetensors"))
-    assert sampler.load_weights(adapter.items(), policy_version=3) == sum(t.nbytes for t in adapter.values())
+    # A sampler starts from the folder too (the base model, then the adapter under PEFT's names).
+    on_base = _config().model_copy(update={"model": str(model_dir)})
+    sampler = build_sampling_engine(on_base, "cpu", model_dir=folder)
+    assert isinstance(sampler, SamplingEngine) and sampler.policy_version == 0
+    with pytest.raises(InvalidRequestError, match="lora_alpha: 8 vs 16"):
+        build_sampling_engine(on_base.model_copy(update={"lora": LoraConfig(rank=4, alpha=16)}), model_dir=folder)
+    with pytest.raises(InvalidRequestError, match="is a LoRA adapter checkpoint"):
+        build_sampling_engine(on_base.model_copy(update={"lora": None}), model_dir=folder)
     prompt = sampler.tokenizer.encode("12+7=")
     sample = sampler.generate([prompt], SamplingParams(max_tokens=6, seed=2, logprobs=True))[0]
     scored = engine.forward(make_batch([prompt], [sample["token_ids"]], [0.0]))["logprobs"][0]
@@ -268,6 +272,14 @@ def test_lora_through_the_local_client_samples_with_the_synced_adapter(tmp_path)
         assert_close(torch.tensor(sample["logprobs"]), policy[b, span], rtol=1e-5, atol=1e-5)
     assert not torch.allclose(policy, reference, atol=1e-3)  # the reference is the untrained base
     assert (tmp_path / "ckpt" / saved["checkpoint_id"] / "adapter_model.safetensors").is_file()
+
+
+def test_vllm_sampler_refuses_lora_biases_before_loading_anything():
+    """vLLM's PEFT loader takes bias='none' only; a bias would fail at the first generate after a sync."""
+    from icefloe.engines.sampling import VLLMSamplingEngine
+
+    with pytest.raises(InvalidRequestError, match="vLLM serves LoRA adapters without biases"):
+        VLLMSamplingEngine(_config(lora={**LORA, "bias": "all"}))
 
 
 @pytest.mark.gpu
