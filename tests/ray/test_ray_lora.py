@@ -30,7 +30,7 @@ LORA = {"rank": 4, "alpha": 8}
 BATCH = build_batch([[1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10]], [1.0, -1.0], pad_id=0)
 
 
-def _train_sync_and_compare(client: Client, *, reference: bool) -> dict:
+def _train_sync_and_compare(client: Client) -> dict:
     base = client.forward(BATCH)["logprobs"]  # fresh adapters are a no-op
     for _ in range(2):
         client.fwd_bwd(BATCH)
@@ -43,8 +43,8 @@ def _train_sync_and_compare(client: Client, *, reference: bool) -> dict:
     trainer = client.forward(scored)["logprobs"][0]
     mask = scored["context"]["loss_mask"][0].bool()
     torch.testing.assert_close(trainer[mask], torch.tensor(sample["logprobs"]), atol=1e-5, rtol=0)
-    if reference:  # the reference policy is the base model
-        torch.testing.assert_close(client.forward(BATCH, reference=True)["logprobs"], base, atol=1e-6, rtol=0)
+    # the reference policy is the base model: the trainers with their adapters disabled
+    torch.testing.assert_close(client.forward(BATCH, reference=True)["logprobs"], base, atol=1e-6, rtol=0)
     return synced
 
 
@@ -61,7 +61,7 @@ def test_ray_transport_syncs_only_adapters(ray_session, model_dir, tmp_path):
     with Client(config) as client:
         with pytest.raises(InvalidRequestError, match="moves full weights"):
             client.sync_weights(weight_format="vllm")
-        synced = _train_sync_and_compare(client, reference=True)
+        synced = _train_sync_and_compare(client)
         assert client.handle()["transport"]["actors"]["reference"] == []
         adapters = TrainingEngine(client.config, model_dir=model_dir).named_weights()
     assert synced["bytes"] == sum(t.numel() * t.element_size() for _, t in adapters)
@@ -126,6 +126,6 @@ def test_serve_with_ray_engines_syncs_lora_adapters(ray_session, model_dir, tmp_
         with Client(config) as client:
             with pytest.raises(InvalidRequestError, match="moves full weights"):
                 client.sync_weights(weight_format="hf")
-            synced = _train_sync_and_compare(client, reference=False)
+            synced = _train_sync_and_compare(client)  # no log_probability sub-job: the trainer scores it
         adapters = TrainingEngine(client.config, model_dir=model_dir).named_weights()
     assert synced["bytes"] == sum(t.numel() * t.element_size() for _, t in adapters)
