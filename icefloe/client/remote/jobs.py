@@ -27,7 +27,7 @@ __all__ = [
     "create_job",
     "job_create_body",
     "probe_service",
-    "reference_sub_jobs",
+    "reference_gpus",
     "sub_jobs_of",
     "wait_running",
 ]
@@ -108,12 +108,12 @@ def job_create_body(config: ClientConfig, experiment_name: str | None = None) ->
         if engine_kwargs:
             sampling["vllm_config"] = engine_kwargs
         subs.append({"job_type": "sampling", **common, "inference_config": sampling})
-    if reference_sub_jobs(config):
+    if reference_gpus(config):
         subs.append(
             {
                 "job_type": "log_probability",
                 **common,
-                "inference_config": {**inference, "n_gpus": reference_sub_jobs(config)},
+                "inference_config": {**inference, "n_gpus": reference_gpus(config)},
             }
         )
     optimizer = config.training.optimizer
@@ -144,8 +144,8 @@ def job_create_body(config: ClientConfig, experiment_name: str | None = None) ->
     return body
 
 
-def reference_sub_jobs(config: ClientConfig) -> int:
-    """GPUs of the log_probability sub-job: none for LoRA, whose trainer scores the reference itself."""
+def reference_gpus(config: ClientConfig) -> int:
+    """GPUs of the log_probability sub-job (0: none); LoRA needs none, its trainer scores the reference."""
     return config.num_log_prob_workers if config.lora is None else 0
 
 

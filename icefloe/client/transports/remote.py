@@ -156,7 +156,7 @@ class RemoteTransport(Transport):
         expected = {
             "training": 1,
             "sampling": int(self.config.num_sampling_workers > 0),
-            "log_probability": int(jobs.reference_sub_jobs(self.config) > 0),
+            "log_probability": int(jobs.reference_gpus(self.config) > 0),
         }
         known = {k: v for k, v in self._job.sub_jobs.items() if v}
         self._job = jobs.JobRef(self._job.job_id, {**jobs.sub_jobs_of(self._job.job_id, job, expected), **known})
