@@ -27,6 +27,7 @@ import itertools
 import math
 import multiprocessing
 import os
+import queue
 import re
 import shutil
 import socket
@@ -368,13 +369,26 @@ class Peer:
         self.inbox, self.outbox = context.Queue(), context.Queue()
         self.process = context.Process(target=_peer_main, args=(config.model_dump_json(), self.inbox, self.outbox))
         self.process.start()
-        self.answer()  # its engine is loaded
+        try:
+            self.answer()  # its engine is loaded
+        except BaseException:
+            self.process.kill()
+            raise
 
     def send(self, kind: str, *args: Any) -> None:
         self.inbox.put((kind, args))
 
-    def answer(self, timeout_s: float = 300) -> Any:
-        status, value = self.outbox.get(timeout=timeout_s)
+    def answer(self, timeout_s: float = 120) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                status, value = self.outbox.get(timeout=1)
+                break
+            except queue.Empty:
+                if not self.process.is_alive():
+                    raise RuntimeError(f"the sampler process exited with code {self.process.exitcode}") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the sampler process did not answer within {timeout_s:.0f}s") from None
         if status != "ok":
             raise RuntimeError(f"in the sampler process: {value}")
         return value
@@ -520,7 +534,7 @@ def main(argv: list[str]) -> int:
             elif fn is check_pytest_gpu:  # last: it gets what is left
                 status, text, hung = _run_check(fn, (run, remaining - 15), remaining - 5)
             else:
-                status, text, hung = _run_check(fn, (run,), min(240.0, remaining))
+                status, text, hung = _run_check(fn, (run,), min(180.0, remaining))
             stuck = stuck or hung
             line = f"check={name} {status} {time.perf_counter() - start:.1f}s {text}"
             print(line, flush=True)
