@@ -413,10 +413,12 @@ class Peer:
         prompts = run.prompts(4, 9)
         params = {"max_tokens": run.response_len, "seed": 2, "logprobs": True}
         samples = self.ask("generate", prompts, params)
-        wanted = self.trainer.global_step
-        _expect(samples[0]["policy_version"] == wanted, f"sampler holds version {samples[0]['policy_version']}")
-        gap = _logprob_gap(run, prompts, samples, self.trainer.forward)
-        return gap
+        version = samples[0]["policy_version"]
+        _expect(
+            version == self.trainer.global_step,
+            f"sampler holds version {version}, trainer is at step {self.trainer.global_step}",
+        )
+        return _logprob_gap(run, prompts, samples, self.trainer.forward)
 
     def close(self) -> None:
         self.inbox.put(None)
@@ -434,7 +436,7 @@ def _peer(run: Run) -> Peer:
 def _peer_main(config_json: str, inbox: Any, outbox: Any) -> None:
     """The sampler process: load, then serve ``ipc``, ``join``, ``receive`` and ``generate`` until None."""
     from icefloe.engines import build_sampling_engine
-    from icefloe.engines.distributed import DEFAULT_BUCKET_BYTES, WeightBroadcast, import_cuda_ipc
+    from icefloe.engines.distributed import WeightBroadcast, import_cuda_ipc
     from icefloe.protocol import SamplingParams
 
     config = ClientConfig.model_validate_json(config_json)
@@ -457,7 +459,7 @@ def _peer_main(config_json: str, inbox: Any, outbox: Any) -> None:
             elif kind == "receive":
                 assert link is not None, "receive before join"
                 layout, bucket_bytes = args
-                outbox.put(("ok", link.receive(layout, engine.load_weights, bucket_bytes or DEFAULT_BUCKET_BYTES)))
+                outbox.put(("ok", link.receive(layout, engine.load_weights, bucket_bytes)))
             else:
                 prompts, params = args
                 outbox.put(("ok", engine.generate(prompts, SamplingParams(**params))))
