@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints-cpu.txt | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-slow bench lint format clean
+.PHONY: demo test test-slow bench gpu-check lint format clean
 
 $(STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,13 @@ test-slow: $(STAMP) $(COOKBOOK)
 
 bench: $(STAMP)
 	for name in engine weight_sync wire service remote ray; do $(PY) -m bench $$name || exit 1; done
+
+# Every GPU path run once on a CUDA machine (docs/gpu.md). There the Python that holds CUDA torch and
+# vLLM runs it (GPU_PY=...), not this venv, whose torch is the CPU build. DRY_RUN=1: the same checks on
+# CPU with the tiny model, in this venv.
+GPU_PY ?= $(PY)
+gpu-check: $(if $(DRY_RUN),$(STAMP))
+	$(if $(DRY_RUN),$(PY),$(GPU_PY)) -m bench.gpu_check $(if $(DRY_RUN),--dry-run)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check icefloe tests bench examples
