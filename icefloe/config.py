@@ -282,6 +282,8 @@ class RemoteConfig(BaseSettings):
     poll_max_interval_s: float = Field(6.0, gt=0)
     long_poll_s: float = Field(20.0, ge=0)  # ?wait= used when the service advertises it; 0 = off
     max_post_bytes: int = Field(62_914_560, gt=8192)  # per-POST cap of the training API (60 MiB)
+    # Ops called together travel as one POST where the service offers it (batch_requests); False = one each.
+    batch_requests: bool = True
     experiment_name: str | None = None
     cancel_on_shutdown: bool = True
     # The service has no forward op: answer forward() with zero logprobs/entropy instead of raising.

@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 
+from icefloe.service.batches import Batches
 from icefloe.service.errors import install_error_handlers
 from icefloe.service.joblog import TokenRedactor
 from icefloe.service.jobs import JobManager
@@ -102,6 +103,7 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     # up already (moved outside IdempotencyKeys, a demo step took 3% longer).
     app.add_middleware(SubmitOrder, gap_timeout_s=settings.sequence_gap_timeout_s)
     app.add_middleware(IdempotencyKeys, db=db, settings=settings)
+    app.add_middleware(Batches)  # each part of a batch runs through the layers above, as if it came alone
     app.add_middleware(BodyLimit, max_bytes=settings.max_post_bytes)  # refuse before buffering
     app.add_middleware(RequireToken, settings=settings)  # outermost: nothing is read before the token passes
     _redact(redactor, on=True)

@@ -28,6 +28,7 @@ async def test_job_lifecycle_walks_every_endpoint(data_dir, transport):
             "forward": True,
             "inline_wait": True,
             "sequenced_submit": True,
+            "batch_requests": True,
             "leases": True,
         }
         assert caps["limits"]["lease_ttl_ms"] == 600_000

@@ -10,6 +10,7 @@ and re-send the same ``Idempotency-Key``. httpx errors are translated to icefloe
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import enum
 import functools
@@ -18,6 +19,7 @@ import logging
 import random
 import ssl
 import threading
+import urllib.parse
 from collections.abc import Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, TypeVar
@@ -30,6 +32,7 @@ from icefloe.client.loop import LoopThread
 from icefloe.client.remote.errors import Redactor, error_from_response
 from icefloe.config import RemoteConfig
 from icefloe.protocol import ChunkGroupError, ConfigError, IcefloeError, IcefloeTimeoutError, RequestFailedError
+from icefloe.wire.batch import BATCH_MEDIA_TYPE, BATCH_PATH, pack, unpack
 
 __all__ = ["Call", "Endpoint", "Http", "Reply", "Retry", "RetryPolicy", "TransportWrapper", "translate_errors"]
 
@@ -269,6 +272,28 @@ def reply_of(call: Call, response: httpx.Response, redactor: Redactor) -> Reply:
     )
 
 
+def _part(prefix: str, call: Call, kwargs: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
+    """A call as one part of a batch envelope (what httpx would have sent for it alone)."""
+    headers = dict(kwargs["headers"])
+    body = b""
+    if call.content is not None:
+        body = call.content
+    elif call.json is not None:
+        headers["Content-Type"] = "application/json"
+        body = json.dumps(call.json, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+    query = urllib.parse.urlencode(kwargs.get("params") or {})
+    return {"method": call.method, "path": prefix + call.path, "query": query, "headers": list(headers.items())}, body
+
+
+_BACKGROUND: set[asyncio.Task[Any]] = set()
+
+
+def _spawn(coroutine: Coroutine[Any, Any, None]) -> None:
+    task = asyncio.get_running_loop().create_task(coroutine)
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+
+
 class Http:
     """One ``httpx.AsyncClient`` on the client's own I/O loop: ``send`` runs there, ``run``/``submit`` hand it work."""
 
@@ -282,6 +307,10 @@ class Http:
         self._client: httpx.AsyncClient | None = None
         self._lock = threading.Lock()
         self._io = LoopThread("icefloe-remote-io", on_close=self._close_client)
+        # > 0 once the service takes batches (the batch_requests extension): numbered POSTs that reach
+        # ``send`` in one loop turn leave as one POST of at most this many bytes.
+        self.batch_bytes = 0
+        self._window: list[tuple[Call, dict[str, Any], asyncio.Future[httpx.Response]]] | None = None
 
     @property
     def loop(self) -> Any:
@@ -326,9 +355,70 @@ class Http:
         with translate_errors(call, self.endpoint, self.redactor, timeout_s):
             async for attempt in tenacity.AsyncRetrying(**self.policy.tenacity_kwargs(call, self.redactor)):
                 with attempt:
-                    response = await self._client.request(call.method, call.path, **kwargs)
+                    if self.batch_bytes and call.sequence and attempt.retry_state.attempt_number == 1:
+                        response = await self._in_window(call, kwargs)
+                    else:  # alone, and so is every retry
+                        response = await self._client.request(call.method, call.path, **kwargs)
                     return reply_of(call, response, self.redactor)
         raise AssertionError("unreachable: tenacity re-raises the last failure")
+
+    def _in_window(self, call: Call, kwargs: dict[str, Any]) -> asyncio.Future[httpx.Response]:
+        """Join the calls sent in this loop turn; they leave together when it ends."""
+        loop = asyncio.get_running_loop()
+        if self._window is None:
+            self._window = []
+            loop.call_soon(self._flush)
+        answer: asyncio.Future[httpx.Response] = loop.create_future()
+        self._window.append((call, kwargs, answer))
+        return answer
+
+    def _flush(self) -> None:
+        window, self._window = self._window or [], None
+        batch: list[tuple[Call, dict[str, Any], asyncio.Future[httpx.Response]]] = []
+        size = 0
+        for waiting in window:
+            body_size = len(waiting[0].content or b"") + 1024  # a JSON body and the part's header are small
+            if batch and size + body_size > self.batch_bytes:
+                _spawn(self._post_batch(batch))
+                batch, size = [], 0
+            batch.append(waiting)
+            size += body_size
+        if batch:
+            _spawn(self._post_batch(batch))
+
+    async def _post_batch(self, batch: list[tuple[Call, dict[str, Any], asyncio.Future[httpx.Response]]]) -> None:
+        """One POST for the calls (a lone call goes as itself); each gets its own answer, or the failure."""
+        assert self._client is not None
+        try:
+            if len(batch) == 1:
+                call, kwargs, _ = batch[0]
+                answers = [await self._client.request(call.method, call.path, **kwargs)]
+            else:
+                parts = [_part(self.endpoint.prefix, call, kwargs) for call, kwargs, _ in batch]
+                response = await self._client.post(
+                    BATCH_PATH,
+                    content=pack([part for part, _ in parts], [body for _, body in parts]),
+                    headers={"Content-Type": BATCH_MEDIA_TYPE},
+                    timeout=max(kwargs["timeout"] for _, kwargs, _ in batch),
+                )
+                answers = [response] * len(batch)  # refused whole: each call reads the refusal
+                if response.status_code == 200:
+                    answers = [
+                        httpx.Response(part["status"], headers=part["headers"], content=body, request=response.request)
+                        for part, body in unpack(response.content)
+                    ]
+                    if len(answers) != len(batch):
+                        raise RequestFailedError(
+                            f"the service answered {len(answers)} parts to a batch of {len(batch)}"
+                        )
+        except Exception as exc:
+            for _, _, answer in batch:
+                if not answer.done():
+                    answer.set_exception(exc)
+            return
+        for (_, _, answer), response in zip(batch, answers, strict=True):
+            if not answer.done():
+                answer.set_result(response)
 
     def close(self) -> None:
         """Cancel the calls in flight, close the HTTP client on its loop, stop the thread. Idempotent."""

@@ -139,6 +139,8 @@ class RemoteTransport(Transport):
         service = await jobs.probe_service(self._http)
         self._service = service
         self._http.policy.retry_restart_statuses = service.managed
+        batching = service.batch_requests and self._backend.batch_requests
+        self._http.batch_bytes = self._max_post_bytes if batching else 0
         if self._job is None:
             body = jobs.job_create_body(self.config, self._backend.experiment_name)
             job_id = await jobs.create_job(self._http, body, idempotent=service.idempotency_keys)

@@ -49,6 +49,7 @@ async def capabilities(settings: SettingsDep) -> dict:
             "forward": True,
             "inline_wait": True,
             "sequenced_submit": True,
+            "batch_requests": True,  # POST {prefix}/requests:batch: several numbered POSTs in one (service/batches.py)
             "leases": bool(settings.lease_ttl_s),  # renew with POST {job}:heartbeat well within lease_ttl_ms
         },
         "limits": {

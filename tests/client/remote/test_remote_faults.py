@@ -213,7 +213,7 @@ def test_remote_async_retries_lost_responses_exactly_once(service):
 def test_remote_pipelined_ops_reach_the_service_in_call_order(service):
     """Regression: fwd_bwd and step sent at once raced on two connections; a slow upload let step go first."""
     faults = Faults(Rule("POST", _JOB + "/forward-backward$", "delay", times=2))
-    config = service.config()
+    config = service.config(batch_requests=False)  # each op's own POST, so the upload can be held back
 
     async def run() -> list[dict]:
         transport = RemoteTransport(config, wrap_http_transport=faults.wrap)

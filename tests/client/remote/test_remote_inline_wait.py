@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import urllib.parse
 
 import httpx
 import pytest
@@ -18,10 +19,12 @@ import pytest
 from icefloe.client import AsyncClient, Client, build_batch
 from icefloe.client.transports.remote import RemoteTransport
 from icefloe.protocol import InvalidRequestError
+from icefloe.wire.batch import BATCH_PATH, unpack
 
 
 class Recorder(httpx.AsyncBaseTransport):
-    """Passes every request on and notes (method, last path segment, query params + sequence header).
+    """Passes every request on and notes (method, last path segment, query params + sequence header);
+    a batch of requests is noted as the requests it carries.
 
     ``hide`` names extensions struck from the service's capabilities, so the client sees a service
     without them (the managed endpoint advertises none).
@@ -39,19 +42,28 @@ class Recorder(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         assert self.inner is not None
-        segment = request.url.path.rstrip("/").rsplit("/", 1)[-1]
-        name = "poll" if "/requests/" in request.url.path else segment
-        params = dict(request.url.params)
-        if "icefloe-sequence" in request.headers:
-            params["sequence"] = request.headers["icefloe-sequence"]
-        with self._lock:
-            self.seen.append((request.method, name, params))
+        if request.url.path.endswith(BATCH_PATH):  # note each op the batch carries, as if it came alone
+            for part, _ in unpack(await request.aread()):
+                query = dict(urllib.parse.parse_qsl(part["query"]))
+                self._note(part["method"], part["path"], query, dict(part["headers"]).get("Icefloe-Sequence"))
+        else:
+            self._note(
+                request.method, request.url.path, dict(request.url.params), request.headers.get("icefloe-sequence")
+            )
+        name = request.url.path.rstrip("/").rsplit("/", 1)[-1]
         response = await self.inner.handle_async_request(request)
         if name != "capabilities" or not self.hide:
             return response
         body = json.loads(await response.aread())
         body["extensions"] = {k: v for k, v in body["extensions"].items() if k not in self.hide}
         return httpx.Response(response.status_code, json=body)
+
+    def _note(self, method: str, path: str, params: dict[str, str], sequence: str | None) -> None:
+        name = "poll" if "/requests/" in path else path.rstrip("/").rsplit("/", 1)[-1]
+        if sequence is not None:
+            params["sequence"] = sequence
+        with self._lock:
+            self.seen.append((method, name, params))
 
     async def aclose(self) -> None:
         assert self.inner is not None

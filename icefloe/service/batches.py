@@ -1,0 +1,101 @@
+"""Several requests in one POST: the ``batch_requests`` extension.
+
+A client that submits a burst of numbered ops (a minibatch loop's ``fwd_bwd`` + ``step`` pairs)
+sends them as one ``POST {prefix}/requests:batch`` instead of one POST each: on a small model the
+HTTP exchange costs about as much CPU as the op itself. Each part runs through the rest of the
+service's layers (idempotency keys, submission order, body checks, routes) exactly as if it had
+come alone, concurrently with the others, and the answer carries every part's status, headers and
+body once the last one is answered. The outer POST already passed the token and size checks; its
+parts inherit the caller. A part that fails answers with its own status; the others are unaffected.
+The envelope is :mod:`icefloe.wire.batch`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from icefloe.protocol import InvalidRequestError
+from icefloe.service.errors import send_error
+from icefloe.wire.batch import BATCH_MEDIA_TYPE, BATCH_PATH, pack, unpack
+
+__all__ = ["Batches"]
+
+_MAX_PARTS = 256
+
+
+class Batches:
+    """Pure ASGI: answers ``POST {prefix}/requests:batch`` by running each part through the inner app."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].endswith(BATCH_PATH):
+            await self.app(scope, receive, send)
+            return
+        body = bytearray()
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        try:
+            parts = unpack(bytes(body))
+            if not 0 < len(parts) <= _MAX_PARTS:
+                raise ValueError(f"a batch holds 1 to {_MAX_PARTS} parts; got {len(parts)}")
+            scopes = [_part_scope(scope, part) for part, _ in parts]
+        except (ValueError, TypeError, KeyError) as exc:
+            await send_error(send, InvalidRequestError(f"requests:batch: {exc}; send the {BATCH_MEDIA_TYPE} envelope"))
+            return
+        answers = await asyncio.gather(*(self._run(s, b) for s, (_, b) in zip(scopes, parts, strict=True)))
+        envelope = pack([part for part, _ in answers], [answer for _, answer in answers])
+        headers = [(b"content-type", BATCH_MEDIA_TYPE.encode()), (b"content-length", str(len(envelope)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": envelope})
+
+    async def _run(self, scope: Scope, body: bytes) -> tuple[dict[str, Any], bytes]:
+        """One part through the inner app, as if it had come alone; returns its answer."""
+        delivered = asyncio.Event()
+
+        async def receive() -> Message:
+            if delivered.is_set():
+                await asyncio.Event().wait()  # no disconnect to report: the outer POST is still open
+            delivered.set()
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        status, headers, chunks = 500, [], []
+
+        async def send(message: Message) -> None:
+            nonlocal status, headers
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = [[k.decode("latin-1"), v.decode("latin-1")] for k, v in message.get("headers", ())]
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+
+        await self.app(scope, receive, send)
+        kept = [h for h in headers if h[0].lower() != "content-length"]
+        return {"status": status, "headers": kept}, b"".join(chunks)
+
+
+def _part_scope(outer: Scope, part: dict[str, Any]) -> Scope:
+    """The outer scope (caller, client, server) with the part's method, path, query and own headers."""
+    method, path, query = str(part["method"]).upper(), str(part["path"]), str(part.get("query") or "")
+    if not path.startswith("/") or path.endswith(BATCH_PATH):
+        raise ValueError(f"part path {path!r} must be an absolute API path other than the batch route")
+    own = [(str(k).lower().encode("latin-1"), str(v).encode("latin-1")) for k, v in part.get("headers") or ()]
+    names = {k for k, _ in own} | {b"content-length", b"content-type"}
+    inherited = [(k, v) for k, v in outer.get("headers", ()) if k not in names]
+    return {
+        **outer,
+        "method": method,
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": query.encode(),
+        "headers": [*inherited, *own],
+    }
