@@ -50,6 +50,7 @@ async def capabilities(settings: SettingsDep) -> dict:
             "inline_wait": True,
             "sequenced_submit": True,
             "leases": bool(settings.lease_ttl_s),  # renew with POST {job}:heartbeat well within lease_ttl_ms
+            "job_metrics": True,  # POST {job}/metrics takes client-reported scalars; GET {job}/metrics the series
         },
         "limits": {
             "max_post_bytes": settings.max_post_bytes,
