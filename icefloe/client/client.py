@@ -208,7 +208,8 @@ class Client(_BaseClient):
 
         On the remote backend they join the job's per-step series on the service (``GET {job}/metrics``,
         the ``/ui`` charts); on the local and Ray backends there is no service to keep them, so nothing
-        is sent (log them with a tracker). Names must be non-empty strings, values finite numbers.
+        is sent (log them with a tracker). Names must be non-empty strings (not ``step`` or ``time``),
+        values finite numbers.
         """
         values = _checked_metrics(metrics, step)
         self._check_open()
@@ -448,8 +449,8 @@ def _checked_metrics(metrics: Mapping[str, float], step: int) -> dict[str, float
         raise InvalidRequestError(f"log_metrics: metrics must be a non-empty mapping name -> number; got {got}")
     values = {}
     for name, value in metrics.items():
-        if not isinstance(name, str) or not name.strip():
-            raise InvalidRequestError(f"log_metrics: metric name {name!r} must be a non-empty string")
+        if not isinstance(name, str) or not name.strip() or name in ("step", "time"):
+            raise InvalidRequestError(f"log_metrics: metric name {name!r} must be a non-empty string, not step or time")
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise InvalidRequestError(f"log_metrics: metrics[{name!r}] must be a finite number; got {value!r:.100}")
         values[name] = float(value)

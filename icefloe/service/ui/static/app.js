@@ -37,6 +37,12 @@ const icefloe = (() => {
     return Number(value.toPrecision(digits)).toString();
   }
 
+  function tick(value) { // an axis label: short, and never "0" for a small nonzero value
+    if (value === 0) return "0";
+    const size = Math.abs(value);
+    return size < 1e-3 || size >= 1e5 ? value.toExponential(1) : String(Number(value.toPrecision(3)));
+  }
+
   function age(iso) {
     const seconds = Math.max(0, (Date.now() - Date.parse(iso)) / 1000);
     if (seconds < 90) return `${seconds.toFixed(0)} s`;
@@ -45,8 +51,9 @@ const icefloe = (() => {
     return `${(seconds / 86400).toFixed(1)} d`;
   }
 
-  function fill(tbody, rows) {
-    tbody.replaceChildren(...rows);
+  function fill(tbody, rows) { // an empty table says so in one muted row
+    const columns = tbody.parentElement.querySelectorAll("th").length;
+    tbody.replaceChildren(...(rows.length ? rows : [el("tr", {}, el("td", { class: "muted", colSpan: columns }, "(none)"))]));
   }
 
   function status(text) {
@@ -112,10 +119,14 @@ const icefloe = (() => {
       if (!chart) {
         const node = el("div", { class: "chart", "data-metric": name });
         box.append(node);
+        const width = Math.max(320, Math.floor((box.clientWidth - 2 * 10) / 3) - 10); // three per row
         const options = {
-          title: name, width: 420, height: 210, legend: { show: false },
+          title: name, width, height: 190, legend: { show: false },
           scales: { x: { time: false } }, cursor: { drag: { x: false, y: false } },
-          axes: [{ label: "step" }, { size: 60 }],
+          axes: [
+            { label: "step", labelSize: 20, incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000] },
+            { size: 56, values: (_, splits) => splits.map(tick) },
+          ],
           series: [{}, { label: name, stroke: COLORS[index % COLORS.length], width: 1.5 }],
         };
         chart = { node, plot: new uPlot(options, [xs, ys], node), count: -1 };
@@ -158,9 +169,8 @@ const icefloe = (() => {
       drawCharts(charts, metrics.points);
       fill(table("sub-jobs"), job.sub_jobs.map((s) => el("tr", {}, el("td", {}, el("code", {}, s.sub_job_id)),
         el("td", {}, s.job_type), el("td", {}, s.model_name), el("td", {}, s.engines), el("td", { class: "num" }, s.slots ?? "–"))));
-      const queued = job.queue.length ? job.queue : [{ op: "(empty)", sub_job_id: "", status: "", created_at: null }];
-      fill(table("queue"), queued.map((r) => el("tr", {}, el("td", {}, r.op), el("td", {}, r.sub_job_id),
-        el("td", {}, r.status), el("td", {}, r.created_at ? age(r.created_at) : ""))));
+      fill(table("queue"), job.queue.map((r) => el("tr", {}, el("td", {}, r.op), el("td", {}, r.sub_job_id),
+        el("td", {}, r.status), el("td", {}, age(r.created_at)))));
       fill(table("failed"), job.failed.map((r) => el("tr", {}, el("td", {}, r.op), el("td", {}, age(r.updated_at) + " ago"),
         el("td", { class: "reason" }, r.error))));
       const checkpointIds = job.checkpoints.map((c) => c.checkpoint_id).join(",");
