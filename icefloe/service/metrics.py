@@ -78,27 +78,27 @@ class ServiceMetrics:
         self.db = db
         self.registry = reg = CollectorRegistry()
         self.requests = Counter(
-            "icefloe_requests", "Requests finished, by op and outcome.", ["op", "outcome"], registry=self.registry
+            "icefloe_requests", "Requests finished, by op and outcome.", ["op", "outcome"], registry=reg
         )
         self.request_seconds = Histogram(
             "icefloe_request_seconds",
             "Seconds from a request's acceptance to its outcome (queue wait included), by op.",
             ["op"],
             buckets=_SECONDS_BUCKETS,
-            registry=self.registry,
+            registry=reg,
         )
         self.engine_seconds = Histogram(
             "icefloe_engine_seconds",
             "Seconds an engine ran one op (a batch of merged requests counts once), by op.",
             ["op"],
             buckets=_SECONDS_BUCKETS,
-            registry=self.registry,
+            registry=reg,
         )
         self.sync_seconds = Histogram(
             "icefloe_weight_sync_seconds", "Seconds one weight sync took.", buckets=_SECONDS_BUCKETS, registry=reg
         )
-        self.sync_bytes = Counter("icefloe_weight_sync_bytes", "Bytes weight syncs moved.", registry=self.registry)
-        self.registry.register(_Snapshot(db, open_requests, chunk_bytes))
+        self.sync_bytes = Counter("icefloe_weight_sync_bytes", "Bytes weight syncs moved.", registry=reg)
+        reg.register(_Snapshot(db, open_requests, chunk_bytes))
         self._pending: dict[str, _Pending] = {}  # sub-job id -> its forward-backward calls since its last step
         self._last_step_end: dict[str, float] = {}
         self._lock = threading.Lock()
