@@ -119,7 +119,8 @@ const icefloe = (() => {
       if (!chart) {
         const node = el("div", { class: "chart", "data-metric": name });
         box.append(node);
-        const width = Math.max(320, Math.floor((box.clientWidth - 2 * 10) / 3) - 10); // three per row
+        // Three per row (10 px gaps, 10 px of border and padding each), with room for a scrollbar yet to appear.
+        const width = Math.max(320, Math.floor((box.clientWidth - 2 * 10 - 20) / 3) - 10);
         const options = {
           title: name, width, height: 190, legend: { show: false },
           scales: { x: { time: false } }, cursor: { drag: { x: false, y: false } },
