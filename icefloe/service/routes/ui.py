@@ -96,7 +96,7 @@ def _lease(jobs: JobManager, job_id: str) -> str:
         return "ended"
     if not jobs.settings.lease_ttl_s or live.lease_until == float("inf"):
         return "no lease"
-    if live.in_flight or jobs.requests.has_open(job_id):
+    if jobs.requests.has_open(job_id):
         return "held (request in flight)"
     return f"expires in {max(0.0, live.lease_until - time.monotonic()):.0f} s"
 
