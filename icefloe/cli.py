@@ -181,6 +181,9 @@ def serve(
     op_deadline_s: Annotated[
         float, typer.Option(min=0.001, help="Fail a job whose op runs longer, and kill its engine process.")
     ] = 3600.0,
+    metrics_public: Annotated[
+        bool, typer.Option(help="Answer GET /metrics (Prometheus) without the token (a scraper on a trusted network).")
+    ] = False,
 ) -> None:
     """Run the training-API service (`icefloe serve`) that remote clients point their base URL at.
 
@@ -194,7 +197,7 @@ def serve(
         settings = ServeSettings.from_env(
             data_dir=data_dir, host=host, port=port, tokens=token or [], token_file=token_file, slots=slots,
             engines=engines, ray_address=address, model_root=model_root, lease_ttl_s=lease_ttl_s,
-            op_deadline_s=op_deadline_s,
+            op_deadline_s=op_deadline_s, metrics_public=metrics_public,
         )  # fmt: skip
         if address is not None and settings.engines != "ray":
             raise ConfigError("--address names a Ray cluster; it needs --engines ray")

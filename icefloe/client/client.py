@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Self
@@ -201,6 +202,19 @@ class Client(_BaseClient):
     def reset_prefix_cache(self) -> dict[str, Any]:
         """Drop the sampler's prefix cache."""
         return self._call(ops.reset_prefix_cache())
+
+    def log_metrics(self, metrics: Mapping[str, float], *, step: int) -> None:
+        """Report scalars the client knows (reward, custom values) for ``step`` of the job.
+
+        On the remote backend they join the job's per-step series on the service (``GET {job}/metrics``,
+        the ``/ui`` charts); on the local and Ray backends there is no service to keep them, so nothing
+        is sent (log them with a tracker). Names must be non-empty strings (not ``step`` or ``time``),
+        values finite numbers.
+        """
+        values = _checked_metrics(metrics, step)
+        self._check_open()
+        self._ensure_open_sync()
+        self._transport.log_metrics(values, step).result()
 
     def shutdown(self) -> None:
         """Release engines / cancel the job and close every connection. Idempotent."""
@@ -407,6 +421,12 @@ class AsyncClient(_BaseClient):
         """Drop the sampler's prefix cache."""
         return self._call(ops.reset_prefix_cache())
 
+    async def log_metrics(self, metrics: Mapping[str, float], *, step: int) -> None:
+        """Report scalars the client knows for ``step`` of the job; see ``Client.log_metrics``."""
+        values = _checked_metrics(metrics, step)
+        await self.open()
+        await asyncio.wrap_future(self._transport.log_metrics(values, step))
+
     async def shutdown(self) -> None:
         """Release engines / cancel the job and close every connection. Idempotent."""
         if self._state is _State.CLOSED:
@@ -419,6 +439,22 @@ class AsyncClient(_BaseClient):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.shutdown()
+
+
+def _checked_metrics(metrics: Mapping[str, float], step: int) -> dict[str, float]:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise InvalidRequestError(f"log_metrics: step must be an integer >= 0; got {step!r}")
+    if not isinstance(metrics, Mapping) or not metrics:
+        got = f"{metrics!r:.80}"
+        raise InvalidRequestError(f"log_metrics: metrics must be a non-empty mapping name -> number; got {got}")
+    values = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not name.strip() or name in ("step", "time"):
+            raise InvalidRequestError(f"log_metrics: metric name {name!r} must be a non-empty string, not step or time")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise InvalidRequestError(f"log_metrics: metrics[{name!r}] must be a finite number; got {value!r:.100}")
+        values[name] = float(value)
+    return values
 
 
 async def _answer(handled: Future, parse: Callable[[Any], Any]) -> Any:

@@ -5,7 +5,8 @@ handlers and the ASGI layers (token, size cap, idempotency, order, JSON bounds).
 process left active are failed when the app starts, which :func:`serve` and :class:`ServerThread`
 do only once its socket is bound: lock, bind, recover, so a service that cannot start harms nothing.
 The API docs (``/docs``, ``/redoc``, ``/openapi.json``) need the token like every route but
-``/health`` and ``/files/*``; their assets come from the ``fastapi-offline`` package.
+``/health`` and ``/files/*``; their assets come from the ``fastapi-offline`` package. The
+dashboard is at ``/ui`` and the Prometheus metrics at ``/metrics`` (see docs/observability.md).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from icefloe.service.jobs import JobManager
 from icefloe.service.lifecycle import fail_interrupted_jobs
 from icefloe.service.middleware import BodyLimit, IdempotencyKeys, JsonBodies, RequireToken
 from icefloe.service.placement import SlotPool
-from icefloe.service.routes import capabilities, checkpoints, compute, jobs, operations, requests
+from icefloe.service.routes import capabilities, checkpoints, compute, jobs, metrics, operations, requests
+from icefloe.service.routes.ui import install_ui
 from icefloe.service.sequencing import SubmitOrder
 from icefloe.service.settings import ServeSettings
 from icefloe.service.store import Database, DataDirInUse, lock_data_dir, purge_expired
@@ -38,7 +40,7 @@ from icefloe.service.tinker import install_tinker
 __all__ = ["ServerThread", "create_app", "serve"]
 
 _log = logging.getLogger("icefloe.service")
-_REDACTED_LOGGERS = ("", "icefloe", "uvicorn", "uvicorn.error", "uvicorn.access")
+_REDACTED_LOGGERS = ("", "icefloe", "icefloe.service", "uvicorn", "uvicorn.error", "uvicorn.access")
 
 
 def _redact(redactor: TokenRedactor, *, on: bool) -> None:
@@ -94,8 +96,10 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     app.include_router(checkpoints.files_router)
     app.include_router(operations.statements_router)
     # capabilities first: its fixed paths (/capacity) must win over /{job_id}
-    for module in (capabilities, jobs, compute, operations, requests, checkpoints):
+    for module in (capabilities, jobs, compute, operations, requests, checkpoints, metrics):
         app.include_router(module.router)
+    app.include_router(metrics.prometheus_router)  # GET /metrics
+    install_ui(app)  # the dashboard, /ui
     install_tinker(app)  # the Tinker API, /api/v1
     # Listed innermost first. JsonBodies inside SubmitOrder: a body it refuses still frees its number.
     app.add_middleware(JsonBodies)
@@ -143,6 +147,17 @@ class ServerThread:
             self._thread.join()
 
 
+def _console_log(level: str) -> None:
+    """Show the service's own lines (job state changes, one per training step) on the console, as uvicorn's."""
+    service = logging.getLogger("icefloe.service")
+    if not service.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+        service.addHandler(handler)
+        service.propagate = False  # one line each, not a second copy through the root logger
+    service.setLevel(level.upper())
+
+
 def serve(settings: ServeSettings, *, log_level: str = "info") -> None:
     """Run the service in the foreground until interrupted: lock the data dir, bind, then recover and serve.
 
@@ -157,5 +172,7 @@ def serve(settings: ServeSettings, *, log_level: str = "info") -> None:
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=log_level, access_log=settings.access_log
     )
+    _console_log(log_level)
     _log.info("icefloe serve on http://%s:%d (data in %s)", settings.host, settings.port, settings.data_dir)
+    _log.info("dashboard: http://%s:%d/ui", settings.host, settings.port)
     uvicorn.Server(config).run(sockets=[config.bind_socket()])

@@ -63,6 +63,11 @@ class ChunkGroups:
         self._done: OrderedDict[str, _Group] = OrderedDict()
         self._held_bytes = 0
 
+    @property
+    def held_bytes(self) -> int:
+        """Chunk frames held now for this job's unfinished groups."""
+        return self._held_bytes
+
     def accept(
         self, frame: bytes, descriptor: dict[str, Any], *, execute: Callable[[bytes], dict[str, Any]]
     ) -> dict[str, Any]:

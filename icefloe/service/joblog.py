@@ -99,6 +99,25 @@ class JobLog:
                         entries.append({"_raw": raw.decode("utf-8", "replace").rstrip("\n")})
         return {"entries": entries, "next_cursor": str(offset), "eof": offset >= size}
 
+    def last(self, sub_job_id: str, *, max_lines: int, max_bytes: int = 256 * 1024) -> list[dict[str, Any]]:
+        """The sub-job's last ``max_lines`` entries, read from at most its last ``max_bytes``."""
+        path = self._path(sub_job_id)
+        if not path.exists():
+            return []
+        with path.open("rb") as fh:
+            start = max(0, fh.seek(0, 2) - max_bytes)
+            fh.seek(start)
+            lines = fh.read().split(b"\n")
+        if start > 0:
+            lines = lines[1:]  # the first line read may be cut
+        entries = []
+        for raw in lines[:-1][-max_lines:]:  # the part after the last newline is still being written
+            try:
+                entries.append(json.loads(raw))
+            except json.JSONDecodeError:
+                entries.append({"msg": raw.decode("utf-8", "replace")})
+        return entries
+
 
 class JobLogRouter(logging.Handler):
     """Copy log records emitted on a job's own threads into that job's log.

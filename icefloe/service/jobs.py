@@ -34,6 +34,7 @@ from icefloe.service import store
 from icefloe.service.chunks import ChunkGroups
 from icefloe.service.joblog import JobLog, JobLogRouter
 from icefloe.service.lifecycle import JobState
+from icefloe.service.metrics import ServiceMetrics
 from icefloe.service.models import JobCreate
 from icefloe.service.placement import SlotPool
 from icefloe.service.requests import RequestTable
@@ -89,13 +90,19 @@ class JobManager:
         self.settings = settings
         self.db = db
         self.pool = pool
+        self._live: dict[str, LiveJob] = {}
         self.requests = RequestTable(db)
+        self.metrics = ServiceMetrics(
+            db,
+            open_requests=self.requests.open_rows,
+            chunk_bytes=lambda: {job_id: job.chunks.held_bytes for job_id, job in list(self._live.items())},
+        )
+        self.requests.on_finish = self.metrics.request_finished
         self.results = ResultPages(
             inline_max_bytes=settings.inline_result_max_bytes, chunk_bytes=settings.result_chunk_bytes
         )
         self.streams: dict[str, Any] = {}  # request id -> GenerateStream of a generate-stream request
         self.log_router = JobLogRouter()  # attached to the "icefloe" logger by the app
-        self._live: dict[str, LiveJob] = {}
         self._closing = threading.Event()
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -338,6 +345,10 @@ class JobManager:
             "available_slots": max(0, total - in_use),
         }
 
+    def live_job(self, job_id: str) -> LiveJob | None:
+        """The job's in-memory side while this process runs it, else None (a read: no lease renewal)."""
+        return self._live.get(job_id)
+
     def live(self, job_id: str) -> LiveJob:
         """The running job behind ``job_id``: 404 if unknown, 409 naming the state otherwise."""
         job = self._live.get(job_id)  # jobs of this process: no SQLite read on the hot path
@@ -398,12 +409,14 @@ class JobManager:
         of ``run`` and record each outcome."""
         live = [e for e in entries if self._may_run(job, e[0])]
         if live:
-            job.in_flight[live[0][0]] = (op, time.monotonic())  # watched for its deadline
+            started = time.monotonic()
+            job.in_flight[live[0][0]] = (op, started)  # watched for its deadline
             try:
                 results = run([item for _, item, _ in live])
             except Exception as exc:  # every failure is recorded on its requests
                 self._record_failure(job, [e[0] for e in live], op, exc)
             else:
+                self.metrics.engine_ran(job.job_id, live[0][0].rsplit(":", 2)[0], op, started, results)
                 for (request_id, _, op_metadata), result in zip(live, results, strict=True):
                     self._record_result(job, request_id, result, op_metadata)
             finally:

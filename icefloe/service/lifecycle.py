@@ -57,6 +57,8 @@ class JobState:
         # so the line saying so must already be in the log.
         self._log.write(f"job is {to}" + (f": {reason}" if reason else ""), level="ERROR" if to == "failed" else "INFO")
         store.update_job(self._db, job_id=self.job_id, status=to, reason=reason)
+        console_level = logging.WARNING if to == "failed" else logging.INFO  # the serve console's line
+        _log.log(console_level, "job %s is %s%s", self.job_id, to, f": {reason}" if reason else "")
 
     def advance(self, to: str) -> bool:
         """The job's thread moves on to ``to``; False (nothing moves) once a stop was asked for."""

@@ -13,6 +13,7 @@ import asyncio
 import contextvars
 import hashlib
 import hmac
+import http.cookies
 import json
 import logging
 import time
@@ -32,6 +33,7 @@ __all__ = [
     "OPEN_PATH",
     "OPEN_PREFIX",
     "PAT_TOKEN_TYPE",
+    "TOKEN_COOKIE",
     "BodyLimit",
     "IdempotencyKeys",
     "JsonBodies",
@@ -44,6 +46,9 @@ PAT_TOKEN_TYPE = "PROGRAMMATIC_ACCESS_TOKEN"
 # Answered without a token: liveness, and checkpoint downloads (the token in their URL is the credential).
 OPEN_PATH, OPEN_PREFIX = "/health", "/files/"
 TINKER_PREFIX = "/api/v1/"  # the Tinker API: its token comes as X-API-Key
+# The dashboard's login form and its static files (no data in them) are open; its pages and data need the token.
+UI_OPEN_PATHS, UI_OPEN_PREFIX = ("/ui/login",), "/ui/static/"
+TOKEN_COOKIE = "icefloe_token"  # set by the login form (HttpOnly); accepted like the Authorization header
 CALLER_SCOPE_KEY = "icefloe.caller"  # set by RequireToken: a hash of the caller's token (absent = '', no auth)
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _CHECK_ON_LOOP_BYTES = 64 * 1024  # larger JSON bodies are checked on a worker thread
@@ -129,10 +134,12 @@ class RequireToken:
     """401 from the headers alone, before any body is read, unless the request carries a configured token.
 
     Every path needs the token but :data:`OPEN_PATH` and :data:`OPEN_PREFIX` (the API docs and their
-    assets included). The refusal closes the connection, since the body it did not read cannot be
-    skipped. An accepted caller is recorded in the scope as a hash of its token
-    (:data:`CALLER_SCOPE_KEY`), which the later layers scope their records by; with auth off every
-    caller is ``''``.
+    assets included), the dashboard's login form and static files, and ``/metrics`` when
+    ``settings.metrics_public``. A browser may send the token as the :data:`TOKEN_COOKIE` cookie
+    instead of the header; a dashboard page without it is redirected to the login form. The refusal
+    closes the connection, since the body it did not read cannot be skipped. An accepted caller is
+    recorded in the scope as a hash of its token (:data:`CALLER_SCOPE_KEY`), which the later layers
+    scope their records by; with auth off every caller is ``''``.
     """
 
     def __init__(self, app: ASGIApp, *, settings: ServeSettings) -> None:
@@ -140,23 +147,53 @@ class RequireToken:
         self.settings = settings
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.settings.auth_enabled and not _is_open(scope["path"]):
+        path = scope["path"] if scope["type"] == "http" else ""
+        if scope["type"] == "http" and self.settings.auth_enabled and not self._is_open(path):
             authorization = header(scope, b"authorization")
-            api_key = header(scope, b"x-api-key") if scope["path"].startswith(TINKER_PREFIX) else None
+            api_key = header(scope, b"x-api-key") if path.startswith(TINKER_PREFIX) else None
             if authorization is None and api_key is not None:  # the Tinker SDK sends its key so
                 authorization = b"Bearer " + api_key
+            if authorization is None:  # a browser after the dashboard's login form
+                cookie = _cookie(scope, TOKEN_COOKIE)
+                authorization = b"Bearer " + cookie.encode("latin-1") if cookie else None
             token_type = header(scope, b"x-snowflake-authorization-token-type")
             try:
                 token = _authenticate(self.settings, _text(authorization), _text(token_type))
             except UnauthenticatedError as refused:
-                await send_error(send, refused, close=True)
+                if path == "/ui" or (path.startswith("/ui/") and not path.startswith("/ui/api/")):
+                    await _redirect(send, "/ui/login")  # a dashboard page: to the login form
+                else:
+                    await send_error(send, refused, close=True)
                 return
             scope[CALLER_SCOPE_KEY] = hashlib.sha256(b"icefloe-caller\0" + token.encode()).hexdigest()
         await self.app(scope, receive, send)
 
+    def _is_open(self, path: str) -> bool:
+        return (
+            path == OPEN_PATH
+            or path.startswith((OPEN_PREFIX, UI_OPEN_PREFIX))
+            or path in UI_OPEN_PATHS
+            or (path == "/metrics" and self.settings.metrics_public)
+        )
 
-def _is_open(path: str) -> bool:
-    return path == OPEN_PATH or path.startswith(OPEN_PREFIX)
+
+def _cookie(scope: Scope, name: str) -> str | None:
+    raw = header(scope, b"cookie")
+    if raw is None:
+        return None
+    jar: http.cookies.SimpleCookie = http.cookies.SimpleCookie()
+    try:
+        jar.load(raw.decode("latin-1"))
+    except http.cookies.CookieError:
+        return None
+    morsel = jar.get(name)
+    return morsel.value if morsel is not None and morsel.value else None
+
+
+async def _redirect(send: Send, location: str) -> None:
+    headers = [(b"location", location.encode()), (b"content-length", b"0")]
+    await send({"type": "http.response.start", "status": 303, "headers": headers})
+    await send({"type": "http.response.body", "body": b""})
 
 
 class BodyLimit:

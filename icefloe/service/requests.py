@@ -15,6 +15,7 @@ import contextlib
 import threading
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from icefloe.protocol import NotFoundError
@@ -36,6 +37,7 @@ class RequestTable:
         self._open: dict[str, dict[str, Any]] = {}
         self._finished: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._waiting: dict[str, list[_Waiter]] = {}
+        self.on_finish: Callable[[str, str, str], None] | None = None  # (op, outcome, created_at) of each finish
 
     def add(self, job_id: str, sub_job_id: str, op: str, op_metadata: dict[str, Any]) -> str:
         """Record a pending request; returns its id."""
@@ -96,6 +98,8 @@ class RequestTable:
                 while len(self._finished) > _FINISHED_ROWS_KEPT:
                     self._finished.popitem(last=False)
             waiters = self._waiting.pop(request_id, [])
+        if row is not None and self.on_finish is not None:
+            self.on_finish(row["op"], status, row["created_at"])
         for loop, future in waiters:
             with contextlib.suppress(RuntimeError):  # the poller's loop already closed
                 loop.call_soon_threadsafe(_resolve, future)
@@ -111,6 +115,11 @@ class RequestTable:
             self.finish(request_id, status="cancelled", error=why)
         status = "cancelled" if pending else self.get(job_id, request_id)["status"]
         return {"request_id": request_id, "cancelled": pending, "status": status}
+
+    def open_rows(self, job_id: str | None = None) -> list[dict[str, Any]]:
+        """Copies of the rows of pending and running requests (of ``job_id``, or of every job)."""
+        with self._lock:
+            return [dict(row) for row in self._open.values() if job_id is None or row["job_id"] == job_id]
 
     def has_open(self, job_id: str) -> bool:
         """Whether any request of the job is pending or running."""

@@ -59,6 +59,7 @@ class ServeSettings(BaseModel):
     # One uvicorn line per HTTP request: off by default, since writing it stalls the event loop
     # while an engine thread holds the GIL (~0.5 ms per request on a busy CPU service).
     access_log: bool = False
+    metrics_public: bool = False  # True: GET /metrics answers without the token (a scraper on a trusted network)
 
     @field_validator("tokens", mode="before")
     @classmethod

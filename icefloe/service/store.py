@@ -45,6 +45,10 @@ CREATE TABLE IF NOT EXISTS file_links (
     token TEXT PRIMARY KEY, path TEXT NOT NULL, expires_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS file_links_by_expiry ON file_links (expires_at);
+CREATE TABLE IF NOT EXISTS job_metrics (
+    job_id TEXT NOT NULL, step INTEGER NOT NULL, name TEXT NOT NULL, value REAL NOT NULL, time REAL NOT NULL,
+    PRIMARY KEY (job_id, step, name)
+);
 """
 
 _ACTIVE_JOB_STATES = ("pending", "placing", "initializing", "running", "cancelling")
@@ -214,6 +218,15 @@ def get_request(db: Database, *, request_id: str) -> dict[str, Any] | None:
     return row
 
 
+def recent_failed_requests(db: Database, *, job_id: str, limit: int) -> list[dict[str, Any]]:
+    """The job's last ``limit`` failed requests, newest first, without their results."""
+    return db.fetch_all(
+        "SELECT request_id, sub_job_id, op, error, updated_at FROM requests WHERE job_id = ? AND status = 'failed'"
+        " ORDER BY updated_at DESC LIMIT ?",
+        (job_id, limit),
+    )
+
+
 # --- idempotency -------------------------------------------------------------------------------
 def get_idempotent_response(db: Database, *, route: str, caller: str, key: str, ttl_s: float) -> dict[str, Any] | None:
     """The saved reply of ``key`` on ``route`` for this caller, unless older than ``ttl_s``."""
@@ -294,3 +307,26 @@ def insert_file_link(db: Database, *, token: str, path: str, expires_at: float) 
 
 def get_file_link(db: Database, *, token: str) -> dict[str, Any] | None:
     return db.fetch_one("SELECT * FROM file_links WHERE token = ?", (token,))
+
+
+# --- per-step job metrics ----------------------------------------------------------------------
+def put_job_metrics(db: Database, *, job_id: str, step: int, values: dict[str, float], at: float) -> None:
+    """Set ``values`` (name -> value) at ``step`` of the job; a name already there is overwritten."""
+    for name, value in values.items():
+        db.execute(
+            "INSERT OR REPLACE INTO job_metrics (job_id, step, name, value, time) VALUES (?, ?, ?, ?, ?)",
+            (job_id, step, name, value, at),
+        )
+
+
+def job_metrics(db: Database, *, job_id: str) -> list[dict[str, Any]]:
+    """Every ``{step, name, value, time}`` of the job, in step order."""
+    return db.fetch_all("SELECT step, name, value, time FROM job_metrics WHERE job_id = ? ORDER BY step", (job_id,))
+
+
+def latest_job_metrics(db: Database, *, job_id: str) -> dict[str, tuple[int, float]]:
+    """Each metric's value at the last step that has it: name -> (step, value)."""
+    # SQLite takes a bare column (value) from the row that holds the MAX().
+    sql = "SELECT name, MAX(step) AS step, value FROM job_metrics WHERE job_id = ? GROUP BY name"
+    rows = db.fetch_all(sql, (job_id,))
+    return {row["name"]: (row["step"], row["value"]) for row in rows}

@@ -30,6 +30,7 @@ async def test_job_lifecycle_walks_every_endpoint(data_dir, transport):
             "sequenced_submit": True,
             "batch_requests": True,
             "leases": True,
+            "job_metrics": True,
         }
         assert caps["limits"]["lease_ttl_ms"] == 600_000
         job_id = await api.create(TRAINING, SAMPLING, experiment_name="walk")

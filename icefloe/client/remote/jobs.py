@@ -58,6 +58,7 @@ class ServiceInfo:
     sequenced_submit: bool = False  # numbered POSTs (Icefloe-Sequence) are queued in number order
     batch_requests: bool = False  # numbered POSTs sent together may travel as one (POST requests:batch)
     lease_ttl_s: float | None = None  # a job nobody renews for this long is cancelled (POST {job}:heartbeat)
+    job_metrics: bool = False  # POST {job}/metrics takes client-reported scalars (Client.log_metrics)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +90,7 @@ async def probe_service(http: Http) -> ServiceInfo:
         inline_wait=bool(extensions.get("inline_wait")),
         sequenced_submit=bool(extensions.get("sequenced_submit")),
         batch_requests=bool(extensions.get("batch_requests")),
+        job_metrics=bool(extensions.get("job_metrics")),
         max_post_bytes=int(limits["max_post_bytes"]) if limits.get("max_post_bytes") else None,
         max_long_poll_s=float(limits["max_long_poll_s"]) if limits.get("max_long_poll_s") else None,
         lease_ttl_s=limits["lease_ttl_ms"] / 1000 if extensions.get("leases") and limits.get("lease_ttl_ms") else None,

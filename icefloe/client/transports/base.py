@@ -43,6 +43,16 @@ class Transport(abc.ABC):
         """
         return self.capabilities
 
+    def log_metrics(self, metrics: dict[str, float], step: int) -> Future:
+        """Add client-side scalars (already checked) to the job's per-step series on the backend.
+
+        Only a service keeps such a series; this default (the local and Ray backends) sends nothing
+        and returns a finished future of None: their metrics go to the client's own trackers.
+        """
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
     @abc.abstractmethod
     def handle_info(self) -> dict[str, Any]:
         """JSON-safe data another process (or actor) needs to re-attach; never a secret."""

@@ -78,6 +78,7 @@ class RemoteTransport(Transport):
         self._attached = False
         self._closed = False
         self._warned_zero_fill = False
+        self._warned_no_metrics = False
         self._lease: asyncio.Task | None = None  # the renewing task, kept so it is not collected
         # Optimizer steps called so far: the service has no LR schedule, so the client applies
         # config.training.lr_schedule by sending each step's learning_rate.
@@ -215,6 +216,25 @@ class RemoteTransport(Transport):
             "global_step": self._steps_called,
             **self._endpoint.public(),
         }
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> Future:
+        """POST ``{job}/metrics`` when the service takes client metrics; else (the managed endpoint) send nothing."""
+        self._check_not_closed("log_metrics")
+        self.open()
+        if self._service is None or not self._service.job_metrics:
+            if not self._warned_no_metrics:
+                self._warned_no_metrics = True
+                _log.warning(  # once per client
+                    "this service keeps no client metrics (no job_metrics extension): log_metrics sends nothing"
+                )
+            return super().log_metrics(metrics, step)
+        body = {"step": step, "metrics": metrics}
+        call = Call("POST", f"/{self._job_id}/metrics", "log_metrics", json=body, idempotency_key=str(uuid.uuid4()))
+
+        async def send() -> None:
+            await self._http.send(call)
+
+        return self._http.start(send())
 
     # --- delivery --------------------------------------------------------------------------------
     def handle(self, request: api.Request) -> Future:

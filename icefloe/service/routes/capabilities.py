@@ -51,6 +51,7 @@ async def capabilities(settings: SettingsDep) -> dict:
             "sequenced_submit": True,
             "batch_requests": True,  # POST {prefix}/requests:batch: several numbered POSTs in one (service/batches.py)
             "leases": bool(settings.lease_ttl_s),  # renew with POST {job}:heartbeat well within lease_ttl_ms
+            "job_metrics": True,  # POST {job}/metrics takes client-reported scalars; GET {job}/metrics the series
         },
         "limits": {
             "max_post_bytes": settings.max_post_bytes,

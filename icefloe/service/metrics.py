@@ -1,0 +1,213 @@
+"""What the service measures: each job's per-step series, and the Prometheus registry behind ``/metrics``.
+
+A job's series is kept in SQLite (:func:`store.put_job_metrics`), so it survives a restart. Engine
+values come from the results of the training ops as they finish: the ``forward-backward`` calls
+since the last ``step`` add up into that step's point (``loss`` token-weighted, ``num_tokens``
+summed), and the ``step`` writes it with ``lr``, ``grad_norm``, ``step_time_s`` (since the previous
+step ended, or since the step's first forward-backward began) and ``tokens_per_s``. A weight sync
+adds ``policy_version`` to the step whose weights it moved. Engine points are numbered by the
+optimizer step they end, from 0 (``global_step - 1``); the client numbers the values it reports
+(``POST {job}/metrics``) itself.
+
+The Prometheus metrics live in a registry of the app's own, so several apps in one process (the
+tests) never share counters. Queue depth, jobs by state and chunk-store bytes are read when
+scraped; the rest are counted as requests finish.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from icefloe.protocol import OP_FWD_BWD, OP_STEP, OP_WEIGHT_SYNC, InvalidRequestError
+from icefloe.service import store
+
+__all__ = ["ServiceMetrics", "check_reported"]
+
+_log = logging.getLogger("icefloe.service.jobs")
+_SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800)
+_MAX_REPORTED = 256  # metric names in one report
+
+
+def check_reported(step: Any, metrics: Any) -> dict[str, float]:
+    """The values of a client report, or :class:`InvalidRequestError` naming the bad field."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise InvalidRequestError(f"step must be an integer >= 0; got {step!r}")
+    if not isinstance(metrics, Mapping) or not metrics:
+        raise InvalidRequestError(f"metrics must be a non-empty object of name -> number; got {metrics!r:.100}")
+    if len(metrics) > _MAX_REPORTED:
+        raise InvalidRequestError(f"metrics holds {len(metrics)} names; send at most {_MAX_REPORTED} per report")
+    values = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not name.strip() or name in ("step", "time"):
+            raise InvalidRequestError(f"metrics: name {name!r} must be a non-empty string other than 'step' or 'time'")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise InvalidRequestError(f"metrics.{name} must be a finite number; got {value!r:.100}")
+        values[name] = float(value)
+    return values
+
+
+class _Pending:
+    """What the forward-backward calls since a sub-job's last step added up to."""
+
+    def __init__(self) -> None:
+        self.loss_x_tokens = 0.0
+        self.tokens = 0
+        self.started: float | None = None  # time.monotonic() when the first of them began
+
+
+class ServiceMetrics:
+    """Per-step job series and the app's Prometheus registry; thread-safe."""
+
+    def __init__(
+        self,
+        db: store.Database,
+        *,
+        open_requests: Callable[[], Iterable[dict[str, Any]]],
+        chunk_bytes: Callable[[], Mapping[str, int]],
+    ) -> None:
+        self.db = db
+        self.registry = reg = CollectorRegistry()
+        self.requests = Counter(
+            "icefloe_requests", "Requests finished, by op and outcome.", ["op", "outcome"], registry=reg
+        )
+        self.request_seconds = Histogram(
+            "icefloe_request_seconds",
+            "Seconds from a request's acceptance to its outcome (queue wait included), by op.",
+            ["op"],
+            buckets=_SECONDS_BUCKETS,
+            registry=reg,
+        )
+        self.engine_seconds = Histogram(
+            "icefloe_engine_seconds",
+            "Seconds an engine ran one op (a batch of merged requests counts once), by op.",
+            ["op"],
+            buckets=_SECONDS_BUCKETS,
+            registry=reg,
+        )
+        self.sync_seconds = Histogram(
+            "icefloe_weight_sync_seconds", "Seconds one weight sync took.", buckets=_SECONDS_BUCKETS, registry=reg
+        )
+        self.sync_bytes = Counter("icefloe_weight_sync_bytes", "Bytes weight syncs moved.", registry=reg)
+        reg.register(_Snapshot(db, open_requests, chunk_bytes))
+        self._pending: dict[str, _Pending] = {}  # sub-job id -> its forward-backward calls since its last step
+        self._last_step_end: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    # --- requests and engine results -----------------------------------------------------------
+    def request_finished(self, op: str, outcome: str, created_at: str) -> None:
+        accepted = datetime.strptime(created_at, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
+        self.requests.labels(op, outcome).inc()
+        self.request_seconds.labels(op).observe(max(0.0, (datetime.now(UTC) - accepted).total_seconds()))
+
+    def engine_ran(self, job_id: str, sub_job_id: str, op: str, started: float, results: list[Any]) -> None:
+        """Called once the engine ran ``op``; ``started`` is its ``time.monotonic()`` start."""
+        try:
+            self._engine_ran(job_id, sub_job_id, op, started, results)
+        except Exception:  # a value that cannot be recorded must never fail the op that produced it
+            _log.exception("job %s: recording the metrics of %s failed", job_id, op)
+
+    def _engine_ran(self, job_id: str, sub_job_id: str, op: str, started: float, results: list[Any]) -> None:
+        now = time.monotonic()
+        self.engine_seconds.labels(op).observe(now - started)
+        result = results[0] if len(results) == 1 and isinstance(results[0], dict) else None
+        if result is None:
+            return
+        if op == OP_FWD_BWD:
+            self._add_fwd_bwd(sub_job_id, result, started)
+        elif op == OP_STEP and isinstance(result.get("global_step"), int):
+            self._end_step(job_id, sub_job_id, result, now)
+        elif op == OP_WEIGHT_SYNC and isinstance(result.get("policy_version"), int):
+            self.sync_seconds.observe(float(result.get("seconds", now - started)))
+            self.sync_bytes.inc(int(result.get("bytes", 0)))
+            version = result["policy_version"]
+            if version > 0:  # the weights of step version - 1
+                self.record(job_id, version - 1, {"policy_version": float(version)})
+
+    def _add_fwd_bwd(self, sub_job_id: str, result: dict[str, Any], started: float) -> None:
+        loss, tokens = result.get("loss"), result.get("num_tokens")
+        with self._lock:
+            pending = self._pending.setdefault(sub_job_id, _Pending())
+            if pending.started is None:
+                pending.started = started
+            if isinstance(loss, int | float) and isinstance(tokens, int) and math.isfinite(loss):
+                pending.loss_x_tokens += float(loss) * tokens
+                pending.tokens += tokens
+
+    def _end_step(self, job_id: str, sub_job_id: str, result: dict[str, Any], now: float) -> None:
+        with self._lock:
+            pending = self._pending.pop(sub_job_id, None) or _Pending()
+            began = self._last_step_end.get(sub_job_id, pending.started)
+            self._last_step_end[sub_job_id] = now
+        step = result["global_step"] - 1
+        values = {k: float(result[k]) for k in ("lr", "grad_norm") if isinstance(result.get(k), int | float)}
+        if pending.tokens:
+            values["loss"] = pending.loss_x_tokens / pending.tokens
+            values["num_tokens"] = float(pending.tokens)
+        if began is not None and now > began:
+            values["step_time_s"] = now - began
+            if pending.tokens:
+                values["tokens_per_s"] = pending.tokens / (now - began)
+        self.record(job_id, step, {k: v for k, v in values.items() if math.isfinite(v)})
+        loss = f"{values['loss']:.4f}" if "loss" in values else "-"
+        _log.info("job %s step %d loss %s grad_norm %.3g", job_id, step, loss, values.get("grad_norm", math.nan))
+
+    # --- series --------------------------------------------------------------------------------
+    def record(self, job_id: str, step: int, values: dict[str, float]) -> None:
+        if values:
+            store.put_job_metrics(self.db, job_id=job_id, step=step, values=values, at=time.time())
+
+    def series(self, job_id: str) -> list[dict[str, Any]]:
+        """One point per step, ``{step, time, <name>: value, ...}``: engine and client values merged."""
+        points: dict[int, dict[str, Any]] = {}
+        for row in store.job_metrics(self.db, job_id=job_id):
+            point = points.setdefault(row["step"], {"step": row["step"], "time": row["time"]})
+            point["time"] = max(point["time"], row["time"])
+            point[row["name"]] = row["value"]
+        return list(points.values())
+
+
+class _Snapshot(Collector):
+    """Gauges read at scrape time: jobs by state, queue depth per sub-job, chunk-store bytes per job."""
+
+    def __init__(
+        self,
+        db: store.Database,
+        open_requests: Callable[[], Iterable[dict[str, Any]]],
+        chunk_bytes: Callable[[], Mapping[str, int]],
+    ) -> None:
+        self._db = db
+        self._open_requests = open_requests
+        self._chunk_bytes = chunk_bytes
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        jobs = GaugeMetricFamily("icefloe_jobs", "Jobs by state.", labels=["state"])
+        for row in self._db.fetch_all("SELECT status, COUNT(*) AS n FROM jobs GROUP BY status"):
+            jobs.add_metric([row["status"]], row["n"])
+        queue = GaugeMetricFamily(
+            "icefloe_queue_depth", "Requests pending or running, per sub-job.", labels=["job_id", "sub_job_id", "state"]
+        )
+        depth: dict[tuple[str, str, str], int] = {}
+        for row in self._open_requests():
+            key = (row["job_id"], row["sub_job_id"], row["status"])
+            depth[key] = depth.get(key, 0) + 1
+        for key, count in sorted(depth.items()):
+            queue.add_metric(list(key), count)
+        chunks = GaugeMetricFamily(
+            "icefloe_chunk_store_bytes", "Request-chunk bytes held for unfinished groups, per job.", labels=["job_id"]
+        )
+        for job_id, held in sorted(self._chunk_bytes().items()):
+            chunks.add_metric([job_id], held)
+        return [jobs, queue, chunks]
+
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        return []

@@ -1,0 +1,46 @@
+"""Per-step job metrics (icefloe extension) and the service's Prometheus metrics.
+
+``POST {job}/metrics`` takes ``{"step": int, "metrics": {name: number}}`` from the client (reward
+and other scalars only it knows); ``GET {job}/metrics`` answers the job's series, one point per step
+with the engine's values and the client's merged. ``GET /metrics`` is the Prometheus text format;
+it needs the token like the API unless the service runs with ``--metrics-public``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Body, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from icefloe.protocol import InvalidRequestError
+from icefloe.service.deps import JobsDep
+from icefloe.service.metrics import check_reported
+from icefloe.service.routes import api_router
+
+__all__ = ["prometheus_router", "router"]
+
+router = api_router("metrics")
+prometheus_router = APIRouter(tags=["metrics"])
+
+
+@router.post("/{job_id}/metrics")
+async def report_metrics(job_id: str, jobs: JobsDep, body: dict[str, Any] = Body(...)) -> dict:
+    jobs.public(job_id)  # 404 for an unknown job; renews the lease
+    unknown = sorted(set(body) - {"step", "metrics"})
+    if unknown:
+        raise InvalidRequestError(f"body has unknown keys {unknown}; send {{'step': int, 'metrics': {{name: number}}}}")
+    values = check_reported(body.get("step"), body.get("metrics"))
+    jobs.metrics.record(job_id, body["step"], values)
+    return {"job_id": job_id, "step": body["step"], "recorded": sorted(values)}
+
+
+@router.get("/{job_id}/metrics")
+async def job_metrics(job_id: str, jobs: JobsDep) -> dict:
+    jobs.public(job_id)
+    return {"job_id": job_id, "points": jobs.metrics.series(job_id)}
+
+
+@prometheus_router.get("/metrics")
+async def prometheus(jobs: JobsDep) -> Response:
+    return Response(generate_latest(jobs.metrics.registry), media_type=CONTENT_TYPE_LATEST)

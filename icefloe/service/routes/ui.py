@@ -1,0 +1,155 @@
+"""The dashboard at ``/ui``: static pages whose script polls two JSON routes of its own and the API.
+
+``/ui`` lists the jobs, ``/ui/jobs/{job_id}`` shows one (charts of its per-step metrics, sub-jobs,
+request queue, log tail, checkpoints). The pages are plain HTML with a small script; the charts are
+uPlot, shipped in ``ui/static`` (no network at view time). ``/ui/api/...`` gathers what a page shows
+in one answer; the charts read ``GET {job}/metrics`` and the download links come from the API's
+checkpoint export. With auth on, ``/ui/login`` takes the token once and keeps it in an HttpOnly
+cookie, which the token check accepts like the ``Authorization`` header.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request, Response
+from fastapi.responses import HTMLResponse, RedirectResponse
+from fastapi.staticfiles import StaticFiles
+
+from icefloe.service import store
+from icefloe.service.deps import JobsDep, SettingsDep, StoreDep
+from icefloe.service.joblog import JobLog
+from icefloe.service.jobs import JobManager
+from icefloe.service.middleware import TOKEN_COOKIE
+
+__all__ = ["install_ui"]
+
+_PAGES = Path(__file__).resolve().parent.parent / "ui"
+_LOG_LINES = 200
+_FAILED_SHOWN = 10
+
+router = APIRouter(prefix="/ui", tags=["dashboard"], include_in_schema=False)
+
+
+def install_ui(app: FastAPI) -> None:
+    app.include_router(router)
+    app.mount("/ui/static", StaticFiles(directory=_PAGES / "static"), name="ui-static")
+
+
+def _page(name: str) -> HTMLResponse:
+    return HTMLResponse((_PAGES / name).read_text(encoding="utf-8"), headers={"cache-control": "no-store"})
+
+
+@router.get("")
+async def jobs_page() -> HTMLResponse:
+    return _page("jobs.html")
+
+
+@router.get("/jobs/{job_id}")
+async def job_page(job_id: str) -> HTMLResponse:
+    return _page("job.html")
+
+
+@router.get("/login")
+async def login_form(settings: SettingsDep) -> Response:
+    if not settings.auth_enabled:
+        return RedirectResponse("/ui", status_code=303)
+    return _page("login.html")
+
+
+@router.post("/login")
+async def login(request: Request, settings: SettingsDep) -> Response:
+    """A form post ``token=...``: a known token is set as the cookie; an unknown one shows the form again."""
+    form = urllib.parse.parse_qs((await request.body()).decode("utf-8", "replace"))
+    presented = (form.get("token") or [""])[0].strip()
+    if not any(hmac.compare_digest(presented.encode(), t.encode()) for t in settings.token_values()):
+        return RedirectResponse("/ui/login?failed=1", status_code=303)
+    answer = RedirectResponse("/ui", status_code=303)
+    answer.set_cookie(TOKEN_COOKIE, presented, httponly=True, samesite="strict", path="/")
+    return answer
+
+
+@router.post("/logout")
+async def logout() -> Response:
+    answer = RedirectResponse("/ui/login", status_code=303)
+    answer.delete_cookie(TOKEN_COOKIE, path="/")
+    return answer
+
+
+# --- what the pages show -----------------------------------------------------------------------
+def _mode(spec: dict[str, Any]) -> str:
+    """'LoRA r=N' when a trained sub-job has adapters, else 'full'."""
+    for sub in spec["sub_jobs"]:
+        peft = sub["config"].get("peft_config")
+        if peft:
+            return f"LoRA r={peft.get('r', '?')}"
+    return "full"
+
+
+def _lease(jobs: JobManager, job_id: str) -> str:
+    live = jobs.live_job(job_id)
+    if live is None or live.stopping:
+        return "ended"
+    if not jobs.settings.lease_ttl_s or live.lease_until == float("inf"):
+        return "no lease"
+    if jobs.requests.has_open(job_id):
+        return "held (request in flight)"
+    return f"expires in {max(0.0, live.lease_until - time.monotonic()):.0f} s"
+
+
+def _row(jobs: JobManager, row: dict[str, Any]) -> dict[str, Any]:
+    job_id, spec = row["job_id"], row["spec"]
+    latest = store.latest_job_metrics(jobs.db, job_id=job_id)
+    value = {name: latest[name][1] for name in ("loss", "reward", "tokens_per_s") if name in latest}
+    return {
+        "job_id": job_id,
+        "status": row["status"],
+        "reason": row["reason"],
+        "model": spec["sub_jobs"][0]["model_name"] if spec["sub_jobs"] else "",
+        "mode": _mode(spec),
+        "step": max((step for step, _ in latest.values()), default=None),
+        **value,
+        "created_at": row["created_at"],
+        "lease": _lease(jobs, job_id),
+    }
+
+
+@router.get("/api/jobs")
+async def jobs_table(jobs: JobsDep, db: StoreDep) -> dict:
+    return {"jobs": [_row(jobs, row) for row in reversed(store.list_jobs(db))]}  # newest first
+
+
+@router.get("/api/jobs/{job_id}")
+async def job_detail(job_id: str, jobs: JobsDep, db: StoreDep) -> dict:
+    jobs.public(job_id)  # 404 for an unknown job
+    row = store.get_job(db, job_id=job_id)
+    assert row is not None
+    sub_jobs = row["spec"]["sub_jobs"]
+    live = jobs.live_job(job_id)
+    log = live.log if live is not None else JobLog(jobs.settings.job_dir(job_id) / "logs", [])
+    tails = [log.last(s["sub_job_id"], max_lines=_LOG_LINES) for s in sub_jobs]
+    entries = {(e.get("ts"), e.get("msg")): e for tail in tails for e in tail}  # job-wide lines once
+    return {
+        **_row(jobs, row),
+        "sub_jobs": [
+            {
+                "sub_job_id": s["sub_job_id"],
+                "job_type": s["job_type"],
+                "model_name": s["model_name"],
+                "engines": jobs.settings.engines,
+                "slots": live.specs[s["sub_job_id"]].num_slots if live is not None else None,
+            }
+            for s in sub_jobs
+        ],
+        "queue": [
+            {k: r[k] for k in ("request_id", "sub_job_id", "op", "status", "created_at")}
+            for r in jobs.requests.open_rows(job_id)
+        ],
+        "failed": store.recent_failed_requests(db, job_id=job_id, limit=_FAILED_SHOWN),
+        "checkpoints": store.list_checkpoints(db, job_id=job_id),
+        "log": sorted(entries.values(), key=lambda e: e.get("ts") or "")[-_LOG_LINES:],
+    }

@@ -1,0 +1,176 @@
+"""Per-step job metrics (engine values and client reports), ``GET /metrics``, and ``Client.log_metrics``."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from icefloe.client import AsyncClient, Client, build_batch
+from icefloe.config import ClientConfig
+from icefloe.protocol import InvalidRequestError
+from icefloe.service.app import ServerThread
+
+from .service_client import PREFIX, SAMPLING, TRAINING, Api
+from .service_harness import asgi_client, make_app
+
+anyio = pytest.mark.anyio
+
+
+async def _train(api: Api, job_id: str, steps: int) -> None:
+    for _ in range(steps):
+        await api.fwd_bwd(job_id)
+        await api.run(job_id, "POST", "step", json={"learning_rate": 1e-3})
+
+
+def _samples(text: str) -> dict[tuple[str, tuple], float]:
+    """Every sample of a Prometheus text page: (name, sorted labels) -> value."""
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+@anyio
+async def test_engine_and_client_values_merge_into_one_point_per_step_and_survive_a_restart(data_dir):
+    async with asgi_client(make_app(data_dir)) as http:
+        api = Api(http)
+        caps = (await api.call("GET", "/capabilities")).json()
+        assert caps["extensions"]["job_metrics"] is True
+        job_id = await api.running(TRAINING)
+        await _train(api, job_id, steps=2)
+        reported = await api.call("POST", f"/{job_id}/metrics", json={"step": 1, "metrics": {"reward": 0.75, "kl": 0}})
+        assert reported.json() == {"job_id": job_id, "step": 1, "recorded": ["kl", "reward"]}
+        answer = (await api.call("GET", f"/{job_id}/metrics")).json()
+    assert answer["job_id"] == job_id
+    points = answer["points"]
+    assert [p["step"] for p in points] == [0, 1]
+    for point in points:
+        assert {"time", "loss", "grad_norm", "lr", "num_tokens", "step_time_s", "tokens_per_s"} <= set(point)
+        assert point["lr"] == 1e-3 and point["num_tokens"] == 16 and math.isfinite(point["loss"])
+    assert points[1]["reward"] == 0.75 and points[1]["kl"] == 0.0 and "reward" not in points[0]
+
+    async with asgi_client(make_app(data_dir)) as http:  # a new service process on the same data dir
+        again = (await Api(http).call("GET", f"/{job_id}/metrics")).json()
+    assert again["points"] == points
+
+
+@anyio
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [
+        ({"step": "3", "metrics": {"reward": 1.0}}, "step must be an integer >= 0"),
+        ({"step": -1, "metrics": {"reward": 1.0}}, "step must be an integer >= 0"),
+        ({"step": 1, "metrics": {}}, "metrics must be a non-empty object"),
+        ({"step": 1, "metrics": [1.0]}, "metrics must be a non-empty object"),
+        ({"step": 1, "metrics": {"": 1.0}}, "name '' must be a non-empty string"),
+        ({"step": 1, "metrics": {"reward": "high"}}, "metrics.reward must be a finite number; got 'high'"),
+        ({"step": 1, "metrics": {"reward": True}}, "metrics.reward must be a finite number"),
+        ({"step": 1, "metrics": {"reward": 1.0}, "extra": 1}, "body has unknown keys ['extra']"),
+    ],
+)
+async def test_a_bad_report_is_a_400_naming_the_field(data_dir, body, named):
+    async with asgi_client(make_app(data_dir)) as http:
+        api = Api(http)
+        job_id = await api.create(TRAINING)
+        refused = await api.call("POST", f"/{job_id}/metrics", json=body, check=False)
+        assert refused.status_code == 400 and named in refused.json()["message"], refused.text
+        overflow = await api.call(
+            "POST", f"/{job_id}/metrics", content=b'{"step": 1, "metrics": {"r": 1e400}}', check=False,
+            headers={"content-type": "application/json"},
+        )  # fmt: skip
+        assert overflow.status_code == 400
+        missing = await api.call("POST", "/no-such-job/metrics", json={"step": 1, "metrics": {"r": 1}}, check=False)
+        assert missing.status_code == 404
+        assert (await api.call("GET", f"/{job_id}/metrics")).json()["points"] == []
+
+
+@anyio
+async def test_prometheus_page_counts_requests_jobs_queue_and_weight_syncs(data_dir):
+    async with asgi_client(make_app(data_dir)) as http:
+        api = Api(http)
+        job_id = await api.running(TRAINING, SAMPLING)
+        await _train(api, job_id, steps=2)
+        sync = {"operation_type": "weight-sync", "payload": {"source_sub_job_id": f"{job_id}:training:0"}}
+        synced = await api.run(job_id, "POST", "operation", json=sync)
+        failed = await api.call("POST", f"/{job_id}/step", json={})  # no fwd_bwd since the last step
+        assert (await api.poll(job_id, failed.json()["request_id"]))["status"] == "failed"
+        page = await http.get("/metrics")
+        points = (await api.call("GET", f"/{job_id}/metrics")).json()["points"]
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/plain")
+    samples = _samples(page.text)
+    assert samples[("icefloe_requests_total", (("op", "step"), ("outcome", "done")))] == 2
+    assert samples[("icefloe_requests_total", (("op", "step"), ("outcome", "failed")))] == 1
+    assert samples[("icefloe_requests_total", (("op", "forward-backward"), ("outcome", "done")))] == 2
+    assert samples[("icefloe_request_seconds_count", (("op", "forward-backward"),))] == 2
+    assert samples[("icefloe_engine_seconds_count", (("op", "step"),))] == 2
+    assert samples[("icefloe_jobs", (("state", "running"),))] == 1
+    assert samples[("icefloe_weight_sync_seconds_count", ())] == 1
+    assert samples[("icefloe_weight_sync_bytes_total", ())] == synced["bytes"] > 0
+    assert samples[("icefloe_chunk_store_bytes", (("job_id", job_id),))] == 0
+    assert "# TYPE icefloe_queue_depth gauge" in page.text
+    assert points[1]["policy_version"] == 2  # the sync moved the weights of step 1
+
+
+@anyio
+async def test_metrics_page_needs_the_token_unless_public(data_dir, tmp_path):
+    async with asgi_client(make_app(data_dir, tokens=("s3cret",))) as http:
+        refused = await http.get("/metrics")
+        allowed = await http.get("/metrics", headers={"authorization": "Bearer s3cret"})
+    assert refused.status_code == 401 and allowed.status_code == 200 and "icefloe_jobs" in allowed.text
+    async with asgi_client(make_app(tmp_path / "public", tokens=("s3cret",), metrics_public=True)) as http:
+        public = await http.get("/metrics")
+        api = await http.get(PREFIX + "/capabilities")
+    assert public.status_code == 200 and api.status_code == 401
+
+
+def _remote(base_url: str) -> ClientConfig:
+    fast = {"poll_interval_s": 0.02, "poll_max_interval_s": 0.2}
+    return ClientConfig.build(
+        {
+            "model": "tiny:arith",
+            "seed": 0,
+            "num_sampling_workers": 1,
+            "backend": {"type": "remote", "base_url": base_url, **fast},
+        }
+    )
+
+
+def test_remote_client_reports_metrics_next_to_the_engine_values(data_dir):
+    with ServerThread(make_app(data_dir)) as base_url, Client(_remote(base_url)) as client:
+        tok = client.tokenizer
+        prompt = tok("1+2=")["input_ids"]
+        samples = client.generate([prompt], {"n": 2, "max_tokens": 3, "seed": 1})
+        client.fwd_bwd(
+            build_batch([prompt] * 2, [s["token_ids"] for s in samples], [1.0, -1.0], pad_id=tok.pad_token_id)
+        )
+        client.step()
+        client.sync_weights()
+        assert client.log_metrics({"reward": 0.5}, step=0) is None
+        with pytest.raises(InvalidRequestError, match=r"metrics\['reward'\] must be a finite number; got nan"):
+            client.log_metrics({"reward": float("nan")}, step=0)
+
+        async def report_async() -> None:
+            async with AsyncClient(client.config, _handle=client.handle()["transport"]) as other:
+                await other.log_metrics({"reward_async": 2}, step=0)
+
+        asyncio.run(report_async())
+        job_id = client.handle()["transport"]["job_id"]
+        points = httpx.get(f"{base_url}{PREFIX}/{job_id}/metrics").json()["points"]
+    assert len(points) == 1
+    assert points[0]["reward"] == 0.5 and points[0]["reward_async"] == 2.0 and points[0]["policy_version"] == 1
+    assert {"loss", "grad_norm", "lr"} <= set(points[0])
+
+
+def test_local_client_log_metrics_is_a_no_op_after_checking_its_input():
+    client = Client(ClientConfig.build({"model": "tiny:arith", "seed": 0}))
+    with pytest.raises(InvalidRequestError, match="metric name '' must be a non-empty string"):
+        client.log_metrics({"": 1.0}, step=0)
+    with pytest.raises(InvalidRequestError, match="step must be an integer >= 0; got -2"):
+        client.log_metrics({"reward": 1.0}, step=-2)
+    with client:
+        assert client.log_metrics({"reward": 1.0}, step=0) is None
