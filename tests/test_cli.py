@@ -43,12 +43,18 @@ def test_cli_demo_rejects_zero_steps():
 
 
 def test_cli_jobs_logs_and_checkpoints_against_a_real_service(tmp_path):
-    """A person inspects a job another process created: list, log, checkpoints, export, cancel."""
+    """A person inspects a job another process created: list, show, log, checkpoints, export, cancel;
+    every listing also as JSON, and no ID or URL cut short however narrow the terminal says it is."""
+    import json
+    import re
+
+    import httpx
+
     from icefloe.client import Client, build_batch
     from icefloe.service.app import ServerThread, create_app
     from icefloe.service.settings import ServeSettings
 
-    runner = CliRunner()
+    runner = CliRunner(env={"COLUMNS": "40"})
     with ServerThread(create_app(ServeSettings(data_dir=tmp_path / "serve", port=0))) as base_url:
         client = Client({"model": "tiny:arith", "backend": {"type": "remote", "base_url": base_url}}).open()
         try:
@@ -58,21 +64,61 @@ def test_cli_jobs_logs_and_checkpoints_against_a_real_service(tmp_path):
             job_id = client.handle()["transport"]["job_id"]
             listed = runner.invoke(app, ["jobs", "list", "--base-url", base_url])
             assert listed.exit_code == 0, listed.output
-            assert job_id[:8] in listed.output and "running" in listed.output
+            row = next(line for line in listed.output.splitlines() if job_id in line)
+            assert "running" in row
+            listed_json = json.loads(runner.invoke(app, ["jobs", "list", "--json", "--base-url", base_url]).output)
+            assert [j["status"] for j in listed_json if j["job_id"] == job_id] == ["running"]
+
             shown = runner.invoke(app, ["jobs", "show", job_id, "--base-url", base_url])
-            assert f'"job_id": "{job_id}"' in shown.output
+            fields = dict(line.split(None, 1) for line in shown.output.replace("last loss", "last_loss").splitlines())
+            metrics = httpx.get(f"{_prefix(base_url)}/{job_id}/metrics")
+            points = metrics.json()["points"] if metrics.status_code == 200 else []
+            assert fields["step"] == (str(points[-1]["step"]) if points else "-")
+            assert fields["last_loss"] == (f"{points[-1]['loss']:.4f}" if points else "-")
+            assert (fields["job_id"], fields["status"], fields["model"]) == (job_id, "running", "tiny:arith")
+            assert fields["queue"] == "0 pending, 0 running"
+            assert fields["lease"].endswith("s left (every call on the job renews it)")
+            shown_json = json.loads(
+                runner.invoke(app, ["jobs", "show", job_id, "--json", "--base-url", base_url]).output
+            )
+            assert shown_json["job_id"] == job_id and shown_json["queue"] == {"pending": 0, "running": 0}
+
             logged = runner.invoke(app, ["logs", job_id, "--base-url", base_url])
             assert logged.exit_code == 0 and "job is running" in logged.output
+            entries = [
+                json.loads(line)
+                for line in runner.invoke(app, ["logs", job_id, "--json", "--base-url", base_url]).output.splitlines()
+            ]
+            assert any("job is running" in e.get("msg", "") for e in entries)
+
             ckpts = runner.invoke(app, ["checkpoints", job_id, "--base-url", base_url])
             assert "global_step1" in ckpts.output and "resumable" in ckpts.output
-            exported = runner.invoke(app, ["checkpoints", job_id, "--export", "global_step1", "--base-url", base_url])
-            assert "model.safetensors" in exported.output and f"{base_url}/files/" in exported.output
+            ckpts_json = json.loads(
+                runner.invoke(app, ["checkpoints", job_id, "--json", "--base-url", base_url]).output
+            )
+            assert [c["checkpoint_id"] for c in ckpts_json] == ["global_step1"]
+            export = ["checkpoints", job_id, "--export", "global_step1", "--base-url", base_url]
+            exported = runner.invoke(app, export)
+            files = json.loads(runner.invoke(app, [*export, "--json"]).output)["files"]
+            assert "model.safetensors" in {f["filename"] for f in files}
+            shown_urls = re.findall(rf"{re.escape(base_url)}/files/[^\s│]+", exported.output)
+            assert sorted(map(len, shown_urls)) == sorted(len(f["url"]) for f in files)  # each URL whole (fresh tokens)
+
             cancelled = runner.invoke(app, ["jobs", "cancel", job_id, "--base-url", base_url])
             assert cancelled.exit_code == 0 and f"job {job_id}:" in cancelled.output
             missing = runner.invoke(app, ["jobs", "show", "no-such-job", "--base-url", base_url])
             assert missing.exit_code == 1 and "not found" in missing.output
         finally:
             client.shutdown()
+
+
+def _prefix(base_url: str) -> str:
+    """The training-API prefix ``icefloe serve`` answers on for a config without database or schema."""
+    from icefloe.client.remote.http import Endpoint
+    from icefloe.config import RemoteConfig
+
+    endpoint = Endpoint.from_config(RemoteConfig(base_url=base_url))
+    return endpoint.url
 
 
 def test_cli_jobs_without_a_service_names_the_setting():
