@@ -414,10 +414,15 @@ def models_export(
     import shutil
 
     from icefloe.engines.models import resolve_model
+    from icefloe.protocol import ConfigError
 
     if not spec.startswith("tiny:"):
         raise typer.BadParameter(f"spec must be a tiny preset like tiny:chat; got {spec!r}")
-    shutil.copytree(resolve_model(spec, seed=seed), target, dirs_exist_ok=True)
+    try:
+        built = resolve_model(spec, seed=seed)
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc), param_hint="SPEC") from None
+    shutil.copytree(built, target, dirs_exist_ok=True)
     console.print(f"{spec} (seed {seed}) written to {target}")
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
@@ -45,7 +47,6 @@ def test_cli_demo_rejects_zero_steps():
 def test_cli_jobs_logs_and_checkpoints_against_a_real_service(tmp_path):
     """A person inspects a job another process created: list, show, log, checkpoints, export, cancel;
     every listing also as JSON, and no ID or URL cut short however narrow the terminal says it is."""
-    import json
     import re
 
     import httpx
@@ -143,11 +144,15 @@ def test_cli_serve_refuses_a_token_file_it_cannot_use(tmp_path):
 
 
 def test_cli_serve_takes_its_tokens_from_a_file(tmp_path):
-    """--token put the secret in `ps`; a token file keeps it out of the command line."""
+    """--token put the secret in `ps`; a token file keeps it out of the command line. A relative
+    --data-dir still gives clients absolute checkpoint paths."""
     import socket
     import time
+    from pathlib import Path
 
     import httpx
+
+    from icefloe.client import Client
 
     token = "file-token-" + "x" * 24
     token_file = tmp_path / "tokens"
@@ -156,9 +161,12 @@ def test_cli_serve_takes_its_tokens_from_a_file(tmp_path):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "icefloe.cli", "serve", "--port", str(port), "--engines", "local"]
-    command += ["--data-dir", str(tmp_path / "serve"), "--token-file", str(token_file)]
+    command += ["--data-dir", "serve", "--token-file", str(token_file)]
     log = tmp_path / "serve.log"
-    with log.open("wb") as output, subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT) as child:
+    with (
+        log.open("wb") as output,
+        subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, cwd=tmp_path) as child,
+    ):
         try:
             base_url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
             while True:
@@ -172,6 +180,12 @@ def test_cli_serve_takes_its_tokens_from_a_file(tmp_path):
             capacity = f"{base_url}/api/v2/databases/DB/schemas/SC/cortex-training/capacity"
             assert httpx.get(capacity, timeout=30).status_code == 401
             assert httpx.get(capacity, headers={"Authorization": f"Bearer {token}"}, timeout=30).status_code == 200
+            client = Client({"model": "tiny:arith", "backend": {"type": "remote", "base_url": base_url, "pat": token}})
+            try:
+                saved = Path(client.save_checkpoint()["path"])
+            finally:
+                client.shutdown()
+            assert saved.is_absolute() and saved.is_dir() and (tmp_path / "serve") in saved.parents
         finally:
             child.terminate()
             child.wait(timeout=60)
@@ -187,3 +201,77 @@ def test_cli_jobs_against_a_port_where_nothing_listens_fails_at_once(caplog):
             result = CliRunner().invoke(app, ["jobs", "list", "--base-url", base_url])
     assert result.exit_code == 1 and "is the service running?" in result.output
     assert not [r for r in caplog.records if "retrying" in r.getMessage()], "a refused connection is not retried"
+
+
+# Runs code as under `pip install icefloe` (no extras): every module an extra brings fails to import.
+_LIGHT_INSTALL = """
+import importlib.metadata, re, sys
+for requirement in importlib.metadata.requires("icefloe"):
+    if "extra ==" in requirement:
+        sys.modules[re.match(r"[A-Za-z0-9_.-]+", requirement).group().replace("-", "_")] = None
+"""
+
+
+def _light(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-c", _LIGHT_INSTALL + code], capture_output=True, text=True, env=env)
+
+
+def _light_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return _light(f"sys.argv = ['icefloe', *{list(args)!r}]\nfrom icefloe.cli import main\nmain()", env)
+
+
+def test_light_install_blocks_what_the_extras_bring():
+    """The simulation itself: torch and fastapi are installed here, and fail to import under it."""
+    done = _light("import torch")
+    assert done.returncode == 1 and "ModuleNotFoundError" in done.stderr
+    assert _light("import fastapi").returncode == 1
+
+
+def test_light_install_cli_names_the_extra_in_one_line_before_creating_a_job(tmp_path):
+    from icefloe.service.app import ServerThread, create_app
+    from icefloe.service.settings import ServeSettings
+
+    with ServerThread(create_app(ServeSettings(data_dir=tmp_path / "serve", port=0))) as base_url:
+        remote = {"ICEFLOE_REMOTE_BASE_URL": base_url}
+        for args, extra in ((["demo", "--backend", "remote"], "torch"), (["serve"], "server"), (["demo"], "torch")):
+            done = _light_cli(*args, env=remote)
+            assert done.returncode == 1, done.stderr
+            assert "Traceback" not in done.stdout + done.stderr
+            assert done.stdout.splitlines()[-1].endswith(f"pip install 'icefloe[{extra}]'"), done.stdout
+            assert len(done.stdout.strip().splitlines()) == 1 and not done.stderr
+        listed = _light_cli("jobs", "list", "--json", env=remote)  # the light driver's own commands work
+        assert listed.returncode == 0, listed.stderr
+        assert json.loads(listed.stdout) == []  # nothing was created
+
+
+def test_light_install_client_says_why_it_cannot_tokenize(tmp_path):
+    from icefloe.service.app import ServerThread, create_app
+    from icefloe.service.settings import ServeSettings
+
+    code = """
+from icefloe.client import Client
+from icefloe.config import ClientConfig
+for backend in ({"type": "local"}, {"type": "remote"}):
+    try:
+        client = Client(ClientConfig.from_env(model="tiny:arith", backend=backend))
+        client.tokenizer
+    except ImportError as exc:
+        print(type(exc).__name__, exc)
+print(sorted(m for m in ("torch", "transformers", "icefloe.engines") if sys.modules.get(m)))
+"""
+    with ServerThread(create_app(ServeSettings(data_dir=tmp_path / "serve", port=0))) as base_url:
+        done = _light(code, {"ICEFLOE_REMOTE_BASE_URL": base_url})
+        jobs = json.loads(_light_cli("jobs", "list", "--json", "--base-url", base_url).stdout)
+    assert done.returncode == 0, done.stderr
+    local, remote, loaded = done.stdout.splitlines()
+    assert local == "ImportError backend.type='local' runs the engines in this process: pip install 'icefloe[torch]'"
+    assert remote.startswith("ImportError client.tokenizer loads the model's tokenizer with torch: ")
+    assert "pip install 'icefloe[torch]'" in remote
+    assert loaded == "[]" and jobs == []
+
+
+def test_cli_models_export_names_an_unknown_preset_as_typed(tmp_path):
+    result = CliRunner().invoke(app, ["models", "export", "tiny:Arith", str(tmp_path / "m")], env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and "model 'tiny:Arith' is not a tiny preset" in result.output
+    assert not (tmp_path / "m").exists()
