@@ -294,7 +294,7 @@ def jobs_list(
     if as_json:
         _print_json(jobs)
         return
-    table = Table(Column("job_id", no_wrap=True), "status", "created_at", "sub-jobs", "reason")
+    table = Table(Column("job_id", no_wrap=True), "status", Column("created_at", no_wrap=True), "sub-jobs", "reason")
     for job in jobs:
         table.add_row(
             job.get("job_id", "?"), job.get("status", "?"), job.get("created_at", ""), _sub_jobs(job), job.get("reason")
@@ -315,10 +315,10 @@ def jobs_show(job_id: str, base_url: BaseUrl = None, token: Token = None, as_jso
         job = admin.get_job(job_id)
         points = admin.job_metrics(job_id)
     last = points[-1] if points else {}
+    loss = next((p["loss"] for p in reversed(points or []) if p.get("loss") is not None), None)
     if as_json:
         _print_json({**job, "last_metrics": last or None})
         return
-    loss = last.get("loss")
     queue, lease = job.get("queue"), job.get("lease_expires_in_s")
     lines = {
         "job_id": job.get("job_id", job_id),
@@ -391,7 +391,9 @@ def checkpoints(
         for item in found.get("files", []):
             table.add_row(item["filename"], str(item.get("size_bytes", "")), item["url"])
     else:
-        table = Table(Column("checkpoint_id", no_wrap=True), "global_steps", "checkpoint_type", "created_at")
+        table = Table(
+            Column("checkpoint_id", no_wrap=True), "global_steps", "checkpoint_type", Column("created_at", no_wrap=True)
+        )
         for record in found:
             step = record.get("global_steps", record.get("global_step", ""))
             table.add_row(

@@ -75,7 +75,8 @@ def test_cli_jobs_logs_and_checkpoints_against_a_real_service(tmp_path):
             metrics = httpx.get(f"{_prefix(base_url)}/{job_id}/metrics")
             points = metrics.json()["points"] if metrics.status_code == 200 else []
             assert fields["step"] == (str(points[-1]["step"]) if points else "-")
-            assert fields["last_loss"] == (f"{points[-1]['loss']:.4f}" if points else "-")
+            losses = [p["loss"] for p in points if "loss" in p]
+            assert fields["last_loss"] == (f"{losses[-1]:.4f}" if losses else "-")
             assert (fields["job_id"], fields["status"], fields["model"]) == (job_id, "running", "tiny:arith")
             assert fields["queue"] == "0 pending, 0 running"
             assert fields["lease"].endswith("s left (every call on the job renews it)")
