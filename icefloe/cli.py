@@ -191,6 +191,7 @@ def serve(
     """Run the training-API service (`icefloe serve`) that remote clients point their base URL at.
 
     Tokens: give them with --token-file or ICEFLOE_SERVE_TOKENS, not --token (`ps` shows it to every user).
+    Clients send one: ICEFLOE_REMOTE_PAT, or --token on icefloe jobs | logs | checkpoints.
     """
     from icefloe.config import user_data_dir
     from icefloe.protocol import ConfigError
@@ -212,7 +213,8 @@ def serve(
     if not settings.auth_enabled and host not in ("127.0.0.1", "localhost", "::1"):
         console.print(f"[yellow]warning: {host} is reachable from other machines and no --token is set[/yellow]")
     console.print(f"icefloe serve: base URL [bold]http://{host}:{port}[/bold] ({auth}; data in {data_dir})")
-    console.print(f"  remote clients: ICEFLOE_REMOTE_BASE_URL=http://{host}:{port}")
+    pat = " ICEFLOE_REMOTE_PAT=<one of the tokens>" if settings.auth_enabled else ""
+    console.print(f"  remote clients: ICEFLOE_REMOTE_BASE_URL=http://{host}:{port}{pat}", soft_wrap=True)
     if settings.engines == "ray":
         import ray
 
