@@ -1,14 +1,14 @@
-"""The docs name only what exists: every ``icefloe`` command and flag, every flag of the example
-scripts, every icefloe environment variable and every repository file they cite.
+"""The docs name only what exists: every ``icefloe`` command and flag, every flag of the scripts in
+``examples/`` and ``bench/``, every icefloe environment variable and every repository file they cite.
 
-Commands and flags are checked against the CLI's own parser (typer's click command tree) and the scripts'
-argparse parsers; environment variables (``ICEFLOE_*``, ``ARCTIC_*``, ``CORTEX_*``: other tools'
-variables are theirs to document) against the package's source.
+Commands and flags are checked against the CLI's own parser (typer's click command tree), script
+flags against the scripts' ``add_argument`` calls, and environment variables (``ICEFLOE_*``,
+``ARCTIC_*``, ``CORTEX_*``; other tools' variables are theirs to document) against the package's
+source.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +21,7 @@ from icefloe.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "examples").glob("*/README.md")])
-SCRIPTS = {path.relative_to(ROOT).as_posix(): path for path in sorted((ROOT / "examples").glob("*/*.py"))}
+SCRIPTS = {p.relative_to(ROOT).as_posix(): p for p in sorted([*ROOT.glob("examples/*/*.py"), *ROOT.glob("bench/*.py")])}
 
 _ICEFLOE = re.compile(r"(?<![\w.\-/'\"\[=<])icefloe(?![\w.\-\[/])")
 _FLAG = re.compile(r"(?<![\w-])--?[a-zA-Z][\w-]*")
@@ -30,14 +30,20 @@ _FILE = re.compile(r"^\w[\w./{},-]*\.(?:md|py|yaml|json|sh)$")
 
 
 def code_pieces(text: str) -> Iterator[str]:
-    """Inline code spans (one may wrap a line), and the lines of fenced blocks without ``#`` comments."""
+    """Inline code spans (one may wrap a line), and the commands of fenced blocks: lines joined
+    where they end in a backslash, without ``#`` comments."""
     prose: list[str] = []
-    fenced = False
+    fenced, command = False, ""
     for line in text.splitlines():
         if line.lstrip().startswith("```"):
             fenced = not fenced
         elif fenced:
-            yield re.split(r"(?:^|\s)#", line, maxsplit=1)[0].replace("`", " ")
+            command += re.split(r"(?:^|\s)#", line, maxsplit=1)[0].replace("`", " ")
+            if command.rstrip().endswith("\\"):
+                command = command.rstrip()[:-1] + " "
+                continue
+            yield command
+            command = ""
         else:
             prose.append(line)
     for span in re.findall(r"`([^`]+)`", "\n".join(prose)):
@@ -88,15 +94,14 @@ def check_command(tokens: list[str], root: Any) -> list[str]:
 
 
 def script_options(path: Path) -> set[str]:
-    spec = importlib.util.spec_from_file_location(f"_doc_{path.parent.name}_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return {name for action in module.build_parser()._actions for name in action.option_strings}
+    """The flags a script declares with ``parser.add_argument("--flag", ...)``."""
+    calls = re.findall(r"add_argument\(([^)]*)\)", path.read_text(encoding="utf-8"))
+    return {flag for call in calls for flag in re.findall(r"[\"'](--?[\w-]+)[\"']", call)}
 
 
 def doc_problems(text: str, root: Any, package_source: str) -> list[str]:
     """Everything ``text`` names that does not exist, one line each."""
-    cli_options = all_cli_options(root)
+    known_options = all_cli_options(root).union(*(script_options(path) for path in SCRIPTS.values()))
     problems = []
     for piece in code_pieces(text):
         script = next((name for name in SCRIPTS if name in piece or Path(name).name in piece.split()[:1]), None)
@@ -105,13 +110,10 @@ def doc_problems(text: str, root: Any, package_source: str) -> list[str]:
             known = script_options(SCRIPTS[script])
             problems += [f"{script} has no option {f}" for f in _FLAG.findall(piece) if f.split("=")[0] not in known]
         elif mention is not None:
-            before = piece[: mention.start()]
             problems += check_command(piece[mention.end() :].split(), root)
-            problems += [f"no icefloe option {f}" for f in _FLAG.findall(before) if "pip" not in before]
-        elif not re.search(r"\b(?:pip|python|torchrun|bash|git|curl)\b", piece):
-            problems += [
-                f"no icefloe option {f}" for f in _FLAG.findall(piece) if f.startswith("--") and f not in cli_options
-            ]
+        elif not re.search(r"\b(?:pip|python3?|torchrun|bash|git|curl)\b", piece):
+            unknown = [f for f in _FLAG.findall(piece) if f.startswith("--") and f not in known_options]
+            problems += [f"no option {f} anywhere" for f in unknown]
         if _FILE.match(piece.strip()) and "/" in piece and "{" not in piece and not _repo_has(piece.strip()):
             problems.append(f"no file {piece.strip()} in the repository")
     for name in sorted(set(_ENV.findall(text))):
@@ -158,7 +160,7 @@ def test_doc_check_catches_what_does_not_exist(root, package_source):
             "icefloe has no command 'run'",
             "icefloe jobs has no command 'frobnicate'",
             "examples/verl/prepare_gsm8k.py has no option --out",
-            "no icefloe option --made-up",
+            "no option --made-up anywhere",
             "no file reference/no-such-file.md in the repository",
             "no environment variable ICEFLOE_NO_SUCH_VAR in the package",
         ]
