@@ -455,7 +455,11 @@ def main() -> None:
 def _extra_of(module: str) -> str | None:
     """The first extra in icefloe's package metadata that installs top-level ``module``, if any."""
     top = module.partition(".")[0].lower()
-    for requirement in importlib.metadata.requires("icefloe") or []:
+    try:
+        requirements = importlib.metadata.requires("icefloe") or []
+    except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+        return None
+    for requirement in requirements:
         name = re.match(r"[A-Za-z0-9_.-]+", requirement)
         extra = re.search(r"extra == \"([^\"]+)\"", requirement)
         if name and extra and name.group().lower().replace("-", "_") == top:
