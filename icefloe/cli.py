@@ -7,6 +7,10 @@ this module, or running ``icefloe --help``, stays light.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
+import json
+import re
+import sys
 import tempfile
 import time
 import warnings
@@ -16,11 +20,12 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 if TYPE_CHECKING:
     from icefloe.recipes.grpo import GRPOConfig
 
-__all__ = ["app", "run_demo"]
+__all__ = ["app", "main", "run_demo"]
 
 app = typer.Typer(
     name="icefloe",
@@ -152,9 +157,10 @@ def _run_demo(config: GRPOConfig) -> list[dict[str, Any]]:
 def serve(
     host: Annotated[str, typer.Option(help="Interface to bind; loopback unless you mean to expose it.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port.")] = 8321,
-    data_dir: Annotated[Path, typer.Option(help="Where job records, logs, results and checkpoints live.")] = Path(
-        "serve-data"
-    ),
+    data_dir: Annotated[
+        Path | None,
+        typer.Option(help="Where job records, logs, results and checkpoints live [default: <user data dir>/serve]."),
+    ] = None,
     token: Annotated[
         list[str] | None,
         typer.Option(help="Bearer token callers must send (repeatable). Shows in `ps`: prefer --token-file."),
@@ -188,11 +194,14 @@ def serve(
     """Run the training-API service (`icefloe serve`) that remote clients point their base URL at.
 
     Tokens: give them with --token-file or ICEFLOE_SERVE_TOKENS, not --token (`ps` shows it to every user).
+    Clients send one: ICEFLOE_REMOTE_PAT, or --token on icefloe jobs | logs | checkpoints.
     """
+    from icefloe.config import user_data_dir
     from icefloe.protocol import ConfigError
     from icefloe.service.app import serve as run_service
     from icefloe.service.settings import ServeSettings
 
+    data_dir = (data_dir or user_data_dir() / "serve").expanduser().resolve()  # results name absolute paths
     try:
         settings = ServeSettings.from_env(
             data_dir=data_dir, host=host, port=port, tokens=token or [], token_file=token_file, slots=slots,
@@ -207,7 +216,8 @@ def serve(
     if not settings.auth_enabled and host not in ("127.0.0.1", "localhost", "::1"):
         console.print(f"[yellow]warning: {host} is reachable from other machines and no --token is set[/yellow]")
     console.print(f"icefloe serve: base URL [bold]http://{host}:{port}[/bold] ({auth}; data in {data_dir})")
-    console.print(f"  remote clients: ICEFLOE_REMOTE_BASE_URL=http://{host}:{port}")
+    pat = " ICEFLOE_REMOTE_PAT=<one of the tokens>" if settings.auth_enabled else ""
+    console.print(f"  remote clients: ICEFLOE_REMOTE_BASE_URL=http://{host}:{port}{pat}", soft_wrap=True)
     if settings.engines == "ray":
         import ray
 
@@ -227,17 +237,25 @@ BaseUrl = Annotated[
         "--base-url", help="The service, e.g. http://127.0.0.1:8321; default: ICEFLOE_REMOTE_* / ARCTIC_CORTEX_*."
     ),
 ]
+Token = Annotated[
+    str | None,
+    typer.Option(
+        "--token", help="Bearer token of the service (one of its serve --token values); default: ICEFLOE_REMOTE_PAT."
+    ),
+]
+AsJson = Annotated[bool, typer.Option("--json", help="Print JSON (for scripts) instead of a table.")]
 
 
 @contextlib.contextmanager
-def _admin(base_url: str | None) -> Iterator[Any]:
-    """A ServiceAdmin for --base-url, or for the remote settings in the environment."""
+def _admin(base_url: str | None, token: str | None) -> Iterator[Any]:
+    """A ServiceAdmin for --base-url / --token, or for the remote settings in the environment."""
     from icefloe.client.remote.admin import ServiceAdmin
     from icefloe.config import ClientConfig
     from icefloe.protocol import ConfigError, IcefloeError
 
+    explicit = {"base_url": base_url, "pat": token}
     try:
-        backend = {"type": "remote", **({"base_url": base_url} if base_url else {})}
+        backend = {"type": "remote", **{k: v for k, v in explicit.items() if v}}
         admin = ServiceAdmin(ClientConfig.from_env(backend=backend).backend)
     except ConfigError as exc:
         raise typer.BadParameter(str(exc), param_hint="--base-url") from None
@@ -245,60 +263,108 @@ def _admin(base_url: str | None) -> Iterator[Any]:
         with admin:
             yield admin
     except IcefloeError as exc:
-        console.print(f"[red]error:[/red] {exc}", highlight=False)
+        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1) from None
+
+
+def _print_json(value: Any) -> None:
+    typer.echo(json.dumps(value, indent=2, default=str))
+
+
+def _print_table(table: Any) -> None:
+    """Print ``table`` with every cell whole: piped, at its natural width (one line per row); on a
+    terminal, at least as wide as its no-wrap columns (IDs, URLs) need; other columns wrap."""
+    from rich.measure import Measurement
+
+    natural = Measurement.get(console, console.options.update_width(_UNBOUNDED), table)
+    width = max(console.width, natural.minimum) if console.is_terminal else natural.maximum
+    Console(width=width, highlight=False).print(table)
+
+
+_UNBOUNDED = 1_000_000  # a width no table reaches, to measure its natural width
 
 
 @jobs_app.command("list")
 def jobs_list(
     base_url: BaseUrl = None,
+    token: Token = None,
     status: Annotated[str | None, typer.Option(help="Only jobs in this state, e.g. running.")] = None,
+    as_json: AsJson = False,
 ) -> None:
     """List jobs: id, state, sub-jobs and, for failed jobs, the reason."""
-    from rich.table import Table
+    from rich.table import Column, Table
 
-    with _admin(base_url) as admin:
+    with _admin(base_url, token) as admin:
         jobs = admin.list_jobs(status)
-    table = Table("job_id", "status", "created_at", "sub-jobs", "reason")
+    if as_json:
+        _print_json(jobs)
+        return
+    table = Table(Column("job_id", no_wrap=True), "status", Column("created_at", no_wrap=True), "sub-jobs", "reason")
     for job in jobs:
-        subs = ", ".join(
-            f"{s.get('sub_job_id', '?').split(':', 1)[-1]}={s.get('status', '?')}" for s in job.get("sub_jobs", [])
-        )
         table.add_row(
-            job.get("job_id", "?"), job.get("status", "?"), job.get("created_at", ""), subs, job.get("reason", "")
+            job.get("job_id", "?"), job.get("status", "?"), job.get("created_at", ""), _sub_jobs(job), job.get("reason")
         )
-    console.print(table)
+    _print_table(table)
+
+
+def _sub_jobs(job: dict[str, Any]) -> str:
+    return ", ".join(
+        f"{s.get('sub_job_id', '?').split(':', 1)[-1]}={s.get('status', '?')}" for s in job.get("sub_jobs", [])
+    )
 
 
 @jobs_app.command("show")
-def jobs_show(job_id: str, base_url: BaseUrl = None) -> None:
-    """Print one job as JSON."""
-    import json
-
-    with _admin(base_url) as admin:
+def jobs_show(job_id: str, base_url: BaseUrl = None, token: Token = None, as_json: AsJson = False) -> None:
+    """One job: state, model, current step and last loss, request queue, lease, sub-jobs, reason."""
+    with _admin(base_url, token) as admin:
         job = admin.get_job(job_id)
-    console.print_json(json.dumps(job))
+        points = admin.job_metrics(job_id)
+    last = points[-1] if points else {}
+    loss = next((p["loss"] for p in reversed(points or []) if p.get("loss") is not None), None)
+    if as_json:
+        _print_json({**job, "last_metrics": last or None})
+        return
+    queue, lease = job.get("queue"), job.get("lease_expires_in_s")
+    lines = {
+        "job_id": job.get("job_id", job_id),
+        "status": job.get("status", "?"),
+        "created_at": job.get("created_at", ""),
+        "model": ", ".join(sorted({s.get("model_name", "?") for s in job.get("sub_jobs", [])})) or "-",
+        "step": last.get("step", "-"),
+        "last loss": "-" if loss is None else f"{loss:.4f}",
+        "queue": "-" if queue is None else f"{queue.get('pending', 0)} pending, {queue.get('running', 0)} running",
+        "lease": "-" if lease is None else f"{lease:.0f} s left (every call on the job renews it)",
+        "sub-jobs": _sub_jobs(job) or "-",
+        "reason": job.get("reason") or "-",
+    }
+    for name, value in lines.items():
+        console.print(f"{name:<11} {value}", highlight=False, markup=False, soft_wrap=True)
 
 
 @jobs_app.command("cancel")
-def jobs_cancel(job_id: str, base_url: BaseUrl = None) -> None:
+def jobs_cancel(job_id: str, base_url: BaseUrl = None, token: Token = None) -> None:
     """Cancel a job and release its resources."""
-    with _admin(base_url) as admin:
+    with _admin(base_url, token) as admin:
         admin.cancel_job(job_id)
         status = admin.get_job(job_id).get("status", "?")
-    console.print(f"job {job_id}: {status}", highlight=False)
+    console.print(f"job {job_id}: {status}", highlight=False, soft_wrap=True)
 
 
 @app.command()
 def logs(
     job_id: str,
     base_url: BaseUrl = None,
+    token: Token = None,
     sub_job: Annotated[str, typer.Option(help="Which role's log: training, sampling or log_probability.")] = "training",
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the job's log ends.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print each entry as one line of JSON.")] = False,
 ) -> None:
     """Print a job's structured log (the service's tail-logs operation)."""
-    with _admin(base_url) as admin:
+    with _admin(base_url, token) as admin:
         for entry in admin.read_logs(job_id, sub_job_type=sub_job, follow=follow):
+            if as_json:
+                typer.echo(json.dumps(entry, default=str))
+                continue
             text = entry.get("msg", entry.get("message", entry.get("_raw", "")))
             console.print(
                 f"{entry.get('ts', '')} {entry.get('level', ''):<7} {text}",
@@ -312,31 +378,33 @@ def logs(
 def checkpoints(
     job_id: str,
     base_url: BaseUrl = None,
+    token: Token = None,
     export: Annotated[str | None, typer.Option(help="A checkpoint id: print its download URLs.")] = None,
+    as_json: AsJson = False,
 ) -> None:
     """List a job's checkpoints, or print one checkpoint's download URLs."""
-    from rich.table import Table
+    from rich.table import Column, Table
 
-    with _admin(base_url) as admin:
-        if export:
-            exported = admin.export_checkpoint(job_id, export)
-            table = Table(
-                "filename", "size_bytes", "url", title=f"{export} (expires {exported.get('expires_at', '?')})"
-            )
-            for item in exported.get("files", []):
-                table.add_row(item["filename"], str(item.get("size_bytes", "")), item["url"])
-            console.print(table)
-            return
-        records = admin.list_checkpoints(job_id)
-    table = Table("checkpoint_id", "global_steps", "checkpoint_type", "created_at")
-    for record in records:
-        table.add_row(
-            record.get("checkpoint_id", "?"),
-            str(record.get("global_steps", record.get("global_step", ""))),
-            record.get("checkpoint_type", ""),
-            str(record.get("created_at", "")),
+    with _admin(base_url, token) as admin:
+        found = admin.export_checkpoint(job_id, export) if export else admin.list_checkpoints(job_id)
+    if as_json:
+        _print_json(found)
+        return
+    if export:
+        title = f"{export} (expires {found.get('expires_at', '?')})"
+        table = Table("filename", "size_bytes", Column("url", no_wrap=True), title=title)
+        for item in found.get("files", []):
+            table.add_row(item["filename"], str(item.get("size_bytes", "")), item["url"])
+    else:
+        table = Table(
+            Column("checkpoint_id", no_wrap=True), "global_steps", "checkpoint_type", Column("created_at", no_wrap=True)
         )
-    console.print(table)
+        for record in found:
+            step = record.get("global_steps", record.get("global_step", ""))
+            table.add_row(
+                record["checkpoint_id"], str(step), record.get("checkpoint_type"), str(record.get("created_at"))
+            )
+    _print_table(table)
 
 
 models_app = typer.Typer(help="Tiny built-in models.", no_args_is_help=True)
@@ -353,10 +421,15 @@ def models_export(
     import shutil
 
     from icefloe.engines.models import resolve_model
+    from icefloe.protocol import ConfigError
 
     if not spec.startswith("tiny:"):
         raise typer.BadParameter(f"spec must be a tiny preset like tiny:chat; got {spec!r}")
-    shutil.copytree(resolve_model(spec, seed=seed), target, dirs_exist_ok=True)
+    try:
+        built = resolve_model(spec, seed=seed)
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc), param_hint="SPEC") from None
+    shutil.copytree(built, target, dirs_exist_ok=True)
     console.print(f"{spec} (seed {seed}) written to {target}")
 
 
@@ -368,5 +441,34 @@ def _quiet_transformers() -> None:
     logging.set_verbosity_error()
 
 
+def main() -> None:
+    """The ``icefloe`` console script: the app, with a missing optional package told in one line."""
+    try:
+        app()
+    except ModuleNotFoundError as exc:
+        extra = _extra_of(exc.name or "")
+        if extra is None:
+            raise
+        command = " ".join(["icefloe", *sys.argv[1:2]])
+        hint = escape(f"{command} needs {exc.name}: pip install 'icefloe[{extra}]'")
+        console.print(f"[red]error:[/red] {hint}", highlight=False, soft_wrap=True)
+        sys.exit(1)
+
+
+def _extra_of(module: str) -> str | None:
+    """The first extra in icefloe's package metadata that installs top-level ``module``, if any."""
+    top = module.partition(".")[0].lower()
+    try:
+        requirements = importlib.metadata.requires("icefloe") or []
+    except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+        return None
+    for requirement in requirements:
+        name = re.match(r"[A-Za-z0-9_.-]+", requirement)
+        extra = re.search(r"extra == \"([^\"]+)\"", requirement)
+        if name and extra and name.group().lower().replace("-", "_") == top:
+            return extra.group(1)
+    return None
+
+
 if __name__ == "__main__":
-    app()
+    main()

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import platformdirs
 from pydantic import (
     AliasChoices,
     BaseModel,
@@ -40,6 +41,8 @@ __all__ = [
     "ScheduleConfig",
     "TrainingConfig",
     "format_validation_error",
+    "user_data_dir",
+    "validation_problems",
 ]
 
 # Env vars that pick the backend when a framework's own config cannot say (first set wins).
@@ -115,9 +118,15 @@ class TrainingConfig(_Model):
     grad_clip: float = Field(1.0, ge=0)  # max global grad norm; 0 = off
     lr_schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     micro_batch_tokens: int = Field(0, ge=0)  # token budget per micro-batch; 0 = whole batch at once
-    checkpoint_dir: Path | None = None  # None = a folder under the run's working directory
+    checkpoint_dir: Path | None = None  # None = <user data dir>/checkpoints/<session>; see checkpoint_root
     gradient_checkpointing: bool = False
     peak_memory_log: bool = False  # each step reports peak_memory {gpu_peak, cpu_peak} in bytes
+
+    def checkpoint_root(self, session: str) -> Path:
+        """The absolute folder a session's checkpoints go to: ``checkpoint_dir``, else one per session
+        under :func:`user_data_dir`, so a run never litters the working directory."""
+        root = self.checkpoint_dir if self.checkpoint_dir is not None else user_data_dir() / "checkpoints" / session
+        return root.expanduser().resolve()
 
 
 class LoraConfig(_Model):
@@ -407,16 +416,27 @@ def _remote_from_env(explicit: dict[str, Any], env: Mapping[str, str]) -> dict[s
     return filled
 
 
-def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
-    """One line per bad field: dotted path, what was wrong, the value given."""
-    lines = []
+def user_data_dir() -> Path:
+    """Where icefloe keeps what it writes when no folder is given (checkpoints, ``icefloe serve`` data):
+    the platform's user data directory, e.g. ``~/.local/share/icefloe`` (``$XDG_DATA_HOME/icefloe``)."""
+    return platformdirs.user_data_path("icefloe")
+
+
+def validation_problems(exc: ValidationError, prefix: str = "") -> list[str]:
+    """One ``field: problem; got value`` clause per bad field, dotted from ``prefix``; no secret values."""
+    problems = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
         loc = f"{prefix}{loc}" if loc else prefix.rstrip(".") or "config"
         msg = err["msg"].removeprefix("Value error, ")
         given = err.get("input")
         if isinstance(given, Mapping | list) or loc.endswith("pat"):
-            lines.append(f"{loc}: {msg}")
+            problems.append(f"{loc}: {msg}")
         else:
-            lines.append(f"{loc}: {msg}; got {given!r}")
-    return "invalid icefloe config:\n  " + "\n  ".join(lines)
+            problems.append(f"{loc}: {msg}; got {given!r}")
+    return problems
+
+
+def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
+    """One line per bad field: dotted path, what was wrong, the value given."""
+    return "invalid icefloe config:\n  " + "\n  ".join(validation_problems(exc, prefix))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 
@@ -43,12 +45,17 @@ def test_cli_demo_rejects_zero_steps():
 
 
 def test_cli_jobs_logs_and_checkpoints_against_a_real_service(tmp_path):
-    """A person inspects a job another process created: list, log, checkpoints, export, cancel."""
+    """A person inspects a job another process created: list, show, log, checkpoints, export, cancel;
+    every listing also as JSON, and no ID or URL cut short however narrow the terminal says it is."""
+    import re
+
+    import httpx
+
     from icefloe.client import Client, build_batch
     from icefloe.service.app import ServerThread, create_app
     from icefloe.service.settings import ServeSettings
 
-    runner = CliRunner()
+    runner = CliRunner(env={"COLUMNS": "40"})
     with ServerThread(create_app(ServeSettings(data_dir=tmp_path / "serve", port=0))) as base_url:
         client = Client({"model": "tiny:arith", "backend": {"type": "remote", "base_url": base_url}}).open()
         try:
@@ -58,21 +65,62 @@ def test_cli_jobs_logs_and_checkpoints_against_a_real_service(tmp_path):
             job_id = client.handle()["transport"]["job_id"]
             listed = runner.invoke(app, ["jobs", "list", "--base-url", base_url])
             assert listed.exit_code == 0, listed.output
-            assert job_id[:8] in listed.output and "running" in listed.output
+            row = next(line for line in listed.output.splitlines() if job_id in line)
+            assert "running" in row
+            listed_json = json.loads(runner.invoke(app, ["jobs", "list", "--json", "--base-url", base_url]).output)
+            assert [j["status"] for j in listed_json if j["job_id"] == job_id] == ["running"]
+
             shown = runner.invoke(app, ["jobs", "show", job_id, "--base-url", base_url])
-            assert f'"job_id": "{job_id}"' in shown.output
+            fields = dict(line.split(None, 1) for line in shown.output.replace("last loss", "last_loss").splitlines())
+            metrics = httpx.get(f"{_prefix(base_url)}/{job_id}/metrics")
+            points = metrics.json()["points"] if metrics.status_code == 200 else []
+            assert fields["step"] == (str(points[-1]["step"]) if points else "-")
+            losses = [p["loss"] for p in points if "loss" in p]
+            assert fields["last_loss"] == (f"{losses[-1]:.4f}" if losses else "-")
+            assert (fields["job_id"], fields["status"], fields["model"]) == (job_id, "running", "tiny:arith")
+            assert fields["queue"] == "0 pending, 0 running"
+            assert fields["lease"].endswith("s left (every call on the job renews it)")
+            shown_json = json.loads(
+                runner.invoke(app, ["jobs", "show", job_id, "--json", "--base-url", base_url]).output
+            )
+            assert shown_json["job_id"] == job_id and shown_json["queue"] == {"pending": 0, "running": 0}
+
             logged = runner.invoke(app, ["logs", job_id, "--base-url", base_url])
             assert logged.exit_code == 0 and "job is running" in logged.output
+            entries = [
+                json.loads(line)
+                for line in runner.invoke(app, ["logs", job_id, "--json", "--base-url", base_url]).output.splitlines()
+            ]
+            assert any("job is running" in e.get("msg", "") for e in entries)
+
             ckpts = runner.invoke(app, ["checkpoints", job_id, "--base-url", base_url])
             assert "global_step1" in ckpts.output and "resumable" in ckpts.output
-            exported = runner.invoke(app, ["checkpoints", job_id, "--export", "global_step1", "--base-url", base_url])
-            assert "model.safetensors" in exported.output and f"{base_url}/files/" in exported.output
+            ckpts_json = json.loads(
+                runner.invoke(app, ["checkpoints", job_id, "--json", "--base-url", base_url]).output
+            )
+            assert [c["checkpoint_id"] for c in ckpts_json] == ["global_step1"]
+            export = ["checkpoints", job_id, "--export", "global_step1", "--base-url", base_url]
+            exported = runner.invoke(app, export)
+            files = json.loads(runner.invoke(app, [*export, "--json"]).output)["files"]
+            assert "model.safetensors" in {f["filename"] for f in files}
+            shown_urls = re.findall(rf"{re.escape(base_url)}/files/[^\s│]+", exported.output)
+            assert sorted(map(len, shown_urls)) == sorted(len(f["url"]) for f in files)  # each URL whole (fresh tokens)
+
             cancelled = runner.invoke(app, ["jobs", "cancel", job_id, "--base-url", base_url])
             assert cancelled.exit_code == 0 and f"job {job_id}:" in cancelled.output
             missing = runner.invoke(app, ["jobs", "show", "no-such-job", "--base-url", base_url])
             assert missing.exit_code == 1 and "not found" in missing.output
         finally:
             client.shutdown()
+
+
+def _prefix(base_url: str) -> str:
+    """The training-API prefix ``icefloe serve`` answers on for a config without database or schema."""
+    from icefloe.client.remote.http import Endpoint
+    from icefloe.config import RemoteConfig
+
+    endpoint = Endpoint.from_config(RemoteConfig(base_url=base_url))
+    return endpoint.url
 
 
 def test_cli_jobs_without_a_service_names_the_setting():
@@ -97,11 +145,15 @@ def test_cli_serve_refuses_a_token_file_it_cannot_use(tmp_path):
 
 
 def test_cli_serve_takes_its_tokens_from_a_file(tmp_path):
-    """--token put the secret in `ps`; a token file keeps it out of the command line."""
+    """--token put the secret in `ps`; a token file keeps it out of the command line. A relative
+    --data-dir still gives clients absolute checkpoint paths."""
     import socket
     import time
+    from pathlib import Path
 
     import httpx
+
+    from icefloe.client import Client
 
     token = "file-token-" + "x" * 24
     token_file = tmp_path / "tokens"
@@ -110,9 +162,12 @@ def test_cli_serve_takes_its_tokens_from_a_file(tmp_path):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "icefloe.cli", "serve", "--port", str(port), "--engines", "local"]
-    command += ["--data-dir", str(tmp_path / "serve"), "--token-file", str(token_file)]
+    command += ["--data-dir", "serve", "--token-file", str(token_file)]
     log = tmp_path / "serve.log"
-    with log.open("wb") as output, subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT) as child:
+    with (
+        log.open("wb") as output,
+        subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, cwd=tmp_path) as child,
+    ):
         try:
             base_url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
             while True:
@@ -126,6 +181,12 @@ def test_cli_serve_takes_its_tokens_from_a_file(tmp_path):
             capacity = f"{base_url}/api/v2/databases/DB/schemas/SC/cortex-training/capacity"
             assert httpx.get(capacity, timeout=30).status_code == 401
             assert httpx.get(capacity, headers={"Authorization": f"Bearer {token}"}, timeout=30).status_code == 200
+            client = Client({"model": "tiny:arith", "backend": {"type": "remote", "base_url": base_url, "pat": token}})
+            try:
+                saved = Path(client.save_checkpoint()["path"])
+            finally:
+                client.shutdown()
+            assert saved.is_absolute() and saved.is_dir() and (tmp_path / "serve") in saved.parents
         finally:
             child.terminate()
             child.wait(timeout=60)
@@ -141,3 +202,77 @@ def test_cli_jobs_against_a_port_where_nothing_listens_fails_at_once(caplog):
             result = CliRunner().invoke(app, ["jobs", "list", "--base-url", base_url])
     assert result.exit_code == 1 and "is the service running?" in result.output
     assert not [r for r in caplog.records if "retrying" in r.getMessage()], "a refused connection is not retried"
+
+
+# Runs code as under `pip install icefloe` (no extras): every module an extra brings fails to import.
+_LIGHT_INSTALL = """
+import importlib.metadata, re, sys
+for requirement in importlib.metadata.requires("icefloe"):
+    if "extra ==" in requirement:
+        sys.modules[re.match(r"[A-Za-z0-9_.-]+", requirement).group().replace("-", "_")] = None
+"""
+
+
+def _light(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env or {})}
+    return subprocess.run([sys.executable, "-c", _LIGHT_INSTALL + code], capture_output=True, text=True, env=env)
+
+
+def _light_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return _light(f"sys.argv = ['icefloe', *{list(args)!r}]\nfrom icefloe.cli import main\nmain()", env)
+
+
+def test_light_install_blocks_what_the_extras_bring():
+    """The simulation itself: torch and fastapi are installed here, and fail to import under it."""
+    done = _light("import torch")
+    assert done.returncode == 1 and "ModuleNotFoundError" in done.stderr
+    assert _light("import fastapi").returncode == 1
+
+
+def test_light_install_cli_names_the_extra_in_one_line_before_creating_a_job(tmp_path):
+    from icefloe.service.app import ServerThread, create_app
+    from icefloe.service.settings import ServeSettings
+
+    with ServerThread(create_app(ServeSettings(data_dir=tmp_path / "serve", port=0))) as base_url:
+        remote = {"ICEFLOE_REMOTE_BASE_URL": base_url}
+        for args, extra in ((["demo", "--backend", "remote"], "torch"), (["serve"], "server"), (["demo"], "torch")):
+            done = _light_cli(*args, env=remote)
+            assert done.returncode == 1, done.stderr
+            assert "Traceback" not in done.stdout + done.stderr
+            assert done.stdout.splitlines()[-1].endswith(f"pip install 'icefloe[{extra}]'"), done.stdout
+            assert len(done.stdout.strip().splitlines()) == 1 and not done.stderr
+        listed = _light_cli("jobs", "list", "--json", env=remote)  # the light driver's own commands work
+        assert listed.returncode == 0, listed.stderr
+        assert json.loads(listed.stdout) == []  # nothing was created
+
+
+def test_light_install_client_says_why_it_cannot_tokenize(tmp_path):
+    from icefloe.service.app import ServerThread, create_app
+    from icefloe.service.settings import ServeSettings
+
+    code = """
+from icefloe.client import Client
+from icefloe.config import ClientConfig
+for backend in ({"type": "local"}, {"type": "remote"}):
+    try:
+        client = Client(ClientConfig.from_env(model="tiny:arith", backend=backend))
+        client.tokenizer
+    except ImportError as exc:
+        print(type(exc).__name__, exc)
+print(sorted(m for m in ("torch", "transformers", "icefloe.engines") if sys.modules.get(m)))
+"""
+    with ServerThread(create_app(ServeSettings(data_dir=tmp_path / "serve", port=0))) as base_url:
+        done = _light(code, {"ICEFLOE_REMOTE_BASE_URL": base_url})
+        jobs = json.loads(_light_cli("jobs", "list", "--json", "--base-url", base_url).stdout)
+    assert done.returncode == 0, done.stderr
+    local, remote, loaded = done.stdout.splitlines()
+    assert local == "ImportError backend.type='local' runs the engines in this process: pip install 'icefloe[torch]'"
+    assert remote.startswith("ImportError client.tokenizer loads the model's tokenizer with torch: ")
+    assert "pip install 'icefloe[torch]'" in remote
+    assert loaded == "[]" and jobs == []
+
+
+def test_cli_models_export_names_an_unknown_preset_as_typed(tmp_path):
+    result = CliRunner().invoke(app, ["models", "export", "tiny:Arith", str(tmp_path / "m")], env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and "model 'tiny:Arith' is not a tiny preset" in result.output
+    assert not (tmp_path / "m").exists()

@@ -150,3 +150,66 @@ def test_lora_mismatch_names_both_values_of_what_differs():
         "target_modules: ['q_proj', 'v_proj'] vs 'all-linear'",
     ]
     assert trainer.mismatch(None) == ["peft_config: LoRA vs none"]
+
+
+def test_from_env_is_build_plus_the_environment():
+    """The README builds its config with from_env, so the same script runs on any backend: the
+    environment picks the backend and fills the remote fields, and explicit arguments still win."""
+    args = {"model": "tiny:arith", "training": {"optimizer": {"lr": 3e-3}}}
+    assert ClientConfig.from_env(environ={}, **args) == ClientConfig.build(**args)
+    env = {"ICEFLOE_BACKEND": "remote", "ICEFLOE_REMOTE_BASE_URL": "http://127.0.0.1:8321", "ICEFLOE_REMOTE_PAT": "t"}
+    remote = ClientConfig.from_env(environ=env, **args)
+    assert (remote.backend.type, remote.backend.base_url) == ("remote", "http://127.0.0.1:8321")
+    assert remote.backend.pat.get_secret_value() == "t" and remote.training.optimizer.lr == 3e-3
+    assert ClientConfig.from_env(environ=env, backend={"type": "local"}, **args).backend.type == "local"
+    mine = ClientConfig.from_env(environ=env, backend={"type": "remote", "base_url": "http://127.0.0.1:9"}, **args)
+    assert mine.backend.base_url == "http://127.0.0.1:9"
+
+
+def test_checkpoint_root_defaults_to_the_user_data_dir_and_is_absolute(tmp_path, monkeypatch):
+    from icefloe.config import TrainingConfig, user_data_dir
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    monkeypatch.chdir(tmp_path)
+    assert user_data_dir() == tmp_path / "data" / "icefloe"
+    assert TrainingConfig().checkpoint_root("s1") == tmp_path / "data" / "icefloe" / "checkpoints" / "s1"
+    assert TrainingConfig(checkpoint_dir="ckpt").checkpoint_root("s1") == tmp_path / "ckpt"
+
+
+def test_local_checkpoints_leave_the_working_directory_alone(tmp_path, monkeypatch):
+    """Checkpoints went to ./icefloe-checkpoints and came back as relative paths."""
+    from pathlib import Path
+
+    from icefloe.client import Client
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    for checkpoint_dir, parent in ((None, tmp_path / "data" / "icefloe" / "checkpoints"), ("ckpt", work / "ckpt")):
+        client = Client({"model": "tiny:arith", "training": {"checkpoint_dir": checkpoint_dir}})
+        try:
+            saved = Path(client.save_checkpoint()["path"])
+            listed = [Path(c["path"]) for c in client.list_checkpoints()]
+        finally:
+            client.shutdown()
+        assert saved.is_absolute() and saved.is_dir() and parent in saved.parents
+        assert listed == [saved]
+    assert [p.name for p in work.iterdir()] == ["ckpt"]
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"top_p": 1.5}, "sampling_params.top_p: Input should be less than or equal to 1; got 1.5"),
+        ({"max_tokenz": 3}, "sampling_params.max_tokenz: Extra inputs are not permitted; got 3"),
+    ],
+)
+def test_sampling_params_errors_are_one_line_naming_the_field(params, message):
+    """They were pydantic's multi-line dump ending in a documentation URL."""
+    from icefloe.client import ops
+    from icefloe.protocol import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as info:
+        ops.generate([[1, 2]], params)
+    assert str(info.value) == message

@@ -6,9 +6,10 @@ and ``env_class`` to the environment, whose ``GSM8kEnv`` reads ``reward_spec.gro
 (verl's GSM8K files share the names but use ``reward_model`` instead; SkyRL would score them all 0.)
 
 Usage:
-    python examples/skyrl/prepare_gsm8k.py --output-dir ~/data/gsm8k-skyrl             # from the Hub (datasets)
-    python examples/skyrl/prepare_gsm8k.py --output-dir out --train-jsonl train.jsonl --validation-jsonl test.jsonl
-The JSONL files hold GSM8K's own rows: ``{"question": ..., "answer": "... #### 42"}``.
+    python examples/skyrl/prepare_gsm8k.py --output-dir ~/data/gsm8k-skyrl                  # from the Hub (datasets)
+    python examples/skyrl/prepare_gsm8k.py --output-dir ~/data/gsm8k-skyrl --jsonl-dir DIR  # DIR/{train,test}.jsonl
+The JSONL files hold GSM8K's own rows: ``{"question": ..., "answer": "... #### 42"}``; GSM8K's test
+split becomes ``validation.parquet``. The verl example's script takes the same flags.
 """
 
 from __future__ import annotations
@@ -50,17 +51,19 @@ def to_skyrl_rows(records: Iterable[dict[str, Any]], split: str) -> list[dict[st
     return rows
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    with path.open() as handle:
-        return [json.loads(line) for line in handle if line.strip()]
-
-
-def _from_hub(split: str) -> list[dict[str, Any]]:
+def load_split(split: str, jsonl_dir: Path | None) -> list[dict[str, Any]] | None:
+    """GSM8K's ``split`` rows from ``jsonl_dir/<split>.jsonl`` (None when that file is absent), else the Hub."""
+    if jsonl_dir is not None:
+        path = jsonl_dir.expanduser() / f"{split}.jsonl"
+        if not path.is_file():
+            return None
+        with path.open() as handle:
+            return [json.loads(line) for line in handle if line.strip()]
     try:
         import datasets
     except ImportError:
         raise SystemExit(
-            "downloading GSM8K needs the `datasets` package (pip install datasets); or pass --train-jsonl"
+            "downloading GSM8K needs the `datasets` package (pip install datasets); or pass --jsonl-dir"
         ) from None
     return list(datasets.load_dataset(DATA_SOURCE, "main", split=split))
 
@@ -73,24 +76,30 @@ def write_parquet(rows: Sequence[dict[str, Any]], path: Path) -> None:
     pq.write_table(pa.Table.from_pylist(list(rows)), path)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output-dir", type=Path, default=Path("~/data/gsm8k-skyrl"))
-    parser.add_argument("--train-jsonl", type=Path, help="local GSM8K train rows instead of the Hub")
-    parser.add_argument("--validation-jsonl", type=Path, help="local GSM8K test rows instead of the Hub")
+    parser.add_argument(
+        "--output-dir", type=Path, default=Path("~/data/gsm8k-skyrl"), help="where the parquet files go"
+    )
+    parser.add_argument("--jsonl-dir", type=Path, help="read {train,test}.jsonl from here instead of the Hub")
     parser.add_argument("--limit", type=int, default=0, help="keep only the first N rows per split; 0 = all")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     output = args.output_dir.expanduser()
-    sources = {"train": ("train", args.train_jsonl), "validation": ("test", args.validation_jsonl)}
-    for name, (hub_split, local) in sources.items():
-        if local is None and args.train_jsonl is not None:
-            continue  # local mode: only the files given
-        records = _read_jsonl(local) if local is not None else _from_hub(hub_split)
-        if args.limit:
-            records = records[: args.limit]
-        rows = to_skyrl_rows(records, split=hub_split)
+    written = 0
+    for split, name in (("train", "train"), ("test", "validation")):
+        records = load_split(split, args.jsonl_dir)
+        if records is None:
+            continue
+        rows = to_skyrl_rows(records[: args.limit or None], split=split)
         write_parquet(rows, output / f"{name}.parquet")
         print(f"wrote {len(rows)} rows to {output / f'{name}.parquet'}")
+        written += 1
+    if not written:
+        raise SystemExit(f"--jsonl-dir {args.jsonl_dir} holds neither train.jsonl nor test.jsonl")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,10 @@ Schema per row (verl's built-in GSM8K scorer is selected by ``data_source``):
 ``ability="math"``, ``reward_model={"style": "rule", "ground_truth": "<number>"}``,
 ``extra_info={"split", "index", "answer", "question"}``.
 
-    python examples/verl/prepare_gsm8k.py --out ~/data/gsm8k                 # from the Hugging Face hub
-    python examples/verl/prepare_gsm8k.py --out ~/data/gsm8k --jsonl-dir DIR # DIR/{train,test}.jsonl offline
+    python examples/verl/prepare_gsm8k.py --output-dir ~/data/gsm8k                  # from the Hub (datasets)
+    python examples/verl/prepare_gsm8k.py --output-dir ~/data/gsm8k --jsonl-dir DIR  # DIR/{train,test}.jsonl
+The JSONL files hold GSM8K's own rows: ``{"question": ..., "answer": "... #### 42"}``. The SkyRL
+example's script takes the same flags.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import pandas as pd
@@ -43,25 +46,46 @@ def to_rows(records: list[dict], split: str) -> list[dict]:
     ]
 
 
-def load_split(split: str, jsonl_dir: Path | None) -> list[dict]:
+def load_split(split: str, jsonl_dir: Path | None) -> list[dict] | None:
+    """GSM8K's ``split`` rows from ``jsonl_dir/<split>.jsonl`` (None when that file is absent), else the Hub."""
     if jsonl_dir is not None:
-        with open(jsonl_dir / f"{split}.jsonl") as handle:
+        path = jsonl_dir.expanduser() / f"{split}.jsonl"
+        if not path.is_file():
+            return None
+        with path.open() as handle:
             return [json.loads(line) for line in handle if line.strip()]
-    from datasets import load_dataset
-
+    try:
+        from datasets import load_dataset
+    except ImportError:
+        raise SystemExit(
+            "downloading GSM8K needs the `datasets` package (pip install datasets); or pass --jsonl-dir"
+        ) from None
     return list(load_dataset("openai/gsm8k", "main", split=split))
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("~/data/gsm8k").expanduser())
-    parser.add_argument("--jsonl-dir", type=Path, default=None, help="read {train,test}.jsonl instead of the hub")
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    parser.add_argument("--output-dir", type=Path, default=Path("~/data/gsm8k"), help="where the parquet files go")
+    parser.add_argument("--jsonl-dir", type=Path, help="read {train,test}.jsonl from here instead of the Hub")
+    parser.add_argument("--limit", type=int, default=0, help="keep only the first N rows per split; 0 = all")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    output = args.output_dir.expanduser()
+    output.mkdir(parents=True, exist_ok=True)
+    written = 0
     for split in ("train", "test"):
-        rows = to_rows(load_split(split, args.jsonl_dir), split)
-        pd.DataFrame(rows).to_parquet(args.out / f"{split}.parquet")
-        print(f"wrote {len(rows)} rows to {args.out / f'{split}.parquet'}")
+        records = load_split(split, args.jsonl_dir)
+        if records is None:
+            continue
+        rows = to_rows(records[: args.limit or None], split)
+        pd.DataFrame(rows).to_parquet(output / f"{split}.parquet")
+        print(f"wrote {len(rows)} rows to {output / f'{split}.parquet'}")
+        written += 1
+    if not written:
+        raise SystemExit(f"--jsonl-dir {args.jsonl_dir} holds neither train.jsonl nor test.jsonl")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@ set -euo pipefail
 
 DATA_DIR=${DATA_DIR:-$HOME/data/gsm8k}
 MODEL=${MODEL:-Qwen/Qwen3-0.6B}
-# local | ray | remote; remote also reads ICEFLOE_REMOTE_BASE_URL (icefloe serve) or ARCTIC_CORTEX_* vars.
-ICEFLOE_BACKEND_TYPE=${ICEFLOE_BACKEND_TYPE:-ray}
+# local | ray | remote (ICEFLOE_BACKEND, as everywhere else); remote also reads ICEFLOE_REMOTE_BASE_URL
+# (icefloe serve) or the ARCTIC_CORTEX_* vars.
+BACKEND=${ICEFLOE_BACKEND:-${ARCTIC_BACKEND:-ray}}
 ICEFLOE_CONFIG_DIR=$(python -c 'import icefloe.integrations.verl as p; print(p.config_dir())')
 # V0 (verl release/v0.7.1 with PR 6422) needs the trainer switch and the new worker path; V1 reads the Hydra
 # choice; stock PyPI verl (no seam) runs through icefloe's launcher, which registers an icefloe trainer mode.
@@ -26,7 +27,7 @@ export VERL_USE_EXTERNAL_MODULES=icefloe.integrations.verl
 
 "${ENTRY[@]}" \
   "hydra.searchpath=[file://${ICEFLOE_CONFIG_DIR}]" \
-  remote_backend.backend="${ICEFLOE_BACKEND_TYPE}" \
+  remote_backend.backend="${BACKEND}" \
   remote_backend.training_gpus=1 \
   remote_backend.sampling_gpus=1 \
   remote_backend.dtype=bfloat16 \

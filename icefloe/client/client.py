@@ -88,7 +88,13 @@ class _BaseClient:
         found = self._transport.tokenizer
         if found is not None:
             return found
-        from icefloe.engines.models import load_tokenizer, resolve_model
+        try:
+            from icefloe.engines.models import load_tokenizer, resolve_model
+        except ModuleNotFoundError as exc:  # the light install: a remote driver without the engines' packages
+            raise ImportError(
+                f"client.tokenizer loads the model's tokenizer with {exc.name}: pip install 'icefloe[torch]' "
+                "(or tokenize yourself: generate takes token ids or text)"
+            ) from None
 
         return load_tokenizer(resolve_model(self.config.model, seed=self.config.seed))
 

@@ -12,7 +12,10 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from pydantic import ValidationError
+
 from icefloe.client.batch import to_canonical
+from icefloe.config import validation_problems
 from icefloe.protocol import (
     OP_CANCEL,
     OP_DELETE_CHECKPOINT,
@@ -210,8 +213,8 @@ def _params(value: SamplingParams | Mapping[str, Any] | None) -> SamplingParams:
         return value
     try:
         return SamplingParams.model_validate(dict(value))
-    except Exception as exc:  # pydantic's message names the field
-        raise InvalidRequestError(f"sampling_params is invalid: {exc}") from None
+    except ValidationError as exc:
+        raise InvalidRequestError("; ".join(validation_problems(exc, prefix="sampling_params."))) from None
 
 
 def _parse_generate(result: Any) -> list[dict[str, Any]]:

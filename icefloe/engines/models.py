@@ -152,7 +152,7 @@ def _preset_list() -> str:
 def _build_tiny(name: str, *, seed: int, cache_dir: Path) -> Path:
     preset = TINY_PRESETS.get(name)
     if preset is None:
-        raise ConfigError(f"model {TINY_PREFIX}{name!r} is not a tiny preset; choose one of: {_preset_list()}")
+        raise ConfigError(f"model {TINY_PREFIX + name!r} is not a tiny preset; choose one of: {_preset_list()}")
     target = Path(cache_dir).expanduser() / f"{name}-seed{seed}-{preset.fingerprint()}"
     if (target / "config.json").is_file():
         return target

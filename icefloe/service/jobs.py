@@ -286,9 +286,13 @@ class JobManager:
         return row
 
     def public(self, job_id: str) -> dict[str, Any]:
+        job = self._live.get(job_id)
+        lease_left_s = job.lease_until - time.monotonic() if job is not None else math.inf  # before this call
         self.renew(job_id)
         answer = self._public(self._row(job_id))
-        job = self._live.get(job_id)
+        if job is not None:  # icefloe extensions: what `icefloe jobs show` prints
+            answer["queue"] = self.requests.queue(job_id)
+            answer["lease_expires_in_s"] = round(max(0.0, lease_left_s), 1) if math.isfinite(lease_left_s) else None
         if job is not None and job.status == "placing":  # why it waits, for the client to show
             ahead, free = self.pool.waiting(job)
             needs = sum(s.num_slots for s in job.specs.values())

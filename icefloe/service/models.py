@@ -217,6 +217,10 @@ class JobPublic(BaseModel):
     experiment_name: str
     sub_jobs: list[SubJobPublic]
     warnings: list[str] = Field(default_factory=list)
+    # icefloe extensions, on a job this service runs: requests {pending, running}; seconds its client's
+    # lease had left before this call renewed it (None = no lease)
+    queue: dict[str, int] | None = None
+    lease_expires_in_s: float | None = None
 
 
 class JobList(BaseModel):

@@ -163,6 +163,12 @@ class RequestTable:
                         self._waiting.pop(request_id, None)
         return self.get(job_id, request_id)
 
+    def queue(self, job_id: str) -> dict[str, int]:
+        """How many of the job's requests wait (``pending``) and how many run now."""
+        with self._lock:
+            states = [row["status"] for row in self._open.values() if row["job_id"] == job_id]
+        return {"pending": states.count("pending"), "running": len(states) - states.count("pending")}
+
 
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():

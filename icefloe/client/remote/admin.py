@@ -18,6 +18,8 @@ from icefloe.protocol import JOB_TERMINAL_STATES, normalize_job_state
 
 __all__ = ["ServiceAdmin"]
 
+_ABSENT = frozenset({404})  # a route the service does not have is answered, not raised or retried
+
 
 class _AdminRetryPolicy(RetryPolicy):
     """The transport's retries, except a refused connection: a person waiting at a terminal is told
@@ -58,6 +60,14 @@ class ServiceAdmin:
         """One job with its sub-jobs and, once it failed, the reason."""
         body = self._send(Call("GET", f"/{job_id}", "get job")) or {}
         return dict(body.get("job", body))
+
+    def job_metrics(self, job_id: str) -> list[dict[str, Any]] | None:
+        """The job's per-step metrics, ``[{step, time, loss, ...}]`` oldest first (icefloe extension);
+        None when the service has no such route (an older ``icefloe serve``, the managed endpoint)."""
+        reply = self._http.run(self._http.send(Call("GET", f"/{job_id}/metrics", "job metrics", accept=_ABSENT)))
+        if reply.status_code == 404:
+            return None
+        return list((reply.body or {}).get("points", []))
 
     def cancel_job(self, job_id: str) -> None:
         """Cancel a job; repeating it while the job is cancelling is fine."""

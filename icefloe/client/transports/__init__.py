@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 from icefloe.client.transports.base import Transport
@@ -14,6 +15,8 @@ def make_transport(config: ClientConfig, handle: dict[str, Any] | None = None) -
     """Build (not open) the transport for ``config.backend.type``; heavy imports happen here, lazily."""
     kind = config.backend.type
     if kind == "local":
+        if importlib.util.find_spec("torch") is None:  # the light install: fail here, not at the first op
+            raise ImportError("backend.type='local' runs the engines in this process: pip install 'icefloe[torch]'")
         from icefloe.client.transports.local import LocalTransport
 
         return LocalTransport(config, handle=handle)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import uuid
 import weakref
-from pathlib import Path
 from typing import Any
 
 from icefloe.client.transports.roles import RoleTransport
@@ -36,8 +35,7 @@ class LocalTransport(RoleTransport):
                     "use backend.type='ray' or 'remote' to re-attach from another process"
                 )
             self._attached_to = live
-        root = config.training.checkpoint_dir or Path("icefloe-checkpoints") / session
-        super().__init__(config, session=session, checkpoint_root=Path(root))
+        super().__init__(config, session=session, checkpoint_root=config.training.checkpoint_root(session))
 
     def _start(self) -> None:
         if self._attached_to is not None:  # a twin drives the owner's engines through the owner's host

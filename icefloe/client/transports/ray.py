@@ -46,9 +46,9 @@ class RayTransport(RoleTransport):
         session = (handle or {}).get("session") or uuid.uuid4().hex[:12]
         ray_config: RayConfig = config.backend
         job_name = (handle or {}).get("job_name") or ray_config.job_name or f"icefloe-{session}"
-        root = (handle or {}).get("checkpoint_root") or config.training.checkpoint_dir
+        root = (handle or {}).get("checkpoint_root")
         super().__init__(
-            config, session=session, checkpoint_root=Path(root or Path("icefloe-checkpoints") / job_name).resolve()
+            config, session=session, checkpoint_root=Path(root) if root else config.training.checkpoint_root(job_name)
         )
         self.ray_config = ray_config
         self.job_name = job_name

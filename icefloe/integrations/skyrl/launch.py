@@ -25,6 +25,8 @@ SKYRL_MAIN = "skyrl.train.entrypoints.main_base"
 # Stands in for a sampling server SkyRL's validator wants to see; icefloe never lets SkyRL contact it.
 PLACEHOLDER_URL = "http://icefloe-sampling"
 _ENGINES = "generator.inference_engine"
+# The newest SkyRL commit examples/skyrl/README.md lists as supported.
+_SKYRL_GIT = "git+https://github.com/NovaSky-AI/SkyRL@a9564572"
 
 
 def _overrides(argv: Sequence[str]) -> dict[str, str]:
@@ -90,8 +92,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         if not (exc.name or "").startswith("skyrl"):
             raise
         raise ImportError(
-            "SkyRL is not installed; it needs Python 3.12: pip install 'skyrl[skyrl-train]' skyrl-gym "
-            "(see examples/skyrl/README.md for the supported commits)"
+            f"SkyRL is not installed; it needs Python 3.12 and a commit with trainer.override_entrypoint: "
+            f"pip install 'skyrl[skyrl-train] @ {_SKYRL_GIT}' 'skyrl-gym @ {_SKYRL_GIT}#subdirectory=skyrl-gym' "
+            "'icefloe[skyrl]' (examples/skyrl/README.md lists the supported commits)"
         ) from None
     sys.argv = [SKYRL_MAIN, *prepare_argv(args, legacy_remote_urls=skyrl_has_remote_urls())]
     runpy.run_module(SKYRL_MAIN, run_name="__main__", alter_sys=True)

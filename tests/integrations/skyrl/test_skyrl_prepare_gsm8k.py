@@ -30,7 +30,7 @@ def test_prepare_gsm8k_from_local_jsonl_writes_skyrl_schema(prepare, tmp_path):
     ]
     source = tmp_path / "train.jsonl"
     source.write_text("\n".join(json.dumps(r) for r in rows))
-    prepare.main(["--output-dir", str(tmp_path / "out"), "--train-jsonl", str(source)])
+    prepare.main(["--output-dir", str(tmp_path / "out"), "--jsonl-dir", str(tmp_path)])
     train = tmp_path / "out" / "train.parquet"
     check_train_data([str(train)])
     table = pq.read_table(train).to_pylist()

@@ -55,7 +55,7 @@ def test_stock_verl_trains_through_icefloe(tmp_path: Path) -> None:
     rows = [{"question": f"{a}+{b}=", "answer": f"#### {a + b}"} for a in range(1, 5) for b in range(1, 3)]
     for split in ("train", "test"):
         (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    subprocess.run([sys.executable, str(REPO / "examples/verl/prepare_gsm8k.py"), "--out", str(tmp_path),
+    subprocess.run([sys.executable, str(REPO / "examples/verl/prepare_gsm8k.py"), "--output-dir", str(tmp_path),
                     "--jsonl-dir", str(tmp_path)], check=True)  # fmt: skip
     (tmp_path / "reward.py").write_text(_REWARD)
     overrides = [

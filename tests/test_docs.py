@@ -1,0 +1,167 @@
+"""The docs name only what exists: every ``icefloe`` command and flag, every flag of the scripts in
+``examples/`` and ``bench/``, every icefloe environment variable and every repository file they cite.
+
+Commands and flags are checked against the CLI's own parser (typer's click command tree), script
+flags against the scripts' ``add_argument`` calls, and environment variables (``ICEFLOE_*``,
+``ARCTIC_*``, ``CORTEX_*``; other tools' variables are theirs to document) against the package's
+source.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer
+
+from icefloe.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "examples").glob("*/README.md")])
+SCRIPTS = {p.relative_to(ROOT).as_posix(): p for p in sorted([*ROOT.glob("examples/*/*.py"), *ROOT.glob("bench/*.py")])}
+
+_ICEFLOE = re.compile(r"(?<![\w.\-/'\"\[=<])icefloe(?![\w.\-\[/])")
+_FLAG = re.compile(r"(?<![\w-])--?[a-zA-Z][\w-]*")
+_ENV = re.compile(r"\b(?:ICEFLOE|ARCTIC|CORTEX)_[A-Z0-9_]*")
+_FILE = re.compile(r"^\w[\w./{},-]*\.(?:md|py|yaml|json|sh)$")
+
+
+def code_pieces(text: str) -> Iterator[str]:
+    """Inline code spans (one may wrap a line), and the commands of fenced blocks: lines joined
+    where they end in a backslash, without ``#`` comments."""
+    prose: list[str] = []
+    fenced, command = False, ""
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif fenced:
+            command += re.split(r"(?:^|\s)#", line, maxsplit=1)[0].replace("`", " ")
+            if command.rstrip().endswith("\\"):
+                command = command.rstrip()[:-1] + " "
+                continue
+            yield command
+            command = ""
+        else:
+            prose.append(line)
+    for span in re.findall(r"`([^`]+)`", "\n".join(prose)):
+        yield " ".join(span.split())
+
+
+def options(command: Any) -> set[str]:
+    return {name for param in command.params for name in (*param.opts, *param.secondary_opts) if name.startswith("-")}
+
+
+def all_cli_options(command: Any) -> set[str]:
+    found = options(command)
+    for sub in getattr(command, "commands", {}).values():
+        found |= all_cli_options(sub)
+    return found
+
+
+def check_command(tokens: list[str], root: Any) -> list[str]:
+    """Problems with one ``icefloe ...`` mention: unknown (sub)commands and flags. ``a | b`` (or
+    ``a \\| b`` in a table) names alternatives at one level; words after a command are its arguments."""
+    path: list[Any] = [root]
+    alternative = False
+    problems = []
+    for raw in tokens:
+        token = raw.strip("[](),;:")
+        if not token:
+            continue
+        if token in ("|", "\\|"):
+            alternative = True
+            continue
+        if token.startswith("-"):
+            name = token.split("=", 1)[0]
+            if name not in options(path[-1]):
+                problems.append(f"{' '.join(c.name or 'icefloe' for c in path)} has no option {name}")
+            continue
+        if alternative and len(path) > 1:
+            path.pop()
+        alternative = False
+        commands = getattr(path[-1], "commands", None)
+        if commands is None:
+            continue  # an argument or an option's value
+        sub = commands.get(token)
+        if sub is None:
+            problems.append(f"{' '.join(c.name or 'icefloe' for c in path)} has no command {token!r}")
+            break
+        path.append(sub)
+    return problems
+
+
+def script_options(path: Path) -> set[str]:
+    """The flags a script declares with ``parser.add_argument("--flag", ...)``."""
+    calls = re.findall(r"add_argument\(([^)]*)\)", path.read_text(encoding="utf-8"))
+    return {flag for call in calls for flag in re.findall(r"[\"'](--?[\w-]+)[\"']", call)}
+
+
+def doc_problems(text: str, root: Any, package_source: str) -> list[str]:
+    """Everything ``text`` names that does not exist, one line each."""
+    known_options = all_cli_options(root).union(*(script_options(path) for path in SCRIPTS.values()))
+    problems = []
+    for piece in code_pieces(text):
+        script = next((name for name in SCRIPTS if name in piece or Path(name).name in piece.split()[:1]), None)
+        mention = _ICEFLOE.search(piece)
+        if script is not None:
+            known = script_options(SCRIPTS[script])
+            problems += [f"{script} has no option {f}" for f in _FLAG.findall(piece) if f.split("=")[0] not in known]
+        elif mention is not None:
+            problems += check_command(piece[mention.end() :].split(), root)
+        elif not re.search(r"\b(?:pip|python3?|torchrun|bash|git|curl)\b", piece):
+            unknown = [f for f in _FLAG.findall(piece) if f.startswith("--") and f not in known_options]
+            problems += [f"no option {f} anywhere" for f in unknown]
+        if _FILE.match(piece.strip()) and "/" in piece and "{" not in piece and not _repo_has(piece.strip()):
+            problems.append(f"no file {piece.strip()} in the repository")
+    for name in sorted(set(_ENV.findall(text))):
+        if name not in package_source:
+            problems.append(f"no environment variable {name} in the package")
+    return problems
+
+
+def _repo_has(path: str) -> bool:
+    """Whether a cited path names a repository file, relative to the root or to any folder in it."""
+    return (ROOT / path).exists() or any(ROOT.glob(f"**/{path}"))
+
+
+@pytest.fixture(scope="module")
+def root() -> Any:
+    return typer.main.get_command(app)
+
+
+@pytest.fixture(scope="module")
+def package_source() -> str:
+    return "\n".join(path.read_text(encoding="utf-8") for path in sorted((ROOT / "icefloe").rglob("*.py")))
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_doc_names_only_what_exists(doc, root, package_source):
+    assert doc_problems(doc.read_text(encoding="utf-8"), root, package_source) == []
+
+
+def test_doc_check_catches_what_does_not_exist(root, package_source):
+    """The check can fail: a made-up command, flag, script flag, variable and file are each reported."""
+    text = "\n".join(
+        [
+            "Run `icefloe serve --no-such-flag` or `icefloe run`, then `icefloe jobs list \\| frobnicate`.",
+            "```bash",
+            "python examples/verl/prepare_gsm8k.py --out ~/data  # an old flag",
+            "ICEFLOE_NO_SUCH_VAR=1 icefloe demo --steps 3",
+            "```",
+            "See `reference/no-such-file.md` and `--made-up`.",
+        ]
+    )
+    assert sorted(doc_problems(text, root, package_source)) == sorted(
+        [
+            "icefloe serve has no option --no-such-flag",
+            "icefloe has no command 'run'",
+            "icefloe jobs has no command 'frobnicate'",
+            "examples/verl/prepare_gsm8k.py has no option --out",
+            "no option --made-up anywhere",
+            "no file reference/no-such-file.md in the repository",
+            "no environment variable ICEFLOE_NO_SUCH_VAR in the package",
+        ]
+    )
