@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 tinker = pytest.importorskip("tinker")
@@ -118,6 +119,36 @@ def test_sample_returns_several_sequences_with_stops_logprobs_and_ids(service, m
     assert [(seq.stop_reason, len(seq.tokens)) for seq in response.sequences] == [("length", 5)] * 2
 
 
+def test_sample_calls_sent_back_to_back_each_get_their_own_answer(service, model):
+    sampler = service.create_sampling_client(base_model=model).result()
+    tokenizer = sampler.get_tokenizer()
+    calls = [(f"prompt {i}:", i % 3 + 1, i + 1) for i in range(6)]  # (text, num_samples, max_tokens)
+    prompts = [types.ModelInput.from_ints(tokenizer.encode(text)) for text, _, _ in calls]
+    futures = [
+        sampler.sample(prompt, n, types.SamplingParams(max_tokens=m, stop=[]))
+        for prompt, (_, n, m) in zip(prompts, calls, strict=True)
+    ]  # nothing awaited until every call is sent: they reach the sampler together
+    shapes = [[len(seq.tokens) for seq in future.result().sequences] for future in futures]
+    assert shapes == [[m] * n for _, n, m in calls]
+
+
+def test_top_k_prompt_logprobs_are_the_likeliest_tokens_at_each_position(service, model):
+    sampler = service.create_sampling_client(base_model=model).result()
+    tokens = sampler.get_tokenizer().encode("top k here")
+    response = sampler.sample(
+        types.ModelInput.from_ints(tokens), 1, types.SamplingParams(max_tokens=1),
+        include_prompt_logprobs=True, topk_prompt_logprobs=3,
+    ).result()  # fmt: skip
+    topk, scored = response.topk_prompt_logprobs, response.prompt_logprobs
+    assert topk[0] is None and len(topk) == len(tokens)
+    for token, logprob, pairs in zip(tokens[1:], scored[1:], topk[1:], strict=True):
+        values = [lp for _, lp in pairs]
+        assert len(pairs) == 3 and values == sorted(values, reverse=True)
+        assert logprob <= values[0] + 1e-5 and math.log(sum(math.exp(v) for v in values)) <= 1e-5
+        assert dict(pairs).get(token, logprob) == pytest.approx(logprob, abs=1e-5)  # in the top k: the same value
+    assert tokens[1] in [t for t, _ in topk[1]] or scored[1] < topk[1][-1][1]
+
+
 def test_importance_sampling_and_ppo_losses_are_sums_over_tokens(service, model):
     training = service.create_lora_training_client(base_model=model, rank=4).result()
     tokenizer = training.get_tokenizer()
@@ -132,6 +163,17 @@ def test_importance_sampling_and_ppo_losses_are_sums_over_tokens(service, model)
     assert ppo.metrics["loss:sum"] == pytest.approx(expected, abs=1e-4)
     scored = [lp for out in ppo.loss_fn_outputs for lp in out["logprobs"].tolist()]
     assert scored == pytest.approx([lp for row in on_policy for lp in row], abs=1e-5)
+    for datum in data:  # the sequence ratio over the second half of each row only
+        width = len(datum.loss_fn_inputs["advantages"].data)
+        datum.loss_fn_inputs["sequence_ratio_mask"] = types.TensorData.from_numpy(
+            np.asarray([0.0] * (width // 2) + [1.0] * (width - width // 2), dtype=np.float32)
+        )
+    gspo = training.forward(data, "gspo").result()
+    assert gspo.metrics["loss:sum"] == pytest.approx(expected, abs=1e-4)
+    shifted = [[lp - 0.1 for lp in row] for row in on_policy]  # every sequence ratio e^0.1, clipped at 1.05
+    stale = [_policy_data(tokenizer, t, lp, 1.0) for t, lp in zip(texts, shifted, strict=True)]
+    clipped = training.forward(stale, "gspo", {"clip_low_threshold": 0.95, "clip_high_threshold": 1.05}).result()
+    assert clipped.metrics["loss:sum"] == pytest.approx(-1.05 * (4 + 15), rel=1e-4)
 
 
 def test_save_state_then_resume_with_optimizer_continues_exactly(service, model):

@@ -349,19 +349,29 @@ async def asample(body: dict[str, Any], state: State) -> dict[str, Any]:
     if len(prompt) >= limit:
         raise InvalidRequestError(f"prompt has {len(prompt)} tokens; the sampler takes fewer than {limit}")
 
-    def run_batch(items: list[tuple[list[int], EngineSamplingParams]]) -> list[dict[str, Any]]:
+    def run_batch(calls: list[list[tuple[list[int], EngineSamplingParams]]]) -> list[list[dict[str, Any]]]:
+        """One generate for the gathered calls of every request batched here; per request, per call."""
+        items = [item for gathered in calls for item in gathered]
         samples = host.generate(sub_job_id, [p for p, _ in items], [q for _, q in items])
-        results, cursor = [], 0
-        for _, item_params in items:
-            mine = samples[cursor : cursor + item_params.n]
-            cursor += item_params.n
-            results.append({"samples": mine, "prompt_logprobs": mine[0].get("prompt_logprobs")})
+        results: list[list[dict[str, Any]]] = []
+        cursor = 0
+        for gathered in calls:
+            results.append([])
+            for _, item_params in gathered:
+                mine = samples[cursor : cursor + item_params.n]
+                cursor += item_params.n
+                first = mine[0]
+                results[-1].append({"samples": mine, "prompt_logprobs": first.get("prompt_logprobs"),
+                                    "topk_prompt_logprobs": first.get("topk_prompt_logprobs")})  # fmt: skip
         return results
 
     from icefloe.service.tinker import convert
 
-    request_id = state.manager.submit(job, sub_job_id, OP_GENERATE, run_batch, batch_item=(prompt, params))
-    future_id = state.future(job.job_id, convert.sample_response, request_id)
+    def submit(gathered: list[tuple[list[int], EngineSamplingParams]]) -> str:
+        return state.manager.submit(job, sub_job_id, OP_GENERATE, run_batch, batch_item=gathered)
+
+    request_id, part = await state.gather(sampler, (prompt, params), submit)
+    future_id = state.future(job.job_id, convert.sample_response, request_id, part)
     answer = {"request_id": future_id, "sample_sequence_ids": [f"{future_id}:{i}" for i in range(params.n)]}
     if seq_id is not None:
         sampler.taken[seq_id] = answer
@@ -395,6 +405,7 @@ def _sampling_params(body: dict[str, Any]) -> EngineSamplingParams:
         "seed": raw.get("seed"),
         "logprobs": True,
         "prompt_logprobs": bool(body.get("prompt_logprobs")),
+        "topk_prompt_logprobs": int(body.get("topk_prompt_logprobs") or 0),
         # No stop: EOS stops. A stop list (even empty) replaces EOS.
         "ignore_eos": stop is not None,
     }
@@ -405,7 +416,7 @@ def _sampling_params(body: dict[str, Any]) -> EngineSamplingParams:
             fields["stop"] = tuple(stop)
         else:
             raise InvalidRequestError(f"sampling_params.stop must be strings or token ids, not a mix; got {stop!r}")
-    for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+    for name in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
         if body.get(name):
             raise InvalidRequestError(f"{name} is not served; leave it 0")
     try:
@@ -463,7 +474,8 @@ async def retrieve_future(body: dict[str, Any], state: State) -> Response:
                 return JSONResponse(
                     {"error": row["error"] or row["status"], "category": "user" if running else "server"}
                 )
-            answer = future.render(result_of(row))
+            result = result_of(row)
+            answer = future.render(result if future.part is None else result[future.part])
     except Exception as exc:  # the job failed to start, or the result could not be turned into an answer
         if isinstance(exc, InvalidRequestError):
             raise

@@ -33,6 +33,10 @@ _log = logging.getLogger("icefloe.service.tinker")
 _KINDS = ("weights", "sampler_weights")
 _FUTURES_KEPT = 100_000
 _START_POLL_S = 0.05  # how often a waiter looks at a starting job's state (no event exists for it)
+# The SDK sends a group's sample calls one by one (a few ms apart on a busy host): a call waits until
+# none has arrived for GATHER_QUIET_S (at most GATHER_MAX_S), so they reach the sampler as one batch.
+GATHER_QUIET_S = 0.008
+GATHER_MAX_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -65,12 +69,15 @@ class Future:
     """What ``retrieve_future`` answers for one request id.
 
     ``request_id`` set: a request of the job's table, its stored result passed through ``render``
-    (a JSON dict, or protobuf bytes). Unset: the job itself, ``render(None)`` once it runs.
+    (a JSON dict, or protobuf bytes); with ``part``, the result is a list and this future renders
+    its ``part``-th entry (sample calls gathered into one request). Unset: the job itself,
+    ``render(None)`` once it runs.
     """
 
     job_id: str
     render: Callable[[Any], dict[str, Any] | bytes]
     request_id: str | None = None
+    part: int | None = None
 
 
 @dataclass
@@ -94,6 +101,16 @@ class SamplingSession:
     base_model: str
     model_path: str | None
     taken: dict[int, dict[str, Any]] = field(default_factory=dict)
+    gathering: _Gathering | None = None  # the sample calls waiting to go out as one request
+
+
+@dataclass
+class _Gathering:
+    items: list[Any]
+    submitted: asyncio.Future[str]  # the request id the items went out under
+    quiet_until: float
+    deadline: float
+    sender: asyncio.Task[None] | None = None
 
 
 class TinkerState:
@@ -243,12 +260,46 @@ class TinkerState:
                 model.next_seq = max(model.next_seq, seq_id + 1)
                 model.turn.notify_all()
 
-    def future(self, job_id: str, render: Callable[[Any], Any], request_id: str | None = None) -> str:
+    def future(
+        self, job_id: str, render: Callable[[Any], Any], request_id: str | None = None, part: int | None = None
+    ) -> str:
         future_id = request_id or f"{job_id}:start:{uuid.uuid4().hex}"
-        self.futures[future_id] = Future(job_id, render, request_id)
+        if part is not None:
+            future_id = f"{future_id}.{part}"
+        self.futures[future_id] = Future(job_id, render, request_id, part)
         while len(self.futures) > _FUTURES_KEPT:  # the oldest first: long retrieved by now
             del self.futures[next(iter(self.futures))]
         return future_id
+
+    async def gather(self, sampler: SamplingSession, item: Any, submit: Callable[[list[Any]], str]) -> tuple[str, int]:
+        """Queue ``item`` with the sampler's other sample calls arriving now; returns (request id, index).
+
+        The first call of a gathering waits for the calls behind it, then ``submit(items)`` sends
+        them all as one request (which still batches with other sessions' requests on the sampler).
+        """
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        gathering = sampler.gathering
+        if gathering is None:
+            gathering = _Gathering([], loop.create_future(), now + GATHER_QUIET_S, now + GATHER_MAX_S)
+            sampler.gathering = gathering
+            gathering.sender = loop.create_task(self._send_gathered(sampler, gathering, submit))
+        part = len(gathering.items)
+        gathering.items.append(item)
+        gathering.quiet_until = now + GATHER_QUIET_S
+        return await asyncio.shield(gathering.submitted), part
+
+    async def _send_gathered(
+        self, sampler: SamplingSession, gathering: _Gathering, submit: Callable[[list[Any]], str]
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        while (wait := min(gathering.quiet_until, gathering.deadline) - loop.time()) > 0:
+            await asyncio.sleep(wait)
+        sampler.gathering = None
+        try:
+            gathering.submitted.set_result(submit(gathering.items))
+        except Exception as exc:  # every call of the gathering gets the refusal
+            gathering.submitted.set_exception(exc)
 
     # --- checkpoints --------------------------------------------------------------------------
     def checkpoint_job(self, path: CheckpointPath) -> str:
