@@ -132,6 +132,49 @@ def test_sample_calls_sent_back_to_back_each_get_their_own_answer(service, model
     assert shapes == [[m] * n for _, n, m in calls]
 
 
+def test_unpickled_sampling_clients_join_the_session_and_never_share_a_seq_id(service, model):
+    import pickle
+
+    sampler = service.create_sampling_client(base_model=model).result()
+    clones = [pickle.loads(pickle.dumps(sampler)) for _ in range(2)]  # as worker processes get them
+    prompt = types.ModelInput.from_ints(sampler.get_tokenizer().encode("clones"))
+    futures = [
+        client.sample(prompt, 1, types.SamplingParams(max_tokens=length, stop=[]))
+        for client, length in zip([sampler, *clones], [2, 3, 4], strict=True)
+    ]  # each client's first seq_id: a shared one would get the first client's answer back
+    assert [len(future.result().sequences[0].tokens) for future in futures] == [2, 3, 4]
+
+
+def test_a_cancelled_sample_that_has_not_started_never_runs(base_url, model):
+    import httpx
+
+    with httpx.Client(base_url=f"{base_url}/api/v1", headers={"X-API-Key": API_KEY}, timeout=60) as http:
+        assert http.post("/client/dynamic_config", json={}).json()["sample_cancel_enabled"]  # the SDK sends cancels
+        session_id = http.post("/create_session", json={}).json()["session_id"]
+        body = {"session_id": session_id, "sampling_session_seq_id": 0, "base_model": model}
+        sampling_session_id = http.post("/create_sampling_session", json=body).json()["sampling_session_id"]
+
+        def asample(seq_id: int, max_tokens: int) -> str:
+            body = {"sampling_session_id": sampling_session_id, "seq_id": seq_id, "num_samples": 1,
+                    "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]},
+                    "sampling_params": {"max_tokens": max_tokens, "stop": []}}  # fmt: skip
+            return http.post("/asample", json=body).json()["request_id"]
+
+        def outcome(future_id: str) -> dict:
+            while (answer := http.post("/retrieve_future", json={"request_id": future_id})).headers.get(
+                "content-type", ""
+            ).startswith("application/json") and answer.json().get("type") == "try_again":
+                pass
+            return answer.json() if answer.headers["content-type"].startswith("application/json") else {}
+
+        running = asample(1, 400)  # keeps the sampler busy
+        queued = asample(2, 4)
+        assert http.post("/cancel_future", json={"request_id": queued}).status_code == 200
+        assert "cancelled" in outcome(queued)["error"]
+        assert outcome(running) == {}  # a protobuf SampleResponse: it ran to the end
+        http.post(f"/sessions/{session_id}/finish", json={"reason": {"type": "success"}})
+
+
 def test_top_k_prompt_logprobs_are_the_likeliest_tokens_at_each_position(service, model):
     sampler = service.create_sampling_client(base_model=model).result()
     tokens = sampler.get_tokenizer().encode("top k here")

@@ -54,8 +54,15 @@ async def client_config() -> Response:
     # Uncompressed protobuf bodies; chunks of one forward_backward sent at once (ordered here by seq_id).
     # The SDK asks this on a connection pool of its own that it never closes: closing the
     # connection from here keeps its socket from outliving the ServiceClient (a ResourceWarning).
-    flags = {"proto_compress_fwdbwd": False, "parallel_fwdbwd_chunks": True}
+    # An unpickled sampling client asks join_sampling_session for its clone number.
+    flags = {"proto_compress_fwdbwd": False, "parallel_fwdbwd_chunks": True, "sample_join_sampling_session": True}
     return JSONResponse(flags, headers={"Connection": "close"})
+
+
+@router.post("/client/dynamic_config")
+async def client_dynamic_config() -> dict[str, Any]:
+    # An abandoned sample future sends cancel_future, so its call leaves the sampler's queue at once.
+    return {"sample_cancel_enabled": True}
 
 
 @router.post("/create_session")
@@ -319,6 +326,15 @@ async def create_sampling_session(body: dict[str, Any], state: State) -> dict[st
     return {"type": "create_sampling_session", "sampling_session_id": sampling_session_id}
 
 
+@router.post("/join_sampling_session")
+async def join_sampling_session(body: dict[str, Any], state: State) -> dict[str, Any]:
+    """A clone of a sampling client (unpickled in another process) gets a number of its own:
+    its seq_ids start at number × 10⁹, so they never collide with another client's."""
+    sampler = _sampler(state, str(body.get("sampling_session_id")))
+    sampler.clients += 1
+    return {"type": "join_sampling_session", "client_counter": sampler.clients - 1}
+
+
 @router.get("/samplers/{sampling_session_id}")
 async def get_sampler(sampling_session_id: str, state: State) -> dict[str, Any]:
     sampler = _sampler(state, sampling_session_id)
@@ -370,8 +386,8 @@ async def asample(body: dict[str, Any], state: State) -> dict[str, Any]:
     def submit(gathered: list[tuple[list[int], EngineSamplingParams]]) -> str:
         return state.manager.submit(job, sub_job_id, OP_GENERATE, run_batch, batch_item=gathered)
 
-    request_id, part = await state.gather(sampler, (prompt, params), submit)
-    future_id = state.future(job.job_id, convert.sample_response, request_id, part)
+    request_id, part, parts = await state.gather(sampler, (prompt, params), submit)
+    future_id = state.future(job.job_id, convert.sample_response, request_id, part, parts)
     answer = {"request_id": future_id, "sample_sequence_ids": [f"{future_id}:{i}" for i in range(params.n)]}
     if seq_id is not None:
         sampler.taken[seq_id] = answer
@@ -452,6 +468,12 @@ async def weights_info(body: dict[str, Any], state: State) -> dict[str, Any]:
 
 
 # --- futures ---------------------------------------------------------------------------------
+@router.post("/cancel_future")
+async def cancel_future(body: dict[str, Any], state: State) -> dict[str, Any]:
+    state.cancel(str(body.get("request_id")))
+    return {}
+
+
 @router.post("/retrieve_future")
 async def retrieve_future(body: dict[str, Any], state: State) -> Response:
     future_id = str(body.get("request_id"))

@@ -78,6 +78,7 @@ class Future:
     render: Callable[[Any], dict[str, Any] | bytes]
     request_id: str | None = None
     part: int | None = None
+    parts: int = 1  # how many futures share the request
 
 
 @dataclass
@@ -102,6 +103,7 @@ class SamplingSession:
     model_path: str | None
     taken: dict[int, dict[str, Any]] = field(default_factory=dict)
     gathering: _Gathering | None = None  # the sample calls waiting to go out as one request
+    clients: int = 1  # the original client is 0; each joined clone gets the next number
 
 
 @dataclass
@@ -127,6 +129,7 @@ class TinkerState:
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, SamplingSession] = {}
         self.futures: dict[str, Future] = {}
+        self.cancelled_parts: dict[str, set[int]] = {}  # request id -> its futures cancelled so far
 
     # --- sessions -----------------------------------------------------------------------------
     def create_session(self) -> str:
@@ -261,19 +264,44 @@ class TinkerState:
                 model.turn.notify_all()
 
     def future(
-        self, job_id: str, render: Callable[[Any], Any], request_id: str | None = None, part: int | None = None
+        self,
+        job_id: str,
+        render: Callable[[Any], Any],
+        request_id: str | None = None,
+        part: int | None = None,
+        parts: int = 1,
     ) -> str:
         future_id = request_id or f"{job_id}:start:{uuid.uuid4().hex}"
         if part is not None:
             future_id = f"{future_id}.{part}"
-        self.futures[future_id] = Future(job_id, render, request_id, part)
+        self.futures[future_id] = Future(job_id, render, request_id, part, parts)
         while len(self.futures) > _FUTURES_KEPT:  # the oldest first: long retrieved by now
             del self.futures[next(iter(self.futures))]
         return future_id
 
-    async def gather(self, sampler: SamplingSession, item: Any, submit: Callable[[list[Any]], str]) -> tuple[str, int]:
-        """Queue ``item`` with the sampler's other sample calls arriving now; returns (request id, index).
+    def cancel(self, future_id: str) -> None:
+        """Drop a future's request if it has not started, once every future sharing it was cancelled;
+        a request that runs or ran is left as it is."""
+        future = self.futures.get(future_id)
+        if future is None:
+            raise NotFoundError(f"future {future_id} not found")
+        if future.request_id is None:
+            return  # a model being created: its session's end cancels it
+        cancelled = self.cancelled_parts.setdefault(future.request_id, set())
+        cancelled.add(future.part or 0)
+        while len(self.cancelled_parts) > _FUTURES_KEPT:
+            del self.cancelled_parts[next(iter(self.cancelled_parts))]
+        if len(cancelled) == future.parts:
+            del self.cancelled_parts[future.request_id]
+            with contextlib.suppress(NotFoundError):  # long finished and forgotten
+                self.manager.requests.cancel(future.job_id, future.request_id, why="cancelled by the caller")
 
+    async def gather(
+        self, sampler: SamplingSession, item: Any, submit: Callable[[list[Any]], str]
+    ) -> tuple[str, int, int]:
+        """Queue ``item`` with the sampler's other sample calls arriving now.
+
+        Returns the request id, the item's index in it and how many items it holds.
         The first call of a gathering waits for the calls behind it, then ``submit(items)`` sends
         them all as one request (which still batches with other sessions' requests on the sampler).
         """
@@ -287,7 +315,8 @@ class TinkerState:
         part = len(gathering.items)
         gathering.items.append(item)
         gathering.quiet_until = now + GATHER_QUIET_S
-        return await asyncio.shield(gathering.submitted), part
+        request_id = await asyncio.shield(gathering.submitted)
+        return request_id, part, len(gathering.items)
 
     async def _send_gathered(
         self, sampler: SamplingSession, gathering: _Gathering, submit: Callable[[list[Any]], str]
