@@ -349,6 +349,24 @@ def test_rest_client_lists_a_runs_checkpoints_and_their_weights_info(service, ba
     assert (info.base_model, info.is_lora, info.lora_rank) == (model, True, 4)
 
 
+def test_copy_weights_names_the_same_weights_under_a_new_run(service, base_url, model):
+    training = service.create_lora_training_client(base_model=model, rank=4).result()
+    tokenizer = training.get_tokenizer()
+    training.forward_backward([_sft_datum(tokenizer, "copy me")], "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    source = training.save_weights_for_sampler("to-copy").result().path
+    rest = tinker.RestClient(base_url=base_url, api_key=API_KEY)
+    copied = rest.copy_weights(source, "any-project").result()
+    assert copied.startswith("tinker://copy-") and copied.endswith("/sampler_weights/to-copy")
+    info = rest.get_weights_info_by_tinker_path(copied).result()
+    assert (info.base_model, info.is_lora, info.lora_rank) == (model, True, 4)
+    prompt = types.ModelInput.from_ints(tokenizer.encode("copy me"))
+    samplers = [service.create_sampling_client(model_path=path).result() for path in (source, copied)]
+    assert samplers[0].compute_logprobs(prompt).result() == samplers[1].compute_logprobs(prompt).result()
+    listed = rest.list_checkpoints(training.model_id).result().checkpoints
+    assert [c.tinker_path for c in listed] == [source]  # the copy belongs to its own run
+
+
 def test_a_resent_seq_id_gets_its_first_future_and_a_later_one_waits_its_turn(base_url, model):
     import concurrent.futures
 

@@ -460,6 +460,14 @@ async def list_checkpoints(model_id: str, state: State) -> dict[str, Any]:
     return {"checkpoints": checkpoints}
 
 
+@router.post("/copy_weights")
+async def copy_weights(body: dict[str, Any], state: State) -> dict[str, Any]:
+    # One service has no projects: destination_project_id, session_id and ttl_seconds change nothing.
+    source = CheckpointPath.parse(str(body.get("source_path")))
+    copy = await asyncio.to_thread(state.copy_checkpoint, source)
+    return {"tinker_path": str(copy)}
+
+
 @router.post("/weights_info")
 async def weights_info(body: dict[str, Any], state: State) -> dict[str, Any]:
     path = CheckpointPath.parse(str(body.get("tinker_path")))

@@ -31,6 +31,7 @@ __all__ = ["CheckpointPath", "Future", "Model", "SamplingSession", "TinkerState"
 
 _log = logging.getLogger("icefloe.service.tinker")
 _KINDS = ("weights", "sampler_weights")
+_COPY_PREFIX = "copy-"  # model ids never start so: they are <session>:train:<n>
 _FUTURES_KEPT = 100_000
 _START_POLL_S = 0.05  # how often a waiter looks at a starting job's state (no event exists for it)
 # The SDK sends a group's sample calls one by one (a few ms apart on a busy host): a call waits until
@@ -57,8 +58,12 @@ class CheckpointPath:
         return cls(*parts)
 
     @property
+    def copied(self) -> bool:  # a copy_weights run: its own name for another run's files
+        return self.run.startswith(_COPY_PREFIX)
+
+    @property
     def checkpoint_id(self) -> str:  # the job's checkpoint record
-        return f"tinker-{self.kind}-{self.name}"
+        return f"tinker-{self.run}-{self.kind}-{self.name}" if self.copied else f"tinker-{self.kind}-{self.name}"
 
     def __str__(self) -> str:
         return f"tinker://{self.run}/{self.kind}/{self.name}"
@@ -339,10 +344,25 @@ class TinkerState:
         ):
             return model.job_id
         for record in store.find_checkpoints(self.manager.db, checkpoint_id=path.checkpoint_id):
+            if path.copied:  # the copy's record names its run
+                return record["job_id"]
             row = store.get_job(self.manager.db, job_id=record["job_id"])
             if row is not None and row["spec"].get("experiment_name") == path.run:
                 return record["job_id"]
         raise NotFoundError(f"checkpoint {path} not found; save it with save_weights or save_weights_for_sampler")
+
+    def copy_checkpoint(self, source: CheckpointPath) -> CheckpointPath:
+        """A new run's name for ``source``'s files (``tinker://copy-<hex>/<kind>/<name>``), recorded on
+        the job that saved them: nothing is duplicated, and nothing trains under the copy's run."""
+        job_id = self.checkpoint_job(source)
+        record = store.get_checkpoint(self.manager.db, job_id=job_id, checkpoint_id=source.checkpoint_id)
+        assert record is not None
+        copy = CheckpointPath(f"{_COPY_PREFIX}{uuid.uuid4().hex}", source.kind, source.name)
+        store.upsert_checkpoint(
+            self.manager.db, job_id=job_id, checkpoint_id=copy.checkpoint_id, global_steps=record["global_steps"],
+            avg_loss=record["avg_loss"], checkpoint_type=record["checkpoint_type"], path=record["path"],
+        )  # fmt: skip
+        return copy
 
     def checkpoint_folder(self, path: CheckpointPath) -> Path:
         job_id = self.checkpoint_job(path)
