@@ -255,6 +255,18 @@ def test_async_ops_submitted_back_to_back_complete_in_order(service, model):
     assert [r.metrics["learning_rate:mean"] for r in results[1::2]] == pytest.approx([0.01, 0.02, 0.03, 0.04])
 
 
+def test_a_model_and_its_sampler_run_on_one_slot(tmp_path, model):
+    root = Path(model).parent
+    service_app = make_app(tmp_path / "serve", slots=1, engines="local", tokens=[API_KEY], model_root=root)
+    with ServerThread(service_app) as url, tinker.ServiceClient(base_url=url, api_key=API_KEY) as service:
+        training = service.create_lora_training_client(base_model=model, rank=4).result()
+        tokens = training.get_tokenizer().encode("one slot")
+        training.forward_backward([_sft_datum(training.get_tokenizer(), "one slot")], "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        sampler = training.save_weights_and_get_sampling_client().result()
+        assert len(sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()) == len(tokens)
+
+
 def test_leaving_the_service_client_finishes_its_session(base_url, model):
     import httpx
 

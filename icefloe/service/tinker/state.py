@@ -1,6 +1,7 @@
 """Sessions, models, sampling sessions and futures of the Tinker API, mapped onto jobs.
 
-A Tinker model is one job with a training and a sampling sub-job (LoRA from ``lora_config.rank``);
+A Tinker model is one job with a training and a sampling sub-job on one slot (the sampler on the
+trainer's device, ``n_gpus`` 0; LoRA from ``lora_config.rank``);
 its training ops run on the training sub-job's ordered worker, in ``seq_id`` order: a POST waits
 until the number before it was taken (accepted or refused: a refused number counts as consumed),
 and a resent number gets the future it got the first time. A future is a request of the request
@@ -200,8 +201,9 @@ class TinkerState:
         if training:
             training_config = {**peft, "max_seq_len": 2048, "load_optimizer_states": load_optimizer}
             sub_jobs.append({"job_type": "training", "model_name": base_model, "training_config": training_config})
-        sampling: dict[str, Any] = {"job_type": "sampling", "model_name": base_model,
-                                    "inference_config": {**peft, "max_seq_len": 2048}}  # fmt: skip
+        # A trainer's sampler shares its device (n_gpus 0): a model takes one slot, like the local backend.
+        inference = {**peft, "max_seq_len": 2048, "n_gpus": 0 if training else 1}
+        sampling: dict[str, Any] = {"job_type": "sampling", "model_name": base_model, "inference_config": inference}
         sub_jobs.append(sampling)
         if source is not None:
             job_id = self.checkpoint_job(source)
