@@ -310,6 +310,17 @@ def test_gspo_matches_the_sequence_ratio_reference(low, high):
     assert loss.item() == pytest.approx(expected, rel=1e-5)
 
 
+def test_gspo_without_a_mask_takes_the_ratio_over_the_positions_with_an_advantage():
+    x = _inputs(7)
+    x["advantages"][0, 2] = 0.0  # e.g. a prompt position: no sampler log-prob there
+    x["old"][0, 2] = 0.0
+    config = {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0}
+    loss, _, _ = _gspo(x, config)
+    ratio_mask = x["loss_mask"] * (x["advantages"] != 0)
+    assert loss.item() == pytest.approx(_gspo(x, config, ratio_mask)[0].item(), rel=1e-6)
+    assert loss.item() != pytest.approx(_gspo(x, config, x["loss_mask"])[0].item(), rel=1e-3)
+
+
 def test_gspo_gradient_is_the_sequence_ratio_times_the_token_gradient_when_unclipped():
     x = _inputs(5)
     _, metrics, grad = _gspo(x, {"clip_low_threshold": 0.0, "clip_high_threshold": 1e9})
