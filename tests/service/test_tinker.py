@@ -138,11 +138,11 @@ def test_unpickled_sampling_clients_join_the_session_and_never_share_a_seq_id(se
     sampler = service.create_sampling_client(base_model=model).result()
     clones = [pickle.loads(pickle.dumps(sampler)) for _ in range(2)]  # as worker processes get them
     prompt = types.ModelInput.from_ints(sampler.get_tokenizer().encode("clones"))
-    futures = [
-        client.sample(prompt, 1, types.SamplingParams(max_tokens=length, stop=[]))
+    lengths = [
+        len(client.sample(prompt, 1, types.SamplingParams(max_tokens=length, stop=[])).result().sequences[0].tokens)
         for client, length in zip([sampler, *clones], [2, 3, 4], strict=True)
-    ]  # each client's first seq_id: a shared one would get the first client's answer back
-    assert [len(future.result().sequences[0].tokens) for future in futures] == [2, 3, 4]
+    ]  # each client's first seq_id, one after another: a shared one would get the first client's answer back
+    assert lengths == [2, 3, 4]
 
 
 def test_a_cancelled_sample_that_has_not_started_never_runs(base_url, model):
@@ -172,6 +172,25 @@ def test_a_cancelled_sample_that_has_not_started_never_runs(base_url, model):
         assert http.post("/cancel_future", json={"request_id": queued}).status_code == 200
         assert "cancelled" in outcome(queued)["error"]
         assert outcome(running) == {}  # a protobuf SampleResponse: it ran to the end
+        http.post(f"/sessions/{session_id}/finish", json={"reason": {"type": "success"}})
+
+
+def test_a_sample_call_resent_while_the_first_copy_gathers_gets_the_same_future(base_url, model):
+    import concurrent.futures
+
+    import httpx
+
+    with httpx.Client(base_url=f"{base_url}/api/v1", headers={"X-API-Key": API_KEY}, timeout=60) as http:
+        session_id = http.post("/create_session", json={}).json()["session_id"]
+        body = {"session_id": session_id, "sampling_session_seq_id": 0, "base_model": model}
+        sampling_session_id = http.post("/create_sampling_session", json=body).json()["sampling_session_id"]
+        body = {"sampling_session_id": sampling_session_id, "seq_id": 7, "num_samples": 1,
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]},
+                "sampling_params": {"max_tokens": 2}}  # fmt: skip
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            copies = [pool.submit(http.post, "/asample", json=body) for _ in range(2)]
+            answers = [copy.result().json() for copy in copies]
+        assert answers[0] == answers[1]
         http.post(f"/sessions/{session_id}/finish", json={"reason": {"type": "success"}})
 
 

@@ -24,6 +24,7 @@ from icefloe.protocol import (
     OP_LOAD,
     OP_SAVE,
     OP_STEP,
+    ConflictError,
     InvalidRequestError,
     NotFoundError,
 )
@@ -354,8 +355,23 @@ async def asample(body: dict[str, Any], state: State) -> dict[str, Any]:
         raise InvalidRequestError("sampling_session_id is required; create one with create_sampling_session")
     sampler = _sampler(state, str(body["sampling_session_id"]))
     seq_id = body.get("seq_id")
-    if seq_id is not None and seq_id in sampler.taken:
-        return sampler.taken[seq_id]
+    if seq_id is not None and seq_id in sampler.taken:  # a resend: the first copy's answer, once it has one
+        return await asyncio.shield(sampler.taken[seq_id])
+    answered: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+    if seq_id is not None:  # taken from now on: a resend that arrives meanwhile waits for this answer
+        sampler.taken[seq_id] = answered
+    try:
+        answered.set_result(await _queue_sample(state, sampler, body))
+    except BaseException as exc:
+        sampler.taken.pop(seq_id, None)  # nothing was queued: a resend may try again
+        answered.set_exception(exc if isinstance(exc, Exception) else ConflictError("the first copy was dropped"))
+        answered.exception()  # read here, so no waiter is needed
+        raise
+    return answered.result()
+
+
+async def _queue_sample(state: TinkerState, sampler: SamplingSession, body: dict[str, Any]) -> dict[str, Any]:
+    """Validate one sample call and queue it with the calls gathered beside it; the SDK's answer."""
     prompt = _prompt_tokens(body.get("prompt") or {})
     params = _sampling_params(body)
     job = await state.live(sampler.job_id)
@@ -388,10 +404,7 @@ async def asample(body: dict[str, Any], state: State) -> dict[str, Any]:
 
     request_id, part, parts = await state.gather(sampler, (prompt, params), submit)
     future_id = state.future(job.job_id, convert.sample_response, request_id, part, parts)
-    answer = {"request_id": future_id, "sample_sequence_ids": [f"{future_id}:{i}" for i in range(params.n)]}
-    if seq_id is not None:
-        sampler.taken[seq_id] = answer
-    return answer
+    return {"request_id": future_id, "sample_sequence_ids": [f"{future_id}:{i}" for i in range(params.n)]}
 
 
 def _prompt_tokens(prompt: dict[str, Any]) -> list[int]:

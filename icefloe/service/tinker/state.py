@@ -107,7 +107,7 @@ class SamplingSession:
     job_id: str
     base_model: str
     model_path: str | None
-    taken: dict[int, dict[str, Any]] = field(default_factory=dict)
+    taken: dict[int, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)  # seq_id -> its answer
     gathering: _Gathering | None = None  # the sample calls waiting to go out as one request
     clients: int = 1  # the original client is 0; each joined clone gets the next number
 
