@@ -5,10 +5,11 @@ load). A step: sync the trainer's weights to its sampler, sample ``--group`` com
 of ``--prompts`` prompts, score them, one importance-sampling forward-backward over every
 completion, one Adam step. The SDK side uses ``save_weights_and_get_sampling_client``, ``sample``
 futures, ``forward_backward`` and ``optim_step`` submitted back to back; icefloe's side uses
-``sync_weights``, one ``generate``, ``fwd_bwd`` and ``step``. Steps alternate between the two
-(``--steps`` each, the first of each dropped); ``ratio`` = median SDK step ÷ median icefloe step.
+``sync_weights``, one ``generate``, ``fwd_bwd`` and ``step``. Rounds of one step each run
+``--steps`` times, the side that goes first alternating, after ``--warmup`` rounds that are not
+counted; ``ratio`` = median SDK step ÷ median icefloe step.
 
-    python -m bench tinker [--steps 8] [--prompts 8] [--group 4] [--max-tokens 16]
+    python -m bench tinker [--steps 20] [--warmup 2] [--prompts 8] [--group 4] [--max-tokens 16]
 """
 
 from __future__ import annotations
@@ -106,11 +107,14 @@ class _IcefloeSide:
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench tinker", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)
     args = parser.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error(f"--steps must be >= 1 and --warmup >= 0; got {args.steps} and {args.warmup}")
 
     from icefloe.cli import _quiet_transformers
     from icefloe.engines.models import load_tokenizer, resolve_model
@@ -125,15 +129,16 @@ def main(argv: list[str]) -> None:
             sides = {"sdk": _SdkSide(base_url, model, args), "icefloe": _IcefloeSide(base_url, model, args)}
             seconds: dict[str, list[float]] = {name: [] for name in sides}
             try:
-                for _ in range(args.steps):
-                    for name, side in sides.items():
+                for round_ in range(args.warmup + args.steps):
+                    for name in sorted(sides, reverse=round_ % 2 == 1):  # who goes first alternates
                         started = time.perf_counter()
-                        side.step(prompts)
-                        seconds[name].append(time.perf_counter() - started)
+                        sides[name].step(prompts)
+                        if round_ >= args.warmup:
+                            seconds[name].append(time.perf_counter() - started)
             finally:
                 for side in sides.values():
                     side.close()
-    median = {name: statistics.median(times[1:] or times) for name, times in seconds.items()}
+    median = {name: statistics.median(times) for name, times in seconds.items()}
     table = Table("client", "median step (s)", "min (s)", "max (s)", title="one RL step on icefloe serve")
     for name, times in seconds.items():
         table.add_row(name, f"{median[name]:.3f}", f"{min(times):.3f}", f"{max(times):.3f}")
@@ -141,5 +146,6 @@ def main(argv: list[str]) -> None:
     ratio = median["sdk"] / median["icefloe"]
     print(
         f"bench=tinker ratio={ratio:.2f} sdk_step_s={median['sdk']:.3f} icefloe_step_s={median['icefloe']:.3f} "
-        f"prompts={args.prompts} group={args.group} max_tokens={args.max_tokens} steps={args.steps}"
+        f"prompts={args.prompts} group={args.group} max_tokens={args.max_tokens} steps={args.steps} "
+        f"warmup={args.warmup}"
     )

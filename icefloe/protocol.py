@@ -203,6 +203,7 @@ class SamplingParams(BaseModel):
     logprobs: bool = False
     ignore_eos: bool = False  # True: only stop / stop_token_ids / max_tokens end a sample
     prompt_logprobs: bool = False  # each result also carries the prompt's log-probs (None at position 0)
+    topk_prompt_logprobs: int = Field(0, ge=0)  # k > 0: and the k likeliest tokens at each prompt position
 
     @field_validator("logprobs", mode="before")
     @classmethod

@@ -390,3 +390,35 @@ def dro_loss(
     per_token_BS = -(advantages_BS * logprobs_BS - 0.5 * beta * (logprobs_BS - old_BS).square())
     loss = aggregate(per_token_BS, mask_BS, _option(config, "loss_agg_mode", "token-sum"), config)
     return loss, {"loss": loss.detach()}
+
+
+@register_loss("gspo", requires=("advantages", "old_logprobs"))
+def gspo_loss(
+    logprobs_BS: Tensor, *, context: Mapping[str, Tensor], config: Mapping[str, Any], entropy_BS: Tensor | None
+) -> tuple[Tensor, Metrics]:
+    """GSPO (token form): PPO's clipped objective on each row's sequence ratio instead of the token's.
+
+    A row's ratio is s = exp(mean of (log π - log π_old) over its ``context.sequence_ratio_mask``
+    positions), the geometric mean of its token ratios. Without a mask it is taken over the
+    positions with a nonzero advantage: the sampled tokens of an RL datum, whose prompt positions
+    carry advantage 0 and no sampler log-prob. Per token
+    the ratio is sg(s)·π/sg(π): its value is s, its gradient that of the token's log π, so with one
+    advantage per row this is the sequence-level objective. Per token -min(s·A, clip(s, low,
+    high)·A); ``clip_low_threshold`` / ``clip_high_threshold`` default to 1 - 3e-4 / 1 + 4e-4, the
+    ranges GSPO was published with. Normaliser: see :func:`aggregate` (default token-sum).
+    """
+    mask_BS, advantages_BS = context["loss_mask"], context["advantages"]
+    old_BS = _context(context, "old_logprobs", "old_log_probs_shifted")
+    assert old_BS is not None  # required above
+    ratio_mask_BS = context.get("sequence_ratio_mask")
+    if ratio_mask_BS is None:
+        ratio_mask_BS = mask_BS * (advantages_BS != 0)
+    log_ratio_B = ((logprobs_BS - old_BS).detach() * ratio_mask_BS).sum(-1) / ratio_mask_BS.sum(-1).clamp_min(1.0)
+    sequence_ratio_B = log_ratio_B.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND).exp()
+    ratio_BS = sequence_ratio_B[:, None] * (logprobs_BS - logprobs_BS.detach()).exp()
+    low = float(_option(config, "clip_low_threshold", 1.0 - 3e-4))
+    high = float(_option(config, "clip_high_threshold", 1.0 + 4e-4))
+    surrogate_BS = -torch.minimum(ratio_BS * advantages_BS, ratio_BS.clamp(low, high) * advantages_BS)
+    loss = aggregate(surrogate_BS, mask_BS, _option(config, "loss_agg_mode", "token-sum"), config)
+    clipped_B = ((sequence_ratio_B < low) | (sequence_ratio_B > high)).float()
+    return loss, {"loss": loss.detach(), "clip_ratio": clipped_B.mean()}

@@ -125,22 +125,34 @@ class SamplingEngine:
         for start in range(0, len(rows), limit):
             self._decode(rows[start : start + limit])
         results = [self._result(row, version) for row in rows]
-        scored: dict[tuple[int, ...], list[float | None]] = {}
+        scored: dict[tuple[tuple[int, ...], int], tuple[list[float | None], list[Any]]] = {}
         for row, result in zip(rows, results, strict=True):
-            if row.params.prompt_logprobs:
-                key = tuple(row.prompt_ids)
+            k = row.params.topk_prompt_logprobs
+            if row.params.prompt_logprobs or k:
+                key = (tuple(row.prompt_ids), k)
                 if key not in scored:
-                    scored[key] = self._prompt_logprobs(row.prompt_ids)
-                result["prompt_logprobs"] = scored[key]
+                    scored[key] = self._prompt_logprobs(row.prompt_ids, k)
+                logprobs, topk = scored[key]
+                if row.params.prompt_logprobs:
+                    result["prompt_logprobs"] = logprobs
+                if k:
+                    result["topk_prompt_logprobs"] = topk
         return results
 
     @torch.no_grad()
-    def _prompt_logprobs(self, ids: list[int]) -> list[float | None]:
-        """log π(prompt[i] | prompt[:i]) for every position; position 0 has no context (None)."""
+    def _prompt_logprobs(self, ids: list[int], k: int) -> tuple[list[float | None], list[Any]]:
+        """log π(prompt[i] | prompt[:i]) for every position, and (k > 0) the k likeliest
+        ``[token, logprob]`` pairs there, likeliest first; position 0 has no context (None)."""
         input_1P = torch.tensor([ids], device=self.device)
         logits_PV = self.model(input_ids=input_1P, use_cache=False).logits[0, :-1].float()
-        logprobs_P = torch.log_softmax(logits_PV, dim=-1).gather(-1, input_1P[0, 1:, None]).squeeze(-1)
-        return [None, *logprobs_P.tolist()]
+        all_PV = torch.log_softmax(logits_PV, dim=-1)
+        logprobs_P = all_PV.gather(-1, input_1P[0, 1:, None]).squeeze(-1)
+        topk: list[Any] = []
+        if k:
+            values_PK, tokens_PK = all_PV.topk(min(k, all_PV.shape[-1]), dim=-1)
+            pairs = zip(tokens_PK.tolist(), values_PK.tolist(), strict=True)
+            topk = [None, *([list(p) for p in zip(t, v, strict=True)] for t, v in pairs)]
+        return [None, *logprobs_P.tolist()], topk
 
     def _params_per_prompt(
         self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams]
@@ -402,8 +414,10 @@ class VLLMSamplingEngine:
         self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams]
     ) -> list[dict[str, Any]]:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if any(p.prompt_logprobs for p in per_prompt):
-            raise InvalidRequestError("prompt_logprobs is served by the torch sampler only; sample on CPU for it")
+        if any(p.prompt_logprobs or p.topk_prompt_logprobs for p in per_prompt):
+            raise InvalidRequestError(
+                "prompt_logprobs and topk_prompt_logprobs are served by the torch sampler only; sample on CPU for them"
+            )
         inputs = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]
         vllm_params = [self._vllm_params(p) for p in per_prompt]
         version = self.policy_version

@@ -185,8 +185,12 @@ class JobManager:
             if slots is not None and state.advance("initializing"):
                 devices, cursor = {}, 0
                 for sub_job_id, spec in job.specs.items():
-                    devices[sub_job_id] = self.pool.device(slots[cursor])
-                    cursor += spec.num_slots
+                    if spec.num_slots:
+                        devices[sub_job_id] = self.pool.device(slots[cursor])
+                        cursor += spec.num_slots
+                for sub_job_id, spec in job.specs.items():
+                    if not spec.num_slots:  # n_gpus 0: a sampler on its trainer's device
+                        devices[sub_job_id] = next(devices[s] for s, o in job.specs.items() if o.is_training)
                 checkpoints = {sid: p for sid, s in job.specs.items() if (p := self._checkpoint_folder(s)) is not None}
                 specs = list(job.specs.values())
                 job.host = make_engine_host(self.settings.engines, specs, devices, checkpoints, job.job_dir / "logs")

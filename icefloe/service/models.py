@@ -150,7 +150,7 @@ class TrainingConfigSpec(_Open):
 
 class InferenceConfig(_Open):
     max_seq_len: int = Field(512, gt=0)
-    n_gpus: int = Field(1, gt=0)
+    n_gpus: int = Field(1, ge=0)  # 0: on the device of the job's training sub-job, taking no slot of its own
     multiplex_job_id: str | None = None
 
 

@@ -267,4 +267,11 @@ def sub_job_specs(job_id: str, body: JobCreate, *, model_root: Path | None = Non
             )
         )
     _check_adapters_match(specs)
+    if not any(s.is_training for s in specs):
+        for position, spec in enumerate(specs):
+            if spec.num_slots == 0:
+                raise InvalidRequestError(
+                    f"sub_job_configs.{position}.inference_config.n_gpus is 0, which shares the training "
+                    "sub-job's device, but this job has no training sub-job; give n_gpus >= 1"
+                )
     return specs

@@ -273,3 +273,68 @@ def test_register_loss_refuses_to_shadow_an_existing_name():
             return logprobs_BS.sum(), {}
 
     assert "grpo" in registered_losses()
+
+
+# --- gspo ----------------------------------------------------------------------------------------
+def _ref_gspo(x, ratio_mask, low, high):
+    """Per row: s = exp(mean log-ratio over ratio_mask); loss = Σ_t -min(s·A_t, clip(s)·A_t) over loss_mask."""
+    total = 0.0
+    for b in range(B):
+        count = sum(ratio_mask[b][s] for s in range(S))
+        log_ratio = sum((x["logprobs"][b][s] - x["old"][b][s]) * ratio_mask[b][s] for s in range(S)) / count
+        ratio = math.exp(log_ratio)
+        for s in range(S):
+            advantage = x["advantages"][b][s]
+            total += -min(ratio * advantage, min(max(ratio, low), high) * advantage) * x["loss_mask"][b][s]
+    return total
+
+
+def _gspo(x, config, ratio_mask=None):
+    logprobs = x["logprobs"].clone().requires_grad_(True)
+    context = {"loss_mask": x["loss_mask"], "advantages": x["advantages"], "old_logprobs": x["old"]}
+    if ratio_mask is not None:
+        context["sequence_ratio_mask"] = ratio_mask
+    loss, metrics = get_loss("gspo")(logprobs, context=context, config=config, entropy_BS=None)
+    loss.backward()
+    return loss, metrics, logprobs.grad
+
+
+@pytest.mark.parametrize("low, high", [(1.0 - 3e-4, 1.0 + 4e-4), (0.5, 2.0)])
+def test_gspo_matches_the_sequence_ratio_reference(low, high):
+    x = _inputs(4)
+    ratio_mask = x["loss_mask"].clone()
+    ratio_mask[0, 2] = 0  # the ratio over fewer positions than the loss covers
+    config = {"clip_low_threshold": low, "clip_high_threshold": high}
+    loss, _, _ = _gspo(x, config, ratio_mask)
+    expected = _ref_gspo({k: v.tolist() for k, v in x.items()}, ratio_mask.tolist(), low, high)
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_gspo_without_a_mask_takes_the_ratio_over_the_positions_with_an_advantage():
+    x = _inputs(7)
+    x["advantages"][0, 2] = 0.0  # e.g. a prompt position: no sampler log-prob there
+    x["old"][0, 2] = 0.0
+    config = {"clip_low_threshold": 0.5, "clip_high_threshold": 2.0}
+    loss, _, _ = _gspo(x, config)
+    ratio_mask = x["loss_mask"] * (x["advantages"] != 0)
+    assert loss.item() == pytest.approx(_gspo(x, config, ratio_mask)[0].item(), rel=1e-6)
+    assert loss.item() != pytest.approx(_gspo(x, config, x["loss_mask"])[0].item(), rel=1e-3)
+
+
+def test_gspo_gradient_is_the_sequence_ratio_times_the_token_gradient_when_unclipped():
+    x = _inputs(5)
+    _, metrics, grad = _gspo(x, {"clip_low_threshold": 0.0, "clip_high_threshold": 1e9})
+    mask = x["loss_mask"]
+    ratio_B = (((x["logprobs"] - x["old"]) * mask).sum(-1) / mask.sum(-1)).exp()
+    assert_close(grad, -ratio_B[:, None] * x["advantages"] * mask)
+    assert metrics["clip_ratio"] == 0.0
+
+
+def test_gspo_defaults_clip_every_row_off_the_sampler_and_none_on_it():
+    x = _inputs(6)
+    _, metrics, _ = _gspo(x, {})  # old log-probs 0.4 nats off: every sequence ratio leaves 1 ± 4e-4
+    assert metrics["clip_ratio"] == 1.0
+    on_policy = {**x, "old": x["logprobs"]}
+    loss, metrics, _ = _gspo(on_policy, {})
+    assert metrics["clip_ratio"] == 0.0
+    assert loss.item() == pytest.approx(-(x["advantages"] * x["loss_mask"]).sum().item(), rel=1e-6)

@@ -6,7 +6,7 @@ import pytest
 
 from icefloe.engines.models import resolve_model
 
-from .service_client import TRAINING, Api
+from .service_client import SAMPLING, TRAINING, Api
 from .service_harness import asgi_client, make_app
 
 pytestmark = pytest.mark.anyio
@@ -55,3 +55,14 @@ async def test_model_name_is_a_preset_or_a_folder_under_the_model_root_and_nothi
             "POST", "/", json={"sub_job_configs": [{**TRAINING, "model_name": "org/tiny-arith"}]}, check=False
         )
         assert response.status_code == 400 and "is not a model this service offers" in response.json()["message"]
+
+
+async def test_a_sampler_with_no_gpus_of_its_own_runs_on_its_trainers_slot(data_dir):
+    beside = {**SAMPLING, "inference_config": {"max_seq_len": 64, "n_gpus": 0}}
+    async with asgi_client(make_app(data_dir, slots=1)) as http:
+        api = Api(http)
+        job_id = await api.running(TRAINING, beside)  # two sub-jobs, one slot
+        assert (await api.job(job_id))["status"] == "running"
+        alone = await api.call("POST", "/", json={"sub_job_configs": [beside]}, check=False)
+    assert alone.status_code == 400
+    assert "n_gpus is 0" in alone.json()["message"] and "no training sub-job" in alone.json()["message"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 tinker = pytest.importorskip("tinker")
@@ -118,6 +119,98 @@ def test_sample_returns_several_sequences_with_stops_logprobs_and_ids(service, m
     assert [(seq.stop_reason, len(seq.tokens)) for seq in response.sequences] == [("length", 5)] * 2
 
 
+def test_sample_calls_sent_back_to_back_each_get_their_own_answer(service, model):
+    sampler = service.create_sampling_client(base_model=model).result()
+    tokenizer = sampler.get_tokenizer()
+    calls = [(f"prompt {i}:", i % 3 + 1, i + 1) for i in range(6)]  # (text, num_samples, max_tokens)
+    prompts = [types.ModelInput.from_ints(tokenizer.encode(text)) for text, _, _ in calls]
+    futures = [
+        sampler.sample(prompt, n, types.SamplingParams(max_tokens=m, stop=[]))
+        for prompt, (_, n, m) in zip(prompts, calls, strict=True)
+    ]  # nothing awaited until every call is sent: they reach the sampler together
+    shapes = [[len(seq.tokens) for seq in future.result().sequences] for future in futures]
+    assert shapes == [[m] * n for _, n, m in calls]
+
+
+def test_unpickled_sampling_clients_join_the_session_and_never_share_a_seq_id(service, model):
+    import pickle
+
+    sampler = service.create_sampling_client(base_model=model).result()
+    clones = [pickle.loads(pickle.dumps(sampler)) for _ in range(2)]  # as worker processes get them
+    prompt = types.ModelInput.from_ints(sampler.get_tokenizer().encode("clones"))
+    lengths = [
+        len(client.sample(prompt, 1, types.SamplingParams(max_tokens=length, stop=[])).result().sequences[0].tokens)
+        for client, length in zip([sampler, *clones], [2, 3, 4], strict=True)
+    ]  # each client's first seq_id, one after another: a shared one would get the first client's answer back
+    assert lengths == [2, 3, 4]
+
+
+def test_a_cancelled_sample_that_has_not_started_never_runs(base_url, model):
+    import httpx
+
+    with httpx.Client(base_url=f"{base_url}/api/v1", headers={"X-API-Key": API_KEY}, timeout=60) as http:
+        assert http.post("/client/dynamic_config", json={}).json()["sample_cancel_enabled"]  # the SDK sends cancels
+        session_id = http.post("/create_session", json={}).json()["session_id"]
+        body = {"session_id": session_id, "sampling_session_seq_id": 0, "base_model": model}
+        sampling_session_id = http.post("/create_sampling_session", json=body).json()["sampling_session_id"]
+
+        def asample(seq_id: int, max_tokens: int) -> str:
+            body = {"sampling_session_id": sampling_session_id, "seq_id": seq_id, "num_samples": 1,
+                    "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]},
+                    "sampling_params": {"max_tokens": max_tokens, "stop": []}}  # fmt: skip
+            return http.post("/asample", json=body).json()["request_id"]
+
+        def outcome(future_id: str) -> dict:
+            while (answer := http.post("/retrieve_future", json={"request_id": future_id})).headers.get(
+                "content-type", ""
+            ).startswith("application/json") and answer.json().get("type") == "try_again":
+                pass
+            return answer.json() if answer.headers["content-type"].startswith("application/json") else {}
+
+        running = asample(1, 400)  # keeps the sampler busy
+        queued = asample(2, 4)
+        assert http.post("/cancel_future", json={"request_id": queued}).status_code == 200
+        assert "cancelled" in outcome(queued)["error"]
+        assert outcome(running) == {}  # a protobuf SampleResponse: it ran to the end
+        http.post(f"/sessions/{session_id}/finish", json={"reason": {"type": "success"}})
+
+
+def test_a_sample_call_resent_while_the_first_copy_gathers_gets_the_same_future(base_url, model):
+    import concurrent.futures
+
+    import httpx
+
+    with httpx.Client(base_url=f"{base_url}/api/v1", headers={"X-API-Key": API_KEY}, timeout=60) as http:
+        session_id = http.post("/create_session", json={}).json()["session_id"]
+        body = {"session_id": session_id, "sampling_session_seq_id": 0, "base_model": model}
+        sampling_session_id = http.post("/create_sampling_session", json=body).json()["sampling_session_id"]
+        body = {"sampling_session_id": sampling_session_id, "seq_id": 7, "num_samples": 1,
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]},
+                "sampling_params": {"max_tokens": 2}}  # fmt: skip
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            copies = [pool.submit(http.post, "/asample", json=body) for _ in range(2)]
+            answers = [copy.result().json() for copy in copies]
+        assert answers[0] == answers[1]
+        http.post(f"/sessions/{session_id}/finish", json={"reason": {"type": "success"}})
+
+
+def test_top_k_prompt_logprobs_are_the_likeliest_tokens_at_each_position(service, model):
+    sampler = service.create_sampling_client(base_model=model).result()
+    tokens = sampler.get_tokenizer().encode("top k here")
+    response = sampler.sample(
+        types.ModelInput.from_ints(tokens), 1, types.SamplingParams(max_tokens=1),
+        include_prompt_logprobs=True, topk_prompt_logprobs=3,
+    ).result()  # fmt: skip
+    topk, scored = response.topk_prompt_logprobs, response.prompt_logprobs
+    assert topk[0] is None and len(topk) == len(tokens)
+    for token, logprob, pairs in zip(tokens[1:], scored[1:], topk[1:], strict=True):
+        values = [lp for _, lp in pairs]
+        assert len(pairs) == 3 and values == sorted(values, reverse=True)
+        assert logprob <= values[0] + 1e-5 and math.log(sum(math.exp(v) for v in values)) <= 1e-5
+        assert dict(pairs).get(token, logprob) == pytest.approx(logprob, abs=1e-5)  # in the top k: the same value
+    assert tokens[1] in [t for t, _ in topk[1]] or scored[1] < topk[1][-1][1]
+
+
 def test_importance_sampling_and_ppo_losses_are_sums_over_tokens(service, model):
     training = service.create_lora_training_client(base_model=model, rank=4).result()
     tokenizer = training.get_tokenizer()
@@ -132,6 +225,17 @@ def test_importance_sampling_and_ppo_losses_are_sums_over_tokens(service, model)
     assert ppo.metrics["loss:sum"] == pytest.approx(expected, abs=1e-4)
     scored = [lp for out in ppo.loss_fn_outputs for lp in out["logprobs"].tolist()]
     assert scored == pytest.approx([lp for row in on_policy for lp in row], abs=1e-5)
+    for datum in data:  # the sequence ratio over the second half of each row only
+        width = len(datum.loss_fn_inputs["advantages"].data)
+        datum.loss_fn_inputs["sequence_ratio_mask"] = types.TensorData.from_numpy(
+            np.asarray([0.0] * (width // 2) + [1.0] * (width - width // 2), dtype=np.float32)
+        )
+    gspo = training.forward(data, "gspo").result()
+    assert gspo.metrics["loss:sum"] == pytest.approx(expected, abs=1e-4)
+    shifted = [[lp - 0.1 for lp in row] for row in on_policy]  # every sequence ratio e^0.1, clipped at 1.05
+    stale = [_policy_data(tokenizer, t, lp, 1.0) for t, lp in zip(texts, shifted, strict=True)]
+    clipped = training.forward(stale, "gspo", {"clip_low_threshold": 0.95, "clip_high_threshold": 1.05}).result()
+    assert clipped.metrics["loss:sum"] == pytest.approx(-1.05 * (4 + 15), rel=1e-4)
 
 
 def test_save_state_then_resume_with_optimizer_continues_exactly(service, model):
@@ -168,6 +272,18 @@ def test_async_ops_submitted_back_to_back_complete_in_order(service, model):
     losses = [r.metrics["loss:sum"] for r in results[0::2]]
     assert losses == sorted(losses, reverse=True) and len(set(losses)) == 4  # each saw the step before it
     assert [r.metrics["learning_rate:mean"] for r in results[1::2]] == pytest.approx([0.01, 0.02, 0.03, 0.04])
+
+
+def test_a_model_and_its_sampler_run_on_one_slot(tmp_path, model):
+    root = Path(model).parent
+    service_app = make_app(tmp_path / "serve", slots=1, engines="local", tokens=[API_KEY], model_root=root)
+    with ServerThread(service_app) as url, tinker.ServiceClient(base_url=url, api_key=API_KEY) as service:
+        training = service.create_lora_training_client(base_model=model, rank=4).result()
+        tokens = training.get_tokenizer().encode("one slot")
+        training.forward_backward([_sft_datum(training.get_tokenizer(), "one slot")], "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        sampler = training.save_weights_and_get_sampling_client().result()
+        assert len(sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()) == len(tokens)
 
 
 def test_leaving_the_service_client_finishes_its_session(base_url, model):
@@ -262,6 +378,24 @@ def test_rest_client_lists_a_runs_checkpoints_and_their_weights_info(service, ba
     ]
     info = rest.get_weights_info_by_tinker_path(state_path).result()
     assert (info.base_model, info.is_lora, info.lora_rank) == (model, True, 4)
+
+
+def test_copy_weights_names_the_same_weights_under_a_new_run(service, base_url, model):
+    training = service.create_lora_training_client(base_model=model, rank=4).result()
+    tokenizer = training.get_tokenizer()
+    training.forward_backward([_sft_datum(tokenizer, "copy me")], "cross_entropy").result()
+    training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    source = training.save_weights_for_sampler("to-copy").result().path
+    rest = tinker.RestClient(base_url=base_url, api_key=API_KEY)
+    copied = rest.copy_weights(source, "any-project").result()
+    assert copied.startswith("tinker://copy-") and copied.endswith("/sampler_weights/to-copy")
+    info = rest.get_weights_info_by_tinker_path(copied).result()
+    assert (info.base_model, info.is_lora, info.lora_rank) == (model, True, 4)
+    prompt = types.ModelInput.from_ints(tokenizer.encode("copy me"))
+    samplers = [service.create_sampling_client(model_path=path).result() for path in (source, copied)]
+    assert samplers[0].compute_logprobs(prompt).result() == samplers[1].compute_logprobs(prompt).result()
+    listed = rest.list_checkpoints(training.model_id).result().checkpoints
+    assert [c.tinker_path for c in listed] == [source]  # the copy belongs to its own run
 
 
 def test_a_resent_seq_id_gets_its_first_future_and_a_later_one_waits_its_turn(base_url, model):

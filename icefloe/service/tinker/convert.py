@@ -21,8 +21,9 @@ __all__ = ["batch_from_request", "forward_backward_output", "pb", "sample_respon
 _NUMPY_DTYPES = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
 # Tinker input name -> canonical context name
 _CONTEXT_NAMES = {"target_tokens": "target_tokens", "weights": "weights", "advantages": "advantages",
-                  "logprobs": "old_logprobs"}  # fmt: skip
-_TINKER_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+                  "logprobs": "old_logprobs", "sequence_ratio_mask": "sequence_ratio_mask"}  # fmt: skip
+_EMPTY_LOGPROB = -99999.0  # the SDK's mark of an empty top-k cell (tinker.types.topk_logprobs.MASK_LOGPROB)
+_TINKER_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
 
 
 def _array(tensor: pb.Tensor, where: str) -> np.ndarray:
@@ -149,4 +150,19 @@ def sample_response(result: dict[str, Any]) -> bytes:
     if prompt_logprobs is not None:
         values = [math.nan if v is None else v for v in prompt_logprobs]
         message.prompt_logprobs = np.asarray(values, dtype=np.float32).tobytes()
+    topk = result.get("topk_prompt_logprobs")
+    if topk:
+        message.topk_prompt_logprobs.CopyFrom(_topk(topk))
     return message.SerializeToString()
+
+
+def _topk(rows: list[list[list[float]] | None]) -> pb.TopkLogprobs:
+    """Per position ``[token, logprob]`` pairs (None: no context) as the SDK's dense N×K matrices;
+    empty cells hold the SDK's sentinel (token 0, log-prob -99999)."""
+    k = max((len(pairs) for pairs in rows if pairs), default=0)
+    token_ids = np.zeros((len(rows), k), dtype=np.int32)
+    logprobs = np.full((len(rows), k), _EMPTY_LOGPROB, dtype=np.float32)
+    for row, pairs in enumerate(rows):
+        for column, (token, logprob) in enumerate(pairs or []):
+            token_ids[row, column], logprobs[row, column] = token, logprob
+    return pb.TopkLogprobs(token_ids=token_ids.tobytes(), logprobs=logprobs.tobytes(), k=k, length=len(rows))

@@ -24,6 +24,7 @@ from icefloe.protocol import (
     OP_LOAD,
     OP_SAVE,
     OP_STEP,
+    ConflictError,
     InvalidRequestError,
     NotFoundError,
 )
@@ -54,8 +55,15 @@ async def client_config() -> Response:
     # Uncompressed protobuf bodies; chunks of one forward_backward sent at once (ordered here by seq_id).
     # The SDK asks this on a connection pool of its own that it never closes: closing the
     # connection from here keeps its socket from outliving the ServiceClient (a ResourceWarning).
-    flags = {"proto_compress_fwdbwd": False, "parallel_fwdbwd_chunks": True}
+    # An unpickled sampling client asks join_sampling_session for its clone number.
+    flags = {"proto_compress_fwdbwd": False, "parallel_fwdbwd_chunks": True, "sample_join_sampling_session": True}
     return JSONResponse(flags, headers={"Connection": "close"})
+
+
+@router.post("/client/dynamic_config")
+async def client_dynamic_config() -> dict[str, Any]:
+    # An abandoned sample future sends cancel_future, so its call leaves the sampler's queue at once.
+    return {"sample_cancel_enabled": True}
 
 
 @router.post("/create_session")
@@ -319,6 +327,15 @@ async def create_sampling_session(body: dict[str, Any], state: State) -> dict[st
     return {"type": "create_sampling_session", "sampling_session_id": sampling_session_id}
 
 
+@router.post("/join_sampling_session")
+async def join_sampling_session(body: dict[str, Any], state: State) -> dict[str, Any]:
+    """A clone of a sampling client (unpickled in another process) gets a number of its own:
+    its seq_ids start at number × 10⁹, so they never collide with another client's."""
+    sampler = _sampler(state, str(body.get("sampling_session_id")))
+    sampler.clients += 1
+    return {"type": "join_sampling_session", "client_counter": sampler.clients - 1}
+
+
 @router.get("/samplers/{sampling_session_id}")
 async def get_sampler(sampling_session_id: str, state: State) -> dict[str, Any]:
     sampler = _sampler(state, sampling_session_id)
@@ -338,8 +355,23 @@ async def asample(body: dict[str, Any], state: State) -> dict[str, Any]:
         raise InvalidRequestError("sampling_session_id is required; create one with create_sampling_session")
     sampler = _sampler(state, str(body["sampling_session_id"]))
     seq_id = body.get("seq_id")
-    if seq_id is not None and seq_id in sampler.taken:
-        return sampler.taken[seq_id]
+    if seq_id is not None and seq_id in sampler.taken:  # a resend: the first copy's answer, once it has one
+        return await asyncio.shield(sampler.taken[seq_id])
+    answered: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+    if seq_id is not None:  # taken from now on: a resend that arrives meanwhile waits for this answer
+        sampler.taken[seq_id] = answered
+    try:
+        answered.set_result(await _queue_sample(state, sampler, body))
+    except BaseException as exc:
+        sampler.taken.pop(seq_id, None)  # nothing was queued: a resend may try again
+        answered.set_exception(exc if isinstance(exc, Exception) else ConflictError("the first copy was dropped"))
+        answered.exception()  # read here, so no waiter is needed
+        raise
+    return answered.result()
+
+
+async def _queue_sample(state: TinkerState, sampler: SamplingSession, body: dict[str, Any]) -> dict[str, Any]:
+    """Validate one sample call and queue it with the calls gathered beside it; the SDK's answer."""
     prompt = _prompt_tokens(body.get("prompt") or {})
     params = _sampling_params(body)
     job = await state.live(sampler.job_id)
@@ -349,23 +381,30 @@ async def asample(body: dict[str, Any], state: State) -> dict[str, Any]:
     if len(prompt) >= limit:
         raise InvalidRequestError(f"prompt has {len(prompt)} tokens; the sampler takes fewer than {limit}")
 
-    def run_batch(items: list[tuple[list[int], EngineSamplingParams]]) -> list[dict[str, Any]]:
+    def run_batch(calls: list[list[tuple[list[int], EngineSamplingParams]]]) -> list[list[dict[str, Any]]]:
+        """One generate for the gathered calls of every request batched here; per request, per call."""
+        items = [item for gathered in calls for item in gathered]
         samples = host.generate(sub_job_id, [p for p, _ in items], [q for _, q in items])
-        results, cursor = [], 0
-        for _, item_params in items:
-            mine = samples[cursor : cursor + item_params.n]
-            cursor += item_params.n
-            results.append({"samples": mine, "prompt_logprobs": mine[0].get("prompt_logprobs")})
+        results: list[list[dict[str, Any]]] = []
+        cursor = 0
+        for gathered in calls:
+            results.append([])
+            for _, item_params in gathered:
+                mine = samples[cursor : cursor + item_params.n]
+                cursor += item_params.n
+                first = mine[0]
+                results[-1].append({"samples": mine, "prompt_logprobs": first.get("prompt_logprobs"),
+                                    "topk_prompt_logprobs": first.get("topk_prompt_logprobs")})  # fmt: skip
         return results
 
     from icefloe.service.tinker import convert
 
-    request_id = state.manager.submit(job, sub_job_id, OP_GENERATE, run_batch, batch_item=(prompt, params))
-    future_id = state.future(job.job_id, convert.sample_response, request_id)
-    answer = {"request_id": future_id, "sample_sequence_ids": [f"{future_id}:{i}" for i in range(params.n)]}
-    if seq_id is not None:
-        sampler.taken[seq_id] = answer
-    return answer
+    def submit(gathered: list[tuple[list[int], EngineSamplingParams]]) -> str:
+        return state.manager.submit(job, sub_job_id, OP_GENERATE, run_batch, batch_item=gathered)
+
+    request_id, part, parts = await state.gather(sampler, (prompt, params), submit)
+    future_id = state.future(job.job_id, convert.sample_response, request_id, part, parts)
+    return {"request_id": future_id, "sample_sequence_ids": [f"{future_id}:{i}" for i in range(params.n)]}
 
 
 def _prompt_tokens(prompt: dict[str, Any]) -> list[int]:
@@ -395,6 +434,7 @@ def _sampling_params(body: dict[str, Any]) -> EngineSamplingParams:
         "seed": raw.get("seed"),
         "logprobs": True,
         "prompt_logprobs": bool(body.get("prompt_logprobs")),
+        "topk_prompt_logprobs": int(body.get("topk_prompt_logprobs") or 0),
         # No stop: EOS stops. A stop list (even empty) replaces EOS.
         "ignore_eos": stop is not None,
     }
@@ -405,7 +445,7 @@ def _sampling_params(body: dict[str, Any]) -> EngineSamplingParams:
             fields["stop"] = tuple(stop)
         else:
             raise InvalidRequestError(f"sampling_params.stop must be strings or token ids, not a mix; got {stop!r}")
-    for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+    for name in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
         if body.get(name):
             raise InvalidRequestError(f"{name} is not served; leave it 0")
     try:
@@ -433,6 +473,14 @@ async def list_checkpoints(model_id: str, state: State) -> dict[str, Any]:
     return {"checkpoints": checkpoints}
 
 
+@router.post("/copy_weights")
+async def copy_weights(body: dict[str, Any], state: State) -> dict[str, Any]:
+    # One service has no projects: destination_project_id, session_id and ttl_seconds change nothing.
+    source = CheckpointPath.parse(str(body.get("source_path")))
+    copy = await asyncio.to_thread(state.copy_checkpoint, source)
+    return {"tinker_path": str(copy)}
+
+
 @router.post("/weights_info")
 async def weights_info(body: dict[str, Any], state: State) -> dict[str, Any]:
     path = CheckpointPath.parse(str(body.get("tinker_path")))
@@ -441,6 +489,12 @@ async def weights_info(body: dict[str, Any], state: State) -> dict[str, Any]:
 
 
 # --- futures ---------------------------------------------------------------------------------
+@router.post("/cancel_future")
+async def cancel_future(body: dict[str, Any], state: State) -> dict[str, Any]:
+    state.cancel(str(body.get("request_id")))
+    return {}
+
+
 @router.post("/retrieve_future")
 async def retrieve_future(body: dict[str, Any], state: State) -> Response:
     future_id = str(body.get("request_id"))
@@ -463,7 +517,8 @@ async def retrieve_future(body: dict[str, Any], state: State) -> Response:
                 return JSONResponse(
                     {"error": row["error"] or row["status"], "category": "user" if running else "server"}
                 )
-            answer = future.render(result_of(row))
+            result = result_of(row)
+            answer = future.render(result if future.part is None else result[future.part])
     except Exception as exc:  # the job failed to start, or the result could not be turned into an answer
         if isinstance(exc, InvalidRequestError):
             raise

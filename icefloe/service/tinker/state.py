@@ -1,6 +1,7 @@
 """Sessions, models, sampling sessions and futures of the Tinker API, mapped onto jobs.
 
-A Tinker model is one job with a training and a sampling sub-job (LoRA from ``lora_config.rank``);
+A Tinker model is one job with a training and a sampling sub-job on one slot (the sampler on the
+trainer's device, ``n_gpus`` 0; LoRA from ``lora_config.rank``);
 its training ops run on the training sub-job's ordered worker, in ``seq_id`` order: a POST waits
 until the number before it was taken (accepted or refused: a refused number counts as consumed),
 and a resent number gets the future it got the first time. A future is a request of the request
@@ -31,8 +32,13 @@ __all__ = ["CheckpointPath", "Future", "Model", "SamplingSession", "TinkerState"
 
 _log = logging.getLogger("icefloe.service.tinker")
 _KINDS = ("weights", "sampler_weights")
+_COPY_PREFIX = "copy-"  # model ids never start so: they are <session>:train:<n>
 _FUTURES_KEPT = 100_000
 _START_POLL_S = 0.05  # how often a waiter looks at a starting job's state (no event exists for it)
+# The SDK sends a group's sample calls one by one (a few ms apart on a busy host): a call waits until
+# none has arrived for GATHER_QUIET_S (at most GATHER_MAX_S), so they reach the sampler as one batch.
+GATHER_QUIET_S = 0.008
+GATHER_MAX_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -53,8 +59,12 @@ class CheckpointPath:
         return cls(*parts)
 
     @property
+    def copied(self) -> bool:  # a copy_weights run: its own name for another run's files
+        return self.run.startswith(_COPY_PREFIX)
+
+    @property
     def checkpoint_id(self) -> str:  # the job's checkpoint record
-        return f"tinker-{self.kind}-{self.name}"
+        return f"tinker-{self.run}-{self.kind}-{self.name}" if self.copied else f"tinker-{self.kind}-{self.name}"
 
     def __str__(self) -> str:
         return f"tinker://{self.run}/{self.kind}/{self.name}"
@@ -65,12 +75,16 @@ class Future:
     """What ``retrieve_future`` answers for one request id.
 
     ``request_id`` set: a request of the job's table, its stored result passed through ``render``
-    (a JSON dict, or protobuf bytes). Unset: the job itself, ``render(None)`` once it runs.
+    (a JSON dict, or protobuf bytes); with ``part``, the result is a list and this future renders
+    its ``part``-th entry (sample calls gathered into one request). Unset: the job itself,
+    ``render(None)`` once it runs.
     """
 
     job_id: str
     render: Callable[[Any], dict[str, Any] | bytes]
     request_id: str | None = None
+    part: int | None = None
+    parts: int = 1  # how many futures share the request
 
 
 @dataclass
@@ -93,7 +107,18 @@ class SamplingSession:
     job_id: str
     base_model: str
     model_path: str | None
-    taken: dict[int, dict[str, Any]] = field(default_factory=dict)
+    taken: dict[int, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)  # seq_id -> its answer
+    gathering: _Gathering | None = None  # the sample calls waiting to go out as one request
+    clients: int = 1  # the original client is 0; each joined clone gets the next number
+
+
+@dataclass
+class _Gathering:
+    items: list[Any]
+    submitted: asyncio.Future[str]  # the request id the items went out under
+    quiet_until: float
+    deadline: float
+    sender: asyncio.Task[None] | None = None
 
 
 class TinkerState:
@@ -110,6 +135,7 @@ class TinkerState:
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, SamplingSession] = {}
         self.futures: dict[str, Future] = {}
+        self.cancelled_parts: dict[str, set[int]] = {}  # request id -> its futures cancelled so far
 
     # --- sessions -----------------------------------------------------------------------------
     def create_session(self) -> str:
@@ -175,8 +201,9 @@ class TinkerState:
         if training:
             training_config = {**peft, "max_seq_len": 2048, "load_optimizer_states": load_optimizer}
             sub_jobs.append({"job_type": "training", "model_name": base_model, "training_config": training_config})
-        sampling: dict[str, Any] = {"job_type": "sampling", "model_name": base_model,
-                                    "inference_config": {**peft, "max_seq_len": 2048}}  # fmt: skip
+        # A trainer's sampler shares its device (n_gpus 0): a model takes one slot, like the local backend.
+        inference = {**peft, "max_seq_len": 2048, "n_gpus": 0 if training else 1}
+        sampling: dict[str, Any] = {"job_type": "sampling", "model_name": base_model, "inference_config": inference}
         sub_jobs.append(sampling)
         if source is not None:
             job_id = self.checkpoint_job(source)
@@ -243,12 +270,72 @@ class TinkerState:
                 model.next_seq = max(model.next_seq, seq_id + 1)
                 model.turn.notify_all()
 
-    def future(self, job_id: str, render: Callable[[Any], Any], request_id: str | None = None) -> str:
+    def future(
+        self,
+        job_id: str,
+        render: Callable[[Any], Any],
+        request_id: str | None = None,
+        part: int | None = None,
+        parts: int = 1,
+    ) -> str:
         future_id = request_id or f"{job_id}:start:{uuid.uuid4().hex}"
-        self.futures[future_id] = Future(job_id, render, request_id)
+        if part is not None:
+            future_id = f"{future_id}.{part}"
+        self.futures[future_id] = Future(job_id, render, request_id, part, parts)
         while len(self.futures) > _FUTURES_KEPT:  # the oldest first: long retrieved by now
             del self.futures[next(iter(self.futures))]
         return future_id
+
+    def cancel(self, future_id: str) -> None:
+        """Drop a future's request if it has not started, once every future sharing it was cancelled;
+        a request that runs or ran is left as it is."""
+        future = self.futures.get(future_id)
+        if future is None:
+            raise NotFoundError(f"future {future_id} not found")
+        if future.request_id is None:
+            return  # a model being created: its session's end cancels it
+        cancelled = self.cancelled_parts.setdefault(future.request_id, set())
+        cancelled.add(future.part or 0)
+        while len(self.cancelled_parts) > _FUTURES_KEPT:
+            del self.cancelled_parts[next(iter(self.cancelled_parts))]
+        if len(cancelled) == future.parts:
+            del self.cancelled_parts[future.request_id]
+            with contextlib.suppress(NotFoundError):  # long finished and forgotten
+                self.manager.requests.cancel(future.job_id, future.request_id, why="cancelled by the caller")
+
+    async def gather(
+        self, sampler: SamplingSession, item: Any, submit: Callable[[list[Any]], str]
+    ) -> tuple[str, int, int]:
+        """Queue ``item`` with the sampler's other sample calls arriving now.
+
+        Returns the request id, the item's index in it and how many items it holds.
+        The first call of a gathering waits for the calls behind it, then ``submit(items)`` sends
+        them all as one request (which still batches with other sessions' requests on the sampler).
+        """
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        gathering = sampler.gathering
+        if gathering is None:
+            gathering = _Gathering([], loop.create_future(), now + GATHER_QUIET_S, now + GATHER_MAX_S)
+            sampler.gathering = gathering
+            gathering.sender = loop.create_task(self._send_gathered(sampler, gathering, submit))
+        part = len(gathering.items)
+        gathering.items.append(item)
+        gathering.quiet_until = now + GATHER_QUIET_S
+        request_id = await asyncio.shield(gathering.submitted)
+        return request_id, part, len(gathering.items)
+
+    async def _send_gathered(
+        self, sampler: SamplingSession, gathering: _Gathering, submit: Callable[[list[Any]], str]
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        while (wait := min(gathering.quiet_until, gathering.deadline) - loop.time()) > 0:
+            await asyncio.sleep(wait)
+        sampler.gathering = None
+        try:
+            gathering.submitted.set_result(submit(gathering.items))
+        except Exception as exc:  # every call of the gathering gets the refusal
+            gathering.submitted.set_exception(exc)
 
     # --- checkpoints --------------------------------------------------------------------------
     def checkpoint_job(self, path: CheckpointPath) -> str:
@@ -259,10 +346,25 @@ class TinkerState:
         ):
             return model.job_id
         for record in store.find_checkpoints(self.manager.db, checkpoint_id=path.checkpoint_id):
+            if path.copied:  # the copy's record names its run
+                return record["job_id"]
             row = store.get_job(self.manager.db, job_id=record["job_id"])
             if row is not None and row["spec"].get("experiment_name") == path.run:
                 return record["job_id"]
         raise NotFoundError(f"checkpoint {path} not found; save it with save_weights or save_weights_for_sampler")
+
+    def copy_checkpoint(self, source: CheckpointPath) -> CheckpointPath:
+        """A new run's name for ``source``'s files (``tinker://copy-<hex>/<kind>/<name>``), recorded on
+        the job that saved them: nothing is duplicated, and nothing trains under the copy's run."""
+        job_id = self.checkpoint_job(source)
+        record = store.get_checkpoint(self.manager.db, job_id=job_id, checkpoint_id=source.checkpoint_id)
+        assert record is not None
+        copy = CheckpointPath(f"{_COPY_PREFIX}{uuid.uuid4().hex}", source.kind, source.name)
+        store.upsert_checkpoint(
+            self.manager.db, job_id=job_id, checkpoint_id=copy.checkpoint_id, global_steps=record["global_steps"],
+            avg_loss=record["avg_loss"], checkpoint_type=record["checkpoint_type"], path=record["path"],
+        )  # fmt: skip
+        return copy
 
     def checkpoint_folder(self, path: CheckpointPath) -> Path:
         job_id = self.checkpoint_job(path)
