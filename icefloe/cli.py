@@ -10,7 +10,7 @@ import contextlib
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -47,19 +47,39 @@ def demo(
     seed: Annotated[int, typer.Option(help="Seeds the model, the problems and the sampler.")] = 0,
     name: Annotated[str, typer.Option(help="Run name: results go to OUT_DIR/NAME/.")] = "demo",
     backend: Annotated[
-        str, typer.Option(help="local (engines in this process) or remote (ICEFLOE_REMOTE_*, else a local serve).")
+        str,
+        typer.Option(
+            help="local (engines in this process), ray (Ray actors; a local Ray unless one runs) "
+            "or remote (ICEFLOE_REMOTE_*, else a local serve)."
+        ),
     ] = "local",
     out_dir: Annotated[Path, typer.Option(help="Parent folder of run folders.")] = Path("runs"),
     lora_rank: Annotated[
         int, typer.Option(min=0, help="Train LoRA adapters of this rank in RL (0 = the full weights).")
     ] = 0,
+    tracker: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Where per-step metrics go: jsonl, tensorboard, wandb (offline unless WANDB_MODE), mlflow. "
+            "Repeatable or comma-separated [default: jsonl]."
+        ),
+    ] = None,
 ) -> None:
     """Teach a tiny model addition with GRPO and print how its reward rose."""
-    if backend not in ("local", "remote"):
-        raise typer.BadParameter(f"must be local or remote; got {backend!r}", param_hint="--backend")
+    from icefloe.recipes.trackers import require_trackers
+
+    if backend not in ("local", "ray", "remote"):
+        raise typer.BadParameter(f"must be local, ray or remote; got {backend!r}", param_hint="--backend")
     if steps is None:
         steps = LORA_DEMO_STEPS if lora_rank else 150
-    run_demo(steps=steps, seed=seed, name=name, backend=backend, out_dir=out_dir, lora_rank=lora_rank)
+    trackers = [name.strip() for names in tracker or ["jsonl"] for name in names.split(",") if name.strip()]
+    try:
+        require_trackers(trackers)
+    except (ImportError, ValueError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="--tracker") from None
+    run_demo(
+        steps=steps, seed=seed, name=name, backend=backend, out_dir=out_dir, lora_rank=lora_rank, trackers=trackers
+    )
 
 
 def run_demo(
@@ -70,6 +90,7 @@ def run_demo(
     backend: str = "local",
     out_dir: Path = Path("runs"),
     lora_rank: int = 0,
+    trackers: Sequence[str] = ("jsonl",),
 ) -> list[dict[str, Any]]:
     """Run the GRPO recipe with a progress bar and print one summary line; returns the metric rows.
 
@@ -80,7 +101,14 @@ def run_demo(
     _quiet_transformers()
     with _demo_service(backend) as base_url:
         config = GRPOConfig(
-            name=name, out_dir=out_dir, seed=seed, steps=steps, backend=backend, base_url=base_url, lora_rank=lora_rank
+            name=name,
+            out_dir=out_dir,
+            seed=seed,
+            steps=steps,
+            backend=backend,
+            base_url=base_url,
+            lora_rank=lora_rank,
+            trackers=list(trackers),
         )
         if lora_rank:
             # The demo adapts its tied output layer on purpose and never merges the adapter into it.
@@ -97,9 +125,26 @@ def run_demo(
 
 @contextlib.contextmanager
 def _demo_service(backend: str) -> Iterator[str | None]:
-    """For ``--backend remote`` with no service configured, a local ``icefloe serve`` on a free port."""
+    """For ``--backend remote`` with no service configured, a local ``icefloe serve`` on a free port.
+
+    For ``--backend ray`` with no Ray running, a local Ray of 2 logical CPUs (one per demo worker,
+    whatever the machine has), shut down at the end.
+    """
     from icefloe.config import ClientConfig
 
+    if backend == "ray":
+        import ray
+
+        if ray.is_initialized():
+            yield None
+            return
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="icefloe")
+        console.print("demo: started a local Ray with 2 CPUs", highlight=False)
+        try:
+            yield None
+        finally:
+            ray.shutdown()
+        return
     configured = ClientConfig.from_env(backend={"type": "remote"}).backend if backend == "remote" else None
     if configured is None or configured.base_url or configured.host:
         yield None
