@@ -110,16 +110,19 @@ def run_demo(
             lora_rank=lora_rank,
             trackers=list(trackers),
         )
+        warm_up = (
+            f"a {config.warmup_steps}-step supervised warm-up (cross-entropy on right answers) teaches the answer "
+            "format first: from random weights the model never writes a right sum, so RL alone would see reward 0"
+        )
         if lora_rank:
             # The demo adapts its tied output layer on purpose and never merges the adapter into it.
             warnings.filterwarnings("ignore", "Model has `tie_word_embeddings=True`", UserWarning)
-            console.print(
-                f"demo: RL trains LoRA adapters only (rank {lora_rank}, on the attention, MLP and output layers), "
+            warm_up = (
+                f"RL trains LoRA adapters only (rank {lora_rank}, on the attention, MLP and output layers), "
                 f"after a {config.warmup_steps}-step full-weight supervised warm-up: adapters alone cannot teach "
-                "the random tiny model the answer format",
-                highlight=False,
-                soft_wrap=True,
+                "the random tiny model the answer format"
             )
+        console.print(f"demo: {warm_up}", highlight=False, soft_wrap=True)
         return _run_demo(config)
 
 
@@ -184,9 +187,9 @@ def _run_demo(config: GRPOConfig) -> list[dict[str, Any]]:
         history = asyncio.run(run(config, on_step=advance))
     seconds = time.perf_counter() - started
     start, end = summarize(history, window=SUMMARY_WINDOW)
-    metrics = out_dir / name / "metrics.jsonl"
     console.print(
-        f"demo: reward {start:.2f} → {end:.2f} over {len(history)} steps in {seconds:.1f} s ({metrics})",
+        f"demo: reward {start:.2f} → {end:.2f} over {len(history)} steps in {seconds:.1f} s "
+        f"({out_dir / name}: {', '.join(config.trackers)})",
         highlight=False,
         soft_wrap=True,  # one line at any terminal width, so scripts can grep it
     )

@@ -28,8 +28,8 @@ __all__ = ["TRACKERS", "Tracker", "TrackerName", "Trackers", "open_trackers", "r
 
 TrackerName = Literal["jsonl", "tensorboard", "wandb", "mlflow"]
 TRACKERS: tuple[TrackerName, ...] = get_args(TrackerName)
-# The module each tracker imports; None = the standard library is enough.
-_MODULES = {"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+# The packages each tracker imports (MLflow's SQLite store needs sqlalchemy, which mlflow-skinny leaves out).
+_MODULES = {"jsonl": (), "tensorboard": ("tensorboard",), "wandb": ("wandb",), "mlflow": ("mlflow", "sqlalchemy")}
 
 
 class Tracker(Protocol):
@@ -50,9 +50,9 @@ def require_trackers(names: Sequence[str]) -> None:
     for name in names:
         if name not in _MODULES:
             raise ConfigError(f"trackers: unknown tracker {name!r}; choose from {', '.join(TRACKERS)}")
-        module = _MODULES[name]
-        if module is not None and importlib.util.find_spec(module) is None:
-            raise ImportError(f"tracker {name!r} needs the {module} package: pip install 'icefloe[trackers]'")
+        for module in _MODULES[name]:
+            if importlib.util.find_spec(module) is None:
+                raise ImportError(f"tracker {name!r} needs the {module} package: pip install 'icefloe[trackers]'")
 
 
 def open_trackers(names: Sequence[str], run_dir: Path, *, run_name: str, config: Mapping[str, Any]) -> Trackers:
@@ -127,7 +127,6 @@ class _Wandb:
             dir=str(run_dir),
             mode=os.environ.get("WANDB_MODE", "offline"),  # type: ignore[arg-type]
             config=dict(config),
-            reinit="create_new",
         )
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
