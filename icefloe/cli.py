@@ -42,7 +42,7 @@ def _root() -> None:
 @app.command()
 def demo(
     steps: Annotated[
-        int | None, typer.Option(min=1, help="GRPO steps after the warm-up [default: 150; 200 with --lora-rank].")
+        int | None, typer.Option(min=1, help="GRPO steps after the warm-up [default: 200].")
     ] = None,
     seed: Annotated[int, typer.Option(help="Seeds the model, the problems and the sampler.")] = 0,
     name: Annotated[str, typer.Option(help="Run name: results go to OUT_DIR/NAME/.")] = "demo",
@@ -66,12 +66,13 @@ def demo(
     ] = None,
 ) -> None:
     """Teach a tiny model addition with GRPO and print how its reward rose."""
+    from icefloe.recipes.grpo import GRPOConfig
     from icefloe.recipes.trackers import require_trackers
 
     if backend not in ("local", "ray", "remote"):
         raise typer.BadParameter(f"must be local, ray or remote; got {backend!r}", param_hint="--backend")
     if steps is None:
-        steps = LORA_DEMO_STEPS if lora_rank else 150
+        steps = LORA_DEMO_STEPS if lora_rank else GRPOConfig.model_fields["steps"].default
     trackers = [name.strip() for names in tracker or ["jsonl"] for name in names.split(",") if name.strip()]
     try:
         require_trackers(trackers)
@@ -84,7 +85,7 @@ def demo(
 
 def run_demo(
     *,
-    steps: int = 150,
+    steps: int = 200,
     seed: int = 0,
     name: str = "demo",
     backend: str = "local",

@@ -52,9 +52,9 @@ class GRPOConfig(BaseModel):
     model: str = "tiny:arith"
     backend: Literal["local", "ray", "remote"] = "local"  # ray: a running Ray, else a local one; remote: below
     base_url: str | None = None  # remote: the service's URL; None = ICEFLOE_REMOTE_* from the environment
-    steps: int = Field(150, gt=0)  # RL steps (each: generate, train, sync)
-    problems_per_step: int = Field(48, gt=0)
-    group_size: int = Field(16, gt=1)  # samples per problem; advantages are relative within a group
+    steps: int = Field(200, gt=0)  # RL steps (each: generate, train, sync)
+    problems_per_step: int = Field(100, gt=0)  # 100 = every problem of the table once per step
+    group_size: int = Field(8, gt=1)  # samples per problem; advantages are relative within a group
     max_tokens: int = Field(3, gt=0)  # the longest answer (two digits) plus EOS
     temperature: float = Field(1.0, gt=0)
     lr: float = Field(2.5e-3, gt=0)
@@ -64,7 +64,7 @@ class GRPOConfig(BaseModel):
     eps_clip: float = Field(0.2, gt=0)
     eps_clip_higher: float = Field(0.2, gt=0)  # upper clip; above eps_clip lets rare right answers rise faster
     entropy_coeff: float = Field(0.1, ge=0)  # at step 1, falling linearly to 0 at the last step
-    warmup_steps: int = Field(15, ge=0)  # supervised steps before RL; 0 = RL from the random model
+    warmup_steps: int = Field(25, ge=0)  # supervised steps before RL; 0 = RL from the random model
     warmup_batch_size: int = Field(64, gt=0)
     warmup_lr: float = Field(1e-2, gt=0)
     max_operand: int = Field(9, ge=1)  # problems are a+b with a, b in 0..max_operand
