@@ -31,7 +31,6 @@ app = typer.Typer(
 console = Console()
 
 SUMMARY_WINDOW = 10  # steps averaged for the start and end rewards of the demo's summary line
-LORA_DEMO_STEPS = 200  # adapters learn the demo task more slowly than the full weights
 
 
 @app.callback()
@@ -41,9 +40,7 @@ def _root() -> None:
 
 @app.command()
 def demo(
-    steps: Annotated[
-        int | None, typer.Option(min=1, help="GRPO steps after the warm-up [default: 200].")
-    ] = None,
+    steps: Annotated[int | None, typer.Option(min=1, help="GRPO steps after the warm-up [default: 200].")] = None,
     seed: Annotated[int, typer.Option(help="Seeds the model, the problems and the sampler.")] = 0,
     name: Annotated[str, typer.Option(help="Run name: results go to OUT_DIR/NAME/.")] = "demo",
     backend: Annotated[
@@ -66,13 +63,10 @@ def demo(
     ] = None,
 ) -> None:
     """Teach a tiny model addition with GRPO and print how its reward rose."""
-    from icefloe.recipes.grpo import GRPOConfig
     from icefloe.recipes.trackers import require_trackers
 
     if backend not in ("local", "ray", "remote"):
         raise typer.BadParameter(f"must be local, ray or remote; got {backend!r}", param_hint="--backend")
-    if steps is None:
-        steps = LORA_DEMO_STEPS if lora_rank else GRPOConfig.model_fields["steps"].default
     trackers = [name.strip() for names in tracker or ["jsonl"] for name in names.split(",") if name.strip()]
     try:
         require_trackers(trackers)
@@ -85,7 +79,7 @@ def demo(
 
 def run_demo(
     *,
-    steps: int = 200,
+    steps: int | None = None,
     seed: int = 0,
     name: str = "demo",
     backend: str = "local",
@@ -105,7 +99,7 @@ def run_demo(
             name=name,
             out_dir=out_dir,
             seed=seed,
-            steps=steps,
+            **({} if steps is None else {"steps": steps}),
             backend=backend,
             base_url=base_url,
             lora_rank=lora_rank,

@@ -67,19 +67,22 @@ def test_grpo_config_rejects_a_group_of_one():
 
 
 @pytest.mark.slow
-# Seed 4 ended at 0.72 before the recipe kept exploring (see grpo.py); all of 0-4 take ~7 min on 2 cores, too
-# much of CI's 15, so CI runs the default seed and that worst one.
+# Seed 4 ended at 0.72 before the recipe's fix for classes that never get learned (see grpo.py). Seeds 0-4 take
+# 5-8 min on 2 cores, too much of CI's 15, so CI runs the default seed and that worst one.
 @pytest.mark.parametrize("seed", [0, 4])
 def test_demo_run_learns_addition(tmp_path, capsys, seed):
-    """The demo's own run: the reward of the RL steps rises from <= 0.2 to >= 0.9 (10-step means)."""
+    """The demo's own run: the reward of the RL steps rises from <= 0.35 to >= 0.9 (10-step means).
+
+    The first step, straight after the warm-up, scores about 0.2; RL already lifts the rest of the first ten.
+    """
     pytest.importorskip("torch")
     pytest.importorskip("matplotlib")
     from icefloe.cli import run_demo
 
-    history = run_demo(steps=GRPOConfig().steps, seed=seed, name="ci", out_dir=tmp_path)
+    history = run_demo(seed=seed, name="ci", out_dir=tmp_path)
 
     start, end = summarize(history, window=10)
-    assert start <= 0.2, f"the first RL steps already score {start:.2f}; the warm-up taught too much"
+    assert start <= 0.35, f"the first RL steps already score {start:.2f}; the warm-up taught too much"
     assert end >= 0.9, f"the last 10 steps score {end:.2f}; GRPO did not learn the task"
     summary = [line for line in capsys.readouterr().out.splitlines() if line.startswith("demo: reward")]
     assert len(summary) == 1
@@ -98,15 +101,15 @@ def test_demo_run_learns_addition(tmp_path, capsys, seed):
 
 @pytest.mark.slow
 def test_demo_run_with_lora_learns_addition(tmp_path, capsys):
-    """``icefloe demo --lora-rank 8``: RL trains adapters only and the reward rises from <= 0.2 to >= 0.8."""
+    """``icefloe demo --lora-rank 8``: RL trains adapters only and the reward rises from <= 0.35 to >= 0.8."""
     pytest.importorskip("peft")
     pytest.importorskip("matplotlib")
-    from icefloe.cli import LORA_DEMO_STEPS, run_demo
+    from icefloe.cli import run_demo
 
-    history = run_demo(steps=LORA_DEMO_STEPS, seed=0, name="lora", out_dir=tmp_path, lora_rank=8)
+    history = run_demo(seed=0, name="lora", out_dir=tmp_path, lora_rank=8)
 
     start, end = summarize(history, window=10)
-    assert start <= 0.2, f"the first RL steps already score {start:.2f}"
+    assert start <= 0.35, f"the first RL steps already score {start:.2f}"
     assert end >= 0.8, f"the last 10 steps score {end:.2f}; GRPO with LoRA did not learn the task"
     out = capsys.readouterr().out
     assert "RL trains LoRA adapters only (rank 8" in out and "full-weight supervised warm-up" in out
