@@ -40,7 +40,7 @@ def _root() -> None:
 
 @app.command()
 def demo(
-    steps: Annotated[int | None, typer.Option(min=1, help="GRPO steps after the warm-up [default: 200].")] = None,
+    steps: Annotated[int | None, typer.Option(min=1, help="GRPO steps after the warm-up (default: 200).")] = None,
     seed: Annotated[int, typer.Option(help="Seeds the model, the problems and the sampler.")] = 0,
     name: Annotated[str, typer.Option(help="Run name: results go to OUT_DIR/NAME/.")] = "demo",
     backend: Annotated[
@@ -58,15 +58,19 @@ def demo(
         list[str] | None,
         typer.Option(
             help="Where per-step metrics go: jsonl, tensorboard, wandb (offline unless WANDB_MODE), mlflow. "
-            "Repeatable or comma-separated [default: jsonl]."
+            "Repeatable or comma-separated (default: jsonl)."
         ),
     ] = None,
 ) -> None:
     """Teach a tiny model addition with GRPO and print how its reward rose."""
+    import importlib.util
+
     from icefloe.recipes.trackers import require_trackers
 
     if backend not in ("local", "ray", "remote"):
         raise typer.BadParameter(f"must be local, ray or remote; got {backend!r}", param_hint="--backend")
+    if backend == "ray" and importlib.util.find_spec("ray") is None:
+        raise typer.BadParameter("ray needs Ray: pip install 'icefloe[ray]'", param_hint="--backend")
     trackers = [name.strip() for names in tracker or ["jsonl"] for name in names.split(",") if name.strip()]
     try:
         require_trackers(trackers)
@@ -94,7 +98,7 @@ def run_demo(
     from icefloe.recipes.grpo import GRPOConfig
 
     _quiet_transformers()
-    with _demo_service(backend) as base_url:
+    with _demo_backend(backend) as base_url:
         config = GRPOConfig(
             name=name,
             out_dir=out_dir,
@@ -122,7 +126,7 @@ def run_demo(
 
 
 @contextlib.contextmanager
-def _demo_service(backend: str) -> Iterator[str | None]:
+def _demo_backend(backend: str) -> Iterator[str | None]:
     """For ``--backend remote`` with no service configured, a local ``icefloe serve`` on a free port.
 
     For ``--backend ray`` with no Ray running, a local Ray of 2 logical CPUs (one per demo worker,
