@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -36,7 +36,6 @@ app = typer.Typer(
 console = Console()
 
 SUMMARY_WINDOW = 10  # steps averaged for the start and end rewards of the demo's summary line
-LORA_DEMO_STEPS = 200  # adapters learn the demo task more slowly than the full weights
 
 
 @app.callback()
@@ -46,35 +45,56 @@ def _root() -> None:
 
 @app.command()
 def demo(
-    steps: Annotated[
-        int | None, typer.Option(min=1, help="GRPO steps after the warm-up [default: 150; 200 with --lora-rank].")
-    ] = None,
+    steps: Annotated[int | None, typer.Option(min=1, help="GRPO steps after the warm-up (default: 200).")] = None,
     seed: Annotated[int, typer.Option(help="Seeds the model, the problems and the sampler.")] = 0,
     name: Annotated[str, typer.Option(help="Run name: results go to OUT_DIR/NAME/.")] = "demo",
     backend: Annotated[
-        str, typer.Option(help="local (engines in this process) or remote (ICEFLOE_REMOTE_*, else a local serve).")
+        str,
+        typer.Option(
+            help="local (engines in this process), ray (Ray actors; a local Ray unless one runs) "
+            "or remote (ICEFLOE_REMOTE_*, else a local serve)."
+        ),
     ] = "local",
     out_dir: Annotated[Path, typer.Option(help="Parent folder of run folders.")] = Path("runs"),
     lora_rank: Annotated[
         int, typer.Option(min=0, help="Train LoRA adapters of this rank in RL (0 = the full weights).")
     ] = 0,
+    tracker: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="Where per-step metrics go: jsonl, tensorboard, wandb (offline unless WANDB_MODE), mlflow. "
+            "Repeatable or comma-separated (default: jsonl)."
+        ),
+    ] = None,
 ) -> None:
     """Teach a tiny model addition with GRPO and print how its reward rose."""
-    if backend not in ("local", "remote"):
-        raise typer.BadParameter(f"must be local or remote; got {backend!r}", param_hint="--backend")
-    if steps is None:
-        steps = LORA_DEMO_STEPS if lora_rank else 150
-    run_demo(steps=steps, seed=seed, name=name, backend=backend, out_dir=out_dir, lora_rank=lora_rank)
+    import importlib.util
+
+    from icefloe.recipes.trackers import require_trackers
+
+    if backend not in ("local", "ray", "remote"):
+        raise typer.BadParameter(f"must be local, ray or remote; got {backend!r}", param_hint="--backend")
+    if backend == "ray" and importlib.util.find_spec("ray") is None:
+        raise typer.BadParameter("ray needs Ray: pip install 'icefloe[ray]'", param_hint="--backend")
+    trackers = [name.strip() for names in tracker or ["jsonl"] for name in names.split(",") if name.strip()]
+    try:
+        require_trackers(trackers)
+    except (ImportError, ValueError) as exc:
+        raise typer.BadParameter(str(exc), param_hint="--tracker") from None
+    run_demo(
+        steps=steps, seed=seed, name=name, backend=backend, out_dir=out_dir, lora_rank=lora_rank, trackers=trackers
+    )
 
 
 def run_demo(
     *,
-    steps: int = 150,
+    steps: int | None = None,
     seed: int = 0,
     name: str = "demo",
     backend: str = "local",
     out_dir: Path = Path("runs"),
     lora_rank: int = 0,
+    trackers: Sequence[str] = ("jsonl",),
 ) -> list[dict[str, Any]]:
     """Run the GRPO recipe with a progress bar and print one summary line; returns the metric rows.
 
@@ -83,28 +103,55 @@ def run_demo(
     from icefloe.recipes.grpo import GRPOConfig
 
     _quiet_transformers()
-    with _demo_service(backend) as base_url:
+    with _demo_backend(backend) as base_url:
         config = GRPOConfig(
-            name=name, out_dir=out_dir, seed=seed, steps=steps, backend=backend, base_url=base_url, lora_rank=lora_rank
+            name=name,
+            out_dir=out_dir,
+            seed=seed,
+            **({} if steps is None else {"steps": steps}),
+            backend=backend,
+            base_url=base_url,
+            lora_rank=lora_rank,
+            trackers=list(trackers),
+        )
+        warm_up = (
+            f"a {config.warmup_steps}-step supervised warm-up (cross-entropy on right answers) teaches the answer "
+            "format first: from random weights the model never writes a right sum, so RL alone would see reward 0"
         )
         if lora_rank:
             # The demo adapts its tied output layer on purpose and never merges the adapter into it.
             warnings.filterwarnings("ignore", "Model has `tie_word_embeddings=True`", UserWarning)
-            console.print(
-                f"demo: RL trains LoRA adapters only (rank {lora_rank}, on the attention, MLP and output layers), "
+            warm_up = (
+                f"RL trains LoRA adapters only (rank {lora_rank}, on the attention, MLP and output layers), "
                 f"after a {config.warmup_steps}-step full-weight supervised warm-up: adapters alone cannot teach "
-                "the random tiny model the answer format",
-                highlight=False,
-                soft_wrap=True,
+                "the random tiny model the answer format"
             )
+        console.print(f"demo: {warm_up}", highlight=False, soft_wrap=True)
         return _run_demo(config)
 
 
 @contextlib.contextmanager
-def _demo_service(backend: str) -> Iterator[str | None]:
-    """For ``--backend remote`` with no service configured, a local ``icefloe serve`` on a free port."""
+def _demo_backend(backend: str) -> Iterator[str | None]:
+    """For ``--backend remote`` with no service configured, a local ``icefloe serve`` on a free port.
+
+    For ``--backend ray`` with no Ray running, a local Ray of 2 logical CPUs (one per demo worker,
+    whatever the machine has), shut down at the end.
+    """
     from icefloe.config import ClientConfig
 
+    if backend == "ray":
+        import ray
+
+        if ray.is_initialized():
+            yield None
+            return
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="icefloe")
+        console.print("demo: started a local Ray with 2 CPUs", highlight=False)
+        try:
+            yield None
+        finally:
+            ray.shutdown()
+        return
     configured = ClientConfig.from_env(backend={"type": "remote"}).backend if backend == "remote" else None
     if configured is None or configured.base_url or configured.host:
         yield None
@@ -144,9 +191,9 @@ def _run_demo(config: GRPOConfig) -> list[dict[str, Any]]:
         history = asyncio.run(run(config, on_step=advance))
     seconds = time.perf_counter() - started
     start, end = summarize(history, window=SUMMARY_WINDOW)
-    metrics = out_dir / name / "metrics.jsonl"
     console.print(
-        f"demo: reward {start:.2f} → {end:.2f} over {len(history)} steps in {seconds:.1f} s ({metrics})",
+        f"demo: reward {start:.2f} → {end:.2f} over {len(history)} steps in {seconds:.1f} s "
+        f"({out_dir / name}: {', '.join(config.trackers)})",
         highlight=False,
         soft_wrap=True,  # one line at any terminal width, so scripts can grep it
     )

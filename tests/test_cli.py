@@ -22,14 +22,14 @@ def test_cli_import_does_not_load_torch():
 def test_cli_demo_help_lists_its_options():
     result = CliRunner().invoke(app, ["demo", "--help"])
     assert result.exit_code == 0
-    for option in ("--steps", "--seed", "--name", "--backend", "--out-dir", "--lora-rank"):
+    for option in ("--steps", "--seed", "--name", "--backend", "--out-dir", "--lora-rank", "--tracker"):
         assert option in result.output
 
 
 def test_cli_demo_rejects_an_unknown_backend(tmp_path):
     result = CliRunner().invoke(app, ["demo", "--backend", "cloud", "--out-dir", str(tmp_path)])
     assert result.exit_code != 0
-    assert "must be local or remote" in result.output
+    assert "must be local, ray or remote" in result.output
     assert not (tmp_path / "demo").exists()
 
 

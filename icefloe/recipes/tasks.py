@@ -59,9 +59,18 @@ class ArithmeticTask:
         self._rng = random.Random(seed)
 
     def sample(self, num_problems: int) -> list[Problem]:
-        """Draw ``num_problems`` problems (with replacement) from the task's own random stream."""
-        top = self.max_operand
-        return [self.problem(self._rng.randint(0, top), self._rng.randint(0, top)) for _ in range(num_problems)]
+        """Draw ``num_problems`` problems from the task's own random stream, without replacement.
+
+        Each pass deals every distinct problem once in a fresh random order, so a draw of
+        ``len(all_problems())`` holds each problem exactly once, and a rare answer (``0+0=0``) comes
+        up as often as any other.
+        """
+        problems: list[Problem] = []
+        while len(problems) < num_problems:
+            deck = self.all_problems()
+            self._rng.shuffle(deck)
+            problems += deck[: num_problems - len(problems)]
+        return problems
 
     def all_problems(self) -> list[Problem]:
         """Every distinct problem, for evaluation."""

@@ -67,16 +67,22 @@ def test_grpo_config_rejects_a_group_of_one():
 
 
 @pytest.mark.slow
-def test_demo_run_learns_addition(tmp_path, capsys):
-    """The demo's own run: the reward of the RL steps rises from <= 0.2 to >= 0.9 (10-step means)."""
+# Seed 4 ended at 0.72 before the recipe's fix for classes that never get learned (see grpo.py). Seeds 0-4 take
+# 5-8 min on 2 cores, too much of CI's 15, so CI runs the default seed and that worst one.
+@pytest.mark.parametrize("seed", [0, 4])
+def test_demo_run_learns_addition(tmp_path, capsys, seed):
+    """The demo's own run: the reward of the RL steps rises from <= 0.35 to >= 0.9 (10-step means).
+
+    The first step, straight after the warm-up, scores about 0.2; RL already lifts the rest of the first ten.
+    """
     pytest.importorskip("torch")
     pytest.importorskip("matplotlib")
     from icefloe.cli import run_demo
 
-    history = run_demo(steps=GRPOConfig().steps, seed=0, name="ci", out_dir=tmp_path)
+    history = run_demo(seed=seed, name="ci", out_dir=tmp_path)
 
     start, end = summarize(history, window=10)
-    assert start <= 0.2, f"the first RL steps already score {start:.2f}; the warm-up taught too much"
+    assert start <= 0.35, f"the first RL steps already score {start:.2f}; the warm-up taught too much"
     assert end >= 0.9, f"the last 10 steps score {end:.2f}; GRPO did not learn the task"
     summary = [line for line in capsys.readouterr().out.splitlines() if line.startswith("demo: reward")]
     assert len(summary) == 1
@@ -95,17 +101,69 @@ def test_demo_run_learns_addition(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_demo_run_with_lora_learns_addition(tmp_path, capsys):
-    """``icefloe demo --lora-rank 8``: RL trains adapters only and the reward rises from <= 0.2 to >= 0.8."""
+    """``icefloe demo --lora-rank 8``: RL trains adapters only and the reward rises from <= 0.35 to >= 0.8."""
     pytest.importorskip("peft")
     pytest.importorskip("matplotlib")
-    from icefloe.cli import LORA_DEMO_STEPS, run_demo
+    from icefloe.cli import run_demo
 
-    history = run_demo(steps=LORA_DEMO_STEPS, seed=0, name="lora", out_dir=tmp_path, lora_rank=8)
+    history = run_demo(seed=0, name="lora", out_dir=tmp_path, lora_rank=8)
 
     start, end = summarize(history, window=10)
-    assert start <= 0.2, f"the first RL steps already score {start:.2f}"
+    assert start <= 0.35, f"the first RL steps already score {start:.2f}"
     assert end >= 0.8, f"the last 10 steps score {end:.2f}; GRPO with LoRA did not learn the task"
     out = capsys.readouterr().out
     assert "RL trains LoRA adapters only (rank 8" in out and "full-weight supervised warm-up" in out
     checkpoints = tmp_path / "lora" / "warm-up"
     assert any(checkpoints.glob("global_step*/model.safetensors"))  # the warm-up's full weights, RL's base
+
+
+def test_cli_demo_refuses_an_unknown_tracker_before_starting(tmp_path):
+    from typer.testing import CliRunner
+
+    from icefloe.cli import app
+
+    result = CliRunner().invoke(app, ["demo", "--tracker", "jsonl,tb", "--out-dir", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "unknown tracker 'tb'; choose from jsonl, tensorboard, wandb, mlflow" in _unboxed(result.output)
+    assert not (tmp_path / "demo").exists()
+
+
+def test_cli_demo_names_the_extra_when_a_tracker_library_is_missing(tmp_path, monkeypatch):
+    import sys
+
+    from typer.testing import CliRunner
+
+    from icefloe.cli import app
+
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # as if it were not installed
+    result = CliRunner().invoke(app, ["demo", "--tracker", "jsonl", "--tracker", "mlflow", "--out-dir", str(tmp_path)])
+    assert result.exit_code == 2
+    assert "tracker 'mlflow' needs the mlflow package: pip install 'icefloe[trackers]'" in _unboxed(result.output)
+    assert not (tmp_path / "demo").exists()
+
+
+@pytest.mark.slow
+def test_demo_on_ray_logs_every_step_to_tensorboard(tmp_path):
+    """``icefloe demo --backend ray --tracker jsonl,tensorboard``: engines in Ray actors, metrics in both places."""
+    pytest.importorskip("ray")
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from icefloe.cli import run_demo
+
+    history = run_demo(steps=4, name="ray", out_dir=tmp_path, backend="ray", trackers=["jsonl", "tensorboard"])
+
+    assert [row["step"] for row in history] == [1, 2, 3, 4]
+    assert history[-1]["policy_version"] > history[0]["policy_version"]
+    rows = [json.loads(line) for line in (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["reward"] for row in rows] == [row["reward"] for row in history]
+    events = EventAccumulator(str(tmp_path / "ray" / "tensorboard"))
+    events.Reload()
+    assert [(e.step, round(e.value, 5)) for e in events.Scalars("reward")] == [
+        (row["step"], round(row["reward"], 5)) for row in history
+    ]
+
+
+def _unboxed(output: str) -> str:
+    """Typer's error box as one line: borders dropped, wrapped lines joined."""
+    return " ".join(output.replace("│", " ").split())
