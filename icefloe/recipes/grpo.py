@@ -239,8 +239,10 @@ async def run(config: GRPOConfig, *, on_step: Callable[[dict[str, Any]], None] |
                 }
                 history.append(row)
                 tracker.log({key: value for key, value in row.items() if key != "step"}, step)
-                if hasattr(client, "log_metrics"):  # the service keeps what only the client knows
-                    await client.log_metrics({key: row[key] for key in _CLIENT_METRICS}, step=step)
+                # The service keeps what only the client knows, filed under the trainer's last optimizer
+                # step (its own points count optimizer steps from 0), so reward lines up with loss.
+                optimizer_step = results[-1]["global_step"] - 1 if results else config.warmup_steps + step - 1
+                await client.log_metrics({key: row[key] for key in _CLIENT_METRICS}, step=max(0, optimizer_step))
                 if on_step is not None:
                     on_step(row)
     plot_rewards(history, run_dir / "reward.png", title=f"GRPO on {config.model} (seed {config.seed})")
