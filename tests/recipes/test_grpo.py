@@ -101,15 +101,15 @@ def test_demo_run_learns_addition(tmp_path, capsys, seed):
 
 @pytest.mark.slow
 def test_demo_run_with_lora_learns_addition(tmp_path, capsys):
-    """``icefloe demo --lora-rank 8``: RL trains adapters only and the reward rises from <= 0.35 to >= 0.8."""
+    """``icefloe demo --lora-rank 8``: RL trains adapters only; the first RL step scores <= 0.2, the last ten >= 0.8."""
     pytest.importorskip("peft")
     pytest.importorskip("matplotlib")
     from icefloe.cli import run_demo
 
     history = run_demo(seed=0, name="lora", out_dir=tmp_path, lora_rank=8)
 
-    start, end = summarize(history, window=10)
-    assert start <= 0.35, f"the first RL steps already score {start:.2f}"
+    _, end = summarize(history, window=10)
+    assert history[0]["reward"] <= 0.2, f"the first RL step already scores {history[0]['reward']:.2f}"
     assert end >= 0.8, f"the last 10 steps score {end:.2f}; GRPO with LoRA did not learn the task"
     out = capsys.readouterr().out
     assert "RL trains LoRA adapters only (rank 8" in out and "full-weight supervised warm-up" in out
