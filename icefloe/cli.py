@@ -377,6 +377,9 @@ def jobs_show(job_id: str, base_url: BaseUrl = None, token: Token = None, as_jso
         _print_json({**job, "last_metrics": last or None})
         return
     queue, lease = job.get("queue"), job.get("lease_expires_in_s")
+    from icefloe.protocol import JOB_TERMINAL_STATES, normalize_job_state
+
+    ended = normalize_job_state(str(job.get("status", ""))) in JOB_TERMINAL_STATES
     lines = {
         "job_id": job.get("job_id", job_id),
         "status": job.get("status", "?"),
@@ -385,7 +388,7 @@ def jobs_show(job_id: str, base_url: BaseUrl = None, token: Token = None, as_jso
         "step": last.get("step", "-"),
         "last loss": "-" if loss is None else f"{loss:.4f}",
         "queue": "-" if queue is None else f"{queue.get('pending', 0)} pending, {queue.get('running', 0)} running",
-        "lease": "-" if lease is None else f"{lease:.0f} s left (every call on the job renews it)",
+        "lease": "ended" if ended else "-" if lease is None else f"{lease:.0f} s left (each call on the job renews it)",
         "sub-jobs": _sub_jobs(job) or "-",
         "reason": job.get("reason") or "-",
     }

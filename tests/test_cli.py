@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 from typer.testing import CliRunner
 
@@ -79,7 +80,7 @@ def test_cli_jobs_logs_and_checkpoints_against_a_real_service(tmp_path):
             assert fields["last_loss"] == (f"{losses[-1]:.4f}" if losses else "-")
             assert (fields["job_id"], fields["status"], fields["model"]) == (job_id, "running", "tiny:arith")
             assert fields["queue"] == "0 pending, 0 running"
-            assert fields["lease"].endswith("s left (every call on the job renews it)")
+            assert fields["lease"].endswith("s left (each call on the job renews it)")
             shown_json = json.loads(
                 runner.invoke(app, ["jobs", "show", job_id, "--json", "--base-url", base_url]).output
             )
@@ -108,6 +109,15 @@ def test_cli_jobs_logs_and_checkpoints_against_a_real_service(tmp_path):
 
             cancelled = runner.invoke(app, ["jobs", "cancel", job_id, "--base-url", base_url])
             assert cancelled.exit_code == 0 and f"job {job_id}:" in cancelled.output
+            deadline = time.monotonic() + 60
+            while True:  # once the job has ended its lease reads "ended", not the seconds it had left
+                after = runner.invoke(app, ["jobs", "show", job_id, "--base-url", base_url]).output
+                fields = {k: v.strip() for k, v in (line.split(None, 1) for line in after.splitlines() if line.strip())}
+                if fields["status"] in ("cancelled", "terminated"):
+                    break
+                assert time.monotonic() < deadline, after
+                time.sleep(0.1)
+            assert fields["lease"] == "ended"
             missing = runner.invoke(app, ["jobs", "show", "no-such-job", "--base-url", base_url])
             assert missing.exit_code == 1 and "not found" in missing.output
         finally:

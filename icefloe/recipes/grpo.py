@@ -130,6 +130,7 @@ async def run(config: GRPOConfig, *, on_step: Callable[[dict[str, Any]], None] |
 
     def client_config(model: str, *, warm_up_only: bool = False) -> ClientConfig:
         rl_updates = 0 if warm_up_only else config.steps * config.num_minibatches
+        checkpoints = run_dir / ("warm-up" if warm_up_only else "checkpoints")
         warm_up_here = config.warmup_steps if warm_up_only or not lora else 0
         return ClientConfig.from_env(
             model=model,
@@ -144,7 +145,8 @@ async def run(config: GRPOConfig, *, on_step: Callable[[dict[str, Any]], None] |
                     "total_steps": max(1, warm_up_here + rl_updates),  # the optimizer steps this client takes
                     "min_lr_ratio": config.min_lr_ratio,
                 },
-                "checkpoint_dir": str(run_dir / ("warm-up" if warm_up_only else "checkpoints")),
+                # The service keeps a remote job's checkpoints itself: only the other backends write here.
+                **({} if config.backend == "remote" else {"checkpoint_dir": str(checkpoints)}),
             },
             sampling={"max_batch_size": config.problems_per_step * config.group_size},
             backend={"type": config.backend, **({"base_url": config.base_url} if config.base_url else {})},
