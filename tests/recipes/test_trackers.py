@@ -55,7 +55,9 @@ def test_wandb_offline_run_holds_the_history(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_MODE", raising=False)  # offline is the default: no network, no login
     monkeypatch.setenv("WANDB_SILENT", "true")
     log_rows(["wandb"], tmp_path)
-    (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    run_files = sorted((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(run_files) == 1, sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    (run_file,) = run_files
     records = run_file.read_bytes()  # protobuf records: keys and JSON values are stored as plain strings
     assert b"reward" in records and b"loss" in records and b"0.125" in records
 
