@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
-import socket
 import subprocess
-import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from icefloe.client import Client, build_batch
 from icefloe.config import ClientConfig
 
+from ..faults.serve_process import Serve
 from .service_client import PREFIX, SAMPLING, TRAINING, Api
 from .service_harness import asgi_client, make_app
 
@@ -80,32 +75,6 @@ async def test_dashboard_json_has_the_jobs_row_queue_failures_checkpoints_and_lo
 
 
 # --- in a real browser against a real `icefloe serve` ----------------------------------------------
-@contextlib.contextmanager
-def _icefloe_serve(data_dir: Path, console: Path) -> Iterator[str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "icefloe.cli", "serve", "--port", str(port), "--data-dir", str(data_dir)]
-    with console.open("w") as out:
-        process = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
-        )
-    base_url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                    break
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"icefloe serve did not come up:\n{console.read_text()}")
-            time.sleep(0.2)
-        yield base_url
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-
-
 def _chromium(profile: Path, *args: str) -> str:
     command = [
         CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -120,8 +89,8 @@ def _chromium(profile: Path, *args: str) -> str:
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium; .ci/run installs it)")
 def test_job_page_renders_charts_log_and_checkpoints_in_headless_chromium(tmp_path):
     steps = 3
-    console = tmp_path / "serve-console.txt"
-    with _icefloe_serve(tmp_path / "serve", console) as base_url:
+    with Serve(tmp_path / "serve") as serve:
+        base_url = serve.base_url
         config = ClientConfig.build(
             {
                 "model": "tiny:arith",
@@ -166,5 +135,5 @@ def test_job_page_renders_charts_log_and_checkpoints_in_headless_chromium(tmp_pa
     assert dom.count("<canvas") >= 7  # uPlot drew each chart
     assert "job is running" in dom and checkpoint["checkpoint_id"] in dom
     assert screenshot.stat().st_size > 10_000
-    output = console.read_text()
+    output = serve.output()
     assert f"job {job_id} is running" in output and f"job {job_id} step {steps - 1} loss" in output
