@@ -86,9 +86,6 @@ def demo(
     )
 
 
-_LORA_DEMO_WARMUP_STEPS = 22  # seed 0: the first RL step scores 0.17, the last ten 0.99
-
-
 def run_demo(
     *,
     steps: int | None = None,
@@ -115,12 +112,10 @@ def run_demo(
             backend=backend,
             base_url=base_url,
             lora_rank=lora_rank,
-            # With adapters RL catches up fast: a shorter warm-up leaves more of the learning to RL.
-            **({"warmup_steps": _LORA_DEMO_WARMUP_STEPS} if lora_rank else {}),
             trackers=list(trackers),
         )
         warm_up = (
-            f"a {config.warmup_steps}-step supervised warm-up (cross-entropy on right answers) teaches the answer "
+            f"a {config.supervised_steps}-step supervised warm-up (cross-entropy on right answers) teaches the answer "
             "format first: from random weights the model never writes a right sum, so RL alone would see reward 0"
         )
         if lora_rank:
@@ -128,7 +123,7 @@ def run_demo(
             warnings.filterwarnings("ignore", "Model has `tie_word_embeddings=True`", UserWarning)
             warm_up = (
                 f"RL trains LoRA adapters only (rank {lora_rank}, on the attention, MLP and output layers), "
-                f"after a {config.warmup_steps}-step full-weight supervised warm-up: adapters alone cannot teach "
+                f"after a {config.supervised_steps}-step full-weight supervised warm-up: adapters alone cannot teach "
                 "the random tiny model the answer format"
             )
         console.print(f"demo: {warm_up}", highlight=False, soft_wrap=True)
