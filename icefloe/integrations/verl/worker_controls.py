@@ -11,13 +11,34 @@ from typing import Any
 
 from verl.single_controller.base.decorator import Dispatch, register
 
+from icefloe.integrations.verl.forwarder import Forwarder, flops_estimator
+from icefloe.integrations.verl.settings import select
+from icefloe.protocol import ConfigError
+
 __all__ = ["ForwarderControls"]
 
 
 class ForwarderControls:
-    """Mixed in before verl's worker base so these methods win over any base definitions."""
+    """Mixed in before verl's worker base so these methods win over any base definitions.
 
+    ``bound_main_config`` / ``bound_handle`` stand in for the ``main_config`` / ``backend_handle``
+    kwargs when a launcher binds them to a subclass instead of passing them.
+    """
+
+    bound_main_config: Any = None
+    bound_handle: dict[str, Any] | None = None
     _handle: dict[str, Any]
+    _forwarder: Forwarder
+
+    def _attach(self, config: Any, kwargs: dict[str, Any], *, nested_batches: bool, how_to_launch: str) -> None:
+        handle = kwargs.get("backend_handle", self.bound_handle)
+        if handle is None:
+            raise ConfigError(f"the icefloe worker got no backend_handle; {how_to_launch}")
+        self._handle = handle
+        self._forwarder = Forwarder.attach(
+            kwargs.get("main_config", self.bound_main_config), handle, nested_batches=nested_batches
+        )
+        self._forwarder.set_flops_estimator(flops_estimator(select(config, "model.path")))
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> None:

@@ -13,38 +13,26 @@ from verl.single_controller.base import Worker
 from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register
 from verl.utils import tensordict_utils as tu
 
-from icefloe.integrations.verl.forwarder import Forwarder, flops_estimator, read_fields, read_options
-from icefloe.integrations.verl.settings import select
+from icefloe.integrations.verl.forwarder import read_fields, read_options
 from icefloe.integrations.verl.worker_controls import ForwarderControls
-from icefloe.protocol import ConfigError
 
 __all__ = ["IcefloeActorRolloutRefWorker"]
 
 
 class IcefloeActorRolloutRefWorker(ForwarderControls, Worker):
-    """CPU-only forwarder: verl dispatches here, icefloe computes.
-
-    ``bound_main_config`` / ``bound_handle`` stand in for the ``main_config`` / ``backend_handle``
-    kwargs when a launcher binds them to a subclass instead of passing them.
-    """
-
-    bound_main_config: Any = None
-    bound_handle: dict[str, Any] | None = None
+    """CPU-only forwarder: verl dispatches here, icefloe computes."""
 
     def __init__(self, config: Any, role: str, **kwargs: Any) -> None:
         Worker.__init__(self)
         self.config = config
         self.role = role
-        main_config = kwargs.get("main_config", self.bound_main_config)
-        handle = kwargs.get("backend_handle", self.bound_handle)
-        if handle is None:
-            raise ConfigError(
-                "the icefloe worker got no backend_handle; run it under verl's remote-backend trainer "
-                "(trainer.remote_backend=icefloe) so the driver's backend is shared"
-            )
-        self._handle = handle
-        self._forwarder = Forwarder.attach(main_config, handle, nested_batches=False)
-        self._forwarder.set_flops_estimator(flops_estimator(select(config, "model.path")))
+        self._attach(
+            config,
+            kwargs,
+            nested_batches=False,
+            how_to_launch="run it under verl's remote-backend trainer (trainer.remote_backend=icefloe) "
+            "so the driver's backend is shared",
+        )
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
     async def compute_log_prob(self, data: Any) -> Any:

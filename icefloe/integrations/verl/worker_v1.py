@@ -14,14 +14,7 @@ from verl.single_controller.base.decorator import Dispatch, make_nd_compute_data
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine_workers import ActorRolloutRefWorker
 
-from icefloe.integrations.verl.forwarder import (
-    BackgroundLoop,
-    Forwarder,
-    flops_estimator,
-    read_fields,
-    read_options,
-)
-from icefloe.integrations.verl.settings import select
+from icefloe.integrations.verl.forwarder import BackgroundLoop, read_fields, read_options
 from icefloe.integrations.verl.worker_controls import ForwarderControls
 from icefloe.protocol import ConfigError
 
@@ -32,9 +25,6 @@ _ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
 
 class IcefloeV1ActorRolloutRefWorker(ForwarderControls, ActorRolloutRefWorker):
     """CPU-only V1 forwarder; nested batches are densified to the config's maximum lengths."""
-
-    bound_main_config: Any = None
-    bound_handle: dict[str, Any] | None = None
 
     def __init__(self, config: Any, role: str, distillation_config: Any = None, **kwargs: Any) -> None:
         Worker.__init__(self)
@@ -48,17 +38,14 @@ class IcefloeV1ActorRolloutRefWorker(ForwarderControls, ActorRolloutRefWorker):
         self._is_rollout = role in ("rollout", "actor_rollout", "actor_rollout_ref")
         self._is_ref = role in ("ref", "actor_rollout_ref")
         self.enable_routing_replay = False
-        main_config = kwargs.get("main_config", self.bound_main_config)
-        handle = kwargs.get("backend_handle", self.bound_handle)
-        if handle is None:
-            raise ConfigError(
-                "the icefloe worker got no backend_handle; select the trainer with remote_backend=icefloe "
-                "(or launch with python -m icefloe.integrations.verl.launch on stock verl)"
-            )
-        self._handle = handle
         self._loop = BackgroundLoop()
-        self._forwarder = Forwarder.attach(main_config, handle, nested_batches=True)
-        self._forwarder.set_flops_estimator(flops_estimator(select(config, "model.path")))
+        self._attach(
+            config,
+            kwargs,
+            nested_batches=True,
+            how_to_launch="select the trainer with remote_backend=icefloe "
+            "(or launch with python -m icefloe.integrations.verl.launch on stock verl)",
+        )
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
     def compute_log_prob(self, data: Any) -> Any:
