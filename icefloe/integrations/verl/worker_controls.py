@@ -27,13 +27,14 @@ class ForwarderControls:
 
     bound_main_config: Any = None
     bound_handle: dict[str, Any] | None = None
+    how_to_launch = ""  # each worker says how verl must be launched to hand it the backend handle
     _handle: dict[str, Any]
     _forwarder: Forwarder
 
-    def _attach(self, config: Any, kwargs: dict[str, Any], *, nested_batches: bool, how_to_launch: str) -> None:
+    def _attach(self, config: Any, kwargs: dict[str, Any], *, nested_batches: bool) -> None:
         handle = kwargs.get("backend_handle", self.bound_handle)
         if handle is None:
-            raise ConfigError(f"the icefloe worker got no backend_handle; {how_to_launch}")
+            raise ConfigError(f"the icefloe worker got no backend_handle; {self.how_to_launch}")
         self._handle = handle
         self._forwarder = Forwarder.attach(
             kwargs.get("main_config", self.bound_main_config), handle, nested_batches=nested_batches

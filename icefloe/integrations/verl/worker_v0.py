@@ -22,17 +22,15 @@ __all__ = ["IcefloeActorRolloutRefWorker"]
 class IcefloeActorRolloutRefWorker(ForwarderControls, Worker):
     """CPU-only forwarder: verl dispatches here, icefloe computes."""
 
+    how_to_launch = (
+        "run it under verl's remote-backend trainer (trainer.remote_backend=icefloe) so the driver's backend is shared"
+    )
+
     def __init__(self, config: Any, role: str, **kwargs: Any) -> None:
         Worker.__init__(self)
         self.config = config
         self.role = role
-        self._attach(
-            config,
-            kwargs,
-            nested_batches=False,
-            how_to_launch="run it under verl's remote-backend trainer (trainer.remote_backend=icefloe) "
-            "so the driver's backend is shared",
-        )
+        self._attach(config, kwargs, nested_batches=False)
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
     async def compute_log_prob(self, data: Any) -> Any:
@@ -58,14 +56,9 @@ class IcefloeActorRolloutRefWorker(ForwarderControls, Worker):
         return await self._forwarder.update_weights()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    async def save_checkpoint(
-        self,
-        local_path: str,
-        hdfs_path: str | None = None,
-        global_step: int = 0,
-        max_ckpt_to_keep: int | None = None,
-    ) -> dict[str, Any]:
-        return await self._forwarder.save_checkpoint()  # icefloe stores it; verl's paths do not apply
+    async def save_checkpoint(self, *verl_paths: Any, **verl_options: Any) -> dict[str, Any]:
+        # icefloe stores it: verl's local_path, hdfs_path, global_step and max_ckpt_to_keep do not apply
+        return await self._forwarder.save_checkpoint()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
     async def sleep_replicas(self) -> None:

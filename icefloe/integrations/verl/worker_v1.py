@@ -26,6 +26,11 @@ _ROLES = ("actor", "rollout", "ref", "actor_rollout", "actor_rollout_ref")
 class IcefloeV1ActorRolloutRefWorker(ForwarderControls, ActorRolloutRefWorker):
     """CPU-only V1 forwarder; nested batches are densified to the config's maximum lengths."""
 
+    how_to_launch = (
+        "select the trainer with remote_backend=icefloe "
+        "(or launch with python -m icefloe.integrations.verl.launch on stock verl)"
+    )
+
     def __init__(self, config: Any, role: str, distillation_config: Any = None, **kwargs: Any) -> None:
         Worker.__init__(self)
         if role not in _ROLES:
@@ -39,13 +44,7 @@ class IcefloeV1ActorRolloutRefWorker(ForwarderControls, ActorRolloutRefWorker):
         self._is_ref = role in ("ref", "actor_rollout_ref")
         self.enable_routing_replay = False
         self._loop = BackgroundLoop()
-        self._attach(
-            config,
-            kwargs,
-            nested_batches=True,
-            how_to_launch="select the trainer with remote_backend=icefloe "
-            "(or launch with python -m icefloe.integrations.verl.launch on stock verl)",
-        )
+        self._attach(config, kwargs, nested_batches=True)
 
     @register(dispatch_mode=make_nd_compute_dataproto_dispatch_fn(mesh_name="actor"))
     def compute_log_prob(self, data: Any) -> Any:
@@ -65,14 +64,9 @@ class IcefloeV1ActorRolloutRefWorker(ForwarderControls, ActorRolloutRefWorker):
         return self._loop.run(self._forwarder.update_weights())  # icefloe moves the weights whatever the mode
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL, blocking=False)
-    def save_checkpoint(
-        self,
-        local_path: str,
-        hdfs_path: str | None = None,
-        global_step: int = 0,
-        max_ckpt_to_keep: int | None = None,
-    ) -> dict[str, Any]:
-        return self._loop.run(self._forwarder.save_checkpoint())  # icefloe stores it; verl's paths do not apply
+    def save_checkpoint(self, *verl_paths: Any, **verl_options: Any) -> dict[str, Any]:
+        # icefloe stores it: verl's local_path, hdfs_path, global_step and max_ckpt_to_keep do not apply
+        return self._loop.run(self._forwarder.save_checkpoint())
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path: str, hdfs_path: str | None = None, del_local_after_load: bool = False):
