@@ -144,11 +144,10 @@ class JobManager:
         job = LiveJob(job_id, {s.sub_job_id: s for s in specs}, state, log, chunks, job_dir)
         self._live[job_id] = job
         self.renew(job_id)
+        log.write(f"job created with sub-jobs {[s.sub_job_id for s in specs]}")
         self.log_router.bind(f"icefloe-lifecycle-{job_id}", log, None)
         for spec in specs:
             self.log_router.bind(f"icefloe-{spec.sub_job_id}", log, spec.sub_job_id)
-        log.write(f"job created with sub-jobs {[s.sub_job_id for s in specs]}")
-        for spec in specs:
             for warning in spec.warnings:
                 log.write(warning, level="WARNING", sub_job_id=spec.sub_job_id)
         job.thread = threading.Thread(target=self._run, args=(job,), name=f"icefloe-lifecycle-{job_id}", daemon=True)
@@ -242,18 +241,14 @@ class JobManager:
         while not self._closing.wait(tick):
             now = time.monotonic()
             for job in [job for job in self._live.values() if not job.stopping]:
-                late = [
-                    (rid.rsplit(":", 2)[0], op)
-                    for rid, (op, at) in list(job.in_flight.items())
-                    if now - at > deadline_s(op)
-                ]
+                late = [(rid, op) for rid, (op, at) in list(job.in_flight.items()) if now - at > deadline_s(op)]
                 killable = job.host.killable if job.host is not None else None  # None: engines in this process
-                if late and job.host is not None and killable:
-                    where, op = late[0]  # the sub-job and the op
+                if late and killable:
+                    where, op = _sub_job_of(late[0][0]), late[0][1]
                     job.state.fail(
                         f"{op} on {where} did not finish within its deadline of {deadline_s(op):g} s; killed {killable}"
                     )
-                    job.host.kill()
+                    job.engines.kill()
                 elif now > job.lease_until and not job.in_flight and not self.requests.has_open(job.job_id):
                     job.log.write(f"no call or heartbeat for {self.settings.lease_ttl_s:g} s", level="WARNING")
                     job.state.cancel("client lease expired")
@@ -424,7 +419,7 @@ class JobManager:
             except Exception as exc:  # every failure is recorded on its requests
                 self._record_failure(job, [e[0] for e in live], op, exc)
             else:
-                self.metrics.engine_ran(job.job_id, live[0][0].rsplit(":", 2)[0], op, started, results)
+                self.metrics.engine_ran(job.job_id, _sub_job_of(live[0][0]), op, started, results)
                 for (request_id, _, op_metadata), result in zip(live, results, strict=True):
                     self._record_result(job, request_id, result, op_metadata)
             finally:
@@ -461,7 +456,7 @@ class JobManager:
         message = f"{type(exc).__name__}: {exc}"
         for request_id in request_ids:
             self.requests.finish(request_id, status="failed", error=message)
-        sub_job_id = request_ids[0].rsplit(":", 2)[0]
+        sub_job_id = _sub_job_of(request_ids[0])
         if isinstance(exc, _USER_ERRORS) or (isinstance(exc, RequestFailedError) and exc.category == "user"):
             job.log.write(f"{op} failed: {message}", level="WARNING", sub_job_id=sub_job_id)
             return
@@ -497,7 +492,11 @@ def _pick_sub_job(
 
 def _job_type(sub_job_type: str) -> str:
     text = sub_job_type.strip().lower().removeprefix("job_type_")
-    by_segment = {segment: job_type for job_type, segment in SEGMENT_BY_JOB_TYPE.items()}
-    if text in SEGMENT_BY_JOB_TYPE or text in by_segment:
-        return by_segment.get(text, text)
-    raise InvalidRequestError(f"sub_job_type must be one of {sorted(SEGMENT_BY_JOB_TYPE)}; got {sub_job_type!r}")
+    text = "log_probability" if text == "log_prob" else text
+    if text not in SEGMENT_BY_JOB_TYPE:
+        raise InvalidRequestError(f"sub_job_type must be one of {sorted(SEGMENT_BY_JOB_TYPE)}; got {sub_job_type!r}")
+    return text
+
+
+def _sub_job_of(request_id: str) -> str:
+    return request_id.rsplit(":", 2)[0]  # request ids are "<sub-job id>:<op>:<hex>"

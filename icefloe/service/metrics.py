@@ -20,13 +20,14 @@ import logging
 import math
 import threading
 import time
+from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
 
 from icefloe.protocol import OP_FWD_BWD, OP_STEP, OP_WEIGHT_SYNC, InvalidRequestError
 from icefloe.service import store
@@ -56,13 +57,13 @@ def check_reported(step: Any, metrics: Any) -> dict[str, float]:
     return values
 
 
+@dataclass
 class _Pending:
     """What the forward-backward calls since a sub-job's last step added up to."""
 
-    def __init__(self) -> None:
-        self.loss_x_tokens = 0.0
-        self.tokens = 0
-        self.started: float | None = None  # time.monotonic() when the first of them began
+    loss_x_tokens: float = 0.0
+    tokens: int = 0
+    started: float | None = None  # time.monotonic() when the first of them began
 
 
 class ServiceMetrics:
@@ -80,25 +81,25 @@ class ServiceMetrics:
         self.requests = Counter(
             "icefloe_requests", "Requests finished, by op and outcome.", ["op", "outcome"], registry=reg
         )
-        self.request_seconds = Histogram(
+
+        def seconds(name: str, doc: str, *labels: str) -> Histogram:
+            return Histogram(name, doc, labels, buckets=_SECONDS_BUCKETS, registry=reg)
+
+        self.request_seconds = seconds(
             "icefloe_request_seconds",
             "Seconds from a request's acceptance to its outcome (queue wait included), by op.",
-            ["op"],
-            buckets=_SECONDS_BUCKETS,
-            registry=reg,
+            "op",
         )
-        self.engine_seconds = Histogram(
+        self.engine_seconds = seconds(
             "icefloe_engine_seconds",
             "Seconds an engine ran one op (a batch of merged requests counts once), by op.",
-            ["op"],
-            buckets=_SECONDS_BUCKETS,
-            registry=reg,
+            "op",
         )
-        self.sync_seconds = Histogram(
-            "icefloe_weight_sync_seconds", "Seconds one weight sync took.", buckets=_SECONDS_BUCKETS, registry=reg
-        )
+        self.sync_seconds = seconds("icefloe_weight_sync_seconds", "Seconds one weight sync took.")
         self.sync_bytes = Counter("icefloe_weight_sync_bytes", "Bytes weight syncs moved.", registry=reg)
-        reg.register(_Snapshot(db, open_requests, chunk_bytes))
+        self._open_requests = open_requests
+        self._chunk_bytes = chunk_bytes
+        reg.register(self)  # its collect(): the gauges read at scrape time
         self._pending: dict[str, _Pending] = {}  # sub-job id -> its forward-backward calls since its last step
         self._last_step_end: dict[str, float] = {}
         self._lock = threading.Lock()
@@ -175,31 +176,15 @@ class ServiceMetrics:
             point[row["name"]] = row["value"]
         return list(points.values())
 
-
-class _Snapshot(Collector):
-    """Gauges read at scrape time: jobs by state, queue depth per sub-job, chunk-store bytes per job."""
-
-    def __init__(
-        self,
-        db: store.Database,
-        open_requests: Callable[[], Iterable[dict[str, Any]]],
-        chunk_bytes: Callable[[], Mapping[str, int]],
-    ) -> None:
-        self._db = db
-        self._open_requests = open_requests
-        self._chunk_bytes = chunk_bytes
-
     def collect(self) -> Iterable[GaugeMetricFamily]:
+        """Jobs by state, queue depth per sub-job and chunk-store bytes per job, read when scraped."""
         jobs = GaugeMetricFamily("icefloe_jobs", "Jobs by state.", labels=["state"])
-        for row in self._db.fetch_all("SELECT status, COUNT(*) AS n FROM jobs GROUP BY status"):
+        for row in self.db.fetch_all("SELECT status, COUNT(*) AS n FROM jobs GROUP BY status"):
             jobs.add_metric([row["status"]], row["n"])
         queue = GaugeMetricFamily(
             "icefloe_queue_depth", "Requests pending or running, per sub-job.", labels=["job_id", "sub_job_id", "state"]
         )
-        depth: dict[tuple[str, str, str], int] = {}
-        for row in self._open_requests():
-            key = (row["job_id"], row["sub_job_id"], row["status"])
-            depth[key] = depth.get(key, 0) + 1
+        depth = Tally((row["job_id"], row["sub_job_id"], row["status"]) for row in self._open_requests())
         for key, count in sorted(depth.items()):
             queue.add_metric(list(key), count)
         chunks = GaugeMetricFamily(
@@ -208,6 +193,3 @@ class _Snapshot(Collector):
         for job_id, held in sorted(self._chunk_bytes().items()):
             chunks.add_metric([job_id], held)
         return [jobs, queue, chunks]
-
-    def describe(self) -> Iterable[GaugeMetricFamily]:
-        return []

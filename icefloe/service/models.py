@@ -57,11 +57,7 @@ _MAX_LISTED_FIELDS = 10
 
 
 def parse_json_body(raw: bytes | str, what: str = "body") -> Any:
-    """Parse a JSON request body and :func:`check_body` it.
-
-    Raises:
-        InvalidRequestError: not JSON, or refused by :func:`check_body`.
-    """
+    """Parse a JSON request body and :func:`check_body` it; :class:`InvalidRequestError` if either fails."""
     try:
         value = json.loads(raw)
     except RecursionError:
@@ -75,14 +71,9 @@ def parse_json_body(raw: bytes | str, what: str = "body") -> Any:
 def check_body(value: Any, what: str = "body") -> None:
     """Refuse what no model can: nesting deeper than :data:`MAX_JSON_DEPTH`, and non-finite numbers.
 
-    ``NaN``, ``Infinity`` and numbers beyond a double (``1e400``, which JSON parsers read as
-    infinity) are refused wherever they sit, passthrough keys included, since one reaching an
-    optimizer or a loss turns the weights into NaN. Tensors of a decoded DSSST1 frame are leaves
-    and are not looked into.
-
-    Raises:
-        InvalidRequestError: the message names every offending field
-            (``sub_job_configs.0.training_config.optimizer.lr=inf``).
+    ``NaN``, ``Infinity`` and ``1e400`` (read as infinity) are refused wherever they sit, passthrough
+    keys included: one reaching an optimizer or a loss turns the weights into NaN. The error names
+    every offending field. Tensors of a decoded DSSST1 frame are leaves and are not looked into.
     """
     non_finite: list[str] = []
     pending = [(value, ())] if type(value) in _CHECKED_TYPES else []
@@ -176,6 +167,14 @@ class SubJobConfig(_Open):
     def _strip_enum_prefix(cls, value: Any) -> Any:
         return value.lower().removeprefix("job_type_") if isinstance(value, str) else value
 
+    @property
+    def section(self) -> TrainingConfigSpec | InferenceConfig | None:
+        return self.training_config if self.job_type == "training" else self.inference_config
+
+    @property
+    def section_name(self) -> str:
+        return "training_config" if self.job_type == "training" else "inference_config"
+
     @model_validator(mode="after")
     def _config_matches_type(self) -> SubJobConfig:
         if self.job_type == "training" and self.inference_config is not None:
@@ -246,18 +245,11 @@ class ExperimentRun(BaseModel):
 
 
 # --- compute -----------------------------------------------------------------------------------
-class RequestAccepted(BaseModel):
+class RequestAccepted(_Open):
     """``{request_id, job_id}``; with ``?wait=`` (icefloe extension) also the request's poll answer."""
 
     request_id: str
     job_id: str
-    status: str | None = None
-    created_at: str | None = None
-    updated_at: str | None = None
-    result: dict[str, Any] | None = None
-    error: str | None = None
-    events: list[dict[str, Any]] | None = None
-    next_cursor: str | None = None
 
 
 class StepBody(_Open):

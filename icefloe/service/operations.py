@@ -8,16 +8,18 @@ octet body run on a thread-pool thread (decoding a 60 MiB frame must not stall t
 from __future__ import annotations
 
 import functools
+import itertools
 import json
-import threading
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from icefloe import wire
+from icefloe.config import validation_problems
 from icefloe.protocol import (
     OP_FORWARD,
     OP_FWD_BWD,
@@ -55,31 +57,24 @@ def submit_frame(
     """Take an octet body (a DSSST1 frame or one request chunk of it) for ``op``.
 
     ``sub_job_id`` None is allowed for generate only: the body's ``routing_key`` then picks one.
-    ``reference``: a forward on a LoRA training sub-job scores with its adapters disabled (see
-    :func:`forward_target`).
+    ``reference``: see :func:`forward_target`.
     """
     if op == OP_FORWARD and sub_job_id is not None and job.specs[sub_job_id].job_type == "sampling":
         raise InvalidRequestError(f"forward runs on a training or log_probability sub-job; {sub_job_id} is a sampler")
+
+    def execute(frame: bytes) -> dict[str, Any]:
+        payload = wire.decode(frame, tensors="torch")
+        check_body(payload, "frame")
+        op_metadata = wire.read_metadata(frame)
+        if op == OP_GENERATE:
+            request_id = _submit_generate(manager, job, payload, op_metadata, sub_job_id)
+        else:
+            assert sub_job_id is not None
+            request_id = _submit_batch_op(manager, job, op, payload, op_metadata, sub_job_id, reference)
+        return {"request_id": request_id, "job_id": job.job_id}
+
     descriptor = wire.chunk_descriptor(body)
-    if descriptor is None:
-        return _submit_decoded(manager, job, op, body, sub_job_id, reference)
-    return job.chunks.accept(
-        body, descriptor, execute=lambda frame: _submit_decoded(manager, job, op, frame, sub_job_id, reference)
-    )
-
-
-def _submit_decoded(
-    manager: JobManager, job: LiveJob, op: str, frame: bytes, sub_job_id: str | None, reference: bool
-) -> dict[str, Any]:
-    payload = wire.decode(frame, tensors="torch")
-    check_body(payload, "frame")
-    op_metadata = wire.read_metadata(frame)
-    if op == OP_GENERATE:
-        request_id = _submit_generate(manager, job, payload, op_metadata, sub_job_id)
-    else:
-        assert sub_job_id is not None
-        request_id = _submit_batch_op(manager, job, op, payload, op_metadata, sub_job_id, reference)
-    return {"request_id": request_id, "job_id": job.job_id}
+    return execute(body) if descriptor is None else job.chunks.accept(body, descriptor, execute=execute)
 
 
 # --- forward-backward / forward ----------------------------------------------------------------
@@ -179,11 +174,8 @@ def _submit_generate(
 
 def _split(samples: list[Any], counts: list[int]) -> list[list[Any]]:
     """Hand each call its slice of a merged batch's samples (prompt-major: n samples per prompt)."""
-    out, cursor = [], 0
-    for count in counts:
-        out.append(samples[cursor : cursor + count])
-        cursor += count
-    return out
+    rest = iter(samples)
+    return [list(itertools.islice(rest, count)) for count in counts]
 
 
 def sampling_params_per_prompt(body: GenerateBody, job: LiveJob, sub_job_id: str) -> list[SamplingParams]:
@@ -348,42 +340,39 @@ def submit_weight_sync(
 OP_GENERATE_STREAM = "generate-stream"
 
 
+@dataclass
 class GenerateStream:
     """Events of one ``generate-stream`` request (UTF-8 JSON with a generate's fields): each prompt
     is a batchable item, and each result an event the moment its batch finishes. Polls drain events
     destructively, as the training API specifies: ``{type: "result", index, result}``,
-    ``{type: "error", index, error}``, then ``{type: "done", completed, failed}``.
+    ``{type: "error", index, error}``, then ``{type: "done", completed, failed}``. Only the
+    sub-job's worker pushes and only polls drain, so the deque needs no lock.
     """
 
-    def __init__(self, request_id: str, total: int) -> None:
-        self.request_id = request_id
-        self.total = total
-        self.completed = 0
-        self.failed = 0
-        self._events: deque[dict[str, Any]] = deque()
-        self._lock = threading.Lock()
+    request_id: str
+    total: int
+    completed: int = 0
+    failed: int = 0
+    _events: deque[dict[str, Any]] = field(default_factory=deque)
 
     def push(self, event: dict[str, Any]) -> bool:
         """Queue one event; True when it was the last prompt's (the stream is then complete)."""
-        with self._lock:
-            self._events.append(event)
-            if event["type"] == "result":
-                self.completed += 1
-            elif event["type"] == "error":
-                self.failed += 1
-            finished = self.completed + self.failed == self.total
-            if finished:
-                self._events.append({"type": "done", "completed": self.completed, "failed": self.failed})
-            return finished
+        self._events.append(event)
+        if event["type"] == "result":
+            self.completed += 1
+        else:
+            self.failed += 1
+        if self.completed + self.failed < self.total:
+            return False
+        self._events.append({"type": "done", "completed": self.completed, "failed": self.failed})
+        return True
 
     def drain(self, max_events: int) -> list[dict[str, Any]]:
-        with self._lock:
-            return [self._events.popleft() for _ in range(min(max_events, len(self._events)))]
+        return [self._events.popleft() for _ in range(min(max_events, len(self._events)))]
 
     @property
     def pending_events(self) -> int:
-        with self._lock:
-            return len(self._events)
+        return len(self._events)
 
 
 def submit_generate_stream(manager: JobManager, job: LiveJob, body: bytes, *, sub_job_id: str | None) -> dict:
@@ -426,9 +415,4 @@ def _run_stream_batch(manager: JobManager, job: LiveJob, target: str, items: lis
 
 def validation_text(exc: ValidationError, prefix: str = "") -> str:
     """One ``field: problem; got value`` clause per error, fields dotted from ``prefix``."""
-    parts = []
-    for err in exc.errors():
-        loc = prefix + ".".join(str(p) for p in err["loc"])
-        given = "" if isinstance(err.get("input"), dict | list) else f"; got {err.get('input')!r}"
-        parts.append(f"{loc.rstrip('.') or 'body'}: {err['msg'].removeprefix('Value error, ')}{given}")
-    return "; ".join(parts)
+    return "; ".join(validation_problems(exc, prefix, whole="body"))

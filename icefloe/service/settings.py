@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
-from icefloe.config import format_validation_error
+from icefloe.config import validated
 from icefloe.protocol import ConfigError
 
 __all__ = ["TOKENS_ENV_VAR", "ServeSettings"]
@@ -92,10 +92,7 @@ class ServeSettings(BaseModel):
     @classmethod
     def build(cls, **values: Any) -> ServeSettings:
         """Validate settings and raise :class:`ConfigError` naming every bad field."""
-        try:
-            return cls.model_validate(values)
-        except ValidationError as exc:
-            raise ConfigError(format_validation_error(exc, prefix="serve.")) from None
+        return validated(cls, values, "serve.")
 
     @classmethod
     def from_env(
