@@ -1,12 +1,8 @@
 """Build the FastAPI app of ``icefloe serve`` and run it on uvicorn.
 
-``create_app(settings)`` locks the data dir, opens the SQLite store and wires routers, error
-handlers and the ASGI layers (token, size cap, idempotency, order, JSON bounds). The jobs a previous
-process left active are failed when the app starts, which :func:`serve` and :class:`ServerThread`
-do only once its socket is bound: lock, bind, recover, so a service that cannot start harms nothing.
-The API docs (``/docs``, ``/redoc``, ``/openapi.json``) need the token like every route but
-``/health`` and ``/files/*``; their assets come from the ``fastapi-offline`` package. The
-dashboard is at ``/ui`` and the Prometheus metrics at ``/metrics`` (see docs/observability.md).
+The jobs a previous process left active are failed when the app starts, which :func:`serve` and
+:class:`ServerThread` do only once its socket is bound: lock, bind, recover, so a service that
+cannot start harms nothing. The API docs' assets come from the ``fastapi-offline`` package.
 """
 
 from __future__ import annotations
@@ -55,10 +51,7 @@ def _redact(redactor: TokenRedactor, *, on: bool) -> None:
 
 def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> FastAPI:
     """The service app for ``settings``; ``pool`` overrides slot detection (tests pin CPU slots).
-
-    Raises :class:`DataDirInUse` when another service holds the data dir. Leaving the app's
-    lifespan releases every job's engines, closes the store and unlocks the data dir.
-    """
+    Raises :class:`DataDirInUse` when another service holds the data dir."""
     lock_fd = lock_data_dir(settings.data_dir)
     db = Database(settings.db_path)
     purge_expired(db, idempotency_ttl_s=settings.idempotency_ttl_s)
@@ -159,10 +152,7 @@ def _console_log(level: str) -> None:
 
 
 def serve(settings: ServeSettings, *, log_level: str = "info") -> None:
-    """Run the service in the foreground until interrupted: lock the data dir, bind, then recover and serve.
-
-    A data dir another service holds, or a port that cannot be bound, exits with a one-line error.
-    """
+    """Run the service in the foreground until interrupted: lock the data dir, bind, then recover and serve."""
     import uvicorn
 
     try:

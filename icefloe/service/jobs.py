@@ -375,9 +375,12 @@ class JobManager:
         row = self._row(job_id)
         kinds = {s["sub_job_id"]: s["job_type"] for s in row["spec"]["sub_jobs"]}
         target = _pick_sub_job(job_id, kinds, sub_job_id, sub_job_type, None)
+        return self.job_log(job_id).tail(target, cursor=cursor, max_lines=max_lines)
+
+    def job_log(self, job_id: str) -> JobLog:
+        """The job's log, to read; also of a job an earlier process ran."""
         job = self._live.get(job_id)
-        log = job.log if job is not None else JobLog(self.settings.job_dir(job_id) / "logs", list(kinds))
-        return log.tail(target, cursor=cursor, max_lines=max_lines)
+        return job.log if job is not None else JobLog(self.settings.job_dir(job_id) / "logs", [])
 
     # --- requests -----------------------------------------------------------------------------
     def submit(
@@ -435,16 +438,13 @@ class JobManager:
 
     def _record_result(self, job: LiveJob, request_id: str, result: Any, op_metadata: dict[str, Any]) -> None:
         try:
-            if wants_dssst1(op_metadata):
-                text = None
-                result = json.loads(result) if isinstance(result, JsonText) else result
-            else:
-                text = json_text(result)
-            if text is None:
-                path = ResultPages.write_frame(result, job.job_dir / "results" / f"{uuid.uuid4().hex}.dssst1")
-                self.requests.finish(request_id, status="done", result_path=path)
-            else:
+            text = None if wants_dssst1(op_metadata) else json_text(result)
+            if text is not None:
                 self.requests.finish(request_id, status="done", result_json=text)
+                return
+            result = json.loads(result) if isinstance(result, JsonText) else result
+            path = ResultPages.write_frame(result, job.job_dir / "results" / f"{uuid.uuid4().hex}.dssst1")
+            self.requests.finish(request_id, status="done", result_path=path)
         except Exception as exc:  # an unencodable result fails the request, not the job
             self.requests.finish(request_id, status="failed", error=f"the result could not be stored: {exc}")
 

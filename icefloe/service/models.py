@@ -16,39 +16,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from icefloe.protocol import InvalidRequestError
 
-__all__ = [
-    "MAX_JSON_DEPTH",
-    "CancelRequestPayload",
-    "Capabilities",
-    "Capacity",
-    "CheckpointExport",
-    "CheckpointList",
-    "CheckpointPublic",
-    "ExperimentRun",
-    "ExportFile",
-    "GenerateBody",
-    "InferenceConfig",
-    "JobCreate",
-    "JobCreated",
-    "JobList",
-    "JobPublic",
-    "LoadBody",
-    "OperationBody",
-    "OptimizerSpec",
-    "RequestAccepted",
-    "RequestPublic",
-    "SaveBody",
-    "SourceCheckpointInfo",
-    "StepBody",
-    "SubJobConfig",
-    "SubJobPublic",
-    "TailLogsPayload",
-    "TrainingConfigSpec",
-    "WeightSyncPayload",
-    "check_body",
-    "parse_json_body",
-]
-
 # Containers nested deeper than this are refused. Real bodies nest fewer than ten; past a few
 # hundred, pydantic's encoder fails (a 500), past about a thousand the parser itself does.
 MAX_JSON_DEPTH = 64

@@ -18,16 +18,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from icefloe import protocol as api
 from icefloe import wire
 from icefloe.config import validation_problems
 from icefloe.protocol import (
-    OP_FORWARD,
-    OP_FWD_BWD,
-    OP_GENERATE,
-    OP_LOAD,
-    OP_SAVE,
-    OP_STEP,
-    OP_WEIGHT_SYNC,
     ClientClosedError,
     ConflictError,
     InvalidRequestError,
@@ -59,14 +53,14 @@ def submit_frame(
     ``sub_job_id`` None is allowed for generate only: the body's ``routing_key`` then picks one.
     ``reference``: see :func:`forward_target`.
     """
-    if op == OP_FORWARD and sub_job_id is not None and job.specs[sub_job_id].job_type == "sampling":
+    if op == api.OP_FORWARD and sub_job_id is not None and job.specs[sub_job_id].job_type == "sampling":
         raise InvalidRequestError(f"forward runs on a training or log_probability sub-job; {sub_job_id} is a sampler")
 
     def execute(frame: bytes) -> dict[str, Any]:
         payload = wire.decode(frame, tensors="torch")
         check_body(payload, "frame")
         op_metadata = wire.read_metadata(frame)
-        if op == OP_GENERATE:
+        if op == api.OP_GENERATE:
             request_id = _submit_generate(manager, job, payload, op_metadata, sub_job_id)
         else:
             assert sub_job_id is not None
@@ -113,8 +107,8 @@ def _submit_batch_op(
             "a verl-style {batch, meta, processing} payload was sent; lower it to the canonical "
             "{args, kwargs, context, processing} frame first (icefloe.client.batch.to_canonical)"
         )
-    batch, host = validate_batch(payload, require_context=op == OP_FWD_BWD), job.engines
-    if op == OP_FORWARD:
+    batch, host = validate_batch(payload, require_context=op == api.OP_FWD_BWD), job.engines
+    if op == api.OP_FORWARD:
         forward = host.forward_reference if reference else host.forward
         return manager.submit(job, sub_job_id, op, lambda: forward(sub_job_id, batch), op_metadata=op_metadata)
     if not job.specs[sub_job_id].is_training:
@@ -125,7 +119,7 @@ def _submit_batch_op(
         job.last_avg_loss[sub_job_id] = float(result["avg_loss"])
         return {"job_id": job.job_id, **result, "post_process_outputs": {}}
 
-    return manager.submit(job, sub_job_id, OP_FWD_BWD, run, op_metadata=op_metadata)
+    return manager.submit(job, sub_job_id, api.OP_FWD_BWD, run, op_metadata=op_metadata)
 
 
 # --- generate ----------------------------------------------------------------------------------
@@ -169,7 +163,7 @@ def _submit_generate(
         ]
 
     item = (body.prompts, params)
-    return manager.submit(job, sub_job_id, OP_GENERATE, run_batch, batch_item=item, op_metadata=op_metadata)
+    return manager.submit(job, sub_job_id, api.OP_GENERATE, run_batch, batch_item=item, op_metadata=op_metadata)
 
 
 def _split(samples: list[Any], counts: list[int]) -> list[list[Any]]:
@@ -213,7 +207,7 @@ def submit_step(manager: JobManager, job: LiveJob, body: StepBody, sub_job_id: s
         result = job.engines.step(sub_job_id, body.learning_rate)
         return {"job_id": job.job_id, "global_steps": result["global_step"], "last_lr": result["lr"], **result}
 
-    return manager.submit(job, sub_job_id, OP_STEP, run)
+    return manager.submit(job, sub_job_id, api.OP_STEP, run)
 
 
 def submit_save(manager: JobManager, job: LiveJob, body: SaveBody, sub_job_id: str) -> str:
@@ -235,7 +229,7 @@ def submit_save(manager: JobManager, job: LiveJob, body: SaveBody, sub_job_id: s
             **result,
         }
 
-    return manager.submit(job, sub_job_id, OP_SAVE, run)
+    return manager.submit(job, sub_job_id, api.OP_SAVE, run)
 
 
 def load_target(job: LiveJob, body: LoadBody) -> str:
@@ -264,7 +258,7 @@ def submit_load(manager: JobManager, job: LiveJob, body: LoadBody, sub_job_id: s
     if record is None:
         raise NotFoundError(f"checkpoint {body.checkpoint_id!r} not found in job {source_job}")
     load = functools.partial(job.engines.load, sub_job_id, Path(record["path"]))
-    return manager.submit(job, sub_job_id, OP_LOAD, lambda: {"job_id": job.job_id, **load()})
+    return manager.submit(job, sub_job_id, api.OP_LOAD, lambda: {"job_id": job.job_id, **load()})
 
 
 # --- weight sync -------------------------------------------------------------------------------
@@ -329,7 +323,7 @@ def submit_weight_sync(
             raise ConflictError(str(exc)) from None
 
     try:
-        sync_request["id"] = manager.submit(job, source, OP_WEIGHT_SYNC, run)
+        sync_request["id"] = manager.submit(job, source, api.OP_WEIGHT_SYNC, run)
     except BaseException:
         gate.release()
         raise
