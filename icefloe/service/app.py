@@ -53,7 +53,7 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     """The service app for ``settings``; ``pool`` overrides slot detection (tests pin CPU slots).
     Raises :class:`DataDirInUse` when another service holds the data dir."""
     lock_fd = lock_data_dir(settings.data_dir)
-    db = Database(settings.db_path)
+    db = Database(settings.data_dir / "icefloe.sqlite3")
     purge_expired(db, idempotency_ttl_s=settings.idempotency_ttl_s)
     manager = JobManager(settings, db, pool or SlotPool.detect(settings.slots))
     redactor = TokenRedactor(settings.token_values())
@@ -140,29 +140,26 @@ class ServerThread:
             self._thread.join()
 
 
-def _console_log(level: str) -> None:
-    """Show the service's own lines (job state changes, one per training step) on the console, as uvicorn's."""
-    service = logging.getLogger("icefloe.service")
-    if not service.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
-        service.addHandler(handler)
-        service.propagate = False  # one line each, not a second copy through the root logger
-    service.setLevel(level.upper())
-
-
 def serve(settings: ServeSettings, *, log_level: str = "info") -> None:
     """Run the service in the foreground until interrupted: lock the data dir, bind, then recover and serve."""
     import uvicorn
+    from uvicorn.config import LOGGING_CONFIG
 
     try:
         app = create_app(settings)
     except DataDirInUse as exc:
         raise SystemExit(f"icefloe serve: {exc}") from None
+    # The service's own lines (job state changes, one per training step) go to the console as uvicorn's do.
+    service_log = {"handlers": ["default"], "level": log_level.upper(), "propagate": False}
+    log_config = {**LOGGING_CONFIG, "loggers": {**LOGGING_CONFIG["loggers"], "icefloe.service": service_log}}
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=log_level, access_log=settings.access_log
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=log_level,
+        log_config=log_config,
+        access_log=settings.access_log,
     )
-    _console_log(log_level)
     _log.info("icefloe serve on http://%s:%d (data in %s)", settings.host, settings.port, settings.data_dir)
     _log.info("dashboard: http://%s:%d/ui", settings.host, settings.port)
     uvicorn.Server(config).run(sockets=[config.bind_socket()])

@@ -78,6 +78,10 @@ class LiveJob:
         return self.state.stop.is_set()
 
     @property
+    def num_slots(self) -> int:
+        return sum(s.num_slots for s in self.specs.values())
+
+    @property
     def engines(self) -> JobEngines:
         assert self.host is not None, "a running job has engines"
         return self.host
@@ -179,8 +183,7 @@ class JobManager:
         state, slots = job.state, None
         try:
             if state.advance("placing"):
-                needs = sum(s.num_slots for s in job.specs.values())
-                slots = self.pool.acquire(needs, cancelled=state.stop, ticket=job)
+                slots = self.pool.acquire(job.num_slots, cancelled=state.stop, ticket=job)
             if slots is not None and state.advance("initializing"):
                 devices, cursor = {}, 0
                 for sub_job_id, spec in job.specs.items():
@@ -294,9 +297,8 @@ class JobManager:
             answer["lease_expires_in_s"] = round(max(0.0, lease_left_s), 1) if math.isfinite(lease_left_s) else None
         if job is not None and job.status == "placing":  # why it waits, for the client to show
             ahead, free = self.pool.waiting(job)
-            needs = sum(s.num_slots for s in job.specs.values())
-            answer["reason"] = f"waiting for {needs} {self.pool.kind} slot(s): {free} of {self.pool.total} free, "
-            answer["reason"] += f"{ahead} job(s) ahead"
+            slots = f"{job.num_slots} {self.pool.kind} slot(s): {free} of {self.pool.total} free"
+            answer["reason"] = f"waiting for {slots}, {ahead} job(s) ahead"
         return answer
 
     def list_public(self, status: str | None) -> list[dict[str, Any]]:

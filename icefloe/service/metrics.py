@@ -39,8 +39,12 @@ _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 _MAX_REPORTED = 256  # metric names in one report
 
 
-def check_reported(step: Any, metrics: Any) -> dict[str, float]:
-    """The values of a client report, or :class:`InvalidRequestError` naming the bad field."""
+def check_reported(body: dict[str, Any]) -> tuple[int, dict[str, float]]:
+    """The step and values of a client report, or :class:`InvalidRequestError` naming the bad field."""
+    unknown = sorted(set(body) - {"step", "metrics"})
+    if unknown:
+        raise InvalidRequestError(f"body has unknown keys {unknown}; send {{'step': int, 'metrics': {{name: number}}}}")
+    step, metrics = body.get("step"), body.get("metrics")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise InvalidRequestError(f"step must be an integer >= 0; got {step!r}")
     if not isinstance(metrics, Mapping) or not metrics:
@@ -54,7 +58,7 @@ def check_reported(step: Any, metrics: Any) -> dict[str, float]:
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise InvalidRequestError(f"metrics.{name} must be a finite number; got {value!r:.100}")
         values[name] = float(value)
-    return values
+    return step, values
 
 
 @dataclass
@@ -112,27 +116,24 @@ class ServiceMetrics:
 
     def engine_ran(self, job_id: str, sub_job_id: str, op: str, started: float, results: list[Any]) -> None:
         """Called once the engine ran ``op``; ``started`` is its ``time.monotonic()`` start."""
-        try:
-            self._engine_ran(job_id, sub_job_id, op, started, results)
-        except Exception:  # a value that cannot be recorded must never fail the op that produced it
-            _log.exception("job %s: recording the metrics of %s failed", job_id, op)
-
-    def _engine_ran(self, job_id: str, sub_job_id: str, op: str, started: float, results: list[Any]) -> None:
         now = time.monotonic()
         self.engine_seconds.labels(op).observe(now - started)
         result = results[0] if len(results) == 1 and isinstance(results[0], dict) else None
         if result is None:
             return
-        if op == OP_FWD_BWD:
-            self._add_fwd_bwd(sub_job_id, result, started)
-        elif op == OP_STEP and isinstance(result.get("global_step"), int):
-            self._end_step(job_id, sub_job_id, result, now)
-        elif op == OP_WEIGHT_SYNC and isinstance(result.get("policy_version"), int):
-            self.sync_seconds.observe(float(result.get("seconds", now - started)))
-            self.sync_bytes.inc(int(result.get("bytes", 0)))
-            version = result["policy_version"]
-            if version > 0:  # the weights of step version - 1
-                self.record(job_id, version - 1, {"policy_version": float(version)})
+        try:
+            if op == OP_FWD_BWD:
+                self._add_fwd_bwd(sub_job_id, result, started)
+            elif op == OP_STEP and isinstance(result.get("global_step"), int):
+                self._end_step(job_id, sub_job_id, result, now)
+            elif op == OP_WEIGHT_SYNC and isinstance(result.get("policy_version"), int):
+                self.sync_seconds.observe(float(result.get("seconds", now - started)))
+                self.sync_bytes.inc(int(result.get("bytes", 0)))
+                version = result["policy_version"]
+                if version > 0:  # the weights of step version - 1
+                    self.record(job_id, version - 1, {"policy_version": float(version)})
+        except Exception:  # a value that cannot be recorded must never fail the op that produced it
+            _log.exception("job %s: recording the metrics of %s failed", job_id, op)
 
     def _add_fwd_bwd(self, sub_job_id: str, result: dict[str, Any], started: float) -> None:
         loss, tokens = result.get("loss"), result.get("num_tokens")

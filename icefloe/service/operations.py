@@ -48,11 +48,8 @@ _SAMPLING_KEYS = frozenset(SamplingParams.model_fields)
 def submit_frame(
     manager: JobManager, job: LiveJob, op: str, body: bytes, *, sub_job_id: str | None, reference: bool = False
 ) -> dict[str, Any]:
-    """Take an octet body (a DSSST1 frame or one request chunk of it) for ``op``.
-
-    ``sub_job_id`` None is allowed for generate only: the body's ``routing_key`` then picks one.
-    ``reference``: see :func:`forward_target`.
-    """
+    """Take an octet body (a DSSST1 frame or one request chunk of it) for ``op``; ``sub_job_id`` None
+    (generate only) lets the body's ``routing_key`` pick the sampler."""
     if op == api.OP_FORWARD and sub_job_id is not None and job.specs[sub_job_id].job_type == "sampling":
         raise InvalidRequestError(f"forward runs on a training or log_probability sub-job; {sub_job_id} is a sampler")
 
@@ -75,12 +72,8 @@ def submit_frame(
 def forward_target(
     manager: JobManager, job: LiveJob, *, sub_job_id: str | None, sub_job_type: str | None
 ) -> tuple[str, bool]:
-    """The sub-job a forward runs on, and whether it scores the reference policy there.
-
-    A LoRA job's reference policy is its trainer with the adapters disabled, not a second copy of
-    the model: a forward addressed to the ``log_probability`` type on a job without such a sub-job
-    runs on the LoRA training sub-job with ``reference`` True. Any other address resolves as usual.
-    """
+    """The sub-job a forward runs on, and whether it scores the reference policy there: on a LoRA job
+    without a ``log_probability`` sub-job, that is the trainer with its adapters disabled."""
     wanted = (sub_job_type or "").strip().lower().removeprefix("job_type_")
     if sub_job_id is None and wanted in ("log_probability", "log_prob"):
         kinds = {spec.job_type for spec in job.specs.values()}
@@ -222,12 +215,8 @@ def submit_save(manager: JobManager, job: LiveJob, body: SaveBody, sub_job_id: s
             checkpoint_type=result["kind"],
             path=result["path"],
         )
-        return {
-            "job_id": job.job_id,
-            "checkpoint_path": result["path"],
-            "checkpoint_tag": result["checkpoint_id"],
-            **result,
-        }
+        path, tag = result["path"], result["checkpoint_id"]
+        return {"job_id": job.job_id, "checkpoint_path": path, "checkpoint_tag": tag, **result}
 
     return manager.submit(job, sub_job_id, api.OP_SAVE, run)
 
@@ -265,11 +254,8 @@ def submit_load(manager: JobManager, job: LiveJob, body: LoadBody, sub_job_id: s
 def submit_weight_sync(
     manager: JobManager, job: LiveJob, payload: WeightSyncPayload, routed_sub_job_id: str | None
 ) -> str:
-    """Queue a sync that runs after every earlier request to the source and before any later one to a target.
-
-    Each target's worker parks on a barrier task; the source's worker waits until every target
-    is parked (so no generate reads half-copied weights), copies, then releases them.
-    """
+    """Queue a sync that runs after every earlier request to the source and before any later one to a
+    target: each target's worker parks (so no generate reads half-copied weights) until the copy ends."""
     source = payload.source_sub_job_id or routed_sub_job_id
     if source is None or source not in job.specs or not job.specs[source].is_training:
         raise InvalidRequestError(
@@ -307,9 +293,8 @@ def submit_weight_sync(
     def copy() -> dict[str, Any]:
         started = time.perf_counter()
         per_target = {t: host.sync_weights(source, t, weight_format) for t in targets}
-        last = per_target[targets[-1]]
         return {
-            "policy_version": last["policy_version"],
+            "policy_version": per_target[targets[-1]]["policy_version"],
             "seconds": time.perf_counter() - started,
             "bytes": sum(int(r["bytes"]) for r in per_target.values()),
             "weight_format": weight_format,

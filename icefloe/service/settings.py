@@ -82,10 +82,6 @@ class ServeSettings(BaseModel):
     def deadline_s(self, op: str) -> float:
         return self.op_deadlines_s.get(op, self.op_deadline_s)
 
-    @property
-    def db_path(self) -> Path:
-        return self.data_dir / "icefloe.sqlite3"
-
     def job_dir(self, job_id: str) -> Path:
         return self.data_dir / "jobs" / job_id
 
