@@ -43,13 +43,14 @@ from icefloe.service.runtime import JobEngines, make_engine_host
 from icefloe.service.settings import ServeSettings
 from icefloe.service.specs import SEGMENT_BY_JOB_TYPE, SubJobSpec, sub_job_specs
 
-__all__ = ["JobManager", "LiveJob"]
+__all__ = ["JobManager", "LiveJob", "job_type_named"]
 
 _log = logging.getLogger("icefloe.service.jobs")
 
 # The caller's mistake: the request fails, the job stays up. Anything else is an engine crash.
 _USER_ERRORS = (InvalidRequestError, ConfigError, WireError, UnsupportedOpError, ConflictError, ValueError, TypeError)
 _IMAGE_TAG = "icefloe-local"
+_CLOSE_TIMEOUT_S = 30.0  # service shutdown waits this long for the jobs' threads to release their engines
 
 
 @dataclass
@@ -266,14 +267,14 @@ class JobManager:
             raise ConflictError(f"job {job_id} is {status}; only an active job can be cancelled")
         return {"job_id": job_id, "status": status}
 
-    def close(self, *, join_timeout_s: float = 30.0) -> None:
+    def close(self) -> None:
         """Release every job's engines (service shutdown); records stay as they are. Each job's own
         thread releases them and is joined, so none writes to the store after it closes."""
         self._closing.set()
         jobs = list(self._live.values())
         for job in jobs:
             job.state.shut_down()
-        deadline = time.monotonic() + join_timeout_s
+        deadline = time.monotonic() + _CLOSE_TIMEOUT_S
         for job in jobs:
             assert job.thread is not None
             job.thread.join(max(0.0, deadline - time.monotonic()))
@@ -470,7 +471,7 @@ def _pick_sub_job(
     job_id: str, kinds: dict[str, str], sub_job_id: str | None, sub_job_type: str | None, default_type: str | None
 ) -> str:
     """The sub-job id ``sub_job_id`` / ``sub_job_type`` name among ``kinds`` (id -> job type)."""
-    wanted = _job_type(sub_job_type) if sub_job_type is not None else None
+    wanted = job_type_named(sub_job_type) if sub_job_type is not None else None
     if sub_job_id is not None:
         if sub_job_id not in kinds:
             raise InvalidRequestError(
@@ -492,7 +493,8 @@ def _pick_sub_job(
     return matches[0]
 
 
-def _job_type(sub_job_type: str) -> str:
+def job_type_named(sub_job_type: str) -> str:
+    """The job type a ``sub_job_type`` hint names (``JOB_TYPE_LOG_PROB``, ``log_probability``, ...)."""
     text = sub_job_type.strip().lower().removeprefix("job_type_")
     text = "log_probability" if text == "log_prob" else text
     if text not in SEGMENT_BY_JOB_TYPE:

@@ -12,6 +12,7 @@ import itertools
 import json
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from icefloe.protocol import (
     UnsupportedOpError,
 )
 from icefloe.service import store
-from icefloe.service.jobs import JobManager, LiveJob
+from icefloe.service.jobs import JobManager, LiveJob, job_type_named
 from icefloe.service.models import (
     GenerateBody,
     LoadBody,
@@ -61,7 +62,8 @@ def submit_frame(
             request_id = _submit_generate(manager, job, payload, op_metadata, sub_job_id)
         else:
             assert sub_job_id is not None
-            request_id = _submit_batch_op(manager, job, op, payload, op_metadata, sub_job_id, reference)
+            run = _engine_call(job, op, payload, sub_job_id, reference)
+            request_id = manager.submit(job, sub_job_id, op, run, op_metadata=op_metadata)
         return {"request_id": request_id, "job_id": job.job_id}
 
     descriptor = wire.chunk_descriptor(body)
@@ -74,8 +76,7 @@ def forward_target(
 ) -> tuple[str, bool]:
     """The sub-job a forward runs on, and whether it scores the reference policy there: on a LoRA job
     without a ``log_probability`` sub-job, that is the trainer with its adapters disabled."""
-    wanted = (sub_job_type or "").strip().lower().removeprefix("job_type_")
-    if sub_job_id is None and wanted in ("log_probability", "log_prob"):
+    if sub_job_id is None and sub_job_type is not None and job_type_named(sub_job_type) == "log_probability":
         kinds = {spec.job_type for spec in job.specs.values()}
         lora_trainers = [sid for sid, spec in job.specs.items() if spec.is_training and spec.config.lora is not None]
         if "log_probability" not in kinds and lora_trainers:
@@ -84,15 +85,8 @@ def forward_target(
     return target, False
 
 
-def _submit_batch_op(
-    manager: JobManager,
-    job: LiveJob,
-    op: str,
-    payload: Any,
-    op_metadata: dict[str, Any],
-    sub_job_id: str,
-    reference: bool,
-) -> str:
+def _engine_call(job: LiveJob, op: str, payload: Any, sub_job_id: str, reference: bool) -> Callable[[], Any]:
+    """The engine call a forward or forward-backward body asks for, validated before it is queued."""
     from icefloe.engines.batch import validate_batch
 
     if isinstance(payload, dict) and "batch" in payload and "kwargs" not in payload:
@@ -103,16 +97,16 @@ def _submit_batch_op(
     batch, host = validate_batch(payload, require_context=op == api.OP_FWD_BWD), job.engines
     if op == api.OP_FORWARD:
         forward = host.forward_reference if reference else host.forward
-        return manager.submit(job, sub_job_id, op, lambda: forward(sub_job_id, batch), op_metadata=op_metadata)
+        return lambda: forward(sub_job_id, batch)
     if not job.specs[sub_job_id].is_training:
         raise InvalidRequestError(f"forward-backward needs a training sub-job; {sub_job_id} is not one")
 
-    def run() -> dict[str, Any]:
+    def fwd_bwd() -> dict[str, Any]:
         result = host.fwd_bwd(sub_job_id, batch)
         job.last_avg_loss[sub_job_id] = float(result["avg_loss"])
         return {"job_id": job.job_id, **result, "post_process_outputs": {}}
 
-    return manager.submit(job, sub_job_id, api.OP_FWD_BWD, run, op_metadata=op_metadata)
+    return fwd_bwd
 
 
 # --- generate ----------------------------------------------------------------------------------

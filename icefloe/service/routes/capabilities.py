@@ -21,7 +21,7 @@ _NOT_SERVED = {p.OP_GET_CHECKPOINT, p.OP_SLEEP_TRAINING, p.OP_WAKE_TRAINING, p.O
 @router.get("/capabilities", response_model=Capabilities)
 async def capabilities(settings: SettingsDep) -> dict:
     return {
-        "ops": sorted(p.OPS - _NOT_SERVED),
+        "ops": [*sorted(p.OPS - _NOT_SERVED), "export-checkpoint"],  # export: a route with no op of its own
         "operations": list(SUPPORTED_OPERATIONS),
         "extensions": {
             "long_poll": True,
