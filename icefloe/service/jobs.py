@@ -68,7 +68,7 @@ class LiveJob:
     last_avg_loss: dict[str, float] = field(default_factory=dict)
     thread: threading.Thread | None = None
     lease_until: float = math.inf  # time.monotonic() after which a job with nothing in flight is cancelled
-    in_flight: dict[str, tuple[str, float]] = field(default_factory=dict)  # request id -> (op, time.monotonic())
+    in_flight: dict[str, tuple[str, str, float]] = field(default_factory=dict)  # request id -> (sub-job, op, start)
 
     @property
     def status(self) -> str:
@@ -245,10 +245,10 @@ class JobManager:
         while not self._closing.wait(tick):
             now = time.monotonic()
             for job in [job for job in self._live.values() if not job.stopping]:
-                late = [(rid, op) for rid, (op, at) in list(job.in_flight.items()) if now - at > deadline_s(op)]
+                late = [(where, op) for where, op, at in list(job.in_flight.values()) if now - at > deadline_s(op)]
                 killable = job.host.killable if job.host is not None else None  # None: engines in this process
                 if late and killable:
-                    where, op = _sub_job_of(late[0][0]), late[0][1]
+                    where, op = late[0]
                     job.state.fail(
                         f"{op} on {where} did not finish within its deadline of {deadline_s(op):g} s; killed {killable}"
                     )
@@ -405,27 +405,29 @@ class JobManager:
         worker = job.workers[sub_job_id]
         try:
             if batch_item is None:
-                worker.submit(self._execute, job, op, [entry], lambda _: [fn()])
+                worker.submit(self._execute, job, sub_job_id, op, [entry], lambda _: [fn()])
             else:  # called with the entries of one batch
-                worker.submit_batchable(op, entry, functools.partial(self._execute, job, op, run=fn))
+                worker.submit_batchable(op, entry, functools.partial(self._execute, job, sub_job_id, op, run=fn))
         except ClientClosedError:  # a stop closed the workers after the state check
             self.requests.finish(entry[0], status="cancelled", error=f"job {job.job_id} is stopping")
             raise ConflictError(f"job {job.job_id} is stopping; this call needs it running") from None
         return entry[0]
 
-    def _execute(self, job: LiveJob, op: str, entries: list[tuple], run: Callable[[list], list]) -> list[None]:
+    def _execute(
+        self, job: LiveJob, sub_job_id: str, op: str, entries: list[tuple], run: Callable[[list], list]
+    ) -> list[None]:
         """Run the entries ``(request id, batch item, op metadata)`` that may still run as one call
         of ``run`` and record each outcome."""
         live = [e for e in entries if self._may_run(job, e[0])]
         if live:
             started = time.monotonic()
-            job.in_flight[live[0][0]] = (op, started)  # watched for its deadline
+            job.in_flight[live[0][0]] = (sub_job_id, op, started)  # watched for its deadline
             try:
                 results = run([item for _, item, _ in live])
             except Exception as exc:  # every failure is recorded on its requests
-                self._record_failure(job, [e[0] for e in live], op, exc)
+                self._record_failure(job, sub_job_id, [e[0] for e in live], op, exc)
             else:
-                self.metrics.engine_ran(job.job_id, _sub_job_of(live[0][0]), op, started, results)
+                self.metrics.engine_ran(job.job_id, sub_job_id, op, started, results)
                 for (request_id, _, op_metadata), result in zip(live, results, strict=True):
                     self._record_result(job, request_id, result, op_metadata)
             finally:
@@ -451,7 +453,7 @@ class JobManager:
         except Exception as exc:  # an unencodable result fails the request, not the job
             self.requests.finish(request_id, status="failed", error=f"the result could not be stored: {exc}")
 
-    def _record_failure(self, job: LiveJob, request_ids: list[str], op: str, exc: Exception) -> None:
+    def _record_failure(self, job: LiveJob, sub_job_id: str, request_ids: list[str], op: str, exc: Exception) -> None:
         if job.stopping and isinstance(exc, ClientClosedError):  # cut short by the job stopping
             for request_id in request_ids:
                 self.requests.finish(request_id, status="cancelled", error=f"job {job.job_id} stopped: {exc}")
@@ -459,7 +461,6 @@ class JobManager:
         message = f"{type(exc).__name__}: {exc}"
         for request_id in request_ids:
             self.requests.finish(request_id, status="failed", error=message)
-        sub_job_id = _sub_job_of(request_ids[0])
         if isinstance(exc, _USER_ERRORS) or (isinstance(exc, RequestFailedError) and exc.category == "user"):
             job.log.write(f"{op} failed: {message}", level="WARNING", sub_job_id=sub_job_id)
             return
@@ -500,7 +501,3 @@ def job_type_named(sub_job_type: str) -> str:
     if text not in SEGMENT_BY_JOB_TYPE:
         raise InvalidRequestError(f"sub_job_type must be one of {sorted(SEGMENT_BY_JOB_TYPE)}; got {sub_job_type!r}")
     return text
-
-
-def _sub_job_of(request_id: str) -> str:
-    return request_id.rsplit(":", 2)[0]  # request ids are "<sub-job id>:<op>:<hex>"
