@@ -131,12 +131,7 @@ class JobManager:
             "schema": schema,
             "experiment_name": body.experiment_name or f"icefloe_{job_id.split('-')[0]}",
             "sub_jobs": [
-                {
-                    "sub_job_id": s.sub_job_id,
-                    "job_type": s.job_type,
-                    "model_name": s.model_name,
-                    "config": s.public_config,
-                }
+                dict(sub_job_id=s.sub_job_id, job_type=s.job_type, model_name=s.model_name, config=s.public_config)
                 for s in specs
             ],
             "warnings": [warning for s in specs for warning in s.warnings],
@@ -311,20 +306,14 @@ class JobManager:
         spec, status = row["spec"], row["status"]
         sub_jobs = [
             {
-                "sub_job_id": sub["sub_job_id"],
-                "job_type": sub["job_type"],
+                **{key: sub[key] for key in ("sub_job_id", "job_type", "model_name")},
                 "status": status,
-                "model_name": sub["model_name"],
                 "training_config" if sub["job_type"] == "training" else "inference_config": sub["config"],
             }
             for sub in spec["sub_jobs"]
         ]
         return {
-            "job_id": row["job_id"],
-            "status": status,
-            "reason": row["reason"],
-            "created_at": row["created_at"],
-            "updated_at": row["updated_at"],
+            **{key: row[key] for key in ("job_id", "status", "reason", "created_at", "updated_at")},
             "image_tag": "" if status in ("pending", "placing") else _IMAGE_TAG,
             "experiment_name": spec["experiment_name"],
             "sub_jobs": sub_jobs,
@@ -396,11 +385,8 @@ class JobManager:
         batch_item: Any = None,
         op_metadata: dict | None = None,
     ) -> str:
-        """Record a request and queue it on the sub-job's worker; returns the request id.
-
-        The worker runs ``fn()``; with ``batch_item`` it runs ``fn(items)`` once for the items of
-        the requests of ``op`` queued next to each other, which returns one result per item.
-        """
+        """Record a request and queue ``fn()`` on the sub-job's worker; returns the request id. With
+        ``batch_item``, ``fn(items)`` runs once for the items of ``op`` queued next to each other."""
         entry = (self.requests.add(job.job_id, sub_job_id, op, op_metadata or {}), batch_item, op_metadata or {})
         worker = job.workers[sub_job_id]
         try:
