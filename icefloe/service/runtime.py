@@ -98,26 +98,29 @@ class LocalEngineHost(JobEngines):
     """Engines in this process: one TrainingEngine or SamplingEngine per sub-job, on its slot's device."""
 
     def start(self, on_progress: Callable[[str], None]) -> None:
+        with _BUILD_LOCK:
+            self._build_all(on_progress)
+        on_progress("engines ready")
+
+    def _build_all(self, on_progress: Callable[[str], None]) -> None:
         from icefloe.engines.sampling import build_sampling_engine
         from icefloe.engines.training import TrainingEngine
 
-        with _BUILD_LOCK:
-            for sub_job_id, spec in self._specs.items():
-                device = self._devices[sub_job_id]
-                start_from = self._checkpoints.get(sub_job_id)
-                on_progress(f"loading {spec.config.model!r} for {sub_job_id} on {device}")
-                if spec.job_type == "sampling":  # a weights-only LoRA checkpoint: the base model with its adapter
-                    engine = build_sampling_engine(spec.config, device, model_dir=start_from)
-                else:
-                    role = "training" if spec.is_training else "reference"
-                    engine = TrainingEngine(spec.config, device=device, role=role)
-                    if start_from is not None:
-                        loaded = engine.load_checkpoint(start_from)
-                        if spec.is_training and not spec.load_optimizer_states and engine.optimizer is not None:
-                            engine.optimizer.state.clear()  # load_optimizer_states=false: weights only, fresh AdamW
-                        on_progress(f"{sub_job_id} starts from {loaded['checkpoint_id']} ({loaded['kind']})")
-                self._engines[sub_job_id] = engine
-        on_progress("engines ready")
+        for sub_job_id, spec in self._specs.items():
+            device = self._devices[sub_job_id]
+            start_from = self._checkpoints.get(sub_job_id)
+            on_progress(f"loading {spec.config.model!r} for {sub_job_id} on {device}")
+            if spec.job_type == "sampling":  # a weights-only LoRA checkpoint: the base model with its adapter
+                engine = build_sampling_engine(spec.config, device, model_dir=start_from)
+            else:
+                role = "training" if spec.is_training else "reference"
+                engine = TrainingEngine(spec.config, device=device, role=role)
+                if start_from is not None:
+                    loaded = engine.load_checkpoint(start_from)
+                    if spec.is_training and not spec.load_optimizer_states and engine.optimizer is not None:
+                        engine.optimizer.state.clear()  # load_optimizer_states=false: weights only, fresh AdamW
+                    on_progress(f"{sub_job_id} starts from {loaded['checkpoint_id']} ({loaded['kind']})")
+            self._engines[sub_job_id] = engine
 
     def sync_weights(
         self, source_sub_job_id: str, target_sub_job_id: str, weight_format: str | None = None

@@ -100,14 +100,11 @@ def _row(jobs: JobManager, row: dict[str, Any]) -> dict[str, Any]:
     latest = store.latest_job_metrics(jobs.db, job_id=job_id)
     value = {name: latest[name][1] for name in ("loss", "reward", "tokens_per_s") if name in latest}
     return {
-        "job_id": job_id,
-        "status": row["status"],
-        "reason": row["reason"],
+        **{key: row[key] for key in ("job_id", "status", "reason", "created_at")},
         "model": spec["sub_jobs"][0]["model_name"] if spec["sub_jobs"] else "",
         "mode": _mode(spec),
         "step": max((step for step, _ in latest.values()), default=None),
         **value,
-        "created_at": row["created_at"],
         "lease": _lease(jobs, job_id),
     }
 
@@ -130,9 +127,7 @@ async def job_detail(job_id: str, jobs: JobsDep, db: StoreDep) -> dict:
         **_row(jobs, row),
         "sub_jobs": [
             {
-                "sub_job_id": s["sub_job_id"],
-                "job_type": s["job_type"],
-                "model_name": s["model_name"],
+                **{key: s[key] for key in ("sub_job_id", "job_type", "model_name")},
                 "engines": jobs.settings.engines,
                 "slots": live.specs[s["sub_job_id"]].num_slots if live is not None else None,
             }
