@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from icefloe.protocol import InvalidRequestError
 
@@ -71,6 +71,8 @@ def _dotted(path: tuple[Any, ...]) -> str:
 
 
 JobType = Literal["training", "sampling", "log_probability"]
+# Enum-like strings arrive in any case, the managed API's job types with their JOB_TYPE_ prefix.
+_EnumText = BeforeValidator(lambda v: v.strip().lower().removeprefix("job_type_") if isinstance(v, str) else v)
 
 
 class _Open(BaseModel):
@@ -118,7 +120,7 @@ class SourceCheckpointInfo(_Open):
 
 
 class SubJobConfig(_Open):
-    job_type: JobType
+    job_type: Annotated[JobType, _EnumText]
     model_name: str = Field(min_length=1)
     training_config: TrainingConfigSpec | None = None
     inference_config: InferenceConfig | None = None
@@ -128,11 +130,6 @@ class SubJobConfig(_Open):
     # "model_post_init" would shadow pydantic's hook of that name, so the field is renamed and aliased
     post_init_hooks: list[str] | None = Field(None, alias="model_post_init")
     source_checkpoint_info: SourceCheckpointInfo | None = None
-
-    @field_validator("job_type", mode="before")
-    @classmethod
-    def _strip_enum_prefix(cls, value: Any) -> Any:
-        return value.lower().removeprefix("job_type_") if isinstance(value, str) else value
 
     @property
     def section(self) -> TrainingConfigSpec | InferenceConfig | None:
@@ -225,12 +222,7 @@ class StepBody(_Open):
 
 class SaveBody(_Open):
     checkpoint_id: str | None = None  # accepted but, as on the managed endpoint, the id comes from the step
-    checkpoint_type: Literal["resumable", "weights-only"] = "resumable"
-
-    @field_validator("checkpoint_type", mode="before")
-    @classmethod
-    def _lowercase(cls, value: Any) -> Any:
-        return value.strip().lower() if isinstance(value, str) else value
+    checkpoint_type: Annotated[Literal["resumable", "weights-only"], _EnumText] = "resumable"
 
 
 class LoadBody(_Open):
