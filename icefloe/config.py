@@ -11,7 +11,7 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import platformdirs
 from pydantic import (
@@ -42,8 +42,11 @@ __all__ = [
     "TrainingConfig",
     "format_validation_error",
     "user_data_dir",
+    "validated",
     "validation_problems",
 ]
+
+_Model = TypeVar("_Model", bound=BaseModel)
 
 # Env vars that pick the backend when a framework's own config cannot say (first set wins).
 BACKEND_ENV_VARS = ("ICEFLOE_BACKEND", "ARCTIC_BACKEND")
@@ -349,11 +352,7 @@ class ClientConfig(_Model):
     @classmethod
     def build(cls, data: Mapping[str, Any] | None = None, **overrides: Any) -> ClientConfig:
         """Validate ``data`` (plus overrides) and raise :class:`ConfigError` naming every bad field."""
-        merged = {**(data or {}), **overrides}
-        try:
-            return cls.model_validate(merged)
-        except ValidationError as exc:
-            raise ConfigError(format_validation_error(exc, prefix="")) from None
+        return validated(cls, {**(data or {}), **overrides})
 
     @classmethod
     def from_env(
@@ -422,12 +421,13 @@ def user_data_dir() -> Path:
     return platformdirs.user_data_path("icefloe")
 
 
-def validation_problems(exc: ValidationError, prefix: str = "") -> list[str]:
-    """One ``field: problem; got value`` clause per bad field, dotted from ``prefix``; no secret values."""
+def validation_problems(exc: ValidationError, prefix: str = "", whole: str = "config") -> list[str]:
+    """One ``field: problem; got value`` clause per bad field, dotted from ``prefix`` (``whole`` when the
+    error is about the value as a whole); no secret values."""
     problems = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
-        loc = f"{prefix}{loc}" if loc else prefix.rstrip(".") or "config"
+        loc = f"{prefix}{loc}" if loc else prefix.rstrip(".") or whole
         msg = err["msg"].removeprefix("Value error, ")
         given = err.get("input")
         if isinstance(given, Mapping | list) or loc.endswith("pat"):
@@ -440,3 +440,11 @@ def validation_problems(exc: ValidationError, prefix: str = "") -> list[str]:
 def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
     """One line per bad field: dotted path, what was wrong, the value given."""
     return "invalid icefloe config:\n  " + "\n  ".join(validation_problems(exc, prefix))
+
+
+def validated(model: type[_Model], data: Mapping[str, Any], prefix: str = "") -> _Model:
+    """``data`` validated as ``model``, or :class:`ConfigError` naming every bad field (dotted from ``prefix``)."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, prefix=prefix)) from None

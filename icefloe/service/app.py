@@ -1,12 +1,8 @@
 """Build the FastAPI app of ``icefloe serve`` and run it on uvicorn.
 
-``create_app(settings)`` locks the data dir, opens the SQLite store and wires routers, error
-handlers and the ASGI layers (token, size cap, idempotency, order, JSON bounds). The jobs a previous
-process left active are failed when the app starts, which :func:`serve` and :class:`ServerThread`
-do only once its socket is bound: lock, bind, recover, so a service that cannot start harms nothing.
-The API docs (``/docs``, ``/redoc``, ``/openapi.json``) need the token like every route but
-``/health`` and ``/files/*``; their assets come from the ``fastapi-offline`` package. The
-dashboard is at ``/ui`` and the Prometheus metrics at ``/metrics`` (see docs/observability.md).
+The jobs a previous process left active are failed when the app starts, which :func:`serve` and
+:class:`ServerThread` do only once its socket is bound: lock, bind, recover, so a service that
+cannot start harms nothing. The API docs' assets come from the ``fastapi-offline`` package.
 """
 
 from __future__ import annotations
@@ -55,12 +51,9 @@ def _redact(redactor: TokenRedactor, *, on: bool) -> None:
 
 def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> FastAPI:
     """The service app for ``settings``; ``pool`` overrides slot detection (tests pin CPU slots).
-
-    Raises :class:`DataDirInUse` when another service holds the data dir. Leaving the app's
-    lifespan releases every job's engines, closes the store and unlocks the data dir.
-    """
+    Raises :class:`DataDirInUse` when another service holds the data dir."""
     lock_fd = lock_data_dir(settings.data_dir)
-    db = Database(settings.db_path)
+    db = Database(settings.data_dir / "icefloe.sqlite3")
     purge_expired(db, idempotency_ttl_s=settings.idempotency_ttl_s)
     manager = JobManager(settings, db, pool or SlotPool.detect(settings.slots))
     redactor = TokenRedactor(settings.token_values())
@@ -119,12 +112,12 @@ async def _health() -> dict[str, str]:
 
 
 class ServerThread:
-    """Run an app on uvicorn in a background thread; ``with ServerThread(app) as base_url: ...``."""
+    """Run an app on uvicorn in a background thread on a free loopback port: ``with ServerThread(app) as url:``."""
 
-    def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+    def __init__(self, app: Any, *, log_level: str = "warning") -> None:
         import uvicorn
 
-        self._config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on")
+        self._config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level=log_level, lifespan="on")
         self._server = uvicorn.Server(self._config)
         self._thread: threading.Thread | None = None
         self.base_url = ""
@@ -147,32 +140,26 @@ class ServerThread:
             self._thread.join()
 
 
-def _console_log(level: str) -> None:
-    """Show the service's own lines (job state changes, one per training step) on the console, as uvicorn's."""
-    service = logging.getLogger("icefloe.service")
-    if not service.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
-        service.addHandler(handler)
-        service.propagate = False  # one line each, not a second copy through the root logger
-    service.setLevel(level.upper())
-
-
 def serve(settings: ServeSettings, *, log_level: str = "info") -> None:
-    """Run the service in the foreground until interrupted: lock the data dir, bind, then recover and serve.
-
-    A data dir another service holds, or a port that cannot be bound, exits with a one-line error.
-    """
+    """Run the service in the foreground until interrupted: lock the data dir, bind, then recover and serve."""
     import uvicorn
+    from uvicorn.config import LOGGING_CONFIG
 
     try:
         app = create_app(settings)
     except DataDirInUse as exc:
         raise SystemExit(f"icefloe serve: {exc}") from None
+    # The service's own lines (job state changes, one per training step) go to the console as uvicorn's do.
+    service_log = {"handlers": ["default"], "level": log_level.upper(), "propagate": False}
+    log_config = {**LOGGING_CONFIG, "loggers": {**LOGGING_CONFIG["loggers"], "icefloe.service": service_log}}
     config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_level=log_level, access_log=settings.access_log
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=log_level,
+        log_config=log_config,
+        access_log=settings.access_log,
     )
-    _console_log(log_level)
     _log.info("icefloe serve on http://%s:%d (data in %s)", settings.host, settings.port, settings.data_dir)
     _log.info("dashboard: http://%s:%d/ui", settings.host, settings.port)
     uvicorn.Server(config).run(sockets=[config.bind_socket()])

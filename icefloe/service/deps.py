@@ -7,7 +7,8 @@ not one of them: :class:`icefloe.service.middleware.RequireToken` checks it befo
 
 from __future__ import annotations
 
-from typing import Annotated
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
@@ -18,23 +19,18 @@ from icefloe.service.store import Database
 __all__ = ["JobsDep", "OctetBody", "SettingsDep", "StoreDep"]
 
 
-async def _settings(request: Request) -> ServeSettings:
-    return request.app.state.settings
+def _app_state(name: str) -> Callable[[Request], Awaitable[Any]]:
+    async def read(request: Request) -> Any:
+        return getattr(request.app.state, name)
 
-
-async def _jobs(request: Request) -> JobManager:
-    return request.app.state.jobs
-
-
-async def _store(request: Request) -> Database:
-    return request.app.state.db
+    return read
 
 
 async def _octet_body(request: Request) -> bytes:
     return await request.body()  # the size cap is enforced while reading (see middleware.BodyLimit)
 
 
-SettingsDep = Annotated[ServeSettings, Depends(_settings)]
-JobsDep = Annotated[JobManager, Depends(_jobs)]
-StoreDep = Annotated[Database, Depends(_store)]
+SettingsDep = Annotated[ServeSettings, Depends(_app_state("settings"))]
+JobsDep = Annotated[JobManager, Depends(_app_state("jobs"))]
+StoreDep = Annotated[Database, Depends(_app_state("db"))]
 OctetBody = Annotated[bytes, Depends(_octet_body)]

@@ -37,7 +37,7 @@ _STATUS_AND_CODE = (
     (p.ConflictError | p.JobFailedError | p.ClientClosedError, 409, p.CODE_CONFLICT),  # the job stopped under the call
     (p.UnsupportedOpError, 501, p.CODE_NOT_IMPLEMENTED),
 )
-_CODE_BY_STATUS = {401: p.CODE_UNAUTHENTICATED, 404: p.CODE_NOT_FOUND, 405: p.CODE_INVALID_ARGUMENT}
+_CODE_BY_STATUS = {401: p.CODE_UNAUTHENTICATED, 404: p.CODE_NOT_FOUND}
 
 
 def status_and_body(exc: Exception) -> tuple[int, dict[str, Any]]:
@@ -78,20 +78,15 @@ def install_error_handlers(app: FastAPI) -> None:
     """Register the handlers so every error leaves as ``{code, message}`` with its status."""
 
     async def _error(_request: Request, exc: Exception) -> JSONResponse:
+        if isinstance(exc, StarletteHTTPException):  # the framework's own: unknown paths, wrong methods
+            fallback = p.CODE_INTERNAL if exc.status_code >= 500 else p.CODE_INVALID_ARGUMENT
+            body = {"code": _CODE_BY_STATUS.get(exc.status_code, fallback), "message": str(exc.detail)}
+            return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+        if isinstance(exc, RequestValidationError):
+            return JSONResponse({"code": p.CODE_INVALID_ARGUMENT, "message": _validation_message(exc)}, status_code=400)
         status, body = status_and_body(exc)
         return JSONResponse(body, status_code=status)
 
-    app.add_exception_handler(p.IcefloeError, _error)
-    app.add_exception_handler(Exception, _error)  # a bug: Starlette answers with this, then re-raises
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse({"code": p.CODE_INVALID_ARGUMENT, "message": _validation_message(exc)}, status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)  # the framework's own: unknown paths, wrong methods
-    async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        code = _CODE_BY_STATUS.get(
-            exc.status_code, p.CODE_INTERNAL if exc.status_code >= 500 else p.CODE_INVALID_ARGUMENT
-        )
-        body = {"code": code, "message": str(exc.detail)}
-        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+    # Exception: a bug; Starlette answers with this handler, then re-raises.
+    for kind in (p.IcefloeError, RequestValidationError, StarletteHTTPException, Exception):
+        app.add_exception_handler(kind, _error)

@@ -32,11 +32,8 @@ class TokenRedactor(logging.Filter):
         return text
 
     def filter(self, record: logging.LogRecord) -> bool:
-        """Scrub the template and each argument in place, keeping the record's shape.
-
-        Formatters such as uvicorn's access formatter unpack ``record.args``; replacing them with
-        the formatted text would break those formatters (a "Logging error" instead of the line).
-        """
+        """Scrub the template and each argument in place: formatters such as uvicorn's access
+        formatter unpack ``record.args``, so they must keep their shape."""
         if self._tokens:
             if isinstance(record.msg, str):
                 record.msg = self.redact(record.msg)
@@ -74,14 +71,9 @@ class JobLog:
         ``eof`` is true when the page reached the current end of the log, also while the job runs:
         a reader that does not follow stops there; one that follows polls again for later lines.
         """
-        try:
-            offset = int(cursor) if cursor else 0
-        except ValueError:
-            raise InvalidRequestError(
-                f"payload.cursor must be a cursor returned by tail-logs; got {cursor!r}"
-            ) from None
-        if offset < 0:
-            raise InvalidRequestError(f"payload.cursor must be >= 0; got {cursor!r}")
+        if cursor and not cursor.isdecimal():
+            raise InvalidRequestError(f"payload.cursor must be a cursor returned by tail-logs; got {cursor!r}")
+        offset = int(cursor or 0)
         path = self._path(sub_job_id)
         entries: list[dict[str, Any]] = []
         size = path.stat().st_size if path.exists() else 0
@@ -93,10 +85,7 @@ class JobLog:
                     if not raw.endswith(b"\n"):
                         break  # a line still being written; read it next time
                     offset += len(raw)
-                    try:
-                        entries.append(json.loads(raw))
-                    except json.JSONDecodeError:
-                        entries.append({"_raw": raw.decode("utf-8", "replace").rstrip("\n")})
+                    entries.append(_entry(raw))
         return {"entries": entries, "next_cursor": str(offset), "eof": offset >= size}
 
     def last(self, sub_job_id: str, *, max_lines: int, max_bytes: int = 256 * 1024) -> list[dict[str, Any]]:
@@ -110,13 +99,14 @@ class JobLog:
             lines = fh.read().split(b"\n")
         if start > 0:
             lines = lines[1:]  # the first line read may be cut
-        entries = []
-        for raw in lines[:-1][-max_lines:]:  # the part after the last newline is still being written
-            try:
-                entries.append(json.loads(raw))
-            except json.JSONDecodeError:
-                entries.append({"msg": raw.decode("utf-8", "replace")})
-        return entries
+        return [_entry(raw) for raw in lines[:-1][-max_lines:]]  # after the last newline: still being written
+
+
+def _entry(raw: bytes) -> dict[str, Any]:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:  # a line not written by JobLog.write
+        return {"msg": raw.decode("utf-8", "replace").rstrip("\n")}
 
 
 class JobLogRouter(logging.Handler):

@@ -43,13 +43,14 @@ from icefloe.service.runtime import JobEngines, make_engine_host
 from icefloe.service.settings import ServeSettings
 from icefloe.service.specs import SEGMENT_BY_JOB_TYPE, SubJobSpec, sub_job_specs
 
-__all__ = ["JobManager", "LiveJob"]
+__all__ = ["JobManager", "LiveJob", "job_type_named"]
 
 _log = logging.getLogger("icefloe.service.jobs")
 
 # The caller's mistake: the request fails, the job stays up. Anything else is an engine crash.
 _USER_ERRORS = (InvalidRequestError, ConfigError, WireError, UnsupportedOpError, ConflictError, ValueError, TypeError)
 _IMAGE_TAG = "icefloe-local"
+_CLOSE_TIMEOUT_S = 30.0  # service shutdown waits this long for the jobs' threads to release their engines
 
 
 @dataclass
@@ -67,7 +68,7 @@ class LiveJob:
     last_avg_loss: dict[str, float] = field(default_factory=dict)
     thread: threading.Thread | None = None
     lease_until: float = math.inf  # time.monotonic() after which a job with nothing in flight is cancelled
-    in_flight: dict[str, tuple[str, float]] = field(default_factory=dict)  # request id -> (op, time.monotonic())
+    in_flight: dict[str, tuple[str, str, float]] = field(default_factory=dict)  # request id -> (sub-job, op, start)
 
     @property
     def status(self) -> str:
@@ -76,6 +77,10 @@ class LiveJob:
     @property
     def stopping(self) -> bool:
         return self.state.stop.is_set()
+
+    @property
+    def num_slots(self) -> int:
+        return sum(s.num_slots for s in self.specs.values())
 
     @property
     def engines(self) -> JobEngines:
@@ -126,12 +131,7 @@ class JobManager:
             "schema": schema,
             "experiment_name": body.experiment_name or f"icefloe_{job_id.split('-')[0]}",
             "sub_jobs": [
-                {
-                    "sub_job_id": s.sub_job_id,
-                    "job_type": s.job_type,
-                    "model_name": s.model_name,
-                    "config": s.public_config,
-                }
+                dict(sub_job_id=s.sub_job_id, job_type=s.job_type, model_name=s.model_name, config=s.public_config)
                 for s in specs
             ],
             "warnings": [warning for s in specs for warning in s.warnings],
@@ -144,11 +144,10 @@ class JobManager:
         job = LiveJob(job_id, {s.sub_job_id: s for s in specs}, state, log, chunks, job_dir)
         self._live[job_id] = job
         self.renew(job_id)
+        log.write(f"job created with sub-jobs {[s.sub_job_id for s in specs]}")
         self.log_router.bind(f"icefloe-lifecycle-{job_id}", log, None)
         for spec in specs:
             self.log_router.bind(f"icefloe-{spec.sub_job_id}", log, spec.sub_job_id)
-        log.write(f"job created with sub-jobs {[s.sub_job_id for s in specs]}")
-        for spec in specs:
             for warning in spec.warnings:
                 log.write(warning, level="WARNING", sub_job_id=spec.sub_job_id)
         job.thread = threading.Thread(target=self._run, args=(job,), name=f"icefloe-lifecycle-{job_id}", daemon=True)
@@ -180,8 +179,7 @@ class JobManager:
         state, slots = job.state, None
         try:
             if state.advance("placing"):
-                needs = sum(s.num_slots for s in job.specs.values())
-                slots = self.pool.acquire(needs, cancelled=state.stop, ticket=job)
+                slots = self.pool.acquire(job.num_slots, cancelled=state.stop, ticket=job)
             if slots is not None and state.advance("initializing"):
                 devices, cursor = {}, 0
                 for sub_job_id, spec in job.specs.items():
@@ -242,18 +240,14 @@ class JobManager:
         while not self._closing.wait(tick):
             now = time.monotonic()
             for job in [job for job in self._live.values() if not job.stopping]:
-                late = [
-                    (rid.rsplit(":", 2)[0], op)
-                    for rid, (op, at) in list(job.in_flight.items())
-                    if now - at > deadline_s(op)
-                ]
+                late = [(where, op) for where, op, at in list(job.in_flight.values()) if now - at > deadline_s(op)]
                 killable = job.host.killable if job.host is not None else None  # None: engines in this process
-                if late and job.host is not None and killable:
-                    where, op = late[0]  # the sub-job and the op
+                if late and killable:
+                    where, op = late[0]
                     job.state.fail(
                         f"{op} on {where} did not finish within its deadline of {deadline_s(op):g} s; killed {killable}"
                     )
-                    job.host.kill()
+                    job.engines.kill()
                 elif now > job.lease_until and not job.in_flight and not self.requests.has_open(job.job_id):
                     job.log.write(f"no call or heartbeat for {self.settings.lease_ttl_s:g} s", level="WARNING")
                     job.state.cancel("client lease expired")
@@ -268,14 +262,14 @@ class JobManager:
             raise ConflictError(f"job {job_id} is {status}; only an active job can be cancelled")
         return {"job_id": job_id, "status": status}
 
-    def close(self, *, join_timeout_s: float = 30.0) -> None:
+    def close(self) -> None:
         """Release every job's engines (service shutdown); records stay as they are. Each job's own
         thread releases them and is joined, so none writes to the store after it closes."""
         self._closing.set()
         jobs = list(self._live.values())
         for job in jobs:
             job.state.shut_down()
-        deadline = time.monotonic() + join_timeout_s
+        deadline = time.monotonic() + _CLOSE_TIMEOUT_S
         for job in jobs:
             assert job.thread is not None
             job.thread.join(max(0.0, deadline - time.monotonic()))
@@ -299,9 +293,8 @@ class JobManager:
             answer["lease_expires_in_s"] = round(max(0.0, lease_left_s), 1) if math.isfinite(lease_left_s) else None
         if job is not None and job.status == "placing":  # why it waits, for the client to show
             ahead, free = self.pool.waiting(job)
-            needs = sum(s.num_slots for s in job.specs.values())
-            answer["reason"] = f"waiting for {needs} {self.pool.kind} slot(s): {free} of {self.pool.total} free, "
-            answer["reason"] += f"{ahead} job(s) ahead"
+            slots = f"{job.num_slots} {self.pool.kind} slot(s): {free} of {self.pool.total} free"
+            answer["reason"] = f"waiting for {slots}, {ahead} job(s) ahead"
         return answer
 
     def list_public(self, status: str | None) -> list[dict[str, Any]]:
@@ -313,20 +306,14 @@ class JobManager:
         spec, status = row["spec"], row["status"]
         sub_jobs = [
             {
-                "sub_job_id": sub["sub_job_id"],
-                "job_type": sub["job_type"],
+                **{key: sub[key] for key in ("sub_job_id", "job_type", "model_name")},
                 "status": status,
-                "model_name": sub["model_name"],
                 "training_config" if sub["job_type"] == "training" else "inference_config": sub["config"],
             }
             for sub in spec["sub_jobs"]
         ]
         return {
-            "job_id": row["job_id"],
-            "status": status,
-            "reason": row["reason"],
-            "created_at": row["created_at"],
-            "updated_at": row["updated_at"],
+            **{key: row[key] for key in ("job_id", "status", "reason", "created_at", "updated_at")},
             "image_tag": "" if status in ("pending", "placing") else _IMAGE_TAG,
             "experiment_name": spec["experiment_name"],
             "sub_jobs": sub_jobs,
@@ -380,9 +367,12 @@ class JobManager:
         row = self._row(job_id)
         kinds = {s["sub_job_id"]: s["job_type"] for s in row["spec"]["sub_jobs"]}
         target = _pick_sub_job(job_id, kinds, sub_job_id, sub_job_type, None)
+        return self.job_log(job_id).tail(target, cursor=cursor, max_lines=max_lines)
+
+    def job_log(self, job_id: str) -> JobLog:
+        """The job's log, to read; also of a job an earlier process ran."""
         job = self._live.get(job_id)
-        log = job.log if job is not None else JobLog(self.settings.job_dir(job_id) / "logs", list(kinds))
-        return log.tail(target, cursor=cursor, max_lines=max_lines)
+        return job.log if job is not None else JobLog(self.settings.job_dir(job_id) / "logs", [])
 
     # --- requests -----------------------------------------------------------------------------
     def submit(
@@ -395,36 +385,35 @@ class JobManager:
         batch_item: Any = None,
         op_metadata: dict | None = None,
     ) -> str:
-        """Record a request and queue it on the sub-job's worker; returns the request id.
-
-        The worker runs ``fn()``; with ``batch_item`` it runs ``fn(items)`` once for the items of
-        the requests of ``op`` queued next to each other, which returns one result per item.
-        """
+        """Record a request and queue ``fn()`` on the sub-job's worker; returns the request id. With
+        ``batch_item``, ``fn(items)`` runs once for the items of ``op`` queued next to each other."""
         entry = (self.requests.add(job.job_id, sub_job_id, op, op_metadata or {}), batch_item, op_metadata or {})
         worker = job.workers[sub_job_id]
         try:
             if batch_item is None:
-                worker.submit(self._execute, job, op, [entry], lambda _: [fn()])
+                worker.submit(self._execute, job, sub_job_id, op, [entry], lambda _: [fn()])
             else:  # called with the entries of one batch
-                worker.submit_batchable(op, entry, functools.partial(self._execute, job, op, run=fn))
+                worker.submit_batchable(op, entry, functools.partial(self._execute, job, sub_job_id, op, run=fn))
         except ClientClosedError:  # a stop closed the workers after the state check
             self.requests.finish(entry[0], status="cancelled", error=f"job {job.job_id} is stopping")
             raise ConflictError(f"job {job.job_id} is stopping; this call needs it running") from None
         return entry[0]
 
-    def _execute(self, job: LiveJob, op: str, entries: list[tuple], run: Callable[[list], list]) -> list[None]:
+    def _execute(
+        self, job: LiveJob, sub_job_id: str, op: str, entries: list[tuple], run: Callable[[list], list]
+    ) -> list[None]:
         """Run the entries ``(request id, batch item, op metadata)`` that may still run as one call
         of ``run`` and record each outcome."""
         live = [e for e in entries if self._may_run(job, e[0])]
         if live:
             started = time.monotonic()
-            job.in_flight[live[0][0]] = (op, started)  # watched for its deadline
+            job.in_flight[live[0][0]] = (sub_job_id, op, started)  # watched for its deadline
             try:
                 results = run([item for _, item, _ in live])
             except Exception as exc:  # every failure is recorded on its requests
-                self._record_failure(job, [e[0] for e in live], op, exc)
+                self._record_failure(job, sub_job_id, [e[0] for e in live], op, exc)
             else:
-                self.metrics.engine_ran(job.job_id, live[0][0].rsplit(":", 2)[0], op, started, results)
+                self.metrics.engine_ran(job.job_id, sub_job_id, op, started, results)
                 for (request_id, _, op_metadata), result in zip(live, results, strict=True):
                     self._record_result(job, request_id, result, op_metadata)
             finally:
@@ -440,20 +429,17 @@ class JobManager:
 
     def _record_result(self, job: LiveJob, request_id: str, result: Any, op_metadata: dict[str, Any]) -> None:
         try:
-            if wants_dssst1(op_metadata):
-                text = None
-                result = json.loads(result) if isinstance(result, JsonText) else result
-            else:
-                text = json_text(result)
-            if text is None:
-                path = ResultPages.write_frame(result, job.job_dir / "results" / f"{uuid.uuid4().hex}.dssst1")
-                self.requests.finish(request_id, status="done", result_path=path)
-            else:
+            text = None if wants_dssst1(op_metadata) else json_text(result)
+            if text is not None:
                 self.requests.finish(request_id, status="done", result_json=text)
+                return
+            result = json.loads(result) if isinstance(result, JsonText) else result
+            path = ResultPages.write_frame(result, job.job_dir / "results" / f"{uuid.uuid4().hex}.dssst1")
+            self.requests.finish(request_id, status="done", result_path=path)
         except Exception as exc:  # an unencodable result fails the request, not the job
             self.requests.finish(request_id, status="failed", error=f"the result could not be stored: {exc}")
 
-    def _record_failure(self, job: LiveJob, request_ids: list[str], op: str, exc: Exception) -> None:
+    def _record_failure(self, job: LiveJob, sub_job_id: str, request_ids: list[str], op: str, exc: Exception) -> None:
         if job.stopping and isinstance(exc, ClientClosedError):  # cut short by the job stopping
             for request_id in request_ids:
                 self.requests.finish(request_id, status="cancelled", error=f"job {job.job_id} stopped: {exc}")
@@ -461,7 +447,6 @@ class JobManager:
         message = f"{type(exc).__name__}: {exc}"
         for request_id in request_ids:
             self.requests.finish(request_id, status="failed", error=message)
-        sub_job_id = request_ids[0].rsplit(":", 2)[0]
         if isinstance(exc, _USER_ERRORS) or (isinstance(exc, RequestFailedError) and exc.category == "user"):
             job.log.write(f"{op} failed: {message}", level="WARNING", sub_job_id=sub_job_id)
             return
@@ -473,7 +458,7 @@ def _pick_sub_job(
     job_id: str, kinds: dict[str, str], sub_job_id: str | None, sub_job_type: str | None, default_type: str | None
 ) -> str:
     """The sub-job id ``sub_job_id`` / ``sub_job_type`` name among ``kinds`` (id -> job type)."""
-    wanted = _job_type(sub_job_type) if sub_job_type is not None else None
+    wanted = job_type_named(sub_job_type) if sub_job_type is not None else None
     if sub_job_id is not None:
         if sub_job_id not in kinds:
             raise InvalidRequestError(
@@ -495,9 +480,10 @@ def _pick_sub_job(
     return matches[0]
 
 
-def _job_type(sub_job_type: str) -> str:
+def job_type_named(sub_job_type: str) -> str:
+    """The job type a ``sub_job_type`` hint names (``JOB_TYPE_LOG_PROB``, ``log_probability``, ...)."""
     text = sub_job_type.strip().lower().removeprefix("job_type_")
-    by_segment = {segment: job_type for job_type, segment in SEGMENT_BY_JOB_TYPE.items()}
-    if text in SEGMENT_BY_JOB_TYPE or text in by_segment:
-        return by_segment.get(text, text)
-    raise InvalidRequestError(f"sub_job_type must be one of {sorted(SEGMENT_BY_JOB_TYPE)}; got {sub_job_type!r}")
+    text = "log_probability" if text == "log_prob" else text
+    if text not in SEGMENT_BY_JOB_TYPE:
+        raise InvalidRequestError(f"sub_job_type must be one of {sorted(SEGMENT_BY_JOB_TYPE)}; got {sub_job_type!r}")
+    return text

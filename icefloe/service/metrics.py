@@ -20,13 +20,14 @@ import logging
 import math
 import threading
 import time
+from collections import Counter as Tally
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
 
 from icefloe.protocol import OP_FWD_BWD, OP_STEP, OP_WEIGHT_SYNC, InvalidRequestError
 from icefloe.service import store
@@ -38,8 +39,12 @@ _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 _MAX_REPORTED = 256  # metric names in one report
 
 
-def check_reported(step: Any, metrics: Any) -> dict[str, float]:
-    """The values of a client report, or :class:`InvalidRequestError` naming the bad field."""
+def check_reported(body: dict[str, Any]) -> tuple[int, dict[str, float]]:
+    """The step and values of a client report, or :class:`InvalidRequestError` naming the bad field."""
+    unknown = sorted(set(body) - {"step", "metrics"})
+    if unknown:
+        raise InvalidRequestError(f"body has unknown keys {unknown}; send {{'step': int, 'metrics': {{name: number}}}}")
+    step, metrics = body.get("step"), body.get("metrics")
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise InvalidRequestError(f"step must be an integer >= 0; got {step!r}")
     if not isinstance(metrics, Mapping) or not metrics:
@@ -53,16 +58,16 @@ def check_reported(step: Any, metrics: Any) -> dict[str, float]:
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise InvalidRequestError(f"metrics.{name} must be a finite number; got {value!r:.100}")
         values[name] = float(value)
-    return values
+    return step, values
 
 
+@dataclass
 class _Pending:
     """What the forward-backward calls since a sub-job's last step added up to."""
 
-    def __init__(self) -> None:
-        self.loss_x_tokens = 0.0
-        self.tokens = 0
-        self.started: float | None = None  # time.monotonic() when the first of them began
+    loss_x_tokens: float = 0.0
+    tokens: int = 0
+    started: float | None = None  # time.monotonic() when the first of them began
 
 
 class ServiceMetrics:
@@ -80,25 +85,25 @@ class ServiceMetrics:
         self.requests = Counter(
             "icefloe_requests", "Requests finished, by op and outcome.", ["op", "outcome"], registry=reg
         )
-        self.request_seconds = Histogram(
+
+        def seconds(name: str, doc: str, *labels: str) -> Histogram:
+            return Histogram(name, doc, labels, buckets=_SECONDS_BUCKETS, registry=reg)
+
+        self.request_seconds = seconds(
             "icefloe_request_seconds",
             "Seconds from a request's acceptance to its outcome (queue wait included), by op.",
-            ["op"],
-            buckets=_SECONDS_BUCKETS,
-            registry=reg,
+            "op",
         )
-        self.engine_seconds = Histogram(
+        self.engine_seconds = seconds(
             "icefloe_engine_seconds",
             "Seconds an engine ran one op (a batch of merged requests counts once), by op.",
-            ["op"],
-            buckets=_SECONDS_BUCKETS,
-            registry=reg,
+            "op",
         )
-        self.sync_seconds = Histogram(
-            "icefloe_weight_sync_seconds", "Seconds one weight sync took.", buckets=_SECONDS_BUCKETS, registry=reg
-        )
+        self.sync_seconds = seconds("icefloe_weight_sync_seconds", "Seconds one weight sync took.")
         self.sync_bytes = Counter("icefloe_weight_sync_bytes", "Bytes weight syncs moved.", registry=reg)
-        reg.register(_Snapshot(db, open_requests, chunk_bytes))
+        self._open_requests = open_requests
+        self._chunk_bytes = chunk_bytes
+        reg.register(self)  # its collect(): the gauges read at scrape time
         self._pending: dict[str, _Pending] = {}  # sub-job id -> its forward-backward calls since its last step
         self._last_step_end: dict[str, float] = {}
         self._lock = threading.Lock()
@@ -111,27 +116,24 @@ class ServiceMetrics:
 
     def engine_ran(self, job_id: str, sub_job_id: str, op: str, started: float, results: list[Any]) -> None:
         """Called once the engine ran ``op``; ``started`` is its ``time.monotonic()`` start."""
-        try:
-            self._engine_ran(job_id, sub_job_id, op, started, results)
-        except Exception:  # a value that cannot be recorded must never fail the op that produced it
-            _log.exception("job %s: recording the metrics of %s failed", job_id, op)
-
-    def _engine_ran(self, job_id: str, sub_job_id: str, op: str, started: float, results: list[Any]) -> None:
         now = time.monotonic()
         self.engine_seconds.labels(op).observe(now - started)
         result = results[0] if len(results) == 1 and isinstance(results[0], dict) else None
         if result is None:
             return
-        if op == OP_FWD_BWD:
-            self._add_fwd_bwd(sub_job_id, result, started)
-        elif op == OP_STEP and isinstance(result.get("global_step"), int):
-            self._end_step(job_id, sub_job_id, result, now)
-        elif op == OP_WEIGHT_SYNC and isinstance(result.get("policy_version"), int):
-            self.sync_seconds.observe(float(result.get("seconds", now - started)))
-            self.sync_bytes.inc(int(result.get("bytes", 0)))
-            version = result["policy_version"]
-            if version > 0:  # the weights of step version - 1
-                self.record(job_id, version - 1, {"policy_version": float(version)})
+        try:
+            if op == OP_FWD_BWD:
+                self._add_fwd_bwd(sub_job_id, result, started)
+            elif op == OP_STEP and isinstance(result.get("global_step"), int):
+                self._end_step(job_id, sub_job_id, result, now)
+            elif op == OP_WEIGHT_SYNC and isinstance(result.get("policy_version"), int):
+                self.sync_seconds.observe(float(result.get("seconds", now - started)))
+                self.sync_bytes.inc(int(result.get("bytes", 0)))
+                version = result["policy_version"]
+                if version > 0:  # the weights of step version - 1
+                    self.record(job_id, version - 1, {"policy_version": float(version)})
+        except Exception:  # a value that cannot be recorded must never fail the op that produced it
+            _log.exception("job %s: recording the metrics of %s failed", job_id, op)
 
     def _add_fwd_bwd(self, sub_job_id: str, result: dict[str, Any], started: float) -> None:
         loss, tokens = result.get("loss"), result.get("num_tokens")
@@ -175,31 +177,15 @@ class ServiceMetrics:
             point[row["name"]] = row["value"]
         return list(points.values())
 
-
-class _Snapshot(Collector):
-    """Gauges read at scrape time: jobs by state, queue depth per sub-job, chunk-store bytes per job."""
-
-    def __init__(
-        self,
-        db: store.Database,
-        open_requests: Callable[[], Iterable[dict[str, Any]]],
-        chunk_bytes: Callable[[], Mapping[str, int]],
-    ) -> None:
-        self._db = db
-        self._open_requests = open_requests
-        self._chunk_bytes = chunk_bytes
-
     def collect(self) -> Iterable[GaugeMetricFamily]:
+        """Jobs by state, queue depth per sub-job and chunk-store bytes per job, read when scraped."""
         jobs = GaugeMetricFamily("icefloe_jobs", "Jobs by state.", labels=["state"])
-        for row in self._db.fetch_all("SELECT status, COUNT(*) AS n FROM jobs GROUP BY status"):
+        for row in self.db.fetch_all("SELECT status, COUNT(*) AS n FROM jobs GROUP BY status"):
             jobs.add_metric([row["status"]], row["n"])
         queue = GaugeMetricFamily(
             "icefloe_queue_depth", "Requests pending or running, per sub-job.", labels=["job_id", "sub_job_id", "state"]
         )
-        depth: dict[tuple[str, str, str], int] = {}
-        for row in self._open_requests():
-            key = (row["job_id"], row["sub_job_id"], row["status"])
-            depth[key] = depth.get(key, 0) + 1
+        depth = Tally((row["job_id"], row["sub_job_id"], row["status"]) for row in self._open_requests())
         for key, count in sorted(depth.items()):
             queue.add_metric(list(key), count)
         chunks = GaugeMetricFamily(
@@ -208,6 +194,3 @@ class _Snapshot(Collector):
         for job_id, held in sorted(self._chunk_bytes().items()):
             chunks.add_metric([job_id], held)
         return [jobs, queue, chunks]
-
-    def describe(self) -> Iterable[GaugeMetricFamily]:
-        return []

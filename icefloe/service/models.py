@@ -10,44 +10,11 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from icefloe.protocol import InvalidRequestError
-
-__all__ = [
-    "MAX_JSON_DEPTH",
-    "CancelRequestPayload",
-    "Capabilities",
-    "Capacity",
-    "CheckpointExport",
-    "CheckpointList",
-    "CheckpointPublic",
-    "ExperimentRun",
-    "ExportFile",
-    "GenerateBody",
-    "InferenceConfig",
-    "JobCreate",
-    "JobCreated",
-    "JobList",
-    "JobPublic",
-    "LoadBody",
-    "OperationBody",
-    "OptimizerSpec",
-    "RequestAccepted",
-    "RequestPublic",
-    "SaveBody",
-    "SourceCheckpointInfo",
-    "StepBody",
-    "SubJobConfig",
-    "SubJobPublic",
-    "TailLogsPayload",
-    "TrainingConfigSpec",
-    "WeightSyncPayload",
-    "check_body",
-    "parse_json_body",
-]
 
 # Containers nested deeper than this are refused. Real bodies nest fewer than ten; past a few
 # hundred, pydantic's encoder fails (a 500), past about a thousand the parser itself does.
@@ -57,11 +24,7 @@ _MAX_LISTED_FIELDS = 10
 
 
 def parse_json_body(raw: bytes | str, what: str = "body") -> Any:
-    """Parse a JSON request body and :func:`check_body` it.
-
-    Raises:
-        InvalidRequestError: not JSON, or refused by :func:`check_body`.
-    """
+    """Parse a JSON request body and :func:`check_body` it; :class:`InvalidRequestError` if either fails."""
     try:
         value = json.loads(raw)
     except RecursionError:
@@ -75,14 +38,9 @@ def parse_json_body(raw: bytes | str, what: str = "body") -> Any:
 def check_body(value: Any, what: str = "body") -> None:
     """Refuse what no model can: nesting deeper than :data:`MAX_JSON_DEPTH`, and non-finite numbers.
 
-    ``NaN``, ``Infinity`` and numbers beyond a double (``1e400``, which JSON parsers read as
-    infinity) are refused wherever they sit, passthrough keys included, since one reaching an
-    optimizer or a loss turns the weights into NaN. Tensors of a decoded DSSST1 frame are leaves
-    and are not looked into.
-
-    Raises:
-        InvalidRequestError: the message names every offending field
-            (``sub_job_configs.0.training_config.optimizer.lr=inf``).
+    ``NaN``, ``Infinity`` and ``1e400`` (read as infinity) are refused wherever they sit, passthrough
+    keys included: one reaching an optimizer or a loss turns the weights into NaN. The error names
+    every offending field. Tensors of a decoded DSSST1 frame are leaves and are not looked into.
     """
     non_finite: list[str] = []
     pending = [(value, ())] if type(value) in _CHECKED_TYPES else []
@@ -113,6 +71,8 @@ def _dotted(path: tuple[Any, ...]) -> str:
 
 
 JobType = Literal["training", "sampling", "log_probability"]
+# Enum-like strings arrive in any case, the managed API's job types with their JOB_TYPE_ prefix.
+_EnumText = BeforeValidator(lambda v: v.strip().lower().removeprefix("job_type_") if isinstance(v, str) else v)
 
 
 class _Open(BaseModel):
@@ -160,7 +120,7 @@ class SourceCheckpointInfo(_Open):
 
 
 class SubJobConfig(_Open):
-    job_type: JobType
+    job_type: Annotated[JobType, _EnumText]
     model_name: str = Field(min_length=1)
     training_config: TrainingConfigSpec | None = None
     inference_config: InferenceConfig | None = None
@@ -171,10 +131,13 @@ class SubJobConfig(_Open):
     post_init_hooks: list[str] | None = Field(None, alias="model_post_init")
     source_checkpoint_info: SourceCheckpointInfo | None = None
 
-    @field_validator("job_type", mode="before")
-    @classmethod
-    def _strip_enum_prefix(cls, value: Any) -> Any:
-        return value.lower().removeprefix("job_type_") if isinstance(value, str) else value
+    @property
+    def section(self) -> TrainingConfigSpec | InferenceConfig | None:
+        return self.training_config if self.job_type == "training" else self.inference_config
+
+    @property
+    def section_name(self) -> str:
+        return "training_config" if self.job_type == "training" else "inference_config"
 
     @model_validator(mode="after")
     def _config_matches_type(self) -> SubJobConfig:
@@ -246,18 +209,11 @@ class ExperimentRun(BaseModel):
 
 
 # --- compute -----------------------------------------------------------------------------------
-class RequestAccepted(BaseModel):
+class RequestAccepted(_Open):
     """``{request_id, job_id}``; with ``?wait=`` (icefloe extension) also the request's poll answer."""
 
     request_id: str
     job_id: str
-    status: str | None = None
-    created_at: str | None = None
-    updated_at: str | None = None
-    result: dict[str, Any] | None = None
-    error: str | None = None
-    events: list[dict[str, Any]] | None = None
-    next_cursor: str | None = None
 
 
 class StepBody(_Open):
@@ -266,12 +222,7 @@ class StepBody(_Open):
 
 class SaveBody(_Open):
     checkpoint_id: str | None = None  # accepted but, as on the managed endpoint, the id comes from the step
-    checkpoint_type: Literal["resumable", "weights-only"] = "resumable"
-
-    @field_validator("checkpoint_type", mode="before")
-    @classmethod
-    def _lowercase(cls, value: Any) -> Any:
-        return value.strip().lower() if isinstance(value, str) else value
+    checkpoint_type: Annotated[Literal["resumable", "weights-only"], _EnumText] = "resumable"
 
 
 class LoadBody(_Open):

@@ -8,24 +8,21 @@ octet body run on a thread-pool thread (decoding a 60 MiB frame must not stall t
 from __future__ import annotations
 
 import functools
+import itertools
 import json
-import threading
 import time
 from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
+from icefloe import protocol as api
 from icefloe import wire
+from icefloe.config import validation_problems
 from icefloe.protocol import (
-    OP_FORWARD,
-    OP_FWD_BWD,
-    OP_GENERATE,
-    OP_LOAD,
-    OP_SAVE,
-    OP_STEP,
-    OP_WEIGHT_SYNC,
     ClientClosedError,
     ConflictError,
     InvalidRequestError,
@@ -34,7 +31,7 @@ from icefloe.protocol import (
     UnsupportedOpError,
 )
 from icefloe.service import store
-from icefloe.service.jobs import JobManager, LiveJob
+from icefloe.service.jobs import JobManager, LiveJob, job_type_named
 from icefloe.service.models import (
     GenerateBody,
     LoadBody,
@@ -52,48 +49,34 @@ _SAMPLING_KEYS = frozenset(SamplingParams.model_fields)
 def submit_frame(
     manager: JobManager, job: LiveJob, op: str, body: bytes, *, sub_job_id: str | None, reference: bool = False
 ) -> dict[str, Any]:
-    """Take an octet body (a DSSST1 frame or one request chunk of it) for ``op``.
-
-    ``sub_job_id`` None is allowed for generate only: the body's ``routing_key`` then picks one.
-    ``reference``: a forward on a LoRA training sub-job scores with its adapters disabled (see
-    :func:`forward_target`).
-    """
-    if op == OP_FORWARD and sub_job_id is not None and job.specs[sub_job_id].job_type == "sampling":
+    """Take an octet body (a DSSST1 frame or one request chunk of it) for ``op``; ``sub_job_id`` None
+    (generate only) lets the body's ``routing_key`` pick the sampler."""
+    if op == api.OP_FORWARD and sub_job_id is not None and job.specs[sub_job_id].job_type == "sampling":
         raise InvalidRequestError(f"forward runs on a training or log_probability sub-job; {sub_job_id} is a sampler")
+
+    def execute(frame: bytes) -> dict[str, Any]:
+        payload = wire.decode(frame, tensors="torch")
+        check_body(payload, "frame")
+        op_metadata = wire.read_metadata(frame)
+        if op == api.OP_GENERATE:
+            request_id = _submit_generate(manager, job, payload, op_metadata, sub_job_id)
+        else:
+            assert sub_job_id is not None
+            run = _engine_call(job, op, payload, sub_job_id, reference)
+            request_id = manager.submit(job, sub_job_id, op, run, op_metadata=op_metadata)
+        return {"request_id": request_id, "job_id": job.job_id}
+
     descriptor = wire.chunk_descriptor(body)
-    if descriptor is None:
-        return _submit_decoded(manager, job, op, body, sub_job_id, reference)
-    return job.chunks.accept(
-        body, descriptor, execute=lambda frame: _submit_decoded(manager, job, op, frame, sub_job_id, reference)
-    )
-
-
-def _submit_decoded(
-    manager: JobManager, job: LiveJob, op: str, frame: bytes, sub_job_id: str | None, reference: bool
-) -> dict[str, Any]:
-    payload = wire.decode(frame, tensors="torch")
-    check_body(payload, "frame")
-    op_metadata = wire.read_metadata(frame)
-    if op == OP_GENERATE:
-        request_id = _submit_generate(manager, job, payload, op_metadata, sub_job_id)
-    else:
-        assert sub_job_id is not None
-        request_id = _submit_batch_op(manager, job, op, payload, op_metadata, sub_job_id, reference)
-    return {"request_id": request_id, "job_id": job.job_id}
+    return execute(body) if descriptor is None else job.chunks.accept(body, descriptor, execute=execute)
 
 
 # --- forward-backward / forward ----------------------------------------------------------------
 def forward_target(
     manager: JobManager, job: LiveJob, *, sub_job_id: str | None, sub_job_type: str | None
 ) -> tuple[str, bool]:
-    """The sub-job a forward runs on, and whether it scores the reference policy there.
-
-    A LoRA job's reference policy is its trainer with the adapters disabled, not a second copy of
-    the model: a forward addressed to the ``log_probability`` type on a job without such a sub-job
-    runs on the LoRA training sub-job with ``reference`` True. Any other address resolves as usual.
-    """
-    wanted = (sub_job_type or "").strip().lower().removeprefix("job_type_")
-    if sub_job_id is None and wanted in ("log_probability", "log_prob"):
+    """The sub-job a forward runs on, and whether it scores the reference policy there: on a LoRA job
+    without a ``log_probability`` sub-job, that is the trainer with its adapters disabled."""
+    if sub_job_id is None and sub_job_type is not None and job_type_named(sub_job_type) == "log_probability":
         kinds = {spec.job_type for spec in job.specs.values()}
         lora_trainers = [sid for sid, spec in job.specs.items() if spec.is_training and spec.config.lora is not None]
         if "log_probability" not in kinds and lora_trainers:
@@ -102,15 +85,8 @@ def forward_target(
     return target, False
 
 
-def _submit_batch_op(
-    manager: JobManager,
-    job: LiveJob,
-    op: str,
-    payload: Any,
-    op_metadata: dict[str, Any],
-    sub_job_id: str,
-    reference: bool,
-) -> str:
+def _engine_call(job: LiveJob, op: str, payload: Any, sub_job_id: str, reference: bool) -> Callable[[], Any]:
+    """The engine call a forward or forward-backward body asks for, validated before it is queued."""
     from icefloe.engines.batch import validate_batch
 
     if isinstance(payload, dict) and "batch" in payload and "kwargs" not in payload:
@@ -118,19 +94,19 @@ def _submit_batch_op(
             "a verl-style {batch, meta, processing} payload was sent; lower it to the canonical "
             "{args, kwargs, context, processing} frame first (icefloe.client.batch.to_canonical)"
         )
-    batch, host = validate_batch(payload, require_context=op == OP_FWD_BWD), job.engines
-    if op == OP_FORWARD:
+    batch, host = validate_batch(payload, require_context=op == api.OP_FWD_BWD), job.engines
+    if op == api.OP_FORWARD:
         forward = host.forward_reference if reference else host.forward
-        return manager.submit(job, sub_job_id, op, lambda: forward(sub_job_id, batch), op_metadata=op_metadata)
+        return lambda: forward(sub_job_id, batch)
     if not job.specs[sub_job_id].is_training:
         raise InvalidRequestError(f"forward-backward needs a training sub-job; {sub_job_id} is not one")
 
-    def run() -> dict[str, Any]:
+    def fwd_bwd() -> dict[str, Any]:
         result = host.fwd_bwd(sub_job_id, batch)
         job.last_avg_loss[sub_job_id] = float(result["avg_loss"])
         return {"job_id": job.job_id, **result, "post_process_outputs": {}}
 
-    return manager.submit(job, sub_job_id, OP_FWD_BWD, run, op_metadata=op_metadata)
+    return fwd_bwd
 
 
 # --- generate ----------------------------------------------------------------------------------
@@ -174,16 +150,13 @@ def _submit_generate(
         ]
 
     item = (body.prompts, params)
-    return manager.submit(job, sub_job_id, OP_GENERATE, run_batch, batch_item=item, op_metadata=op_metadata)
+    return manager.submit(job, sub_job_id, api.OP_GENERATE, run_batch, batch_item=item, op_metadata=op_metadata)
 
 
 def _split(samples: list[Any], counts: list[int]) -> list[list[Any]]:
     """Hand each call its slice of a merged batch's samples (prompt-major: n samples per prompt)."""
-    out, cursor = [], 0
-    for count in counts:
-        out.append(samples[cursor : cursor + count])
-        cursor += count
-    return out
+    rest = iter(samples)
+    return [list(itertools.islice(rest, count)) for count in counts]
 
 
 def sampling_params_per_prompt(body: GenerateBody, job: LiveJob, sub_job_id: str) -> list[SamplingParams]:
@@ -221,7 +194,7 @@ def submit_step(manager: JobManager, job: LiveJob, body: StepBody, sub_job_id: s
         result = job.engines.step(sub_job_id, body.learning_rate)
         return {"job_id": job.job_id, "global_steps": result["global_step"], "last_lr": result["lr"], **result}
 
-    return manager.submit(job, sub_job_id, OP_STEP, run)
+    return manager.submit(job, sub_job_id, api.OP_STEP, run)
 
 
 def submit_save(manager: JobManager, job: LiveJob, body: SaveBody, sub_job_id: str) -> str:
@@ -236,14 +209,10 @@ def submit_save(manager: JobManager, job: LiveJob, body: SaveBody, sub_job_id: s
             checkpoint_type=result["kind"],
             path=result["path"],
         )
-        return {
-            "job_id": job.job_id,
-            "checkpoint_path": result["path"],
-            "checkpoint_tag": result["checkpoint_id"],
-            **result,
-        }
+        path, tag = result["path"], result["checkpoint_id"]
+        return {"job_id": job.job_id, "checkpoint_path": path, "checkpoint_tag": tag, **result}
 
-    return manager.submit(job, sub_job_id, OP_SAVE, run)
+    return manager.submit(job, sub_job_id, api.OP_SAVE, run)
 
 
 def load_target(job: LiveJob, body: LoadBody) -> str:
@@ -272,18 +241,15 @@ def submit_load(manager: JobManager, job: LiveJob, body: LoadBody, sub_job_id: s
     if record is None:
         raise NotFoundError(f"checkpoint {body.checkpoint_id!r} not found in job {source_job}")
     load = functools.partial(job.engines.load, sub_job_id, Path(record["path"]))
-    return manager.submit(job, sub_job_id, OP_LOAD, lambda: {"job_id": job.job_id, **load()})
+    return manager.submit(job, sub_job_id, api.OP_LOAD, lambda: {"job_id": job.job_id, **load()})
 
 
 # --- weight sync -------------------------------------------------------------------------------
 def submit_weight_sync(
     manager: JobManager, job: LiveJob, payload: WeightSyncPayload, routed_sub_job_id: str | None
 ) -> str:
-    """Queue a sync that runs after every earlier request to the source and before any later one to a target.
-
-    Each target's worker parks on a barrier task; the source's worker waits until every target
-    is parked (so no generate reads half-copied weights), copies, then releases them.
-    """
+    """Queue a sync that runs after every earlier request to the source and before any later one to a
+    target: each target's worker parks (so no generate reads half-copied weights) until the copy ends."""
     source = payload.source_sub_job_id or routed_sub_job_id
     if source is None or source not in job.specs or not job.specs[source].is_training:
         raise InvalidRequestError(
@@ -321,9 +287,8 @@ def submit_weight_sync(
     def copy() -> dict[str, Any]:
         started = time.perf_counter()
         per_target = {t: host.sync_weights(source, t, weight_format) for t in targets}
-        last = per_target[targets[-1]]
         return {
-            "policy_version": last["policy_version"],
+            "policy_version": per_target[targets[-1]]["policy_version"],
             "seconds": time.perf_counter() - started,
             "bytes": sum(int(r["bytes"]) for r in per_target.values()),
             "weight_format": weight_format,
@@ -337,7 +302,7 @@ def submit_weight_sync(
             raise ConflictError(str(exc)) from None
 
     try:
-        sync_request["id"] = manager.submit(job, source, OP_WEIGHT_SYNC, run)
+        sync_request["id"] = manager.submit(job, source, api.OP_WEIGHT_SYNC, run)
     except BaseException:
         gate.release()
         raise
@@ -348,42 +313,39 @@ def submit_weight_sync(
 OP_GENERATE_STREAM = "generate-stream"
 
 
+@dataclass
 class GenerateStream:
     """Events of one ``generate-stream`` request (UTF-8 JSON with a generate's fields): each prompt
     is a batchable item, and each result an event the moment its batch finishes. Polls drain events
     destructively, as the training API specifies: ``{type: "result", index, result}``,
-    ``{type: "error", index, error}``, then ``{type: "done", completed, failed}``.
+    ``{type: "error", index, error}``, then ``{type: "done", completed, failed}``. Only the
+    sub-job's worker pushes and only polls drain, so the deque needs no lock.
     """
 
-    def __init__(self, request_id: str, total: int) -> None:
-        self.request_id = request_id
-        self.total = total
-        self.completed = 0
-        self.failed = 0
-        self._events: deque[dict[str, Any]] = deque()
-        self._lock = threading.Lock()
+    request_id: str
+    total: int
+    completed: int = 0
+    failed: int = 0
+    _events: deque[dict[str, Any]] = field(default_factory=deque)
 
     def push(self, event: dict[str, Any]) -> bool:
         """Queue one event; True when it was the last prompt's (the stream is then complete)."""
-        with self._lock:
-            self._events.append(event)
-            if event["type"] == "result":
-                self.completed += 1
-            elif event["type"] == "error":
-                self.failed += 1
-            finished = self.completed + self.failed == self.total
-            if finished:
-                self._events.append({"type": "done", "completed": self.completed, "failed": self.failed})
-            return finished
+        self._events.append(event)
+        if event["type"] == "result":
+            self.completed += 1
+        else:
+            self.failed += 1
+        if self.completed + self.failed < self.total:
+            return False
+        self._events.append({"type": "done", "completed": self.completed, "failed": self.failed})
+        return True
 
     def drain(self, max_events: int) -> list[dict[str, Any]]:
-        with self._lock:
-            return [self._events.popleft() for _ in range(min(max_events, len(self._events)))]
+        return [self._events.popleft() for _ in range(min(max_events, len(self._events)))]
 
     @property
     def pending_events(self) -> int:
-        with self._lock:
-            return len(self._events)
+        return len(self._events)
 
 
 def submit_generate_stream(manager: JobManager, job: LiveJob, body: bytes, *, sub_job_id: str | None) -> dict:
@@ -426,9 +388,4 @@ def _run_stream_batch(manager: JobManager, job: LiveJob, target: str, items: lis
 
 def validation_text(exc: ValidationError, prefix: str = "") -> str:
     """One ``field: problem; got value`` clause per error, fields dotted from ``prefix``."""
-    parts = []
-    for err in exc.errors():
-        loc = prefix + ".".join(str(p) for p in err["loc"])
-        given = "" if isinstance(err.get("input"), dict | list) else f"; got {err.get('input')!r}"
-        parts.append(f"{loc.rstrip('.') or 'body'}: {err['msg'].removeprefix('Value error, ')}{given}")
-    return "; ".join(parts)
+    return "; ".join(validation_problems(exc, prefix, whole="body"))

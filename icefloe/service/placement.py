@@ -46,10 +46,9 @@ class SlotPool:
     def device(self, slot: int) -> str:
         return f"cuda:{slot}" if self.kind == "gpu" else "cpu"
 
-    def acquire(self, count: int, *, cancelled: threading.Event, ticket: object = None) -> list[int] | None:
+    def acquire(self, count: int, *, cancelled: threading.Event, ticket: object) -> list[int] | None:
         """Block until ``count`` slots are free and take them; None if ``cancelled`` was set first.
         ``ticket`` names the waiter for :meth:`waiting`."""
-        ticket = object() if ticket is None else ticket
         with self._cond:
             self._queue.append(ticket)
             try:

@@ -1,11 +1,7 @@
-"""``icefloe serve --engines ray``: a job's engines as Ray actors instead of in-process engines.
-
-A training sub-job with ``n_gpus`` slots becomes ``n`` data-parallel ranks, a sampling sub-job one
-sampler replica, a log-probability sub-job one reference rank; each reserves its own placement
-group. The actor groups share the engines' method names, so every op but weight sync is
-:class:`JobEngines`' own call. Weight sync between a training and a sampling sub-job is a broadcast
-on a process group created the first time that pair syncs. Ray must be connected
-(``icefloe serve --address``) or is started locally on first use.
+"""``icefloe serve --engines ray``: a job's engines as Ray actors, one group per sub-job in its own
+placement group (a training sub-job with ``n_gpus`` slots is ``n`` data-parallel ranks). The groups
+share the engines' method names, so every op but weight sync, a broadcast on a process group made
+the first time a pair syncs, is :class:`JobEngines`' own call.
 """
 
 from __future__ import annotations

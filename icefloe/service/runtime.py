@@ -24,8 +24,6 @@ _BUILD_LOCK = threading.Lock()
 
 
 def _op(method: str) -> Callable[..., Any]:
-    """A :class:`JobEngines` method: ``self._call(sub_job_id, method, *args)``."""
-
     def call(self: JobEngines, sub_job_id: str, *args: Any) -> Any:
         return self._call(sub_job_id, method, *args)
 
@@ -43,17 +41,11 @@ _ENGINE_METHODS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 class JobEngines:
-    """The engines of one job, addressed by sub-job id.
+    """The engines of one job, addressed by sub-job id; each op is one :meth:`_call`, by default the
+    engine method of that name on ``self._engines[sid]``.
 
-    The service calls, from the sub-job's ordered worker: ``fwd_bwd(sid, batch)``,
-    ``forward(sid, batch)``, ``forward_reference(sid, batch)`` (a LoRA trainer scoring the reference
-    policy: its base model, adapters disabled), ``step(sid, learning_rate)``, ``save(sid, root, kind)``,
-    ``load(sid, path)``, ``generate(sid, prompts, params)``, ``generate_json`` (the same, each
-    sample as JSON text), ``reset_prefix_cache(sid)`` and ``sync_weights(source_sid, target_sid,
-    weight_format)``. Each op is one :meth:`_call`, by default the engine method of that name on
-    ``self._engines[sid]``. A subclass fills ``_engines`` in ``start`` (slow; raise with the cause
-    when an engine cannot be built) and releases them in ``close`` (idempotent); ``interrupt`` fails
-    the calls waiting on engines elsewhere (a job that stops).
+    A subclass fills ``_engines`` in ``start`` (slow; raise with the cause when an engine cannot be
+    built) and releases them in ``close`` (idempotent).
     """
 
     def __init__(self, specs: Sequence[SubJobSpec], devices: dict[str, str], checkpoints: dict[str, Path]) -> None:
@@ -73,9 +65,7 @@ class JobEngines:
     sync_weights = _op("sync_weights")
 
     def generate_json(self, sub_job_id: str, prompts: list[list[int] | str], params: list[SamplingParams]) -> list[str]:
-        """:meth:`generate` with each sample encoded as JSON where it was made (an engine process):
-        the service then answers with the text as it is, instead of unpickling and re-encoding
-        thousands of samples."""
+        """:meth:`generate` with each sample encoded as JSON, so the answer splices the text in as it is."""
         return [encode_json(sample) for sample in self.generate(sub_job_id, prompts, params)]
 
     def start(self, on_progress: Callable[[str], None]) -> None:

@@ -11,9 +11,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
-from icefloe.config import format_validation_error
+from icefloe.config import validated
 from icefloe.protocol import ConfigError
 
 __all__ = ["TOKENS_ENV_VAR", "ServeSettings"]
@@ -82,20 +82,13 @@ class ServeSettings(BaseModel):
     def deadline_s(self, op: str) -> float:
         return self.op_deadlines_s.get(op, self.op_deadline_s)
 
-    @property
-    def db_path(self) -> Path:
-        return self.data_dir / "icefloe.sqlite3"
-
     def job_dir(self, job_id: str) -> Path:
         return self.data_dir / "jobs" / job_id
 
     @classmethod
     def build(cls, **values: Any) -> ServeSettings:
         """Validate settings and raise :class:`ConfigError` naming every bad field."""
-        try:
-            return cls.model_validate(values)
-        except ValidationError as exc:
-            raise ConfigError(format_validation_error(exc, prefix="serve.")) from None
+        return validated(cls, values, "serve.")
 
     @classmethod
     def from_env(

@@ -1,18 +1,11 @@
-"""Turn a create-job body into one engine configuration per sub-job.
-
-The training API names things its own way (``model_name``, ``training_config.gradient_clipping``,
-``inference_config.max_seq_len``, ``peft_config``); engines take a :class:`ClientConfig`. This is
-the one mapping between the two, so a field the API adds later is wired in one place.
+"""Turn a create-job body into one engine configuration (:class:`ClientConfig`) per sub-job: the one
+mapping between the training API's names and the engines'.
 
 ``model_name`` is a ``tiny:<preset>`` or a model folder under ``ServeSettings.model_root``, named
-relative to it (``org/name`` for a hub-style layout) or by its full path. Anything else gets one
-fixed refusal that says nothing about the file system: not whether a path exists, nor why it
-was refused.
-
-The managed API also accepts open "passthrough" keys (DeepSpeed, PrimeRL, vLLM knobs). Each one is
-honoured (mapped onto the config), refused with the fix when it would change what is trained and
-the engines cannot do it, or, when it only tunes machinery these engines do not have, recorded
-and reported in the job's ``warnings``.
+relative to it or by its full path. Anything else gets one fixed refusal that says nothing about
+the file system. Each passthrough key (DeepSpeed, PrimeRL, vLLM knobs) is honoured, refused with
+the fix when it would change what is trained, or recorded and reported in the job's ``warnings``
+when it only tunes machinery these engines do not have.
 """
 
 from __future__ import annotations
@@ -103,10 +96,6 @@ def _lora(raw: Any, where: str) -> LoraConfig:
         raise InvalidRequestError(f"{where}.{exc}") from None
 
 
-def _section(sub: SubJobConfig) -> str:
-    return "training_config" if sub.job_type == "training" else "inference_config"
-
-
 def _refuse_training_changes(sub: SubJobConfig, extra: dict[str, Any], dtype: str, where: str) -> None:
     """Passthrough settings that would change what is trained and that these engines cannot honour."""
     if sub.post_init_hooks:
@@ -114,7 +103,7 @@ def _refuse_training_changes(sub: SubJobConfig, extra: dict[str, Any], dtype: st
             f"{where}.model_post_init={sub.post_init_hooks!r}: model post-init hooks "
             "are not supported here; remove model_post_init"
         )
-    where = f"{where}.{_section(sub)}"
+    where = f"{where}.{sub.section_name}"
     if extra.get("router_replay"):
         raise InvalidRequestError(
             f"{where}.router_replay={extra['router_replay']!r}: MoE router replay is not supported; remove it"
@@ -154,15 +143,13 @@ def _client_config(sub: SubJobConfig, model_root: Path | None, where: str) -> tu
     data: dict[str, Any] = {"model": model, "seed": sub.seed or 0}
     if sub.dtype:
         data["dtype"] = _DTYPES.get(sub.dtype, sub.dtype)
-    section: TrainingConfigSpec | InferenceConfig | None = (
-        sub.training_config if sub.job_type == "training" else sub.inference_config
-    )
+    section = sub.section
     extra = dict(section.model_extra or {}) if section is not None else {}
     if section is not None and section.multiplex_job_id is not None:
         extra["multiplex_job_id"] = section.multiplex_job_id
     _refuse_training_changes(sub, extra, data.get("dtype", "float32"), where)
     if extra.get("peft_config") is not None:
-        data["lora"] = _lora(extra.pop("peft_config"), f"{where}.{_section(sub)}")
+        data["lora"] = _lora(extra.pop("peft_config"), f"{where}.{sub.section_name}")
     if sub.job_type == "training":
         tc = sub.training_config or TrainingConfigSpec()
         opt = tc.optimizer
@@ -196,7 +183,7 @@ def _client_config(sub: SubJobConfig, model_root: Path | None, where: str) -> tu
     except ConfigError as exc:
         raise InvalidRequestError(f"{where}: {exc}") from None
     warnings = [
-        f"{where}.{_section(sub)}.{key} is recorded but not used: "
+        f"{where}.{sub.section_name}.{key} is recorded but not used: "
         f"{_NO_COUNTERPART.get(key, 'icefloe does not know this key')}"
         for key in sorted(extra)
     ]
@@ -244,24 +231,19 @@ def sub_job_specs(job_id: str, body: JobCreate, *, model_root: Path | None = Non
     for position, sub in enumerate(body.sub_job_configs):
         index = counts.get(sub.job_type, 0)
         counts[sub.job_type] = index + 1
-        section = sub.training_config if sub.job_type == "training" else sub.inference_config
-        where = f"sub_job_configs.{position}"
-        config, warnings = _client_config(sub, model_root, where)
-        num_gpus = section.n_gpus if section is not None else 1
-        load_optimizer = True
-        if isinstance(section, TrainingConfigSpec) and section.load_optimizer_states is False:
-            load_optimizer = False
+        section = sub.section
+        config, warnings = _client_config(sub, model_root, f"sub_job_configs.{position}")
         specs.append(
             SubJobSpec(
                 sub_job_id=f"{job_id}:{SEGMENT_BY_JOB_TYPE[sub.job_type]}:{index}",
                 job_type=sub.job_type,
                 model_name=sub.model_name.strip(),
                 config=config,
-                num_slots=num_gpus,
+                num_slots=section.n_gpus if section is not None else 1,
                 source_checkpoint=(
                     sub.source_checkpoint_info.model_dump(exclude_none=True) if sub.source_checkpoint_info else None
                 ),
-                load_optimizer_states=load_optimizer,
+                load_optimizer_states=getattr(section, "load_optimizer_states", None) is not False,
                 public_config=_public_config(section, config),
                 warnings=tuple(warnings),
             )

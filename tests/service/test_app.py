@@ -33,6 +33,10 @@ async def test_job_lifecycle_walks_every_endpoint(data_dir, transport):
             "job_metrics": True,
         }
         assert caps["limits"]["lease_ttl_ms"] == 600_000
+        assert set(caps["ops"]) == {
+            "forward-backward", "forward", "step", "save", "load", "generate", "weight-sync", "reset-prefix-cache",
+            "list-checkpoints", "export-checkpoint", "delete-checkpoint", "cancel",
+        }  # fmt: skip
         job_id = await api.create(TRAINING, SAMPLING, experiment_name="walk")
         job = await api.wait_status(job_id, "running")
         assert [s["sub_job_id"] for s in job["sub_jobs"]] == [f"{job_id}:training:0", f"{job_id}:sampling:0"]

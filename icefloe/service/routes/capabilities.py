@@ -2,16 +2,7 @@
 
 from __future__ import annotations
 
-from icefloe.protocol import (
-    OP_FORWARD,
-    OP_FWD_BWD,
-    OP_GENERATE,
-    OP_LOAD,
-    OP_RESET_PREFIX_CACHE,
-    OP_SAVE,
-    OP_STEP,
-    OP_WEIGHT_SYNC,
-)
+from icefloe import protocol as p
 from icefloe.service.deps import JobsDep, SettingsDep
 from icefloe.service.models import Capabilities, Capacity
 from icefloe.service.results import MAX_EVENTS_CAP
@@ -22,26 +13,15 @@ __all__ = ["SUPPORTED_OPERATIONS", "router"]
 router = api_router("capabilities")
 
 # operation_type values POST {job}/operation executes; the others answer 501.
-SUPPORTED_OPERATIONS = (OP_FORWARD, OP_WEIGHT_SYNC, OP_RESET_PREFIX_CACHE, "cancel-request", "tail-logs")
+SUPPORTED_OPERATIONS = (p.OP_FORWARD, p.OP_WEIGHT_SYNC, p.OP_RESET_PREFIX_CACHE, "cancel-request", "tail-logs")
+# Every op but sleep / wake (the client answers those itself) and get-checkpoint (no route reads one checkpoint).
+_NOT_SERVED = {p.OP_GET_CHECKPOINT, p.OP_SLEEP_TRAINING, p.OP_WAKE_TRAINING, p.OP_SLEEP_INFERENCE, p.OP_WAKE_INFERENCE}
 
 
 @router.get("/capabilities", response_model=Capabilities)
 async def capabilities(settings: SettingsDep) -> dict:
     return {
-        "ops": [
-            OP_FWD_BWD,
-            OP_FORWARD,
-            OP_STEP,
-            OP_SAVE,
-            OP_LOAD,
-            OP_GENERATE,
-            OP_WEIGHT_SYNC,
-            OP_RESET_PREFIX_CACHE,
-            "list-checkpoints",
-            "export-checkpoint",
-            "delete-checkpoint",
-            "cancel",
-        ],
+        "ops": [*sorted(p.OPS - _NOT_SERVED), "export-checkpoint"],  # export: a route with no op of its own
         "operations": list(SUPPORTED_OPERATIONS),
         "extensions": {
             "long_poll": True,

@@ -13,7 +13,6 @@ from typing import Any
 from fastapi import APIRouter, Body, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from icefloe.protocol import InvalidRequestError
 from icefloe.service.deps import JobsDep
 from icefloe.service.metrics import check_reported
 from icefloe.service.routes import api_router
@@ -27,12 +26,9 @@ prometheus_router = APIRouter(tags=["metrics"])
 @router.post("/{job_id}/metrics")
 async def report_metrics(job_id: str, jobs: JobsDep, body: dict[str, Any] = Body(...)) -> dict:
     jobs.public(job_id)  # 404 for an unknown job; renews the lease
-    unknown = sorted(set(body) - {"step", "metrics"})
-    if unknown:
-        raise InvalidRequestError(f"body has unknown keys {unknown}; send {{'step': int, 'metrics': {{name: number}}}}")
-    values = check_reported(body.get("step"), body.get("metrics"))
-    jobs.metrics.record(job_id, body["step"], values)
-    return {"job_id": job_id, "step": body["step"], "recorded": sorted(values)}
+    step, values = check_reported(body)
+    jobs.metrics.record(job_id, step, values)
+    return {"job_id": job_id, "step": step, "recorded": sorted(values)}
 
 
 @router.get("/{job_id}/metrics")

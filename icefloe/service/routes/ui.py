@@ -1,11 +1,6 @@
-"""The dashboard at ``/ui``: static pages whose script polls two JSON routes of its own and the API.
-
-``/ui`` lists the jobs, ``/ui/jobs/{job_id}`` shows one (charts of its per-step metrics, sub-jobs,
-request queue, log tail, checkpoints). The pages are plain HTML with a small script; the charts are
-uPlot, shipped in ``ui/static`` (no network at view time). ``/ui/api/...`` gathers what a page shows
-in one answer; the charts read ``GET {job}/metrics`` and the download links come from the API's
-checkpoint export. With auth on, ``/ui/login`` takes the token once and keeps it in an HttpOnly
-cookie, which the token check accepts like the ``Authorization`` header.
+"""The dashboard at ``/ui``: static pages (uPlot charts shipped in ``ui/static``) whose script polls
+``/ui/api/...``, which gathers what a page shows in one answer, and the API. With auth on,
+``/ui/login`` keeps the token in an HttpOnly cookie, which the token check accepts like the header.
 """
 
 from __future__ import annotations
@@ -22,7 +17,6 @@ from fastapi.staticfiles import StaticFiles
 
 from icefloe.service import store
 from icefloe.service.deps import JobsDep, SettingsDep, StoreDep
-from icefloe.service.joblog import JobLog
 from icefloe.service.jobs import JobManager
 from icefloe.service.middleware import TOKEN_COOKIE
 
@@ -106,14 +100,11 @@ def _row(jobs: JobManager, row: dict[str, Any]) -> dict[str, Any]:
     latest = store.latest_job_metrics(jobs.db, job_id=job_id)
     value = {name: latest[name][1] for name in ("loss", "reward", "tokens_per_s") if name in latest}
     return {
-        "job_id": job_id,
-        "status": row["status"],
-        "reason": row["reason"],
+        **{key: row[key] for key in ("job_id", "status", "reason", "created_at")},
         "model": spec["sub_jobs"][0]["model_name"] if spec["sub_jobs"] else "",
         "mode": _mode(spec),
         "step": max((step for step, _ in latest.values()), default=None),
         **value,
-        "created_at": row["created_at"],
         "lease": _lease(jobs, job_id),
     }
 
@@ -129,17 +120,14 @@ async def job_detail(job_id: str, jobs: JobsDep, db: StoreDep) -> dict:
     row = store.get_job(db, job_id=job_id)
     assert row is not None
     sub_jobs = row["spec"]["sub_jobs"]
-    live = jobs.live_job(job_id)
-    log = live.log if live is not None else JobLog(jobs.settings.job_dir(job_id) / "logs", [])
+    live, log = jobs.live_job(job_id), jobs.job_log(job_id)
     tails = [log.last(s["sub_job_id"], max_lines=_LOG_LINES) for s in sub_jobs]
     entries = {(e.get("ts"), e.get("msg")): e for tail in tails for e in tail}  # job-wide lines once
     return {
         **_row(jobs, row),
         "sub_jobs": [
             {
-                "sub_job_id": s["sub_job_id"],
-                "job_type": s["job_type"],
-                "model_name": s["model_name"],
+                **{key: s[key] for key in ("sub_job_id", "job_type", "model_name")},
                 "engines": jobs.settings.engines,
                 "slots": live.specs[s["sub_job_id"]].num_slots if live is not None else None,
             }
