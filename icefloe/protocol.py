@@ -37,6 +37,8 @@ pickling round-trips), say in the docstring when it is raised, and add it to the
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -111,6 +113,7 @@ __all__ = [
     "UnauthenticatedError",
     "UnsupportedOpError",
     "WireError",
+    "checked_metrics",
     "normalize_job_state",
     "normalize_request_state",
 ]
@@ -420,3 +423,27 @@ class JobFailedError(IcefloeError, RuntimeError):
 
 class IcefloeTimeoutError(IcefloeError, TimeoutError):
     """A deadline passed while waiting for a job or request; the work may still be running."""
+
+
+MAX_REPORTED_METRICS: Final = 256  # metric names in one report
+
+
+def checked_metrics(step: object, metrics: object) -> dict[str, float]:
+    """A client's metric report as ``{name: float}``, or :class:`InvalidRequestError` naming the bad field.
+
+    The client checks before sending and the service again on arrival, with the same words.
+    """
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise InvalidRequestError(f"step must be an integer >= 0; got {step!r}")
+    if not isinstance(metrics, Mapping) or not metrics:
+        raise InvalidRequestError(f"metrics must be a non-empty object of name -> number; got {metrics!r:.100}")
+    if len(metrics) > MAX_REPORTED_METRICS:
+        raise InvalidRequestError(f"metrics holds {len(metrics)} names; send at most {MAX_REPORTED_METRICS} per report")
+    values = {}
+    for name, value in metrics.items():
+        if not isinstance(name, str) or not name.strip() or name in ("step", "time"):
+            raise InvalidRequestError(f"metrics: name {name!r} must be a non-empty string other than 'step' or 'time'")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise InvalidRequestError(f"metrics.{name} must be a finite number; got {value!r:.100}")
+        values[name] = float(value)
+    return values

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
-import math
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, Self
@@ -27,6 +26,7 @@ from icefloe.protocol import (
     RequestFailedError,
     SamplingParams,
     UnsupportedOpError,
+    checked_metrics,
 )
 
 __all__ = ["AsyncClient", "Client"]
@@ -217,7 +217,7 @@ class Client(_BaseClient):
         is sent (log them with a tracker). Names must be non-empty strings (not ``step`` or ``time``),
         values finite numbers.
         """
-        values = _checked_metrics(metrics, step)
+        values = checked_metrics(step, metrics)
         self._check_open()
         self._ensure_open_sync()
         self._transport.log_metrics(values, step).result()
@@ -429,7 +429,7 @@ class AsyncClient(_BaseClient):
 
     async def log_metrics(self, metrics: Mapping[str, float], *, step: int) -> None:
         """Report scalars the client knows for ``step`` of the job; see ``Client.log_metrics``."""
-        values = _checked_metrics(metrics, step)
+        values = checked_metrics(step, metrics)
         await self.open()
         await asyncio.wrap_future(self._transport.log_metrics(values, step))
 
@@ -445,22 +445,6 @@ class AsyncClient(_BaseClient):
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.shutdown()
-
-
-def _checked_metrics(metrics: Mapping[str, float], step: int) -> dict[str, float]:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise InvalidRequestError(f"log_metrics: step must be an integer >= 0; got {step!r}")
-    if not isinstance(metrics, Mapping) or not metrics:
-        got = f"{metrics!r:.80}"
-        raise InvalidRequestError(f"log_metrics: metrics must be a non-empty mapping name -> number; got {got}")
-    values = {}
-    for name, value in metrics.items():
-        if not isinstance(name, str) or not name.strip() or name in ("step", "time"):
-            raise InvalidRequestError(f"log_metrics: metric name {name!r} must be a non-empty string, not step or time")
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise InvalidRequestError(f"log_metrics: metrics[{name!r}] must be a finite number; got {value!r:.100}")
-        values[name] = float(value)
-    return values
 
 
 async def _answer(handled: Future, parse: Callable[[Any], Any]) -> Any:

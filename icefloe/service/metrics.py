@@ -29,14 +29,13 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from icefloe.protocol import OP_FWD_BWD, OP_STEP, OP_WEIGHT_SYNC, InvalidRequestError
+from icefloe.protocol import OP_FWD_BWD, OP_STEP, OP_WEIGHT_SYNC, InvalidRequestError, checked_metrics
 from icefloe.service import store
 
 __all__ = ["ServiceMetrics", "check_reported"]
 
 _log = logging.getLogger("icefloe.service.jobs")
 _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800)
-_MAX_REPORTED = 256  # metric names in one report
 
 
 def check_reported(body: dict[str, Any]) -> tuple[int, dict[str, float]]:
@@ -44,21 +43,8 @@ def check_reported(body: dict[str, Any]) -> tuple[int, dict[str, float]]:
     unknown = sorted(set(body) - {"step", "metrics"})
     if unknown:
         raise InvalidRequestError(f"body has unknown keys {unknown}; send {{'step': int, 'metrics': {{name: number}}}}")
-    step, metrics = body.get("step"), body.get("metrics")
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise InvalidRequestError(f"step must be an integer >= 0; got {step!r}")
-    if not isinstance(metrics, Mapping) or not metrics:
-        raise InvalidRequestError(f"metrics must be a non-empty object of name -> number; got {metrics!r:.100}")
-    if len(metrics) > _MAX_REPORTED:
-        raise InvalidRequestError(f"metrics holds {len(metrics)} names; send at most {_MAX_REPORTED} per report")
-    values = {}
-    for name, value in metrics.items():
-        if not isinstance(name, str) or not name.strip() or name in ("step", "time"):
-            raise InvalidRequestError(f"metrics: name {name!r} must be a non-empty string other than 'step' or 'time'")
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise InvalidRequestError(f"metrics.{name} must be a finite number; got {value!r:.100}")
-        values[name] = float(value)
-    return step, values
+    values = checked_metrics(body.get("step"), body.get("metrics"))
+    return body["step"], values
 
 
 @dataclass

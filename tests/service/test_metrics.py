@@ -151,7 +151,7 @@ def test_remote_client_reports_metrics_next_to_the_engine_values(data_dir):
         client.step()
         client.sync_weights()
         assert client.log_metrics({"reward": 0.5}, step=0) is None
-        with pytest.raises(InvalidRequestError, match=r"metrics\['reward'\] must be a finite number; got nan"):
+        with pytest.raises(InvalidRequestError, match=r"metrics.reward must be a finite number; got nan"):
             client.log_metrics({"reward": float("nan")}, step=0)
 
         async def report_async() -> None:
@@ -168,7 +168,7 @@ def test_remote_client_reports_metrics_next_to_the_engine_values(data_dir):
 
 def test_local_client_log_metrics_is_a_no_op_after_checking_its_input():
     client = Client(ClientConfig.build({"model": "tiny:arith", "seed": 0}))
-    with pytest.raises(InvalidRequestError, match="metric name '' must be a non-empty string"):
+    with pytest.raises(InvalidRequestError, match="metrics: name '' must be a non-empty string"):
         client.log_metrics({"": 1.0}, step=0)
     with pytest.raises(InvalidRequestError, match="step must be an integer >= 0; got -2"):
         client.log_metrics({"reward": 1.0}, step=-2)
