@@ -34,25 +34,30 @@ def install_ui(app: FastAPI) -> None:
     app.mount("/ui/static", StaticFiles(directory=_PAGES / "static"), name="ui-static")
 
 
-def _page(name: str) -> HTMLResponse:
-    return HTMLResponse((_PAGES / name).read_text(encoding="utf-8"), headers={"cache-control": "no-store"})
+def _page(name: str, title: str, *stylesheets: str) -> HTMLResponse:
+    """A page file holds its body; the head every page shares is written here once."""
+    links = "".join(f'  <link rel="stylesheet" href="/ui/static/{sheet}">\n' for sheet in (*stylesheets, "app.css"))
+    head = f'<!doctype html>\n<html lang="en">\n<head>\n  <meta charset="utf-8">\n  <title>icefloe {title}</title>\n'
+    head += f"{links}</head>\n"
+    body = (_PAGES / name).read_text(encoding="utf-8")
+    return HTMLResponse(head + body, headers={"cache-control": "no-store"})
 
 
 @router.get("")
 async def jobs_page() -> HTMLResponse:
-    return _page("jobs.html")
+    return _page("jobs.html", "jobs")
 
 
 @router.get("/jobs/{job_id}")
 async def job_page(job_id: str) -> HTMLResponse:
-    return _page("job.html")
+    return _page("job.html", "job", "uPlot.min.css")
 
 
 @router.get("/login")
 async def login_form(settings: SettingsDep) -> Response:
     if not settings.auth_enabled:
         return RedirectResponse("/ui", status_code=303)
-    return _page("login.html")
+    return _page("login.html", "login")
 
 
 @router.post("/login")
