@@ -50,30 +50,47 @@ _SAMPLING_KEYS = frozenset(SamplingParams.model_fields)
 
 
 def submit_frame(
-    manager: JobManager, job: LiveJob, op: str, body: bytes, *, sub_job_id: str | None, reference: bool = False
+    manager: JobManager,
+    job: LiveJob,
+    op: str,
+    body: bytes,
+    *,
+    sub_job_id: str | None,
+    reference: bool = False,
+    header: wire.FrameHeader | None = None,
 ) -> dict[str, Any]:
     """Take an octet body (a DSSST1 frame or one request chunk of it) for ``op``.
 
     ``sub_job_id`` None is allowed for generate only: the body's ``routing_key`` then picks one.
     ``reference``: a forward on a LoRA training sub-job scores with its adapters disabled (see
-    :func:`forward_target`).
+    :func:`forward_target`). ``header``: ``wire.read_header(body)``, when the route parsed it already.
     """
     if op == OP_FORWARD and sub_job_id is not None and job.specs[sub_job_id].job_type == "sampling":
         raise InvalidRequestError(f"forward runs on a training or log_probability sub-job; {sub_job_id} is a sampler")
-    descriptor = wire.chunk_descriptor(body)
+    header = header or wire.read_header(body)
+    descriptor = wire.chunk_descriptor(body, header)
     if descriptor is None:
-        return _submit_decoded(manager, job, op, body, sub_job_id, reference)
+        return _submit_decoded(manager, job, op, body, header, sub_job_id, reference)
     return job.chunks.accept(
-        body, descriptor, execute=lambda frame: _submit_decoded(manager, job, op, frame, sub_job_id, reference)
+        descriptor,
+        wire.chunk_payload(body, header),
+        execute=lambda frame: _submit_decoded(manager, job, op, frame, None, sub_job_id, reference),
     )
 
 
 def _submit_decoded(
-    manager: JobManager, job: LiveJob, op: str, frame: bytes, sub_job_id: str | None, reference: bool
+    manager: JobManager,
+    job: LiveJob,
+    op: str,
+    frame: bytes,
+    header: wire.FrameHeader | None,
+    sub_job_id: str | None,
+    reference: bool,
 ) -> dict[str, Any]:
-    payload = wire.decode(frame, tensors="torch")
+    header = header or wire.read_header(frame)
+    payload = wire.decode(frame, tensors="torch", header=header)
     check_body(payload, "frame")
-    op_metadata = wire.read_metadata(frame)
+    op_metadata = wire.read_metadata(frame, header)
     if op == OP_GENERATE:
         request_id = _submit_generate(manager, job, payload, op_metadata, sub_job_id)
     else:

@@ -7,6 +7,7 @@ adds the request's poll answer once it finishes, or after S seconds.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +15,7 @@ from fastapi import Response
 from fastapi.concurrency import run_in_threadpool
 
 from icefloe import wire
-from icefloe.protocol import OP_FORWARD, OP_FWD_BWD, OP_GENERATE, WireError
+from icefloe.protocol import OP_FORWARD, OP_FWD_BWD, OP_GENERATE
 from icefloe.service.deps import JobsDep, OctetBody
 from icefloe.service.jobs import JobManager, LiveJob
 from icefloe.service.models import LoadBody, RequestAccepted, SaveBody, StepBody
@@ -38,23 +39,18 @@ router = api_router("compute")
 _DECODE_ON_LOOP_BYTES = 64 * 1024
 
 
-def _small_frame(body: bytes) -> bool:
-    """True for a small frame that is whole, or the only chunk of its group (a final chunk executes all)."""
-    if len(body) > _DECODE_ON_LOOP_BYTES:
-        return False
-    try:
-        descriptor = wire.chunk_descriptor(body)
-    except WireError:
-        return False  # submit_frame reports it
-    return descriptor is None or descriptor.get("total_chunks") == 1
-
-
 async def _submit(
     jobs: JobManager, job: LiveJob, op: str, body: bytes, *, sub_job_id: str | None, reference: bool = False
 ) -> dict:
-    if _small_frame(body):
-        return submit_frame(jobs, job, op, body, sub_job_id=sub_job_id, reference=reference)
-    return await run_in_threadpool(submit_frame, jobs, job, op, body, sub_job_id=sub_job_id, reference=reference)
+    """Decode on the loop a small frame that is whole, or the only chunk of its group (a final chunk joins all)."""
+    submit = functools.partial(submit_frame, jobs, job, op, body, sub_job_id=sub_job_id, reference=reference)
+    if len(body) > _DECODE_ON_LOOP_BYTES:
+        return await run_in_threadpool(submit)
+    header = wire.read_header(body)
+    descriptor = wire.chunk_descriptor(body, header)
+    if descriptor is not None and descriptor.get("total_chunks") != 1:
+        return await run_in_threadpool(submit, header=header)
+    return submit(header=header)
 
 
 async def _on_training(jobs: JobManager, job_id: str, submit: Callable[..., str], body: Any, wait: float) -> Any:
