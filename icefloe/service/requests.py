@@ -82,19 +82,18 @@ class RequestTable:
         result_path: str | None = None,
     ) -> None:
         """Record the outcome (``result_json``: the result as JSON text) and wake the request's pollers."""
-        updated_at = store.update_request(
-            self._db,
-            request_id=request_id,
-            status=status,
-            error=error,
-            result_json=result_json,
-            result_path=result_path,
-        )
-        finished = {"status": status, "updated_at": updated_at, "error": error, "result": result_json}
+        outcome = {
+            "status": status,
+            "updated_at": store.now_iso(),
+            "error": error,
+            "result": result_json,
+            "result_path": result_path,
+        }
+        store.update_request(self._db, request_id=request_id, outcome=outcome)
         with self._lock:
             row = self._open.pop(request_id, None)
             if row is not None:
-                self._finished[request_id] = {**row, **finished, "result_path": result_path}
+                self._finished[request_id] = {**row, **outcome}
                 while len(self._finished) > _FINISHED_ROWS_KEPT:
                     self._finished.popitem(last=False)
             waiters = self._waiting.pop(request_id, [])

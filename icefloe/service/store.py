@@ -193,22 +193,13 @@ def insert_request(
     return now
 
 
-def update_request(
-    db: Database,
-    *,
-    request_id: str,
-    status: str,
-    error: str = "",
-    result_json: str | None = None,
-    result_path: str | None = None,
-) -> str:
-    """Set the request's state; ``result_json`` is the result as JSON text. Returns the ``updated_at`` written."""
-    now = now_iso()
+def update_request(db: Database, *, request_id: str, outcome: dict[str, Any]) -> None:
+    """Write a request's ``outcome``: status, error, result (JSON text), result_path and updated_at."""
+    columns = ("status", "error", "result", "result_path", "updated_at")
     db.execute(
-        "UPDATE requests SET status = ?, error = ?, result = ?, result_path = ?, updated_at = ? WHERE request_id = ?",
-        (status, error, result_json, result_path, now, request_id),
+        f"UPDATE requests SET {', '.join(f'{c} = ?' for c in columns)} WHERE request_id = ?",
+        (*(outcome[c] for c in columns), request_id),
     )
-    return now
 
 
 def get_request(db: Database, *, request_id: str) -> dict[str, Any] | None:
