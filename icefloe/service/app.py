@@ -99,6 +99,7 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     for module in (compute, requests, operations, capabilities, jobs, checkpoints, metrics):
         app.include_router(module.router)
     app.include_router(metrics.prometheus_router)  # GET /metrics
+    app.router.routes[:0] = compute.STEP_ROUTES  # matched first: see icefloe.service.routes.compute
     install_ui(app)  # the dashboard, /ui
     install_tinker(app)  # the Tinker API, /api/v1
     # Listed innermost first. JsonBodies inside SubmitOrder: a body it refuses still frees its number.
