@@ -34,12 +34,14 @@ class Batches:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].endswith(BATCH_PATH):
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].endswith(BATCH_PATH):
+            body = await read_body(receive)
+            if body is not None:  # else the client went away
+                await self._answer(scope, body, send)
+        else:
             await self.app(scope, receive, send)
-            return
-        body = await read_body(receive)
-        if body is None:
-            return
+
+    async def _answer(self, scope: Scope, body: bytes, send: Send) -> None:
         try:
             parts = unpack(body)
             if not 0 < len(parts) <= _MAX_PARTS:
