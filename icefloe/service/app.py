@@ -88,10 +88,11 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     app.add_api_route("/health", _health, methods=["GET"], tags=["health"])  # open: see middleware.OPEN_PATH
     app.include_router(checkpoints.files_router)
     app.include_router(operations.statements_router)
-    # capabilities first: its fixed paths (/capacity) must win over /{job_id}
-    for module in (capabilities, jobs, compute, operations, requests, checkpoints, metrics):
+    # The data plane first (routes are matched in order); capabilities before jobs: /capacity must win over /{job_id}
+    for module in (compute, requests, operations, capabilities, jobs, checkpoints, metrics):
         app.include_router(module.router)
     app.include_router(metrics.prometheus_router)  # GET /metrics
+    app.router.routes[:0] = compute.STEP_ROUTES  # matched first: see icefloe.service.routes.compute
     install_ui(app)  # the dashboard, /ui
     install_tinker(app)  # the Tinker API, /api/v1
     # Listed innermost first. JsonBodies inside SubmitOrder: a body it refuses still frees its number.

@@ -19,6 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from icefloe.protocol import InvalidRequestError
 from icefloe.service.errors import send_error
+from icefloe.service.middleware import Recorder, read_body, replaying
 from icefloe.wire.batch import BATCH_MEDIA_TYPE, BATCH_PATH, pack, unpack
 
 __all__ = ["Batches"]
@@ -33,19 +34,16 @@ class Batches:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or not scope["path"].endswith(BATCH_PATH):
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].endswith(BATCH_PATH):
+            body = await read_body(receive)
+            if body is not None:  # else the client went away
+                await self._answer(scope, body, send)
+        else:
             await self.app(scope, receive, send)
-            return
-        body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            if not message.get("more_body", False):
-                break
+
+    async def _answer(self, scope: Scope, body: bytes, send: Send) -> None:
         try:
-            parts = unpack(bytes(body))
+            parts = unpack(body)
             if not 0 < len(parts) <= _MAX_PARTS:
                 raise ValueError(f"a batch holds 1 to {_MAX_PARTS} parts; got {len(parts)}")
             scopes = [_part_scope(scope, part) for part, _ in parts]
@@ -60,27 +58,15 @@ class Batches:
 
     async def _run(self, scope: Scope, body: bytes) -> tuple[dict[str, Any], bytes]:
         """One part through the inner app, as if it had come alone; returns its answer."""
-        delivered = asyncio.Event()
+        answer = Recorder()
+        await self.app(scope, replaying(body, _open), answer)
+        kept = [[k.decode("latin-1"), v.decode("latin-1")] for k, v in answer.headers if k.lower() != b"content-length"]
+        return {"status": answer.status or 500, "headers": kept}, answer.body
 
-        async def receive() -> Message:
-            if delivered.is_set():
-                await asyncio.Event().wait()  # no disconnect to report: the outer POST is still open
-            delivered.set()
-            return {"type": "http.request", "body": body, "more_body": False}
 
-        status, headers, chunks = 500, [], []
-
-        async def send(message: Message) -> None:
-            nonlocal status, headers
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                headers = [[k.decode("latin-1"), v.decode("latin-1")] for k, v in message.get("headers", ())]
-            elif message["type"] == "http.response.body":
-                chunks.append(message.get("body", b""))
-
-        await self.app(scope, receive, send)
-        kept = [h for h in headers if h[0].lower() != "content-length"]
-        return {"status": status, "headers": kept}, b"".join(chunks)
+async def _open() -> Message:
+    """A part's ``receive`` once its body is read: no disconnect to report while the outer POST is open."""
+    return await asyncio.get_running_loop().create_future()
 
 
 def _part_scope(outer: Scope, part: dict[str, Any]) -> Scope:

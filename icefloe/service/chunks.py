@@ -7,8 +7,8 @@ that already ran answers with the ORIGINAL ``{request_id, job_id}``. Refusals ar
 chunk-group 409s of the training API.
 
 Memory is bounded twice: a group holds at most the ``frame_size_bytes`` it declared (a chunk
-carrying more is a 400), and a job holds at most ``max_bytes`` of chunks in all. To stay under
-that, the least recently sent other groups are dropped (their next chunk answers
+carrying more is a 400), and a job holds at most ``max_bytes`` of chunk payloads in all. To stay
+under that, the least recently sent other groups are dropped (their next chunk answers
 ``chunk_group_restart_required``); a group that alone exceeds it is a 413.
 """
 
@@ -46,10 +46,9 @@ class _Group:
     frame_sha256: str
     total_chunks: int
     frame_size_bytes: int
-    frames: dict[int, bytes] = field(default_factory=dict)  # chunk index -> the chunk frame as received
+    payloads: dict[int, bytes] = field(default_factory=dict)  # chunk index -> its payload
     payload_digests: dict[int, str] = field(default_factory=dict)
-    payload_bytes: int = 0  # summed over the chunks held; at most frame_size_bytes
-    held_bytes: int = 0  # the chunk frames held, headers included: what counts against the job's cap
+    held_bytes: int = 0  # summed over the payloads held; at most frame_size_bytes
     response: dict[str, Any] | None = None  # once executed: what the final chunk answered
 
 
@@ -57,7 +56,7 @@ class ChunkGroups:
     """Open and finished chunk groups of one job; thread-safe, one group executes at a time."""
 
     def __init__(self, *, max_bytes: int) -> None:
-        self.max_bytes = max_bytes  # chunk frames held for this job's unfinished groups, at most
+        self.max_bytes = max_bytes  # chunk payloads held for this job's unfinished groups, at most
         self._lock = threading.Lock()
         self._open: OrderedDict[str, _Group] = OrderedDict()  # least recently sent to first
         self._done: OrderedDict[str, _Group] = OrderedDict()
@@ -65,13 +64,14 @@ class ChunkGroups:
 
     @property
     def held_bytes(self) -> int:
-        """Chunk frames held now for this job's unfinished groups."""
+        """Chunk payloads held now for this job's unfinished groups."""
         return self._held_bytes
 
     def accept(
-        self, frame: bytes, descriptor: dict[str, Any], *, execute: Callable[[bytes], dict[str, Any]]
+        self, descriptor: dict[str, Any], payload: bytes, *, execute: Callable[[bytes], dict[str, Any]]
     ) -> dict[str, Any]:
-        """Take one request chunk; on the final one join the group and ``execute`` the frame.
+        """Take one request chunk (its descriptor and payload); on the final one join the group and
+        ``execute`` the frame.
 
         Returns ``{"chunk_cached": True}`` for a non-final chunk, else what ``execute`` returned
         (``{request_id, job_id}``), or the original response when the group already ran.
@@ -101,18 +101,17 @@ class ChunkGroups:
             elif (group.frame_sha256, group.total_chunks, group.frame_size_bytes) != (sha, total, size):
                 raise _conflict(group_id, index, "was reused with a different frame hash, size or chunk count")
             self._open.move_to_end(group_id)
-            payload = wire.chunk_payload(frame)
             # A lone chunk cannot come twice while its group is open (it executes at once): no digest needed.
             digest = hashlib.sha256(payload).hexdigest() if total > 1 else ""
             if group.payload_digests.get(index, digest) != digest:
                 raise _conflict(group_id, index, f"received chunk {index} again with a different payload")
-            self._hold(group_id, group, index, frame, len(payload))
+            self._hold(group_id, group, index, payload)
             group.payload_digests[index] = digest
             if not final:
                 return {"chunk_cached": True}
-            if len(group.frames) < total:  # indices are checked to lie in [0, total): a full count means all came
+            if len(group.payloads) < total:  # indices lie in [0, total): a full count means all came
                 missing = list(
-                    itertools.islice((i for i in range(total) if i not in group.frames), _MAX_LISTED_MISSING)
+                    itertools.islice((i for i in range(total) if i not in group.payloads), _MAX_LISTED_MISSING)
                 )
                 raise _refusal(
                     ChunkGroupMissingChunksError,
@@ -122,25 +121,24 @@ class ChunkGroups:
                 )
             del self._open[group_id]
             self._held_bytes -= group.held_bytes
-            joined = wire.join_chunks([group.frames[i] for i in range(total)], kind="request")
+            joined = wire.join_payloads([group.payloads[i] for i in range(total)], descriptor)
             response = execute(joined)  # under the lock: a concurrent replay waits and then sees it done
-            group.frames, group.payload_digests, group.response = {}, {}, dict(response)
+            group.payloads, group.payload_digests, group.response = {}, {}, dict(response)
             self._done[group_id] = group
             while len(self._done) > _MAX_DONE_GROUPS:
                 self._done.popitem(last=False)
             return response
 
-    def _hold(self, group_id: str, group: _Group, index: int, frame: bytes, payload_bytes: int) -> None:
+    def _hold(self, group_id: str, group: _Group, index: int, payload: bytes) -> None:
         """Keep one chunk of ``group``, within its declared size and the job's cap (called under the lock)."""
-        previous = group.frames.get(index)  # a resent chunk: its digest matched, so its payload is the same size
-        payload_total = group.payload_bytes + (0 if previous is not None else payload_bytes)
-        if payload_total > group.frame_size_bytes:
+        previous = group.payloads.get(index)  # a resent chunk: its digest matched, so it is the same size
+        growth = len(payload) - (len(previous) if previous is not None else 0)
+        if group.held_bytes + growth > group.frame_size_bytes:
             raise InvalidRequestError(
-                f"chunk {index} of chunk group {group_id} brings its payload to {payload_total} bytes, more than "
-                f"the request_chunk.frame_size_bytes={group.frame_size_bytes} it declared; send the frame's "
-                "true size, split into chunks that add up to it"
+                f"chunk {index} of chunk group {group_id} brings its payload to {group.held_bytes + growth} bytes, "
+                f"more than the request_chunk.frame_size_bytes={group.frame_size_bytes} it declared; send the "
+                "frame's true size, split into chunks that add up to it"
             )
-        growth = len(frame) - (len(previous) if previous else 0)
         if group.held_bytes + growth > self.max_bytes:
             raise PayloadTooLargeError(
                 f"chunk group {group_id} needs more than the {self.max_bytes} bytes of request chunks this "
@@ -148,8 +146,8 @@ class ChunkGroups:
             )
         while self._held_bytes + growth > self.max_bytes:  # never empty of other groups: the check above
             self._drop_oldest()
-        group.frames[index] = frame
-        group.payload_bytes, group.held_bytes = payload_total, group.held_bytes + growth
+        group.payloads[index] = payload
+        group.held_bytes += growth
         self._held_bytes += growth
 
     def _drop_oldest(self) -> None:

@@ -37,9 +37,12 @@ __all__ = [
     "BodyLimit",
     "IdempotencyKeys",
     "JsonBodies",
+    "Recorder",
     "RequireToken",
     "header",
     "note_acceptance",
+    "read_body",
+    "replaying",
 ]
 
 PAT_TOKEN_TYPE = "PROGRAMMATIC_ACCESS_TOKEN"
@@ -77,7 +80,7 @@ def header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
-async def _read_body(receive: Receive, max_bytes: int | None = None) -> bytes | None:
+async def read_body(receive: Receive, max_bytes: int | None = None) -> bytes | None:
     """The whole body, or None when the client went away; :class:`PayloadTooLargeError` past ``max_bytes``."""
     chunks, seen, more = [], 0, True
     while more:
@@ -95,7 +98,7 @@ async def _read_body(receive: Receive, max_bytes: int | None = None) -> bytes | 
     return b"".join(chunks)
 
 
-def _replaying(body: bytes, receive: Receive) -> Receive:
+def replaying(body: bytes, receive: Receive) -> Receive:
     """A ``receive`` that hands the app the body already read, then waits on the real one (a disconnect)."""
     delivered = False
 
@@ -107,6 +110,28 @@ def _replaying(body: bytes, receive: Receive) -> Receive:
         return {"type": "http.request", "body": body, "more_body": False}
 
     return replay
+
+
+class Recorder:
+    """A ``send`` that records an app's answer (status, headers, body) and passes it on to ``send``, if given."""
+
+    def __init__(self, send: Send | None = None) -> None:
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.parts: list[bytes] = []
+        self._send = send
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.status, self.headers = message["status"], list(message.get("headers", ()))
+        elif message["type"] == "http.response.body":
+            self.parts.append(message.get("body", b""))
+        if self._send is not None:
+            await self._send(message)
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(self.parts)
 
 
 def _authenticate(settings: ServeSettings, authorization: str | None, token_type: str | None) -> str:
@@ -218,12 +243,12 @@ class BodyLimit:
                 await self.app(scope, receive, send)  # the server enforces Content-Length framing
                 return
             # No Content-Length (chunked upload): read up to the cap first, then hand the body on.
-            body = await _read_body(receive, self.max_bytes)
+            body = await read_body(receive, self.max_bytes)
         except PayloadTooLargeError as refused:
             await send_error(send, refused, close=True)
             return
         if body is not None:
-            await self.app(scope, _replaying(body, receive), send)
+            await self.app(scope, replaying(body, receive), send)
 
 
 class IdempotencyKeys:
@@ -262,7 +287,7 @@ class IdempotencyKeys:
         if lock is None:
             lock = self._locks[(route, caller, key)] = asyncio.Lock()
         async with lock:
-            body = await _read_body(receive)
+            body = await read_body(receive)
             if body is None:
                 return
             digest = hashlib.sha256(body).hexdigest()
@@ -280,32 +305,21 @@ class IdempotencyKeys:
                 await send({"type": "http.response.start", "status": saved["status_code"], "headers": headers})
                 await send({"type": "http.response.body", "body": response})
             else:
-                await self._run_and_keep(scope, _replaying(body, receive), send, record, digest)
+                await self._run_and_keep(scope, replaying(body, receive), send, record, digest)
         await self._purge_if_due()
 
     async def _run_and_keep(
         self, scope: Scope, receive: Receive, send: Send, record: dict[str, str], digest: str
     ) -> None:
-        status, media_type, parts = 0, "application/json", []
-
-        async def keeping_send(message: Message) -> None:
-            nonlocal status, media_type
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                media_type = dict(message.get("headers", ())).get(b"content-type", b"application/json").decode()
-            else:
-                parts.append(message.get("body", b""))
-            await send(message)
-
-        acceptance: dict[str, Any] = {}
+        answer, acceptance = Recorder(send), dict[str, Any]()
         token = _ACCEPTANCE.set(acceptance)
         try:
-            await self.app(scope, receive, keeping_send)
+            await self.app(scope, receive, answer)
         finally:
             _ACCEPTANCE.reset(token)
-        if not 200 <= status < 300:
+        if not 200 <= answer.status < 300:
             return
-        response = b"".join(parts)
+        response, media_type = answer.body, dict(answer.headers).get(b"content-type", b"application/json").decode()
         if len(response) > self.settings.idempotency_max_response_bytes:
             if not acceptance:
                 _log.info(
@@ -314,7 +328,7 @@ class IdempotencyKeys:
                 return
             response, media_type = json.dumps(acceptance).encode(), "application/json"  # what the route accepted
         store.put_idempotent_response(
-            self.db, **record, body_sha256=digest, status_code=status, response=response, media_type=media_type
+            self.db, **record, body_sha256=digest, status_code=answer.status, response=response, media_type=media_type
         )
 
     async def _purge_if_due(self) -> None:
@@ -343,7 +357,7 @@ class JsonBodies:
         if scope["type"] != "http" or scope["method"] not in _BODY_METHODS or not _is_json(scope):
             await self.app(scope, receive, send)
             return
-        body = await _read_body(receive)
+        body = await read_body(receive)
         if body is None:
             return
         try:
@@ -354,7 +368,7 @@ class JsonBodies:
         except InvalidRequestError as refused:
             await send_error(send, refused)
             return
-        await self.app(scope, _replaying(body, receive), send)
+        await self.app(scope, replaying(body, receive), send)
 
 
 def _is_json(scope: Scope) -> bool:

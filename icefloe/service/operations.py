@@ -47,27 +47,54 @@ _SAMPLING_KEYS = frozenset(SamplingParams.model_fields)
 
 
 def submit_frame(
-    manager: JobManager, job: LiveJob, op: str, body: bytes, *, sub_job_id: str | None, reference: bool = False
+    manager: JobManager,
+    job: LiveJob,
+    op: str,
+    body: bytes,
+    *,
+    sub_job_id: str | None,
+    reference: bool = False,
+    header: wire.FrameHeader | None = None,
 ) -> dict[str, Any]:
-    """Take an octet body (a DSSST1 frame or one request chunk of it) for ``op``; ``sub_job_id`` None
-    (generate only) lets the body's ``routing_key`` pick the sampler."""
+    """Take an octet body (a DSSST1 frame or one request chunk of it) for ``op``.
+
+    ``sub_job_id`` None is allowed for generate only: the body's ``routing_key`` then picks one.
+    ``reference``: a forward on a LoRA training sub-job scores with its adapters disabled (see
+    :func:`forward_target`). ``header``: ``wire.read_header(body)``, when the route parsed it already.
+    """
     if op == api.OP_FORWARD and sub_job_id is not None and job.specs[sub_job_id].job_type == "sampling":
         raise InvalidRequestError(f"forward runs on a training or log_probability sub-job; {sub_job_id} is a sampler")
+    header = header or wire.read_header(body)
+    descriptor = wire.chunk_descriptor(body, header)
+    if descriptor is None:
+        return _submit_decoded(manager, job, op, body, header, sub_job_id, reference)
+    return job.chunks.accept(
+        descriptor,
+        wire.chunk_payload(body, header),
+        execute=lambda frame: _submit_decoded(manager, job, op, frame, None, sub_job_id, reference),
+    )
 
-    def execute(frame: bytes) -> dict[str, Any]:
-        payload = wire.decode(frame, tensors="torch")
-        check_body(payload, "frame")
-        op_metadata = wire.read_metadata(frame)
-        if op == api.OP_GENERATE:
-            request_id = _submit_generate(manager, job, payload, op_metadata, sub_job_id)
-        else:
-            assert sub_job_id is not None
-            run = _engine_call(job, op, payload, sub_job_id, reference)
-            request_id = manager.submit(job, sub_job_id, op, run, op_metadata=op_metadata)
-        return {"request_id": request_id, "job_id": job.job_id}
 
-    descriptor = wire.chunk_descriptor(body)
-    return execute(body) if descriptor is None else job.chunks.accept(body, descriptor, execute=execute)
+def _submit_decoded(
+    manager: JobManager,
+    job: LiveJob,
+    op: str,
+    frame: bytes,
+    header: wire.FrameHeader | None,
+    sub_job_id: str | None,
+    reference: bool,
+) -> dict[str, Any]:
+    header = header or wire.read_header(frame)
+    payload = wire.decode(frame, tensors="torch", header=header)
+    check_body(payload, "frame")
+    op_metadata = wire.read_metadata(frame, header)
+    if op == api.OP_GENERATE:
+        request_id = _submit_generate(manager, job, payload, op_metadata, sub_job_id)
+    else:
+        assert sub_job_id is not None
+        run = _engine_call(job, op, payload, sub_job_id, reference)
+        request_id = manager.submit(job, sub_job_id, op, run, op_metadata=op_metadata)
+    return {"request_id": request_id, "job_id": job.job_id}
 
 
 # --- forward-backward / forward ----------------------------------------------------------------

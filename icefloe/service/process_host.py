@@ -19,9 +19,7 @@ import pickle
 import signal
 import socket
 import threading
-from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -72,32 +70,38 @@ def warm_forkserver() -> None:
 
 
 class Channel:
-    """Calls over one pipe to :func:`serve` on the other end (``name`` names the reader thread;
-    ``lost(method)`` is the error for a call once the pipe is broken).
+    """Calls over one pipe to :func:`serve` on the other end; ``lost(method)`` is the error for a call
+    once the pipe is broken.
 
-    Each call is written whole and gets a future, resolved by one reader thread as the replies come
-    back in call order. Because that thread always reads, the engine never blocks writing a large
-    reply while this side writes a large call (with nobody reading, both would wait for good).
+    One call at a time: a caller writes its call and reads the reply under the channel's lock, so
+    the engine never writes a large reply while this side writes a large call (on full pipes both
+    would wait for good). Concurrent callers take turns; the service calls a sub-job from one worker.
     """
 
-    def __init__(self, pipe: Connection, name: str, *, lost: Callable[[str], BaseException]) -> None:
+    def __init__(self, pipe: Connection, *, lost: Callable[[str], BaseException]) -> None:
         self._pipe = pipe
         self._lost = lost
-        self._pending: deque[tuple[Future, str]] = deque()  # calls written and not yet answered, in order
-        self._lock = threading.Lock()  # keeps each call whole on the pipe and in the order of _pending
-        self._broken = False
-        self._reader = threading.Thread(target=self._read, name=f"icefloe-{name}-replies", daemon=True)
-        self._reader.start()
+        self._lock = threading.Lock()
 
     def call(self, method: str, *args: Any) -> Any:
         """``method(*args)`` on the engines at the other end; blocks for its result or raises its error."""
-        kind, value = self._send(method, args).result()
+        data = _dumps((method, args))
+        with self._lock:
+            try:
+                self._pipe.send_bytes(data)
+                reply = self._pipe.recv_bytes()
+            except (EOFError, OSError):
+                raise self._lost(method) from None
+        try:
+            kind, value = pickle.loads(reply)
+        except Exception as exc:  # a reply this side cannot unpickle fails its call only
+            raise RuntimeError(f"the reply to {method} could not be read: {exc}") from None
         if kind == "error":
             raise value
         return value
 
     def shut(self) -> None:
-        """Break the pipe both ways now: calls waiting on it fail at once, and so do later ones."""
+        """Break the pipe both ways now: a call waiting on it fails at once, and so does every later one."""
         with contextlib.suppress(OSError, ValueError):  # already closed
             probe = socket.socket(fileno=os.dup(self._pipe.fileno()))
             try:
@@ -106,38 +110,10 @@ class Channel:
                 probe.close()
 
     def close(self) -> None:
-        """Shut the pipe, wait for the reader, release the pipe. Idempotent."""
+        """Shut the pipe, let a call in flight fail, release the pipe. Idempotent."""
         self.shut()
-        self._reader.join()
-        self._pipe.close()
-
-    def _send(self, method: str, args: tuple[Any, ...]) -> Future:
-        future: Future = Future()
-        data = _dumps((method, args))
         with self._lock:
-            if self._broken:
-                raise self._lost(method)
-            self._pending.append((future, method))
-            with contextlib.suppress(OSError, ValueError):  # a broken pipe: the reader fails the future
-                self._pipe.send_bytes(data)
-        return future
-
-    def _read(self) -> None:
-        while True:
-            try:
-                data = self._pipe.recv_bytes()
-            except (EOFError, OSError):
-                break
-            future, method = self._pending.popleft()
-            try:
-                future.set_result(pickle.loads(data))
-            except Exception as exc:  # a reply this side cannot unpickle fails its call only
-                future.set_result(("error", RuntimeError(f"the reply to {method} could not be read: {exc}")))
-        with self._lock:
-            self._broken = True
-            pending, self._pending = list(self._pending), deque()
-        for future, method in pending:
-            future.set_exception(self._lost(method))
+            self._pipe.close()
 
 
 class ProcessEngineHost(JobEngines):
@@ -182,7 +158,7 @@ class ProcessEngineHost(JobEngines):
             for _, child in ends.values():
                 child.close()
         self._process, self.pid = process, process.pid
-        self._channels = {sid: Channel(parent, sid, lost=self._lost) for sid, (parent, _) in ends.items()}
+        self._channels = {sid: Channel(parent, lost=self._lost) for sid, (parent, _) in ends.items()}
         on_progress(f"engines run in process {process.pid}")
         while True:
             if not control.poll(_START_TIMEOUT_S):

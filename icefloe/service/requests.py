@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -41,7 +41,7 @@ class RequestTable:
 
     def add(self, job_id: str, sub_job_id: str, op: str, op_metadata: dict[str, Any]) -> str:
         """Record a pending request; returns its id."""
-        request_id = f"{sub_job_id}:{op}:{uuid.uuid4().hex}"
+        request_id = f"{sub_job_id}:{op}:{os.urandom(16).hex()}"
         created_at = store.insert_request(
             self._db, request_id=request_id, job_id=job_id, sub_job_id=sub_job_id, op=op, op_metadata=op_metadata
         )
@@ -82,19 +82,18 @@ class RequestTable:
         result_path: str | None = None,
     ) -> None:
         """Record the outcome (``result_json``: the result as JSON text) and wake the request's pollers."""
-        updated_at = store.update_request(
-            self._db,
-            request_id=request_id,
-            status=status,
-            error=error,
-            result_json=result_json,
-            result_path=result_path,
-        )
-        finished = {"status": status, "updated_at": updated_at, "error": error, "result": result_json}
+        outcome = {
+            "status": status,
+            "updated_at": store.now_iso(),
+            "error": error,
+            "result": result_json,
+            "result_path": result_path,
+        }
+        store.update_request(self._db, request_id=request_id, outcome=outcome)
         with self._lock:
             row = self._open.pop(request_id, None)
             if row is not None:
-                self._finished[request_id] = {**row, **finished, "result_path": result_path}
+                self._finished[request_id] = {**row, **outcome}
                 while len(self._finished) > _FINISHED_ROWS_KEPT:
                     self._finished.popitem(last=False)
             waiters = self._waiting.pop(request_id, [])
@@ -151,10 +150,11 @@ class RequestTable:
             if waiting:
                 self._waiting.setdefault(request_id, []).append(waiter)
         if waiting:
+            timer = loop.call_later(timeout_s, _resolve, waiter[1])
             try:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(waiter[1], timeout_s)
+                await waiter[1]
             finally:
+                timer.cancel()
                 with self._lock:
                     waiters = self._waiting.get(request_id, [])
                     if waiter in waiters:

@@ -16,11 +16,11 @@ import contextvars
 from collections import OrderedDict
 from collections.abc import Callable
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from icefloe.protocol import CODE_CHUNK_GROUP_RESTART_REQUIRED, InvalidRequestError, SequenceGapError
 from icefloe.service.errors import send_error
-from icefloe.service.middleware import CALLER_SCOPE_KEY, header
+from icefloe.service.middleware import CALLER_SCOPE_KEY, Recorder, header
 
 __all__ = ["SEQUENCE_HEADER", "SubmitOrder", "release_turn"]
 
@@ -88,24 +88,16 @@ class SubmitOrder:
             )
             await send_error(send, SequenceGapError(message))
             return
-        status, error_parts = 0, []
-
-        async def watching_send(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            elif status >= 400:
-                error_parts.append(message.get("body", b""))
-            await send(message)
-
+        answer = Recorder(send)
         token = _RELEASE.set(lambda: session.advance(number))
         try:
-            await self.app(scope, receive, watching_send)
+            await self.app(scope, receive, answer)
         finally:
             _RELEASE.reset(token)
-        retried = status >= 500 or status == 429 or CODE_CHUNK_GROUP_RESTART_REQUIRED.encode() in b"".join(error_parts)
-        if status and not retried:  # answered without queuing, or refused for good: the next may go in
-            session.advance(number)
+        status = answer.status
+        restart = status >= 400 and CODE_CHUNK_GROUP_RESTART_REQUIRED.encode() in answer.body
+        if status and not (status >= 500 or status == 429 or restart):  # answered without queuing, or refused
+            session.advance(number)  # for good: the next may go in
 
     def _session(self, key: tuple[str, str]) -> _Session:
         """The session of (caller, session id), made on first use."""

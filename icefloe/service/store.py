@@ -57,12 +57,16 @@ _OPEN_REQUEST_STATES = ("pending", "running")
 
 def now_iso() -> str:
     """UTC now as ISO-8601 with a ``Z``, the form the training API returns."""
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return _iso(datetime.now(UTC))
 
 
 def iso_ago(seconds: float) -> str:
     """UTC ``seconds`` ago in the :func:`now_iso` form (such strings compare in time order)."""
-    return (datetime.now(UTC) - timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return _iso(datetime.now(UTC) - timedelta(seconds=seconds))
+
+
+def _iso(moment: datetime) -> str:
+    return moment.isoformat(timespec="microseconds").removesuffix("+00:00") + "Z"  # a third of strftime's cost
 
 
 class Database:
@@ -192,22 +196,13 @@ def insert_request(
     return now
 
 
-def update_request(
-    db: Database,
-    *,
-    request_id: str,
-    status: str,
-    error: str = "",
-    result_json: str | None = None,
-    result_path: str | None = None,
-) -> str:
-    """Set the request's state; ``result_json`` is the result as JSON text. Returns the ``updated_at`` written."""
-    now = now_iso()
+def update_request(db: Database, *, request_id: str, outcome: dict[str, Any]) -> None:
+    """Write a request's ``outcome``: status, error, result (JSON text), result_path and updated_at."""
+    columns = ("status", "error", "result", "result_path", "updated_at")
     db.execute(
-        "UPDATE requests SET status = ?, error = ?, result = ?, result_path = ?, updated_at = ? WHERE request_id = ?",
-        (status, error, result_json, result_path, now, request_id),
+        f"UPDATE requests SET {', '.join(f'{c} = ?' for c in columns)} WHERE request_id = ?",
+        (*(outcome[c] for c in columns), request_id),
     )
-    return now
 
 
 def get_request(db: Database, *, request_id: str) -> dict[str, Any] | None:

@@ -29,7 +29,7 @@ from icefloe.protocol import (
     FrameFormatError,
     WireError,
 )
-from icefloe.wire.frames import as_byte_view, read_header
+from icefloe.wire.frames import FrameHeader, as_byte_view, read_header
 from icefloe.wire.tree import WIRE_VERSION, decode, encode, parse_op, read_metadata
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "decode_inline_result",
     "inline_result",
     "join_chunks",
+    "join_payloads",
     "join_result_events",
     "result_chunk_events",
     "split_frame",
@@ -124,24 +125,26 @@ def _build_chunks(
 
 
 # --- descriptors -------------------------------------------------------------------------------
-def chunk_descriptor(frame: object) -> dict[str, Any] | None:
+def chunk_descriptor(frame: object, header: FrameHeader | None = None) -> dict[str, Any] | None:
     """The chunk descriptor of ``frame`` plus ``"kind"``, or None when it carries no chunk metadata.
+
+    ``header``: ``read_header(frame)``, when the caller has parsed it already.
 
     Raises:
         ChunkError / ChunkIndexError: chunk metadata is present but malformed.
     """
-    return _descriptor_from_op(read_metadata(frame))
+    return _descriptor_from_op(read_metadata(frame, header))
 
 
-def chunk_payload(frame: bytes | bytearray | memoryview) -> bytes:
-    """The payload bytes carried by one chunk frame (strictly decoded)."""
-    descriptor = _strict_descriptor(frame, position=0)
-    return _payload_array(frame, descriptor).tobytes()
+def chunk_payload(frame: bytes | bytearray | memoryview, header: FrameHeader | None = None) -> bytes:
+    """The payload bytes carried by one chunk frame (strictly decoded; ``header`` as for :func:`chunk_descriptor`)."""
+    descriptor = _strict_descriptor(frame, position=0, header=header)
+    return _payload_array(frame, descriptor, header).tobytes()
 
 
-def _strict_descriptor(frame: object, position: int) -> dict[str, Any]:
+def _strict_descriptor(frame: object, position: int, header: FrameHeader | None = None) -> dict[str, Any]:
     try:
-        header = read_header(frame)
+        header = header or read_header(frame)
     except FrameFormatError as error:
         raise FrameFormatError(f"chunk frame at position {position}: {error}") from error
     descriptor = _descriptor_from_op(parse_op(header.metadata.get("op")))
@@ -188,10 +191,10 @@ def _check_descriptor(raw: dict[str, Any], kind: str) -> dict[str, Any]:
     return dict(raw)
 
 
-def _payload_array(frame: object, descriptor: dict[str, Any]) -> np.ndarray:
+def _payload_array(frame: object, descriptor: dict[str, Any], header: FrameHeader | None = None) -> np.ndarray:
     index = descriptor["chunk_idx"]
     try:
-        body = decode(frame, tensors="numpy")  # type: ignore[arg-type]
+        body = decode(frame, tensors="numpy", header=header)  # type: ignore[arg-type]
     except FrameFormatError as error:
         raise FrameFormatError(f"chunk {index}: {error}") from error
     payload = body.get("payload") if isinstance(body, dict) and set(body) == {"payload"} else None
@@ -237,14 +240,24 @@ def join_chunks(frames: Sequence[bytes | bytearray | memoryview], *, kind: Chunk
     if len(by_index) != total:
         missing = list(itertools.islice((i for i in range(total) if i not in by_index), 10))
         raise ChunkIndexError(f"got {len(by_index)} of {total} chunks; missing indices {missing} (first 10)")
-    payloads = [_payload_array(*by_index[index]) for index in range(total)]
-    size = sum(payload.nbytes for payload in payloads)
-    if size != first["frame_size_bytes"]:
-        raise ChunkDigestError(f"joined chunks hold {size} bytes; descriptors announce {first['frame_size_bytes']}")
+    return join_payloads([_payload_array(*by_index[index]) for index in range(total)], first)
+
+
+def join_payloads(payloads: Sequence[bytes | np.ndarray], descriptor: dict[str, Any]) -> bytes:
+    """The chunks' payloads, in index order, joined and checked against ``descriptor``'s size and SHA-256.
+
+    Raises:
+        ChunkDigestError: the joined size or SHA-256 differs from the descriptor.
+    """
+    size = sum(len(payload) for payload in payloads)
+    if size != descriptor["frame_size_bytes"]:
+        raise ChunkDigestError(
+            f"joined chunks hold {size} bytes; descriptors announce {descriptor['frame_size_bytes']}"
+        )
     joined = b"".join(payloads)
     digest = hashlib.sha256(joined).hexdigest()
-    if digest != first["frame_sha256"]:
-        raise ChunkDigestError(f"joined frame has SHA-256 {digest}; descriptors announce {first['frame_sha256']}")
+    if digest != descriptor["frame_sha256"]:
+        raise ChunkDigestError(f"joined frame has SHA-256 {digest}; descriptors announce {descriptor['frame_sha256']}")
     return joined
 
 

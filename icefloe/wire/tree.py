@@ -60,10 +60,11 @@ def encode(obj: Any, op_metadata: dict[str, Any] | None = None) -> bytes:
     return write_frame(metadata, records)
 
 
-def decode(data: bytes | bytearray | memoryview, *, tensors: str = "torch") -> Any:
+def decode(data: bytes | bytearray | memoryview, *, tensors: str = "torch", header: FrameHeader | None = None) -> Any:
     """Decode a DSSST1 frame; tensors come back as torch tensors (numpy if asked or torch is absent).
 
     Tensors view ``data`` when it is writable (bytearray), else each is copied once from it.
+    ``header``: ``read_header(data)``, when the caller has parsed it already.
 
     Raises:
         LegacyPickleError: ``data`` is pickle or a ``torch.save`` archive.
@@ -71,7 +72,7 @@ def decode(data: bytes | bytearray | memoryview, *, tensors: str = "torch") -> A
     """
     kind = resolve_kind(tensors)
     view = as_byte_view(data)
-    header = read_header(view)
+    header = header or read_header(view)
     tree = _read_tree(header.metadata)
     referenced: dict[str, bool] = {}
     _check_node(tree, referenced, depth=0, where="tree")
@@ -81,12 +82,16 @@ def decode(data: bytes | bytearray | memoryview, *, tensors: str = "torch") -> A
     return _build_node(tree, build_tensors(view, specs, kind))
 
 
-def read_metadata(frame: object) -> dict[str, Any]:
-    """The frame's ``op`` metadata as a dict, without decoding tensors; ``{}`` for anything else."""
-    try:
-        header = read_header(frame)
-    except WireError:
-        return {}
+def read_metadata(frame: object, header: FrameHeader | None = None) -> dict[str, Any]:
+    """The frame's ``op`` metadata as a dict, without decoding tensors; ``{}`` for anything else.
+
+    ``header``: ``read_header(frame)``, when the caller has parsed it already.
+    """
+    if header is None:
+        try:
+            header = read_header(frame)
+        except WireError:
+            return {}
     return parse_op(header.metadata.get("op"))
 
 

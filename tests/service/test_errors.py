@@ -84,6 +84,8 @@ CASES = [
     ("POST", "/no-such-job/step", {}, 404, "not_found", "no-such-job"),
     ("POST", f"/{JOB}/step", {"learning_rate": "fast"}, 400, "invalid_argument", "learning_rate"),
     ("POST", f"/{JOB}/step", [1, 2], 400, "invalid_argument", "body"),
+    ("POST", f"/{JOB}/step?wait=soon", {}, 400, "invalid_argument", "wait: Input should be a valid number"),
+    ("POST", f"/{JOB}/forward-backward?wait=soon", (OCTET, b""), 400, "invalid_argument", "wait: Input should be"),
     ("POST", f"/{JOB}/save", {"checkpoint_type": "partial"}, 400, "invalid_argument", "checkpoint_type"),
     ("POST", f"/{JOB}/load", {}, 400, "invalid_argument", "checkpoint_id"),
     ("POST", f"/{JOB}/load", {"checkpoint_id": "global_step9"}, 404, "not_found", "global_step9"),

@@ -136,7 +136,7 @@ def _channel(engines: _Engines) -> Iterator[Channel]:
     parent, child = multiprocessing.Pipe()
     serving = threading.Thread(target=serve, args=(engines, child), daemon=True)
     serving.start()
-    channel = Channel(parent, "test", lost=lambda what: ClientClosedError(f"pipe gone during {what}"))
+    channel = Channel(parent, lost=lambda what: ClientClosedError(f"pipe gone during {what}"))
     try:
         yield channel
     finally:
@@ -174,9 +174,9 @@ def test_a_reply_that_cannot_be_pickled_fails_its_call_and_the_pipe_keeps_servin
         assert channel.call("echo", 7) == 7
 
 
-def test_large_calls_and_replies_in_flight_at_once_each_reach_their_own_caller():
-    """Callers write 4 MiB calls while the engine writes 4 MiB replies: if either end stopped
-    reading while it wrote, both would wait on each other for good."""
+def test_large_calls_and_replies_of_concurrent_callers_each_reach_their_own_caller():
+    """Callers of 4 MiB calls with 4 MiB replies, queued while the engine is busy: if both ends wrote
+    at once on full pipes, both would wait on each other for good."""
     engines = _Engines()
     with _channel(engines) as channel:
         held = threading.Thread(target=channel.call, args=("hold",), daemon=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import orjson
 from fastapi import Response
 from fastapi.concurrency import run_in_threadpool
 
@@ -31,9 +32,9 @@ def answer_response(answer: dict[str, Any]) -> Response:
     """The answer as a JSON response, its ``result`` spliced in when it is already JSON text."""
     result = answer.get("result")
     if not isinstance(result, JsonText):
-        return Response(json.dumps(answer), media_type="application/json")
-    head = json.dumps({k: v for k, v in answer.items() if k != "result"})
-    return Response(f'{head[:-1]}, "result": {result}}}', media_type="application/json")
+        return Response(orjson.dumps(answer), media_type="application/json")
+    head = orjson.dumps({k: v for k, v in answer.items() if k != "result"})
+    return Response(b'%s,"result":%s}' % (head[:-1], result.encode()), media_type="application/json")
 
 
 async def answer_request(
