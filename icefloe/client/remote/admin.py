@@ -11,7 +11,6 @@ import time
 from collections.abc import Iterator
 from typing import Any, Self
 
-from icefloe.client.remote.errors import Redactor
 from icefloe.client.remote.http import Call, Endpoint, Http, Retry, RetryPolicy
 from icefloe.config import RemoteConfig
 from icefloe.protocol import JOB_TERMINAL_STATES, normalize_job_state
@@ -44,7 +43,7 @@ class ServiceAdmin:
     def __init__(self, backend: RemoteConfig) -> None:
         endpoint = Endpoint.from_config(backend)
         self.url = endpoint.url
-        self._http = Http(endpoint, backend, Redactor([endpoint.pat or ""]))
+        self._http = Http(endpoint, backend)
         self._http.policy = _AdminRetryPolicy(backend)
 
     def _send(self, call: Call) -> Any:

@@ -3,15 +3,15 @@
 The training API answers errors in several shapes: ``{code, message}``, ``{error}``, FastAPI's
 ``{detail}``, and front-door wrappers that embed the backend's JSON inside a message string. The
 chunk-group codes can sit anywhere in that nesting, so :func:`find_error_code` searches dicts,
-lists and JSON embedded in strings (to a fixed depth). Every text that leaves here passes through
-:class:`Redactor`, so a PAT never reaches an exception or a log line.
+lists and JSON embedded in strings (to a fixed depth). Every message built here passes through
+:class:`Redactor`, so a PAT never reaches an exception.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, Final
 
 from icefloe import protocol as api
@@ -57,7 +57,6 @@ _NAMED_ERRORS: Final[dict[str, type[api.IcefloeError]]] = {
         api.WireError,
     )
 }
-_HTTP_LOGGERS: Final = ("httpx", "httpcore.connection", "httpcore.http11", "httpcore.http2", "httpcore.proxy")
 
 
 def _embedded_json(text: str) -> Any:
@@ -157,34 +156,11 @@ def error_from_failed_request(what: str, status: str, error: str, *, request_id:
     return api.RequestFailedError(f"{what} {status}: {error}", category="server", request_id=request_id)
 
 
+@dataclass(frozen=True)
 class Redactor:
-    """Replaces every registered secret with ``***`` in text, and in the HTTP libraries' log records."""
+    """Replaces the PAT with ``***`` in any text the remote client raises or logs."""
 
-    def __init__(self, secrets: Iterable[str] = ()) -> None:
-        self._secrets = tuple(s for s in secrets if s)
+    secret: str | None = None
 
     def __call__(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        """``logging.Filter`` protocol: scrub the formatted message, keep the record."""
-        if self._secrets:
-            message = record.getMessage()
-            cleaned = self(message)
-            if cleaned != message:
-                record.msg, record.args = cleaned, None
-        return True
-
-    def install(self) -> None:
-        """Attach to the httpx / httpcore loggers (idempotent per redactor)."""
-        if self._secrets:
-            for name in _HTTP_LOGGERS:
-                logger = logging.getLogger(name)
-                if self not in logger.filters:
-                    logger.addFilter(self)
-
-    def uninstall(self) -> None:
-        for name in _HTTP_LOGGERS:
-            logging.getLogger(name).removeFilter(self)
+        return text.replace(self.secret, "***") if self.secret else text

@@ -1,11 +1,12 @@
 """HTTP for the remote transport: URL prefix, auth headers, retries, error mapping, and the I/O loop.
 
-:class:`Http` owns one ``httpx.AsyncClient`` on the client's own event loop (:class:`LoopThread`);
-every request of a remote client, blocking or async, goes out from there. A :class:`Call` is one
-request relative to the API prefix plus how it may be retried. Retries use tenacity with the
-training API's schedule (0.5 s doubling plus jitter, capped at 10 s, ``1 + max_retries`` attempts)
-and re-send the same ``Idempotency-Key``. httpx errors are translated to icefloe errors in
-:func:`translate_errors` only; nothing above this module sees an httpx type.
+:class:`Http` sends every request of a remote client, blocking or async, from the client's own
+event loop (:class:`LoopThread`) straight to an httpx transport (its connection pool). An httpx
+client on top would parse and merge URLs, defaults and cookies on every request, which the API has
+no use for. A :class:`Call` is one request relative to the API prefix plus how it may be retried.
+Retries use tenacity with the training API's schedule (0.5 s doubling plus jitter, capped at 10 s,
+``1 + max_retries`` attempts) and re-send the same ``Idempotency-Key``. httpx errors are translated
+to icefloe errors in :func:`translate_errors` only; nothing above this module sees an httpx type.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import json
 import logging
 import random
 import ssl
-import threading
 import urllib.parse
 from collections.abc import Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass
@@ -41,8 +41,6 @@ _log = logging.getLogger("icefloe.client.remote")
 _TRANSIENT_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
 _RESTART_STATUSES: Final = frozenset({404, 409})  # the managed endpoint's front door answers these while restarting
 _SERVICE_REQUEST_ID_HEADER: Final = "x-snowflake-request-id"
-_DEFAULT_DATABASE: Final = "icefloe"
-_DEFAULT_SCHEMA: Final = "public"
 # Concurrent ops each hold a connection while their long poll waits; keep room for many.
 _LIMITS: Final = httpx.Limits(max_connections=1024, max_keepalive_connections=128)
 
@@ -78,11 +76,10 @@ class Call:
 
 @dataclass(frozen=True, slots=True)
 class Reply:
-    """A 2xx (or accepted) answer: its status, JSON body (None when empty) and service request id."""
+    """A 2xx (or accepted) answer: its status and JSON body (None when empty)."""
 
     status_code: int
     body: Any = None
-    service_request_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -98,20 +95,19 @@ class Endpoint:
     verify_ssl: bool
 
     @classmethod
-    def from_config(cls, backend: RemoteConfig, environ: dict[str, str] | None = None) -> Endpoint:
+    def from_config(cls, backend: RemoteConfig) -> Endpoint:
         """Resolve ``base_url`` (no auth) or ``host`` + database/schema + PAT.
 
         Raises:
             ConfigError: neither base_url nor host is set, or host is set without a PAT.
         """
-        database = backend.database or _DEFAULT_DATABASE
-        schema = backend.schema_ or _DEFAULT_SCHEMA
+        database, schema = backend.database or "icefloe", backend.schema_ or "public"
         prefix = f"/api/v2/databases/{database}/schemas/{schema}/{backend.endpoint.strip('/')}"
+        pat = backend.pat.get_secret_value() if backend.pat is not None else None
         if backend.base_url:
             origin = backend.base_url.rstrip("/")
             if not origin.startswith(("http://", "https://")):
                 raise ConfigError(f"backend.base_url must start with http:// or https://; got {origin!r}")
-            pat = backend.pat.get_secret_value() if backend.pat is not None else None
             return cls(origin, prefix, database, schema, backend.endpoint, pat, backend.verify_ssl)
         if not backend.host:
             raise ConfigError(
@@ -119,7 +115,6 @@ class Endpoint:
                 "for `icefloe serve` (e.g. http://127.0.0.1:8321) or host + database + schema for the "
                 "managed endpoint"
             )
-        pat = backend.pat.get_secret_value() if backend.pat is not None else None
         if not pat:
             raise ConfigError(
                 f"backend.pat is not set and the env var {backend.pat_env_var!r} was empty when the config "
@@ -148,11 +143,6 @@ class Endpoint:
 def _tls_context(verify: bool) -> ssl.SSLContext:
     """One TLS context per process and flag: loading the CA bundle takes ~50 ms, too long to repeat."""
     return httpx.create_ssl_context(verify=verify)
-
-
-def _tls_for(endpoint: Endpoint) -> ssl.SSLContext | bool:
-    """The context for an https origin; plain HTTP (``icefloe serve`` on loopback) needs none."""
-    return _tls_context(endpoint.verify_ssl) if endpoint.origin.startswith("https://") else False
 
 
 class RetryPolicy:
@@ -186,20 +176,20 @@ class RetryPolicy:
         jitter = random.uniform(0.0, 2.0 * self.initial_s)
         return min(self.initial_s * 2 ** (attempt - 1) + jitter, self.max_wait_s)
 
-    def tenacity_kwargs(self, call: Call, redactor: Redactor) -> dict[str, Any]:
+    def retrying(self, call: Call, redactor: Redactor) -> tenacity.AsyncRetrying:
         def before_sleep(state: tenacity.RetryCallState) -> None:
             exc = state.outcome.exception() if state.outcome else None
             _log.warning(
                 redactor(f"{call.what}: attempt {state.attempt_number}/{self.max_retries + 1} failed ({exc}); retrying")
             )
 
-        return {
-            "stop": tenacity.stop_after_attempt(self.max_retries + 1),
-            "wait": lambda state: self.wait_s(state.attempt_number),
-            "retry": tenacity.retry_if_exception(lambda exc: self.should_retry(call, exc)),
-            "reraise": True,
-            "before_sleep": before_sleep,
-        }
+        return tenacity.AsyncRetrying(
+            stop=tenacity.stop_after_attempt(self.max_retries + 1),
+            wait=lambda state: self.wait_s(state.attempt_number),
+            retry=tenacity.retry_if_exception(lambda exc: self.should_retry(call, exc)),
+            reraise=True,
+            before_sleep=before_sleep,
+        )
 
 
 @contextlib.contextmanager
@@ -223,23 +213,6 @@ def translate_errors(call: Call, endpoint: Endpoint, redactor: Redactor, timeout
         ) from None
 
 
-def _request_kwargs(call: Call, timeout_s: float) -> dict[str, Any]:
-    headers = {}
-    if call.idempotency_key:
-        headers["Idempotency-Key"] = call.idempotency_key
-    if call.sequence:
-        headers["Icefloe-Sequence"] = call.sequence
-    kwargs: dict[str, Any] = {"headers": headers, "timeout": timeout_s}
-    if call.params:
-        kwargs["params"] = dict(call.params)
-    if call.content is not None:
-        headers["Content-Type"] = "application/octet-stream"
-        kwargs["content"] = call.content
-    elif call.json is not None:
-        kwargs["json"] = call.json
-    return kwargs
-
-
 def _json_or_text(response: httpx.Response) -> Any:
     """The body as JSON (orjson: a generate answer of 100 KiB parses in a third of the time), else text."""
     try:
@@ -254,35 +227,39 @@ def _json_or_text(response: httpx.Response) -> Any:
 
 def reply_of(call: Call, response: httpx.Response, redactor: Redactor) -> Reply:
     """A Reply for a 2xx or accepted status, else the typed error (raised)."""
-    service_request_id = response.headers.get(_SERVICE_REQUEST_ID_HEADER)
-    body: Any = None
-    if response.content:
-        body = _json_or_text(response)
+    body = _json_or_text(response) if response.content else None
     if response.is_success or response.status_code in call.accept:
-        return Reply(response.status_code, body, service_request_id)
-    if service_request_id:
-        _log.info(
-            "%s answered HTTP %s (x-snowflake-request-id %s)",
-            call.what,
-            response.status_code,
-            service_request_id,
-        )
-    raise error_from_response(
-        response.status_code, body, what=call.what, request_id=service_request_id, redactor=redactor
-    )
+        return Reply(response.status_code, body)
+    request_id = response.headers.get(_SERVICE_REQUEST_ID_HEADER)
+    raise error_from_response(response.status_code, body, what=call.what, request_id=request_id, redactor=redactor)
 
 
-def _part(prefix: str, call: Call, kwargs: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
-    """A call as one part of a batch envelope (what httpx would have sent for it alone)."""
-    headers = dict(kwargs["headers"])
-    body = b""
-    if call.content is not None:
-        body = call.content
-    elif call.json is not None:
-        headers["Content-Type"] = "application/json"
-        body = json.dumps(call.json, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
-    query = urllib.parse.urlencode(kwargs.get("params") or {})
-    return {"method": call.method, "path": prefix + call.path, "query": query, "headers": list(headers.items())}, body
+@dataclass(slots=True)
+class _Outgoing:
+    """A call as it goes on the wire: its own headers (the session's are added when sent) and body."""
+
+    call: Call
+    headers: dict[str, str]
+    body: bytes
+    timeout_s: float
+
+    @classmethod
+    def of(cls, call: Call, timeout_s: float) -> _Outgoing:
+        headers, body = {}, b""
+        if call.idempotency_key:
+            headers["Idempotency-Key"] = call.idempotency_key
+        if call.sequence:
+            headers["Icefloe-Sequence"] = call.sequence
+        if call.content is not None:
+            headers["Content-Type"], body = "application/octet-stream", call.content
+        elif call.json is not None:  # as httpx writes JSON: NaN is refused, not sent
+            body = json.dumps(call.json, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+            headers["Content-Type"] = "application/json"
+        return cls(call, headers, body, timeout_s)
+
+    @property
+    def query(self) -> str:
+        return urllib.parse.urlencode(self.call.params) if self.call.params else ""
 
 
 _BACKGROUND: set[asyncio.Task[Any]] = set()
@@ -295,89 +272,86 @@ def _spawn(coroutine: Coroutine[Any, Any, None]) -> None:
 
 
 class Http:
-    """One ``httpx.AsyncClient`` on the client's own I/O loop: ``send`` runs there, ``run``/``submit`` hand it work."""
+    """The client's I/O loop and its connection pool: ``send`` runs on the loop, ``run``/``start`` hand it work."""
 
-    def __init__(
-        self, endpoint: Endpoint, backend: RemoteConfig, redactor: Redactor, wrap: TransportWrapper | None = None
-    ) -> None:
-        self.endpoint, self.redactor = endpoint, redactor
+    def __init__(self, endpoint: Endpoint, backend: RemoteConfig, wrap: TransportWrapper | None = None) -> None:
+        self.endpoint, self.redactor = endpoint, Redactor(endpoint.pat)
         self.policy = RetryPolicy(backend)
-        self._timeout_s = backend.request_timeout_s
-        self._wrap = wrap
-        self._client: httpx.AsyncClient | None = None
-        self._lock = threading.Lock()
-        self._io = LoopThread("icefloe-remote-io", on_close=self._close_client)
         # > 0 once the service takes batches (the batch_requests extension): numbered POSTs that reach
         # ``send`` in one loop turn leave as one POST of at most this many bytes.
         self.batch_bytes = 0
-        self._window: list[tuple[Call, dict[str, Any], asyncio.Future[httpx.Response]]] | None = None
+        self._timeout_s = backend.request_timeout_s
+        self._headers = endpoint.headers()
+        # plain HTTP (`icefloe serve` on loopback) needs no TLS context
+        tls = _tls_context(endpoint.verify_ssl) if endpoint.origin.startswith("https://") else False
+        transport = httpx.AsyncHTTPTransport(verify=tls, limits=_LIMITS)
+        self._transport = wrap(transport) if wrap else transport
+        self._io = LoopThread("icefloe-remote-io", on_close=self._transport.aclose)
+        self._window: list[tuple[_Outgoing, asyncio.Future[httpx.Response]]] | None = None
 
     @property
-    def loop(self) -> Any:
-        """The I/O loop (an ``asyncio.AbstractEventLoop``), started on first use with its HTTP client."""
-        loop = self._io.loop
-        with self._lock:
-            if self._client is None:
-                transport = httpx.AsyncHTTPTransport(verify=_tls_for(self.endpoint), limits=_LIMITS)
-                self._client = httpx.AsyncClient(
-                    base_url=self.endpoint.url,
-                    headers=self.endpoint.headers(),
-                    transport=self._wrap(transport) if self._wrap else transport,
-                )
-        return loop
-
-    def submit(self, coroutine: Coroutine[Any, Any, T]) -> Any:
-        """Schedule ``coroutine`` on the I/O loop; returns its ``concurrent.futures.Future``."""
-        self._ready(coroutine)
-        return self._io.submit(coroutine)
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The I/O loop, started on first use."""
+        return self._io.loop
 
     def start(self, coroutine: Coroutine[Any, Any, T]) -> Any:
         """Run ``coroutine`` to its end on the I/O loop even if the caller stops waiting (see ``LoopThread.start``)."""
-        self._ready(coroutine)
         return self._io.start(coroutine)
-
-    def _ready(self, coroutine: Coroutine[Any, Any, T]) -> None:
-        try:
-            self.loop  # noqa: B018 - starts the loop and builds the client before the coroutine can use it
-        except BaseException:
-            coroutine.close()
-            raise
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         """Run ``coroutine`` on the I/O loop and block for its result."""
-        return self.submit(coroutine).result()
+        return self._io.run(coroutine)
+
+    def close(self) -> None:
+        """Cancel the calls in flight, close the connections on the loop, stop the thread. Idempotent."""
+        self._io.close()
 
     async def send(self, call: Call) -> Reply:
         """One call with retries (on the I/O loop); a failure arrives as an icefloe error."""
-        assert self._client is not None, "send runs on the I/O loop, which builds the client first"
-        timeout_s = call.timeout_s or self._timeout_s
-        kwargs = _request_kwargs(call, timeout_s)
-        with translate_errors(call, self.endpoint, self.redactor, timeout_s):
-            async for attempt in tenacity.AsyncRetrying(**self.policy.tenacity_kwargs(call, self.redactor)):
+        outgoing = _Outgoing.of(call, call.timeout_s or self._timeout_s)
+        with translate_errors(call, self.endpoint, self.redactor, outgoing.timeout_s):
+            async for attempt in self.policy.retrying(call, self.redactor):
                 with attempt:
                     if self.batch_bytes and call.sequence and attempt.retry_state.attempt_number == 1:
-                        response = await self._in_window(call, kwargs)
+                        response = await self._in_window(outgoing)
                     else:  # alone, and so is every retry
-                        response = await self._client.request(call.method, call.path, **kwargs)
+                        response = await self._exchange(outgoing)
                     return reply_of(call, response, self.redactor)
         raise AssertionError("unreachable: tenacity re-raises the last failure")
 
-    def _in_window(self, call: Call, kwargs: dict[str, Any]) -> asyncio.Future[httpx.Response]:
+    async def _exchange(self, outgoing: _Outgoing) -> httpx.Response:
+        """One request on the pool; the answer is read whole."""
+        query = outgoing.query
+        request = httpx.Request(
+            outgoing.call.method,
+            self.endpoint.url + outgoing.call.path + (f"?{query}" if query else ""),
+            headers={**self._headers, **outgoing.headers},
+            content=outgoing.body,
+            extensions={"timeout": httpx.Timeout(outgoing.timeout_s).as_dict()},
+        )
+        response = await self._transport.handle_async_request(request)
+        try:
+            await response.aread()
+        finally:
+            await response.aclose()
+        return response
+
+    def _in_window(self, outgoing: _Outgoing) -> asyncio.Future[httpx.Response]:
         """Join the calls sent in this loop turn; they leave together when it ends."""
         loop = asyncio.get_running_loop()
         if self._window is None:
             self._window = []
             loop.call_soon(self._flush)
         answer: asyncio.Future[httpx.Response] = loop.create_future()
-        self._window.append((call, kwargs, answer))
+        self._window.append((outgoing, answer))
         return answer
 
     def _flush(self) -> None:
         window, self._window = self._window or [], None
-        batch: list[tuple[Call, dict[str, Any], asyncio.Future[httpx.Response]]] = []
+        batch: list[tuple[_Outgoing, asyncio.Future[httpx.Response]]] = []
         size = 0
         for waiting in window:
-            body_size = len(waiting[0].content or b"") + 1024  # a JSON body and the part's header are small
+            body_size = len(waiting[0].body) + 1024  # the part's header is small
             if batch and size + body_size > self.batch_bytes:
                 _spawn(self._post_batch(batch))
                 batch, size = [], 0
@@ -386,25 +360,32 @@ class Http:
         if batch:
             _spawn(self._post_batch(batch))
 
-    async def _post_batch(self, batch: list[tuple[Call, dict[str, Any], asyncio.Future[httpx.Response]]]) -> None:
+    async def _post_batch(self, batch: list[tuple[_Outgoing, asyncio.Future[httpx.Response]]]) -> None:
         """One POST for the calls (a lone call goes as itself); each gets its own answer, or the failure."""
-        assert self._client is not None
         try:
             if len(batch) == 1:
-                call, kwargs, _ = batch[0]
-                answers = [await self._client.request(call.method, call.path, **kwargs)]
+                answers = [await self._exchange(batch[0][0])]
             else:
-                parts = [_part(self.endpoint.prefix, call, kwargs) for call, kwargs, _ in batch]
-                response = await self._client.post(
-                    BATCH_PATH,
-                    content=pack([part for part, _ in parts], [body for _, body in parts]),
-                    headers={"Content-Type": BATCH_MEDIA_TYPE},
-                    timeout=max(kwargs["timeout"] for _, kwargs, _ in batch),
+                parts = [
+                    {
+                        "method": o.call.method,
+                        "path": self.endpoint.prefix + o.call.path,
+                        "query": o.query,
+                        "headers": list(o.headers.items()),
+                    }
+                    for o, _ in batch
+                ]
+                envelope = _Outgoing(
+                    Call("POST", BATCH_PATH, "batch"),
+                    {"Content-Type": BATCH_MEDIA_TYPE},
+                    pack(parts, [o.body for o, _ in batch]),
+                    max(o.timeout_s for o, _ in batch),
                 )
+                response = await self._exchange(envelope)
                 answers = [response] * len(batch)  # refused whole: each call reads the refusal
                 if response.status_code == 200:
                     answers = [
-                        httpx.Response(part["status"], headers=part["headers"], content=body, request=response.request)
+                        httpx.Response(part["status"], headers=part["headers"], content=body)
                         for part, body in unpack(response.content)
                     ]
                     if len(answers) != len(batch):
@@ -412,19 +393,10 @@ class Http:
                             f"the service answered {len(answers)} parts to a batch of {len(batch)}"
                         )
         except Exception as exc:
-            for _, _, answer in batch:
+            for _, answer in batch:
                 if not answer.done():
                     answer.set_exception(exc)
             return
-        for (_, _, answer), response in zip(batch, answers, strict=True):
+        for (_, answer), response in zip(batch, answers, strict=True):
             if not answer.done():
                 answer.set_result(response)
-
-    def close(self) -> None:
-        """Cancel the calls in flight, close the HTTP client on its loop, stop the thread. Idempotent."""
-        self._io.close()
-
-    async def _close_client(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            await client.aclose()

@@ -25,7 +25,6 @@ from typing import Any, Final
 from icefloe import protocol as api
 from icefloe import wire
 from icefloe.client.remote import jobs
-from icefloe.client.remote.errors import Redactor
 from icefloe.client.remote.http import Call, Endpoint, Http, Retry, TransportWrapper
 from icefloe.client.remote.ordering import SubmitOrder, Turn
 from icefloe.client.remote.polling import Backoff, FrameResult, poll_request
@@ -42,7 +41,6 @@ _NOOP_OPS: Final = frozenset(
 )
 # Ask for tensor results as DSSST1 result chunks.
 _TENSOR_RESPONSE: Final = {"response_options": {"format": "dssst1", "delivery": "chunked"}}
-_CHUNK_GROUP_REPLAYS: Final = 1
 _CANCEL_TIMEOUT_S: Final = 30.0
 _MIN_LR: Final = 1e-12
 
@@ -65,10 +63,8 @@ class RemoteTransport(Transport):
         self.config = config
         self._backend: RemoteConfig = config.backend
         self._endpoint = Endpoint.from_config(self._backend)
-        self._redactor = Redactor([self._endpoint.pat] if self._endpoint.pat else [])
-        self._redactor.install()
         self._wrap = wrap_http_transport
-        self._http = Http(self._endpoint, self._backend, self._redactor, wrap_http_transport)
+        self._http = Http(self._endpoint, self._backend, wrap_http_transport)
         self._backoff = Backoff.from_config(self._backend)
         self._order = SubmitOrder()
         self._lock = threading.Lock()
@@ -77,8 +73,7 @@ class RemoteTransport(Transport):
         self._created = False
         self._attached = False
         self._closed = False
-        self._warned_zero_fill = False
-        self._warned_no_metrics = False
+        self._warned: set[str] = set()  # warnings given once per client
         self._lease: asyncio.Task | None = None  # the renewing task, kept so it is not collected
         # Optimizer steps called so far: the service has no LR schedule, so the client applies
         # config.training.lr_schedule by sending each step's learning_rate.
@@ -133,7 +128,7 @@ class RemoteTransport(Transport):
                 except BaseException:
                     # a failed open leaves no connection or thread behind; a retry starts afresh
                     self._http.close()
-                    self._http = Http(self._endpoint, self._backend, self._redactor, self._wrap)
+                    self._http = Http(self._endpoint, self._backend, self._wrap)
                     raise
 
     async def _attach(self) -> None:
@@ -196,7 +191,6 @@ class RemoteTransport(Transport):
                     _log.warning("could not cancel job %s: %s", self._job.job_id, exc)
         finally:
             self._http.close()
-            self._redactor.uninstall()
 
     async def _cancel_job(self, *, by_op: bool = False) -> dict[str, Any]:
         path = f"/{self._job_id}:cancel"
@@ -222,19 +216,18 @@ class RemoteTransport(Transport):
         self._check_not_closed("log_metrics")
         self.open()
         if self._service is None or not self._service.job_metrics:
-            if not self._warned_no_metrics:
-                self._warned_no_metrics = True
-                _log.warning(  # once per client
-                    "this service keeps no client metrics (no job_metrics extension): log_metrics sends nothing"
-                )
+            self._warn_once(
+                "this service keeps no client metrics (no job_metrics extension): log_metrics sends nothing"
+            )
             return super().log_metrics(metrics, step)
         body = {"step": step, "metrics": metrics}
         call = Call("POST", f"/{self._job_id}/metrics", "log_metrics", json=body, idempotency_key=str(uuid.uuid4()))
+        return self._http.start(self._http.send(call))
 
-        async def send() -> None:
-            await self._http.send(call)
-
-        return self._http.start(send())
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            _log.warning(message)
 
     # --- delivery --------------------------------------------------------------------------------
     def handle(self, request: api.Request) -> Future:
@@ -280,26 +273,67 @@ class RemoteTransport(Transport):
             return 0.0
         return min(self._backend.long_poll_s, self._service.max_long_poll_s or self._backend.long_poll_s)
 
-    def _hold(self, turn: Turn) -> tuple[dict[str, str], float | None]:
-        """``(params, timeout_s)`` of a submitting POST: ask for the answer inline when nothing waits on it.
+    @property
+    def _inline_wait(self) -> bool:
+        return self._service is not None and self._service.inline_wait
 
-        Only a numbered op may: an op in the accept-then-send line must be answered at acceptance.
+    async def _submit(
+        self,
+        turn: Turn,
+        path: str,
+        what: str,
+        *,
+        json: Any = None,
+        frame: bytes | None = None,
+        group: bool = False,
+        params: dict[str, str] | None = None,
+        inline: bool = False,
+    ) -> dict[str, Any]:
+        """POST the op's JSON body or frame (a chunk group when ``group`` or over the cap), then poll.
+
+        A numbered POST asks for its answer inline (``?wait=``): an op in the accept-then-send line
+        must be answered at acceptance. A chunk group the service lost is replayed once. An
+        ``inline`` operation is answered in its POST.
         """
-        hold_s = self._long_poll_s
-        if hold_s <= 0 or turn.sequence is None or self._service is None or not self._service.inline_wait:
-            return {}, None
-        return {"wait": f"{hold_s:.3f}"}, self._backend.request_timeout_s + hold_s
-
-    async def _poll(self, turn: Turn, accepted: Any, what: str, *, inline_ok: bool = False) -> dict[str, Any]:
-        """Let the next op go, then poll the request the accepting answer names (read an inline one as is)."""
+        hold_s = self._long_poll_s if turn.sequence is not None and self._inline_wait and not inline else 0.0
+        bodies: list[bytes | None] = [None]
+        if frame is not None:
+            bodies = list(wire.split_frame(frame, max_bytes=self._max_post_bytes, operation=what, force=group))
+        key = str(uuid.uuid4())
+        for replay in range(2 if group else 1):  # a group the service lost is replayed once
+            try:
+                for index, chunk in enumerate(bodies):
+                    last = index == len(bodies) - 1
+                    call = Call(
+                        "POST",
+                        f"/{self._job_id}/{path}",
+                        what,
+                        json=json,
+                        content=chunk,
+                        params={**(params or {}), "wait": f"{hold_s:.3f}"} if last and hold_s else params,
+                        idempotency_key=key if len(bodies) == 1 and not group else f"{key}.{replay}.{index}",
+                        timeout_s=self._backend.request_timeout_s + hold_s if last and hold_s else None,
+                        sequence=turn.sequence if last else None,  # a group queues with its last chunk
+                    )
+                    body = (await self._http.send(call)).body
+                    body = body if isinstance(body, Mapping) else {}
+                    if not last and (not body.get("chunk_cached") or "request_id" in body):
+                        raise api.RequestFailedError(
+                            f"{what}: chunk {index} of {len(bodies)} was answered with {body!r:.200}, "
+                            "expected {'chunk_cached': true}"
+                        )
+                break
+            except api.ChunkGroupRestartError:
+                if replay or not group:
+                    raise
+                _log.warning("%s: the service lost chunk group; replaying it from chunk 0", what)
+        # the accepting answer is in hand: let the next op go, then poll (or read an inline answer)
         turn.release()
-        body = accepted if isinstance(accepted, Mapping) else {}
         request_id = body.get("request_id")
         if not request_id:
-            if inline_ok:
+            if inline:
                 return dict(body)
             raise api.RequestFailedError(f"{what}: the service answered without a request_id to poll: {body!r:.200}")
-        answered = body if self._service is not None and self._service.inline_wait and "status" in body else None
         return await poll_request(
             self._http,
             self._job_id,
@@ -308,67 +342,13 @@ class RemoteTransport(Transport):
             backoff=self._backoff,
             timeout_s=self._backend.request_timeout_s,
             long_poll_s=self._long_poll_s,
-            answered=answered,
+            answered=body if self._inline_wait and "status" in body else None,
         )
 
-    async def _post_json(self, turn: Turn, path: str, what: str, body: dict[str, Any], *, hold: bool = True) -> Any:
-        """POST a JSON body as the op's numbered submission; returns the accepting answer."""
-        params, timeout_s = self._hold(turn) if hold else ({}, None)
-        call = Call(
-            "POST",
-            f"/{self._job_id}/{path}",
-            what,
-            json=body,
-            params=params or None,
-            idempotency_key=str(uuid.uuid4()),
-            timeout_s=timeout_s,
-            sequence=turn.sequence,
-        )
-        return (await self._http.send(call)).body
-
-    # --- octet ops -------------------------------------------------------------------------------
-    async def _post_frame(
-        self, turn: Turn, path: str, what: str, frame: bytes, *, force_chunks: bool, params: dict | None = None
-    ) -> dict[str, Any]:
-        """POST ``frame`` (a chunk group when forced or over the cap), replay a lost group once, then poll."""
-        chunks = wire.split_frame(
-            frame, max_bytes=self._max_post_bytes, kind="request", operation=what, force=force_chunks
-        )
-        call_key = str(uuid.uuid4())
-        hold_params, hold_timeout_s = self._hold(turn)
-        replays = _CHUNK_GROUP_REPLAYS if force_chunks else 0
-        for replay in range(replays + 1):
-            try:
-                for index, chunk in enumerate(chunks):
-                    key = call_key if len(chunks) == 1 and not force_chunks else f"{call_key}.{replay}.{index}"
-                    last = index == len(chunks) - 1
-                    call = Call(
-                        "POST",
-                        f"/{self._job_id}/{path}",
-                        what,
-                        content=chunk,
-                        params={**(params or {}), **hold_params} if last else params,
-                        idempotency_key=key,
-                        timeout_s=hold_timeout_s if last else None,
-                        sequence=turn.sequence if last else None,  # the group queues with its last chunk
-                    )
-                    body = (await self._http.send(call)).body
-                    body = body if isinstance(body, Mapping) else {}
-                    if not last and (not body.get("chunk_cached") or "request_id" in body):
-                        raise api.RequestFailedError(
-                            f"{what}: chunk {index} of {len(chunks)} was answered with {body!r:.200}, "
-                            "expected {'chunk_cached': true}"
-                        )
-                break
-            except api.ChunkGroupRestartError:
-                if replay == replays:
-                    raise
-                _log.warning("%s: the service lost chunk group; replaying it from chunk 0", what)
-        return await self._poll(turn, body, what)
-
+    # --- ops -------------------------------------------------------------------------------------
     def _fwd_bwd(self, request: api.Request) -> Send:
         frame = wire.encode(request.body["batch"])
-        return lambda turn: self._post_frame(turn, "forward-backward", api.OP_FWD_BWD, frame, force_chunks=True)
+        return lambda turn: self._submit(turn, "forward-backward", api.OP_FWD_BWD, frame=frame, group=True)
 
     def _forward(self, request: api.Request) -> Send | dict[str, Any]:
         batch = request.body["batch"]
@@ -379,12 +359,10 @@ class RemoteTransport(Transport):
                     "backend.allow_zero_logprobs=True only for on-policy, single-epoch GRPO without KL, where "
                     "zero log-probs are never read"
                 )
-            if not self._warned_zero_fill:
-                self._warned_zero_fill = True
-                _log.warning(
-                    "the service has no 'forward' op: answering forward() with zero log-probs "
-                    "(backend.allow_zero_logprobs=True)"
-                )
+            self._warn_once(
+                "the service has no 'forward' op: answering forward() with zero log-probs "
+                "(backend.allow_zero_logprobs=True)"
+            )
             return _zero_logprobs(batch)
         # The reference is addressed by job type; on a LoRA job without that sub-job the service
         # scores it on the trainer with the adapters disabled.
@@ -392,7 +370,7 @@ class RemoteTransport(Transport):
         if params and self.config.lora is None and self._job is not None and not self._job.first("log_probability"):
             raise api.InvalidRequestError("forward(reference=True) needs a reference role; set num_log_prob_workers=1")
         frame = wire.encode(batch, op_metadata=_TENSOR_RESPONSE)
-        return lambda turn: self._post_frame(turn, "forward", api.OP_FORWARD, frame, force_chunks=False, params=params)
+        return lambda turn: self._submit(turn, "forward", api.OP_FORWARD, frame=frame, params=params)
 
     def _generate(self, request: api.Request) -> Send:
         params = request.body["sampling_params"]
@@ -404,18 +382,14 @@ class RemoteTransport(Transport):
         frame = wire.encode(body)
 
         async def send(turn: Turn) -> dict[str, Any]:
-            result = await self._post_frame(turn, "generate", api.OP_GENERATE, frame, force_chunks=False)
+            result = await self._submit(turn, "generate", api.OP_GENERATE, frame=frame)
             # Only a DSSST1 result can hold tensors; walking a JSON one (thousands of samples) costs ms.
             return _tensors_to_lists(result) if isinstance(result, FrameResult) else result
 
         return send
 
-    # --- JSON ops --------------------------------------------------------------------------------
     def _json_op(self, name: str, body: dict[str, Any]) -> Send:
-        async def send(turn: Turn) -> dict[str, Any]:
-            return await self._poll(turn, await self._post_json(turn, name, name, body), name)
-
-        return send
+        return lambda turn: self._submit(turn, name, name, json=body)
 
     def _step(self, request: api.Request) -> Send:
         """Without an explicit rate, send the scheduled one (nothing for a flat schedule)."""
@@ -432,7 +406,7 @@ class RemoteTransport(Transport):
         body = {k: v for k, v in request.body.items() if v is not None}
 
         async def send(turn: Turn) -> dict[str, Any]:
-            result = await self._poll(turn, await self._post_json(turn, "load", api.OP_LOAD, body), api.OP_LOAD)
+            result = await self._submit(turn, "load", api.OP_LOAD, json=body)
             step = result.get("global_step", result.get("global_steps"))
             if isinstance(step, int):
                 self._steps_called = step  # the schedule continues from the loaded step
@@ -444,12 +418,7 @@ class RemoteTransport(Transport):
         """An ``{job}/operation`` POST; ``target`` names ``sub_job_id`` and/or ``sub_job_type``."""
         body = {"operation_type": operation_type, "payload": payload, **{k: v for k, v in target.items() if v}}
         inline = operation_type in api.INLINE_OPERATIONS
-
-        async def send(turn: Turn) -> dict[str, Any]:
-            accepted = await self._post_json(turn, "operation", operation_type, body, hold=not inline)
-            return await self._poll(turn, accepted, operation_type, inline_ok=inline)
-
-        return send
+        return lambda turn: self._submit(turn, "operation", operation_type, json=body, inline=inline)
 
     def _weight_sync(self, request: api.Request) -> Send:
         assert self._job is not None
