@@ -1,8 +1,7 @@
 """Job-level calls for people and scripts: what ``icefloe jobs | logs | checkpoints`` show.
 
-These speak the same training API as the remote transport (same prefix, auth, retries, error
-mapping and I/O loop, through :class:`Http`) but act on jobs by id, so one can inspect or cancel a job that
-another process created.
+They go through the remote transport's :class:`Http` but act on jobs by id, so one can inspect or
+cancel a job that another process created.
 """
 
 from __future__ import annotations
@@ -11,30 +10,13 @@ import time
 from collections.abc import Iterator
 from typing import Any, Self
 
-from icefloe.client.remote.http import Call, Endpoint, Http, Retry, RetryPolicy
+from icefloe.client.remote.http import Call, Endpoint, Http, Retry
 from icefloe.config import RemoteConfig
 from icefloe.protocol import JOB_TERMINAL_STATES, normalize_job_state
 
 __all__ = ["ServiceAdmin"]
 
 _ABSENT = frozenset({404})  # a route the service does not have is answered, not raised or retried
-
-
-class _AdminRetryPolicy(RetryPolicy):
-    """The transport's retries, except a refused connection: a person waiting at a terminal is told
-    at once that no service listens there, instead of after a minute of retries."""
-
-    def should_retry(self, call: Call, exc: BaseException) -> bool:
-        return not _refused(exc) and super().should_retry(call, exc)
-
-
-def _refused(exc: BaseException | None) -> bool:
-    """True when ``exc`` was caused by a refused TCP connection (nothing listens on the port)."""
-    while exc is not None:
-        if isinstance(exc, ConnectionRefusedError):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 class ServiceAdmin:
@@ -44,7 +26,8 @@ class ServiceAdmin:
         endpoint = Endpoint.from_config(backend)
         self.url = endpoint.url
         self._http = Http(endpoint, backend)
-        self._http.policy = _AdminRetryPolicy(backend)
+        # a person waiting at a terminal is told at once that no service listens there, not after a minute
+        self._http.policy.retry_refused = False
 
     def _send(self, call: Call) -> Any:
         return self._http.run(self._http.send(call)).body

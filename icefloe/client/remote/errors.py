@@ -9,6 +9,7 @@ lists and JSON embedded in strings (to a fixed depth). Every message built here 
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -16,16 +17,9 @@ from typing import Any, Final
 
 from icefloe import protocol as api
 
-__all__ = [
-    "MAX_SEARCH_DEPTH",
-    "Redactor",
-    "error_from_failed_request",
-    "error_from_response",
-    "error_message",
-    "find_error_code",
-]
+__all__ = ["Redactor", "error_from_failed_request", "error_from_response", "error_message", "find_error_code"]
 
-MAX_SEARCH_DEPTH: Final = 8
+_MAX_SEARCH_DEPTH: Final = 8
 _LEGACY_MISSING_CHUNKS_MESSAGE: Final = "request chunk group is missing chunks"
 _GROUP_ERRORS: Final[dict[str, type[api.RequestFailedError]]] = {
     api.CODE_CHUNK_GROUP_RESTART_REQUIRED: api.ChunkGroupRestartError,
@@ -60,23 +54,17 @@ _NAMED_ERRORS: Final[dict[str, type[api.IcefloeError]]] = {
 
 
 def _embedded_json(text: str) -> Any:
-    """The JSON value inside ``text`` (whole, or from its first brace), or None."""
-    for start in (0, text.find("{"), text.find("[")):
-        if start < 0:
-            continue
-        try:
-            return json.loads(text[start:])
-        except ValueError:
-            try:  # "...: {json} trailing words" — decode the first complete value only
-                return json.JSONDecoder().raw_decode(text[start:])[0]
-            except ValueError:
-                continue
+    """The JSON object or list inside ``text`` ("...: {json} trailing words"), or None."""
+    for start in (text.find("{"), text.find("[")):
+        if start >= 0:
+            with contextlib.suppress(ValueError):
+                return json.JSONDecoder().raw_decode(text, start)[0]
     return None
 
 
 def _walk(value: Any, depth: int = 0) -> Iterable[dict[str, Any]]:
     """Every dict inside ``value``, outermost first, including JSON embedded in strings."""
-    if depth > MAX_SEARCH_DEPTH:
+    if depth > _MAX_SEARCH_DEPTH:
         return
     if isinstance(value, dict):
         yield value

@@ -153,13 +153,14 @@ class RetryPolicy:
         self.initial_s = backend.retry_initial_s
         self.max_wait_s = backend.retry_max_s
         self.retry_restart_statuses = False  # set once the service is known to be the managed endpoint
+        self.retry_refused = True  # a connection refused (nothing listens on the port) is retried
 
     def should_retry(self, call: Call, exc: BaseException) -> bool:
         """True for a transient failure this call may repeat (chunk-group refusals never are)."""
         if call.retry is Retry.NEVER:
             return False
         if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
-            return True  # the request never left: safe even for a create
+            return self.retry_refused or not _refused(exc)  # the request never left: safe even for a create
         if call.retry is Retry.CONNECT_ONLY:
             return False
         if isinstance(exc, httpx.TimeoutException | httpx.NetworkError | httpx.RemoteProtocolError):
@@ -190,6 +191,15 @@ class RetryPolicy:
             reraise=True,
             before_sleep=before_sleep,
         )
+
+
+def _refused(exc: BaseException | None) -> bool:
+    """True when ``exc`` was caused by a refused TCP connection."""
+    while exc is not None:
+        if isinstance(exc, ConnectionRefusedError):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 @contextlib.contextmanager

@@ -112,14 +112,8 @@ def job_create_body(config: ClientConfig, experiment_name: str | None = None) ->
         if engine_kwargs:
             sampling["vllm_config"] = engine_kwargs
         subs.append({"job_type": "sampling", **common, "inference_config": sampling})
-    if reference_gpus(config):
-        subs.append(
-            {
-                "job_type": "log_probability",
-                **common,
-                "inference_config": {**inference, "n_gpus": reference_gpus(config)},
-            }
-        )
+    if gpus := reference_gpus(config):
+        subs.append({"job_type": "log_probability", **common, "inference_config": {**inference, "n_gpus": gpus}})
     optimizer = config.training.optimizer
     training = {
         "optimizer": {
@@ -155,12 +149,9 @@ def reference_gpus(config: ClientConfig) -> int:
 
 def _warn_unmapped_knobs(config: ClientConfig) -> None:
     """The training API has no field for these; say so instead of ignoring them silently."""
-    training = config.training
-    set_here = {
-        "training.checkpoint_dir": training.checkpoint_dir is not None,
-        "sampling.engine": config.sampling.engine != "auto",
-    }
-    if ignored := [name for name, value in set_here.items() if value]:
+    ignored = ["training.checkpoint_dir"] if config.training.checkpoint_dir is not None else []
+    ignored += ["sampling.engine"] if config.sampling.engine != "auto" else []
+    if ignored:
         _log.warning("backend.type='remote' ignores %s: the training API has no such field", ", ".join(ignored))
 
 

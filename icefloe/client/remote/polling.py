@@ -28,7 +28,7 @@ from icefloe.protocol import (
     normalize_request_state,
 )
 
-__all__ = ["Backoff", "FrameResult", "decode_result", "poll_request", "tensor_kind"]
+__all__ = ["Backoff", "FrameResult", "decode_result", "poll_request"]
 
 _LONG_POLL_SLACK_S = 10.0  # the HTTP timeout of a long poll exceeds its wait by this much
 
@@ -44,51 +44,38 @@ class Backoff:
     @classmethod
     def from_config(cls, backend: RemoteConfig) -> Backoff:
         return cls(
-            backend.poll_interval_s,
-            backend.poll_multiplier,
-            max(backend.poll_max_interval_s, backend.poll_interval_s),
+            backend.poll_interval_s, backend.poll_multiplier, max(backend.poll_max_interval_s, backend.poll_interval_s)
         )
 
-    def intervals(self) -> Iterator[float]:
+    def sleeps(self, deadline: float) -> Iterator[float]:
+        """The intervals, clipped so that no sleep ends after ``deadline`` (a ``time.monotonic`` value)."""
         interval = self.initial_s
         while True:
-            yield interval
-            interval = min(interval * self.multiplier, self.max_s)
-
-    def sleeps(self, deadline: float) -> Iterator[float]:
-        """Intervals clipped so that no sleep ends after ``deadline`` (a ``time.monotonic`` value)."""
-        for interval in self.intervals():
             yield max(0.0, min(interval, deadline - time.monotonic()))
+            interval = min(interval * self.multiplier, self.max_s)
 
 
 class FrameResult(dict):
     """A result decoded from a DSSST1 frame, so it may hold tensors (a JSON result never does)."""
 
 
-def tensor_kind() -> str:
-    """Decode result tensors as torch when it is installed (a light install gets numpy)."""
-    return "torch" if importlib.util.find_spec("torch") is not None else "numpy"
-
-
-def _is_inline_envelope(result: Any) -> bool:
-    return isinstance(result, Mapping) and "payload_b64" in result and "wire_format" in result
-
-
 def decode_result(result: Any, chunk_events: list[dict[str, Any]]) -> dict[str, Any]:
-    """The result dict from collected result chunks, an inline envelope, or plain JSON (empty → ``{}``)."""
+    """The result dict from collected result chunks, an inline envelope, or plain JSON (empty → ``{}``).
+
+    Tensors decode as torch when it is installed (a light install gets numpy).
+    """
+    tensors = "torch" if importlib.util.find_spec("torch") is not None else "numpy"
     if chunk_events:
-        decoded = wire.decode(wire.join_result_events(chunk_events), tensors=tensor_kind())
+        decoded = wire.decode(wire.join_result_events(chunk_events), tensors=tensors)
         if not isinstance(decoded, dict):
             raise RequestFailedError(f"result chunks decoded to {type(decoded).__name__}, expected a dict")
         return FrameResult(decoded)
-    if _is_inline_envelope(result):
-        decoded = wire.decode_inline_result(dict(result), tensors=tensor_kind())
+    if isinstance(result, Mapping) and "payload_b64" in result and "wire_format" in result:
+        decoded = wire.decode_inline_result(dict(result), tensors=tensors)
         return FrameResult(decoded) if isinstance(decoded, dict) else decoded
     if result is None or result == {}:
         return {}
-    if not isinstance(result, Mapping):
-        return {"result": result}
-    return dict(result)
+    return dict(result) if isinstance(result, Mapping) else {"result": result}
 
 
 async def poll_request(
