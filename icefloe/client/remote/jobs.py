@@ -46,19 +46,14 @@ _SEGMENTS: Final = {"training": "training", "sampling": "sampling", "log_probabi
 
 @dataclass(frozen=True, slots=True)
 class ServiceInfo:
-    """What the service at the other end offers."""
+    """What the service at the other end offers: its ops, extensions (docs/service.md) and limits."""
 
     managed: bool  # True = the managed endpoint (no /capabilities)
     ops: frozenset[str]
-    long_poll: bool = False
-    idempotency_keys: bool = False
+    extensions: frozenset[str] = frozenset()  # those advertised as true: "long_poll", "inline_wait", ...
     max_post_bytes: int | None = None
     max_long_poll_s: float | None = None
-    inline_wait: bool = False  # POSTs take ?wait= and answer with the request's poll answer
-    sequenced_submit: bool = False  # numbered POSTs (Icefloe-Sequence) are queued in number order
-    batch_requests: bool = False  # numbered POSTs sent together may travel as one (POST requests:batch)
     lease_ttl_s: float | None = None  # a job nobody renews for this long is cancelled (POST {job}:heartbeat)
-    job_metrics: bool = False  # POST {job}/metrics takes client-reported scalars (Client.log_metrics)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,20 +75,15 @@ async def probe_service(http: Http) -> ServiceInfo:
     if reply.status_code >= 400 or body is None or "ops" not in body:
         return ServiceInfo(managed=True, ops=MANAGED_OPS)
     ops = frozenset(_CAPABILITY_ALIASES.get(str(op), str(op)) for op in body.get("ops") or ())
-    extensions = body.get("extensions") or {}
+    extensions = frozenset(name for name, on in (body.get("extensions") or {}).items() if on)
     limits = body.get("limits") or {}
     return ServiceInfo(
         managed=False,
         ops=ops,
-        long_poll=bool(extensions.get("long_poll")),
-        idempotency_keys=bool(extensions.get("idempotency_keys")),
-        inline_wait=bool(extensions.get("inline_wait")),
-        sequenced_submit=bool(extensions.get("sequenced_submit")),
-        batch_requests=bool(extensions.get("batch_requests")),
-        job_metrics=bool(extensions.get("job_metrics")),
+        extensions=extensions,
         max_post_bytes=int(limits["max_post_bytes"]) if limits.get("max_post_bytes") else None,
         max_long_poll_s=float(limits["max_long_poll_s"]) if limits.get("max_long_poll_s") else None,
-        lease_ttl_s=limits["lease_ttl_ms"] / 1000 if extensions.get("leases") and limits.get("lease_ttl_ms") else None,
+        lease_ttl_s=limits["lease_ttl_ms"] / 1000 if "leases" in extensions and limits.get("lease_ttl_ms") else None,
     )
 
 

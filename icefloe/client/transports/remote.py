@@ -1,14 +1,11 @@
 """The remote backend: every op over the training API (``icefloe serve`` or the managed endpoint).
 
-``handle`` fixes an op's place in line when it is called (see :mod:`icefloe.client.remote.ordering`)
-and hands it to the client's own I/O loop (:class:`~icefloe.client.remote.http.Http`), where its
-POST leaves at once; the op's submission runs to its end there even if the caller stops waiting,
-so no number is ever left empty. Octet ops travel as DSSST1; forward-backward always goes as a
-chunk group (so every call carries a group id and runs at most once), step/save/load/operations
-as JSON. Every mutating POST carries an ``Idempotency-Key`` reused across its retries. With
-numbered POSTs and ``inline_wait`` an op posts with ``?wait=`` and usually gets its result in the
-POST's answer. Ops the service lacks are answered here: sleep/wake with ``{}``, forward with zeros
-only when ``backend.allow_zero_logprobs`` is set.
+``handle`` fixes an op's place in line when it is called (:mod:`icefloe.client.remote.ordering`) and
+hands its I/O to the client's own loop, where it runs to its end even if the caller stops waiting, so
+no number is ever left empty. Forward-backward always goes as a chunk group (a group id makes it run
+at most once); every mutating POST carries an ``Idempotency-Key`` reused across its retries. Ops the
+service lacks are answered here: sleep/wake with ``{}``, forward with zeros only when
+``backend.allow_zero_logprobs`` is set.
 """
 
 from __future__ import annotations
@@ -135,11 +132,11 @@ class RemoteTransport(Transport):
         service = await jobs.probe_service(self._http)
         self._service = service
         self._http.policy.retry_restart_statuses = service.managed
-        batching = service.batch_requests and self._backend.batch_requests
+        batching = "batch_requests" in service.extensions and self._backend.batch_requests
         self._http.batch_bytes = self._max_post_bytes if batching else 0
         if self._job is None:
             body = jobs.job_create_body(self.config, self._backend.experiment_name)
-            job_id = await jobs.create_job(self._http, body, idempotent=service.idempotency_keys)
+            job_id = await jobs.create_job(self._http, body, idempotent="idempotency_keys" in service.extensions)
             self._job, self._created = jobs.JobRef(job_id), True
             _log.info("created job %s on %s", job_id, self._endpoint.origin)
         timeout_s = self.config.job_ready_timeout_s
@@ -215,7 +212,7 @@ class RemoteTransport(Transport):
         """POST ``{job}/metrics`` when the service takes client metrics; else (the managed endpoint) send nothing."""
         self._check_not_closed("log_metrics")
         self.open()
-        if self._service is None or not self._service.job_metrics:
+        if "job_metrics" not in self._info.extensions:
             self._warn_once(
                 "this service keeps no client metrics (no job_metrics extension): log_metrics sends nothing"
             )
@@ -244,8 +241,7 @@ class RemoteTransport(Transport):
                 done: Future = Future()
                 done.set_result(send)
                 return done
-            numbered = self._service is not None and self._service.sequenced_submit
-            turn = self._order.take(_roles_of(request), numbered=numbered, loop=loop)
+            turn = self._order.take(_roles_of(request), numbered="sequenced_submit" in self._info.extensions, loop=loop)
         return self._http.start(_in_turn(send, turn))  # a caller that stops waiting does not stop it
 
     def _check_not_closed(self, op: str) -> None:
@@ -253,29 +249,29 @@ class RemoteTransport(Transport):
             raise api.ClientClosedError(f"cannot run {op!r}: the client was shut down; build a new client")
 
     @property
-    def _job_id(self) -> str:
+    def _ref(self) -> jobs.JobRef:
         assert self._job is not None, "open() attaches the job before any op runs"
-        return self._job.job_id
+        return self._job
 
     @property
-    def _service_ops(self) -> frozenset[str]:
-        return self._service.ops if self._service is not None else frozenset()
+    def _job_id(self) -> str:
+        return self._ref.job_id
+
+    @property
+    def _info(self) -> jobs.ServiceInfo:
+        assert self._service is not None, "open() probes the service before any op runs"
+        return self._service
 
     @property
     def _max_post_bytes(self) -> int:
-        limit = self._service.max_post_bytes if self._service is not None else None
-        return min(self._backend.max_post_bytes, limit or self._backend.max_post_bytes)
+        return min(self._backend.max_post_bytes, self._info.max_post_bytes or self._backend.max_post_bytes)
 
     @property
     def _long_poll_s(self) -> float:
         """The ``?wait=`` of a poll; 0 when the service cannot hold answers or the config turned it off."""
-        if self._service is None or not self._service.long_poll:
+        if "long_poll" not in self._info.extensions:
             return 0.0
-        return min(self._backend.long_poll_s, self._service.max_long_poll_s or self._backend.long_poll_s)
-
-    @property
-    def _inline_wait(self) -> bool:
-        return self._service is not None and self._service.inline_wait
+        return min(self._backend.long_poll_s, self._info.max_long_poll_s or self._backend.long_poll_s)
 
     async def _submit(
         self,
@@ -295,7 +291,8 @@ class RemoteTransport(Transport):
         must be answered at acceptance. A chunk group the service lost is replayed once. An
         ``inline`` operation is answered in its POST.
         """
-        hold_s = self._long_poll_s if turn.sequence is not None and self._inline_wait and not inline else 0.0
+        inline_wait = "inline_wait" in self._info.extensions
+        hold_s = self._long_poll_s if turn.sequence is not None and inline_wait and not inline else 0.0
         bodies: list[bytes | None] = [None]
         if frame is not None:
             bodies = list(wire.split_frame(frame, max_bytes=self._max_post_bytes, operation=what, force=group))
@@ -342,7 +339,7 @@ class RemoteTransport(Transport):
             backoff=self._backoff,
             timeout_s=self._backend.request_timeout_s,
             long_poll_s=self._long_poll_s,
-            answered=body if self._inline_wait and "status" in body else None,
+            answered=body if inline_wait and "status" in body else None,
         )
 
     # --- ops -------------------------------------------------------------------------------------
@@ -352,7 +349,7 @@ class RemoteTransport(Transport):
 
     def _forward(self, request: api.Request) -> Send | dict[str, Any]:
         batch = request.body["batch"]
-        if api.OP_FORWARD not in self._service_ops:
+        if api.OP_FORWARD not in self._info.ops:
             if not self._backend.allow_zero_logprobs:
                 raise api.UnsupportedOpError(
                     "the service has no 'forward' op (the managed endpoint lacks it); set "
@@ -367,7 +364,7 @@ class RemoteTransport(Transport):
         # The reference is addressed by job type; on a LoRA job without that sub-job the service
         # scores it on the trainer with the adapters disabled.
         params = {"sub_job_type": "log_probability"} if request.target == api.TARGET_REFERENCE else None
-        if params and self.config.lora is None and self._job is not None and not self._job.first("log_probability"):
+        if params and self.config.lora is None and not self._ref.first("log_probability"):
             raise api.InvalidRequestError("forward(reference=True) needs a reference role; set num_log_prob_workers=1")
         frame = wire.encode(batch, op_metadata=_TENSOR_RESPONSE)
         return lambda turn: self._submit(turn, "forward", api.OP_FORWARD, frame=frame, params=params)
@@ -421,9 +418,8 @@ class RemoteTransport(Transport):
         return lambda turn: self._submit(turn, "operation", operation_type, json=body, inline=inline)
 
     def _weight_sync(self, request: api.Request) -> Send:
-        assert self._job is not None
-        source = self._job.first("training")
-        targets = self._job.sub_jobs.get("sampling") or []
+        source = self._ref.first("training")
+        targets = self._ref.sub_jobs.get("sampling") or []
         if not targets:
             raise api.InvalidRequestError(
                 "sync_weights needs a sampling role; set num_sampling_workers=1 in the config"
@@ -436,11 +432,7 @@ class RemoteTransport(Transport):
         return self._operation(api.OP_WEIGHT_SYNC, payload, sub_job_id=source, sub_job_type="training")
 
     def _reset_prefix_cache(self, request: api.Request) -> Send | dict[str, Any]:
-        if (
-            self._job is None
-            or not self._job.sub_jobs.get("sampling")
-            or api.OP_RESET_PREFIX_CACHE not in self._service_ops
-        ):
+        if not self._ref.sub_jobs.get("sampling") or api.OP_RESET_PREFIX_CACHE not in self._info.ops:
             return {}
         payload = {"drain": True, "timeout_s": 60.0, "retry_interval_s": 0.1}
         return self._operation(api.OP_RESET_PREFIX_CACHE, payload, sub_job_type="sampling")
