@@ -65,6 +65,7 @@ class Call:
     what: str  # names the call in errors and logs, e.g. "forward-backward"
     json: Any = None
     content: bytes | None = None
+    content_type: str = "application/octet-stream"  # of ``content``
     params: Mapping[str, Any] | None = None
     idempotency_key: str | None = None  # sent as Idempotency-Key; the same for every retry
     retry: Retry = Retry.TRANSIENT
@@ -244,32 +245,23 @@ def reply_of(call: Call, response: httpx.Response, redactor: Redactor) -> Reply:
     raise error_from_response(response.status_code, body, what=call.what, request_id=request_id, redactor=redactor)
 
 
-@dataclass(slots=True)
-class _Outgoing:
-    """A call as it goes on the wire: its own headers (the session's are added when sent) and body."""
+def _wire(call: Call) -> tuple[dict[str, str], bytes]:
+    """The call's own headers (the session's are added when it is sent) and its body."""
+    headers, body = {}, b""
+    if call.idempotency_key:
+        headers["Idempotency-Key"] = call.idempotency_key
+    if call.sequence:
+        headers["Icefloe-Sequence"] = call.sequence
+    if call.content is not None:
+        headers["Content-Type"], body = call.content_type, call.content
+    elif call.json is not None:  # as httpx writes JSON: NaN is refused, not sent
+        body = json.dumps(call.json, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
+        headers["Content-Type"] = "application/json"
+    return headers, body
 
-    call: Call
-    headers: dict[str, str]
-    body: bytes
-    timeout_s: float
 
-    @classmethod
-    def of(cls, call: Call, timeout_s: float) -> _Outgoing:
-        headers, body = {}, b""
-        if call.idempotency_key:
-            headers["Idempotency-Key"] = call.idempotency_key
-        if call.sequence:
-            headers["Icefloe-Sequence"] = call.sequence
-        if call.content is not None:
-            headers["Content-Type"], body = "application/octet-stream", call.content
-        elif call.json is not None:  # as httpx writes JSON: NaN is refused, not sent
-            body = json.dumps(call.json, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
-            headers["Content-Type"] = "application/json"
-        return cls(call, headers, body, timeout_s)
-
-    @property
-    def query(self) -> str:
-        return urllib.parse.urlencode(self.call.params) if self.call.params else ""
+def _query(call: Call) -> str:
+    return urllib.parse.urlencode(call.params) if call.params else ""
 
 
 _BACKGROUND: set[asyncio.Task[Any]] = set()
@@ -297,7 +289,7 @@ class Http:
         transport = httpx.AsyncHTTPTransport(verify=tls, limits=_LIMITS)
         self._transport = wrap(transport) if wrap else transport
         self._io = LoopThread("icefloe-remote-io", on_close=self._transport.aclose)
-        self._window: list[tuple[_Outgoing, asyncio.Future[httpx.Response]]] | None = None
+        self._window: list[tuple[Call, asyncio.Future[httpx.Response]]] | None = None
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -318,26 +310,26 @@ class Http:
 
     async def send(self, call: Call) -> Reply:
         """One call with retries (on the I/O loop); a failure arrives as an icefloe error."""
-        outgoing = _Outgoing.of(call, call.timeout_s or self._timeout_s)
-        with translate_errors(call, self.endpoint, self.redactor, outgoing.timeout_s):
+        with translate_errors(call, self.endpoint, self.redactor, call.timeout_s or self._timeout_s):
             async for attempt in self.policy.retrying(call, self.redactor):
                 with attempt:
                     if self.batch_bytes and call.sequence and attempt.retry_state.attempt_number == 1:
-                        response = await self._in_window(outgoing)
+                        response = await self._in_window(call)
                     else:  # alone, and so is every retry
-                        response = await self._exchange(outgoing)
+                        response = await self._exchange(call)
                     return reply_of(call, response, self.redactor)
         raise AssertionError("unreachable: tenacity re-raises the last failure")
 
-    async def _exchange(self, outgoing: _Outgoing) -> httpx.Response:
+    async def _exchange(self, call: Call) -> httpx.Response:
         """One request on the pool; the answer is read whole."""
-        query = outgoing.query
+        headers, body = _wire(call)
+        query = _query(call)
         request = httpx.Request(
-            outgoing.call.method,
-            self.endpoint.url + outgoing.call.path + (f"?{query}" if query else ""),
-            headers={**self._headers, **outgoing.headers},
-            content=outgoing.body,
-            extensions={"timeout": httpx.Timeout(outgoing.timeout_s).as_dict()},
+            call.method,
+            self.endpoint.url + call.path + (f"?{query}" if query else ""),
+            headers={**self._headers, **headers},
+            content=body,
+            extensions={"timeout": httpx.Timeout(call.timeout_s or self._timeout_s).as_dict()},
         )
         response = await self._transport.handle_async_request(request)
         try:
@@ -346,22 +338,22 @@ class Http:
             await response.aclose()
         return response
 
-    def _in_window(self, outgoing: _Outgoing) -> asyncio.Future[httpx.Response]:
+    def _in_window(self, call: Call) -> asyncio.Future[httpx.Response]:
         """Join the calls sent in this loop turn; they leave together when it ends."""
         loop = asyncio.get_running_loop()
         if self._window is None:
             self._window = []
             loop.call_soon(self._flush)
         answer: asyncio.Future[httpx.Response] = loop.create_future()
-        self._window.append((outgoing, answer))
+        self._window.append((call, answer))
         return answer
 
     def _flush(self) -> None:
         window, self._window = self._window or [], None
-        batch: list[tuple[_Outgoing, asyncio.Future[httpx.Response]]] = []
+        batch: list[tuple[Call, asyncio.Future[httpx.Response]]] = []
         size = 0
         for waiting in window:
-            body_size = len(waiting[0].body) + 1024  # the part's header is small
+            body_size = len(waiting[0].content or b"") + 1024  # a JSON body and the part's header are small
             if batch and size + body_size > self.batch_bytes:
                 _spawn(self._post_batch(batch))
                 batch, size = [], 0
@@ -370,26 +362,28 @@ class Http:
         if batch:
             _spawn(self._post_batch(batch))
 
-    async def _post_batch(self, batch: list[tuple[_Outgoing, asyncio.Future[httpx.Response]]]) -> None:
+    async def _post_batch(self, batch: list[tuple[Call, asyncio.Future[httpx.Response]]]) -> None:
         """One POST for the calls (a lone call goes as itself); each gets its own answer, or the failure."""
         try:
             if len(batch) == 1:
                 answers = [await self._exchange(batch[0][0])]
             else:
-                parts = [
-                    {
-                        "method": o.call.method,
-                        "path": self.endpoint.prefix + o.call.path,
-                        "query": o.query,
-                        "headers": list(o.headers.items()),
-                    }
-                    for o, _ in batch
-                ]
-                envelope = _Outgoing(
-                    Call("POST", BATCH_PATH, "batch"),
-                    {"Content-Type": BATCH_MEDIA_TYPE},
-                    pack(parts, [o.body for o, _ in batch]),
-                    max(o.timeout_s for o, _ in batch),
+                parts, bodies = [], []
+                for call, _ in batch:
+                    headers, body = _wire(call)
+                    path = self.endpoint.prefix + call.path
+                    parts.append(
+                        {"method": call.method, "path": path, "query": _query(call), "headers": list(headers.items())}
+                    )
+                    bodies.append(body)
+                timeout_s = max(call.timeout_s or self._timeout_s for call, _ in batch)
+                envelope = Call(
+                    "POST",
+                    BATCH_PATH,
+                    "batch",
+                    content=pack(parts, bodies),
+                    content_type=BATCH_MEDIA_TYPE,
+                    timeout_s=timeout_s,
                 )
                 response = await self._exchange(envelope)
                 answers = [response] * len(batch)  # refused whole: each call reads the refusal
