@@ -4,7 +4,7 @@
 event loop (:class:`LoopThread`) straight to an httpx transport (its connection pool). An httpx
 client on top would parse and merge URLs, defaults and cookies on every request, which the API has
 no use for. A :class:`Call` is one request relative to the API prefix plus how it may be retried.
-Retries use tenacity with the training API's schedule (0.5 s doubling plus jitter, capped at 10 s,
+Retries follow the training API's schedule (0.5 s doubling plus jitter, capped at 10 s,
 ``1 + max_retries`` attempts) and re-send the same ``Idempotency-Key``. httpx errors are translated
 to icefloe errors in :func:`translate_errors` only; nothing above this module sees an httpx type.
 """
@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import enum
 import functools
+import itertools
 import json
 import logging
 import random
@@ -26,7 +27,6 @@ from typing import Any, Final, TypeVar
 
 import httpx
 import orjson
-import tenacity
 
 from icefloe.client.loop import LoopThread
 from icefloe.client.remote.errors import Redactor, error_from_response
@@ -178,21 +178,6 @@ class RetryPolicy:
         jitter = random.uniform(0.0, 2.0 * self.initial_s)
         return min(self.initial_s * 2 ** (attempt - 1) + jitter, self.max_wait_s)
 
-    def retrying(self, call: Call, redactor: Redactor) -> tenacity.AsyncRetrying:
-        def before_sleep(state: tenacity.RetryCallState) -> None:
-            exc = state.outcome.exception() if state.outcome else None
-            _log.warning(
-                redactor(f"{call.what}: attempt {state.attempt_number}/{self.max_retries + 1} failed ({exc}); retrying")
-            )
-
-        return tenacity.AsyncRetrying(
-            stop=tenacity.stop_after_attempt(self.max_retries + 1),
-            wait=lambda state: self.wait_s(state.attempt_number),
-            retry=tenacity.retry_if_exception(lambda exc: self.should_retry(call, exc)),
-            reraise=True,
-            before_sleep=before_sleep,
-        )
-
 
 def _refused(exc: BaseException | None) -> bool:
     """True when ``exc`` was caused by a refused TCP connection."""
@@ -309,16 +294,25 @@ class Http:
         self._io.close()
 
     async def send(self, call: Call) -> Reply:
-        """One call with retries (on the I/O loop); a failure arrives as an icefloe error."""
+        """One call, retried as the policy allows with the same ``Idempotency-Key``; a failure arrives as an
+        icefloe error."""
+        retries = self.policy.max_retries
         with translate_errors(call, self.endpoint, self.redactor, call.timeout_s or self._timeout_s):
-            async for attempt in self.policy.retrying(call, self.redactor):
-                with attempt:
-                    if self.batch_bytes and call.sequence and attempt.retry_state.attempt_number == 1:
+            for attempt in itertools.count(1):
+                try:
+                    if self.batch_bytes and call.sequence and attempt == 1:
                         response = await self._in_window(call)
                     else:  # alone, and so is every retry
                         response = await self._exchange(call)
                     return reply_of(call, response, self.redactor)
-        raise AssertionError("unreachable: tenacity re-raises the last failure")
+                except Exception as exc:
+                    if attempt > retries or not self.policy.should_retry(call, exc):
+                        raise
+                    _log.warning(
+                        self.redactor(f"{call.what}: attempt {attempt}/{retries + 1} failed ({exc}); retrying")
+                    )
+                await asyncio.sleep(self.policy.wait_s(attempt))
+        raise AssertionError("unreachable: the loop returns or raises")
 
     async def _exchange(self, call: Call) -> httpx.Response:
         """One request on the pool; the answer is read whole."""

@@ -27,7 +27,6 @@ __all__ = [
     "create_job",
     "job_create_body",
     "probe_service",
-    "reference_gpus",
     "sub_jobs_of",
     "wait_running",
 ]
@@ -102,17 +101,11 @@ def job_create_body(config: ClientConfig, experiment_name: str | None = None) ->
         if engine_kwargs:
             sampling["vllm_config"] = engine_kwargs
         subs.append({"job_type": "sampling", **common, "inference_config": sampling})
-    if gpus := reference_gpus(config):
+    if gpus := _reference_gpus(config):
         subs.append({"job_type": "log_probability", **common, "inference_config": {**inference, "n_gpus": gpus}})
-    optimizer = config.training.optimizer
+    adamw = config.training.optimizer.model_dump(mode="json", include={"lr", "betas", "eps", "weight_decay"})
     training = {
-        "optimizer": {
-            "name": "AdamW",
-            "lr": optimizer.lr,
-            "betas": list(optimizer.betas),
-            "eps": optimizer.eps,
-            "weight_decay": optimizer.weight_decay,
-        },
+        "optimizer": {"name": "AdamW", **adamw},
         "max_seq_len": config.max_seq_len,
         "train_batch_size": config.num_training_workers,  # one sequence per rank per micro-step; batches vary
         "n_gpus": config.num_training_workers,
@@ -132,7 +125,7 @@ def job_create_body(config: ClientConfig, experiment_name: str | None = None) ->
     return body
 
 
-def reference_gpus(config: ClientConfig) -> int:
+def _reference_gpus(config: ClientConfig) -> int:
     """GPUs of the log_probability sub-job (0: none); LoRA needs none, its trainer scores the reference."""
     return config.num_log_prob_workers if config.lora is None else 0
 
@@ -167,12 +160,18 @@ def _job_type(value: Any) -> str:
     return "log_probability" if text in ("log_prob", "logprob", "log_probs") else text
 
 
-def sub_jobs_of(job_id: str, job: Mapping[str, Any], expected: Mapping[str, int]) -> dict[str, list[str]]:
-    """Sub-job ids by type from a job object; missing ones follow ``{job_id}:{segment}:{index}``."""
+def sub_jobs_of(job_id: str, job: Mapping[str, Any], config: ClientConfig) -> dict[str, list[str]]:
+    """Sub-job ids by type from a job object; those ``config`` asks for and the job lacks follow
+    ``{job_id}:{segment}:{index}``."""
     found: dict[str, list[str]] = {}
     for sub in job.get("sub_jobs") or ():
         if isinstance(sub, Mapping) and sub.get("sub_job_id"):
             found.setdefault(_job_type(sub.get("job_type")), []).append(str(sub["sub_job_id"]))
+    expected = {
+        "training": 1,
+        "sampling": int(config.num_sampling_workers > 0),
+        "log_probability": int(_reference_gpus(config) > 0),
+    }
     for job_type, count in expected.items():
         if count and not found.get(job_type):
             found[job_type] = [f"{job_id}:{_SEGMENTS[job_type]}:{i}" for i in range(count)]

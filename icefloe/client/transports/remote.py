@@ -148,13 +148,8 @@ class RemoteTransport(Transport):
                     await self._cancel_job()
                 self._job, self._created = None, False  # a retried open creates a fresh one
             raise
-        expected = {
-            "training": 1,
-            "sampling": int(self.config.num_sampling_workers > 0),
-            "log_probability": int(jobs.reference_gpus(self.config) > 0),
-        }
         known = {k: v for k, v in self._job.sub_jobs.items() if v}
-        self._job = jobs.JobRef(self._job.job_id, {**jobs.sub_jobs_of(self._job.job_id, job, expected), **known})
+        self._job = jobs.JobRef(self._job.job_id, {**jobs.sub_jobs_of(self._job.job_id, job, self.config), **known})
         self._attached = True
         if service.lease_ttl_s:
             self._lease = asyncio.get_running_loop().create_task(self._keep_lease(service.lease_ttl_s / 3))
@@ -478,12 +473,8 @@ def _tensors_to_lists(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {k: _tensors_to_lists(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        if all(isinstance(v, int | float | str | bool | None) for v in value):
-            return value if isinstance(value, list) else list(value)  # JSON already: token ids, logprobs
         return [_tensors_to_lists(v) for v in value]
-    if hasattr(value, "tolist") and hasattr(value, "shape"):
-        return value.tolist()
-    return value
+    return value.tolist() if hasattr(value, "tolist") and hasattr(value, "shape") else value
 
 
 def _zero_logprobs(batch: Mapping[str, Any]) -> dict[str, Any]:

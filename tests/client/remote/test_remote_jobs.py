@@ -90,7 +90,7 @@ def test_sub_jobs_of_reads_enum_names_and_fills_missing_ids():
             {"sub_job_id": "j:log_prob:0", "job_type": "log_prob"},
         ]
     }
-    found = sub_jobs_of("j", job, {"training": 1, "sampling": 1, "log_probability": 1})
+    found = sub_jobs_of("j", job, ClientConfig.build(num_log_prob_workers=1))
     assert found == {
         "training": ["j:training:0"],
         "log_probability": ["j:log_prob:0"],
