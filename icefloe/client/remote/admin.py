@@ -44,8 +44,8 @@ class ServiceAdmin:
         return dict(body.get("job", body))
 
     def job_metrics(self, job_id: str) -> list[dict[str, Any]] | None:
-        """The job's per-step metrics, ``[{step, time, loss, ...}]`` oldest first (icefloe extension);
-        None when the service has no such route (an older ``icefloe serve``, the managed endpoint)."""
+        """The job's per-step metrics, ``[{step, time, loss, ...}]`` oldest first; None where the service
+        has no such route (the managed endpoint)."""
         reply = self._http.run(self._http.send(Call("GET", f"/{job_id}/metrics", "job metrics", accept=_ABSENT)))
         if reply.status_code == 404:
             return None

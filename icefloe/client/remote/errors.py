@@ -1,10 +1,8 @@
 """Reading the service's error bodies and turning HTTP failures into icefloe errors.
 
-The training API answers errors in several shapes: ``{code, message}``, ``{error}``, FastAPI's
-``{detail}``, and front-door wrappers that embed the backend's JSON inside a message string. The
-chunk-group codes can sit anywhere in that nesting, so :func:`find_error_code` searches dicts,
-lists and JSON embedded in strings (to a fixed depth). Every message built here passes through
-:class:`Redactor`, so a PAT never reaches an exception.
+The training API answers errors as ``{code, message}``, ``{error}``, FastAPI's ``{detail}``, or
+front-door wrappers that embed the backend's JSON in a message string; a chunk-group code can sit
+anywhere in that nesting, so :func:`find_error_code` searches it all (to a fixed depth).
 """
 
 from __future__ import annotations
@@ -118,10 +116,8 @@ def error_message(body: Any, fallback: str) -> str:
 def error_from_response(
     status_code: int, body: Any, *, what: str, request_id: str | None, redactor: Redactor
 ) -> api.IcefloeError:
-    """The typed error for a non-2xx answer: the class its wire code names, else ``RequestFailedError``.
-
-    Every one carries ``status_code`` and ``code``, which the retry policy reads.
-    """
+    """The typed error for a non-2xx answer (the class its wire code names, else ``RequestFailedError``),
+    with the ``status_code`` and ``code`` the retry policy reads."""
     code = find_error_code(body)
     message = redactor(f"{what} failed: {error_message(body, f'HTTP {status_code}')}")
     named = _CODE_ERRORS.get(code or "")

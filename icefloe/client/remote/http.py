@@ -1,12 +1,9 @@
 """HTTP for the remote transport: URL prefix, auth headers, retries, error mapping, and the I/O loop.
 
-:class:`Http` sends every request of a remote client, blocking or async, from the client's own
-event loop (:class:`LoopThread`) straight to an httpx transport (its connection pool). An httpx
-client on top would parse and merge URLs, defaults and cookies on every request, which the API has
-no use for. A :class:`Call` is one request relative to the API prefix plus how it may be retried.
-Retries follow the training API's schedule (0.5 s doubling plus jitter, capped at 10 s,
-``1 + max_retries`` attempts) and re-send the same ``Idempotency-Key``. httpx errors are translated
-to icefloe errors in :func:`translate_errors` only; nothing above this module sees an httpx type.
+:class:`Http` sends every request of a remote client from the client's own event loop straight to
+an httpx transport (its connection pool): an httpx client on top would parse and merge URLs,
+defaults and cookies on every request, which the API has no use for. Retries follow the training
+API's schedule (0.5 s doubling plus jitter, capped at 10 s). Nothing above this module sees an httpx type.
 """
 
 from __future__ import annotations
@@ -142,12 +139,12 @@ class Endpoint:
 
 @functools.lru_cache(maxsize=2)
 def _tls_context(verify: bool) -> ssl.SSLContext:
-    """One TLS context per process and flag: loading the CA bundle takes ~50 ms, too long to repeat."""
+    """One per process and flag: loading the CA bundle takes ~50 ms."""
     return httpx.create_ssl_context(verify=verify)
 
 
 class RetryPolicy:
-    """The retry predicate and wait schedule shared by both sessions."""
+    """Which failures a call may repeat, and how long to wait before it does."""
 
     def __init__(self, backend: RemoteConfig) -> None:
         self.max_retries = backend.max_retries

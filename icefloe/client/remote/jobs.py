@@ -1,8 +1,7 @@
-"""Jobs on the service: the create body built from a ClientConfig, waiting for ``running``, sub-job ids.
+"""Jobs on the service: the capability probe, the create body, waiting for ``running``, sub-job ids.
 
-Also the capability probe: ``icefloe serve`` advertises its ops and extensions at
-``GET {prefix}/capabilities``; the managed endpoint has no such route (it answers 404), so a 404
-means "managed" and the transport assumes the managed endpoint's fixed op set.
+``icefloe serve`` advertises its ops and extensions at ``GET {prefix}/capabilities``; the managed
+endpoint has no such route, so a 4xx there means "managed", with its fixed op set.
 """
 
 from __future__ import annotations
@@ -68,7 +67,6 @@ class JobRef:
 
 
 async def probe_service(http: Http) -> ServiceInfo:
-    """``GET /capabilities``; a 4xx there means the managed endpoint."""
     reply = await http.send(Call("GET", "/capabilities", "capabilities", accept=frozenset({400, 404, 405})))
     body = reply.body if isinstance(reply.body, Mapping) else None
     if reply.status_code >= 400 or body is None or "ops" not in body:

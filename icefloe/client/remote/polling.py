@@ -1,10 +1,8 @@
 """Waiting on the service: the backoff schedule, request polling and result decoding.
 
-A request's result arrives in one of three forms (plain JSON, an inline DSSST1 envelope, or
-``result_chunk`` events drained by cursor). When the service advertises long polling, each poll
-asks it to hold the answer (``?wait=``); otherwise polls back off 0.5 s × 1.25 up to 6 s. No sleep
-runs past the deadline, and a passed deadline raises :class:`IcefloeTimeoutError`. A submitting
-POST that already carried the poll answer (the ``inline_wait`` extension) is read like a poll.
+A result arrives as plain JSON, an inline DSSST1 envelope, or ``result_chunk`` events drained by
+cursor. Where the service offers it each poll asks it to hold the answer (``?wait=``); otherwise
+polls back off 0.5 s × 1.25 up to 6 s. No sleep runs past the deadline.
 """
 
 from __future__ import annotations

@@ -1,29 +1,33 @@
 """The remote backend: every op over the training API (``icefloe serve`` or the managed endpoint).
 
-``handle`` fixes an op's place in line when it is called (:mod:`icefloe.client.remote.ordering`) and
-hands its I/O to the client's own loop, where it runs to its end even if the caller stops waiting, so
-no number is ever left empty. Forward-backward always goes as a chunk group (a group id makes it run
-at most once); every mutating POST carries an ``Idempotency-Key`` reused across its retries. Ops the
-service lacks are answered here: sleep/wake with ``{}``, forward with zeros only when
-``backend.allow_zero_logprobs`` is set.
+``handle`` fixes an op's place in line when it is called and hands its I/O to the client's own
+loop, where it runs to its end even if the caller stops waiting. A service that advertises
+``sequenced_submit`` (``icefloe serve``) queues numbered POSTs (``Icefloe-Sequence: <session>:<n>``)
+in number order, so every op leaves at once and no number is ever left empty. Against one without it
+(the managed endpoint) an op's POST waits until every earlier op of its roles has been accepted (not
+finished), so the ops still overlap on the service's queue. Forward-backward always goes as a chunk
+group (a group id makes it run at most once); every mutating POST carries an ``Idempotency-Key``
+reused across its retries. Ops the service lacks are answered here: sleep/wake with ``{}``, forward
+with zeros only when ``backend.allow_zero_logprobs`` is set.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import threading
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from icefloe import protocol as api
 from icefloe import wire
 from icefloe.client.remote import jobs
 from icefloe.client.remote.http import Call, Endpoint, Http, Retry, TransportWrapper
-from icefloe.client.remote.ordering import SubmitOrder, Turn
 from icefloe.client.remote.polling import Backoff, FrameResult, poll_request
 from icefloe.client.transports.base import Transport
 from icefloe.config import ClientConfig, RemoteConfig
@@ -36,10 +40,28 @@ _log = logging.getLogger("icefloe.client.remote")
 _NOOP_OPS: Final = frozenset(
     {api.OP_SLEEP_TRAINING, api.OP_WAKE_TRAINING, api.OP_SLEEP_INFERENCE, api.OP_WAKE_INFERENCE}
 )
-# Ask for tensor results as DSSST1 result chunks.
 _TENSOR_RESPONSE: Final = {"response_options": {"format": "dssst1", "delivery": "chunked"}}
 _CANCEL_TIMEOUT_S: Final = 30.0
 _MIN_LR: Final = 1e-12
+
+
+@dataclass
+class Turn:
+    """One op's place in line: its number, or the acceptances it waits for and the one it gives."""
+
+    sequence: str | None = None
+    before: list[asyncio.Future[None]] = field(default_factory=list)
+    accepted: asyncio.Future[None] | None = None
+
+    async def wait(self) -> None:
+        if self.before:
+            await asyncio.wait(self.before)
+
+    def release(self) -> None:
+        """Accepted, or ended without acceptance: the next op may send (call on the I/O loop)."""
+        if self.accepted is not None and not self.accepted.done():
+            self.accepted.set_result(None)
+
 
 Send = Callable[[Turn], Awaitable[Any]]  # an op's I/O, run on the I/O loop in its turn
 
@@ -63,7 +85,8 @@ class RemoteTransport(Transport):
         self._wrap = wrap_http_transport
         self._http = Http(self._endpoint, self._backend, wrap_http_transport)
         self._backoff = Backoff.from_config(self._backend)
-        self._order = SubmitOrder()
+        self._session, self._numbers = uuid.uuid4().hex, itertools.count()
+        self._accepted: dict[str, asyncio.Future[None]] = {}  # by role: the last op's acceptance
         self._lock = threading.Lock()
         self._service: jobs.ServiceInfo | None = None
         self._job: jobs.JobRef | None = None
@@ -155,8 +178,7 @@ class RemoteTransport(Transport):
             self._lease = asyncio.get_running_loop().create_task(self._keep_lease(service.lease_ttl_s / 3))
 
     async def _keep_lease(self, period_s: float) -> None:
-        """Renew the job's lease from the I/O loop while this client is open; the service cancels a
-        job whose lease lapses (a client killed without closing). Ends with the loop or the job."""
+        """Renew the job's lease while this client is open (the service cancels a job whose lease lapses)."""
         path = f"/{self._job_id}:heartbeat"
         call = Call("POST", path, "heartbeat", retry=Retry.NEVER, accept=frozenset({404}), timeout_s=period_s)
         while True:
@@ -197,8 +219,8 @@ class RemoteTransport(Transport):
             raise api.ConfigError("this remote client has no job yet; call open() before handle()")
         return {
             "backend": "remote",
-            "job_id": self._job.job_id,
-            "sub_jobs": {k: list(v) for k, v in self._job.sub_jobs.items()},
+            "job_id": self._job_id,
+            "sub_jobs": {k: list(v) for k, v in self._ref.sub_jobs.items()},
             "global_step": self._steps_called,
             **self._endpoint.public(),
         }
@@ -229,15 +251,25 @@ class RemoteTransport(Transport):
         route = self._routes.get(request.op)
         if route is None:
             raise api.UnsupportedOpError(f"{request.op!r} is not available on the remote backend")
-        loop = self._http.loop
         with self._lock:  # call order = turn order, also for the step count a route reads
             send = route(request)
             if isinstance(send, dict):  # answered here
                 done: Future = Future()
                 done.set_result(send)
                 return done
-            turn = self._order.take(_roles_of(request), numbered="sequenced_submit" in self._info.extensions, loop=loop)
+            turn = self._turn(_roles_of(request))
         return self._http.start(_in_turn(send, turn))  # a caller that stops waiting does not stop it
+
+    def _turn(self, roles: tuple[str, ...]) -> Turn:
+        """A number, or the acceptances of the earlier ops of its roles; an op in no role waits for nothing."""
+        if not roles:
+            return Turn()
+        if "sequenced_submit" in self._info.extensions:
+            return Turn(sequence=f"{self._session}:{next(self._numbers)}")
+        accepted = self._http.loop.create_future()
+        before = [self._accepted[role] for role in roles if role in self._accepted]
+        self._accepted.update(dict.fromkeys(roles, accepted))
+        return Turn(before=before, accepted=accepted)
 
     def _check_not_closed(self, op: str) -> None:
         if self._closed:
@@ -282,9 +314,8 @@ class RemoteTransport(Transport):
     ) -> dict[str, Any]:
         """POST the op's JSON body or frame (a chunk group when ``group`` or over the cap), then poll.
 
-        A numbered POST asks for its answer inline (``?wait=``): an op in the accept-then-send line
-        must be answered at acceptance. A chunk group the service lost is replayed once. An
-        ``inline`` operation is answered in its POST.
+        Only a numbered POST may ask for its answer inline: one in the accept-then-send line must be
+        answered at acceptance. An ``inline`` operation is answered in its POST anyway.
         """
         inline_wait = "inline_wait" in self._info.extensions
         hold_s = self._long_poll_s if turn.sequence is not None and inline_wait and not inline else 0.0

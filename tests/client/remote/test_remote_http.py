@@ -168,7 +168,7 @@ def test_env_hydration_reaches_the_endpoint(env, url, authorized):
 def test_remote_helper_modules_export_resolvable_names():
     import importlib
 
-    for name in ("admin", "errors", "http", "jobs", "ordering", "polling"):
+    for name in ("admin", "errors", "http", "jobs", "polling"):
         module = importlib.import_module(f"icefloe.client.remote.{name}")  # ruff RUF022 keeps __all__ sorted
         assert all(hasattr(module, attr) for attr in module.__all__), name
 
