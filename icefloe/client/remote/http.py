@@ -20,7 +20,7 @@ import ssl
 import urllib.parse
 from collections.abc import Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 import httpx
 import orjson
@@ -41,7 +41,6 @@ _SERVICE_REQUEST_ID_HEADER: Final = "x-snowflake-request-id"
 # Concurrent ops each hold a connection while their long poll waits; keep room for many.
 _LIMITS: Final = httpx.Limits(max_connections=1024, max_keepalive_connections=128)
 
-T = TypeVar("T")
 TransportWrapper = Callable[[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport]  # a proxy layer, or test faults
 
 
@@ -106,20 +105,20 @@ class Endpoint:
             origin = backend.base_url.rstrip("/")
             if not origin.startswith(("http://", "https://")):
                 raise ConfigError(f"backend.base_url must start with http:// or https://; got {origin!r}")
-            return cls(origin, prefix, database, schema, backend.endpoint, pat, backend.verify_ssl)
-        if not backend.host:
+        elif not backend.host:
             raise ConfigError(
                 "backend.base_url or backend.host is required for backend.type='remote'; set base_url "
                 "for `icefloe serve` (e.g. http://127.0.0.1:8321) or host + database + schema for the "
                 "managed endpoint"
             )
-        if not pat:
+        elif not pat:
             raise ConfigError(
                 f"backend.pat is not set and the env var {backend.pat_env_var!r} was empty when the config "
                 "was built; export it (or pass pat=...) and build the config with ClientConfig.from_env()"
             )
-        host = backend.host.removeprefix("https://").rstrip("/")
-        return cls(f"https://{host}", prefix, database, schema, backend.endpoint, pat, backend.verify_ssl)
+        else:
+            origin = "https://" + backend.host.removeprefix("https://").rstrip("/")
+        return cls(origin, prefix, database, schema, backend.endpoint, pat, backend.verify_ssl)
 
     @property
     def url(self) -> str:
@@ -255,8 +254,11 @@ def _spawn(coroutine: Coroutine[Any, Any, None]) -> None:
     task.add_done_callback(_BACKGROUND.discard)
 
 
-class Http:
-    """The client's I/O loop and its connection pool: ``send`` runs on the loop, ``run``/``start`` hand it work."""
+class Http(LoopThread):
+    """The client's I/O loop with its connection pool: ``send`` runs on the loop, ``run``/``start`` hand it work.
+
+    ``close`` cancels the calls in flight and closes the connections on the loop.
+    """
 
     def __init__(self, endpoint: Endpoint, backend: RemoteConfig, wrap: TransportWrapper | None = None) -> None:
         self.endpoint, self.redactor = endpoint, Redactor(endpoint.pat)
@@ -270,25 +272,8 @@ class Http:
         tls = _tls_context(endpoint.verify_ssl) if endpoint.origin.startswith("https://") else False
         transport = httpx.AsyncHTTPTransport(verify=tls, limits=_LIMITS)
         self._transport = wrap(transport) if wrap else transport
-        self._io = LoopThread("icefloe-remote-io", on_close=self._transport.aclose)
         self._window: list[tuple[Call, asyncio.Future[httpx.Response]]] | None = None
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        """The I/O loop, started on first use."""
-        return self._io.loop
-
-    def start(self, coroutine: Coroutine[Any, Any, T]) -> Any:
-        """Run ``coroutine`` to its end on the I/O loop even if the caller stops waiting (see ``LoopThread.start``)."""
-        return self._io.start(coroutine)
-
-    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        """Run ``coroutine`` on the I/O loop and block for its result."""
-        return self._io.run(coroutine)
-
-    def close(self) -> None:
-        """Cancel the calls in flight, close the connections on the loop, stop the thread. Idempotent."""
-        self._io.close()
+        super().__init__("icefloe-remote-io", on_close=self._transport.aclose)
 
     async def send(self, call: Call) -> Reply:
         """One call, retried as the policy allows with the same ``Idempotency-Key``; a failure arrives as an
