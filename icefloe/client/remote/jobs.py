@@ -9,13 +9,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from icefloe import protocol as api
-from icefloe.client.remote.http import Call, Http, Retry
+from icefloe.client.remote.http import Call, Http
 from icefloe.client.remote.polling import Backoff
 from icefloe.config import ClientConfig
 
@@ -23,7 +22,6 @@ __all__ = [
     "MANAGED_OPS",
     "JobRef",
     "ServiceInfo",
-    "create_job",
     "job_create_body",
     "probe_service",
     "sub_jobs_of",
@@ -134,17 +132,6 @@ def _warn_unmapped_knobs(config: ClientConfig) -> None:
     ignored += ["sampling.engine"] if config.sampling.engine != "auto" else []
     if ignored:
         _log.warning("backend.type='remote' ignores %s: the training API has no such field", ", ".join(ignored))
-
-
-async def create_job(http: Http, body: dict[str, Any], *, idempotent: bool) -> str:
-    """POST the create body; retried fully only when the service honours idempotency keys."""
-    retry = Retry.TRANSIENT if idempotent else Retry.CONNECT_ONLY
-    call = Call("POST", "", "create job", json=body, idempotency_key=str(uuid.uuid4()), retry=retry)
-    reply = await http.send(call)
-    job_id = (reply.body or {}).get("job_id") if isinstance(reply.body, Mapping) else None
-    if not job_id:
-        raise api.JobFailedError("<none>", "not created", f"create job answered without a job_id: {reply.body!r:.200}")
-    return str(job_id)
 
 
 def _job_object(body: Any) -> dict[str, Any]:

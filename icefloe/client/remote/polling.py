@@ -17,7 +17,6 @@ from typing import Any
 from icefloe import wire
 from icefloe.client.remote.errors import error_from_failed_request
 from icefloe.client.remote.http import Call, Http
-from icefloe.config import RemoteConfig
 from icefloe.protocol import (
     REQUEST_FAILURE_STATES,
     REQUEST_SUCCESS_STATES,
@@ -38,12 +37,6 @@ class Backoff:
     initial_s: float = 0.5
     multiplier: float = 1.25
     max_s: float = 6.0
-
-    @classmethod
-    def from_config(cls, backend: RemoteConfig) -> Backoff:
-        return cls(
-            backend.poll_interval_s, backend.poll_multiplier, max(backend.poll_max_interval_s, backend.poll_interval_s)
-        )
 
     def sleeps(self, deadline: float) -> Iterator[float]:
         """The intervals, clipped so that no sleep ends after ``deadline`` (a ``time.monotonic`` value)."""

@@ -53,10 +53,6 @@ class Turn:
     before: list[asyncio.Future[None]] = field(default_factory=list)
     accepted: asyncio.Future[None] | None = None
 
-    async def wait(self) -> None:
-        if self.before:
-            await asyncio.wait(self.before)
-
     def release(self) -> None:
         """Accepted, or ended without acceptance: the next op may send (call on the I/O loop)."""
         if self.accepted is not None and not self.accepted.done():
@@ -84,7 +80,8 @@ class RemoteTransport(Transport):
         self._endpoint = Endpoint.from_config(self._backend)
         self._wrap = wrap_http_transport
         self._http = Http(self._endpoint, self._backend, wrap_http_transport)
-        self._backoff = Backoff.from_config(self._backend)
+        poll_s = self._backend.poll_interval_s
+        self._backoff = Backoff(poll_s, self._backend.poll_multiplier, max(self._backend.poll_max_interval_s, poll_s))
         self._session, self._numbers = uuid.uuid4().hex, itertools.count()
         self._accepted: dict[str, asyncio.Future[None]] = {}  # by role: the last op's acceptance
         self._lock = threading.Lock()
@@ -158,9 +155,16 @@ class RemoteTransport(Transport):
         batching = "batch_requests" in service.extensions and self._backend.batch_requests
         self._http.batch_bytes = self._max_post_bytes if batching else 0
         if self._job is None:
+            # retried fully only where the service honours idempotency keys, else only if never sent
+            retry = Retry.TRANSIENT if "idempotency_keys" in service.extensions else Retry.CONNECT_ONLY
             body = jobs.job_create_body(self.config, self._backend.experiment_name)
-            job_id = await jobs.create_job(self._http, body, idempotent="idempotency_keys" in service.extensions)
-            self._job, self._created = jobs.JobRef(job_id), True
+            call = Call("POST", "", "create job", json=body, idempotency_key=str(uuid.uuid4()), retry=retry)
+            answer = (await self._http.send(call)).body
+            job_id = answer.get("job_id") if isinstance(answer, Mapping) else None
+            if not job_id:
+                why = f"create job answered without a job_id: {answer!r:.200}"
+                raise api.JobFailedError("<none>", "not created", why)
+            self._job, self._created = jobs.JobRef(str(job_id)), True
             _log.info("created job %s on %s", job_id, self._endpoint.origin)
         timeout_s = self.config.job_ready_timeout_s
         try:
@@ -489,7 +493,8 @@ class RemoteTransport(Transport):
 
 async def _in_turn(send: Send, turn: Turn) -> Any:
     try:
-        await turn.wait()
+        if turn.before:
+            await asyncio.wait(turn.before)
         return await send(turn)
     finally:
         turn.release()
