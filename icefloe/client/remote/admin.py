@@ -63,9 +63,7 @@ class ServiceAdmin:
         self, job_id: str, *, sub_job_type: str = "training", cursor: str | None = None, max_lines: int = 200
     ) -> dict[str, Any]:
         """One page of a sub-job's log: ``{entries, next_cursor, eof}`` (empty cursor = from the start)."""
-        payload: dict[str, Any] = {"max_lines": max_lines}
-        if cursor:
-            payload["cursor"] = cursor
+        payload = {"max_lines": max_lines, **({"cursor": cursor} if cursor else {})}
         body = {"operation_type": "tail-logs", "sub_job_type": sub_job_type, "payload": payload}
         return dict(self._send(Call("POST", f"/{job_id}/operation", "tail-logs", json=body)) or {})
 
@@ -83,20 +81,17 @@ class ServiceAdmin:
         ended = False  # the job was terminal before the last read, so that read saw its every line
         while True:
             page = self.tail_logs(job_id, sub_job_type=sub_job_type, cursor=cursor)
-            entries = page.get("entries") or []
             cursor = page.get("next_cursor") or cursor
-            if entries:
+            if entries := page.get("entries"):
                 yield from entries
                 delay_s = 0.5
                 continue
             if page.get("eof") and (not follow or ended):
                 return
-            if follow:
-                ended = normalize_job_state(self.get_job(job_id).get("status")) in JOB_TERMINAL_STATES
-                if ended:
-                    continue
-            time.sleep(delay_s)
-            delay_s = min(delay_s * 1.25, max_wait_s)
+            ended = follow and normalize_job_state(self.get_job(job_id).get("status")) in JOB_TERMINAL_STATES
+            if not ended:
+                time.sleep(delay_s)
+                delay_s = min(delay_s * 1.25, max_wait_s)
 
     def list_checkpoints(self, job_id: str) -> list[dict[str, Any]]:
         """Checkpoint records of a job, also after the job ended."""

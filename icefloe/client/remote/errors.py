@@ -19,15 +19,13 @@ __all__ = ["Redactor", "error_from_failed_request", "error_from_response", "erro
 
 _MAX_SEARCH_DEPTH: Final = 8
 _LEGACY_MISSING_CHUNKS_MESSAGE: Final = "request chunk group is missing chunks"
-_GROUP_ERRORS: Final[dict[str, type[api.RequestFailedError]]] = {
-    api.CODE_CHUNK_GROUP_RESTART_REQUIRED: api.ChunkGroupRestartError,
-    api.CODE_CHUNK_GROUP_CONFLICT: api.ChunkGroupConflictError,
-    api.CODE_CHUNK_GROUP_MISSING_CHUNKS: api.ChunkGroupMissingChunksError,
-}
 # The service's wire codes (``icefloe.service.errors``) back to the class the service raised, so a
 # remote caller catches what a local one does. Any other code (429, 5xx, the managed endpoint's own
 # numeric codes) stays a RequestFailedError.
 _CODE_ERRORS: Final[dict[str, type[api.IcefloeError]]] = {
+    api.CODE_CHUNK_GROUP_RESTART_REQUIRED: api.ChunkGroupRestartError,
+    api.CODE_CHUNK_GROUP_CONFLICT: api.ChunkGroupConflictError,
+    api.CODE_CHUNK_GROUP_MISSING_CHUNKS: api.ChunkGroupMissingChunksError,
     api.CODE_INVALID_ARGUMENT: api.InvalidRequestError,
     api.CODE_NOT_FOUND: api.NotFoundError,
     api.CODE_CONFLICT: api.ConflictError,
@@ -120,14 +118,13 @@ def error_from_response(
     with the ``status_code`` and ``code`` the retry policy reads."""
     code = find_error_code(body)
     message = redactor(f"{what} failed: {error_message(body, f'HTTP {status_code}')}")
-    named = _CODE_ERRORS.get(code or "")
-    if named is not None:
-        error = (api.ExpiredError if status_code == 410 and named is api.NotFoundError else named)(message)
-        error.status_code, error.code = status_code, code
-        return error
-    category = "user" if 400 <= status_code < 500 and status_code != 429 else "server"
-    error_class = _GROUP_ERRORS.get(code or "", api.RequestFailedError)
-    return error_class(message, category=category, status_code=status_code, code=code, request_id=request_id)
+    named = _CODE_ERRORS.get(code or "", api.RequestFailedError)
+    if issubclass(named, api.RequestFailedError):
+        category = "user" if 400 <= status_code < 500 and status_code != 429 else "server"
+        return named(message, category=category, status_code=status_code, code=code, request_id=request_id)
+    error = (api.ExpiredError if status_code == 410 and named is api.NotFoundError else named)(message)
+    error.status_code, error.code = status_code, code
+    return error
 
 
 def error_from_failed_request(what: str, status: str, error: str, *, request_id: str) -> api.IcefloeError:

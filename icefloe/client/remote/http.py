@@ -255,10 +255,7 @@ def _spawn(coroutine: Coroutine[Any, Any, None]) -> None:
 
 
 class Http(LoopThread):
-    """The client's I/O loop with its connection pool: ``send`` runs on the loop, ``run``/``start`` hand it work.
-
-    ``close`` cancels the calls in flight and closes the connections on the loop.
-    """
+    """The client's I/O loop with its connection pool: ``send`` runs on the loop, ``run``/``start`` hand it work."""
 
     def __init__(self, endpoint: Endpoint, backend: RemoteConfig, wrap: TransportWrapper | None = None) -> None:
         self.endpoint, self.redactor = endpoint, Redactor(endpoint.pat)

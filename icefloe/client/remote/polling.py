@@ -51,10 +51,7 @@ class FrameResult(dict):
 
 
 def decode_result(result: Any, chunk_events: list[dict[str, Any]]) -> dict[str, Any]:
-    """The result dict from collected result chunks, an inline envelope, or plain JSON (empty → ``{}``).
-
-    Tensors decode as torch when it is installed (a light install gets numpy).
-    """
+    """The result from result chunks, an inline envelope or plain JSON (empty: ``{}``); tensors as torch if there."""
     tensors = "torch" if importlib.util.find_spec("torch") is not None else "numpy"
     if chunk_events:
         decoded = wire.decode(wire.join_result_events(chunk_events), tensors=tensors)
@@ -98,11 +95,9 @@ async def poll_request(
     path = f"/{job_id}/requests/{request_id}"
     while True:
         remaining = deadline - time.monotonic()
-        params: dict[str, Any] = {}
+        params: dict[str, Any] = {"cursor": cursor} if cursor else {}
         timeout = None
-        if cursor:
-            params["cursor"] = cursor
-        elif long_poll_s > 0 and remaining > 0:
+        if not cursor and long_poll_s > 0 and remaining > 0:
             wait = min(long_poll_s, remaining)
             params["wait"] = f"{wait:.3f}"
             timeout = wait + _LONG_POLL_SLACK_S

@@ -36,10 +36,6 @@ __all__ = ["RemoteTransport"]
 
 _log = logging.getLogger("icefloe.client.remote")
 
-# Sub-jobs on the service are always resident: nothing to offload or restore.
-_NOOP_OPS: Final = frozenset(
-    {api.OP_SLEEP_TRAINING, api.OP_WAKE_TRAINING, api.OP_SLEEP_INFERENCE, api.OP_WAKE_INFERENCE}
-)
 _TENSOR_RESPONSE: Final = {"response_options": {"format": "dssst1", "delivery": "chunked"}}
 _CANCEL_TIMEOUT_S: Final = 30.0
 _MIN_LR: Final = 1e-12
@@ -111,7 +107,7 @@ class RemoteTransport(Transport):
             api.OP_DELETE_CHECKPOINT: lambda r: lambda turn: self._delete_checkpoint(r.body["checkpoint_id"]),
             api.OP_RESET_PREFIX_CACHE: self._reset_prefix_cache,
             api.OP_CANCEL: lambda r: lambda turn: self._cancel_job(by_op=True),
-            **dict.fromkeys(_NOOP_OPS, lambda r: {}),
+            **dict.fromkeys(jobs.MEMORY_OPS, lambda r: {}),
         }
         if handle is not None:
             job_id = handle.get("job_id")
@@ -126,7 +122,7 @@ class RemoteTransport(Transport):
         if self._service is None:
             return api.OPS
         extra = {api.OP_FORWARD} if self._backend.allow_zero_logprobs else set()
-        return frozenset(self._service.ops & api.OPS) | _NOOP_OPS | extra
+        return frozenset(self._service.ops & api.OPS) | jobs.MEMORY_OPS | extra
 
     def probe_capabilities(self) -> frozenset[str]:
         """Ask the service what it offers (``GET /capabilities``) without creating a job."""
@@ -234,9 +230,7 @@ class RemoteTransport(Transport):
         self._check_not_closed("log_metrics")
         self.open()
         if "job_metrics" not in self._info.extensions:
-            self._warn_once(
-                "this service keeps no client metrics (no job_metrics extension): log_metrics sends nothing"
-            )
+            self._warn_once("the service keeps no client metrics (no job_metrics extension): log_metrics sends nothing")
             return super().log_metrics(metrics, step)
         body = {"step": step, "metrics": metrics}
         call = Call("POST", f"/{self._job_id}/metrics", "log_metrics", json=body, idempotency_key=str(uuid.uuid4()))
@@ -316,11 +310,8 @@ class RemoteTransport(Transport):
         params: dict[str, str] | None = None,
         inline: bool = False,
     ) -> dict[str, Any]:
-        """POST the op's JSON body or frame (a chunk group when ``group`` or over the cap), then poll.
-
-        Only a numbered POST may ask for its answer inline: one in the accept-then-send line must be
-        answered at acceptance. An ``inline`` operation is answered in its POST anyway.
-        """
+        """POST the op's JSON body or frame (a chunk group when ``group`` or over the cap), then poll. Only a
+        numbered POST may ask for its answer inline: one in the accept-then-send line is answered at acceptance."""
         inline_wait = "inline_wait" in self._info.extensions
         hold_s = self._long_poll_s if turn.sequence is not None and inline_wait and not inline else 0.0
         bodies: list[bytes | None] = [None]
