@@ -284,7 +284,8 @@ class RemoteTransport(Transport):
 
     @property
     def _info(self) -> jobs.ServiceInfo:
-        assert self._service is not None, "open() probes the service before any op runs"
+        """What the service offers; ``open`` probes it before any op runs."""
+        assert self._service is not None
         return self._service
 
     @property
