@@ -52,18 +52,18 @@ class FrameResult(dict):
 
 def decode_result(result: Any, chunk_events: list[dict[str, Any]]) -> dict[str, Any]:
     """The result from result chunks, an inline envelope or plain JSON (empty: ``{}``); tensors as torch if there."""
+    if not chunk_events and not (isinstance(result, Mapping) and "payload_b64" in result and "wire_format" in result):
+        if result is None or result == {}:
+            return {}
+        return dict(result) if isinstance(result, Mapping) else {"result": result}
     tensors = "torch" if importlib.util.find_spec("torch") is not None else "numpy"
     if chunk_events:
         decoded = wire.decode(wire.join_result_events(chunk_events), tensors=tensors)
         if not isinstance(decoded, dict):
             raise RequestFailedError(f"result chunks decoded to {type(decoded).__name__}, expected a dict")
         return FrameResult(decoded)
-    if isinstance(result, Mapping) and "payload_b64" in result and "wire_format" in result:
-        decoded = wire.decode_inline_result(dict(result), tensors=tensors)
-        return FrameResult(decoded) if isinstance(decoded, dict) else decoded
-    if result is None or result == {}:
-        return {}
-    return dict(result) if isinstance(result, Mapping) else {"result": result}
+    decoded = wire.decode_inline_result(dict(result), tensors=tensors)
+    return FrameResult(decoded) if isinstance(decoded, dict) else decoded
 
 
 async def poll_request(
