@@ -1,1 +1,1 @@
-"""Pieces of the remote transport: HTTP on the client's I/O loop, error bodies, polling, jobs, submit order."""
+"""Pieces of the remote transport: HTTP on the client's I/O loop, error bodies, polling, jobs, admin."""

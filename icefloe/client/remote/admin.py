@@ -1,8 +1,7 @@
 """Job-level calls for people and scripts: what ``icefloe jobs | logs | checkpoints`` show.
 
-These speak the same training API as the remote transport (same prefix, auth, retries, error
-mapping and I/O loop, through :class:`Http`) but act on jobs by id, so one can inspect or cancel a job that
-another process created.
+They go through the remote transport's :class:`Http` but act on jobs by id, so one can inspect or
+cancel a job that another process created.
 """
 
 from __future__ import annotations
@@ -11,8 +10,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, Self
 
-from icefloe.client.remote.errors import Redactor
-from icefloe.client.remote.http import Call, Endpoint, Http, Retry, RetryPolicy
+from icefloe.client.remote.http import Call, Endpoint, Http, Retry
 from icefloe.config import RemoteConfig
 from icefloe.protocol import JOB_TERMINAL_STATES, normalize_job_state
 
@@ -21,31 +19,15 @@ __all__ = ["ServiceAdmin"]
 _ABSENT = frozenset({404})  # a route the service does not have is answered, not raised or retried
 
 
-class _AdminRetryPolicy(RetryPolicy):
-    """The transport's retries, except a refused connection: a person waiting at a terminal is told
-    at once that no service listens there, instead of after a minute of retries."""
-
-    def should_retry(self, call: Call, exc: BaseException) -> bool:
-        return not _refused(exc) and super().should_retry(call, exc)
-
-
-def _refused(exc: BaseException | None) -> bool:
-    """True when ``exc`` was caused by a refused TCP connection (nothing listens on the port)."""
-    while exc is not None:
-        if isinstance(exc, ConnectionRefusedError):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
-
-
 class ServiceAdmin:
     """Blocking calls on jobs by id; ``close()`` (or ``with``) releases the connection pool."""
 
     def __init__(self, backend: RemoteConfig) -> None:
         endpoint = Endpoint.from_config(backend)
         self.url = endpoint.url
-        self._http = Http(endpoint, backend, Redactor([endpoint.pat or ""]))
-        self._http.policy = _AdminRetryPolicy(backend)
+        self._http = Http(endpoint, backend)
+        # a person waiting at a terminal is told at once that no service listens there, not after a minute
+        self._http.policy.retry_refused = False
 
     def _send(self, call: Call) -> Any:
         return self._http.run(self._http.send(call)).body
@@ -62,8 +44,8 @@ class ServiceAdmin:
         return dict(body.get("job", body))
 
     def job_metrics(self, job_id: str) -> list[dict[str, Any]] | None:
-        """The job's per-step metrics, ``[{step, time, loss, ...}]`` oldest first (icefloe extension);
-        None when the service has no such route (an older ``icefloe serve``, the managed endpoint)."""
+        """The job's per-step metrics, ``[{step, time, loss, ...}]`` oldest first; None where the service
+        has no such route (the managed endpoint)."""
         reply = self._http.run(self._http.send(Call("GET", f"/{job_id}/metrics", "job metrics", accept=_ABSENT)))
         if reply.status_code == 404:
             return None
@@ -81,9 +63,7 @@ class ServiceAdmin:
         self, job_id: str, *, sub_job_type: str = "training", cursor: str | None = None, max_lines: int = 200
     ) -> dict[str, Any]:
         """One page of a sub-job's log: ``{entries, next_cursor, eof}`` (empty cursor = from the start)."""
-        payload: dict[str, Any] = {"max_lines": max_lines}
-        if cursor:
-            payload["cursor"] = cursor
+        payload = {"max_lines": max_lines, **({"cursor": cursor} if cursor else {})}
         body = {"operation_type": "tail-logs", "sub_job_type": sub_job_type, "payload": payload}
         return dict(self._send(Call("POST", f"/{job_id}/operation", "tail-logs", json=body)) or {})
 
@@ -101,20 +81,17 @@ class ServiceAdmin:
         ended = False  # the job was terminal before the last read, so that read saw its every line
         while True:
             page = self.tail_logs(job_id, sub_job_type=sub_job_type, cursor=cursor)
-            entries = page.get("entries") or []
             cursor = page.get("next_cursor") or cursor
-            if entries:
+            if entries := page.get("entries"):
                 yield from entries
                 delay_s = 0.5
                 continue
             if page.get("eof") and (not follow or ended):
                 return
-            if follow:
-                ended = normalize_job_state(self.get_job(job_id).get("status")) in JOB_TERMINAL_STATES
-                if ended:
-                    continue
-            time.sleep(delay_s)
-            delay_s = min(delay_s * 1.25, max_wait_s)
+            ended = follow and normalize_job_state(self.get_job(job_id).get("status")) in JOB_TERMINAL_STATES
+            if not ended:
+                time.sleep(delay_s)
+                delay_s = min(delay_s * 1.25, max_wait_s)
 
     def list_checkpoints(self, job_id: str) -> list[dict[str, Any]]:
         """Checkpoint records of a job, also after the job ended."""

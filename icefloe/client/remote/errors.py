@@ -1,41 +1,31 @@
 """Reading the service's error bodies and turning HTTP failures into icefloe errors.
 
-The training API answers errors in several shapes: ``{code, message}``, ``{error}``, FastAPI's
-``{detail}``, and front-door wrappers that embed the backend's JSON inside a message string. The
-chunk-group codes can sit anywhere in that nesting, so :func:`find_error_code` searches dicts,
-lists and JSON embedded in strings (to a fixed depth). Every text that leaves here passes through
-:class:`Redactor`, so a PAT never reaches an exception or a log line.
+The training API answers errors as ``{code, message}``, ``{error}``, FastAPI's ``{detail}``, or
+front-door wrappers that embed the backend's JSON in a message string; a chunk-group code can sit
+anywhere in that nesting, so :func:`find_error_code` searches it all (to a fixed depth).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import logging
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any, Final
 
 from icefloe import protocol as api
 
-__all__ = [
-    "MAX_SEARCH_DEPTH",
-    "Redactor",
-    "error_from_failed_request",
-    "error_from_response",
-    "error_message",
-    "find_error_code",
-]
+__all__ = ["Redactor", "error_from_failed_request", "error_from_response", "error_message", "find_error_code"]
 
-MAX_SEARCH_DEPTH: Final = 8
+_MAX_SEARCH_DEPTH: Final = 8
 _LEGACY_MISSING_CHUNKS_MESSAGE: Final = "request chunk group is missing chunks"
-_GROUP_ERRORS: Final[dict[str, type[api.RequestFailedError]]] = {
-    api.CODE_CHUNK_GROUP_RESTART_REQUIRED: api.ChunkGroupRestartError,
-    api.CODE_CHUNK_GROUP_CONFLICT: api.ChunkGroupConflictError,
-    api.CODE_CHUNK_GROUP_MISSING_CHUNKS: api.ChunkGroupMissingChunksError,
-}
 # The service's wire codes (``icefloe.service.errors``) back to the class the service raised, so a
 # remote caller catches what a local one does. Any other code (429, 5xx, the managed endpoint's own
 # numeric codes) stays a RequestFailedError.
 _CODE_ERRORS: Final[dict[str, type[api.IcefloeError]]] = {
+    api.CODE_CHUNK_GROUP_RESTART_REQUIRED: api.ChunkGroupRestartError,
+    api.CODE_CHUNK_GROUP_CONFLICT: api.ChunkGroupConflictError,
+    api.CODE_CHUNK_GROUP_MISSING_CHUNKS: api.ChunkGroupMissingChunksError,
     api.CODE_INVALID_ARGUMENT: api.InvalidRequestError,
     api.CODE_NOT_FOUND: api.NotFoundError,
     api.CODE_CONFLICT: api.ConflictError,
@@ -57,27 +47,20 @@ _NAMED_ERRORS: Final[dict[str, type[api.IcefloeError]]] = {
         api.WireError,
     )
 }
-_HTTP_LOGGERS: Final = ("httpx", "httpcore.connection", "httpcore.http11", "httpcore.http2", "httpcore.proxy")
 
 
 def _embedded_json(text: str) -> Any:
-    """The JSON value inside ``text`` (whole, or from its first brace), or None."""
-    for start in (0, text.find("{"), text.find("[")):
-        if start < 0:
-            continue
-        try:
-            return json.loads(text[start:])
-        except ValueError:
-            try:  # "...: {json} trailing words" — decode the first complete value only
-                return json.JSONDecoder().raw_decode(text[start:])[0]
-            except ValueError:
-                continue
+    """The JSON object or list inside ``text`` ("...: {json} trailing words"), or None."""
+    for start in (text.find("{"), text.find("[")):
+        if start >= 0:
+            with contextlib.suppress(ValueError):
+                return json.JSONDecoder().raw_decode(text, start)[0]
     return None
 
 
 def _walk(value: Any, depth: int = 0) -> Iterable[dict[str, Any]]:
     """Every dict inside ``value``, outermost first, including JSON embedded in strings."""
-    if depth > MAX_SEARCH_DEPTH:
+    if depth > _MAX_SEARCH_DEPTH:
         return
     if isinstance(value, dict):
         yield value
@@ -131,20 +114,17 @@ def error_message(body: Any, fallback: str) -> str:
 def error_from_response(
     status_code: int, body: Any, *, what: str, request_id: str | None, redactor: Redactor
 ) -> api.IcefloeError:
-    """The typed error for a non-2xx answer: the class its wire code names, else ``RequestFailedError``.
-
-    Every one carries ``status_code`` and ``code``, which the retry policy reads.
-    """
+    """The typed error for a non-2xx answer (the class its wire code names, else ``RequestFailedError``),
+    with the ``status_code`` and ``code`` the retry policy reads."""
     code = find_error_code(body)
     message = redactor(f"{what} failed: {error_message(body, f'HTTP {status_code}')}")
-    named = _CODE_ERRORS.get(code or "")
-    if named is not None:
-        error = (api.ExpiredError if status_code == 410 and named is api.NotFoundError else named)(message)
-        error.status_code, error.code = status_code, code
-        return error
-    category = "user" if 400 <= status_code < 500 and status_code != 429 else "server"
-    error_class = _GROUP_ERRORS.get(code or "", api.RequestFailedError)
-    return error_class(message, category=category, status_code=status_code, code=code, request_id=request_id)
+    named = _CODE_ERRORS.get(code or "", api.RequestFailedError)
+    if issubclass(named, api.RequestFailedError):
+        category = "user" if 400 <= status_code < 500 and status_code != 429 else "server"
+        return named(message, category=category, status_code=status_code, code=code, request_id=request_id)
+    error = (api.ExpiredError if status_code == 410 and named is api.NotFoundError else named)(message)
+    error.status_code, error.code = status_code, code
+    return error
 
 
 def error_from_failed_request(what: str, status: str, error: str, *, request_id: str) -> api.IcefloeError:
@@ -157,34 +137,11 @@ def error_from_failed_request(what: str, status: str, error: str, *, request_id:
     return api.RequestFailedError(f"{what} {status}: {error}", category="server", request_id=request_id)
 
 
+@dataclass(frozen=True)
 class Redactor:
-    """Replaces every registered secret with ``***`` in text, and in the HTTP libraries' log records."""
+    """Replaces the PAT with ``***`` in any text the remote client raises or logs."""
 
-    def __init__(self, secrets: Iterable[str] = ()) -> None:
-        self._secrets = tuple(s for s in secrets if s)
+    secret: str | None = None
 
     def __call__(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        """``logging.Filter`` protocol: scrub the formatted message, keep the record."""
-        if self._secrets:
-            message = record.getMessage()
-            cleaned = self(message)
-            if cleaned != message:
-                record.msg, record.args = cleaned, None
-        return True
-
-    def install(self) -> None:
-        """Attach to the httpx / httpcore loggers (idempotent per redactor)."""
-        if self._secrets:
-            for name in _HTTP_LOGGERS:
-                logger = logging.getLogger(name)
-                if self not in logger.filters:
-                    logger.addFilter(self)
-
-    def uninstall(self) -> None:
-        for name in _HTTP_LOGGERS:
-            logging.getLogger(name).removeFilter(self)
+        return text.replace(self.secret, "***") if self.secret else text

@@ -1,11 +1,9 @@
 """HTTP for the remote transport: URL prefix, auth headers, retries, error mapping, and the I/O loop.
 
-:class:`Http` owns one ``httpx.AsyncClient`` on the client's own event loop (:class:`LoopThread`);
-every request of a remote client, blocking or async, goes out from there. A :class:`Call` is one
-request relative to the API prefix plus how it may be retried. Retries use tenacity with the
-training API's schedule (0.5 s doubling plus jitter, capped at 10 s, ``1 + max_retries`` attempts)
-and re-send the same ``Idempotency-Key``. httpx errors are translated to icefloe errors in
-:func:`translate_errors` only; nothing above this module sees an httpx type.
+:class:`Http` sends every request of a remote client from the client's own event loop straight to
+an httpx transport (its connection pool): an httpx client on top would parse and merge URLs,
+defaults and cookies on every request, which the API has no use for. Retries follow the training
+API's schedule (0.5 s doubling plus jitter, capped at 10 s). Nothing above this module sees an httpx type.
 """
 
 from __future__ import annotations
@@ -14,19 +12,18 @@ import asyncio
 import contextlib
 import enum
 import functools
+import itertools
 import json
 import logging
 import random
 import ssl
-import threading
 import urllib.parse
 from collections.abc import Callable, Coroutine, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 import httpx
 import orjson
-import tenacity
 
 from icefloe.client.loop import LoopThread
 from icefloe.client.remote.errors import Redactor, error_from_response
@@ -41,12 +38,9 @@ _log = logging.getLogger("icefloe.client.remote")
 _TRANSIENT_STATUSES: Final = frozenset({429, 500, 502, 503, 504})
 _RESTART_STATUSES: Final = frozenset({404, 409})  # the managed endpoint's front door answers these while restarting
 _SERVICE_REQUEST_ID_HEADER: Final = "x-snowflake-request-id"
-_DEFAULT_DATABASE: Final = "icefloe"
-_DEFAULT_SCHEMA: Final = "public"
 # Concurrent ops each hold a connection while their long poll waits; keep room for many.
 _LIMITS: Final = httpx.Limits(max_connections=1024, max_keepalive_connections=128)
 
-T = TypeVar("T")
 TransportWrapper = Callable[[httpx.AsyncBaseTransport], httpx.AsyncBaseTransport]  # a proxy layer, or test faults
 
 
@@ -67,6 +61,7 @@ class Call:
     what: str  # names the call in errors and logs, e.g. "forward-backward"
     json: Any = None
     content: bytes | None = None
+    content_type: str = "application/octet-stream"  # of ``content``
     params: Mapping[str, Any] | None = None
     idempotency_key: str | None = None  # sent as Idempotency-Key; the same for every retry
     retry: Retry = Retry.TRANSIENT
@@ -78,11 +73,10 @@ class Call:
 
 @dataclass(frozen=True, slots=True)
 class Reply:
-    """A 2xx (or accepted) answer: its status, JSON body (None when empty) and service request id."""
+    """A 2xx (or accepted) answer: its status and JSON body (None when empty)."""
 
     status_code: int
     body: Any = None
-    service_request_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -98,35 +92,33 @@ class Endpoint:
     verify_ssl: bool
 
     @classmethod
-    def from_config(cls, backend: RemoteConfig, environ: dict[str, str] | None = None) -> Endpoint:
+    def from_config(cls, backend: RemoteConfig) -> Endpoint:
         """Resolve ``base_url`` (no auth) or ``host`` + database/schema + PAT.
 
         Raises:
             ConfigError: neither base_url nor host is set, or host is set without a PAT.
         """
-        database = backend.database or _DEFAULT_DATABASE
-        schema = backend.schema_ or _DEFAULT_SCHEMA
+        database, schema = backend.database or "icefloe", backend.schema_ or "public"
         prefix = f"/api/v2/databases/{database}/schemas/{schema}/{backend.endpoint.strip('/')}"
+        pat = backend.pat.get_secret_value() if backend.pat is not None else None
         if backend.base_url:
             origin = backend.base_url.rstrip("/")
             if not origin.startswith(("http://", "https://")):
                 raise ConfigError(f"backend.base_url must start with http:// or https://; got {origin!r}")
-            pat = backend.pat.get_secret_value() if backend.pat is not None else None
-            return cls(origin, prefix, database, schema, backend.endpoint, pat, backend.verify_ssl)
-        if not backend.host:
+        elif not backend.host:
             raise ConfigError(
                 "backend.base_url or backend.host is required for backend.type='remote'; set base_url "
                 "for `icefloe serve` (e.g. http://127.0.0.1:8321) or host + database + schema for the "
                 "managed endpoint"
             )
-        pat = backend.pat.get_secret_value() if backend.pat is not None else None
-        if not pat:
+        elif not pat:
             raise ConfigError(
                 f"backend.pat is not set and the env var {backend.pat_env_var!r} was empty when the config "
                 "was built; export it (or pass pat=...) and build the config with ClientConfig.from_env()"
             )
-        host = backend.host.removeprefix("https://").rstrip("/")
-        return cls(f"https://{host}", prefix, database, schema, backend.endpoint, pat, backend.verify_ssl)
+        else:
+            origin = "https://" + backend.host.removeprefix("https://").rstrip("/")
+        return cls(origin, prefix, database, schema, backend.endpoint, pat, backend.verify_ssl)
 
     @property
     def url(self) -> str:
@@ -146,30 +138,26 @@ class Endpoint:
 
 @functools.lru_cache(maxsize=2)
 def _tls_context(verify: bool) -> ssl.SSLContext:
-    """One TLS context per process and flag: loading the CA bundle takes ~50 ms, too long to repeat."""
+    """One per process and flag: loading the CA bundle takes ~50 ms."""
     return httpx.create_ssl_context(verify=verify)
 
 
-def _tls_for(endpoint: Endpoint) -> ssl.SSLContext | bool:
-    """The context for an https origin; plain HTTP (``icefloe serve`` on loopback) needs none."""
-    return _tls_context(endpoint.verify_ssl) if endpoint.origin.startswith("https://") else False
-
-
 class RetryPolicy:
-    """The retry predicate and wait schedule shared by both sessions."""
+    """Which failures a call may repeat, and how long to wait before it does."""
 
     def __init__(self, backend: RemoteConfig) -> None:
         self.max_retries = backend.max_retries
         self.initial_s = backend.retry_initial_s
         self.max_wait_s = backend.retry_max_s
         self.retry_restart_statuses = False  # set once the service is known to be the managed endpoint
+        self.retry_refused = True  # a connection refused (nothing listens on the port) is retried
 
     def should_retry(self, call: Call, exc: BaseException) -> bool:
         """True for a transient failure this call may repeat (chunk-group refusals never are)."""
         if call.retry is Retry.NEVER:
             return False
         if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
-            return True  # the request never left: safe even for a create
+            return self.retry_refused or not _refused(exc)  # the request never left: safe even for a create
         if call.retry is Retry.CONNECT_ONLY:
             return False
         if isinstance(exc, httpx.TimeoutException | httpx.NetworkError | httpx.RemoteProtocolError):
@@ -186,20 +174,14 @@ class RetryPolicy:
         jitter = random.uniform(0.0, 2.0 * self.initial_s)
         return min(self.initial_s * 2 ** (attempt - 1) + jitter, self.max_wait_s)
 
-    def tenacity_kwargs(self, call: Call, redactor: Redactor) -> dict[str, Any]:
-        def before_sleep(state: tenacity.RetryCallState) -> None:
-            exc = state.outcome.exception() if state.outcome else None
-            _log.warning(
-                redactor(f"{call.what}: attempt {state.attempt_number}/{self.max_retries + 1} failed ({exc}); retrying")
-            )
 
-        return {
-            "stop": tenacity.stop_after_attempt(self.max_retries + 1),
-            "wait": lambda state: self.wait_s(state.attempt_number),
-            "retry": tenacity.retry_if_exception(lambda exc: self.should_retry(call, exc)),
-            "reraise": True,
-            "before_sleep": before_sleep,
-        }
+def _refused(exc: BaseException | None) -> bool:
+    """True when ``exc`` was caused by a refused TCP connection."""
+    while exc is not None:
+        if isinstance(exc, ConnectionRefusedError):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 @contextlib.contextmanager
@@ -223,23 +205,6 @@ def translate_errors(call: Call, endpoint: Endpoint, redactor: Redactor, timeout
         ) from None
 
 
-def _request_kwargs(call: Call, timeout_s: float) -> dict[str, Any]:
-    headers = {}
-    if call.idempotency_key:
-        headers["Idempotency-Key"] = call.idempotency_key
-    if call.sequence:
-        headers["Icefloe-Sequence"] = call.sequence
-    kwargs: dict[str, Any] = {"headers": headers, "timeout": timeout_s}
-    if call.params:
-        kwargs["params"] = dict(call.params)
-    if call.content is not None:
-        headers["Content-Type"] = "application/octet-stream"
-        kwargs["content"] = call.content
-    elif call.json is not None:
-        kwargs["json"] = call.json
-    return kwargs
-
-
 def _json_or_text(response: httpx.Response) -> Any:
     """The body as JSON (orjson: a generate answer of 100 KiB parses in a third of the time), else text."""
     try:
@@ -254,35 +219,30 @@ def _json_or_text(response: httpx.Response) -> Any:
 
 def reply_of(call: Call, response: httpx.Response, redactor: Redactor) -> Reply:
     """A Reply for a 2xx or accepted status, else the typed error (raised)."""
-    service_request_id = response.headers.get(_SERVICE_REQUEST_ID_HEADER)
-    body: Any = None
-    if response.content:
-        body = _json_or_text(response)
+    body = _json_or_text(response) if response.content else None
     if response.is_success or response.status_code in call.accept:
-        return Reply(response.status_code, body, service_request_id)
-    if service_request_id:
-        _log.info(
-            "%s answered HTTP %s (x-snowflake-request-id %s)",
-            call.what,
-            response.status_code,
-            service_request_id,
-        )
-    raise error_from_response(
-        response.status_code, body, what=call.what, request_id=service_request_id, redactor=redactor
-    )
+        return Reply(response.status_code, body)
+    request_id = response.headers.get(_SERVICE_REQUEST_ID_HEADER)
+    raise error_from_response(response.status_code, body, what=call.what, request_id=request_id, redactor=redactor)
 
 
-def _part(prefix: str, call: Call, kwargs: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
-    """A call as one part of a batch envelope (what httpx would have sent for it alone)."""
-    headers = dict(kwargs["headers"])
-    body = b""
+def _wire(call: Call) -> tuple[dict[str, str], bytes]:
+    """The call's own headers (the session's are added when it is sent) and its body."""
+    headers, body = {}, b""
+    if call.idempotency_key:
+        headers["Idempotency-Key"] = call.idempotency_key
+    if call.sequence:
+        headers["Icefloe-Sequence"] = call.sequence
     if call.content is not None:
-        body = call.content
-    elif call.json is not None:
-        headers["Content-Type"] = "application/json"
+        headers["Content-Type"], body = call.content_type, call.content
+    elif call.json is not None:  # as httpx writes JSON: NaN is refused, not sent
         body = json.dumps(call.json, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
-    query = urllib.parse.urlencode(kwargs.get("params") or {})
-    return {"method": call.method, "path": prefix + call.path, "query": query, "headers": list(headers.items())}, body
+        headers["Content-Type"] = "application/json"
+    return headers, body
+
+
+def _query(call: Call) -> str:
+    return urllib.parse.urlencode(call.params) if call.params else ""
 
 
 _BACKGROUND: set[asyncio.Task[Any]] = set()
@@ -294,87 +254,76 @@ def _spawn(coroutine: Coroutine[Any, Any, None]) -> None:
     task.add_done_callback(_BACKGROUND.discard)
 
 
-class Http:
-    """One ``httpx.AsyncClient`` on the client's own I/O loop: ``send`` runs there, ``run``/``submit`` hand it work."""
+class Http(LoopThread):
+    """The client's I/O loop with its connection pool: ``send`` runs on the loop, ``run``/``start`` hand it work."""
 
-    def __init__(
-        self, endpoint: Endpoint, backend: RemoteConfig, redactor: Redactor, wrap: TransportWrapper | None = None
-    ) -> None:
-        self.endpoint, self.redactor = endpoint, redactor
+    def __init__(self, endpoint: Endpoint, backend: RemoteConfig, wrap: TransportWrapper | None = None) -> None:
+        self.endpoint, self.redactor = endpoint, Redactor(endpoint.pat)
         self.policy = RetryPolicy(backend)
-        self._timeout_s = backend.request_timeout_s
-        self._wrap = wrap
-        self._client: httpx.AsyncClient | None = None
-        self._lock = threading.Lock()
-        self._io = LoopThread("icefloe-remote-io", on_close=self._close_client)
         # > 0 once the service takes batches (the batch_requests extension): numbered POSTs that reach
         # ``send`` in one loop turn leave as one POST of at most this many bytes.
         self.batch_bytes = 0
-        self._window: list[tuple[Call, dict[str, Any], asyncio.Future[httpx.Response]]] | None = None
-
-    @property
-    def loop(self) -> Any:
-        """The I/O loop (an ``asyncio.AbstractEventLoop``), started on first use with its HTTP client."""
-        loop = self._io.loop
-        with self._lock:
-            if self._client is None:
-                transport = httpx.AsyncHTTPTransport(verify=_tls_for(self.endpoint), limits=_LIMITS)
-                self._client = httpx.AsyncClient(
-                    base_url=self.endpoint.url,
-                    headers=self.endpoint.headers(),
-                    transport=self._wrap(transport) if self._wrap else transport,
-                )
-        return loop
-
-    def submit(self, coroutine: Coroutine[Any, Any, T]) -> Any:
-        """Schedule ``coroutine`` on the I/O loop; returns its ``concurrent.futures.Future``."""
-        self._ready(coroutine)
-        return self._io.submit(coroutine)
-
-    def start(self, coroutine: Coroutine[Any, Any, T]) -> Any:
-        """Run ``coroutine`` to its end on the I/O loop even if the caller stops waiting (see ``LoopThread.start``)."""
-        self._ready(coroutine)
-        return self._io.start(coroutine)
-
-    def _ready(self, coroutine: Coroutine[Any, Any, T]) -> None:
-        try:
-            self.loop  # noqa: B018 - starts the loop and builds the client before the coroutine can use it
-        except BaseException:
-            coroutine.close()
-            raise
-
-    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        """Run ``coroutine`` on the I/O loop and block for its result."""
-        return self.submit(coroutine).result()
+        self._timeout_s = backend.request_timeout_s
+        self._headers = endpoint.headers()
+        # plain HTTP (`icefloe serve` on loopback) needs no TLS context
+        tls = _tls_context(endpoint.verify_ssl) if endpoint.origin.startswith("https://") else False
+        transport = httpx.AsyncHTTPTransport(verify=tls, limits=_LIMITS)
+        self._transport = wrap(transport) if wrap else transport
+        self._window: list[tuple[Call, asyncio.Future[httpx.Response]]] | None = None
+        super().__init__("icefloe-remote-io", on_close=self._transport.aclose)
 
     async def send(self, call: Call) -> Reply:
-        """One call with retries (on the I/O loop); a failure arrives as an icefloe error."""
-        assert self._client is not None, "send runs on the I/O loop, which builds the client first"
-        timeout_s = call.timeout_s or self._timeout_s
-        kwargs = _request_kwargs(call, timeout_s)
-        with translate_errors(call, self.endpoint, self.redactor, timeout_s):
-            async for attempt in tenacity.AsyncRetrying(**self.policy.tenacity_kwargs(call, self.redactor)):
-                with attempt:
-                    if self.batch_bytes and call.sequence and attempt.retry_state.attempt_number == 1:
-                        response = await self._in_window(call, kwargs)
+        """One call, retried as the policy allows with the same ``Idempotency-Key``; a failure arrives as an
+        icefloe error."""
+        retries = self.policy.max_retries
+        with translate_errors(call, self.endpoint, self.redactor, call.timeout_s or self._timeout_s):
+            for attempt in itertools.count(1):
+                try:
+                    if self.batch_bytes and call.sequence and attempt == 1:
+                        response = await self._in_window(call)
                     else:  # alone, and so is every retry
-                        response = await self._client.request(call.method, call.path, **kwargs)
+                        response = await self._exchange(call)
                     return reply_of(call, response, self.redactor)
-        raise AssertionError("unreachable: tenacity re-raises the last failure")
+                except Exception as exc:
+                    if attempt > retries or not self.policy.should_retry(call, exc):
+                        raise
+                    _log.warning(
+                        self.redactor(f"{call.what}: attempt {attempt}/{retries + 1} failed ({exc}); retrying")
+                    )
+                await asyncio.sleep(self.policy.wait_s(attempt))
+        raise AssertionError("unreachable: the loop returns or raises")
 
-    def _in_window(self, call: Call, kwargs: dict[str, Any]) -> asyncio.Future[httpx.Response]:
+    async def _exchange(self, call: Call) -> httpx.Response:
+        """One request on the pool; the answer is read whole."""
+        headers, body = _wire(call)
+        query = _query(call)
+        request = httpx.Request(
+            call.method,
+            self.endpoint.url + call.path + (f"?{query}" if query else ""),
+            headers={**self._headers, **headers},
+            content=body,
+            extensions={"timeout": httpx.Timeout(call.timeout_s or self._timeout_s).as_dict()},
+        )
+        response = await self._transport.handle_async_request(request)
+        try:
+            await response.aread()
+        finally:
+            await response.aclose()
+        return response
+
+    def _in_window(self, call: Call) -> asyncio.Future[httpx.Response]:
         """Join the calls sent in this loop turn; they leave together when it ends."""
         loop = asyncio.get_running_loop()
         if self._window is None:
             self._window = []
             loop.call_soon(self._flush)
         answer: asyncio.Future[httpx.Response] = loop.create_future()
-        self._window.append((call, kwargs, answer))
+        self._window.append((call, answer))
         return answer
 
     def _flush(self) -> None:
         window, self._window = self._window or [], None
-        batch: list[tuple[Call, dict[str, Any], asyncio.Future[httpx.Response]]] = []
+        batch: list[tuple[Call, asyncio.Future[httpx.Response]]] = []
         size = 0
         for waiting in window:
             body_size = len(waiting[0].content or b"") + 1024  # a JSON body and the part's header are small
@@ -386,25 +335,34 @@ class Http:
         if batch:
             _spawn(self._post_batch(batch))
 
-    async def _post_batch(self, batch: list[tuple[Call, dict[str, Any], asyncio.Future[httpx.Response]]]) -> None:
+    async def _post_batch(self, batch: list[tuple[Call, asyncio.Future[httpx.Response]]]) -> None:
         """One POST for the calls (a lone call goes as itself); each gets its own answer, or the failure."""
-        assert self._client is not None
         try:
             if len(batch) == 1:
-                call, kwargs, _ = batch[0]
-                answers = [await self._client.request(call.method, call.path, **kwargs)]
+                answers = [await self._exchange(batch[0][0])]
             else:
-                parts = [_part(self.endpoint.prefix, call, kwargs) for call, kwargs, _ in batch]
-                response = await self._client.post(
+                parts, bodies = [], []
+                for call, _ in batch:
+                    headers, body = _wire(call)
+                    path = self.endpoint.prefix + call.path
+                    parts.append(
+                        {"method": call.method, "path": path, "query": _query(call), "headers": list(headers.items())}
+                    )
+                    bodies.append(body)
+                timeout_s = max(call.timeout_s or self._timeout_s for call, _ in batch)
+                envelope = Call(
+                    "POST",
                     BATCH_PATH,
-                    content=pack([part for part, _ in parts], [body for _, body in parts]),
-                    headers={"Content-Type": BATCH_MEDIA_TYPE},
-                    timeout=max(kwargs["timeout"] for _, kwargs, _ in batch),
+                    "batch",
+                    content=pack(parts, bodies),
+                    content_type=BATCH_MEDIA_TYPE,
+                    timeout_s=timeout_s,
                 )
+                response = await self._exchange(envelope)
                 answers = [response] * len(batch)  # refused whole: each call reads the refusal
                 if response.status_code == 200:
                     answers = [
-                        httpx.Response(part["status"], headers=part["headers"], content=body, request=response.request)
+                        httpx.Response(part["status"], headers=part["headers"], content=body)
                         for part, body in unpack(response.content)
                     ]
                     if len(answers) != len(batch):
@@ -412,19 +370,10 @@ class Http:
                             f"the service answered {len(answers)} parts to a batch of {len(batch)}"
                         )
         except Exception as exc:
-            for _, _, answer in batch:
+            for _, answer in batch:
                 if not answer.done():
                     answer.set_exception(exc)
             return
-        for (_, _, answer), response in zip(batch, answers, strict=True):
+        for (_, answer), response in zip(batch, answers, strict=True):
             if not answer.done():
                 answer.set_result(response)
-
-    def close(self) -> None:
-        """Cancel the calls in flight, close the HTTP client on its loop, stop the thread. Idempotent."""
-        self._io.close()
-
-    async def _close_client(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            await client.aclose()

@@ -1,8 +1,7 @@
-"""Jobs on the service: the create body built from a ClientConfig, waiting for ``running``, sub-job ids.
+"""Jobs on the service: the capability probe, the create body, waiting for ``running``, sub-job ids.
 
-Also the capability probe: ``icefloe serve`` advertises its ops and extensions at
-``GET {prefix}/capabilities``; the managed endpoint has no such route (it answers 404), so a 404
-means "managed" and the transport assumes the managed endpoint's fixed op set.
+``icefloe serve`` advertises its ops and extensions at ``GET {prefix}/capabilities``; the managed
+endpoint has no such route, so a 4xx there means "managed", with its fixed op set.
 """
 
 from __future__ import annotations
@@ -10,34 +9,33 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 from icefloe import protocol as api
-from icefloe.client.remote.http import Call, Http, Retry
+from icefloe.client.remote.http import Call, Http
 from icefloe.client.remote.polling import Backoff
 from icefloe.config import ClientConfig
 
 __all__ = [
     "MANAGED_OPS",
+    "MEMORY_OPS",
     "JobRef",
     "ServiceInfo",
-    "create_job",
     "job_create_body",
     "probe_service",
-    "reference_gpus",
     "sub_jobs_of",
     "wait_running",
 ]
 
 _log = logging.getLogger("icefloe.client.remote")
 
-# What the managed endpoint executes (it has no forward, sleep or wake).
-MANAGED_OPS: Final = api.OPS - {
-    api.OP_FORWARD, api.OP_SLEEP_TRAINING, api.OP_WAKE_TRAINING, api.OP_SLEEP_INFERENCE, api.OP_WAKE_INFERENCE
-}  # fmt: skip
+# Sleep and wake: sub-jobs on the service are always resident, so the client answers these itself.
+MEMORY_OPS: Final = frozenset(
+    {api.OP_SLEEP_TRAINING, api.OP_WAKE_TRAINING, api.OP_SLEEP_INFERENCE, api.OP_WAKE_INFERENCE}
+)
+MANAGED_OPS: Final = api.OPS - MEMORY_OPS - {api.OP_FORWARD}  # what the managed endpoint executes
 # Capability names that differ from the op constants.
 _CAPABILITY_ALIASES: Final = {"export-checkpoint": api.OP_GET_CHECKPOINT}
 _ENGINE_KWARGS_SET_BY_API: Final = ("max_model_len", "tensor_parallel_size")  # the API sets these itself
@@ -46,19 +44,14 @@ _SEGMENTS: Final = {"training": "training", "sampling": "sampling", "log_probabi
 
 @dataclass(frozen=True, slots=True)
 class ServiceInfo:
-    """What the service at the other end offers."""
+    """What the service at the other end offers: its ops, extensions (docs/service.md) and limits."""
 
     managed: bool  # True = the managed endpoint (no /capabilities)
     ops: frozenset[str]
-    long_poll: bool = False
-    idempotency_keys: bool = False
+    extensions: frozenset[str] = frozenset()  # those advertised as true: "long_poll", "inline_wait", ...
     max_post_bytes: int | None = None
     max_long_poll_s: float | None = None
-    inline_wait: bool = False  # POSTs take ?wait= and answer with the request's poll answer
-    sequenced_submit: bool = False  # numbered POSTs (Icefloe-Sequence) are queued in number order
-    batch_requests: bool = False  # numbered POSTs sent together may travel as one (POST requests:batch)
     lease_ttl_s: float | None = None  # a job nobody renews for this long is cancelled (POST {job}:heartbeat)
-    job_metrics: bool = False  # POST {job}/metrics takes client-reported scalars (Client.log_metrics)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,26 +67,20 @@ class JobRef:
 
 
 async def probe_service(http: Http) -> ServiceInfo:
-    """``GET /capabilities``; a 4xx there means the managed endpoint."""
     reply = await http.send(Call("GET", "/capabilities", "capabilities", accept=frozenset({400, 404, 405})))
     body = reply.body if isinstance(reply.body, Mapping) else None
     if reply.status_code >= 400 or body is None or "ops" not in body:
         return ServiceInfo(managed=True, ops=MANAGED_OPS)
     ops = frozenset(_CAPABILITY_ALIASES.get(str(op), str(op)) for op in body.get("ops") or ())
-    extensions = body.get("extensions") or {}
+    extensions = frozenset(name for name, on in (body.get("extensions") or {}).items() if on)
     limits = body.get("limits") or {}
     return ServiceInfo(
         managed=False,
         ops=ops,
-        long_poll=bool(extensions.get("long_poll")),
-        idempotency_keys=bool(extensions.get("idempotency_keys")),
-        inline_wait=bool(extensions.get("inline_wait")),
-        sequenced_submit=bool(extensions.get("sequenced_submit")),
-        batch_requests=bool(extensions.get("batch_requests")),
-        job_metrics=bool(extensions.get("job_metrics")),
+        extensions=extensions,
         max_post_bytes=int(limits["max_post_bytes"]) if limits.get("max_post_bytes") else None,
         max_long_poll_s=float(limits["max_long_poll_s"]) if limits.get("max_long_poll_s") else None,
-        lease_ttl_s=limits["lease_ttl_ms"] / 1000 if extensions.get("leases") and limits.get("lease_ttl_ms") else None,
+        lease_ttl_s=limits["lease_ttl_ms"] / 1000 if "leases" in extensions and limits.get("lease_ttl_ms") else None,
     )
 
 
@@ -112,23 +99,11 @@ def job_create_body(config: ClientConfig, experiment_name: str | None = None) ->
         if engine_kwargs:
             sampling["vllm_config"] = engine_kwargs
         subs.append({"job_type": "sampling", **common, "inference_config": sampling})
-    if reference_gpus(config):
-        subs.append(
-            {
-                "job_type": "log_probability",
-                **common,
-                "inference_config": {**inference, "n_gpus": reference_gpus(config)},
-            }
-        )
-    optimizer = config.training.optimizer
+    if gpus := _reference_gpus(config):
+        subs.append({"job_type": "log_probability", **common, "inference_config": {**inference, "n_gpus": gpus}})
+    adamw = config.training.optimizer.model_dump(mode="json", include={"lr", "betas", "eps", "weight_decay"})
     training = {
-        "optimizer": {
-            "name": "AdamW",
-            "lr": optimizer.lr,
-            "betas": list(optimizer.betas),
-            "eps": optimizer.eps,
-            "weight_decay": optimizer.weight_decay,
-        },
+        "optimizer": {"name": "AdamW", **adamw},
         "max_seq_len": config.max_seq_len,
         "train_batch_size": config.num_training_workers,  # one sequence per rank per micro-step; batches vary
         "n_gpus": config.num_training_workers,
@@ -148,31 +123,17 @@ def job_create_body(config: ClientConfig, experiment_name: str | None = None) ->
     return body
 
 
-def reference_gpus(config: ClientConfig) -> int:
+def _reference_gpus(config: ClientConfig) -> int:
     """GPUs of the log_probability sub-job (0: none); LoRA needs none, its trainer scores the reference."""
     return config.num_log_prob_workers if config.lora is None else 0
 
 
 def _warn_unmapped_knobs(config: ClientConfig) -> None:
     """The training API has no field for these; say so instead of ignoring them silently."""
-    training = config.training
-    set_here = {
-        "training.checkpoint_dir": training.checkpoint_dir is not None,
-        "sampling.engine": config.sampling.engine != "auto",
-    }
-    if ignored := [name for name, value in set_here.items() if value]:
+    ignored = ["training.checkpoint_dir"] if config.training.checkpoint_dir is not None else []
+    ignored += ["sampling.engine"] if config.sampling.engine != "auto" else []
+    if ignored:
         _log.warning("backend.type='remote' ignores %s: the training API has no such field", ", ".join(ignored))
-
-
-async def create_job(http: Http, body: dict[str, Any], *, idempotent: bool) -> str:
-    """POST the create body; retried fully only when the service honours idempotency keys."""
-    retry = Retry.TRANSIENT if idempotent else Retry.CONNECT_ONLY
-    call = Call("POST", "", "create job", json=body, idempotency_key=str(uuid.uuid4()), retry=retry)
-    reply = await http.send(call)
-    job_id = (reply.body or {}).get("job_id") if isinstance(reply.body, Mapping) else None
-    if not job_id:
-        raise api.JobFailedError("<none>", "not created", f"create job answered without a job_id: {reply.body!r:.200}")
-    return str(job_id)
 
 
 def _job_object(body: Any) -> dict[str, Any]:
@@ -186,12 +147,18 @@ def _job_type(value: Any) -> str:
     return "log_probability" if text in ("log_prob", "logprob", "log_probs") else text
 
 
-def sub_jobs_of(job_id: str, job: Mapping[str, Any], expected: Mapping[str, int]) -> dict[str, list[str]]:
-    """Sub-job ids by type from a job object; missing ones follow ``{job_id}:{segment}:{index}``."""
+def sub_jobs_of(job_id: str, job: Mapping[str, Any], config: ClientConfig) -> dict[str, list[str]]:
+    """Sub-job ids by type from a job object; those ``config`` asks for and the job lacks follow
+    ``{job_id}:{segment}:{index}``."""
     found: dict[str, list[str]] = {}
     for sub in job.get("sub_jobs") or ():
         if isinstance(sub, Mapping) and sub.get("sub_job_id"):
             found.setdefault(_job_type(sub.get("job_type")), []).append(str(sub["sub_job_id"]))
+    expected = {
+        "training": 1,
+        "sampling": int(config.num_sampling_workers > 0),
+        "log_probability": int(_reference_gpus(config) > 0),
+    }
     for job_type, count in expected.items():
         if count and not found.get(job_type):
             found[job_type] = [f"{job_id}:{_SEGMENTS[job_type]}:{i}" for i in range(count)]

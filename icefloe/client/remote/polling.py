@@ -1,10 +1,8 @@
 """Waiting on the service: the backoff schedule, request polling and result decoding.
 
-A request's result arrives in one of three forms (plain JSON, an inline DSSST1 envelope, or
-``result_chunk`` events drained by cursor). When the service advertises long polling, each poll
-asks it to hold the answer (``?wait=``); otherwise polls back off 0.5 s × 1.25 up to 6 s. No sleep
-runs past the deadline, and a passed deadline raises :class:`IcefloeTimeoutError`. A submitting
-POST that already carried the poll answer (the ``inline_wait`` extension) is read like a poll.
+A result arrives as plain JSON, an inline DSSST1 envelope, or ``result_chunk`` events drained by
+cursor. Where the service offers it each poll asks it to hold the answer (``?wait=``); otherwise
+polls back off 0.5 s × 1.25 up to 6 s. No sleep runs past the deadline.
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ from typing import Any
 from icefloe import wire
 from icefloe.client.remote.errors import error_from_failed_request
 from icefloe.client.remote.http import Call, Http
-from icefloe.config import RemoteConfig
 from icefloe.protocol import (
     REQUEST_FAILURE_STATES,
     REQUEST_SUCCESS_STATES,
@@ -28,7 +25,7 @@ from icefloe.protocol import (
     normalize_request_state,
 )
 
-__all__ = ["Backoff", "FrameResult", "decode_result", "poll_request", "tensor_kind"]
+__all__ = ["Backoff", "FrameResult", "decode_result", "poll_request"]
 
 _LONG_POLL_SLACK_S = 10.0  # the HTTP timeout of a long poll exceeds its wait by this much
 
@@ -41,54 +38,32 @@ class Backoff:
     multiplier: float = 1.25
     max_s: float = 6.0
 
-    @classmethod
-    def from_config(cls, backend: RemoteConfig) -> Backoff:
-        return cls(
-            backend.poll_interval_s,
-            backend.poll_multiplier,
-            max(backend.poll_max_interval_s, backend.poll_interval_s),
-        )
-
-    def intervals(self) -> Iterator[float]:
+    def sleeps(self, deadline: float) -> Iterator[float]:
+        """The intervals, clipped so that no sleep ends after ``deadline`` (a ``time.monotonic`` value)."""
         interval = self.initial_s
         while True:
-            yield interval
-            interval = min(interval * self.multiplier, self.max_s)
-
-    def sleeps(self, deadline: float) -> Iterator[float]:
-        """Intervals clipped so that no sleep ends after ``deadline`` (a ``time.monotonic`` value)."""
-        for interval in self.intervals():
             yield max(0.0, min(interval, deadline - time.monotonic()))
+            interval = min(interval * self.multiplier, self.max_s)
 
 
 class FrameResult(dict):
     """A result decoded from a DSSST1 frame, so it may hold tensors (a JSON result never does)."""
 
 
-def tensor_kind() -> str:
-    """Decode result tensors as torch when it is installed (a light install gets numpy)."""
-    return "torch" if importlib.util.find_spec("torch") is not None else "numpy"
-
-
-def _is_inline_envelope(result: Any) -> bool:
-    return isinstance(result, Mapping) and "payload_b64" in result and "wire_format" in result
-
-
 def decode_result(result: Any, chunk_events: list[dict[str, Any]]) -> dict[str, Any]:
-    """The result dict from collected result chunks, an inline envelope, or plain JSON (empty → ``{}``)."""
+    """The result from result chunks, an inline envelope or plain JSON (empty: ``{}``); tensors as torch if there."""
+    if not chunk_events and not (isinstance(result, Mapping) and "payload_b64" in result and "wire_format" in result):
+        if result is None or result == {}:
+            return {}
+        return dict(result) if isinstance(result, Mapping) else {"result": result}
+    tensors = "torch" if importlib.util.find_spec("torch") is not None else "numpy"
     if chunk_events:
-        decoded = wire.decode(wire.join_result_events(chunk_events), tensors=tensor_kind())
+        decoded = wire.decode(wire.join_result_events(chunk_events), tensors=tensors)
         if not isinstance(decoded, dict):
             raise RequestFailedError(f"result chunks decoded to {type(decoded).__name__}, expected a dict")
         return FrameResult(decoded)
-    if _is_inline_envelope(result):
-        decoded = wire.decode_inline_result(dict(result), tensors=tensor_kind())
-        return FrameResult(decoded) if isinstance(decoded, dict) else decoded
-    if result is None or result == {}:
-        return {}
-    if not isinstance(result, Mapping):
-        return {"result": result}
-    return dict(result)
+    decoded = wire.decode_inline_result(dict(result), tensors=tensors)
+    return FrameResult(decoded) if isinstance(decoded, dict) else decoded
 
 
 async def poll_request(
@@ -120,11 +95,9 @@ async def poll_request(
     path = f"/{job_id}/requests/{request_id}"
     while True:
         remaining = deadline - time.monotonic()
-        params: dict[str, Any] = {}
+        params: dict[str, Any] = {"cursor": cursor} if cursor else {}
         timeout = None
-        if cursor:
-            params["cursor"] = cursor
-        elif long_poll_s > 0 and remaining > 0:
+        if not cursor and long_poll_s > 0 and remaining > 0:
             wait = min(long_poll_s, remaining)
             params["wait"] = f"{wait:.3f}"
             timeout = wait + _LONG_POLL_SLACK_S

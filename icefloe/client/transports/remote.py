@@ -1,33 +1,33 @@
 """The remote backend: every op over the training API (``icefloe serve`` or the managed endpoint).
 
-``handle`` fixes an op's place in line when it is called (see :mod:`icefloe.client.remote.ordering`)
-and hands it to the client's own I/O loop (:class:`~icefloe.client.remote.http.Http`), where its
-POST leaves at once; the op's submission runs to its end there even if the caller stops waiting,
-so no number is ever left empty. Octet ops travel as DSSST1; forward-backward always goes as a
-chunk group (so every call carries a group id and runs at most once), step/save/load/operations
-as JSON. Every mutating POST carries an ``Idempotency-Key`` reused across its retries. With
-numbered POSTs and ``inline_wait`` an op posts with ``?wait=`` and usually gets its result in the
-POST's answer. Ops the service lacks are answered here: sleep/wake with ``{}``, forward with zeros
-only when ``backend.allow_zero_logprobs`` is set.
+``handle`` fixes an op's place in line when it is called and hands its I/O to the client's own
+loop, where it runs to its end even if the caller stops waiting. A service that advertises
+``sequenced_submit`` (``icefloe serve``) queues numbered POSTs (``Icefloe-Sequence: <session>:<n>``)
+in number order, so every op leaves at once and no number is ever left empty. Against one without it
+(the managed endpoint) an op's POST waits until every earlier op of its roles has been accepted (not
+finished), so the ops still overlap on the service's queue. Forward-backward always goes as a chunk
+group (a group id makes it run at most once); every mutating POST carries an ``Idempotency-Key``
+reused across its retries. Ops the service lacks are answered here: sleep/wake with ``{}``, forward
+with zeros only when ``backend.allow_zero_logprobs`` is set.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import threading
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 from icefloe import protocol as api
 from icefloe import wire
 from icefloe.client.remote import jobs
-from icefloe.client.remote.errors import Redactor
 from icefloe.client.remote.http import Call, Endpoint, Http, Retry, TransportWrapper
-from icefloe.client.remote.ordering import SubmitOrder, Turn
 from icefloe.client.remote.polling import Backoff, FrameResult, poll_request
 from icefloe.client.transports.base import Transport
 from icefloe.config import ClientConfig, RemoteConfig
@@ -36,15 +36,24 @@ __all__ = ["RemoteTransport"]
 
 _log = logging.getLogger("icefloe.client.remote")
 
-# Sub-jobs on the service are always resident: nothing to offload or restore.
-_NOOP_OPS: Final = frozenset(
-    {api.OP_SLEEP_TRAINING, api.OP_WAKE_TRAINING, api.OP_SLEEP_INFERENCE, api.OP_WAKE_INFERENCE}
-)
-# Ask for tensor results as DSSST1 result chunks.
 _TENSOR_RESPONSE: Final = {"response_options": {"format": "dssst1", "delivery": "chunked"}}
-_CHUNK_GROUP_REPLAYS: Final = 1
 _CANCEL_TIMEOUT_S: Final = 30.0
 _MIN_LR: Final = 1e-12
+
+
+@dataclass
+class Turn:
+    """One op's place in line: its number, or the acceptances it waits for and the one it gives."""
+
+    sequence: str | None = None
+    before: list[asyncio.Future[None]] = field(default_factory=list)
+    accepted: asyncio.Future[None] | None = None
+
+    def release(self) -> None:
+        """Accepted, or ended without acceptance: the next op may send (call on the I/O loop)."""
+        if self.accepted is not None and not self.accepted.done():
+            self.accepted.set_result(None)
+
 
 Send = Callable[[Turn], Awaitable[Any]]  # an op's I/O, run on the I/O loop in its turn
 
@@ -65,20 +74,19 @@ class RemoteTransport(Transport):
         self.config = config
         self._backend: RemoteConfig = config.backend
         self._endpoint = Endpoint.from_config(self._backend)
-        self._redactor = Redactor([self._endpoint.pat] if self._endpoint.pat else [])
-        self._redactor.install()
         self._wrap = wrap_http_transport
-        self._http = Http(self._endpoint, self._backend, self._redactor, wrap_http_transport)
-        self._backoff = Backoff.from_config(self._backend)
-        self._order = SubmitOrder()
+        self._http = Http(self._endpoint, self._backend, wrap_http_transport)
+        poll_s = self._backend.poll_interval_s
+        self._backoff = Backoff(poll_s, self._backend.poll_multiplier, max(self._backend.poll_max_interval_s, poll_s))
+        self._session, self._numbers = uuid.uuid4().hex, itertools.count()
+        self._accepted: dict[str, asyncio.Future[None]] = {}  # by role: the last op's acceptance
         self._lock = threading.Lock()
         self._service: jobs.ServiceInfo | None = None
         self._job: jobs.JobRef | None = None
         self._created = False
         self._attached = False
         self._closed = False
-        self._warned_zero_fill = False
-        self._warned_no_metrics = False
+        self._warned: set[str] = set()  # warnings given once per client
         self._lease: asyncio.Task | None = None  # the renewing task, kept so it is not collected
         # Optimizer steps called so far: the service has no LR schedule, so the client applies
         # config.training.lr_schedule by sending each step's learning_rate.
@@ -99,7 +107,7 @@ class RemoteTransport(Transport):
             api.OP_DELETE_CHECKPOINT: lambda r: lambda turn: self._delete_checkpoint(r.body["checkpoint_id"]),
             api.OP_RESET_PREFIX_CACHE: self._reset_prefix_cache,
             api.OP_CANCEL: lambda r: lambda turn: self._cancel_job(by_op=True),
-            **dict.fromkeys(_NOOP_OPS, lambda r: {}),
+            **dict.fromkeys(jobs.MEMORY_OPS, lambda r: {}),
         }
         if handle is not None:
             job_id = handle.get("job_id")
@@ -114,7 +122,7 @@ class RemoteTransport(Transport):
         if self._service is None:
             return api.OPS
         extra = {api.OP_FORWARD} if self._backend.allow_zero_logprobs else set()
-        return frozenset(self._service.ops & api.OPS) | _NOOP_OPS | extra
+        return frozenset(self._service.ops & api.OPS) | jobs.MEMORY_OPS | extra
 
     def probe_capabilities(self) -> frozenset[str]:
         """Ask the service what it offers (``GET /capabilities``) without creating a job."""
@@ -133,19 +141,26 @@ class RemoteTransport(Transport):
                 except BaseException:
                     # a failed open leaves no connection or thread behind; a retry starts afresh
                     self._http.close()
-                    self._http = Http(self._endpoint, self._backend, self._redactor, self._wrap)
+                    self._http = Http(self._endpoint, self._backend, self._wrap)
                     raise
 
     async def _attach(self) -> None:
         service = await jobs.probe_service(self._http)
         self._service = service
         self._http.policy.retry_restart_statuses = service.managed
-        batching = service.batch_requests and self._backend.batch_requests
+        batching = "batch_requests" in service.extensions and self._backend.batch_requests
         self._http.batch_bytes = self._max_post_bytes if batching else 0
         if self._job is None:
+            # retried fully only where the service honours idempotency keys, else only if never sent
+            retry = Retry.TRANSIENT if "idempotency_keys" in service.extensions else Retry.CONNECT_ONLY
             body = jobs.job_create_body(self.config, self._backend.experiment_name)
-            job_id = await jobs.create_job(self._http, body, idempotent=service.idempotency_keys)
-            self._job, self._created = jobs.JobRef(job_id), True
+            call = Call("POST", "", "create job", json=body, idempotency_key=str(uuid.uuid4()), retry=retry)
+            answer = (await self._http.send(call)).body
+            job_id = answer.get("job_id") if isinstance(answer, Mapping) else None
+            if not job_id:
+                why = f"create job answered without a job_id: {answer!r:.200}"
+                raise api.JobFailedError("<none>", "not created", why)
+            self._job, self._created = jobs.JobRef(str(job_id)), True
             _log.info("created job %s on %s", job_id, self._endpoint.origin)
         timeout_s = self.config.job_ready_timeout_s
         try:
@@ -156,20 +171,14 @@ class RemoteTransport(Transport):
                     await self._cancel_job()
                 self._job, self._created = None, False  # a retried open creates a fresh one
             raise
-        expected = {
-            "training": 1,
-            "sampling": int(self.config.num_sampling_workers > 0),
-            "log_probability": int(jobs.reference_gpus(self.config) > 0),
-        }
         known = {k: v for k, v in self._job.sub_jobs.items() if v}
-        self._job = jobs.JobRef(self._job.job_id, {**jobs.sub_jobs_of(self._job.job_id, job, expected), **known})
+        self._job = jobs.JobRef(self._job.job_id, {**jobs.sub_jobs_of(self._job.job_id, job, self.config), **known})
         self._attached = True
         if service.lease_ttl_s:
             self._lease = asyncio.get_running_loop().create_task(self._keep_lease(service.lease_ttl_s / 3))
 
     async def _keep_lease(self, period_s: float) -> None:
-        """Renew the job's lease from the I/O loop while this client is open; the service cancels a
-        job whose lease lapses (a client killed without closing). Ends with the loop or the job."""
+        """Renew the job's lease while this client is open (the service cancels a job whose lease lapses)."""
         path = f"/{self._job_id}:heartbeat"
         call = Call("POST", path, "heartbeat", retry=Retry.NEVER, accept=frozenset({404}), timeout_s=period_s)
         while True:
@@ -196,7 +205,6 @@ class RemoteTransport(Transport):
                     _log.warning("could not cancel job %s: %s", self._job.job_id, exc)
         finally:
             self._http.close()
-            self._redactor.uninstall()
 
     async def _cancel_job(self, *, by_op: bool = False) -> dict[str, Any]:
         path = f"/{self._job_id}:cancel"
@@ -211,8 +219,8 @@ class RemoteTransport(Transport):
             raise api.ConfigError("this remote client has no job yet; call open() before handle()")
         return {
             "backend": "remote",
-            "job_id": self._job.job_id,
-            "sub_jobs": {k: list(v) for k, v in self._job.sub_jobs.items()},
+            "job_id": self._job_id,
+            "sub_jobs": {k: list(v) for k, v in self._ref.sub_jobs.items()},
             "global_step": self._steps_called,
             **self._endpoint.public(),
         }
@@ -221,20 +229,17 @@ class RemoteTransport(Transport):
         """POST ``{job}/metrics`` when the service takes client metrics; else (the managed endpoint) send nothing."""
         self._check_not_closed("log_metrics")
         self.open()
-        if self._service is None or not self._service.job_metrics:
-            if not self._warned_no_metrics:
-                self._warned_no_metrics = True
-                _log.warning(  # once per client
-                    "this service keeps no client metrics (no job_metrics extension): log_metrics sends nothing"
-                )
+        if "job_metrics" not in self._info.extensions:
+            self._warn_once("the service keeps no client metrics (no job_metrics extension): log_metrics sends nothing")
             return super().log_metrics(metrics, step)
         body = {"step": step, "metrics": metrics}
         call = Call("POST", f"/{self._job_id}/metrics", "log_metrics", json=body, idempotency_key=str(uuid.uuid4()))
+        return self._http.start(self._http.send(call))
 
-        async def send() -> None:
-            await self._http.send(call)
-
-        return self._http.start(send())
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            _log.warning(message)
 
     # --- delivery --------------------------------------------------------------------------------
     def handle(self, request: api.Request) -> Future:
@@ -244,62 +249,110 @@ class RemoteTransport(Transport):
         route = self._routes.get(request.op)
         if route is None:
             raise api.UnsupportedOpError(f"{request.op!r} is not available on the remote backend")
-        loop = self._http.loop
         with self._lock:  # call order = turn order, also for the step count a route reads
             send = route(request)
             if isinstance(send, dict):  # answered here
                 done: Future = Future()
                 done.set_result(send)
                 return done
-            numbered = self._service is not None and self._service.sequenced_submit
-            turn = self._order.take(_roles_of(request), numbered=numbered, loop=loop)
+            turn = self._turn(_roles_of(request))
         return self._http.start(_in_turn(send, turn))  # a caller that stops waiting does not stop it
+
+    def _turn(self, roles: tuple[str, ...]) -> Turn:
+        """A number, or the acceptances of the earlier ops of its roles; an op in no role waits for nothing."""
+        if not roles:
+            return Turn()
+        if "sequenced_submit" in self._info.extensions:
+            return Turn(sequence=f"{self._session}:{next(self._numbers)}")
+        accepted = self._http.loop.create_future()
+        before = [self._accepted[role] for role in roles if role in self._accepted]
+        self._accepted.update(dict.fromkeys(roles, accepted))
+        return Turn(before=before, accepted=accepted)
 
     def _check_not_closed(self, op: str) -> None:
         if self._closed:
             raise api.ClientClosedError(f"cannot run {op!r}: the client was shut down; build a new client")
 
     @property
-    def _job_id(self) -> str:
+    def _ref(self) -> jobs.JobRef:
         assert self._job is not None, "open() attaches the job before any op runs"
-        return self._job.job_id
+        return self._job
 
     @property
-    def _service_ops(self) -> frozenset[str]:
-        return self._service.ops if self._service is not None else frozenset()
+    def _job_id(self) -> str:
+        return self._ref.job_id
+
+    @property
+    def _info(self) -> jobs.ServiceInfo:
+        """What the service offers; ``open`` probes it before any op runs."""
+        assert self._service is not None
+        return self._service
 
     @property
     def _max_post_bytes(self) -> int:
-        limit = self._service.max_post_bytes if self._service is not None else None
-        return min(self._backend.max_post_bytes, limit or self._backend.max_post_bytes)
+        return min(self._backend.max_post_bytes, self._info.max_post_bytes or self._backend.max_post_bytes)
 
     @property
     def _long_poll_s(self) -> float:
         """The ``?wait=`` of a poll; 0 when the service cannot hold answers or the config turned it off."""
-        if self._service is None or not self._service.long_poll:
+        if "long_poll" not in self._info.extensions:
             return 0.0
-        return min(self._backend.long_poll_s, self._service.max_long_poll_s or self._backend.long_poll_s)
+        return min(self._backend.long_poll_s, self._info.max_long_poll_s or self._backend.long_poll_s)
 
-    def _hold(self, turn: Turn) -> tuple[dict[str, str], float | None]:
-        """``(params, timeout_s)`` of a submitting POST: ask for the answer inline when nothing waits on it.
-
-        Only a numbered op may: an op in the accept-then-send line must be answered at acceptance.
-        """
-        hold_s = self._long_poll_s
-        if hold_s <= 0 or turn.sequence is None or self._service is None or not self._service.inline_wait:
-            return {}, None
-        return {"wait": f"{hold_s:.3f}"}, self._backend.request_timeout_s + hold_s
-
-    async def _poll(self, turn: Turn, accepted: Any, what: str, *, inline_ok: bool = False) -> dict[str, Any]:
-        """Let the next op go, then poll the request the accepting answer names (read an inline one as is)."""
+    async def _submit(
+        self,
+        turn: Turn,
+        path: str,
+        what: str,
+        *,
+        json: Any = None,
+        frame: bytes | None = None,
+        group: bool = False,
+        params: dict[str, str] | None = None,
+        inline: bool = False,
+    ) -> dict[str, Any]:
+        """POST the op's JSON body or frame (a chunk group when ``group`` or over the cap), then poll. Only a
+        numbered POST may ask for its answer inline: one in the accept-then-send line is answered at acceptance."""
+        inline_wait = "inline_wait" in self._info.extensions
+        hold_s = self._long_poll_s if turn.sequence is not None and inline_wait and not inline else 0.0
+        bodies: list[bytes | None] = [None]
+        if frame is not None:
+            bodies = list(wire.split_frame(frame, max_bytes=self._max_post_bytes, operation=what, force=group))
+        key = str(uuid.uuid4())
+        for replay in range(2 if group else 1):  # a group the service lost is replayed once
+            try:
+                for index, chunk in enumerate(bodies):
+                    last = index == len(bodies) - 1
+                    call = Call(
+                        "POST",
+                        f"/{self._job_id}/{path}",
+                        what,
+                        json=json,
+                        content=chunk,
+                        params={**(params or {}), "wait": f"{hold_s:.3f}"} if last and hold_s else params,
+                        idempotency_key=key if len(bodies) == 1 and not group else f"{key}.{replay}.{index}",
+                        timeout_s=self._backend.request_timeout_s + hold_s if last and hold_s else None,
+                        sequence=turn.sequence if last else None,  # a group queues with its last chunk
+                    )
+                    body = (await self._http.send(call)).body
+                    body = body if isinstance(body, Mapping) else {}
+                    if not last and (not body.get("chunk_cached") or "request_id" in body):
+                        raise api.RequestFailedError(
+                            f"{what}: chunk {index} of {len(bodies)} was answered with {body!r:.200}, "
+                            "expected {'chunk_cached': true}"
+                        )
+                break
+            except api.ChunkGroupRestartError:
+                if replay or not group:
+                    raise
+                _log.warning("%s: the service lost chunk group; replaying it from chunk 0", what)
+        # the accepting answer is in hand: let the next op go, then poll (or read an inline answer)
         turn.release()
-        body = accepted if isinstance(accepted, Mapping) else {}
         request_id = body.get("request_id")
         if not request_id:
-            if inline_ok:
+            if inline:
                 return dict(body)
             raise api.RequestFailedError(f"{what}: the service answered without a request_id to poll: {body!r:.200}")
-        answered = body if self._service is not None and self._service.inline_wait and "status" in body else None
         return await poll_request(
             self._http,
             self._job_id,
@@ -308,91 +361,35 @@ class RemoteTransport(Transport):
             backoff=self._backoff,
             timeout_s=self._backend.request_timeout_s,
             long_poll_s=self._long_poll_s,
-            answered=answered,
+            answered=body if inline_wait and "status" in body else None,
         )
 
-    async def _post_json(self, turn: Turn, path: str, what: str, body: dict[str, Any], *, hold: bool = True) -> Any:
-        """POST a JSON body as the op's numbered submission; returns the accepting answer."""
-        params, timeout_s = self._hold(turn) if hold else ({}, None)
-        call = Call(
-            "POST",
-            f"/{self._job_id}/{path}",
-            what,
-            json=body,
-            params=params or None,
-            idempotency_key=str(uuid.uuid4()),
-            timeout_s=timeout_s,
-            sequence=turn.sequence,
-        )
-        return (await self._http.send(call)).body
-
-    # --- octet ops -------------------------------------------------------------------------------
-    async def _post_frame(
-        self, turn: Turn, path: str, what: str, frame: bytes, *, force_chunks: bool, params: dict | None = None
-    ) -> dict[str, Any]:
-        """POST ``frame`` (a chunk group when forced or over the cap), replay a lost group once, then poll."""
-        chunks = wire.split_frame(
-            frame, max_bytes=self._max_post_bytes, kind="request", operation=what, force=force_chunks
-        )
-        call_key = str(uuid.uuid4())
-        hold_params, hold_timeout_s = self._hold(turn)
-        replays = _CHUNK_GROUP_REPLAYS if force_chunks else 0
-        for replay in range(replays + 1):
-            try:
-                for index, chunk in enumerate(chunks):
-                    key = call_key if len(chunks) == 1 and not force_chunks else f"{call_key}.{replay}.{index}"
-                    last = index == len(chunks) - 1
-                    call = Call(
-                        "POST",
-                        f"/{self._job_id}/{path}",
-                        what,
-                        content=chunk,
-                        params={**(params or {}), **hold_params} if last else params,
-                        idempotency_key=key,
-                        timeout_s=hold_timeout_s if last else None,
-                        sequence=turn.sequence if last else None,  # the group queues with its last chunk
-                    )
-                    body = (await self._http.send(call)).body
-                    body = body if isinstance(body, Mapping) else {}
-                    if not last and (not body.get("chunk_cached") or "request_id" in body):
-                        raise api.RequestFailedError(
-                            f"{what}: chunk {index} of {len(chunks)} was answered with {body!r:.200}, "
-                            "expected {'chunk_cached': true}"
-                        )
-                break
-            except api.ChunkGroupRestartError:
-                if replay == replays:
-                    raise
-                _log.warning("%s: the service lost chunk group; replaying it from chunk 0", what)
-        return await self._poll(turn, body, what)
-
+    # --- ops -------------------------------------------------------------------------------------
     def _fwd_bwd(self, request: api.Request) -> Send:
         frame = wire.encode(request.body["batch"])
-        return lambda turn: self._post_frame(turn, "forward-backward", api.OP_FWD_BWD, frame, force_chunks=True)
+        return lambda turn: self._submit(turn, "forward-backward", api.OP_FWD_BWD, frame=frame, group=True)
 
     def _forward(self, request: api.Request) -> Send | dict[str, Any]:
         batch = request.body["batch"]
-        if api.OP_FORWARD not in self._service_ops:
+        if api.OP_FORWARD not in self._info.ops:
             if not self._backend.allow_zero_logprobs:
                 raise api.UnsupportedOpError(
                     "the service has no 'forward' op (the managed endpoint lacks it); set "
                     "backend.allow_zero_logprobs=True only for on-policy, single-epoch GRPO without KL, where "
                     "zero log-probs are never read"
                 )
-            if not self._warned_zero_fill:
-                self._warned_zero_fill = True
-                _log.warning(
-                    "the service has no 'forward' op: answering forward() with zero log-probs "
-                    "(backend.allow_zero_logprobs=True)"
-                )
+            self._warn_once(
+                "the service has no 'forward' op: answering forward() with zero log-probs "
+                "(backend.allow_zero_logprobs=True)"
+            )
             return _zero_logprobs(batch)
         # The reference is addressed by job type; on a LoRA job without that sub-job the service
         # scores it on the trainer with the adapters disabled.
         params = {"sub_job_type": "log_probability"} if request.target == api.TARGET_REFERENCE else None
-        if params and self.config.lora is None and self._job is not None and not self._job.first("log_probability"):
+        if params and self.config.lora is None and not self._ref.first("log_probability"):
             raise api.InvalidRequestError("forward(reference=True) needs a reference role; set num_log_prob_workers=1")
         frame = wire.encode(batch, op_metadata=_TENSOR_RESPONSE)
-        return lambda turn: self._post_frame(turn, "forward", api.OP_FORWARD, frame, force_chunks=False, params=params)
+        return lambda turn: self._submit(turn, "forward", api.OP_FORWARD, frame=frame, params=params)
 
     def _generate(self, request: api.Request) -> Send:
         params = request.body["sampling_params"]
@@ -404,18 +401,14 @@ class RemoteTransport(Transport):
         frame = wire.encode(body)
 
         async def send(turn: Turn) -> dict[str, Any]:
-            result = await self._post_frame(turn, "generate", api.OP_GENERATE, frame, force_chunks=False)
+            result = await self._submit(turn, "generate", api.OP_GENERATE, frame=frame)
             # Only a DSSST1 result can hold tensors; walking a JSON one (thousands of samples) costs ms.
             return _tensors_to_lists(result) if isinstance(result, FrameResult) else result
 
         return send
 
-    # --- JSON ops --------------------------------------------------------------------------------
     def _json_op(self, name: str, body: dict[str, Any]) -> Send:
-        async def send(turn: Turn) -> dict[str, Any]:
-            return await self._poll(turn, await self._post_json(turn, name, name, body), name)
-
-        return send
+        return lambda turn: self._submit(turn, name, name, json=body)
 
     def _step(self, request: api.Request) -> Send:
         """Without an explicit rate, send the scheduled one (nothing for a flat schedule)."""
@@ -432,7 +425,7 @@ class RemoteTransport(Transport):
         body = {k: v for k, v in request.body.items() if v is not None}
 
         async def send(turn: Turn) -> dict[str, Any]:
-            result = await self._poll(turn, await self._post_json(turn, "load", api.OP_LOAD, body), api.OP_LOAD)
+            result = await self._submit(turn, "load", api.OP_LOAD, json=body)
             step = result.get("global_step", result.get("global_steps"))
             if isinstance(step, int):
                 self._steps_called = step  # the schedule continues from the loaded step
@@ -444,17 +437,11 @@ class RemoteTransport(Transport):
         """An ``{job}/operation`` POST; ``target`` names ``sub_job_id`` and/or ``sub_job_type``."""
         body = {"operation_type": operation_type, "payload": payload, **{k: v for k, v in target.items() if v}}
         inline = operation_type in api.INLINE_OPERATIONS
-
-        async def send(turn: Turn) -> dict[str, Any]:
-            accepted = await self._post_json(turn, "operation", operation_type, body, hold=not inline)
-            return await self._poll(turn, accepted, operation_type, inline_ok=inline)
-
-        return send
+        return lambda turn: self._submit(turn, "operation", operation_type, json=body, inline=inline)
 
     def _weight_sync(self, request: api.Request) -> Send:
-        assert self._job is not None
-        source = self._job.first("training")
-        targets = self._job.sub_jobs.get("sampling") or []
+        source = self._ref.first("training")
+        targets = self._ref.sub_jobs.get("sampling") or []
         if not targets:
             raise api.InvalidRequestError(
                 "sync_weights needs a sampling role; set num_sampling_workers=1 in the config"
@@ -467,11 +454,7 @@ class RemoteTransport(Transport):
         return self._operation(api.OP_WEIGHT_SYNC, payload, sub_job_id=source, sub_job_type="training")
 
     def _reset_prefix_cache(self, request: api.Request) -> Send | dict[str, Any]:
-        if (
-            self._job is None
-            or not self._job.sub_jobs.get("sampling")
-            or api.OP_RESET_PREFIX_CACHE not in self._service_ops
-        ):
+        if not self._ref.sub_jobs.get("sampling") or api.OP_RESET_PREFIX_CACHE not in self._info.ops:
             return {}
         payload = {"drain": True, "timeout_s": 60.0, "retry_interval_s": 0.1}
         return self._operation(api.OP_RESET_PREFIX_CACHE, payload, sub_job_type="sampling")
@@ -502,7 +485,8 @@ class RemoteTransport(Transport):
 
 async def _in_turn(send: Send, turn: Turn) -> Any:
     try:
-        await turn.wait()
+        if turn.before:
+            await asyncio.wait(turn.before)
         return await send(turn)
     finally:
         turn.release()
@@ -517,12 +501,8 @@ def _tensors_to_lists(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {k: _tensors_to_lists(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        if all(isinstance(v, int | float | str | bool | None) for v in value):
-            return value if isinstance(value, list) else list(value)  # JSON already: token ids, logprobs
         return [_tensors_to_lists(v) for v in value]
-    if hasattr(value, "tolist") and hasattr(value, "shape"):
-        return value.tolist()
-    return value
+    return value.tolist() if hasattr(value, "tolist") and hasattr(value, "shape") else value
 
 
 def _zero_logprobs(batch: Mapping[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,6 @@ from typing import Any
 
 import httpx
 
-from icefloe.client.remote.errors import Redactor
 from icefloe.client.remote.http import Endpoint, Http
 from icefloe.config import RemoteConfig
 
@@ -23,7 +22,7 @@ def canned(*bodies: Any, status: int = 200) -> Iterator[tuple[Http, list[httpx.R
         return httpx.Response(status, json=queue.pop(0))
 
     backend = RemoteConfig(base_url="http://svc")
-    http = Http(Endpoint.from_config(backend), backend, Redactor(), wrap=lambda inner: httpx.MockTransport(answer))
+    http = Http(Endpoint.from_config(backend), backend, wrap=lambda inner: httpx.MockTransport(answer))
     try:
         yield http, seen
     finally:

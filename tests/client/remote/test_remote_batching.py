@@ -7,7 +7,6 @@ import asyncio
 import httpx
 import pytest
 
-from icefloe.client.remote.errors import Redactor
 from icefloe.client.remote.http import Call, Endpoint, Http
 from icefloe.protocol import NotFoundError
 from icefloe.wire.batch import BATCH_PATH
@@ -36,7 +35,7 @@ class Counter(httpx.AsyncBaseTransport):
 
 def _http(service, counter: Counter, batch_bytes: int) -> Http:
     backend = service.config().backend
-    http = Http(Endpoint.from_config(backend), backend, Redactor(), wrap=counter.wrap)
+    http = Http(Endpoint.from_config(backend), backend, wrap=counter.wrap)
     http.batch_bytes = batch_bytes
     return http
 

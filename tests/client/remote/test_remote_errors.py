@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 
@@ -134,17 +133,9 @@ def test_error_from_response_marks_429_and_5xx_as_server_side():
     assert error_from_response(503, {}, what="x", request_id=None, redactor=Redactor()).category == "server"
 
 
-def test_redactor_scrubs_messages_and_http_logs(caplog):
+def test_redactor_scrubs_the_pat_from_error_messages():
     secret = "pat-SECRET-123"
-    redactor = Redactor([secret])
     error = error_from_response(
-        401, {"message": f"token {secret} rejected"}, what="x", request_id=None, redactor=redactor
+        401, {"message": f"token {secret} rejected"}, what="x", request_id=None, redactor=Redactor(secret)
     )
-    assert secret not in str(error)
-    redactor.install()
-    try:
-        with caplog.at_level(logging.DEBUG, logger="httpx"):
-            logging.getLogger("httpx").info("header Authorization: Bearer %s", secret)
-    finally:
-        redactor.uninstall()
-    assert secret not in caplog.text and "***" in caplog.text
+    assert secret not in str(error) and "***" in str(error)

@@ -90,7 +90,7 @@ def test_sub_jobs_of_reads_enum_names_and_fills_missing_ids():
             {"sub_job_id": "j:log_prob:0", "job_type": "log_prob"},
         ]
     }
-    found = sub_jobs_of("j", job, {"training": 1, "sampling": 1, "log_probability": 1})
+    found = sub_jobs_of("j", job, ClientConfig.build(num_log_prob_workers=1))
     assert found == {
         "training": ["j:training:0"],
         "log_probability": ["j:log_prob:0"],
@@ -140,7 +140,7 @@ def test_probe_service_reads_capabilities_or_assumes_the_managed_endpoint():
         return info
 
     managed = probe(404, {"code": "not_found", "message": "job capabilities not found"})
-    assert managed.managed and managed.ops == MANAGED_OPS and not managed.long_poll
+    assert managed.managed and managed.ops == MANAGED_OPS and "long_poll" not in managed.extensions
     assert "forward" not in managed.ops and "sleep-training" not in managed.ops
     served = probe(
         200,
@@ -150,5 +150,5 @@ def test_probe_service_reads_capabilities_or_assumes_the_managed_endpoint():
             "limits": {"max_post_bytes": 1000000, "max_long_poll_s": 60},
         },
     )
-    assert not served.managed and served.long_poll and served.idempotency_keys and served.sequenced_submit
+    assert not served.managed and {"long_poll", "idempotency_keys", "sequenced_submit"} <= served.extensions
     assert served.ops == {"forward-backward", "forward", "get-checkpoint"} and served.max_post_bytes == 1000000

@@ -14,7 +14,7 @@ from .canned import canned
 
 
 def test_backoff_grows_by_multiplier_and_caps():
-    intervals = Backoff(0.5, 1.25, 6.0).intervals()
+    intervals = Backoff(0.5, 1.25, 6.0).sleeps(time.monotonic() + 1000)
     got = [next(intervals) for _ in range(15)]
     assert got[:4] == pytest.approx([0.5, 0.625, 0.78125, 0.9765625])
     assert max(got) == 6.0 and got[-1] == 6.0
