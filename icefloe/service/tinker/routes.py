@@ -12,6 +12,7 @@ Forward-backward requests and forward-backward / sample results travel as protob
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -51,12 +52,14 @@ State = Annotated[TinkerState, Depends(_state)]
 
 # --- client and session ----------------------------------------------------------------------
 @router.post("/client/config")
-async def client_config() -> Response:
+async def client_config(state: State) -> Response:
     # Uncompressed protobuf bodies; chunks of one forward_backward sent at once (ordered here by seq_id).
     # The SDK asks this on a connection pool of its own that it never closes: closing the
     # connection from here keeps its socket from outliving the ServiceClient (a ResourceWarning).
     # An unpickled sampling client asks join_sampling_session for its clone number.
-    flags = {"proto_compress_fwdbwd": False, "parallel_fwdbwd_chunks": True, "sample_join_sampling_session": True}
+    # retrieve_futures is served but not advertised: it adds a request per step here (see state.py).
+    flags = {"proto_compress_fwdbwd": False, "parallel_fwdbwd_chunks": True, "sample_join_sampling_session": True,
+             "sample_use_retrieve_futures": state.advertise_retrieve_futures}  # fmt: skip
     return JSONResponse(flags, headers={"Connection": "close"})
 
 
@@ -402,8 +405,16 @@ async def _queue_sample(state: TinkerState, sampler: SamplingSession, body: dict
     def submit(gathered: list[tuple[list[int], EngineSamplingParams]]) -> str:
         return state.manager.submit(job, sub_job_id, OP_GENERATE, run_batch, batch_item=gathered)
 
+    last_n = body.get("prompt_logprobs_last_n")
+    if last_n is not None and not (params.prompt_logprobs and 1 <= int(last_n) < len(prompt)):
+        raise InvalidRequestError(
+            f"prompt_logprobs_last_n must be between 1 and {len(prompt) - 1} (the prompt's scored positions), "
+            f"with prompt_logprobs; got {last_n}"
+        )
+    render = functools.partial(convert.sample_response, last_n=None if last_n is None else int(last_n))
     request_id, part, parts = await state.gather(sampler, (prompt, params), submit)
-    future_id = state.future(job.job_id, convert.sample_response, request_id, part, parts)
+    future_id = state.future(job.job_id, render, request_id, part, parts)
+    sampler.track(body.get("seq_id"), future_id)
     return {"request_id": future_id, "sample_sequence_ids": [f"{future_id}:{i}" for i in range(params.n)]}
 
 
@@ -445,13 +456,34 @@ def _sampling_params(body: dict[str, Any]) -> EngineSamplingParams:
             fields["stop"] = tuple(stop)
         else:
             raise InvalidRequestError(f"sampling_params.stop must be strings or token ids, not a mix; got {stop!r}")
-    for name in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
-        if body.get(name):
-            raise InvalidRequestError(f"{name} is not served; leave it 0")
+    _refuse_unserved(body)
     try:
         return EngineSamplingParams(**fields)
     except ValueError as exc:
         raise InvalidRequestError(f"sampling_params: {exc}") from None
+
+
+def _refuse_unserved(body: dict[str, Any]) -> None:
+    """Refuse the sample request fields the sampler cannot honour, each naming what to do instead."""
+    if body.get("topk_sample_logprobs"):
+        raise InvalidRequestError(
+            f"topk_sample_logprobs={body['topk_sample_logprobs']} is not served "
+            "(top-k log-probs of sampled tokens); leave it 0, or score prompt + completion with "
+            "topk_prompt_logprobs and max_tokens=1"
+        )
+    if body.get("prompt_alt_tokens_k"):
+        raise InvalidRequestError(f"prompt_alt_tokens_k={body['prompt_alt_tokens_k']} is not served; leave it 0")
+    if body.get("target_prompt_logprobs") is not None:
+        raise InvalidRequestError(
+            "target_prompt_logprobs is not served; leave it unset, or read the tokens you need from "
+            "topk_prompt_logprobs"
+        )
+    if body.get("record_stability_info"):
+        raise InvalidRequestError(
+            "record_stability_info=true is not served: it only feeds the stable_reinforce loss, which is not "
+            "served either; sample with record_stability_info=False and train with importance_sampling, ppo, "
+            "cispo, dro or gspo"
+        )
 
 
 # --- RestClient: checkpoints of a run ------------------------------------------------------------
@@ -493,6 +525,21 @@ async def weights_info(body: dict[str, Any], state: State) -> dict[str, Any]:
 async def cancel_future(body: dict[str, Any], state: State) -> dict[str, Any]:
     state.cancel(str(body.get("request_id")))
     return {}
+
+
+@router.post("/retrieve_futures")
+async def retrieve_futures(body: dict[str, Any], state: State) -> dict[str, Any]:
+    """A sampling client's finished sample futures since ``prev_cursor`` (a long-poll); the client
+    then fetches each one's result with ``retrieve_future``, which answers at once."""
+    target = body.get("target") or {}
+    if target.get("type", "sampling_session") != "sampling_session":
+        raise InvalidRequestError(f"target.type {target.get('type')!r} is not served; poll a sampling_session")
+    sampler = _sampler(state, str(target.get("sampling_session_id")))
+    timeout = body.get("timeout")
+    wait_s = _POLL_S if timeout is None else max(0.0, min(float(timeout), _POLL_S))
+    clone, prev_cursor = int(target.get("cloned_sampler_id") or 0), int(body.get("prev_cursor") or 0)
+    completions, cursor = await state.completions(sampler, clone, prev_cursor, wait_s)
+    return {"completions": completions, "cursor": cursor}
 
 
 @router.post("/retrieve_future")

@@ -7,7 +7,9 @@ until the number before it was taken (accepted or refused: a refused number coun
 and a resent number gets the future it got the first time. A future is a request of the request
 table (or, for a model being created, the job reaching ``running``); ``retrieve_future`` long-polls
 it through the table's waiters. A sampling session samples with its model's sampling sub-job, or
-with a sampling job of its own (a base model, or weights saved earlier).
+with a sampling job of its own (a base model, or weights saved earlier). ``retrieve_futures``
+reports a sampling client's finished sample futures in one long-poll, in place of one
+``retrieve_future`` long-poll per sample.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +37,7 @@ _log = logging.getLogger("icefloe.service.tinker")
 _KINDS = ("weights", "sampler_weights")
 _COPY_PREFIX = "copy-"  # model ids never start so: they are <session>:train:<n>
 _FUTURES_KEPT = 100_000
+_CLONE_SEQ_BLOCK = 1_000_000_000  # a sampling client's seq_ids start at its clone number times this
 _START_POLL_S = 0.05  # how often a waiter looks at a starting job's state (no event exists for it)
 # The SDK sends a group's sample calls one by one (a few ms apart on a busy host): a call waits until
 # none has arrived for GATHER_QUIET_S (at most GATHER_MAX_S), so they reach the sampler as one batch.
@@ -101,6 +105,17 @@ class Model:
 
 
 @dataclass
+class Completions:
+    """One sampling client's sample futures for ``retrieve_futures``: those not reported yet, and
+    those reported but not yet acknowledged (numbered by cursor, so a lost answer is sent again)."""
+
+    pending: deque[str] = field(default_factory=lambda: deque(maxlen=_FUTURES_KEPT))
+    reported: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    cursor: int = 0
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)  # set when a future joins ``pending``
+
+
+@dataclass
 class SamplingSession:
     sampling_session_id: str
     session_id: str
@@ -110,6 +125,14 @@ class SamplingSession:
     taken: dict[int, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)  # seq_id -> its answer
     gathering: _Gathering | None = None  # the sample calls waiting to go out as one request
     clients: int = 1  # the original client is 0; each joined clone gets the next number
+    completions: dict[int, Completions] = field(default_factory=dict)  # clone number -> its futures
+
+    def track(self, seq_id: int | None, future_id: str) -> None:
+        """Note a queued sample future for ``retrieve_futures`` of the client that sent ``seq_id``."""
+        clone = (seq_id or 0) // _CLONE_SEQ_BLOCK
+        queue = self.completions.setdefault(clone, Completions())
+        queue.pending.append(future_id)
+        queue.arrived.set()
 
 
 @dataclass
@@ -128,6 +151,10 @@ class TinkerState:
         self.manager = manager
         self.gap_timeout_s = gap_timeout_s
         self.session_lease_s = session_lease_s  # the SDK heartbeats every 10 s
+        # Off: per sample, the SDK's retrieve_future long-poll answers when the sample is done. On,
+        # it long-polls retrieve_futures once per sampling client, then still fetches each result:
+        # one request more per batch of samples, and more CPU on both sides (python -m bench tinker).
+        self.advertise_retrieve_futures = False
         self.sessions: dict[str, str] = {}  # session id -> "active" | "finished"
         self.heartbeats: dict[str, float] = {}  # session id -> monotonic time of its last sign of life
         self._reaper: asyncio.Task[None] | None = None
@@ -302,6 +329,44 @@ class TinkerState:
             del self.cancelled_parts[future.request_id]
             with contextlib.suppress(NotFoundError):  # long finished and forgotten
                 self.manager.requests.cancel(future.job_id, future.request_id, why="cancelled by the caller")
+
+    async def completions(
+        self, sampler: SamplingSession, clone: int, prev_cursor: int, wait_s: float
+    ) -> tuple[list[dict[str, Any]], int]:
+        """The sample futures of a sampling client finished after ``prev_cursor``, and the new cursor;
+        waits up to ``wait_s`` for the first if none has finished yet (a long-poll)."""
+        queue = sampler.completions.setdefault(clone, Completions())
+        queue.reported = [(cursor, c) for cursor, c in queue.reported if cursor > prev_cursor]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            self._report_finished(queue)
+            remaining = deadline - loop.time()
+            if queue.reported or remaining <= 0:
+                return [c for _, c in queue.reported], queue.cursor
+            if queue.pending:  # futures finish in about the order they were queued
+                future = self.futures[queue.pending[0]]
+                assert future.request_id is not None
+                await self.manager.requests.wait(future.job_id, future.request_id, remaining)
+            else:
+                queue.arrived.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(queue.arrived.wait(), remaining)
+
+    def _report_finished(self, queue: Completions) -> None:
+        still: deque[str] = deque(maxlen=_FUTURES_KEPT)
+        for future_id in queue.pending:
+            future = self.futures.get(future_id)
+            if future is None or future.request_id is None:
+                continue  # forgotten long ago
+            if self.manager.requests.is_open(future.request_id):
+                still.append(future_id)
+                continue
+            row = self.manager.requests.get(future.job_id, future.request_id)
+            queue.cursor += 1
+            state = "finished" if row["status"] == "done" else "failed"
+            queue.reported.append((queue.cursor, {"state": state, "request_id": future_id}))
+        queue.pending = still
 
     async def gather(
         self, sampler: SamplingSession, item: Any, submit: Callable[[list[Any]], str]
