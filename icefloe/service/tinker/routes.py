@@ -33,7 +33,7 @@ from icefloe.protocol import SamplingParams as EngineSamplingParams
 from icefloe.service import store
 from icefloe.service.models import WeightSyncPayload
 from icefloe.service.operations import submit_weight_sync
-from icefloe.service.tinker.state import CheckpointPath, Model, SamplingSession, TinkerState, result_of
+from icefloe.service.tinker.state import CheckpointPath, Model, SamplingSession, TinkerState
 
 __all__ = ["router"]
 
@@ -564,8 +564,7 @@ async def retrieve_future(body: dict[str, Any], state: State) -> Response:
                 return JSONResponse(
                     {"error": row["error"] or row["status"], "category": "user" if running else "server"}
                 )
-            result = result_of(row)
-            answer = future.render(result if future.part is None else result[future.part])
+            answer = state.answer(future_id, future, row)
     except Exception as exc:  # the job failed to start, or the result could not be turned into an answer
         if isinstance(exc, InvalidRequestError):
             raise

@@ -89,6 +89,7 @@ class Future:
     request_id: str | None = None
     part: int | None = None
     parts: int = 1  # how many futures share the request
+    rendered: dict[str, Any] | bytes | None = None  # rendered with a sibling, until first read
 
 
 @dataclass
@@ -312,6 +313,22 @@ class TinkerState:
         while len(self.futures) > _FUTURES_KEPT:  # the oldest first: long retrieved by now
             del self.futures[next(iter(self.futures))]
         return future_id
+
+    def answer(self, future_id: str, future: Future, row: dict[str, Any]) -> dict[str, Any] | bytes:
+        """The answer of a future whose request finished (``row``). The first part of a gathered
+        request read renders every part, so its result is parsed once, not once per part; a part
+        read again (a resent poll) is rendered anew."""
+        if future.part is None:
+            return future.render(result_of(row))
+        if future.rendered is None:
+            prefix = future_id.rpartition(".")[0]
+            for part, result in enumerate(result_of(row)):
+                sibling = self.futures.get(f"{prefix}.{part}")
+                if sibling is not None:
+                    sibling.rendered = sibling.render(result)
+        answer, future.rendered = future.rendered, None
+        assert answer is not None
+        return answer
 
     def cancel(self, future_id: str) -> None:
         """Drop a future's request if it has not started, once every future sharing it was cancelled;
