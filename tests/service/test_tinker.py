@@ -28,6 +28,9 @@ def model(tmp_path_factory) -> str:
     """The exported tiny:chat folder, which the SDK and the service both load offline."""
     folder = str(tmp_path_factory.mktemp("models") / "tiny-chat")
     assert CliRunner().invoke(app, ["models", "export", "tiny:chat", folder]).exit_code == 0
+    from icefloe.engines.models import load_tokenizer
+
+    load_tokenizer(folder)  # imports transformers now: a test's SDK and its server importing it at once can fail
     return folder
 
 

@@ -384,15 +384,21 @@ async def _queue_sample(state: TinkerState, sampler: SamplingSession, body: dict
     if len(prompt) >= limit:
         raise InvalidRequestError(f"prompt has {len(prompt)} tokens; the sampler takes fewer than {limit}")
 
-    def run_batch(calls: list[list[tuple[list[int], EngineSamplingParams]]]) -> list[list[dict[str, Any]]]:
+    Call = tuple[list[int], EngineSamplingParams] | None  # None: cancelled before it was sent
+
+    def run_batch(calls: list[list[Call]]) -> list[list[dict[str, Any] | None]]:
         """One generate for the gathered calls of every request batched here; per request, per call."""
-        items = [item for gathered in calls for item in gathered]
+        items = [item for gathered in calls for item in gathered if item is not None]
         samples = host.generate(sub_job_id, [p for p, _ in items], [q for _, q in items])
-        results: list[list[dict[str, Any]]] = []
+        results: list[list[dict[str, Any] | None]] = []
         cursor = 0
         for gathered in calls:
             results.append([])
-            for _, item_params in gathered:
+            for item in gathered:
+                if item is None:
+                    results[-1].append(None)
+                    continue
+                item_params = item[1]
                 mine = samples[cursor : cursor + item_params.n]
                 cursor += item_params.n
                 first = mine[0]
@@ -402,7 +408,7 @@ async def _queue_sample(state: TinkerState, sampler: SamplingSession, body: dict
 
     from icefloe.service.tinker import convert
 
-    def submit(gathered: list[tuple[list[int], EngineSamplingParams]]) -> str:
+    def submit(gathered: list[Call]) -> str:
         return state.manager.submit(job, sub_job_id, OP_GENERATE, run_batch, batch_item=gathered)
 
     last_n = body.get("prompt_logprobs_last_n")
@@ -412,8 +418,7 @@ async def _queue_sample(state: TinkerState, sampler: SamplingSession, body: dict
             f"with prompt_logprobs; got {last_n}"
         )
     render = functools.partial(convert.sample_response, last_n=None if last_n is None else int(last_n))
-    request_id, part, parts = await state.gather(sampler, (prompt, params), submit)
-    future_id = state.future(job.job_id, render, request_id, part, parts)
+    future_id = state.future(job.job_id, render, gathered=state.gather(sampler, (prompt, params), submit))
     sampler.track(body.get("seq_id"), future_id)
     return {"request_id": future_id, "sample_sequence_ids": [f"{future_id}:{i}" for i in range(params.n)]}
 
@@ -523,7 +528,7 @@ async def weights_info(body: dict[str, Any], state: State) -> dict[str, Any]:
 # --- futures ---------------------------------------------------------------------------------
 @router.post("/cancel_future")
 async def cancel_future(body: dict[str, Any], state: State) -> dict[str, Any]:
-    state.cancel(str(body.get("request_id")))
+    await state.cancel(str(body.get("request_id")))
     return {}
 
 
@@ -549,13 +554,16 @@ async def retrieve_future(body: dict[str, Any], state: State) -> Response:
     if future is None:
         raise NotFoundError(f"future {future_id} not found")
     try:
-        if future.request_id is None:
+        if future.request_id is None and future.gathering is None:
             job = await state.running(future.job_id, _POLL_S)
             if job is None:
                 return JSONResponse({"type": "try_again", "request_id": future_id, "queue_state": "active"})
             answer = future.render(None)
         else:
-            row = await state.manager.requests.wait(future.job_id, future.request_id, _POLL_S)
+            request_id = await state.request_of(future, _POLL_S)
+            if request_id is None:
+                return JSONResponse({"type": "try_again", "request_id": future_id, "queue_state": "active"})
+            row = await state.manager.requests.wait(future.job_id, request_id, _POLL_S)
             if row["status"] in ("pending", "running"):
                 return JSONResponse({"type": "try_again", "request_id": future_id, "queue_state": "active"})
             if row["status"] != "done":

@@ -80,8 +80,9 @@ class Future:
 
     ``request_id`` set: a request of the job's table, its stored result passed through ``render``
     (a JSON dict, or protobuf bytes); with ``part``, the result is a list and this future renders
-    its ``part``-th entry (sample calls gathered into one request). Unset: the job itself,
-    ``render(None)`` once it runs.
+    its ``part``-th entry (sample calls gathered into one request). A gathered call's future exists
+    before its request does: its ``gathering`` gives the request id and the number of calls sharing
+    it once sent. Neither set: the job itself, ``render(None)`` once it runs.
     """
 
     job_id: str
@@ -90,6 +91,7 @@ class Future:
     part: int | None = None
     parts: int = 1  # how many futures share the request
     rendered: dict[str, Any] | bytes | None = None  # rendered with a sibling, until first read
+    gathering: _Gathering | None = None
 
 
 @dataclass
@@ -138,11 +140,13 @@ class SamplingSession:
 
 @dataclass
 class _Gathering:
+    gathering_id: str  # its calls' futures are <gathering_id>.<index>
     items: list[Any]
-    submitted: asyncio.Future[str]  # the request id the items went out under
+    submitted: asyncio.Future[tuple[str, int]]  # the request id the items went out under, and their count
     quiet_until: float
     deadline: float
     sender: asyncio.Task[None] | None = None
+    cancelled: set[int] = field(default_factory=set)  # items cancelled before it was sent
 
 
 class TinkerState:
@@ -303,13 +307,18 @@ class TinkerState:
         job_id: str,
         render: Callable[[Any], Any],
         request_id: str | None = None,
-        part: int | None = None,
-        parts: int = 1,
+        *,
+        gathered: tuple[_Gathering, int] | None = None,
     ) -> str:
-        future_id = request_id or f"{job_id}:start:{uuid.uuid4().hex}"
-        if part is not None:
-            future_id = f"{future_id}.{part}"
-        self.futures[future_id] = Future(job_id, render, request_id, part, parts)
+        """A future for ``request_id``, for the job start (neither given), or for a call of a
+        gathering (``gathered``: what :meth:`gather` returned)."""
+        if gathered is not None:
+            gathering, part = gathered
+            future_id = f"{gathering.gathering_id}.{part}"
+            self.futures[future_id] = Future(job_id, render, part=part, gathering=gathering)
+        else:
+            future_id = request_id or f"{job_id}:start:{uuid.uuid4().hex}"
+            self.futures[future_id] = Future(job_id, render, request_id)
         while len(self.futures) > _FUTURES_KEPT:  # the oldest first: long retrieved by now
             del self.futures[next(iter(self.futures))]
         return future_id
@@ -324,20 +333,42 @@ class TinkerState:
             prefix = future_id.rpartition(".")[0]
             for part, result in enumerate(result_of(row)):
                 sibling = self.futures.get(f"{prefix}.{part}")
-                if sibling is not None:
+                if sibling is not None and result is not None:  # None: cancelled before it was sent
                     sibling.rendered = sibling.render(result)
         answer, future.rendered = future.rendered, None
-        assert answer is not None
-        return answer
+        return (
+            answer
+            if answer is not None
+            else {"error": "cancelled by the caller before it was sent", "category": "user"}
+        )
 
-    def cancel(self, future_id: str) -> None:
+    async def request_of(self, future: Future, timeout_s: float) -> str | None:
+        """The request a future reads; for a gathered call, once its gathering is sent (None if it
+        is still gathering after ``timeout_s``). Raises the refusal of a refused gathering."""
+        if future.request_id is None and future.gathering is not None:
+            submitted = future.gathering.submitted
+            await asyncio.wait([submitted], timeout=timeout_s)
+            if submitted.done():
+                future.request_id, future.parts = submitted.result()
+        return future.request_id
+
+    async def cancel(self, future_id: str) -> None:
         """Drop a future's request if it has not started, once every future sharing it was cancelled;
         a request that runs or ran is left as it is."""
         future = self.futures.get(future_id)
         if future is None:
             raise NotFoundError(f"future {future_id} not found")
-        if future.request_id is None:
+        if future.gathering is None and future.request_id is None:
             return  # a model being created: its session's end cancels it
+        if future.gathering is not None and not future.gathering.submitted.done():
+            future.gathering.cancelled.add(future.part or 0)  # left out when the gathering is sent
+            return
+        try:
+            await self.request_of(future, 60.0)  # a gathering is sent within GATHER_MAX_S
+        except Exception:  # a refused gathering: nothing was queued
+            return
+        if future.request_id is None:
+            return
         cancelled = self.cancelled_parts.setdefault(future.request_id, set())
         cancelled.add(future.part or 0)
         while len(self.cancelled_parts) > _FUTURES_KEPT:
@@ -363,8 +394,9 @@ class TinkerState:
                 return [c for _, c in queue.reported], queue.cursor
             if queue.pending:  # futures finish in about the order they were queued
                 future = self.futures[queue.pending[0]]
-                assert future.request_id is not None
-                await self.manager.requests.wait(future.job_id, future.request_id, remaining)
+                with contextlib.suppress(Exception):  # a refused gathering: reported failed above
+                    if (request_id := await self.request_of(future, remaining)) is not None:
+                        await self.manager.requests.wait(future.job_id, request_id, deadline - loop.time())
             else:
                 queue.arrived.clear()
                 with contextlib.suppress(TimeoutError):
@@ -374,38 +406,51 @@ class TinkerState:
         still: deque[str] = deque(maxlen=_FUTURES_KEPT)
         for future_id in queue.pending:
             future = self.futures.get(future_id)
-            if future is None or future.request_id is None:
+            if future is None:
                 continue  # forgotten long ago
-            if self.manager.requests.is_open(future.request_id):
+            outcome = self._outcome(future)
+            if outcome is None:
                 still.append(future_id)
-                continue
-            row = self.manager.requests.get(future.job_id, future.request_id)
-            queue.cursor += 1
-            state = "finished" if row["status"] == "done" else "failed"
-            queue.reported.append((queue.cursor, {"state": state, "request_id": future_id}))
+            else:
+                queue.cursor += 1
+                queue.reported.append((queue.cursor, {"state": outcome, "request_id": future_id}))
         queue.pending = still
 
-    async def gather(
-        self, sampler: SamplingSession, item: Any, submit: Callable[[list[Any]], str]
-    ) -> tuple[str, int, int]:
-        """Queue ``item`` with the sampler's other sample calls arriving now.
+    def _outcome(self, future: Future) -> str | None:
+        """``finished`` or ``failed`` once a future's request ended (a refused gathering: failed)."""
+        if future.request_id is None:
+            assert future.gathering is not None  # a sample future
+            if not future.gathering.submitted.done():
+                return None  # still gathering
+            if future.gathering.submitted.exception() is not None:
+                return "failed"
+            future.request_id, future.parts = future.gathering.submitted.result()
+        if self.manager.requests.is_open(future.request_id):
+            return None
+        row = self.manager.requests.get(future.job_id, future.request_id)
+        return "finished" if row["status"] == "done" else "failed"
 
-        Returns the request id, the item's index in it and how many items it holds.
-        The first call of a gathering waits for the calls behind it, then ``submit(items)`` sends
-        them all as one request (which still batches with other sessions' requests on the sampler).
+    def gather(self, sampler: SamplingSession, item: Any, submit: Callable[[list[Any]], str]) -> tuple[_Gathering, int]:
+        """Add ``item`` to the sampler's gathering of the sample calls arriving now.
+
+        Returns the gathering and the item's index in it. Once no call has arrived for
+        ``GATHER_QUIET_S`` (at most ``GATHER_MAX_S`` after the first), ``submit(items)`` sends them
+        as one request (which still batches with other sessions' requests on the sampler), an item
+        cancelled meanwhile as None, and ``submitted`` gets the request id and the number of items
+        sent. The caller answers at once with a future id, so the client's polls overlap the
+        gathering instead of following it.
         """
         loop = asyncio.get_running_loop()
         now = loop.time()
         gathering = sampler.gathering
         if gathering is None:
-            gathering = _Gathering([], loop.create_future(), now + GATHER_QUIET_S, now + GATHER_MAX_S)
+            gathering = _Gathering(uuid.uuid4().hex, [], loop.create_future(), now + GATHER_QUIET_S, now + GATHER_MAX_S)
             sampler.gathering = gathering
             gathering.sender = loop.create_task(self._send_gathered(sampler, gathering, submit))
         part = len(gathering.items)
         gathering.items.append(item)
         gathering.quiet_until = now + GATHER_QUIET_S
-        request_id = await asyncio.shield(gathering.submitted)
-        return request_id, part, len(gathering.items)
+        return gathering, part
 
     async def _send_gathered(
         self, sampler: SamplingSession, gathering: _Gathering, submit: Callable[[list[Any]], str]
@@ -414,10 +459,15 @@ class TinkerState:
         while (wait := min(gathering.quiet_until, gathering.deadline) - loop.time()) > 0:
             await asyncio.sleep(wait)
         sampler.gathering = None
+        items = [None if part in gathering.cancelled else item for part, item in enumerate(gathering.items)]
         try:
-            gathering.submitted.set_result(submit(gathering.items))
-        except Exception as exc:  # every call of the gathering gets the refusal
+            if len(gathering.cancelled) == len(items):
+                raise ConflictError("cancelled by the caller before it was sent")
+            sent = len(items) - len(gathering.cancelled)
+            gathering.submitted.set_result((submit(items), sent))
+        except Exception as exc:  # every call of the gathering gets the refusal, through its future
             gathering.submitted.set_exception(exc)
+            gathering.submitted.exception()  # read here, so no poll is needed to consume it
 
     # --- checkpoints --------------------------------------------------------------------------
     def checkpoint_job(self, path: CheckpointPath) -> str:
