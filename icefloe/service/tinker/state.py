@@ -336,11 +336,9 @@ class TinkerState:
                 if sibling is not None and result is not None:  # None: cancelled before it was sent
                     sibling.rendered = sibling.render(result)
         answer, future.rendered = future.rendered, None
-        return (
-            answer
-            if answer is not None
-            else {"error": "cancelled by the caller before it was sent", "category": "user"}
-        )
+        if answer is None:  # a part cancelled before its gathering was sent
+            return {"error": "cancelled by the caller before it was sent", "category": "user"}
+        return answer
 
     async def request_of(self, future: Future, timeout_s: float) -> str | None:
         """The request a future reads; for a gathered call, once its gathering is sent (None if it
