@@ -458,6 +458,7 @@ class TinkerState:
             await asyncio.sleep(wait)
         sampler.gathering = None
         items = [None if part in gathering.cancelled else item for part, item in enumerate(gathering.items)]
+        gathering.items = []  # the request holds them now; the calls' futures keep only the gathering
         try:
             if len(gathering.cancelled) == len(items):
                 raise ConflictError("cancelled by the caller before it was sent")
