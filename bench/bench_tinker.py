@@ -9,7 +9,7 @@ futures, ``forward_backward`` and ``optim_step`` submitted back to back; icefloe
 ``--steps`` times, the side that goes first alternating, after ``--warmup`` rounds that are not
 counted; ``ratio`` = median SDK step ÷ median icefloe step.
 
-    python -m bench tinker [--steps 20] [--warmup 2] [--prompts 8] [--group 4] [--max-tokens 16]
+    python -m bench tinker [--steps 30] [--warmup 2] [--prompts 8] [--group 4] [--max-tokens 16]
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class _IcefloeSide:
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench tinker", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=4)

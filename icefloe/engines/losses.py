@@ -340,6 +340,11 @@ def _clipped_ratio(
     )
 
 
+def _tinker_aggregate(per_token_BS: Tensor, context: Mapping[str, Tensor], config: Mapping[str, Any]) -> Tensor:
+    """The Tinker losses' normaliser: :func:`aggregate` with ``loss_agg_mode`` default token-sum."""
+    return aggregate(per_token_BS, context["loss_mask"], _option(config, "loss_agg_mode", "token-sum"), config)
+
+
 @register_loss("ppo", requires=("advantages", "old_logprobs"))
 def ppo_loss(
     logprobs_BS: Tensor, *, context: Mapping[str, Tensor], config: Mapping[str, Any], entropy_BS: Tensor | None
@@ -349,12 +354,12 @@ def ppo_loss(
     ``clip_low_threshold`` / ``clip_high_threshold`` default to 0.8 / 1.2. Normaliser: see
     :func:`aggregate` (``loss_agg_mode``, default token-sum).
     """
-    mask_BS, advantages_BS = context["loss_mask"], context["advantages"]
+    advantages_BS = context["advantages"]
     ratio_BS, low, high = _clipped_ratio(logprobs_BS, context, config, "ppo")
-    surrogate_BS = -torch.minimum(ratio_BS * advantages_BS, ratio_BS.clamp(low, high) * advantages_BS)
-    loss = aggregate(surrogate_BS, mask_BS, _option(config, "loss_agg_mode", "token-sum"), config)
+    loss = _tinker_aggregate(-torch.minimum(ratio_BS * advantages_BS, ratio_BS.clamp(low, high) * advantages_BS),
+                             context, config)  # fmt: skip
     clipped_BS = ((ratio_BS < low) | (ratio_BS > high)).float()
-    return loss, {"loss": loss.detach(), "clip_ratio": _masked_mean(clipped_BS, mask_BS)}
+    return loss, {"loss": loss.detach(), "clip_ratio": _masked_mean(clipped_BS, context["loss_mask"])}
 
 
 @register_loss("cispo", requires=("advantages", "old_logprobs"))
@@ -366,12 +371,9 @@ def cispo_loss(
     ``clip_low_threshold`` / ``clip_high_threshold`` default to 0.8 / 1.2. Normaliser: see
     :func:`aggregate` (``loss_agg_mode``, default token-sum).
     """
-    mask_BS, advantages_BS = context["loss_mask"], context["advantages"]
     ratio_BS, low, high = _clipped_ratio(logprobs_BS, context, config, "cispo")
     weight_BS = ratio_BS.clamp(low, high).detach()
-    loss = aggregate(
-        -weight_BS * advantages_BS * logprobs_BS, mask_BS, _option(config, "loss_agg_mode", "token-sum"), config
-    )
+    loss = _tinker_aggregate(-weight_BS * context["advantages"] * logprobs_BS, context, config)
     return loss, {"loss": loss.detach()}
 
 
@@ -383,12 +385,11 @@ def dro_loss(
 
     ``beta`` defaults to 0.05. Normaliser: see :func:`aggregate` (``loss_agg_mode``, default token-sum).
     """
-    mask_BS, advantages_BS = context["loss_mask"], context["advantages"]
     old_BS = _context(context, "old_logprobs", "old_log_probs_shifted")
     assert old_BS is not None  # required above
     beta = float(_option(config, "beta", 0.05))
-    per_token_BS = -(advantages_BS * logprobs_BS - 0.5 * beta * (logprobs_BS - old_BS).square())
-    loss = aggregate(per_token_BS, mask_BS, _option(config, "loss_agg_mode", "token-sum"), config)
+    per_token_BS = -(context["advantages"] * logprobs_BS - 0.5 * beta * (logprobs_BS - old_BS).square())
+    loss = _tinker_aggregate(per_token_BS, context, config)
     return loss, {"loss": loss.detach()}
 
 
@@ -419,6 +420,6 @@ def gspo_loss(
     low = float(_option(config, "clip_low_threshold", 1.0 - 3e-4))
     high = float(_option(config, "clip_high_threshold", 1.0 + 4e-4))
     surrogate_BS = -torch.minimum(ratio_BS * advantages_BS, ratio_BS.clamp(low, high) * advantages_BS)
-    loss = aggregate(surrogate_BS, mask_BS, _option(config, "loss_agg_mode", "token-sum"), config)
+    loss = _tinker_aggregate(surrogate_BS, context, config)
     clipped_B = ((sequence_ratio_B < low) | (sequence_ratio_B > high)).float()
     return loss, {"loss": loss.detach(), "clip_ratio": clipped_B.mean()}

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +28,9 @@ def model(tmp_path_factory) -> str:
     """The exported tiny:chat folder, which the SDK and the service both load offline."""
     folder = str(tmp_path_factory.mktemp("models") / "tiny-chat")
     assert CliRunner().invoke(app, ["models", "export", "tiny:chat", folder]).exit_code == 0
+    from icefloe.engines.models import load_tokenizer
+
+    load_tokenizer(folder)  # imports transformers now: a test's SDK and its server importing it at once can fail
     return folder
 
 
@@ -432,4 +438,99 @@ def test_a_resent_seq_id_gets_its_first_future_and_a_later_one_waits_its_turn(ba
             assert http.post("/forward_backward", content=body, headers=headers).json() == first  # a resend
             step = http.post("/retrieve_future", json={"request_id": second.result()["request_id"]}).json()
         assert step["metrics"]["grad_norm:mean"] > 0  # the step saw the forward_backward's gradients
+        http.post(f"/sessions/{session_id}/finish", json={"reason": {"type": "success"}})
+
+
+def test_samples_complete_through_retrieve_futures_when_the_service_advertises_it(tmp_path, model):
+    import httpx
+
+    service_app = make_app(tmp_path / "serve", engines="local", tokens=[API_KEY], model_root=Path(model).parent)
+    service_app.state.tinker.advertise_retrieve_futures = True
+    with ServerThread(service_app) as url, tinker.ServiceClient(base_url=url, api_key=API_KEY) as service:
+        sampler = service.create_sampling_client(base_model=model).result()
+        prompt = types.ModelInput.from_ints([5, 6, 7])
+        futures = [sampler.sample(prompt, n, types.SamplingParams(max_tokens=n + 1, stop=[])) for n in (1, 2, 3)]
+        shapes = [[len(seq.tokens) for seq in future.result().sequences] for future in futures]
+        assert shapes == [[2], [3, 3], [4, 4, 4]]
+        handle = json.loads(base64.urlsafe_b64decode(sampler.get_sampler_handle()))  # names the sampling session
+        poll = {"target": {"sampling_session_id": handle["sampling_session_id"]}, "prev_cursor": 0, "timeout": 0}
+        with httpx.Client(base_url=f"{url}/api/v1", headers={"X-API-Key": API_KEY}) as http:
+            deadline = time.monotonic() + 30
+            while (answer := http.post("/retrieve_futures", json=poll).json())["completions"]:
+                assert time.monotonic() < deadline, f"the SDK never acknowledged its completions: {answer}"
+        assert answer["cursor"] == 3  # the SDK read all three through retrieve_futures and acknowledged them
+
+
+def test_stable_reinforce_and_unserved_sample_fields_are_refused_by_name(service, model):
+    training = service.create_lora_training_client(base_model=model, rank=4).result()
+    tokenizer = training.get_tokenizer()
+    datum = _policy_data(tokenizer, "stable?", [-1.0] * 6, 1.0)
+    with pytest.raises(tinker.BadRequestError, match=r"'stable_reinforce' is not served.*'importance_sampling'"):
+        training.forward_backward([datum], "stable_reinforce").result()
+    sampler = service.create_sampling_client(base_model=model).result()
+    prompt = types.ModelInput.from_ints(tokenizer.encode("refused"))
+    with pytest.raises(tinker.BadRequestError, match="topk_sample_logprobs=2 is not served"):
+        sampler.sample(prompt, 1, types.SamplingParams(max_tokens=2), topk_sample_logprobs=2).result()
+    recording = service.create_sampling_client(base_model=model, record_stability_info=True).result()
+    with pytest.raises(tinker.BadRequestError, match="record_stability_info=true is not served"):
+        recording.sample(prompt, 1, types.SamplingParams(max_tokens=2)).result()
+
+
+def test_prompt_logprobs_last_n_scores_only_the_prompts_tail(service, model):
+    sampler = service.create_sampling_client(base_model=model).result()
+    prompt = types.ModelInput.from_ints(sampler.get_tokenizer().encode("only the tail"))
+    params = types.SamplingParams(max_tokens=1)
+    full = sampler.sample(prompt, 1, params, include_prompt_logprobs=True).result().prompt_logprobs
+    tail = sampler.sample(prompt, 1, params, include_prompt_logprobs=True, prompt_logprobs_last_n=3).result()
+    assert tail.prompt_logprobs[:-3] == [None] * (len(full) - 3)
+    assert tail.prompt_logprobs[-3:] == pytest.approx(full[-3:], abs=1e-5)
+
+
+def test_a_loss_made_with_create_custom_loss_runs_client_side(service, model):
+    training = service.create_lora_training_client(base_model=model, rank=4).result()
+    datum = _sft_datum(training.get_tokenizer(), "traced loss\n")
+
+    def weighted_nll(logprobs, weights):
+        loss = -(logprobs * weights).sum()
+        return loss, {"custom/weighted_nll:sum": loss}
+
+    handle = service.create_custom_loss(weighted_nll, {"logprobs": 1, "weights": 1}).result()
+    assert handle.loss_id is None  # client/config leaves custom_loss_server_side off
+    custom = training.forward_backward_custom([datum], handle).result()
+    builtin = training.forward([datum], "cross_entropy").result()
+    assert custom.metrics["loss:sum"] == pytest.approx(builtin.metrics["loss:sum"], rel=1e-5)
+    assert custom.metrics["custom/weighted_nll:sum"] == pytest.approx(builtin.metrics["loss:sum"], rel=1e-5)
+
+
+def test_a_call_cancelled_while_it_gathers_is_left_out_of_its_request(base_url, model, monkeypatch):
+    import httpx
+
+    from icefloe.service.tinker import state as tinker_state
+
+    monkeypatch.setattr(tinker_state, "GATHER_QUIET_S", 2.0)  # both calls surely gather, and the cancel lands first
+    monkeypatch.setattr(tinker_state, "GATHER_MAX_S", 2.0)
+    with httpx.Client(base_url=f"{base_url}/api/v1", headers={"X-API-Key": API_KEY}, timeout=60) as http:
+        session_id = http.post("/create_session", json={}).json()["session_id"]
+        body = {"session_id": session_id, "sampling_session_seq_id": 0, "base_model": model}
+        sampling_session_id = http.post("/create_sampling_session", json=body).json()["sampling_session_id"]
+        calls = [
+            http.post("/asample", json={
+                "sampling_session_id": sampling_session_id, "seq_id": seq_id, "num_samples": 1,
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]},
+                "sampling_params": {"max_tokens": 3, "stop": []},
+            }).json()["request_id"]
+            for seq_id in (1, 2)
+        ]  # fmt: skip
+        assert http.post("/cancel_future", json={"request_id": calls[1]}).status_code == 200
+
+        def outcome(future_id: str) -> httpx.Response:
+            while (answer := http.post("/retrieve_future", json={"request_id": future_id})).headers[
+                "content-type"
+            ].startswith("application/json") and answer.json().get("type") == "try_again":
+                pass
+            return answer
+
+        kept, dropped = outcome(calls[0]), outcome(calls[1])
+        assert kept.headers["content-type"] == "application/x-protobuf"  # a SampleResponse
+        assert dropped.json() == {"error": "cancelled by the caller before it was sent", "category": "user"}
         http.post(f"/sessions/{session_id}/finish", json={"reason": {"type": "success"}})

@@ -24,6 +24,13 @@ _CONTEXT_NAMES = {"target_tokens": "target_tokens", "weights": "weights", "advan
                   "logprobs": "old_logprobs", "sequence_ratio_mask": "sequence_ratio_mask"}  # fmt: skip
 _EMPTY_LOGPROB = -99999.0  # the SDK's mark of an empty top-k cell (tinker.types.topk_logprobs.MASK_LOGPROB)
 _TINKER_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
+# Losses the SDK names whose objective Tinker has not published, so they cannot be reproduced here.
+_UNPUBLISHED = {
+    "stable_reinforce": (
+        " (its objective reads stability information that Tinker's sampler records with "
+        "record_stability_info, and neither is published)"
+    ),
+}
 
 
 def _array(tensor: pb.Tensor, where: str) -> np.ndarray:
@@ -62,7 +69,11 @@ def batch_from_request(request: pb.ForwardBackwardRequest, *, pad_id: int) -> tu
 
     loss_fn = request.loss_fn
     if loss_fn not in _TINKER_LOSSES:
-        raise InvalidRequestError(f"loss_fn {loss_fn!r} is not served; use one of {list(_TINKER_LOSSES)}")
+        why = _UNPUBLISHED.get(loss_fn, "")
+        raise InvalidRequestError(
+            f"loss_fn {loss_fn!r} is not served{why}; use one of {list(_TINKER_LOSSES)}, or a custom loss "
+            "through forward_backward_custom (it runs client-side)"
+        )
     if not request.data:
         raise InvalidRequestError("data is empty; send at least one datum")
     config: dict[str, Any] = {name: value for name, value in request.loss_fn_config.items()}
@@ -135,8 +146,9 @@ def forward_backward_output(result: dict[str, Any]) -> bytes:
     return message.SerializeToString()
 
 
-def sample_response(result: dict[str, Any]) -> bytes:
-    """A stored sample result (``samples`` of one prompt, ``prompt_logprobs``) as protobuf."""
+def sample_response(result: dict[str, Any], *, last_n: int | None = None) -> bytes:
+    """A stored sample result (``samples`` of one prompt, ``prompt_logprobs``) as protobuf; with
+    ``last_n``, only the last ``last_n`` prompt positions keep their log-probs."""
     message = pb.SampleResponse()
     for sample in result["samples"]:
         message.sequences.append(
@@ -146,11 +158,13 @@ def sample_response(result: dict[str, Any]) -> bytes:
                 logprobs=np.asarray(sample.get("logprobs", []), dtype=np.float32).tobytes(),
             )
         )
-    prompt_logprobs = result.get("prompt_logprobs")
+    prompt_logprobs, topk = result.get("prompt_logprobs"), result.get("topk_prompt_logprobs")
     if prompt_logprobs is not None:
-        values = [math.nan if v is None else v for v in prompt_logprobs]
+        skipped = len(prompt_logprobs) - last_n if last_n is not None else 0
+        values = [math.nan if v is None or i < skipped else v for i, v in enumerate(prompt_logprobs)]
         message.prompt_logprobs = np.asarray(values, dtype=np.float32).tobytes()
-    topk = result.get("topk_prompt_logprobs")
+        if topk:
+            topk = [None if i < skipped else pairs for i, pairs in enumerate(topk)]
     if topk:
         message.topk_prompt_logprobs.CopyFrom(_topk(topk))
     return message.SerializeToString()

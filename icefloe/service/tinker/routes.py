@@ -12,6 +12,7 @@ Forward-backward requests and forward-backward / sample results travel as protob
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -32,7 +33,7 @@ from icefloe.protocol import SamplingParams as EngineSamplingParams
 from icefloe.service import store
 from icefloe.service.models import WeightSyncPayload
 from icefloe.service.operations import submit_weight_sync
-from icefloe.service.tinker.state import CheckpointPath, Model, SamplingSession, TinkerState, result_of
+from icefloe.service.tinker.state import CheckpointPath, Model, SamplingSession, TinkerState
 
 __all__ = ["router"]
 
@@ -51,12 +52,14 @@ State = Annotated[TinkerState, Depends(_state)]
 
 # --- client and session ----------------------------------------------------------------------
 @router.post("/client/config")
-async def client_config() -> Response:
+async def client_config(state: State) -> Response:
     # Uncompressed protobuf bodies; chunks of one forward_backward sent at once (ordered here by seq_id).
     # The SDK asks this on a connection pool of its own that it never closes: closing the
     # connection from here keeps its socket from outliving the ServiceClient (a ResourceWarning).
     # An unpickled sampling client asks join_sampling_session for its clone number.
-    flags = {"proto_compress_fwdbwd": False, "parallel_fwdbwd_chunks": True, "sample_join_sampling_session": True}
+    # retrieve_futures is served but not advertised: it adds a request per step here (see state.py).
+    flags = {"proto_compress_fwdbwd": False, "parallel_fwdbwd_chunks": True, "sample_join_sampling_session": True,
+             "sample_use_retrieve_futures": state.advertise_retrieve_futures}  # fmt: skip
     return JSONResponse(flags, headers={"Connection": "close"})
 
 
@@ -381,15 +384,21 @@ async def _queue_sample(state: TinkerState, sampler: SamplingSession, body: dict
     if len(prompt) >= limit:
         raise InvalidRequestError(f"prompt has {len(prompt)} tokens; the sampler takes fewer than {limit}")
 
-    def run_batch(calls: list[list[tuple[list[int], EngineSamplingParams]]]) -> list[list[dict[str, Any]]]:
+    Call = tuple[list[int], EngineSamplingParams] | None  # None: cancelled before it was sent
+
+    def run_batch(calls: list[list[Call]]) -> list[list[dict[str, Any] | None]]:
         """One generate for the gathered calls of every request batched here; per request, per call."""
-        items = [item for gathered in calls for item in gathered]
+        items = [item for gathered in calls for item in gathered if item is not None]
         samples = host.generate(sub_job_id, [p for p, _ in items], [q for _, q in items])
-        results: list[list[dict[str, Any]]] = []
+        results: list[list[dict[str, Any] | None]] = []
         cursor = 0
         for gathered in calls:
             results.append([])
-            for _, item_params in gathered:
+            for item in gathered:
+                if item is None:
+                    results[-1].append(None)
+                    continue
+                item_params = item[1]
                 mine = samples[cursor : cursor + item_params.n]
                 cursor += item_params.n
                 first = mine[0]
@@ -399,11 +408,18 @@ async def _queue_sample(state: TinkerState, sampler: SamplingSession, body: dict
 
     from icefloe.service.tinker import convert
 
-    def submit(gathered: list[tuple[list[int], EngineSamplingParams]]) -> str:
+    def submit(gathered: list[Call]) -> str:
         return state.manager.submit(job, sub_job_id, OP_GENERATE, run_batch, batch_item=gathered)
 
-    request_id, part, parts = await state.gather(sampler, (prompt, params), submit)
-    future_id = state.future(job.job_id, convert.sample_response, request_id, part, parts)
+    last_n = body.get("prompt_logprobs_last_n")
+    if last_n is not None and not (params.prompt_logprobs and 1 <= int(last_n) < len(prompt)):
+        raise InvalidRequestError(
+            f"prompt_logprobs_last_n must be between 1 and {len(prompt) - 1} (the prompt's scored positions), "
+            f"with prompt_logprobs; got {last_n}"
+        )
+    render = functools.partial(convert.sample_response, last_n=None if last_n is None else int(last_n))
+    future_id = state.future(job.job_id, render, gathered=state.gather(sampler, (prompt, params), submit))
+    sampler.track(body.get("seq_id"), future_id)
     return {"request_id": future_id, "sample_sequence_ids": [f"{future_id}:{i}" for i in range(params.n)]}
 
 
@@ -445,13 +461,34 @@ def _sampling_params(body: dict[str, Any]) -> EngineSamplingParams:
             fields["stop"] = tuple(stop)
         else:
             raise InvalidRequestError(f"sampling_params.stop must be strings or token ids, not a mix; got {stop!r}")
-    for name in ("topk_sample_logprobs", "prompt_alt_tokens_k"):
-        if body.get(name):
-            raise InvalidRequestError(f"{name} is not served; leave it 0")
+    _refuse_unserved(body)
     try:
         return EngineSamplingParams(**fields)
     except ValueError as exc:
         raise InvalidRequestError(f"sampling_params: {exc}") from None
+
+
+def _refuse_unserved(body: dict[str, Any]) -> None:
+    """Refuse the sample request fields the sampler cannot honour, each naming what to do instead."""
+    if body.get("topk_sample_logprobs"):
+        raise InvalidRequestError(
+            f"topk_sample_logprobs={body['topk_sample_logprobs']} is not served "
+            "(top-k log-probs of sampled tokens); leave it 0, or score prompt + completion with "
+            "topk_prompt_logprobs and max_tokens=1"
+        )
+    if body.get("prompt_alt_tokens_k"):
+        raise InvalidRequestError(f"prompt_alt_tokens_k={body['prompt_alt_tokens_k']} is not served; leave it 0")
+    if body.get("target_prompt_logprobs") is not None:
+        raise InvalidRequestError(
+            "target_prompt_logprobs is not served; leave it unset, or read the tokens you need from "
+            "topk_prompt_logprobs"
+        )
+    if body.get("record_stability_info"):
+        raise InvalidRequestError(
+            "record_stability_info=true is not served: it only feeds the stable_reinforce loss, which is not "
+            "served either; sample with record_stability_info=False and train with importance_sampling, ppo, "
+            "cispo, dro or gspo"
+        )
 
 
 # --- RestClient: checkpoints of a run ------------------------------------------------------------
@@ -491,8 +528,23 @@ async def weights_info(body: dict[str, Any], state: State) -> dict[str, Any]:
 # --- futures ---------------------------------------------------------------------------------
 @router.post("/cancel_future")
 async def cancel_future(body: dict[str, Any], state: State) -> dict[str, Any]:
-    state.cancel(str(body.get("request_id")))
+    await state.cancel(str(body.get("request_id")))
     return {}
+
+
+@router.post("/retrieve_futures")
+async def retrieve_futures(body: dict[str, Any], state: State) -> dict[str, Any]:
+    """A sampling client's finished sample futures since ``prev_cursor`` (a long-poll); the client
+    then fetches each one's result with ``retrieve_future``, which answers at once."""
+    target = body.get("target") or {}
+    if target.get("type", "sampling_session") != "sampling_session":
+        raise InvalidRequestError(f"target.type {target.get('type')!r} is not served; poll a sampling_session")
+    sampler = _sampler(state, str(target.get("sampling_session_id")))
+    timeout = body.get("timeout")
+    wait_s = _POLL_S if timeout is None else max(0.0, min(float(timeout), _POLL_S))
+    clone, prev_cursor = int(target.get("cloned_sampler_id") or 0), int(body.get("prev_cursor") or 0)
+    completions, cursor = await state.completions(sampler, clone, prev_cursor, wait_s)
+    return {"completions": completions, "cursor": cursor}
 
 
 @router.post("/retrieve_future")
@@ -502,13 +554,16 @@ async def retrieve_future(body: dict[str, Any], state: State) -> Response:
     if future is None:
         raise NotFoundError(f"future {future_id} not found")
     try:
-        if future.request_id is None:
+        if future.request_id is None and future.gathering is None:
             job = await state.running(future.job_id, _POLL_S)
             if job is None:
                 return JSONResponse({"type": "try_again", "request_id": future_id, "queue_state": "active"})
             answer = future.render(None)
         else:
-            row = await state.manager.requests.wait(future.job_id, future.request_id, _POLL_S)
+            request_id = await state.request_of(future, _POLL_S)
+            if request_id is None:
+                return JSONResponse({"type": "try_again", "request_id": future_id, "queue_state": "active"})
+            row = await state.manager.requests.wait(future.job_id, request_id, _POLL_S)
             if row["status"] in ("pending", "running"):
                 return JSONResponse({"type": "try_again", "request_id": future_id, "queue_state": "active"})
             if row["status"] != "done":
@@ -517,8 +572,7 @@ async def retrieve_future(body: dict[str, Any], state: State) -> Response:
                 return JSONResponse(
                     {"error": row["error"] or row["status"], "category": "user" if running else "server"}
                 )
-            result = result_of(row)
-            answer = future.render(result if future.part is None else result[future.part])
+            answer = state.answer(future_id, future, row)
     except Exception as exc:  # the job failed to start, or the result could not be turned into an answer
         if isinstance(exc, InvalidRequestError):
             raise

@@ -7,7 +7,9 @@ until the number before it was taken (accepted or refused: a refused number coun
 and a resent number gets the future it got the first time. A future is a request of the request
 table (or, for a model being created, the job reaching ``running``); ``retrieve_future`` long-polls
 it through the table's waiters. A sampling session samples with its model's sampling sub-job, or
-with a sampling job of its own (a base model, or weights saved earlier).
+with a sampling job of its own (a base model, or weights saved earlier). ``retrieve_futures``
+reports a sampling client's finished sample futures in one long-poll, in place of one
+``retrieve_future`` long-poll per sample.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +37,7 @@ _log = logging.getLogger("icefloe.service.tinker")
 _KINDS = ("weights", "sampler_weights")
 _COPY_PREFIX = "copy-"  # model ids never start so: they are <session>:train:<n>
 _FUTURES_KEPT = 100_000
+_CLONE_SEQ_BLOCK = 1_000_000_000  # a sampling client's seq_ids start at its clone number times this
 _START_POLL_S = 0.05  # how often a waiter looks at a starting job's state (no event exists for it)
 # The SDK sends a group's sample calls one by one (a few ms apart on a busy host): a call waits until
 # none has arrived for GATHER_QUIET_S (at most GATHER_MAX_S), so they reach the sampler as one batch.
@@ -76,8 +80,9 @@ class Future:
 
     ``request_id`` set: a request of the job's table, its stored result passed through ``render``
     (a JSON dict, or protobuf bytes); with ``part``, the result is a list and this future renders
-    its ``part``-th entry (sample calls gathered into one request). Unset: the job itself,
-    ``render(None)`` once it runs.
+    its ``part``-th entry (sample calls gathered into one request). A gathered call's future exists
+    before its request does: its ``gathering`` gives the request id and the number of calls sharing
+    it once sent. Neither set: the job itself, ``render(None)`` once it runs.
     """
 
     job_id: str
@@ -85,6 +90,8 @@ class Future:
     request_id: str | None = None
     part: int | None = None
     parts: int = 1  # how many futures share the request
+    rendered: dict[str, Any] | bytes | None = None  # rendered with a sibling, until first read
+    gathering: _Gathering | None = None
 
 
 @dataclass
@@ -101,6 +108,17 @@ class Model:
 
 
 @dataclass
+class Completions:
+    """One sampling client's sample futures for ``retrieve_futures``: those not reported yet, and
+    those reported but not yet acknowledged (numbered by cursor, so a lost answer is sent again)."""
+
+    pending: deque[str] = field(default_factory=lambda: deque(maxlen=_FUTURES_KEPT))
+    reported: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    cursor: int = 0
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)  # set when a future joins ``pending``
+
+
+@dataclass
 class SamplingSession:
     sampling_session_id: str
     session_id: str
@@ -110,15 +128,25 @@ class SamplingSession:
     taken: dict[int, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)  # seq_id -> its answer
     gathering: _Gathering | None = None  # the sample calls waiting to go out as one request
     clients: int = 1  # the original client is 0; each joined clone gets the next number
+    completions: dict[int, Completions] = field(default_factory=dict)  # clone number -> its futures
+
+    def track(self, seq_id: int | None, future_id: str) -> None:
+        """Note a queued sample future for ``retrieve_futures`` of the client that sent ``seq_id``."""
+        clone = (seq_id or 0) // _CLONE_SEQ_BLOCK
+        queue = self.completions.setdefault(clone, Completions())
+        queue.pending.append(future_id)
+        queue.arrived.set()
 
 
 @dataclass
 class _Gathering:
+    gathering_id: str  # its calls' futures are <gathering_id>.<index>
     items: list[Any]
-    submitted: asyncio.Future[str]  # the request id the items went out under
+    submitted: asyncio.Future[tuple[str, int]]  # the request id the items went out under, and their count
     quiet_until: float
     deadline: float
     sender: asyncio.Task[None] | None = None
+    cancelled: set[int] = field(default_factory=set)  # items cancelled before it was sent
 
 
 class TinkerState:
@@ -128,6 +156,10 @@ class TinkerState:
         self.manager = manager
         self.gap_timeout_s = gap_timeout_s
         self.session_lease_s = session_lease_s  # the SDK heartbeats every 10 s
+        # Off: per sample, the SDK's retrieve_future long-poll answers when the sample is done. On,
+        # it long-polls retrieve_futures once per sampling client, then still fetches each result:
+        # one request more per batch of samples, and more CPU on both sides (python -m bench tinker).
+        self.advertise_retrieve_futures = False
         self.sessions: dict[str, str] = {}  # session id -> "active" | "finished"
         self.heartbeats: dict[str, float] = {}  # session id -> monotonic time of its last sign of life
         self._reaper: asyncio.Task[None] | None = None
@@ -275,25 +307,66 @@ class TinkerState:
         job_id: str,
         render: Callable[[Any], Any],
         request_id: str | None = None,
-        part: int | None = None,
-        parts: int = 1,
+        *,
+        gathered: tuple[_Gathering, int] | None = None,
     ) -> str:
-        future_id = request_id or f"{job_id}:start:{uuid.uuid4().hex}"
-        if part is not None:
-            future_id = f"{future_id}.{part}"
-        self.futures[future_id] = Future(job_id, render, request_id, part, parts)
+        """A future for ``request_id``, for the job start (neither given), or for a call of a
+        gathering (``gathered``: what :meth:`gather` returned)."""
+        if gathered is not None:
+            gathering, part = gathered
+            future_id = f"{gathering.gathering_id}.{part}"
+            self.futures[future_id] = Future(job_id, render, part=part, gathering=gathering)
+        else:
+            future_id = request_id or f"{job_id}:start:{uuid.uuid4().hex}"
+            self.futures[future_id] = Future(job_id, render, request_id)
         while len(self.futures) > _FUTURES_KEPT:  # the oldest first: long retrieved by now
             del self.futures[next(iter(self.futures))]
         return future_id
 
-    def cancel(self, future_id: str) -> None:
+    def answer(self, future_id: str, future: Future, row: dict[str, Any]) -> dict[str, Any] | bytes:
+        """The answer of a future whose request finished (``row``). The first part of a gathered
+        request read renders every part, so its result is parsed once, not once per part; a part
+        read again (a resent poll) is rendered anew."""
+        if future.part is None:
+            return future.render(result_of(row))
+        if future.rendered is None:
+            prefix = future_id.rpartition(".")[0]
+            for part, result in enumerate(result_of(row)):
+                sibling = self.futures.get(f"{prefix}.{part}")
+                if sibling is not None and result is not None:  # None: cancelled before it was sent
+                    sibling.rendered = sibling.render(result)
+        answer, future.rendered = future.rendered, None
+        if answer is None:  # a part cancelled before its gathering was sent
+            return {"error": "cancelled by the caller before it was sent", "category": "user"}
+        return answer
+
+    async def request_of(self, future: Future, timeout_s: float) -> str | None:
+        """The request a future reads; for a gathered call, once its gathering is sent (None if it
+        is still gathering after ``timeout_s``). Raises the refusal of a refused gathering."""
+        if future.request_id is None and future.gathering is not None:
+            submitted = future.gathering.submitted
+            await asyncio.wait([submitted], timeout=timeout_s)
+            if submitted.done():
+                future.request_id, future.parts = submitted.result()
+        return future.request_id
+
+    async def cancel(self, future_id: str) -> None:
         """Drop a future's request if it has not started, once every future sharing it was cancelled;
         a request that runs or ran is left as it is."""
         future = self.futures.get(future_id)
         if future is None:
             raise NotFoundError(f"future {future_id} not found")
-        if future.request_id is None:
+        if future.gathering is None and future.request_id is None:
             return  # a model being created: its session's end cancels it
+        if future.gathering is not None and not future.gathering.submitted.done():
+            future.gathering.cancelled.add(future.part or 0)  # left out when the gathering is sent
+            return
+        try:
+            await self.request_of(future, 60.0)  # a gathering is sent within GATHER_MAX_S
+        except Exception:  # a refused gathering: nothing was queued
+            return
+        if future.request_id is None:
+            return
         cancelled = self.cancelled_parts.setdefault(future.request_id, set())
         cancelled.add(future.part or 0)
         while len(self.cancelled_parts) > _FUTURES_KEPT:
@@ -303,27 +376,79 @@ class TinkerState:
             with contextlib.suppress(NotFoundError):  # long finished and forgotten
                 self.manager.requests.cancel(future.job_id, future.request_id, why="cancelled by the caller")
 
-    async def gather(
-        self, sampler: SamplingSession, item: Any, submit: Callable[[list[Any]], str]
-    ) -> tuple[str, int, int]:
-        """Queue ``item`` with the sampler's other sample calls arriving now.
+    async def completions(
+        self, sampler: SamplingSession, clone: int, prev_cursor: int, wait_s: float
+    ) -> tuple[list[dict[str, Any]], int]:
+        """The sample futures of a sampling client finished after ``prev_cursor``, and the new cursor;
+        waits up to ``wait_s`` for the first if none has finished yet (a long-poll)."""
+        queue = sampler.completions.setdefault(clone, Completions())
+        queue.reported = [(cursor, c) for cursor, c in queue.reported if cursor > prev_cursor]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while True:
+            self._report_finished(queue)
+            remaining = deadline - loop.time()
+            if queue.reported or remaining <= 0:
+                return [c for _, c in queue.reported], queue.cursor
+            if queue.pending:  # futures finish in about the order they were queued
+                future = self.futures[queue.pending[0]]
+                with contextlib.suppress(Exception):  # a refused gathering: reported failed above
+                    if (request_id := await self.request_of(future, remaining)) is not None:
+                        await self.manager.requests.wait(future.job_id, request_id, deadline - loop.time())
+            else:
+                queue.arrived.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(queue.arrived.wait(), remaining)
 
-        Returns the request id, the item's index in it and how many items it holds.
-        The first call of a gathering waits for the calls behind it, then ``submit(items)`` sends
-        them all as one request (which still batches with other sessions' requests on the sampler).
+    def _report_finished(self, queue: Completions) -> None:
+        still: deque[str] = deque(maxlen=_FUTURES_KEPT)
+        for future_id in queue.pending:
+            future = self.futures.get(future_id)
+            if future is None:
+                continue  # forgotten long ago
+            outcome = self._outcome(future)
+            if outcome is None:
+                still.append(future_id)
+            else:
+                queue.cursor += 1
+                queue.reported.append((queue.cursor, {"state": outcome, "request_id": future_id}))
+        queue.pending = still
+
+    def _outcome(self, future: Future) -> str | None:
+        """``finished`` or ``failed`` once a future's request ended (a refused gathering: failed)."""
+        if future.request_id is None:
+            assert future.gathering is not None  # a sample future
+            if not future.gathering.submitted.done():
+                return None  # still gathering
+            if future.gathering.submitted.exception() is not None:
+                return "failed"
+            future.request_id, future.parts = future.gathering.submitted.result()
+        if self.manager.requests.is_open(future.request_id):
+            return None
+        row = self.manager.requests.get(future.job_id, future.request_id)
+        return "finished" if row["status"] == "done" else "failed"
+
+    def gather(self, sampler: SamplingSession, item: Any, submit: Callable[[list[Any]], str]) -> tuple[_Gathering, int]:
+        """Add ``item`` to the sampler's gathering of the sample calls arriving now.
+
+        Returns the gathering and the item's index in it. Once no call has arrived for
+        ``GATHER_QUIET_S`` (at most ``GATHER_MAX_S`` after the first), ``submit(items)`` sends them
+        as one request (which still batches with other sessions' requests on the sampler), an item
+        cancelled meanwhile as None, and ``submitted`` gets the request id and the number of items
+        sent. The caller answers at once with a future id, so the client's polls overlap the
+        gathering instead of following it.
         """
         loop = asyncio.get_running_loop()
         now = loop.time()
         gathering = sampler.gathering
         if gathering is None:
-            gathering = _Gathering([], loop.create_future(), now + GATHER_QUIET_S, now + GATHER_MAX_S)
+            gathering = _Gathering(uuid.uuid4().hex, [], loop.create_future(), now + GATHER_QUIET_S, now + GATHER_MAX_S)
             sampler.gathering = gathering
             gathering.sender = loop.create_task(self._send_gathered(sampler, gathering, submit))
         part = len(gathering.items)
         gathering.items.append(item)
         gathering.quiet_until = now + GATHER_QUIET_S
-        request_id = await asyncio.shield(gathering.submitted)
-        return request_id, part, len(gathering.items)
+        return gathering, part
 
     async def _send_gathered(
         self, sampler: SamplingSession, gathering: _Gathering, submit: Callable[[list[Any]], str]
@@ -332,10 +457,16 @@ class TinkerState:
         while (wait := min(gathering.quiet_until, gathering.deadline) - loop.time()) > 0:
             await asyncio.sleep(wait)
         sampler.gathering = None
+        items = [None if part in gathering.cancelled else item for part, item in enumerate(gathering.items)]
+        gathering.items = []  # the request holds them now; the calls' futures keep only the gathering
         try:
-            gathering.submitted.set_result(submit(gathering.items))
-        except Exception as exc:  # every call of the gathering gets the refusal
+            if len(gathering.cancelled) == len(items):
+                raise ConflictError("cancelled by the caller before it was sent")
+            sent = len(items) - len(gathering.cancelled)
+            gathering.submitted.set_result((submit(items), sent))
+        except Exception as exc:  # every call of the gathering gets the refusal, through its future
             gathering.submitted.set_exception(exc)
+            gathering.submitted.exception()  # read here, so no poll is needed to consume it
 
     # --- checkpoints --------------------------------------------------------------------------
     def checkpoint_job(self, path: CheckpointPath) -> str:
