@@ -184,12 +184,18 @@ async def run(config: GRPOConfig, *, on_step: Callable[[dict[str, Any]], None] |
                 await _warm_up(client, task, config)
                 await client.sync_weights()
 
+            def sample_next() -> tuple[list[Problem], list[list[int]], asyncio.Future[list[dict[str, Any]]]]:
+                problems_P = task.sample(config.problems_per_step)
+                prompt_ids_P = encode(problems_P)
+                return problems_P, prompt_ids_P, client.generate(prompt_ids_P, sampling)
+
+            upcoming = sample_next()
+            reported: asyncio.Future[None] | None = None  # the last step's metric report, in flight
             for step in range(1, config.steps + 1):
                 started = time.perf_counter()
                 # --- sample a group per problem and score it ----------------------------------------
-                problems_P = task.sample(config.problems_per_step)
-                prompt_ids_P = encode(problems_P)
-                samples = await client.generate(prompt_ids_P, sampling)
+                problems_P, prompt_ids_P, generated = upcoming
+                samples = await generated
                 samples_P_G = [samples[i : i + config.group_size] for i in range(0, len(samples), config.group_size)]
                 rewards_P_G = [
                     [task.reward(_completion_text(tokenizer, s), s["finish_reason"], problem) for s in group]
@@ -228,6 +234,10 @@ async def run(config: GRPOConfig, *, on_step: Callable[[dict[str, Any]], None] |
                     )
                     pending += [client.fwd_bwd(batch), client.step()]  # sent now, while the next is built
                 synced_future = client.sync_weights()
+                if step < config.steps:
+                    # The next step's samples are asked for now: they queue behind the weight sync, so they
+                    # come from the weights trained here, and no round trip sits between this step and the next.
+                    upcoming = sample_next()
                 results = await asyncio.gather(*pending)
                 synced = await synced_future
                 losses = [trained["loss"] for trained in results[0::2]]
@@ -252,9 +262,14 @@ async def run(config: GRPOConfig, *, on_step: Callable[[dict[str, Any]], None] |
                 # The service keeps what only the client knows, filed under the trainer's last optimizer
                 # step (its own points count optimizer steps from 0), so reward lines up with loss.
                 optimizer_step = results[-1]["global_step"] - 1 if results else config.supervised_steps + step - 1
-                await client.log_metrics({key: row[key] for key in _CLIENT_METRICS}, step=max(0, optimizer_step))
+                if reported is not None:
+                    await reported
+                metrics = {key: row[key] for key in _CLIENT_METRICS}
+                reported = asyncio.ensure_future(client.log_metrics(metrics, step=max(0, optimizer_step)))
                 if on_step is not None:
                     on_step(row)
+            if reported is not None:
+                await reported
     plot_rewards(history, run_dir / "reward.png", title=f"GRPO on {config.model} (seed {config.seed})")
     return history
 
