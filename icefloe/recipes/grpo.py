@@ -3,7 +3,8 @@
 Each step samples ``group_size`` completions for each of ``problems_per_step`` prompts, scores
 them, turns each group's rewards into advantages (mean-centred, then divided by the group's std
 unless ``norm_adv_by_std`` is off: Dr.GRPO), and trains on them with ``fwd_bwd`` + ``step``
-submitted back to back, then syncs the sampler. Lists are named by what they index: ``_P``
+submitted back to back, then syncs the sampler; the next step's samples are asked for right after
+the sync (they queue behind it), so no round trip separates two steps. Lists are named by what they index: ``_P``
 problems, ``_G`` members of one group, ``_R`` flat rows.
 
 A tiny model from random weights almost never writes a correct sum, so every reward is 0 and GRPO
