@@ -74,13 +74,7 @@ def test_serve_with_ray_engines_starts_a_lora_sampler_from_an_adapter_checkpoint
     app = create_app(settings, pool=SlotPool("cpu", 2))
     greedy = {"max_tokens": 6, "temperature": 0.0, "logprobs": True}
     with ServerThread(app) as base_url:
-        config = {
-            "model": str(model_dir),
-            "max_seq_len": 48,
-            "lora": LORA,
-            "training": {"optimizer": {"lr": 2e-2}},
-            "backend": {"type": "remote", "base_url": base_url},
-        }
+        config = _remote_lora_config(model_dir, base_url)
         with Client(config) as client:
             for _ in range(2):
                 client.fwd_bwd(BATCH)
@@ -93,6 +87,16 @@ def test_serve_with_ray_engines_starts_a_lora_sampler_from_an_adapter_checkpoint
         served = asyncio.run(_sample_from_checkpoint(base_url, model_dir, job_id, saved["checkpoint_id"], greedy))
     assert served["token_ids"] == synced["token_ids"] and served["policy_version"] == 0
     torch.testing.assert_close(torch.tensor(served["logprobs"]), torch.tensor(synced["logprobs"]), atol=1e-5, rtol=0)
+
+
+def _remote_lora_config(model_dir: Path, base_url: str) -> dict:
+    return {
+        "model": str(model_dir),
+        "max_seq_len": 48,
+        "lora": LORA,
+        "training": {"optimizer": {"lr": 2e-2}},
+        "backend": {"type": "remote", "base_url": base_url},
+    }
 
 
 async def _sample_from_checkpoint(base_url: str, model_dir: Path, job_id: str, checkpoint_id: str, params: dict):
@@ -116,13 +120,7 @@ def test_serve_with_ray_engines_syncs_lora_adapters(ray_session, model_dir, tmp_
     settings = ServeSettings(data_dir=tmp_path / "serve", engines="ray", model_root=model_dir.parent)
     app = create_app(settings, pool=SlotPool("cpu", 2))
     with ServerThread(app) as base_url:
-        config = {
-            "model": str(model_dir),
-            "max_seq_len": 48,
-            "lora": LORA,
-            "training": {"optimizer": {"lr": 2e-2}},
-            "backend": {"type": "remote", "base_url": base_url},
-        }
+        config = _remote_lora_config(model_dir, base_url)
         with Client(config) as client:
             with pytest.raises(InvalidRequestError, match="moves full weights"):
                 client.sync_weights(weight_format="hf")
