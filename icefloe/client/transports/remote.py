@@ -501,6 +501,8 @@ def _tensors_to_lists(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {k: _tensors_to_lists(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
+        if all(isinstance(v, int | float | str | bool | None) for v in value):
+            return value if isinstance(value, list) else list(value)  # JSON already: token ids, logprobs
         return [_tensors_to_lists(v) for v in value]
     return value.tolist() if hasattr(value, "tolist") and hasattr(value, "shape") else value
 
