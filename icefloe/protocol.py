@@ -81,6 +81,7 @@ __all__ = [
     "OP_WEIGHT_SYNC",
     "REQUEST_FAILURE_STATES",
     "REQUEST_SUCCESS_STATES",
+    "SEQUENCE_HEADER",
     "TARGETS",
     "TARGET_JOB",
     "TARGET_REFERENCE",
@@ -155,6 +156,9 @@ INLINE_OPERATIONS: Final = frozenset(
         "tail-logs",
     }
 )
+
+# The header of the ``sequenced_submit`` extension: ``<session>:<n>`` fixes a POST's place in line.
+SEQUENCE_HEADER: Final = "Icefloe-Sequence"
 
 # --- targets -----------------------------------------------------------------------------------
 TARGET_TRAINING: Final = "training"

@@ -18,13 +18,12 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from icefloe.protocol import CODE_CHUNK_GROUP_RESTART_REQUIRED, InvalidRequestError, SequenceGapError
+from icefloe.protocol import CODE_CHUNK_GROUP_RESTART_REQUIRED, SEQUENCE_HEADER, InvalidRequestError, SequenceGapError
 from icefloe.service.errors import send_error
 from icefloe.service.middleware import CALLER_SCOPE_KEY, Recorder, header
 
-__all__ = ["SEQUENCE_HEADER", "SubmitOrder", "release_turn"]
+__all__ = ["SubmitOrder", "release_turn"]
 
-SEQUENCE_HEADER = "Icefloe-Sequence"
 _HEADER_KEY = SEQUENCE_HEADER.lower().encode()
 _MAX_SESSION_LENGTH = 64
 _MAX_SESSIONS = 100_000  # the least recently used session is forgotten beyond this many

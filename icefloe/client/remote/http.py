@@ -28,7 +28,14 @@ import orjson
 from icefloe.client.loop import LoopThread
 from icefloe.client.remote.errors import Redactor, error_from_response
 from icefloe.config import RemoteConfig
-from icefloe.protocol import ChunkGroupError, ConfigError, IcefloeError, IcefloeTimeoutError, RequestFailedError
+from icefloe.protocol import (
+    SEQUENCE_HEADER,
+    ChunkGroupError,
+    ConfigError,
+    IcefloeError,
+    IcefloeTimeoutError,
+    RequestFailedError,
+)
 from icefloe.wire.batch import BATCH_MEDIA_TYPE, BATCH_PATH, pack, unpack
 
 __all__ = ["Call", "Endpoint", "Http", "Reply", "Retry", "RetryPolicy", "TransportWrapper", "translate_errors"]
@@ -232,7 +239,7 @@ def _wire(call: Call) -> tuple[dict[str, str], bytes]:
     if call.idempotency_key:
         headers["Idempotency-Key"] = call.idempotency_key
     if call.sequence:
-        headers["Icefloe-Sequence"] = call.sequence
+        headers[SEQUENCE_HEADER] = call.sequence
     if call.content is not None:
         headers["Content-Type"], body = call.content_type, call.content
     elif call.json is not None:  # as httpx writes JSON: NaN is refused, not sent
