@@ -324,6 +324,11 @@ def cross_entropy_loss(
 
 
 # --- the Tinker API's RL losses: sums over tokens unless loss_agg_mode says otherwise -------------
+def _clipped_surrogate(ratio_BS: Tensor, advantages_BS: Tensor, low: float, high: float) -> Tensor:
+    """Per token -min(r·A, clip(r, low, high)·A): PPO's pessimistic bound, shared by ppo and gspo."""
+    return -torch.minimum(ratio_BS * advantages_BS, ratio_BS.clamp(low, high) * advantages_BS)
+
+
 def _clipped_ratio(
     logprobs_BS: Tensor, context: Mapping[str, Tensor], config: Mapping[str, Any], name: str
 ) -> tuple[Tensor, float, float]:
@@ -356,8 +361,7 @@ def ppo_loss(
     """
     advantages_BS = context["advantages"]
     ratio_BS, low, high = _clipped_ratio(logprobs_BS, context, config, "ppo")
-    loss = _tinker_aggregate(-torch.minimum(ratio_BS * advantages_BS, ratio_BS.clamp(low, high) * advantages_BS),
-                             context, config)  # fmt: skip
+    loss = _tinker_aggregate(_clipped_surrogate(ratio_BS, advantages_BS, low, high), context, config)
     clipped_BS = ((ratio_BS < low) | (ratio_BS > high)).float()
     return loss, {"loss": loss.detach(), "clip_ratio": _masked_mean(clipped_BS, context["loss_mask"])}
 
@@ -419,7 +423,6 @@ def gspo_loss(
     ratio_BS = sequence_ratio_B[:, None] * (logprobs_BS - logprobs_BS.detach()).exp()
     low = float(_option(config, "clip_low_threshold", 1.0 - 3e-4))
     high = float(_option(config, "clip_high_threshold", 1.0 + 4e-4))
-    surrogate_BS = -torch.minimum(ratio_BS * advantages_BS, ratio_BS.clamp(low, high) * advantages_BS)
-    loss = _tinker_aggregate(surrogate_BS, context, config)
+    loss = _tinker_aggregate(_clipped_surrogate(ratio_BS, advantages_BS, low, high), context, config)
     clipped_B = ((sequence_ratio_B < low) | (sequence_ratio_B > high)).float()
     return loss, {"loss": loss.detach(), "clip_ratio": clipped_B.mean()}

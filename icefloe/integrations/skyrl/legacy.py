@@ -12,10 +12,9 @@ import logging
 import os
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from icefloe.config import BACKEND_ENV_VARS, ClientConfig, format_validation_error
-from icefloe.protocol import ConfigError
+from icefloe.config import BACKEND_ENV_VARS, ClientConfig, validated
 
 __all__ = ["LegacyClientConfig"]
 
@@ -97,10 +96,7 @@ class LegacyClientConfig(BaseModel):
     @classmethod
     def build(cls, **fields: Any) -> LegacyClientConfig:
         """Validate, raising :class:`ConfigError` that names every bad field."""
-        try:
-            return cls.model_validate(fields)
-        except ValidationError as exc:
-            raise ConfigError(format_validation_error(exc, prefix="")) from None
+        return validated(cls, fields)
 
     @property
     def backend_type(self) -> str:
