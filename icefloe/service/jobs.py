@@ -257,7 +257,7 @@ class JobManager:
         job = self._live.get(job_id)
         if job is not None:
             return {"job_id": job_id, "status": job.state.cancel()}
-        status = self._row(job_id)["status"]
+        status = self.row(job_id)["status"]
         if status not in ("cancelling", "cancelled"):
             raise ConflictError(f"job {job_id} is {status}; only an active job can be cancelled")
         return {"job_id": job_id, "status": status}
@@ -277,7 +277,8 @@ class JobManager:
                 _log.warning("%s still running at shutdown; its late writes to the store are dropped", job.thread.name)
 
     # --- reading ------------------------------------------------------------------------------
-    def _row(self, job_id: str) -> dict[str, Any]:
+    def row(self, job_id: str) -> dict[str, Any]:
+        """The job's stored record, 404 if unknown (a read: no lease renewal, unlike :meth:`public`)."""
         row = store.get_job(self.db, job_id=job_id)
         if row is None:
             raise NotFoundError(f"job {job_id} not found")
@@ -287,7 +288,7 @@ class JobManager:
         job = self._live.get(job_id)
         lease_left_s = job.lease_until - time.monotonic() if job is not None else math.inf  # before this call
         self.renew(job_id)
-        answer = self._public(self._row(job_id))
+        answer = self._public(self.row(job_id))
         if job is not None:  # icefloe extensions: what `icefloe jobs show` prints
             answer["queue"] = self.requests.queue(job_id)
             answer["lease_expires_in_s"] = round(max(0.0, lease_left_s), 1) if math.isfinite(lease_left_s) else None
@@ -321,7 +322,7 @@ class JobManager:
         }
 
     def experiment_run(self, job_id: str) -> dict[str, str]:
-        spec = self._row(job_id)["spec"]
+        spec = self.row(job_id)["spec"]
         name = ".".join([spec["database"], spec["schema"], spec["experiment_name"]]).upper()
         return {"experiment_name": name, "experiment_run_name": job_id}
 
@@ -348,7 +349,7 @@ class JobManager:
         """The running job behind ``job_id``: 404 if unknown, 409 naming the state otherwise."""
         job = self._live.get(job_id)  # jobs of this process: no SQLite read on the hot path
         self.renew(job_id)
-        status = job.status if job is not None else self._row(job_id)["status"]
+        status = job.status if job is not None else self.row(job_id)["status"]
         if job is None or status != "running":
             raise ConflictError(f"job {job_id} is {status}; this call needs it running")
         return job
@@ -364,7 +365,7 @@ class JobManager:
         self, job_id: str, *, sub_job_id: str | None, sub_job_type: str | None, cursor: str | None, max_lines: int
     ) -> dict[str, Any]:
         """A page of a sub-job's log; works in every state, also for jobs of an earlier process."""
-        row = self._row(job_id)
+        row = self.row(job_id)
         kinds = {s["sub_job_id"]: s["job_type"] for s in row["spec"]["sub_jobs"]}
         target = _pick_sub_job(job_id, kinds, sub_job_id, sub_job_type, None)
         return self.job_log(job_id).tail(target, cursor=cursor, max_lines=max_lines)

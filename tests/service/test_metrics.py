@@ -174,3 +174,18 @@ def test_local_client_log_metrics_is_a_no_op_after_checking_its_input():
         client.log_metrics({"reward": 1.0}, step=-2)
     with client:
         assert client.log_metrics({"reward": 1.0}, step=0) is None
+
+
+@anyio
+async def test_watching_a_job_on_the_dashboard_does_not_renew_its_lease(data_dir):
+    async with asgi_client(make_app(data_dir)) as http:
+        api = Api(http)
+        job_id = await api.running(TRAINING)
+        await api.call("GET", f"/{job_id}")  # a client's read renews the lease
+        await asyncio.sleep(0.5)
+        for _ in range(3):  # what an open job page polls
+            assert (await http.get(f"/ui/api/jobs/{job_id}")).status_code == 200
+            assert (await api.call("GET", f"/{job_id}/metrics")).status_code == 200
+        left_s = (await api.call("GET", f"/{job_id}")).json()["lease_expires_in_s"]
+        ttl_s = (await api.call("GET", "/capabilities")).json()["limits"]["lease_ttl_ms"] / 1000
+    assert left_s <= ttl_s - 0.4  # the polls in between did not push the lease out

@@ -121,9 +121,7 @@ async def jobs_table(jobs: JobsDep, db: StoreDep) -> dict:
 
 @router.get("/api/jobs/{job_id}")
 async def job_detail(job_id: str, jobs: JobsDep, db: StoreDep) -> dict:
-    jobs.public(job_id)  # 404 for an unknown job
-    row = store.get_job(db, job_id=job_id)
-    assert row is not None
+    row = jobs.row(job_id)  # 404 for an unknown job; watching a job does not keep its lease alive
     sub_jobs = row["spec"]["sub_jobs"]
     live, log = jobs.live_job(job_id), jobs.job_log(job_id)
     tails = [log.last(s["sub_job_id"], max_lines=_LOG_LINES) for s in sub_jobs]
