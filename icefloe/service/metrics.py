@@ -96,7 +96,7 @@ class ServiceMetrics:
 
     # --- requests and engine results -----------------------------------------------------------
     def request_finished(self, op: str, outcome: str, created_at: str) -> None:
-        accepted = datetime.strptime(created_at, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=UTC)
+        accepted = datetime.fromisoformat(created_at)  # "...Z" is UTC
         self.requests.labels(op, outcome).inc()
         self.request_seconds.labels(op).observe(max(0.0, (datetime.now(UTC) - accepted).total_seconds()))
 

@@ -307,11 +307,11 @@ def get_file_link(db: Database, *, token: str) -> dict[str, Any] | None:
 # --- per-step job metrics ----------------------------------------------------------------------
 def put_job_metrics(db: Database, *, job_id: str, step: int, values: dict[str, float], at: float) -> None:
     """Set ``values`` (name -> value) at ``step`` of the job; a name already there is overwritten."""
-    for name, value in values.items():
-        db.execute(
-            "INSERT OR REPLACE INTO job_metrics (job_id, step, name, value, time) VALUES (?, ?, ?, ?, ?)",
-            (job_id, step, name, value, at),
-        )
+    if not values:
+        return
+    rows = ", ".join(["(?, ?, ?, ?, ?)"] * len(values))  # one statement: one commit for the whole step
+    params = [field for name, value in values.items() for field in (job_id, step, name, value, at)]
+    db.execute(f"INSERT OR REPLACE INTO job_metrics (job_id, step, name, value, time) VALUES {rows}", params)
 
 
 def job_metrics(db: Database, *, job_id: str) -> list[dict[str, Any]]:
