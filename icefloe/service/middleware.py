@@ -145,13 +145,19 @@ def _authenticate(settings: ServeSettings, authorization: str | None, token_type
         raise UnauthenticatedError("missing bearer token; send 'Authorization: Bearer <token>'")
     if token_type not in (None, PAT_TOKEN_TYPE):
         raise UnauthenticatedError(f"X-Snowflake-Authorization-Token-Type must be {PAT_TOKEN_TYPE} when sent")
-    candidate = presented.strip().encode()
-    matched = None
-    for token in settings.token_values():  # compare with every token, so timing says nothing about which
-        if hmac.compare_digest(candidate, token.encode()):
-            matched = token
+    matched = matching_token(settings, presented.strip())
     if matched is None:
         raise UnauthenticatedError("the bearer token is not valid for this service")
+    return matched
+
+
+def matching_token(settings: ServeSettings, presented: str) -> str | None:
+    """The configured token equal to ``presented``, or None; every token is compared, so the time
+    taken says nothing about which one matched."""
+    matched = None
+    for token in settings.token_values():
+        if hmac.compare_digest(presented.encode(), token.encode()):
+            matched = token
     return matched
 
 

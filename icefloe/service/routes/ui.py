@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import hmac
 import time
 import urllib.parse
 from pathlib import Path
@@ -18,7 +17,7 @@ from fastapi.staticfiles import StaticFiles
 from icefloe.service import store
 from icefloe.service.deps import JobsDep, SettingsDep, StoreDep
 from icefloe.service.jobs import JobManager
-from icefloe.service.middleware import TOKEN_COOKIE
+from icefloe.service.middleware import TOKEN_COOKIE, matching_token
 
 __all__ = ["install_ui"]
 
@@ -65,7 +64,7 @@ async def login(request: Request, settings: SettingsDep) -> Response:
     """A form post ``token=...``: a known token is set as the cookie; an unknown one shows the form again."""
     form = urllib.parse.parse_qs((await request.body()).decode("utf-8", "replace"))
     presented = (form.get("token") or [""])[0].strip()
-    if not any(hmac.compare_digest(presented.encode(), t.encode()) for t in settings.token_values()):
+    if not presented or matching_token(settings, presented) is None:
         return RedirectResponse("/ui/login?failed=1", status_code=303)
     answer = RedirectResponse("/ui", status_code=303)
     answer.set_cookie(TOKEN_COOKIE, presented, httponly=True, samesite="strict", path="/")
