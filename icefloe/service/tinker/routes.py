@@ -39,6 +39,7 @@ __all__ = ["router"]
 
 _POLL_S = 30.0  # the SDK gives retrieve_future 45 s; answer try_again well before
 _PROTO = "application/x-protobuf"
+_PROMPT_KEYS = ("prompt_logprobs", "topk_prompt_logprobs")  # per call, not per sample
 
 
 async def _state(request: Request) -> TinkerState:
@@ -401,9 +402,10 @@ async def _queue_sample(state: TinkerState, sampler: SamplingSession, body: dict
                 item_params = item[1]
                 mine = samples[cursor : cursor + item_params.n]
                 cursor += item_params.n
-                first = mine[0]
-                results[-1].append({"samples": mine, "prompt_logprobs": first.get("prompt_logprobs"),
-                                    "topk_prompt_logprobs": first.get("topk_prompt_logprobs")})  # fmt: skip
+                # The engine repeats the prompt's log-probs on each sample; the call keeps them once.
+                prompt = {key: mine[0].get(key) for key in _PROMPT_KEYS}
+                mine = [{k: v for k, v in sample.items() if k not in _PROMPT_KEYS} for sample in mine]
+                results[-1].append({"samples": mine, **prompt})
         return results
 
     from icefloe.service.tinker import convert
@@ -419,7 +421,8 @@ async def _queue_sample(state: TinkerState, sampler: SamplingSession, body: dict
         )
     render = functools.partial(convert.sample_response, last_n=None if last_n is None else int(last_n))
     future_id = state.future(job.job_id, render, gathered=state.gather(sampler, (prompt, params), submit))
-    sampler.track(body.get("seq_id"), future_id)
+    if state.advertise_retrieve_futures:  # only a client told to poll retrieve_futures drains the queue
+        sampler.track(body.get("seq_id"), future_id)
     return {"request_id": future_id, "sample_sequence_ids": [f"{future_id}:{i}" for i in range(params.n)]}
 
 
