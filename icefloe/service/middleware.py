@@ -115,16 +115,17 @@ def replaying(body: bytes, receive: Receive) -> Receive:
 class Recorder:
     """A ``send`` that records an app's answer (status, headers, body) and passes it on to ``send``, if given."""
 
-    def __init__(self, send: Send | None = None) -> None:
+    def __init__(self, send: Send | None = None, *, keep_from_status: int = 0) -> None:
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
-        self.parts: list[bytes] = []
+        self.parts: list[bytes] = []  # the body, kept only when the status is keep_from_status or above
         self._send = send
+        self._keep_from_status = keep_from_status
 
     async def __call__(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.status, self.headers = message["status"], list(message.get("headers", ()))
-        elif message["type"] == "http.response.body":
+        elif message["type"] == "http.response.body" and self.status >= self._keep_from_status:
             self.parts.append(message.get("body", b""))
         if self._send is not None:
             await self._send(message)

@@ -87,7 +87,7 @@ class SubmitOrder:
             )
             await send_error(send, SequenceGapError(message))
             return
-        answer = Recorder(send)
+        answer = Recorder(send, keep_from_status=400)  # only a refusal's body is read below
         token = _RELEASE.set(lambda: session.advance(number))
         try:
             await self.app(scope, receive, answer)
