@@ -35,7 +35,7 @@ from icefloe.service.chunks import ChunkGroups
 from icefloe.service.joblog import JobLog, JobLogRouter
 from icefloe.service.lifecycle import JobState
 from icefloe.service.metrics import ServiceMetrics
-from icefloe.service.models import JobCreate
+from icefloe.service.models import JobCreate, enum_text
 from icefloe.service.placement import SlotPool
 from icefloe.service.requests import RequestTable
 from icefloe.service.results import JsonText, ResultPages, json_text, wants_dssst1
@@ -481,10 +481,13 @@ def _pick_sub_job(
     return matches[0]
 
 
+_JOB_TYPE_BY_SEGMENT = {segment: job_type for job_type, segment in SEGMENT_BY_JOB_TYPE.items()}
+
+
 def job_type_named(sub_job_type: str) -> str:
     """The job type a ``sub_job_type`` hint names (``JOB_TYPE_LOG_PROB``, ``log_probability``, ...)."""
-    text = sub_job_type.strip().lower().removeprefix("job_type_")
-    text = "log_probability" if text == "log_prob" else text
+    text = enum_text(sub_job_type)
+    text = _JOB_TYPE_BY_SEGMENT.get(text, text)  # the segment spelling (log_prob) names its job type too
     if text not in SEGMENT_BY_JOB_TYPE:
         raise InvalidRequestError(f"sub_job_type must be one of {sorted(SEGMENT_BY_JOB_TYPE)}; got {sub_job_type!r}")
     return text

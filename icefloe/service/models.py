@@ -71,8 +71,15 @@ def _dotted(path: tuple[Any, ...]) -> str:
 
 
 JobType = Literal["training", "sampling", "log_probability"]
+
+
 # Enum-like strings arrive in any case, the managed API's job types with their JOB_TYPE_ prefix.
-_EnumText = BeforeValidator(lambda v: v.strip().lower().removeprefix("job_type_") if isinstance(v, str) else v)
+def enum_text(value: str) -> str:
+    """An enum-like name as the reference may spell it (``JOB_TYPE_TRAINING``, `` Training``) in its plain form."""
+    return value.strip().lower().removeprefix("job_type_")
+
+
+_EnumText = BeforeValidator(lambda v: enum_text(v) if isinstance(v, str) else v)
 
 
 class _Open(BaseModel):
