@@ -68,14 +68,10 @@ def demo(
     ] = None,
 ) -> None:
     """Teach a tiny model addition with GRPO and print how its reward rose."""
-    import importlib.util
-
     from icefloe.recipes.trackers import require_trackers
 
     if backend not in ("local", "ray", "remote"):
         raise typer.BadParameter(f"must be local, ray or remote; got {backend!r}", param_hint="--backend")
-    if backend == "ray" and importlib.util.find_spec("ray") is None:
-        raise typer.BadParameter("ray needs Ray: pip install 'icefloe[ray]'", param_hint="--backend")
     trackers = [name.strip() for names in tracker or ["jsonl"] for name in names.split(",") if name.strip()]
     try:
         require_trackers(trackers)
