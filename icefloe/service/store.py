@@ -319,9 +319,13 @@ def job_metrics(db: Database, *, job_id: str) -> list[dict[str, Any]]:
     return db.fetch_all("SELECT step, name, value, time FROM job_metrics WHERE job_id = ? ORDER BY step", (job_id,))
 
 
-def latest_job_metrics(db: Database, *, job_id: str) -> dict[str, tuple[int, float]]:
-    """Each metric's value at the last step that has it: name -> (step, value)."""
+def latest_job_metrics(db: Database, *, job_id: str | None = None) -> dict[str, dict[str, tuple[int, float]]]:
+    """Per job (every job, or only ``job_id``), each metric's value at the last step that has it:
+    job id -> name -> (step, value)."""
     # SQLite takes a bare column (value) from the row that holds the MAX().
-    sql = "SELECT name, MAX(step) AS step, value FROM job_metrics WHERE job_id = ? GROUP BY name"
-    rows = db.fetch_all(sql, (job_id,))
-    return {row["name"]: (row["step"], row["value"]) for row in rows}
+    where, params = ("WHERE job_id = ?", (job_id,)) if job_id is not None else ("", ())
+    sql = f"SELECT job_id, name, MAX(step) AS step, value FROM job_metrics {where} GROUP BY job_id, name"
+    latest: dict[str, dict[str, tuple[int, float]]] = {}
+    for row in db.fetch_all(sql, params):
+        latest.setdefault(row["job_id"], {})[row["name"]] = (row["step"], row["value"])
+    return latest

@@ -99,9 +99,9 @@ def _lease(jobs: JobManager, job_id: str) -> str:
     return f"expires in {max(0.0, live.lease_until - time.monotonic()):.0f} s"
 
 
-def _row(jobs: JobManager, row: dict[str, Any]) -> dict[str, Any]:
+def _row(jobs: JobManager, row: dict[str, Any], latest: dict[str, tuple[int, float]]) -> dict[str, Any]:
+    """A jobs-table row; ``latest``: the job's metrics at their last steps (``store.latest_job_metrics``)."""
     job_id, spec = row["job_id"], row["spec"]
-    latest = store.latest_job_metrics(jobs.db, job_id=job_id)
     value = {name: latest[name][1] for name in ("loss", "reward", "tokens_per_s") if name in latest}
     return {
         **{key: row[key] for key in ("job_id", "status", "reason", "created_at")},
@@ -115,7 +115,8 @@ def _row(jobs: JobManager, row: dict[str, Any]) -> dict[str, Any]:
 
 @router.get("/api/jobs")
 async def jobs_table(jobs: JobsDep, db: StoreDep) -> dict:
-    return {"jobs": [_row(jobs, row) for row in reversed(store.list_jobs(db))]}  # newest first
+    latest = store.latest_job_metrics(db)  # one query for every job; rows newest first
+    return {"jobs": [_row(jobs, row, latest.get(row["job_id"], {})) for row in reversed(store.list_jobs(db))]}
 
 
 @router.get("/api/jobs/{job_id}")
@@ -126,7 +127,7 @@ async def job_detail(job_id: str, jobs: JobsDep, db: StoreDep) -> dict:
     tails = [log.last(s["sub_job_id"], max_lines=_LOG_LINES) for s in sub_jobs]
     entries = {(e.get("ts"), e.get("msg")): e for tail in tails for e in tail}  # job-wide lines once
     return {
-        **_row(jobs, row),
+        **_row(jobs, row, store.latest_job_metrics(db, job_id=job_id).get(job_id, {})),
         "sub_jobs": [
             {
                 **{key: s[key] for key in ("sub_job_id", "job_type", "model_name")},
