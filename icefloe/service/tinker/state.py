@@ -362,7 +362,7 @@ class TinkerState:
             future.gathering.cancelled.add(future.part or 0)  # left out when the gathering is sent
             return
         try:
-            await self.request_of(future, 60.0)  # a gathering is sent within GATHER_MAX_S
+            await self.request_of(future, 0.0)  # its gathering was sent already (checked above): no wait
         except Exception:  # a refused gathering: nothing was queued
             return
         if future.request_id is None:
