@@ -334,9 +334,9 @@ class IdempotencyKeys:
                 )
                 return
             response, media_type = json.dumps(acceptance).encode(), "application/json"  # what the route accepted
-        store.put_idempotent_response(
-            self.db, **record, body_sha256=digest, status_code=answer.status, response=response, media_type=media_type
-        )
+        kept = {"body_sha256": digest, "status_code": answer.status, "response": response, "media_type": media_type}
+        # REPLACE: a record still in the table past its TTL must not block the new one
+        self.db.insert("idempotency", {**record, **kept, "created_at": store.now_iso()}, verb="INSERT OR REPLACE")
 
     async def _purge_if_due(self) -> None:
         now = time.monotonic()
