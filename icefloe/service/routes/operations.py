@@ -17,11 +17,10 @@ from fastapi.concurrency import run_in_threadpool
 from pydantic import ValidationError
 
 from icefloe.protocol import OP_FORWARD, OP_RESET_PREFIX_CACHE, OP_WEIGHT_SYNC, InvalidRequestError, UnsupportedOpError
-from icefloe.service.deps import JobsDep
 from icefloe.service.jobs import JobManager
 from icefloe.service.models import CancelRequestPayload, OperationBody, TailLogsPayload, WeightSyncPayload
 from icefloe.service.operations import forward_target, submit_frame, submit_weight_sync, validation_text
-from icefloe.service.routes import api_router
+from icefloe.service.routes import JobsDep, api_router
 from icefloe.service.routes.capabilities import SUPPORTED_OPERATIONS
 from icefloe.service.routes.requests import with_answer
 from icefloe.service.sequencing import release_turn
