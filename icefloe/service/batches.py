@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from icefloe.protocol import InvalidRequestError
@@ -48,13 +49,13 @@ class Batches:
                 raise ValueError(f"a batch holds 1 to {_MAX_PARTS} parts; got {len(parts)}")
             scopes = [_part_scope(scope, part) for part, _ in parts]
         except (ValueError, TypeError, KeyError) as exc:
-            await send_error(send, InvalidRequestError(f"requests:batch: {exc}; send the {BATCH_MEDIA_TYPE} envelope"))
+            await send_error(
+                scope, _open, send, InvalidRequestError(f"requests:batch: {exc}; send the {BATCH_MEDIA_TYPE} envelope")
+            )
             return
         answers = await asyncio.gather(*(self._run(s, b) for s, (_, b) in zip(scopes, parts, strict=True)))
         envelope = pack([part for part, _ in answers], [answer for _, answer in answers])
-        headers = [(b"content-type", BATCH_MEDIA_TYPE.encode()), (b"content-length", str(len(envelope)).encode())]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        await send({"type": "http.response.body", "body": envelope})
+        await Response(envelope, media_type=BATCH_MEDIA_TYPE)(scope, _open, send)
 
     async def _run(self, scope: Scope, body: bytes) -> tuple[dict[str, Any], bytes]:
         """One part through the inner app, as if it had come alone; returns its answer."""

@@ -70,8 +70,8 @@ class ChunkGroups:
     def accept(
         self, descriptor: dict[str, Any], payload: bytes, *, execute: Callable[[bytes], dict[str, Any]]
     ) -> dict[str, Any]:
-        """Take one request chunk (its descriptor and payload); on the final one join the group and
-        ``execute`` the frame.
+        """Take one request chunk (its descriptor, as :func:`wire.chunk_descriptor` checked it, and its
+        payload); on the final one join the group and ``execute`` the frame.
 
         Returns ``{"chunk_cached": True}`` for a non-final chunk, else what ``execute`` returned
         (``{request_id, job_id}``), or the original response when the group already ran.
@@ -161,23 +161,17 @@ def _descriptor_fields(descriptor: dict[str, Any]) -> tuple[str, int, int, str, 
         raise InvalidRequestError(
             f"a POST body must be a request chunk or a plain DSSST1 frame; got a {descriptor.get('kind')!r} chunk"
         )
-    group_id = descriptor.get("chunk_group_id")
-    if not isinstance(group_id, str) or not group_id:
-        raise InvalidRequestError("request_chunk.chunk_group_id is required on a request chunk; send a UUID4 string")
-    try:
-        index, total = int(descriptor["chunk_idx"]), int(descriptor["total_chunks"])
-        sha, size = str(descriptor["frame_sha256"]), int(descriptor["frame_size_bytes"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise InvalidRequestError(f"request_chunk descriptor is incomplete or malformed: {exc}") from None
-    if not 0 <= size <= _MAX_FRAME_SIZE_BYTES:
+    # wire.chunk_descriptor checked already: a request chunk's group id (a non-empty str), the ints'
+    # types and lower bounds, chunk_idx < total_chunks, frame_sha256 (64 hex characters)
+    group_id, index, total = descriptor["chunk_group_id"], descriptor["chunk_idx"], descriptor["total_chunks"]
+    sha, size = descriptor["frame_sha256"], descriptor["frame_size_bytes"]
+    if size > _MAX_FRAME_SIZE_BYTES:
         raise InvalidRequestError(f"request_chunk.frame_size_bytes must be in [0, {_MAX_FRAME_SIZE_BYTES}]; got {size}")
-    if not 1 <= total <= min(size + 1, _MAX_TOTAL_CHUNKS):
+    if total > min(size + 1, _MAX_TOTAL_CHUNKS):
         raise InvalidRequestError(
             f"request_chunk.total_chunks must be in [1, {min(size + 1, _MAX_TOTAL_CHUNKS)}] for a frame of"
             f" {size} bytes (at most {_MAX_TOTAL_CHUNKS} chunks); got {total}"
         )
-    if not 0 <= index < total:
-        raise InvalidRequestError(f"request_chunk.chunk_idx must be in [0, total_chunks={total}); got {index}")
     return group_id, index, total, sha, size
 
 

@@ -7,7 +7,6 @@ layers alike. Anything else that escapes is a bug in the service and answers 500
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -15,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Send
+from starlette.types import Receive, Scope, Send
 
 from icefloe import protocol as p
 
@@ -51,15 +50,11 @@ def status_and_body(exc: Exception) -> tuple[int, dict[str, Any]]:
     return 500, {"code": p.CODE_INTERNAL, "message": f"{type(exc).__name__}: {exc}"}
 
 
-async def send_error(send: Send, exc: Exception, *, close: bool = False) -> None:
-    """Answer ``exc`` from an ASGI layer, with the status and body a route would have given it."""
+async def send_error(scope: Scope, receive: Receive, send: Send, exc: Exception, *, close: bool = False) -> None:
+    """Answer ``exc`` from an ASGI layer, with the status and body a route would have given it;
+    ``close``: the body was not read, so the connection cannot carry another request."""
     status, body = status_and_body(exc)
-    raw = json.dumps(body).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(raw)).encode())]
-    if close:  # the body was not read: the connection cannot carry another request
-        headers.append((b"connection", b"close"))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": raw})
+    await JSONResponse(body, status, {"connection": "close"} if close else None)(scope, receive, send)
 
 
 def _validation_message(exc: RequestValidationError) -> str:

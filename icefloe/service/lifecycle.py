@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from icefloe.protocol import ConflictError
+from icefloe.protocol import JOB_ACTIVE_STATES, ConflictError
 from icefloe.service import store
 from icefloe.service.joblog import JobLog
 
@@ -103,20 +103,24 @@ class JobState:
                 self._move("terminated")
 
 
-def fail_interrupted_jobs(db: store.Database) -> list[str]:
-    """Fail the jobs a previous service process left active; the reason names the checkpoint to resume from."""
-
-    def reason_for(job_id: str) -> str:
-        saved = store.list_checkpoints(db, job_id=job_id)
-        if not saved:
-            return "service restarted; no checkpoint was saved"
-        latest = max(saved, key=lambda c: (c["global_steps"], c["created_at"]))
-        return (
-            f"service restarted; resume from checkpoint {latest['checkpoint_id']} (create a job with "
-            f"source_checkpoint_info={{checkpoint_id: {latest['checkpoint_id']!r}, source_job_id: {job_id!r}}})"
-        )
-
-    failed = store.fail_interrupted_jobs(db, reason_for=reason_for)
-    for job_id in failed:
+def fail_interrupted_jobs(db: store.Database) -> None:
+    """Fail the jobs and requests a previous service process left active; a job's reason names the
+    checkpoint to resume from."""
+    marks = ",".join("?" * len(JOB_ACTIVE_STATES))
+    for row in db.fetch_all(f"SELECT job_id FROM jobs WHERE status IN ({marks})", JOB_ACTIVE_STATES):
+        job_id = row["job_id"]
+        saved = store.list_checkpoints(db, job_id=job_id)  # latest last
+        reason = "service restarted; no checkpoint was saved"
+        if saved:
+            latest = saved[-1]["checkpoint_id"]
+            reason = (
+                f"service restarted; resume from checkpoint {latest} (create a job with "
+                f"source_checkpoint_info={{checkpoint_id: {latest!r}, source_job_id: {job_id!r}}})"
+            )
+        store.update_job(db, job_id=job_id, status="failed", reason=reason)
         _log.warning("job %s was active when the service stopped; marked failed", job_id)
-    return failed
+    error = "service restarted before the request finished; submit it again to a new job"
+    db.execute(
+        "UPDATE requests SET status = 'failed', error = ?, updated_at = ? WHERE status IN ('pending', 'running')",
+        (error, store.now_iso()),
+    )

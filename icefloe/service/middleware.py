@@ -13,13 +13,14 @@ import asyncio
 import contextvars
 import hashlib
 import hmac
-import http.cookies
 import json
 import logging
 import time
 import weakref
 from typing import Any
 
+from starlette.requests import cookie_parser
+from starlette.responses import RedirectResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from icefloe.protocol import ConflictError, InvalidRequestError, PayloadTooLargeError, UnauthenticatedError
@@ -185,17 +186,17 @@ class RequireToken:
             api_key = header(scope, b"x-api-key") if path.startswith(TINKER_PREFIX) else None
             if authorization is None and api_key is not None:  # the Tinker SDK sends its key so
                 authorization = b"Bearer " + api_key
-            if authorization is None:  # a browser after the dashboard's login form
-                cookie = _cookie(scope, TOKEN_COOKIE)
+            if authorization is None and (cookies := header(scope, b"cookie")):  # a browser after the login form
+                cookie = cookie_parser(cookies.decode("latin-1")).get(TOKEN_COOKIE)
                 authorization = b"Bearer " + cookie.encode("latin-1") if cookie else None
             token_type = header(scope, b"x-snowflake-authorization-token-type")
             try:
                 token = _authenticate(self.settings, _text(authorization), _text(token_type))
             except UnauthenticatedError as refused:
                 if path == "/ui" or (path.startswith("/ui/") and not path.startswith("/ui/api/")):
-                    await _redirect(send, "/ui/login")  # a dashboard page: to the login form
+                    await RedirectResponse("/ui/login", 303)(scope, receive, send)  # a dashboard page: log in
                 else:
-                    await send_error(send, refused, close=True)
+                    await send_error(scope, receive, send, refused, close=True)
                 return
             scope[CALLER_SCOPE_KEY] = hashlib.sha256(b"icefloe-caller\0" + token.encode()).hexdigest()
         await self.app(scope, receive, send)
@@ -207,25 +208,6 @@ class RequireToken:
             or path in UI_OPEN_PATHS
             or (path == "/metrics" and self.settings.metrics_public)
         )
-
-
-def _cookie(scope: Scope, name: str) -> str | None:
-    raw = header(scope, b"cookie")
-    if raw is None:
-        return None
-    jar: http.cookies.SimpleCookie = http.cookies.SimpleCookie()
-    try:
-        jar.load(raw.decode("latin-1"))
-    except http.cookies.CookieError:
-        return None
-    morsel = jar.get(name)
-    return morsel.value if morsel is not None and morsel.value else None
-
-
-async def _redirect(send: Send, location: str) -> None:
-    headers = [(b"location", location.encode()), (b"content-length", b"0")]
-    await send({"type": "http.response.start", "status": 303, "headers": headers})
-    await send({"type": "http.response.body", "body": b""})
 
 
 class BodyLimit:
@@ -252,7 +234,7 @@ class BodyLimit:
             # No Content-Length (chunked upload): read up to the cap first, then hand the body on.
             body = await read_body(receive, self.max_bytes)
         except PayloadTooLargeError as refused:
-            await send_error(send, refused, close=True)
+            await send_error(scope, receive, send, refused, close=True)
             return
         if body is not None:
             await self.app(scope, replaying(body, receive), send)
@@ -287,7 +269,8 @@ class IdempotencyKeys:
             return
         key, route, caller = raw_key.decode("latin-1").strip(), f"POST {scope['path']}", scope.get(CALLER_SCOPE_KEY, "")
         if not key or len(key) > _MAX_KEY_LENGTH:
-            await send_error(send, InvalidRequestError(f"Idempotency-Key must be 1-{_MAX_KEY_LENGTH} characters"))
+            refused = InvalidRequestError(f"Idempotency-Key must be 1-{_MAX_KEY_LENGTH} characters")
+            await send_error(scope, receive, send, refused)
             return
         record = {"route": route, "caller": caller, "key": key}
         lock = self._locks.get((route, caller, key))
@@ -301,16 +284,11 @@ class IdempotencyKeys:
             saved = store.get_idempotent_response(self.db, **record, ttl_s=self.settings.idempotency_ttl_s)
             if saved is not None and saved["body_sha256"] != digest:
                 message = "Idempotency-Key was already used on this route with a different body; use a new key"
-                await send_error(send, ConflictError(message))
+                await send_error(scope, receive, send, ConflictError(message))
             elif saved is not None:
-                response = bytes(saved["response"])
-                headers = [
-                    (b"content-type", saved["media_type"].encode()),
-                    (b"content-length", str(len(response)).encode()),
-                    (b"idempotent-replayed", b"true"),
-                ]
-                await send({"type": "http.response.start", "status": saved["status_code"], "headers": headers})
-                await send({"type": "http.response.body", "body": response})
+                replayed = {"idempotent-replayed": "true"}
+                response = Response(bytes(saved["response"]), saved["status_code"], replayed, saved["media_type"])
+                await response(scope, receive, send)
             else:
                 await self._run_and_keep(scope, replaying(body, receive), send, record, digest)
         await self._purge_if_due()
@@ -334,9 +312,9 @@ class IdempotencyKeys:
                 )
                 return
             response, media_type = json.dumps(acceptance).encode(), "application/json"  # what the route accepted
-        store.put_idempotent_response(
-            self.db, **record, body_sha256=digest, status_code=answer.status, response=response, media_type=media_type
-        )
+        kept = {"body_sha256": digest, "status_code": answer.status, "response": response, "media_type": media_type}
+        # REPLACE: a record still in the table past its TTL must not block the new one
+        self.db.insert("idempotency", {**record, **kept, "created_at": store.now_iso()}, verb="INSERT OR REPLACE")
 
     async def _purge_if_due(self) -> None:
         now = time.monotonic()
@@ -373,7 +351,7 @@ class JsonBodies:
             elif body:
                 parse_json_body(body)
         except InvalidRequestError as refused:
-            await send_error(send, refused)
+            await send_error(scope, receive, send, refused)
             return
         await self.app(scope, replaying(body, receive), send)
 

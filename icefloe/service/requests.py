@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import threading
 from collections import OrderedDict
@@ -42,9 +43,7 @@ class RequestTable:
     def add(self, job_id: str, sub_job_id: str, op: str, op_metadata: dict[str, Any]) -> str:
         """Record a pending request; returns its id."""
         request_id = f"{sub_job_id}:{op}:{os.urandom(16).hex()}"
-        created_at = store.insert_request(
-            self._db, request_id=request_id, job_id=job_id, sub_job_id=sub_job_id, op=op, op_metadata=op_metadata
-        )
+        created_at = store.now_iso()
         row = {
             "request_id": request_id,
             "job_id": job_id,
@@ -58,6 +57,7 @@ class RequestTable:
             "result_path": None,
             "op_metadata": op_metadata,
         }
+        self._db.insert("requests", {**row, "op_metadata": json.dumps(op_metadata)})
         with self._lock:
             self._open[request_id] = row
         return request_id

@@ -87,7 +87,10 @@ def json_text(value: Any) -> str | None:
 
 
 def plain_json(value: Any) -> Any:
-    """Tensor-free results as JSON values: scalars of torch/numpy become numbers, NaN becomes None."""
+    """Tensor-free results as JSON values: NaN and infinities become None, keys become str.
+
+    A torch or numpy scalar never reaches here: :func:`contains_tensor` counts it as a tensor.
+    """
     kind = type(value)
     if kind in _JSON_EXACT:  # the common case first: a generate result holds thousands of these
         return value
@@ -97,8 +100,6 @@ def plain_json(value: Any) -> Any:
         return {str(k): plain_json(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [plain_json(v) for v in value]
-    if hasattr(value, "item") and callable(value.item):
-        value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value

@@ -77,7 +77,7 @@ class SubmitOrder:
                 f"{SEQUENCE_HEADER} must be '<session>:<n>' (session: 1-{_MAX_SESSION_LENGTH} characters "
                 f"without ':', n: a number from 0); got {raw[:80].decode('latin-1')!r}"
             )
-            await send_error(send, InvalidRequestError(message))
+            await send_error(scope, receive, send, InvalidRequestError(message))
             return
         number, session = int(number_text), self._session((scope.get(CALLER_SCOPE_KEY, ""), session_id))
         if not await self._turn(session, number):
@@ -85,7 +85,7 @@ class SubmitOrder:
                 f"{SEQUENCE_HEADER} {session_id}:{number} waited {self.gap_timeout_s:g} s for POST "
                 f"{session.next} of its session, which never arrived; send that POST (it may be retried)"
             )
-            await send_error(send, SequenceGapError(message))
+            await send_error(scope, receive, send, SequenceGapError(message))
             return
         answer = Recorder(send, keep_from_status=400)  # only a refusal's body is read below
         token = _RELEASE.set(lambda: session.advance(number))

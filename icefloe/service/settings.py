@@ -86,23 +86,20 @@ class ServeSettings(BaseModel):
         return self.data_dir / "jobs" / job_id
 
     @classmethod
-    def build(cls, **values: Any) -> ServeSettings:
-        """Validate settings and raise :class:`ConfigError` naming every bad field."""
-        return validated(cls, values, "serve.")
-
-    @classmethod
     def from_env(
         cls, environ: Mapping[str, str] | None = None, *, token_file: Path | None = None, **values: Any
     ) -> ServeSettings:
         """Build settings, adding tokens from ``ICEFLOE_SERVE_TOKENS`` and ``token_file`` to any given explicitly.
 
         ``token_file`` holds one token per line; blank lines and lines starting with ``#`` are skipped.
-        Unlike a token on the command line, neither source shows the secret in ``ps``.
+        Unlike a token on the command line, neither source shows the secret in ``ps``. Raises
+        :class:`ConfigError` naming every bad field.
         """
         env = os.environ if environ is None else environ
         from_env = [t for t in env.get(TOKENS_ENV_VAR, "").split(",") if t.strip()]
         explicit = list(values.pop("tokens", None) or ())
-        return cls.build(tokens=explicit + from_env + (_read_tokens(token_file) if token_file else []), **values)
+        tokens = explicit + from_env + (_read_tokens(token_file) if token_file else [])
+        return validated(cls, {**values, "tokens": tokens}, "serve.")
 
 
 def _read_tokens(path: Path) -> list[str]:

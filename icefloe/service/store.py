@@ -51,9 +51,6 @@ CREATE TABLE IF NOT EXISTS job_metrics (
 );
 """
 
-_ACTIVE_JOB_STATES = ("pending", "placing", "initializing", "running", "cancelling")
-_OPEN_REQUEST_STATES = ("pending", "running")
-
 
 def now_iso() -> str:
     """UTC now as ISO-8601 with a ``Z``, the form the training API returns."""
@@ -91,6 +88,12 @@ class Database:
             if self._closed:
                 return 0
             return self._conn.execute(sql, tuple(params)).rowcount
+
+    def insert(self, table: str, row: dict[str, Any], *, verb: str = "INSERT") -> int:
+        """Write ``row`` (column -> value) into ``table``; ``verb`` may say OR IGNORE or OR REPLACE."""
+        return self.execute(
+            f"{verb} INTO {table} ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})", row.values()
+        )
 
     def fetch_all(self, sql: str, params: Iterable[Any] = ()) -> list[dict[str, Any]]:
         with self._lock:
@@ -134,12 +137,8 @@ def lock_data_dir(data_dir: Path) -> int:
 # --- jobs --------------------------------------------------------------------------------------
 def insert_job(db: Database, *, job_id: str, status: str, spec: dict[str, Any]) -> bool:
     """False when a job with this id already exists (nothing is written then)."""
-    now = now_iso()
-    inserted = db.execute(
-        "INSERT OR IGNORE INTO jobs (job_id, status, reason, created_at, updated_at, spec) VALUES (?, ?, '', ?, ?, ?)",
-        (job_id, status, now, now, json.dumps(spec)),
-    )
-    return inserted > 0
+    row = {"job_id": job_id, "status": status, "created_at": (now := now_iso()), "updated_at": now}
+    return db.insert("jobs", {**row, "spec": json.dumps(spec)}, verb="INSERT OR IGNORE") > 0
 
 
 def update_job(db: Database, *, job_id: str, status: str, reason: str | None = None) -> None:
@@ -159,43 +158,7 @@ def list_jobs(db: Database, *, status: str | None = None) -> list[dict[str, Any]
     return [{**row, "spec": json.loads(row["spec"])} for row in db.fetch_all(sql, (status,))]
 
 
-def fail_interrupted_jobs(db: Database, *, reason_for: Any) -> list[str]:
-    """Mark jobs and requests a previous process left in flight as failed; returns the job ids.
-
-    ``reason_for(job_id)`` supplies each job's reason (it names the checkpoint to resume from).
-    """
-    marks = ",".join("?" * len(_ACTIVE_JOB_STATES))
-    job_ids = [
-        r["job_id"] for r in db.fetch_all(f"SELECT job_id FROM jobs WHERE status IN ({marks})", _ACTIVE_JOB_STATES)
-    ]
-    for job_id in job_ids:
-        update_job(db, job_id=job_id, status="failed", reason=reason_for(job_id))
-    marks = ",".join("?" * len(_OPEN_REQUEST_STATES))
-    db.execute(
-        f"UPDATE requests SET status = 'failed', error = ?, updated_at = ? WHERE status IN ({marks})",
-        (
-            "service restarted before the request finished; submit it again to a new job",
-            now_iso(),
-            *_OPEN_REQUEST_STATES,
-        ),
-    )
-    return job_ids
-
-
 # --- requests ----------------------------------------------------------------------------------
-def insert_request(
-    db: Database, *, request_id: str, job_id: str, sub_job_id: str, op: str, op_metadata: dict[str, Any]
-) -> str:
-    """Record a new pending request; returns its ``created_at``."""
-    now = now_iso()
-    db.execute(
-        "INSERT INTO requests (request_id, job_id, sub_job_id, op, status, created_at, updated_at, op_metadata)"
-        " VALUES (?, ?, ?, ?, 'pending', ?, ?, ?)",
-        (request_id, job_id, sub_job_id, op, now, now, json.dumps(op_metadata)),
-    )
-    return now
-
-
 def update_request(db: Database, *, request_id: str, outcome: dict[str, Any]) -> None:
     """Write a request's ``outcome``: status, error, result (JSON text), result_path and updated_at."""
     columns = ("status", "error", "result", "result_path", "updated_at")
@@ -231,28 +194,6 @@ def get_idempotent_response(db: Database, *, route: str, caller: str, key: str, 
     )
 
 
-def put_idempotent_response(
-    db: Database,
-    *,
-    route: str,
-    caller: str,
-    key: str,
-    body_sha256: str,
-    status_code: int,
-    response: bytes,
-    media_type: str,
-) -> None:
-    """Keep a reply; ``caller`` is a hash of the caller's token (:func:`auth.caller_scope`), never the token.
-
-    REPLACE: a record still in the table past its TTL must not block the new one.
-    """
-    db.execute(
-        "INSERT OR REPLACE INTO idempotency (route, caller, key, body_sha256, status_code, response, media_type,"
-        " created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-        (route, caller, key, body_sha256, status_code, response, media_type, now_iso()),
-    )
-
-
 def purge_expired(db: Database, *, idempotency_ttl_s: float) -> int:
     """Delete Idempotency-Key records older than the TTL and expired download links; returns how many."""
     removed = db.execute("DELETE FROM idempotency WHERE created_at < ?", (iso_ago(idempotency_ttl_s),))
@@ -270,11 +211,9 @@ def upsert_checkpoint(
     checkpoint_type: str,
     path: str,
 ) -> None:
-    db.execute(
-        "INSERT OR REPLACE INTO checkpoints (job_id, checkpoint_id, global_steps, avg_loss, created_at,"
-        " checkpoint_type, path) VALUES (?, ?, ?, ?, ?, ?, ?)",
-        (job_id, checkpoint_id, global_steps, avg_loss, now_iso(), checkpoint_type, path),
-    )
+    row = {"job_id": job_id, "checkpoint_id": checkpoint_id, "global_steps": global_steps, "avg_loss": avg_loss}
+    row |= {"created_at": now_iso(), "checkpoint_type": checkpoint_type, "path": path}
+    db.insert("checkpoints", row, verb="INSERT OR REPLACE")
 
 
 def list_checkpoints(db: Database, *, job_id: str) -> list[dict[str, Any]]:

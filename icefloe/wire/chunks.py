@@ -27,7 +27,6 @@ from icefloe.protocol import (
     ChunkIndexError,
     ChunkMismatchError,
     FrameFormatError,
-    WireError,
 )
 from icefloe.wire.frames import FrameHeader, as_byte_view, read_header
 from icefloe.wire.tree import WIRE_VERSION, decode, encode, parse_op, read_metadata
@@ -36,6 +35,7 @@ __all__ = [
     "CHUNK_OVERHEAD_BYTES",
     "MAX_POST_BYTES",
     "ChunkKind",
+    "b64decode",
     "chunk_descriptor",
     "chunk_payload",
     "decode_inline_result",
@@ -286,7 +286,7 @@ def join_result_events(events: Iterable[dict[str, Any]]) -> bytes:
         if not isinstance(event, dict) or event.get("type") != "result_chunk":
             kind = event.get("type") if isinstance(event, dict) else type(event).__name__
             raise ChunkError(f"event {position} is {kind!r}, not a result_chunk event")
-        chunk = _b64decode(event.get("payload_b64"), f"event {position} payload_b64", ChunkError)
+        chunk = b64decode(event.get("payload_b64"), f"event {position} payload_b64", ChunkError)
         expected = event.get("payload_sha256")
         if expected is not None:
             actual = hashlib.sha256(chunk).hexdigest()
@@ -324,11 +324,12 @@ def decode_inline_result(envelope: dict[str, Any], *, tensors: str = "torch") ->
     for field, value in expected.items():
         if (field in envelope or field != "content_type") and envelope.get(field) != value:
             raise FrameFormatError(f"inline result {field} must be {value!r}; got {envelope.get(field)!r:.80}")
-    frame = _b64decode(envelope.get("payload_b64"), "inline result payload_b64", FrameFormatError)
+    frame = b64decode(envelope.get("payload_b64"), "inline result payload_b64", FrameFormatError)
     return decode(frame, tensors=tensors)
 
 
-def _b64decode(text: object, what: str, error_class: type[WireError]) -> bytes:
+def b64decode(text: object, what: str, error_class: type[Exception]) -> bytes:
+    """Strictly decode the base64 ``text``; ``error_class`` naming ``what`` if it is not base64."""
     if not isinstance(text, str):
         raise error_class(f"{what} must be a base64 str; got {type(text).__name__}")
     try:

@@ -13,9 +13,8 @@ from fastapi.responses import FileResponse
 
 from icefloe.protocol import ExpiredError, NotFoundError
 from icefloe.service import store
-from icefloe.service.deps import JobsDep, SettingsDep, StoreDep
 from icefloe.service.models import CheckpointExport, CheckpointList
-from icefloe.service.routes import api_router
+from icefloe.service.routes import JobsDep, SettingsDep, StoreDep, api_router
 
 __all__ = ["files_router", "router"]
 

@@ -24,7 +24,6 @@ from starlette.routing import Route
 
 from icefloe import wire
 from icefloe.protocol import OP_FORWARD, OP_FWD_BWD, OP_GENERATE
-from icefloe.service.deps import JobsDep, OctetBody
 from icefloe.service.jobs import JobManager, LiveJob
 from icefloe.service.models import LoadBody, RequestAccepted, SaveBody, StepBody
 from icefloe.service.operations import (
@@ -36,7 +35,7 @@ from icefloe.service.operations import (
     submit_save,
     submit_step,
 )
-from icefloe.service.routes import API_PREFIX, api_router
+from icefloe.service.routes import API_PREFIX, JobsDep, OctetBody, api_router
 from icefloe.service.routes.requests import with_answer
 
 __all__ = ["STEP_ROUTES", "router"]

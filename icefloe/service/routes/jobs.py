@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from fastapi.concurrency import run_in_threadpool
 
-from icefloe.service.deps import JobsDep
 from icefloe.service.models import ExperimentRun, JobCreate, JobCreated, JobList, JobPublic
-from icefloe.service.routes import api_router
+from icefloe.service.routes import JobsDep, api_router
 
 __all__ = ["router"]
 

@@ -13,9 +13,8 @@ from typing import Any
 from fastapi import APIRouter, Body, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from icefloe.service.deps import JobsDep
 from icefloe.service.metrics import check_reported
-from icefloe.service.routes import api_router
+from icefloe.service.routes import JobsDep, api_router
 
 __all__ = ["prometheus_router", "router"]
 

@@ -9,22 +9,20 @@ types this service does not run answer 501 ``not_implemented``. A polled operati
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 
 from fastapi import APIRouter, Response
 from fastapi.concurrency import run_in_threadpool
 from pydantic import ValidationError
 
 from icefloe.protocol import OP_FORWARD, OP_RESET_PREFIX_CACHE, OP_WEIGHT_SYNC, InvalidRequestError, UnsupportedOpError
-from icefloe.service.deps import JobsDep
 from icefloe.service.jobs import JobManager
 from icefloe.service.models import CancelRequestPayload, OperationBody, TailLogsPayload, WeightSyncPayload
 from icefloe.service.operations import forward_target, submit_frame, submit_weight_sync, validation_text
-from icefloe.service.routes import api_router
+from icefloe.service.routes import JobsDep, api_router
 from icefloe.service.routes.capabilities import SUPPORTED_OPERATIONS
 from icefloe.service.routes.requests import with_answer
 from icefloe.service.sequencing import release_turn
+from icefloe.wire.chunks import b64decode
 
 __all__ = ["router", "statements_router"]
 
@@ -36,17 +34,6 @@ def _payload(model, body: OperationBody):
         return model.model_validate(body.payload or {})
     except ValidationError as exc:
         raise InvalidRequestError(f"{body.operation_type}: {validation_text(exc, prefix='payload.')}") from None
-
-
-def _frame_bytes(body: OperationBody) -> bytes:
-    payload = body.payload or {}
-    encoded = payload.get("payload_b64")
-    if not isinstance(encoded, str):
-        raise InvalidRequestError("forward: payload.payload_b64 must hold the base64 of a DSSST1 frame")
-    try:
-        return base64.b64decode(encoded, validate=True)
-    except (binascii.Error, ValueError):
-        raise InvalidRequestError("forward: payload.payload_b64 is not valid base64") from None
 
 
 async def _reset_prefix_cache(jobs: JobManager, job_id: str, body: OperationBody) -> dict:
@@ -96,7 +83,8 @@ async def operation(job_id: str, body: OperationBody, jobs: JobsDep, wait: float
         return await with_answer(jobs, accepted, wait)
     assert kind == OP_FORWARD
     target, reference = forward_target(jobs, job, sub_job_id=body.sub_job_id, sub_job_type=body.sub_job_type)
-    frame = _frame_bytes(body)
+    encoded = (body.payload or {}).get("payload_b64")
+    frame = b64decode(encoded, "forward: payload.payload_b64 (the base64 of a DSSST1 frame)", InvalidRequestError)
     accepted = await run_in_threadpool(
         submit_frame, jobs, job, OP_FORWARD, frame, sub_job_id=target, reference=reference
     )

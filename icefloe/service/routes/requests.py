@@ -15,12 +15,11 @@ import orjson
 from fastapi import Response
 from fastapi.concurrency import run_in_threadpool
 
-from icefloe.service.deps import JobsDep
 from icefloe.service.jobs import JobManager
 from icefloe.service.middleware import note_acceptance
 from icefloe.service.models import RequestPublic
 from icefloe.service.results import DEFAULT_MAX_EVENTS, MAX_EVENTS_CAP, JsonText
-from icefloe.service.routes import api_router
+from icefloe.service.routes import JobsDep, api_router
 from icefloe.service.sequencing import release_turn
 
 __all__ = ["answer_request", "answer_response", "router", "with_answer"]

@@ -15,9 +15,9 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
 from icefloe.service import store
-from icefloe.service.deps import JobsDep, SettingsDep, StoreDep
 from icefloe.service.jobs import JobManager
 from icefloe.service.middleware import TOKEN_COOKIE, matching_token
+from icefloe.service.routes import JobsDep, SettingsDep, StoreDep
 
 __all__ = ["install_ui"]
 
