@@ -81,6 +81,7 @@ __all__ = [
     "OP_WEIGHT_SYNC",
     "REQUEST_FAILURE_STATES",
     "REQUEST_SUCCESS_STATES",
+    "SEGMENT_BY_JOB_TYPE",
     "SEQUENCE_HEADER",
     "TARGETS",
     "TARGET_JOB",
@@ -116,6 +117,7 @@ __all__ = [
     "WireError",
     "checked_metrics",
     "normalize_job_state",
+    "normalize_job_type",
     "normalize_request_state",
 ]
 
@@ -230,6 +232,18 @@ JOB_ACTIVE_STATES: Final = frozenset({"pending", "placing", "initializing", "run
 JOB_TERMINAL_STATES: Final = frozenset({"cancelled", "canceled", "terminated", "failed", "done"})
 REQUEST_SUCCESS_STATES: Final = frozenset({"done", "completed", "succeeded"})
 REQUEST_FAILURE_STATES: Final = frozenset({"failed", "cancelled", "canceled"})
+
+
+#: A sub-job id is ``{job_id}:{segment}:{index}``; the segment names its job type too.
+SEGMENT_BY_JOB_TYPE: Final = {"training": "training", "sampling": "sampling", "log_probability": "log_prob"}
+_JOB_TYPE_ALIASES: Final = {"log_prob": "log_probability", "logprob": "log_probability", "log_probs": "log_probability"}
+
+
+def normalize_job_type(value: object) -> str:
+    """A job type as the API may spell it (``JOB_TYPE_LOG_PROB``, ``log_prob``, `` Training``) in its plain
+    form; unknown stays as-is."""
+    text = str(value or "").strip().lower().removeprefix("job_type_")
+    return _JOB_TYPE_ALIASES.get(text, text)
 
 
 def normalize_job_state(value: object) -> str:

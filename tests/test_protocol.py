@@ -54,6 +54,15 @@ def test_normalize_job_state(raw, state):
     assert p.normalize_job_state(raw) == state
 
 
+@pytest.mark.parametrize(
+    ("raw", "job_type"),
+    [("JOB_TYPE_LOG_PROB", "log_probability"), (" Training", "training"), ("logprob", "log_probability"), ("x", "x")],
+)
+def test_normalize_job_type_reads_every_spelling_of_a_job_type(raw, job_type):
+    assert p.normalize_job_type(raw) == job_type
+    assert job_type not in p.SEGMENT_BY_JOB_TYPE or p.normalize_job_type(p.SEGMENT_BY_JOB_TYPE[job_type]) == job_type
+
+
 def test_sampling_params_accept_vllm_logprobs_ints():
     assert p.SamplingParams(logprobs=0).logprobs is True
     assert p.SamplingParams(logprobs=None).logprobs is False

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from icefloe.protocol import (
+    SEGMENT_BY_JOB_TYPE,
     ClientClosedError,
     ConfigError,
     ConflictError,
@@ -29,19 +30,20 @@ from icefloe.protocol import (
     UnsupportedOpError,
     WireError,
     normalize_job_state,
+    normalize_job_type,
 )
 from icefloe.service import store
 from icefloe.service.chunks import ChunkGroups
 from icefloe.service.joblog import JobLog, JobLogRouter
 from icefloe.service.lifecycle import JobState
 from icefloe.service.metrics import ServiceMetrics
-from icefloe.service.models import JobCreate, enum_text
+from icefloe.service.models import JobCreate
 from icefloe.service.placement import SlotPool
 from icefloe.service.requests import RequestTable
 from icefloe.service.results import JsonText, ResultPages, json_text, wants_dssst1
 from icefloe.service.runtime import JobEngines, make_engine_host
 from icefloe.service.settings import ServeSettings
-from icefloe.service.specs import SEGMENT_BY_JOB_TYPE, SubJobSpec, sub_job_specs
+from icefloe.service.specs import SubJobSpec, sub_job_specs
 
 __all__ = ["JobManager", "LiveJob", "job_type_named"]
 
@@ -481,13 +483,9 @@ def _pick_sub_job(
     return matches[0]
 
 
-_JOB_TYPE_BY_SEGMENT = {segment: job_type for job_type, segment in SEGMENT_BY_JOB_TYPE.items()}
-
-
 def job_type_named(sub_job_type: str) -> str:
     """The job type a ``sub_job_type`` hint names (``JOB_TYPE_LOG_PROB``, ``log_probability``, ...)."""
-    text = enum_text(sub_job_type)
-    text = _JOB_TYPE_BY_SEGMENT.get(text, text)  # the segment spelling (log_prob) names its job type too
+    text = normalize_job_type(sub_job_type)
     if text not in SEGMENT_BY_JOB_TYPE:
         raise InvalidRequestError(f"sub_job_type must be one of {sorted(SEGMENT_BY_JOB_TYPE)}; got {sub_job_type!r}")
     return text

@@ -16,12 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from icefloe.config import ClientConfig, LoraConfig
-from icefloe.protocol import ConfigError, InvalidRequestError
+from icefloe.protocol import SEGMENT_BY_JOB_TYPE, ConfigError, InvalidRequestError
 from icefloe.service.models import InferenceConfig, JobCreate, SubJobConfig, TrainingConfigSpec
 
-__all__ = ["SEGMENT_BY_JOB_TYPE", "SubJobSpec", "sub_job_specs"]
+__all__ = ["SubJobSpec", "sub_job_specs"]
 
-SEGMENT_BY_JOB_TYPE = {"training": "training", "sampling": "sampling", "log_probability": "log_prob"}
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _PRESET_PREFIX = "tiny:"  # models built in code (icefloe.engines.models.TINY_PRESETS)
 _PRIME_RL_DTYPES = ("optimization_dtype", "reduce_dtype")

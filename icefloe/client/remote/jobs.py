@@ -39,7 +39,6 @@ MANAGED_OPS: Final = api.OPS - MEMORY_OPS - {api.OP_FORWARD}  # what the managed
 # Capability names that differ from the op constants.
 _CAPABILITY_ALIASES: Final = {"export-checkpoint": api.OP_GET_CHECKPOINT}
 _ENGINE_KWARGS_SET_BY_API: Final = ("max_model_len", "tensor_parallel_size")  # the API sets these itself
-_SEGMENTS: Final = {"training": "training", "sampling": "sampling", "log_probability": "log_prob"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +61,7 @@ class JobRef:
     sub_jobs: dict[str, list[str]] = field(default_factory=dict)
 
     def first(self, job_type: str) -> str | None:
-        ids = self.sub_jobs.get(job_type) or []
-        return ids[0] if ids else None
+        return next(iter(self.sub_jobs.get(job_type) or ()), None)
 
 
 async def probe_service(http: Http) -> ServiceInfo:
@@ -142,18 +140,13 @@ def _job_object(body: Any) -> dict[str, Any]:
     return dict(body) if isinstance(body, Mapping) else {}
 
 
-def _job_type(value: Any) -> str:
-    text = str(value or "").strip().lower().removeprefix("job_type_")
-    return "log_probability" if text in ("log_prob", "logprob", "log_probs") else text
-
-
 def sub_jobs_of(job_id: str, job: Mapping[str, Any], config: ClientConfig) -> dict[str, list[str]]:
     """Sub-job ids by type from a job object; those ``config`` asks for and the job lacks follow
     ``{job_id}:{segment}:{index}``."""
     found: dict[str, list[str]] = {}
     for sub in job.get("sub_jobs") or ():
         if isinstance(sub, Mapping) and sub.get("sub_job_id"):
-            found.setdefault(_job_type(sub.get("job_type")), []).append(str(sub["sub_job_id"]))
+            found.setdefault(api.normalize_job_type(sub.get("job_type")), []).append(str(sub["sub_job_id"]))
     expected = {
         "training": 1,
         "sampling": int(config.num_sampling_workers > 0),
@@ -161,7 +154,7 @@ def sub_jobs_of(job_id: str, job: Mapping[str, Any], config: ClientConfig) -> di
     }
     for job_type, count in expected.items():
         if count and not found.get(job_type):
-            found[job_type] = [f"{job_id}:{_SEGMENTS[job_type]}:{i}" for i in range(count)]
+            found[job_type] = [f"{job_id}:{api.SEGMENT_BY_JOB_TYPE[job_type]}:{i}" for i in range(count)]
     return found
 
 
