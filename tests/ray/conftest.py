@@ -1,4 +1,5 @@
-"""The one Ray session fixture of the Ray tests: a local Ray with 2 CPUs per test module, shut down after it."""
+"""The one Ray session of the Ray tests: a local Ray with 2 CPUs, started once for this folder and shut down
+after it (each start and stop took ~4 s, and a fresh Ray re-imported torch in every first actor)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 import pytest
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def ray_session():
     ray = pytest.importorskip("ray")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="icefloe-tests")

@@ -116,6 +116,7 @@ async def _sample_from_checkpoint(base_url: str, model_dir: Path, job_id: str, c
         return (await api.result(served, accepted["request_id"]))["results"][0]
 
 
+@pytest.mark.slow  # ~10 s: a service, its Ray actors and a whole train-sync-sample round
 def test_serve_with_ray_engines_syncs_lora_adapters(ray_session, model_dir, tmp_path):
     settings = ServeSettings(data_dir=tmp_path / "serve", engines="ray", model_root=model_dir.parent)
     app = create_app(settings, pool=SlotPool("cpu", 2))

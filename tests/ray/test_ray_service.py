@@ -26,6 +26,7 @@ def test_make_engine_host_ray_names_the_choice():
     assert isinstance(make_engine_host("ray", [], {}, {}, Path("logs")), RayEngineHost)
 
 
+@pytest.mark.slow  # ~10 s: a service, its Ray actors and a whole train-sync-sample round
 def test_serve_with_ray_engines_trains_syncs_and_samples(ray_session, model_dir, tmp_path):
     settings = ServeSettings(data_dir=tmp_path / "serve", engines="ray", model_root=model_dir.parent)
     app = create_app(settings, pool=SlotPool("cpu", 2))

@@ -7,20 +7,12 @@ import torch
 from torch.testing import assert_close
 
 from icefloe.engines.training import TrainingEngine
-
-from .engine_batches import make_config
+from tests.engines.engine_batches import make_config
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("peft")
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="icefloe-lora-tests")
-    yield
-    ray.shutdown()
 
 
 def test_lora_on_ray_syncs_adapters_and_sampler_matches_trainer(ray_session, model_dir, tmp_path):
@@ -31,7 +23,7 @@ def test_lora_on_ray_syncs_adapters_and_sampler_matches_trainer(ray_session, mod
         lora={"rank": 4, "alpha": 8},
         num_training_workers=2,
         training={"optimizer": {"lr": 2e-2}, "checkpoint_dir": str(tmp_path)},
-        backend={"type": "ray", "namespace": "icefloe-lora-tests", "num_cpus_per_worker": 0.25},
+        backend={"type": "ray", "namespace": "icefloe-tests", "num_cpus_per_worker": 0.25},
     )
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     with Client(config) as client:
