@@ -165,6 +165,6 @@ def serve(settings: ServeSettings, *, log_level: str = "info") -> None:
     _log.info("icefloe serve on http://%s:%d (data in %s)", settings.host, settings.port, settings.data_dir)
     _log.info("dashboard: http://%s:%d/ui", settings.host, settings.port)
     # What is alive now (torch, transformers, the app) lives as long as the process: a full collection
-    # that walked it each time paused every request for ~150 ms.
+    # that walked it each time paused every request for 120-150 ms.
     gc.freeze()
     uvicorn.Server(config).run(sockets=[config.bind_socket()])

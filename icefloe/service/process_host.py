@@ -332,7 +332,7 @@ def _child_main(
         tell("failed", _portable(exc))
         return
     # The engines live until this process exits: leave them out of every later collection (a full
-    # one walked the model's objects each time, pausing training for ~350 ms).
+    # one walked the model's objects each time, pausing training for ~250 ms).
     gc.freeze()
     tell("ready", None)
     threads = [
