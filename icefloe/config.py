@@ -46,7 +46,7 @@ __all__ = [
     "validation_problems",
 ]
 
-_Model = TypeVar("_Model", bound=BaseModel)
+_Validated = TypeVar("_Validated", bound=BaseModel)
 
 # Env vars that pick the backend when a framework's own config cannot say (first set wins).
 BACKEND_ENV_VARS = ("ICEFLOE_BACKEND", "ARCTIC_BACKEND")
@@ -442,7 +442,7 @@ def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
     return "invalid icefloe config:\n  " + "\n  ".join(validation_problems(exc, prefix))
 
 
-def validated(model: type[_Model], data: Mapping[str, Any], prefix: str = "") -> _Model:
+def validated(model: type[_Validated], data: Mapping[str, Any], prefix: str = "") -> _Validated:
     """``data`` validated as ``model``, or :class:`ConfigError` naming every bad field (dotted from ``prefix``)."""
     try:
         return model.model_validate(data)
