@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from icefloe.protocol import InvalidRequestError
+from icefloe.protocol import InvalidRequestError, normalize_job_type
 
 # Containers nested deeper than this are refused. Real bodies nest fewer than ten; past a few
 # hundred, pydantic's encoder fails (a 500), past about a thousand the parser itself does.
@@ -74,12 +74,7 @@ JobType = Literal["training", "sampling", "log_probability"]
 
 
 # Enum-like strings arrive in any case, the managed API's job types with their JOB_TYPE_ prefix.
-def enum_text(value: str) -> str:
-    """An enum-like name as the reference may spell it (``JOB_TYPE_TRAINING``, `` Training``) in its plain form."""
-    return value.strip().lower().removeprefix("job_type_")
-
-
-_EnumText = BeforeValidator(lambda v: enum_text(v) if isinstance(v, str) else v)
+_EnumText = BeforeValidator(lambda v: normalize_job_type(v) if isinstance(v, str) else v)
 
 
 class _Open(BaseModel):
