@@ -8,7 +8,6 @@ polls back off 0.5 s × 1.25 up to 6 s. No sleep runs past the deadline.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -51,18 +50,17 @@ class FrameResult(dict):
 
 
 def decode_result(result: Any, chunk_events: list[dict[str, Any]]) -> dict[str, Any]:
-    """The result from result chunks, an inline envelope or plain JSON (empty: ``{}``); tensors as torch if there."""
+    """The result from result chunks, an inline envelope or plain JSON (empty: ``{}``); tensors: torch, else numpy."""
     if not chunk_events and not (isinstance(result, Mapping) and "payload_b64" in result and "wire_format" in result):
         if result is None or result == {}:
             return {}
         return dict(result) if isinstance(result, Mapping) else {"result": result}
-    tensors = "torch" if importlib.util.find_spec("torch") is not None else "numpy"
     if chunk_events:
-        decoded = wire.decode(wire.join_result_events(chunk_events), tensors=tensors)
+        decoded = wire.decode(wire.join_result_events(chunk_events))
         if not isinstance(decoded, dict):
             raise RequestFailedError(f"result chunks decoded to {type(decoded).__name__}, expected a dict")
         return FrameResult(decoded)
-    decoded = wire.decode_inline_result(dict(result), tensors=tensors)
+    decoded = wire.decode_inline_result(dict(result))
     return FrameResult(decoded) if isinstance(decoded, dict) else decoded
 
 
