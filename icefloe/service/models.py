@@ -78,9 +78,10 @@ _EnumText = BeforeValidator(lambda v: normalize_job_type(v) if isinstance(v, str
 
 
 class _Open(BaseModel):
-    """Typed keys are validated; unknown keys are kept (passthrough of the managed API)."""
+    """Typed keys are validated; unknown keys are kept (passthrough of the managed API). A typed number is
+    finite whatever the route or media type (``1e400`` parses as infinity)."""
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", populate_by_name=True, allow_inf_nan=False)
 
 
 # --- create job --------------------------------------------------------------------------------

@@ -255,6 +255,12 @@ async def test_non_finite_numbers_are_refused_naming_the_field(data_dir):
             )
             assert (response.status_code, response.json()["code"]) == (400, "invalid_argument"), number
             assert "learning_rate=" in response.json()["message"], number
+        # a body not labelled JSON is parsed by the step route itself, and is held to the same rule
+        for headers in ({"content-type": "text/plain"}, {}):
+            response = await api.call(
+                "POST", f"/{job_id}/step", content='{"learning_rate": 1e400}', headers=headers, check=False
+            )
+            assert (response.status_code, response.json()["code"]) == (400, "invalid_argument"), headers
         stream = b'{"prompts": [[1, 2]], "sampling_params": {"temperature": Infinity, "max_tokens": 2}}'
         response = await api.call(
             "POST",
