@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from icefloe.protocol import ClientClosedError, InvalidRequestError, SamplingParams
+from icefloe.protocol import ClientClosedError, SamplingParams
 from icefloe.service.runtime import JobEngines
 from icefloe.service.specs import SubJobSpec
 
@@ -134,7 +134,6 @@ class ProcessEngineHost(JobEngines):
         self._log_dir = log_dir
         self._process: Any = None
         self._control: Connection | None = None
-        self._channels: dict[str, Channel] = {}
         self._reaping = threading.Lock()
         self.pid: int | None = None
         self.exit_code: int | None = None  # once the child ended; negative: the signal that ended it
@@ -159,7 +158,8 @@ class ProcessEngineHost(JobEngines):
             for _, child in ends.values():
                 child.close()
         self._process, self.pid = process, process.pid
-        self._channels = {sid: Channel(parent, lost=self._lost) for sid, (parent, _) in ends.items()}
+        # each sub-job's engine, as far as this process sees it: the channel to it
+        self._engines = {sid: Channel(parent, lost=self._lost) for sid, (parent, _) in ends.items()}
         on_progress(f"engines run in process {process.pid}")
         while True:
             if not control.poll(_START_TIMEOUT_S):
@@ -187,13 +187,13 @@ class ProcessEngineHost(JobEngines):
         """The job is stopping: every call waiting on the engine process fails now, as cancelled,
         and so does any later one; the process exits after the op it is running."""
         self._stopping = True
-        for channel in self._channels.values():
+        for channel in self._engines.values():
             channel.shut()
 
     def close(self) -> None:
         """Interrupt, let the child release its engines and exit; kill it after a few seconds."""
         self.interrupt()
-        for channel in self._channels.values():
+        for channel in self._engines.values():
             channel.close()
         if self._control is not None:
             self._control.close()  # the child's EOF: it releases its engines and exits
@@ -224,10 +224,7 @@ class ProcessEngineHost(JobEngines):
         return self._call(sub_job_id, "generate_json", prompts, params)
 
     def _call(self, sub_job_id: str, method: str, *args: Any) -> Any:
-        channel = self._channels.get(sub_job_id)
-        if channel is None:
-            raise InvalidRequestError(f"sub-job {sub_job_id!r} has no engine in this job")
-        return channel.call(method, sub_job_id, *args)
+        return self._engine(sub_job_id).call(method, sub_job_id, *args)
 
 
 class _TensorPickler(pickle.Pickler):

@@ -9,6 +9,7 @@ and a stopping job never waits on its engine process for long.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import multiprocessing
@@ -20,7 +21,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from icefloe.protocol import ClientClosedError, InvalidRequestError
+from icefloe.protocol import ClientClosedError, InvalidRequestError, SamplingParams
 from icefloe.service.models import JobCreate
 from icefloe.service.process_host import Channel, ProcessEngineHost, serve
 from icefloe.service.specs import sub_job_specs
@@ -219,8 +220,28 @@ def test_a_shut_channel_fails_the_waiting_call_and_every_later_one_at_once():
             channel.call("echo", 1)
 
 
-def _started_host(name: str) -> tuple[ProcessEngineHost, str]:
-    specs = sub_job_specs(name, JobCreate.model_validate({"sub_job_configs": [TRAINING]}))
+def test_generate_samples_are_encoded_as_json_in_the_engine_process():
+    """A refactor once moved the encoding into the service: 768 samples a demo step crossed the pipe as
+    Python objects and were unpickled and encoded there."""
+    host, sub_job_id = _started_host("encode", SAMPLING)
+    try:
+        params = [SamplingParams(max_tokens=3, seed=1)]
+
+        def not_here(*args: object) -> None:
+            raise AssertionError("generate ran in the service process")
+
+        host.generate = not_here  # type: ignore[method-assign]
+        texts = host.generate_json(sub_job_id, [[1, 2, 3]], params)
+        assert [type(text) for text in texts] == [str]
+        assert len(json.loads(texts[0])["token_ids"]) == 3
+        with pytest.raises(InvalidRequestError, match="sub-job 'nope' has no engine in this job"):
+            host.generate_json("nope", [[1, 2, 3]], params)
+    finally:
+        host.close()
+
+
+def _started_host(name: str, sub_job: dict = TRAINING) -> tuple[ProcessEngineHost, str]:
+    specs = sub_job_specs(name, JobCreate.model_validate({"sub_job_configs": [sub_job]}))
     sub_job_id = specs[0].sub_job_id
     host = ProcessEngineHost(specs, {sub_job_id: "cpu"}, {})
     host.start(lambda message: None)
