@@ -403,8 +403,10 @@ async def _queue_sample(state: TinkerState, sampler: SamplingSession, body: dict
                 mine = samples[cursor : cursor + item_params.n]
                 cursor += item_params.n
                 # The engine repeats the prompt's log-probs on each sample; the call keeps them once.
-                prompt = {key: mine[0].get(key) for key in _PROMPT_KEYS}
-                mine = [{k: v for k, v in sample.items() if k not in _PROMPT_KEYS} for sample in mine]
+                prompt = {key: mine[0].pop(key, None) for key in _PROMPT_KEYS}  # the samples are this call's own
+                for sample in mine[1:]:
+                    for key in _PROMPT_KEYS:
+                        sample.pop(key, None)
                 results[-1].append({"samples": mine, **prompt})
         return results
 
@@ -531,7 +533,7 @@ async def weights_info(body: dict[str, Any], state: State) -> dict[str, Any]:
 # --- futures ---------------------------------------------------------------------------------
 @router.post("/cancel_future")
 async def cancel_future(body: dict[str, Any], state: State) -> dict[str, Any]:
-    await state.cancel(str(body.get("request_id")))
+    state.cancel(str(body.get("request_id")))
     return {}
 
 
@@ -550,6 +552,10 @@ async def retrieve_futures(body: dict[str, Any], state: State) -> dict[str, Any]
     return {"completions": completions, "cursor": cursor}
 
 
+def _try_again(future_id: str) -> JSONResponse:
+    return JSONResponse({"type": "try_again", "request_id": future_id, "queue_state": "active"})
+
+
 @router.post("/retrieve_future")
 async def retrieve_future(body: dict[str, Any], state: State) -> Response:
     future_id = str(body.get("request_id"))
@@ -560,15 +566,15 @@ async def retrieve_future(body: dict[str, Any], state: State) -> Response:
         if future.request_id is None and future.gathering is None:
             job = await state.running(future.job_id, _POLL_S)
             if job is None:
-                return JSONResponse({"type": "try_again", "request_id": future_id, "queue_state": "active"})
+                return _try_again(future_id)
             answer = future.render(None)
         else:
             request_id = await state.request_of(future, _POLL_S)
             if request_id is None:
-                return JSONResponse({"type": "try_again", "request_id": future_id, "queue_state": "active"})
+                return _try_again(future_id)
             row = await state.manager.requests.wait(future.job_id, request_id, _POLL_S)
             if row["status"] in ("pending", "running"):
-                return JSONResponse({"type": "try_again", "request_id": future_id, "queue_state": "active"})
+                return _try_again(future_id)
             if row["status"] != "done":
                 # A caller's mistake fails the request and leaves the job up; an engine crash fails the job.
                 running = state.manager.public(future.job_id)["status"] == "running"

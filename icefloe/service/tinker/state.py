@@ -81,15 +81,14 @@ class Future:
     ``request_id`` set: a request of the job's table, its stored result passed through ``render``
     (a JSON dict, or protobuf bytes); with ``part``, the result is a list and this future renders
     its ``part``-th entry (sample calls gathered into one request). A gathered call's future exists
-    before its request does: its ``gathering`` gives the request id and the number of calls sharing
-    it once sent. Neither set: the job itself, ``render(None)`` once it runs.
+    before its request does: its ``gathering`` gives the request id once sent. Neither set: the job
+    itself, ``render(None)`` once it runs.
     """
 
     job_id: str
     render: Callable[[Any], dict[str, Any] | bytes]
     request_id: str | None = None
     part: int | None = None
-    parts: int = 1  # how many futures share the request
     rendered: dict[str, Any] | bytes | None = None  # rendered with a sibling, until first read
     gathering: _Gathering | None = None
 
@@ -142,11 +141,12 @@ class SamplingSession:
 class _Gathering:
     gathering_id: str  # its calls' futures are <gathering_id>.<index>
     items: list[Any]
-    submitted: asyncio.Future[tuple[str, int]]  # the request id the items went out under, and their count
+    submitted: asyncio.Future[str]  # the request id the items went out under
     quiet_until: float
     deadline: float
     sender: asyncio.Task[None] | None = None
-    cancelled: set[int] = field(default_factory=set)  # items cancelled before it was sent
+    cancelled: set[int] = field(default_factory=set)  # items cancelled, before or after it was sent
+    size: int = 0  # how many items it was sent with (cancelled ones included)
 
 
 class TinkerState:
@@ -167,7 +167,6 @@ class TinkerState:
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, SamplingSession] = {}
         self.futures: dict[str, Future] = {}
-        self.cancelled_parts: dict[str, set[int]] = {}  # request id -> its futures cancelled so far
 
     # --- sessions -----------------------------------------------------------------------------
     def create_session(self) -> str:
@@ -347,34 +346,25 @@ class TinkerState:
             submitted = future.gathering.submitted
             await asyncio.wait([submitted], timeout=timeout_s)
             if submitted.done():
-                future.request_id, future.parts = submitted.result()
+                future.request_id = submitted.result()
         return future.request_id
 
-    async def cancel(self, future_id: str) -> None:
+    def cancel(self, future_id: str) -> None:
         """Drop a future's request if it has not started, once every future sharing it was cancelled;
         a request that runs or ran is left as it is."""
         future = self.futures.get(future_id)
         if future is None:
             raise NotFoundError(f"future {future_id} not found")
-        if future.gathering is None and future.request_id is None:
-            return  # a model being created: its session's end cancels it
-        if future.gathering is not None and not future.gathering.submitted.done():
-            future.gathering.cancelled.add(future.part or 0)  # left out when the gathering is sent
-            return
-        try:
-            await self.request_of(future, 0.0)  # its gathering was sent already (checked above): no wait
-        except Exception:  # a refused gathering: nothing was queued
-            return
-        if future.request_id is None:
-            return
-        cancelled = self.cancelled_parts.setdefault(future.request_id, set())
-        cancelled.add(future.part or 0)
-        while len(self.cancelled_parts) > _FUTURES_KEPT:
-            del self.cancelled_parts[next(iter(self.cancelled_parts))]
-        if len(cancelled) == future.parts:
-            del self.cancelled_parts[future.request_id]
+        request_id, gathering = future.request_id, future.gathering
+        if gathering is not None:
+            gathering.cancelled.add(future.part or 0)  # before it is sent: left out of it
+            sent = gathering.submitted
+            if not sent.done() or sent.exception() is not None or len(gathering.cancelled) < gathering.size:
+                return  # still gathering, refused (nothing was queued), or wanted by another call
+            request_id = sent.result()
+        if request_id is not None:  # None: a model being created; its session's end cancels it
             with contextlib.suppress(NotFoundError):  # long finished and forgotten
-                self.manager.requests.cancel(future.job_id, future.request_id, why="cancelled by the caller")
+                self.manager.requests.cancel(future.job_id, request_id, why="cancelled by the caller")
 
     async def completions(
         self, sampler: SamplingSession, clone: int, prev_cursor: int, wait_s: float
@@ -422,7 +412,7 @@ class TinkerState:
                 return None  # still gathering
             if future.gathering.submitted.exception() is not None:
                 return "failed"
-            future.request_id, future.parts = future.gathering.submitted.result()
+            future.request_id = future.gathering.submitted.result()
         if self.manager.requests.is_open(future.request_id):
             return None
         row = self.manager.requests.get(future.job_id, future.request_id)
@@ -434,9 +424,8 @@ class TinkerState:
         Returns the gathering and the item's index in it. Once no call has arrived for
         ``GATHER_QUIET_S`` (at most ``GATHER_MAX_S`` after the first), ``submit(items)`` sends them
         as one request (which still batches with other sessions' requests on the sampler), an item
-        cancelled meanwhile as None, and ``submitted`` gets the request id and the number of items
-        sent. The caller answers at once with a future id, so the client's polls overlap the
-        gathering instead of following it.
+        cancelled meanwhile as None, and ``submitted`` gets the request id. The caller answers at once
+        with a future id, so the client's polls overlap the gathering instead of following it.
         """
         loop = asyncio.get_running_loop()
         now = loop.time()
@@ -458,12 +447,11 @@ class TinkerState:
             await asyncio.sleep(wait)
         sampler.gathering = None
         items = [None if part in gathering.cancelled else item for part, item in enumerate(gathering.items)]
-        gathering.items = []  # the request holds them now; the calls' futures keep only the gathering
+        gathering.items, gathering.size = [], len(items)  # the request holds them now
         try:
             if len(gathering.cancelled) == len(items):
                 raise ConflictError("cancelled by the caller before it was sent")
-            sent = len(items) - len(gathering.cancelled)
-            gathering.submitted.set_result((submit(items), sent))
+            gathering.submitted.set_result(submit(items))
         except Exception as exc:  # every call of the gathering gets the refusal, through its future
             gathering.submitted.set_exception(exc)
             gathering.submitted.exception()  # read here, so no poll is needed to consume it
