@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, Self
 
+from icefloe.client.remote import jobs
 from icefloe.client.remote.http import Call, Endpoint, Http, Retry
 from icefloe.config import RemoteConfig
 from icefloe.protocol import JOB_TERMINAL_STATES, normalize_job_state
@@ -40,8 +41,7 @@ class ServiceAdmin:
 
     def get_job(self, job_id: str) -> dict[str, Any]:
         """One job with its sub-jobs and, once it failed, the reason."""
-        body = self._send(Call("GET", f"/{job_id}", "get job")) or {}
-        return dict(body.get("job", body))
+        return jobs.job_object(self._send(Call("GET", f"/{job_id}", "get job")))
 
     def job_metrics(self, job_id: str) -> list[dict[str, Any]] | None:
         """The job's per-step metrics, ``[{step, time, loss, ...}]`` oldest first; None where the service

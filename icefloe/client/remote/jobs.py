@@ -24,6 +24,7 @@ __all__ = [
     "JobRef",
     "ServiceInfo",
     "job_create_body",
+    "job_object",
     "probe_service",
     "sub_jobs_of",
     "wait_running",
@@ -134,9 +135,10 @@ def _warn_unmapped_knobs(config: ClientConfig) -> None:
         _log.warning("backend.type='remote' ignores %s: the training API has no such field", ", ".join(ignored))
 
 
-def _job_object(body: Any) -> dict[str, Any]:
+def job_object(body: Any) -> dict[str, Any]:
+    """A job from a job answer, unwrapped where a front door wraps it in ``{"job": ...}``."""
     if isinstance(body, Mapping) and isinstance(body.get("job"), Mapping) and "status" not in body:
-        return dict(body["job"])  # some front doors wrap the job
+        return dict(body["job"])
     return dict(body) if isinstance(body, Mapping) else {}
 
 
@@ -170,7 +172,7 @@ async def wait_running(http: Http, job_id: str, *, backoff: Backoff, timeout_s: 
     status, shown = "unknown", ""
     while True:
         reply = await http.send(Call("GET", f"/{job_id}", "wait for job"))
-        job = _job_object(reply.body)
+        job = job_object(reply.body)
         status = api.normalize_job_state(job.get("status", "unknown"))
         reason = str(job.get("reason") or "") if status in ("pending", "placing") else ""
         if reason and reason != shown:
