@@ -329,7 +329,6 @@ class _RowSampler:
 
     def __init__(self, rows: list[_Row], device: torch.device) -> None:
         params = [r.params for r in rows]
-        self.greedy_B = torch.tensor([p.temperature == 0 for p in params], device=device)
         self.temperature_B1 = torch.tensor([p.temperature or 1.0 for p in params], device=device)[:, None]
         self.top_k_B = torch.tensor([p.top_k if p.top_k > 0 else 0 for p in params], device=device)
         self.top_p_B = torch.tensor([p.top_p for p in params], device=device)
