@@ -109,7 +109,23 @@ def test_grpo_dual_clip_caps_negative_advantage_tokens():
     assert_close(loss, _ref_grpo(x, c_clip=3.0))
     unclipped, _ = _call("grpo", x, {})
     assert loss.item() < unclipped.item()
-    assert metrics["clip_ratio"].item() == pytest.approx(1.0)
+    # As verl's pg_clipfrac / pg_clipfrac_lower: row 0 (A > 0) is clipped at 1 + eps, rows 1-2 (A < 0) at c.
+    mask = x["loss_mask"]
+    assert metrics["clip_ratio"].item() == pytest.approx(mask[0].sum().item() / mask.sum().item())
+    assert metrics["clip_ratio_lower"].item() == pytest.approx(mask[1:].sum().item() / mask.sum().item())
+
+
+def test_grpo_clip_ratio_counts_ordinary_clipping_only():
+    x = _inputs(1)
+    ratio_BS = torch.full((B, S), 1.5)
+    ratio_BS[2] = 5.0  # row 2 (A < 0) beyond c_clip: dual clipped, not clipped at 1 + eps (max(-A·r, ...) = -A·r)
+    x["old"] = x["logprobs"] - ratio_BS.log()
+    _, metrics = _call("grpo", x, {"c_clip": 3.0})
+    mask = x["loss_mask"]
+    assert metrics["clip_ratio"].item() == pytest.approx(mask[0].sum().item() / mask.sum().item())
+    assert metrics["clip_ratio_lower"].item() == pytest.approx(mask[2].sum().item() / mask.sum().item())
+    _, without_dual = _call("grpo", x, {})
+    assert "clip_ratio_lower" not in without_dual
 
 
 @pytest.mark.parametrize("kl_type", KL_TYPES)

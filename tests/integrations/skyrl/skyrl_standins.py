@@ -123,6 +123,7 @@ class AlgorithmConfig(BaseConfig):
     eps_clip_low: float = 0.2
     eps_clip_high: float = 0.2
     clip_ratio_c: float = 3.0
+    max_seq_len: Optional[int] = None  # noqa: UP045 - seq_mean_token_sum_norm's divisor; SkyRL requires it there
 
 
 @dataclass

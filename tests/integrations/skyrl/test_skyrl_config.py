@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-import pytest
+import math
 
+import pytest
+import torch
+
+from icefloe.client.batch import to_canonical
+from icefloe.engines.losses import get_loss
 from icefloe.integrations.skyrl.config import IcefloeSection, client_config_from_skyrl, loss_config_from_skyrl
 from icefloe.protocol import ConfigError
 
@@ -126,3 +131,86 @@ def test_config_translation_refuses_skyrl_lora_settings_it_cannot_honour(make_cf
         "trainer.policy.model.lora.init_method",
         "trainer.policy.model.lora.target_modules",
     ]
+
+
+# --- the loss SkyRL's trainer.algorithm gets, through the one lowering (to_canonical) -----------------
+# Two rows of 6 tokens (no padding); SkyRL's response tensors cover the last 3 and row 1 masks one out.
+_SEQUENCES = torch.tensor([[5, 6, 7, 8, 9, 4], [4, 6, 7, 8, 3, 2]])
+_LOSS_MASK_BA = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+
+
+def _skyrl_loss(cfg, *, advantage: float, log_ratio: float = 0.0, kl_per_row=(0.0, 0.0), entropy=None):
+    """The grpo loss and its gradient for a payload shaped as ``IcefloeDispatch`` sends it.
+
+    The current log-probs sit ``log_ratio`` above the old ones and ``kl_per_row[b]`` above the
+    reference's on every scored token.
+    """
+    old_BA = torch.full((2, 3), -1.0)
+    ref_BA = old_BA + log_ratio - torch.tensor(kl_per_row)[:, None]
+    batch = {
+        "input_ids": _SEQUENCES,
+        "attention_mask": torch.ones_like(_SEQUENCES),
+        "loss_mask": _LOSS_MASK_BA,
+        "advantages": torch.full((2, 3), advantage),
+        "old_log_probs": old_BA,
+        "ref_log_prob": ref_BA,
+    }
+    config = {**loss_config_from_skyrl(cfg), "batch_num_tokens": int(_LOSS_MASK_BA.sum())}
+    frame = to_canonical({"batch": batch, "meta": {"pad_token_id": 0}, "processing": {"loss_fn": "grpo", "config": config}})
+    context = frame["context"]
+    logprobs_BS = (context["old_logprobs"] + log_ratio * context["loss_mask"]).requires_grad_(True)
+    entropy_BS = None if entropy is None else torch.tensor(entropy)[:, None].expand_as(logprobs_BS).contiguous()
+    loss_fn = get_loss(frame["processing"]["loss_fn"])
+    loss, metrics = loss_fn(logprobs_BS, context=context, config=frame["processing"]["config"], entropy_BS=entropy_BS)
+    loss.backward()
+    assert logprobs_BS.grad is not None
+    return loss.item(), logprobs_BS.grad, metrics
+
+
+def test_loss_regular_policy_loss_has_no_dual_clip(make_cfg):
+    # A = -1, ratio e²: SkyRL's regular loss is -min(r·A, clip(r)·A) = e² per token, with a gradient;
+    # a dual clip at 3 would cap it at 3 and leave no gradient.
+    loss, grad, _ = _skyrl_loss(make_cfg("trainer.algorithm.use_kl_loss=false"), advantage=-1.0, log_ratio=2.0)
+    assert loss == pytest.approx(math.exp(2.0), rel=1e-5)
+    assert grad.abs().sum().item() > 0.0
+    dual, dual_grad, _ = _skyrl_loss(
+        make_cfg("trainer.algorithm.use_kl_loss=false", "trainer.algorithm.policy_loss_type=dual_clip"),
+        advantage=-1.0, log_ratio=2.0,
+    )  # fmt: skip
+    assert dual == pytest.approx(3.0, rel=1e-5)
+    assert dual_grad.abs().sum().item() == 0.0
+
+
+def test_loss_seq_mean_token_sum_norm_divides_by_skyrl_max_seq_len(make_cfg):
+    cfg = make_cfg(
+        "trainer.algorithm.use_kl_loss=false",
+        "trainer.algorithm.loss_reduction=seq_mean_token_sum_norm",
+        "trainer.algorithm.max_seq_len=64",
+    )
+    # On-policy, A = 1: SkyRL scales A by 1/(B·max_seq_len) and sums: -Σ mask / (2·64).
+    loss, _, _ = _skyrl_loss(cfg, advantage=1.0)
+    assert loss == pytest.approx(-float(_LOSS_MASK_BA.sum()) / (2 * 64), rel=1e-5)
+
+
+def test_loss_seq_mean_token_sum_norm_without_max_seq_len_is_refused(make_cfg):
+    cfg = make_cfg("trainer.algorithm.loss_reduction=seq_mean_token_sum_norm")
+    with pytest.raises(ConfigError, match=r"trainer\.algorithm\.max_seq_len"):
+        loss_config_from_skyrl(cfg)
+
+
+@pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean", "seq_mean_token_sum_norm"])
+def test_loss_kl_and_entropy_terms_aggregate_as_skyrl_whatever_the_reduction(make_cfg, reduction):
+    cfg = make_cfg(
+        f"trainer.algorithm.loss_reduction={reduction}",
+        "trainer.algorithm.max_seq_len=64",
+        "trainer.algorithm.kl_estimator_type=k1",
+        "trainer.algorithm.kl_loss_coef=0.5",
+        "trainer.algorithm.use_entropy_loss=true",
+        "trainer.algorithm.entropy_loss_coef=0.1",
+    )
+    # A = 0 leaves only the regularisers. SkyRL: KL = mean over rows of each row's token mean;
+    # entropy = token mean over the batch.
+    loss, _, _ = _skyrl_loss(cfg, advantage=0.0, kl_per_row=(0.3, 0.9), entropy=(2.0, 5.0))
+    kl = (0.3 + 0.9) / 2
+    entropy = (3 * 2.0 + 2 * 5.0) / 5
+    assert loss == pytest.approx(0.5 * kl - 0.1 * entropy, rel=1e-5)

@@ -6,7 +6,7 @@ import pytest
 
 from icefloe.config import ClientConfig
 from icefloe.integrations.verl import backend as backend_module
-from icefloe.integrations.verl.backend import preflight
+from icefloe.integrations.verl.backend import IcefloeBackend, preflight
 from icefloe.integrations.verl.settings import VerlSettings, client_config
 from icefloe.protocol import OP_FORWARD, OPS, ConfigError
 
@@ -131,3 +131,41 @@ def test_preflight_allows_zero_logprobs_only_for_the_safe_regime(make_config, mo
     # A service with forward serves KL runs with real log-probs: the zero path stays off.
     monkeypatch.setattr(backend_module, "probe_capabilities", lambda config: OPS)
     assert preflight(kl, client_config(kl, environ={})).backend.allow_zero_logprobs is False
+
+
+@pytest.mark.parametrize("mode", ["gspo", "sapo", "clip_cov"])
+def test_settings_refuse_verl_policy_losses_icefloe_does_not_reproduce(make_config, mode) -> None:
+    config = make_config(**{"actor_rollout_ref.actor.policy_loss.loss_mode": mode})
+    with pytest.raises(ConfigError) as refused:
+        VerlSettings.from_verl(config)
+    message = str(refused.value)
+    assert f"actor_rollout_ref.actor.policy_loss.loss_mode={mode!r}" in message
+    assert "vanilla" in message
+    with pytest.raises(ConfigError, match=r"policy_loss\.loss_mode"):  # before any client or rollout exists
+        IcefloeBackend.from_config(config)
+    assert VerlSettings.from_verl(make_config()).policy_loss == "vanilla"
+
+
+def test_client_config_reads_trainer_horizon_when_optim_keeps_verl_default(make_config) -> None:
+    # verl's YAML carries optim.total_training_steps=-1 until its trainer fills it in.
+    config = make_config(**{
+        "actor_rollout_ref.actor.optim.lr_scheduler_type": "cosine",
+        "actor_rollout_ref.actor.optim.total_training_steps": -1,
+        "actor_rollout_ref.actor.optim.lr_warmup_steps": -1,
+        "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": 0.2,
+        "trainer.total_training_steps": 10,
+    })  # fmt: skip
+    schedule = client_config(config, environ={}).training.lr_schedule
+    # 2 optimizer steps per verl step (2 rows, 1 per mini-batch): warmup 0.2 × 10 steps, horizon 10 steps.
+    assert (schedule.kind, schedule.warmup_steps, schedule.total_steps) == ("cosine", 4, 20)
+
+
+def test_client_config_zero_warmup_steps_delegate_to_the_ratio_as_verl_does(make_config) -> None:
+    # verl 0.9.1's engines (fsdp, megatron, torchtitan): lr_warmup_steps None, 0 or negative → the ratio.
+    config = make_config(**{
+        "actor_rollout_ref.actor.optim.lr_scheduler_type": "linear",
+        "actor_rollout_ref.actor.optim.total_training_steps": 10,
+        "actor_rollout_ref.actor.optim.lr_warmup_steps": 0,
+        "actor_rollout_ref.actor.optim.lr_warmup_steps_ratio": 0.3,
+    })  # fmt: skip
+    assert client_config(config, environ={}).training.lr_schedule.warmup_steps == 3 * 2
