@@ -19,7 +19,14 @@ from icefloe.protocol import InvalidRequestError
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["build_batch", "is_canonical", "is_verl_payload", "responses_from_canonical", "to_canonical"]
+__all__ = [
+    "VERL_POLICY_LOSSES",
+    "build_batch",
+    "is_canonical",
+    "is_verl_payload",
+    "responses_from_canonical",
+    "to_canonical",
+]
 
 # verl actor_config names → grpo config names of the canonical frame, and verl 0.9.1's defaults
 # (``ActorConfig``), applied where the actor config leaves a knob unset.
@@ -33,7 +40,7 @@ _VERL_ACTOR_KEYS = {
 }
 _VERL_META_KEYS = ("global_batch_size", "batch_num_tokens", "temperature")
 # verl loss names that mean the canonical clipped surrogate.
-_VERL_POLICY_LOSSES = {"verl_grpo": "grpo", "grpo": "grpo", "vanilla": "grpo"}
+VERL_POLICY_LOSSES = {"verl_grpo": "grpo", "grpo": "grpo", "vanilla": "grpo"}
 
 
 def build_batch(
@@ -227,7 +234,7 @@ def _lower_verl(payload: Mapping[str, Any]) -> dict[str, Any]:
         config["global_batch_size"] = int(context["loss_mask"].sum(dim=1).gt(0).sum())
     processing = dict(payload.get("processing") or {})
     loss_name = processing.get("loss_fn")
-    loss_fn = _VERL_POLICY_LOSSES.get(loss_name, loss_name) if loss_name else "grpo"
+    loss_fn = VERL_POLICY_LOSSES.get(loss_name, loss_name) if loss_name else "grpo"
     return {
         "args": (),
         "kwargs": {"input_ids": input_ids_BS, "attention_mask": attention_mask_BS, "position_ids": position_ids_BS},

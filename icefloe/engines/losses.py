@@ -133,13 +133,15 @@ def _masked_mean(values_BS: Tensor, mask_BS: Tensor) -> Tensor:
     return (values_BS * mask_BS).sum() / mask_BS.sum().clamp_min(1.0)
 
 
-def aggregate(loss_BS: Tensor, mask_BS: Tensor, mode: str, config: Mapping[str, Any]) -> Tensor:
+def aggregate(
+    loss_BS: Tensor, mask_BS: Tensor, mode: str, config: Mapping[str, Any], *, field: str = "loss_agg_mode"
+) -> Tensor:
     """Reduce per-token values to a scalar with one of :data:`AGG_MODES` (verl's ``agg_loss``).
 
     token-mean: Σ masked / batch_num_tokens. token-sum: Σ masked. seq-mean-token-sum: Σ per-row
     sums / global_batch_size; ``-norm`` additionally ÷ ``loss_scale_factor`` (default S, the frame's
     width). seq-mean-token-mean: Σ per-row token means / global_batch_size. The result is
-    multiplied by ``dp_size`` (default 1).
+    multiplied by ``dp_size`` (default 1). ``field`` names the config key ``mode`` came from, for errors.
     """
     masked_BS = loss_BS * mask_BS
     if mode == "token-mean":
@@ -155,7 +157,7 @@ def aggregate(loss_BS: Tensor, mask_BS: Tensor, mode: str, config: Mapping[str, 
         if mode == "seq-mean-token-sum-norm":
             total = total / _option(config, "loss_scale_factor", mask_BS.shape[-1])
     else:
-        raise InvalidRequestError(f"processing.config.loss_agg_mode must be one of {list(AGG_MODES)}; got {mode!r}")
+        raise InvalidRequestError(f"processing.config.{field} must be one of {list(AGG_MODES)}; got {mode!r}")
     return total * _option(config, "dp_size", 1)
 
 
@@ -204,7 +206,11 @@ def _regularise(
     loss: Tensor, metrics: Metrics, logprobs_BS: Tensor, *, context: Mapping[str, Tensor],
     config: Mapping[str, Any], entropy_BS: Tensor | None, mask_BS: Tensor, mode: str, name: str,
 ) -> Tensor:  # fmt: skip
-    """Add the entropy bonus and the KL-to-reference term shared by the policy-gradient losses."""
+    """Add the entropy bonus and the KL-to-reference term shared by the policy-gradient losses.
+
+    Each term is aggregated with ``loss_agg_mode`` unless ``entropy_agg_mode`` / ``kl_agg_mode``
+    names another mode (SkyRL: entropy token-mean, KL seq-mean-token-mean, whatever its reduction).
+    """
     entropy_coeff = float(_option(config, "entropy_coeff", 0.0))
     if entropy_BS is not None:
         metrics["entropy"] = _masked_mean(entropy_BS.detach(), mask_BS)
@@ -214,7 +220,8 @@ def _regularise(
                 f"processing.config.entropy_coeff={entropy_coeff} needs token entropies, but loss {name!r} "
                 "was called without entropy_BS"
             )
-        loss = loss - entropy_coeff * aggregate(entropy_BS, mask_BS, mode, config)
+        entropy_mode = _option(config, "entropy_agg_mode", mode)
+        loss = loss - entropy_coeff * aggregate(entropy_BS, mask_BS, entropy_mode, config, field="entropy_agg_mode")
     if _option(config, "use_kl_loss", False):
         ref_BS = _context(context, "ref_logprobs", "ref_log_probs_shifted")
         if ref_BS is None:
@@ -225,7 +232,8 @@ def _regularise(
         kl_type = _option(config, "kl_type", "low_var_kl", alias="kl_loss_type")
         kl_coef = float(_option(config, "kl_coef", 0.001, alias="kl_loss_coef"))
         kl_BS = kl_penalty(logprobs_BS, ref_BS, kl_type)
-        loss = loss + kl_coef * aggregate(kl_BS, mask_BS, mode, config)
+        kl_mode = _option(config, "kl_agg_mode", mode)
+        loss = loss + kl_coef * aggregate(kl_BS, mask_BS, kl_mode, config, field="kl_agg_mode")
         metrics["kl"] = _masked_mean(kl_BS.detach(), mask_BS)
     return loss
 
@@ -240,6 +248,8 @@ def grpo_loss(
     Per token: max(-A·r, -A·clip(r, 1-eps_clip, 1+eps_clip_higher)), and for A < 0 additionally
     capped at -A·c_clip (dual clip). Normaliser: see :func:`aggregate` (``loss_agg_mode``, default
     token-mean over ``batch_num_tokens``). ``context.rollout_is_weights`` (optional) scales each token.
+    Metrics as verl's: ``clip_ratio`` is the fraction of tokens clipped at 1 ± eps (``pg_clipfrac``),
+    ``clip_ratio_lower`` (with dual clip) the fraction capped at -A·c_clip (``pg_clipfrac_lower``).
     """
     mask_BS = context["loss_mask"]
     advantages_BS = _required(context, "advantages", "grpo")
@@ -252,24 +262,21 @@ def grpo_loss(
     unclipped_BS = -advantages_BS * ratio_BS
     clipped_BS = -advantages_BS * ratio_BS.clamp(1.0 - eps_low, 1.0 + eps_high)
     surrogate_BS = torch.maximum(unclipped_BS, clipped_BS)
-    clipped_mask_BS = (clipped_BS > unclipped_BS).float()
+    metrics: Metrics = {"clip_ratio": _masked_mean((clipped_BS > unclipped_BS).float(), mask_BS)}
     if c_clip is not None:
         if float(c_clip) <= 1.0:
             raise InvalidRequestError(f"processing.config.c_clip must be > 1 (or null for no dual clip); got {c_clip}")
         dual_BS = -advantages_BS * float(c_clip)
         negative_BS = advantages_BS < 0
-        clipped_mask_BS = torch.where(negative_BS & (surrogate_BS > dual_BS), 1.0, clipped_mask_BS)
+        metrics["clip_ratio_lower"] = _masked_mean((negative_BS & (surrogate_BS > dual_BS)).float(), mask_BS)
         surrogate_BS = torch.where(negative_BS, torch.minimum(surrogate_BS, dual_BS), surrogate_BS)
     weights_BS = context.get("rollout_is_weights")
     if weights_BS is not None:
         surrogate_BS = surrogate_BS * weights_BS
 
     loss = aggregate(surrogate_BS, mask_BS, mode, config)
-    metrics: Metrics = {
-        "approx_kl": _masked_mean(-log_ratio_BS.detach(), mask_BS),
-        "clip_ratio": _masked_mean(clipped_mask_BS, mask_BS),
-        "importance_weight": _masked_mean(ratio_BS.detach(), mask_BS),
-    }
+    metrics["approx_kl"] = _masked_mean(-log_ratio_BS.detach(), mask_BS)
+    metrics["importance_weight"] = _masked_mean(ratio_BS.detach(), mask_BS)
     loss = _regularise(
         loss, metrics, logprobs_BS, context=context, config=config, entropy_BS=entropy_BS, mask_BS=mask_BS,
         mode=mode, name="grpo",

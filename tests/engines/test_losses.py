@@ -242,6 +242,24 @@ def test_grpo_rejects_bad_options():
         _call("grpo", x, {"use_kl_loss": True, "kl_type": "full"}, with_ref=True)
     with pytest.raises(InvalidRequestError, match="needs token entropies"):
         _call("grpo", x, {"entropy_coeff": 0.1}, entropy=False)
+    with pytest.raises(InvalidRequestError, match=r"processing\.config\.kl_agg_mode must be one of"):
+        _call("grpo", x, {"use_kl_loss": True, "kl_agg_mode": "sum"}, with_ref=True)
+
+
+def test_grpo_regularisers_take_their_own_aggregation_modes():
+    x = _inputs(9)
+    terms = {"use_kl_loss": True, "kl_type": "k1", "kl_coef": 0.3, "entropy_coeff": 0.05}
+    loss, _ = _call(
+        "grpo", x, {**terms, "loss_agg_mode": "token-sum", "kl_agg_mode": "seq-mean-token-mean",
+                    "entropy_agg_mode": "token-mean"}, with_ref=True,
+    )  # fmt: skip
+    mask = x["loss_mask"].tolist()
+    policy = _ref_grpo(x, mode="token-sum")
+    logp, ref = x["logprobs"].tolist(), x["ref"].tolist()
+    kl_tokens = [[logp[b][s] - ref[b][s] for s in range(S)] for b in range(B)]
+    kl = _ref_aggregate(kl_tokens, mask, "seq-mean-token-mean")
+    entropy = _ref_aggregate(x["entropy"].tolist(), mask, "token-mean")
+    assert_close(loss, policy + 0.3 * kl - 0.05 * entropy)
 
 
 # --- importance sampling and cross entropy -----------------------------------------------------------

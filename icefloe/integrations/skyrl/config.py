@@ -158,6 +158,11 @@ def loss_config_from_skyrl(cfg: Any) -> dict[str, Any]:
         problems.append(
             f"trainer.algorithm.loss_reduction={algorithm.loss_reduction!r} (use one of {sorted(_LOSS_REDUCTIONS)})"
         )
+    max_seq_len = getattr(algorithm, "max_seq_len", None)
+    if algorithm.loss_reduction == "seq_mean_token_sum_norm" and max_seq_len is None:
+        problems.append(
+            "trainer.algorithm.max_seq_len=None (seq_mean_token_sum_norm divides by it; set it, as SkyRL requires)"
+        )
     if algorithm.use_kl_loss and algorithm.kl_estimator_type not in _KL_ESTIMATORS:
         problems.append(
             f"trainer.algorithm.kl_estimator_type={algorithm.kl_estimator_type!r} (use one of {sorted(_KL_ESTIMATORS)})"
@@ -167,13 +172,17 @@ def loss_config_from_skyrl(cfg: Any) -> dict[str, Any]:
     config: dict[str, Any] = {
         "eps_clip": algorithm.eps_clip_low,
         "eps_clip_higher": algorithm.eps_clip_high,
+        # Always sent: None overrides the verl-style lowering's default c=3.0 (SkyRL's "regular" has no dual clip).
+        "c_clip": algorithm.clip_ratio_c if algorithm.policy_loss_type == "dual_clip" else None,
         "loss_agg_mode": _LOSS_REDUCTIONS[algorithm.loss_reduction],
         "entropy_coeff": algorithm.entropy_loss_coef if algorithm.use_entropy_loss else 0.0,
+        "entropy_agg_mode": "token-mean",  # SkyRL: the entropy's token mean, whatever loss_reduction says
         "use_kl_loss": bool(algorithm.use_kl_loss),
     }
-    if algorithm.policy_loss_type == "dual_clip":
-        config["c_clip"] = algorithm.clip_ratio_c
+    if algorithm.loss_reduction == "seq_mean_token_sum_norm":
+        config["loss_scale_factor"] = max_seq_len
     if algorithm.use_kl_loss:
         config["kl_coef"] = algorithm.kl_loss_coef
         config["kl_type"] = _KL_ESTIMATORS[algorithm.kl_estimator_type]
+        config["kl_agg_mode"] = "seq-mean-token-mean"  # SkyRL: each row's token mean, averaged over rows
     return config

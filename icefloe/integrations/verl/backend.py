@@ -29,7 +29,12 @@ __all__ = ["IcefloeBackend", "check_opened", "preflight"]
 logger = logging.getLogger(__name__)
 
 # icefloe loss metric → the name verl's dashboards use for the same quantity (added, never replacing).
-_VERL_METRIC_NAMES = {"approx_kl": "ppo_kl", "clip_ratio": "pg_clipfrac", "kl": "kl_loss"}
+_VERL_METRIC_NAMES = {
+    "approx_kl": "ppo_kl",
+    "clip_ratio": "pg_clipfrac",
+    "clip_ratio_lower": "pg_clipfrac_lower",
+    "kl": "kl_loss",
+}
 
 
 def preflight(main_config: Any, config: ClientConfig) -> ClientConfig:

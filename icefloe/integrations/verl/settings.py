@@ -13,6 +13,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from icefloe.client.batch import VERL_POLICY_LOSSES
 from icefloe.config import ClientConfig
 from icefloe.integrations._guards import PolicyRegime
 from icefloe.protocol import ConfigError
@@ -98,6 +99,12 @@ class VerlSettings(BaseModel):
         mini = select(actor, "ppo_mini_batch_size")
         if mini is None or int(mini) <= 0:
             raise ConfigError("actor_rollout_ref.actor.ppo_mini_batch_size must be > 0; set it in the verl config")
+        policy_loss = str(select(actor, "policy_loss.loss_mode", "vanilla"))
+        if policy_loss not in VERL_POLICY_LOSSES:
+            raise ConfigError(
+                f"{_KNOB_LABELS['policy_loss']}={policy_loss!r} is not a loss icefloe reproduces; use one of "
+                f"{sorted(VERL_POLICY_LOSSES)} (verl's vanilla clipped surrogate)"
+            )
         loss_config = {name: _plain(select(actor, name)) for name in _ACTOR_LOSS_FIELDS}
         return cls(
             max_prompt_length=int(_required(main_config, "data.max_prompt_length")),
@@ -106,7 +113,7 @@ class VerlSettings(BaseModel):
             ppo_epochs=int(select(actor, "ppo_epochs", 1)),
             rollout_n=rollout_n,
             temperature=float(select(main_config, "actor_rollout_ref.rollout.temperature", 1.0)),
-            policy_loss=str(select(actor, "policy_loss.loss_mode", "vanilla")),
+            policy_loss=policy_loss,
             actor_loss_config={k: v for k, v in loss_config.items() if v is not None},
             use_kl_loss=bool(select(actor, "use_kl_loss", False)),
             cuda_ipc=bool(select(main_config, "remote_backend.weight_sync.cuda_ipc", False)),
@@ -239,10 +246,11 @@ def _schedule(main_config: Any, optim: Any) -> dict[str, Any]:
     train_rows = int(select(main_config, "data.train_batch_size", 0) or 0)
     mini_rows = int(select(main_config, "actor_rollout_ref.actor.ppo_mini_batch_size", 1) or 1)
     steps_per_update = epochs * max(1, train_rows // mini_rows)
-    total = select(optim, "total_training_steps") or select(main_config, "trainer.total_training_steps")
-    total_updates = int(total) if total is not None and int(total) > 0 else 0
-    warmup = int(select(optim, "lr_warmup_steps", -1) or -1)
-    if warmup < 0:
+    # verl's YAML keeps optim.total_training_steps at -1 until its trainer copies the horizon there.
+    horizons = (select(optim, "total_training_steps", 0), select(main_config, "trainer.total_training_steps", 0))
+    total_updates = next((int(steps) for steps in horizons if int(steps) > 0), 0)
+    warmup = int(select(optim, "lr_warmup_steps", -1))
+    if warmup <= 0:  # verl 0.9.1's engines: None, 0 or negative → lr_warmup_steps_ratio
         warmup = int(float(select(optim, "lr_warmup_steps_ratio", 0.0)) * total_updates)
     kind = str(select(optim, "lr_scheduler_type", select(optim, "warmup_style", "constant"))).lower()
     if kind not in ("constant", "cosine", "linear"):

@@ -87,9 +87,11 @@ def test_loss_config_maps_skyrl_algorithm(make_cfg):
         "c_clip": 3.0,
         "loss_agg_mode": "seq-mean-token-mean",
         "entropy_coeff": 0.01,
+        "entropy_agg_mode": "token-mean",
         "use_kl_loss": True,
         "kl_coef": 0.001,
         "kl_type": "low_var_kl",
+        "kl_agg_mode": "seq-mean-token-mean",
     }
 
 
@@ -156,7 +158,8 @@ def _skyrl_loss(cfg, *, advantage: float, log_ratio: float = 0.0, kl_per_row=(0.
         "ref_log_prob": ref_BA,
     }
     config = {**loss_config_from_skyrl(cfg), "batch_num_tokens": int(_LOSS_MASK_BA.sum())}
-    frame = to_canonical({"batch": batch, "meta": {"pad_token_id": 0}, "processing": {"loss_fn": "grpo", "config": config}})
+    processing = {"loss_fn": "grpo", "config": config}
+    frame = to_canonical({"batch": batch, "meta": {"pad_token_id": 0}, "processing": processing})
     context = frame["context"]
     logprobs_BS = (context["old_logprobs"] + log_ratio * context["loss_mask"]).requires_grad_(True)
     entropy_BS = None if entropy is None else torch.tensor(entropy)[:, None].expand_as(logprobs_BS).contiguous()

@@ -104,7 +104,8 @@ def _run_step(plugin_loader, make_config, *, v1: bool, **overrides) -> dict:
         )
         batch.update(mini_batch_size=2, epochs=2)
         metrics = call(worker.update_actor(batch))["metrics"]
-        assert {"loss", "grad_norm", "lr", "mfu", "kl_loss", "ppo_kl", "pg_clipfrac", "pg_clipfrac_lower"} <= set(metrics)
+        verl_names = {"kl_loss", "ppo_kl", "pg_clipfrac", "pg_clipfrac_lower"}
+        assert {"loss", "grad_norm", "lr", "mfu", *verl_names} <= set(metrics)
         after = _reward_weighted_loss(call(worker.compute_log_prob(batch))["log_probs"])
         assert after < before, (before, after)
         synced = call(worker.update_weights(global_steps=1))
