@@ -82,7 +82,12 @@ class IcefloeDispatch:
                     "(base_action_log_probs); set trainer.icefloe.num_log_prob_workers=1"
                 )
             batch["ref_log_prob"] = data["base_action_log_probs"][rows]
-        config = {**self.loss_config, "batch_num_tokens": int(loss_mask_BA.sum().item())}
+        # SkyRL's seq-mean reductions divide by every row of the mini-batch, masked-out rows included.
+        config = {
+            **self.loss_config,
+            "batch_num_tokens": int(loss_mask_BA.sum().item()),
+            "global_batch_size": loss_mask_BA.shape[0],
+        }
         return {"batch": batch, "meta": meta, "processing": {"loss_fn": "grpo", "config": config}}
 
     # --- training role --------------------------------------------------------------------------

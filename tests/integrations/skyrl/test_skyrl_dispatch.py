@@ -188,3 +188,27 @@ def test_dispatch_without_forward_trains_on_policy_without_old_logprobs(cfg, tin
     assert metrics["importance_weight"] == 1.0
     assert math.isfinite(metrics["policy_loss"])
     assert dispatch.optim_step("policy") > 0.0
+
+
+def test_dispatch_sequence_mean_divides_by_every_row_sent(make_cfg, tmp_path, tiny_client):
+    """SkyRL's sequence_mean averages over all rows: a masked-out row halves a one-row loss."""
+    from icefloe.integrations.skyrl.dispatch import IcefloeDispatch
+
+    cfg = make_cfg(
+        "trainer.policy.model.path=tiny:arith",
+        f"trainer.ckpt_path={tmp_path / 'ckpt'}",
+        "trainer.algorithm.use_kl_loss=false",
+        "trainer.algorithm.loss_reduction=sequence_mean",
+    )
+    tokenizer = tiny_client.tokenizer
+    batch, _, _ = _skyrl_batch(tokenizer, ["12+7=", "3+4="], ["19", "7"])
+    batch["advantages"] = torch.ones_like(batch["response_mask"], dtype=torch.float32) * batch["response_mask"]
+    batch["action_log_probs"] = None
+    dispatch = IcefloeDispatch(cfg, tiny_client, pad_token_id=tokenizer.pad_token_id)
+    dispatch.has_forward = False
+    one_row = dispatch.forward_backward("policy", batch, rows=(0, 1))["policy_loss"]
+    batch["loss_mask"] = batch["loss_mask"].clone()
+    batch["loss_mask"][1] = 0
+    with_masked_row = dispatch.forward_backward("policy", batch)["policy_loss"]
+    assert one_row != 0.0
+    assert with_masked_row == pytest.approx(one_row / 2, rel=1e-5)
