@@ -427,7 +427,7 @@ class JobManager:
         self, job: LiveJob, sub_job_id: str, op: str, entries: list[tuple], run: Callable[[list], list]
     ) -> list[None]:
         """Run the entries ``(request id, batch item, op metadata)`` that may still run as one call
-        of ``run`` and record each outcome."""
+        of ``run`` and record each outcome (on its request, or as an event of its stream)."""
         live = [e for e in entries if self._may_run(job, e[0])]
         if live:
             started = time.monotonic()
