@@ -89,6 +89,13 @@ class LiveJob:
         assert self.host is not None, "a running job has engines"
         return self.host
 
+    def restart_clock(self, sub_job_id: str, at: float | None = None) -> None:
+        """Count the deadline of the op running on ``sub_job_id`` from ``at`` (default now; ``math.inf``:
+        not yet), e.g. a weight-sync's from its copy, not from its wait for the targets' queued work."""
+        for request_id, (where, op, _) in list(self.in_flight.items()):
+            if where == sub_job_id:
+                self.in_flight[request_id] = (where, op, time.monotonic() if at is None else at)
+
 
 class JobManager:
     """Creates, runs, cancels and reports jobs; queues requests on their sub-jobs' workers."""
@@ -194,17 +201,19 @@ class JobManager:
                 checkpoints = {sid: p for sid, s in job.specs.items() if (p := self._checkpoint_folder(s)) is not None}
                 specs = list(job.specs.values())
                 job.host = make_engine_host(self.settings.engines, specs, devices, checkpoints, job.job_dir / "logs")
-                job.host.start(job.log.write)
+                job.host.start(job.log.write, state.stop)
                 # No linger for company: requests that arrive while a sampler is busy batch up behind it anyway.
                 job.workers = {sid: RoleWorker(sid, linger_s=0.0) for sid in job.specs}
                 state.advance("running")
             state.stop.wait()
         except Exception as exc:  # any start failure fails the job, with its cause as the reason
-            _log.warning("job %s failed to start: %s", job.job_id, exc)
-            state.fail(f"initializing failed: {type(exc).__name__}: {exc}")
+            if not state.stop.is_set():  # else the start gave up because the job is stopping
+                _log.warning("job %s failed to start: %s", job.job_id, exc)
+                state.fail(f"initializing failed: {type(exc).__name__}: {exc}")
         finally:
             self._release(job, slots)
             state.finish()
+            self._live.pop(job.job_id, None)  # its engines, workers and chunk payloads go with it
 
     def _release(self, job: LiveJob, slots: list[int] | None) -> None:
         if job.host is not None:
@@ -219,6 +228,9 @@ class JobManager:
         if slots:
             self.pool.release(slots)
         self.log_router.unbind(job.log)
+        for request_id, stream in list(self.streams.items()):  # events no one drained (the requests are over)
+            if stream.job_id == job.job_id:
+                self.streams.pop(request_id, None)
 
     def renew(self, job_id: str) -> None:
         """Extend the job's lease (every call on the job does; a client with nothing to send heartbeats)."""
@@ -387,26 +399,35 @@ class JobManager:
         *,
         batch_item: Any = None,
         op_metadata: dict | None = None,
+        stream: Any = None,
     ) -> str:
         """Record a request and queue ``fn()`` on the sub-job's worker; returns the request id. With
-        ``batch_item``, ``fn(items)`` runs once for the items of ``op`` queued next to each other."""
-        entry = (self.requests.add(job.job_id, sub_job_id, op, op_metadata or {}), batch_item, op_metadata or {})
+        ``batch_item``, ``fn(items)`` runs once for the items of ``op`` queued next to each other.
+        ``stream``: a GenerateStream, in place of ``batch_item``: each of its ``items`` is queued so,
+        and its outcome pushed to the stream as an event."""
+        op_metadata = op_metadata or {}
+        request_id = self.requests.add(job.job_id, sub_job_id, op, op_metadata)
+        if stream is not None:
+            self.streams[request_id] = stream
         worker = job.workers[sub_job_id]
         try:
-            if batch_item is None:
-                worker.submit(self._execute, job, sub_job_id, op, [entry], lambda _: [fn()])
-            else:  # called with the entries of one batch
-                worker.submit_batchable(op, entry, functools.partial(self._execute, job, sub_job_id, op, run=fn))
+            if batch_item is None and stream is None:
+                worker.submit(self._execute, job, sub_job_id, op, [(request_id, None, op_metadata)], lambda _: [fn()])
+            else:  # run with the entries of one batch
+                execute = functools.partial(self._execute, job, sub_job_id, op, run=fn)
+                for item in [batch_item] if stream is None else stream.items:
+                    worker.submit_batchable(op, (request_id, item, op_metadata), execute)
         except ClientClosedError:  # a stop closed the workers after the state check
-            self.requests.finish(entry[0], status="cancelled", error=f"job {job.job_id} is stopping")
+            self.requests.finish(request_id, status="cancelled", error=f"job {job.job_id} is stopping")
+            self.streams.pop(request_id, None)
             raise ConflictError(f"job {job.job_id} is stopping; this call needs it running") from None
-        return entry[0]
+        return request_id
 
     def _execute(
         self, job: LiveJob, sub_job_id: str, op: str, entries: list[tuple], run: Callable[[list], list]
     ) -> list[None]:
         """Run the entries ``(request id, batch item, op metadata)`` that may still run as one call
-        of ``run`` and record each outcome."""
+        of ``run`` and record each outcome (on its request, or as an event of its stream)."""
         live = [e for e in entries if self._may_run(job, e[0])]
         if live:
             started = time.monotonic()
@@ -414,11 +435,11 @@ class JobManager:
             try:
                 results = run([item for _, item, _ in live])
             except Exception as exc:  # every failure is recorded on its requests
-                self._record_failure(job, sub_job_id, [e[0] for e in live], op, exc)
+                self._record_failure(job, sub_job_id, live, op, exc)
             else:
                 self.metrics.engine_ran(job.job_id, sub_job_id, op, started, results)
-                for (request_id, _, op_metadata), result in zip(live, results, strict=True):
-                    self._record_result(job, request_id, result, op_metadata)
+                for entry, result in zip(live, results, strict=True):
+                    self._record_result(job, entry, result)
             finally:
                 job.in_flight.pop(live[0][0], None)
         return [None] * len(entries)
@@ -428,9 +449,17 @@ class JobManager:
             why = f"job {job.job_id} stopped ({job.status}) before this request ran"
             self.requests.finish(request_id, status="cancelled", error=why)
             return False
-        return self.requests.start(request_id)  # False: cancel-request took it
+        if self.requests.start(request_id, "streaming" if request_id in self.streams else "running"):
+            return True
+        self.streams.pop(request_id, None)  # cancel-request took it: its stream has nothing to show
+        return False
 
-    def _record_result(self, job: LiveJob, request_id: str, result: Any, op_metadata: dict[str, Any]) -> None:
+    def _record_result(self, job: LiveJob, entry: tuple, result: Any) -> None:
+        request_id, item, op_metadata = entry
+        stream = self.streams.get(request_id)
+        if stream is not None:
+            self._push(request_id, stream, item, result=result)
+            return
         try:
             text = None if wants_dssst1(op_metadata) else json_text(result)
             if text is not None:
@@ -442,19 +471,29 @@ class JobManager:
         except Exception as exc:  # an unencodable result fails the request, not the job
             self.requests.finish(request_id, status="failed", error=f"the result could not be stored: {exc}")
 
-    def _record_failure(self, job: LiveJob, sub_job_id: str, request_ids: list[str], op: str, exc: Exception) -> None:
+    def _record_failure(self, job: LiveJob, sub_job_id: str, entries: list[tuple], op: str, exc: Exception) -> None:
         if job.stopping and isinstance(exc, ClientClosedError):  # cut short by the job stopping
-            for request_id in request_ids:
+            for request_id, _, _ in entries:
                 self.requests.finish(request_id, status="cancelled", error=f"job {job.job_id} stopped: {exc}")
             return
         message = f"{type(exc).__name__}: {exc}"
-        for request_id in request_ids:
-            self.requests.finish(request_id, status="failed", error=message)
+        for request_id, item, _ in entries:
+            stream = self.streams.get(request_id)
+            if stream is not None:
+                self._push(request_id, stream, item, error=message)
+            else:
+                self.requests.finish(request_id, status="failed", error=message)
         if isinstance(exc, _USER_ERRORS) or (isinstance(exc, RequestFailedError) and exc.category == "user"):
             job.log.write(f"{op} failed: {message}", level="WARNING", sub_job_id=sub_job_id)
             return
         job.log.write(f"{op} crashed the engine: {message}", level="ERROR", sub_job_id=sub_job_id)
         job.state.fail(f"{sub_job_id} crashed during {op}: {message}")
+
+    def _push(self, request_id: str, stream: Any, item: Any, **outcome: Any) -> None:
+        """One prompt's result or error as an event of its stream; the last prompt's finishes the request."""
+        counts = stream.push(item, **outcome)
+        if counts is not None:
+            self.requests.finish(request_id, status="done", result_json=counts)
 
 
 def _pick_sub_job(

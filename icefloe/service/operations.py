@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -312,6 +313,7 @@ def submit_weight_sync(
     gate, host = SyncGate.parked([job.workers[t] for t in targets], abandoned=abandoned), job.engines
 
     def copy() -> dict[str, Any]:
+        job.restart_clock(source)  # the targets are parked: the deadline counts from here
         started = time.perf_counter()
         per_target = {t: host.sync_weights(source, t, weight_format) for t in targets}
         return {
@@ -323,6 +325,7 @@ def submit_weight_sync(
         }
 
     def run() -> dict[str, Any]:
+        job.restart_clock(source, at=math.inf)  # waiting for the targets' queued work (each op is watched)
         try:
             return gate.run(copy)
         except ClientClosedError as exc:
@@ -343,29 +346,32 @@ OP_GENERATE_STREAM = "generate-stream"
 @dataclass
 class GenerateStream:
     """Events of one ``generate-stream`` request (UTF-8 JSON with a generate's fields): each prompt
-    is a batchable item, and each result an event the moment its batch finishes. Polls drain events
-    destructively, as the training API specifies: ``{type: "result", index, result}``,
-    ``{type: "error", index, error}``, then ``{type: "done", completed, failed}``. Only the
-    sub-job's worker pushes and only polls drain, so the deque needs no lock.
+    is a batchable item ``(index, (prompt, params))`` of ``items``, and its outcome an event the
+    moment its batch finishes. Polls drain events destructively, as the training API specifies:
+    ``{type: "result", index, result}``, ``{type: "error", index, error}``, then ``{type: "done",
+    completed, failed}``. Only the sub-job's worker pushes and only polls drain, so the deque needs
+    no lock.
     """
 
-    request_id: str
-    total: int
+    job_id: str
+    items: list[tuple]
     completed: int = 0
     failed: int = 0
     _events: deque[dict[str, Any]] = field(default_factory=deque)
 
-    def push(self, event: dict[str, Any]) -> bool:
-        """Queue one event; True when it was the last prompt's (the stream is then complete)."""
-        self._events.append(event)
-        if event["type"] == "result":
+    def push(self, item: tuple, *, result: Any = None, error: str | None = None) -> str | None:
+        """Queue the event of ``item``'s prompt; after the last prompt's, ``done``, and return the
+        counts (JSON) the request finishes with."""
+        if error is None:
             self.completed += 1
+            self._events.append({"type": "result", "index": item[0], "result": result})
         else:
             self.failed += 1
-        if self.completed + self.failed < self.total:
-            return False
+            self._events.append({"type": "error", "index": item[0], "error": error})
+        if self.completed + self.failed < len(self.items):
+            return None
         self._events.append({"type": "done", "completed": self.completed, "failed": self.failed})
-        return True
+        return json.dumps({"completed": self.completed, "failed": self.failed})
 
     def drain(self, max_events: int) -> list[dict[str, Any]]:
         return [self._events.popleft() for _ in range(min(max_events, len(self._events)))]
@@ -380,37 +386,15 @@ def submit_generate_stream(manager: JobManager, job: LiveJob, body: bytes, *, su
     request = _generate_body(parse_json_body(body, "generate-stream body (UTF-8 JSON, not DSSST1)"))
     target = sub_job_id or generate_target(job, request.routing_key)
     params = sampling_params_per_prompt(request, job, target)
-    request_id = manager.requests.add(job.job_id, target, OP_GENERATE_STREAM, {})
-    stream = manager.streams[request_id] = GenerateStream(request_id, total=len(request.prompts))
-    # Items of every stream queued together on this worker run as one batch: each carries its stream.
-    run_batch = functools.partial(_run_stream_batch, manager, job, target)
-    for index, (prompt, prompt_params) in enumerate(zip(request.prompts, params, strict=True)):
-        job.workers[target].submit_batchable(OP_GENERATE_STREAM, (stream, index, prompt, prompt_params), run_batch)
-    return {"request_id": request_id, "job_id": job.job_id, "count": len(request.prompts)}
+    stream = GenerateStream(job.job_id, items=list(enumerate(zip(request.prompts, params, strict=True))))
 
+    def run_batch(batch: list[tuple]) -> list[dict[str, Any]]:  # prompts of every stream queued together
+        samples = job.engines.generate(target, [prompt for _, (prompt, _) in batch], [p for _, (_, p) in batch])
+        parts = _split(samples, [p.n for _, (_, p) in batch])
+        return [{"job_id": job.job_id, "results": part} for part in parts]
 
-def _run_stream_batch(manager: JobManager, job: LiveJob, target: str, items: list[tuple]) -> list[None]:
-    for stream in {id(item[0]): item[0] for item in items}.values():
-        manager.requests.start(stream.request_id, "streaming")
-    try:
-        if job.stopping:
-            raise InvalidRequestError(f"job {job.job_id} is {job.status}")
-        samples = job.engines.generate(target, [item[2] for item in items], [item[3] for item in items])
-    except Exception as exc:  # each prompt of the failed batch gets an error event
-        events = [
-            (stream, {"type": "error", "index": i, "error": f"{type(exc).__name__}: {exc}"}) for stream, i, *_ in items
-        ]
-    else:
-        parts = _split(samples, [item[3].n for item in items])
-        events = [
-            (stream, {"type": "result", "index": index, "result": {"job_id": job.job_id, "results": part}})
-            for (stream, index, *_), part in zip(items, parts, strict=True)
-        ]
-    for stream, event in events:
-        if stream.push(event):
-            counts = json.dumps({"completed": stream.completed, "failed": stream.failed})
-            manager.requests.finish(stream.request_id, status="done", result_json=counts)
-    return [None] * len(items)
+    request_id = manager.submit(job, target, OP_GENERATE_STREAM, run_batch, stream=stream)
+    return {"request_id": request_id, "job_id": job.job_id, "count": len(stream.items)}
 
 
 def validation_text(exc: ValidationError, prefix: str = "") -> str:

@@ -20,13 +20,14 @@ import pickle
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 from icefloe.protocol import ClientClosedError, SamplingParams
-from icefloe.service.runtime import JobEngines
+from icefloe.service.runtime import JobEngines, stop_check
 from icefloe.service.specs import SubJobSpec
 
 __all__ = ["Channel", "EngineProcessDied", "ProcessEngineHost", "serve", "warm_forkserver"]
@@ -46,6 +47,7 @@ _PRELOAD = [
     "transformers.models.llama.modeling_llama",
 ]
 _START_TIMEOUT_S = 600.0  # a model download or a cold CUDA start can take minutes
+_START_TICK_S = 0.05  # while it waits for the engine process to start, a job checks this often for a stop
 _EXIT_TIMEOUT_S = 3.0  # after the pipes close, a child still running by then is killed
 
 
@@ -139,7 +141,7 @@ class ProcessEngineHost(JobEngines):
         self.exit_code: int | None = None  # once the child ended; negative: the signal that ended it
         self._stopping = False  # calls cut short from now on were cancelled, not lost to a crash
 
-    def start(self, on_progress: Callable[[str], None]) -> None:
+    def start(self, on_progress: Callable[[str], None], stop: threading.Event) -> None:
         context = _context()
         control, child_control = context.Pipe()
         ends = {sub_job_id: context.Pipe() for sub_job_id in self._specs}
@@ -161,9 +163,12 @@ class ProcessEngineHost(JobEngines):
         # each sub-job's engine, as far as this process sees it: the channel to it
         self._engines = {sid: Channel(parent, lost=self._lost) for sid, (parent, _) in ends.items()}
         on_progress(f"engines run in process {process.pid}")
+        deadline = time.monotonic() + _START_TIMEOUT_S
         while True:
-            if not control.poll(_START_TIMEOUT_S):
-                raise TimeoutError(f"the engine process did not finish loading within {_START_TIMEOUT_S:.0f} s")
+            while not control.poll(_START_TICK_S):  # a stopping job gives up; its close ends the process
+                stop_check(stop)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the engine process did not finish loading within {_START_TIMEOUT_S:.0f} s")
             try:
                 kind, value = pickle.loads(control.recv_bytes())
             except (EOFError, OSError):
@@ -324,7 +329,7 @@ def _child_main(
         control.send_bytes(_dumps((kind, value)))
 
     try:
-        host.start(lambda message: tell("progress", message))
+        host.start(lambda message: tell("progress", message), threading.Event())  # the service ends this process
     except BaseException as exc:
         tell("failed", _portable(exc))
         return

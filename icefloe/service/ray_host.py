@@ -6,12 +6,13 @@ the first time a pair syncs, is :class:`JobEngines`' own call.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from icefloe.config import ClientConfig, RayConfig
-from icefloe.service.runtime import JobEngines
+from icefloe.service.runtime import JobEngines, stop_check
 from icefloe.service.specs import SubJobSpec
 
 __all__ = ["RayEngineHost"]
@@ -35,7 +36,7 @@ class RayEngineHost(JobEngines):
         backend = RayConfig(namespace=self._namespace, num_cpus_per_worker=1.0, num_gpus_per_worker=gpus)
         return spec.config.model_copy(update={"backend": backend})
 
-    def start(self, on_progress: Callable[[str], None]) -> None:
+    def start(self, on_progress: Callable[[str], None], stop: threading.Event) -> None:
         import ray
 
         from icefloe.engines.models import resolve_model
@@ -44,6 +45,7 @@ class RayEngineHost(JobEngines):
         if not ray.is_initialized():
             ray.init(namespace=self._namespace, include_dashboard=False, log_to_driver=False)
         for sub_job_id, spec in self._specs.items():
+            stop_check(stop)  # each group's start blocks until its actors are up: give up between them
             config = self._config(spec)
             role = _ROLE_BY_JOB_TYPE[spec.job_type]
             count = spec.num_slots if role == "training" else 1

@@ -81,7 +81,8 @@ class RequestTable:
         result_json: str | None = None,
         result_path: str | None = None,
     ) -> None:
-        """Record the outcome (``result_json``: the result as JSON text) and wake the request's pollers."""
+        """Record the outcome (``result_json``: the result as JSON text) and wake the request's pollers;
+        a request that is no longer open (finished, cancelled) keeps the outcome it has."""
         outcome = {
             "status": status,
             "updated_at": store.now_iso(),
@@ -89,15 +90,16 @@ class RequestTable:
             "result": result_json,
             "result_path": result_path,
         }
-        store.update_request(self._db, request_id=request_id, outcome=outcome)
         with self._lock:
             row = self._open.pop(request_id, None)
-            if row is not None:
-                self._finished[request_id] = {**row, **outcome}
-                while len(self._finished) > _FINISHED_ROWS_KEPT:
-                    self._finished.popitem(last=False)
+            if row is None:
+                return
+            self._finished[request_id] = {**row, **outcome}
+            while len(self._finished) > _FINISHED_ROWS_KEPT:
+                self._finished.popitem(last=False)
             waiters = self._waiting.pop(request_id, [])
-        if row is not None and self.on_finish is not None:
+        store.update_request(self._db, request_id=request_id, outcome=outcome)
+        if self.on_finish is not None:
             self.on_finish(row["op"], status, row["created_at"])
         for loop, future in waiters:
             with contextlib.suppress(RuntimeError):  # the poller's loop already closed

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from icefloe.protocol import ConfigError, InvalidRequestError, SamplingParams
+from icefloe.protocol import ClientClosedError, ConfigError, InvalidRequestError, SamplingParams
 from icefloe.service.results import encode_json
 from icefloe.service.specs import SubJobSpec
 
@@ -45,7 +45,8 @@ class JobEngines:
     engine method of that name on ``self._engines[sid]``.
 
     A subclass fills ``_engines`` in ``start`` (slow; raise with the cause when an engine cannot be
-    built) and releases them in ``close`` (idempotent).
+    built, and give up soon once the ``stop`` event is set) and releases them in ``close``
+    (idempotent), also after a start that failed or gave up.
     """
 
     def __init__(self, specs: Sequence[SubJobSpec], devices: dict[str, str], checkpoints: dict[str, Path]) -> None:
@@ -68,7 +69,7 @@ class JobEngines:
         """:meth:`generate` with each sample encoded as JSON, so the answer splices the text in as it is."""
         return [encode_json(sample) for sample in self.generate(sub_job_id, prompts, params)]
 
-    def start(self, on_progress: Callable[[str], None]) -> None:
+    def start(self, on_progress: Callable[[str], None], stop: threading.Event) -> None:
         raise NotImplementedError
 
     def interrupt(self) -> None:
@@ -97,16 +98,17 @@ class JobEngines:
 class LocalEngineHost(JobEngines):
     """Engines in this process: one TrainingEngine or SamplingEngine per sub-job, on its slot's device."""
 
-    def start(self, on_progress: Callable[[str], None]) -> None:
+    def start(self, on_progress: Callable[[str], None], stop: threading.Event) -> None:
         with _BUILD_LOCK:
-            self._build_all(on_progress)
+            self._build_all(on_progress, stop)
         on_progress("engines ready")
 
-    def _build_all(self, on_progress: Callable[[str], None]) -> None:
+    def _build_all(self, on_progress: Callable[[str], None], stop: threading.Event) -> None:
         from icefloe.engines.sampling import build_sampling_engine
         from icefloe.engines.training import TrainingEngine
 
         for sub_job_id, spec in self._specs.items():
+            stop_check(stop)  # an engine loading in this process cannot be cut short: give up between them
             device = self._devices[sub_job_id]
             start_from = self._checkpoints.get(sub_job_id)
             on_progress(f"loading {spec.config.model!r} for {sub_job_id} on {device}")
@@ -139,6 +141,12 @@ class LocalEngineHost(JobEngines):
                 engine.close()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def stop_check(stop: threading.Event) -> None:
+    """Give up an engine start once the job is stopping."""
+    if stop.is_set():
+        raise ClientClosedError("the job stopped while its engines were starting")
 
 
 def make_engine_host(

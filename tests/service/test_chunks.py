@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import uuid
 
@@ -243,3 +244,34 @@ async def test_chunked_result_delivery_pages_events_by_cursor(data_dir):
             },
         )
         torch.testing.assert_close(inline["logprobs"], result["logprobs"])
+
+
+def _chunk_store_bytes(page: str) -> dict[str, float]:
+    """The ``icefloe_chunk_store_bytes`` series of a /metrics page: job id -> bytes."""
+    prefix = 'icefloe_chunk_store_bytes{job_id="'
+    return {
+        line[len(prefix) :].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in page.splitlines()
+        if line.startswith(prefix)
+    }
+
+
+async def test_a_finished_job_lets_go_of_the_chunks_it_held(data_dir):
+    """An ended job stayed in memory with its chunk payloads (up to 1 GiB each), still reported by /metrics."""
+    async with asgi_client(make_app(data_dir, engines="local")) as http:
+        api = Api(http)
+        job_id = await api.running()
+        first = chunks_of(_bigger_batch(), max_bytes=9000)[0]
+        assert (await _post(api, job_id, first)).json() == {"chunk_cached": True}
+        assert _chunk_store_bytes((await http.get("/metrics")).text)[job_id] > 0
+        await api.call("POST", f"/{job_id}:cancel")
+        await api.wait_status(job_id, "terminated")
+        for _ in range(200):  # the job thread lets go just after recording the final state
+            if job_id not in _chunk_store_bytes((await http.get("/metrics")).text):
+                break
+            await asyncio.sleep(0.05)
+        assert job_id not in _chunk_store_bytes((await http.get("/metrics")).text)
+        logs = (await api.call("POST", f"/{job_id}/operation", json={"operation_type": "tail-logs"})).json()
+        assert any("job is terminated" in e["msg"] for e in logs["entries"])  # still read back from its files
+        late = await api.call("POST", f"/{job_id}/step", json={}, check=False)
+        assert late.status_code == 409 and "terminated" in late.json()["message"]

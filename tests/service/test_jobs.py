@@ -259,11 +259,13 @@ async def test_shutdown_during_engine_start_closes_the_host_once_after_start(dat
     entered, release = threading.Event(), threading.Event()
     original_start, original_close = LocalEngineHost.start, LocalEngineHost.close
 
-    def slow_start(self, on_progress):
+    def slow_start(self, on_progress, stop):
         entered.set()
         release.wait(30)
-        original_start(self, on_progress)
-        events.append("started")
+        try:
+            original_start(self, on_progress, stop)  # gives up: the job is stopping
+        finally:
+            events.append("start returned")
 
     def counting_close(self):
         events.append("closed")
@@ -278,7 +280,7 @@ async def test_shutdown_during_engine_start_closes_the_host_once_after_start(dat
         timer = threading.Timer(0.5, release.set)  # the start finishes while shutdown is already waiting
         timer.start()
     timer.join()
-    assert events == ["started", "closed"]  # one close, after the start, from the teardown path
+    assert events == ["start returned", "closed"]  # one close, after the start, from the teardown path
     assert not [t for t in threading.enumerate() if t.name == f"icefloe-lifecycle-{job_id}"]
     store.update_job(app.state.db, job_id=job_id, status="failed", reason="late")  # closed store: a no-op
     assert store.get_job(app.state.db, job_id=job_id) is None

@@ -8,6 +8,8 @@ import threading
 
 import pytest
 
+from icefloe.protocol import ConflictError
+from icefloe.service.operations import submit_generate_stream
 from icefloe.service.runtime import LocalEngineHost
 
 from .service_client import SAMPLING, TRAINING, Api
@@ -77,3 +79,83 @@ async def test_streams_generated_in_one_batch_each_get_only_their_own_events(dat
         assert [e["index"] for e in second if e["type"] == "result"] == [0]
         assert first[-1] == {"type": "done", "completed": 2, "failed": 0}
         assert second[-1] == {"type": "done", "completed": 1, "failed": 0}
+
+
+def _stream_body(prompts: list) -> dict:
+    body = json.dumps({"prompts": prompts, "sampling_params": {"max_tokens": 2}}).encode()
+    return {"content": body, "headers": {"content-type": "application/octet-stream"}}
+
+
+async def test_an_engine_crash_during_a_stream_fails_the_job_naming_the_crash(data_dir, monkeypatch):
+    """A crash became error events only; the job stayed running and later ended as "client lease expired"."""
+
+    def crash(self, sub_job_id, prompts, params):  # fault: the device went away mid-batch
+        raise RuntimeError("device lost during sampling")
+
+    monkeypatch.setattr(LocalEngineHost, "generate", crash)
+    async with asgi_client(make_app(data_dir, engines="local")) as http:
+        api = Api(http)
+        job_id = await api.running(TRAINING, SAMPLING)
+        await api.call("POST", f"/{job_id}/generate-stream", **_stream_body([[1, 2], [3]]))
+        job = await api.wait_status(job_id, "failed", timeout_s=30)
+        assert job["reason"] == (
+            f"{job_id}:sampling:0 crashed during generate-stream: RuntimeError: device lost during sampling"
+        )
+        assert (await api.call("GET", "/capacity")).json()["in_use_slots"] == 0
+
+
+async def test_a_cancelled_stream_stays_cancelled_its_prompts_never_run_and_its_events_are_dropped(
+    data_dir, monkeypatch
+):
+    """cancel-request answered cancelled, then the prompts ran anyway and the row flipped to done."""
+    gate, calls = threading.Event(), []
+    original = LocalEngineHost.generate
+
+    def gated_generate(self, sub_job_id, prompts, params):  # fault: the first batch holds the sampler
+        calls.append(len(prompts))
+        if len(calls) == 1:
+            gate.wait(30)
+        return original(self, sub_job_id, prompts, params)
+
+    monkeypatch.setattr(LocalEngineHost, "generate", gated_generate)
+    app = make_app(data_dir, engines="local")
+    async with asgi_client(app) as http:
+        api = Api(http)
+        job_id = await api.running(TRAINING, SAMPLING)
+        busy = await api.post_frame(job_id, "generate", {"prompts": [[1]], "sampling_params": {"max_tokens": 1}})
+        while not calls:
+            await asyncio.sleep(0.01)
+        stream_id = (await api.call("POST", f"/{job_id}/generate-stream", **_stream_body([[1, 2], [3]]))).json()[
+            "request_id"
+        ]
+        cancel = {"operation_type": "cancel-request", "payload": {"request_id": stream_id}}
+        answer = (await api.call("POST", f"/{job_id}/operation", json=cancel)).json()
+        assert (answer["cancelled"], answer["status"]) == (True, "cancelled")
+        gate.set()
+        await api.result(job_id, busy.json()["request_id"])
+        after = await api.post_frame(job_id, "generate", {"prompts": [[4]], "sampling_params": {"max_tokens": 1}})
+        await api.result(job_id, after.json()["request_id"])  # queued behind the stream's prompts: they are past
+        assert calls == [1, 1]  # the stream's two prompts never reached the engine
+        polled = await api.poll(job_id, stream_id)
+        assert (polled["status"], polled["events"]) == ("cancelled", [])
+        stored = app.state.db.fetch_all("SELECT status FROM requests WHERE request_id = ?", (stream_id,))
+        assert [row["status"] for row in stored] == ["cancelled"]
+        assert stream_id not in app.state.jobs.streams
+
+
+async def test_a_stream_sent_to_a_job_that_stopped_after_its_check_is_refused_and_leaves_nothing_open(data_dir):
+    """The worker refused the prompts, but the stream's row stayed pending and its events stayed in memory."""
+    app = make_app(data_dir, engines="local")
+    async with asgi_client(app) as http:
+        api = Api(http)
+        job_id = await api.running(TRAINING, SAMPLING)
+        jobs = app.state.jobs
+        job = jobs.live(job_id)  # what the route holds once its state check passed
+        await api.call("POST", f"/{job_id}:cancel")
+        await api.wait_status(job_id, "terminated")
+        body = json.dumps({"prompts": [[1, 2]], "sampling_params": {"max_tokens": 2}}).encode()
+        with pytest.raises(ConflictError, match=f"job {job_id} is stopping"):
+            submit_generate_stream(jobs, job, body, sub_job_id=None)
+        rows = app.state.db.fetch_all("SELECT status FROM requests WHERE job_id = ? AND op != 'step'", (job_id,))
+        assert [row["status"] for row in rows] == ["cancelled"]
+        assert not jobs.requests.has_open(job_id) and jobs.streams == {}

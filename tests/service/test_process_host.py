@@ -8,6 +8,7 @@ and a stopping job never waits on its engine process for long.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -244,7 +245,7 @@ def _started_host(name: str, sub_job: dict = TRAINING) -> tuple[ProcessEngineHos
     specs = sub_job_specs(name, JobCreate.model_validate({"sub_job_configs": [sub_job]}))
     sub_job_id = specs[0].sub_job_id
     host = ProcessEngineHost(specs, {sub_job_id: "cpu"}, {})
-    host.start(lambda message: None)
+    host.start(lambda message: None, threading.Event())
     return host, sub_job_id
 
 
@@ -280,3 +281,97 @@ def test_closing_kills_an_engine_process_that_does_not_exit():
     os.kill(host.pid, signal.SIGSTOP)  # fault: a child wedged in a driver call never exits
     host.close()
     assert host.exit_code == -signal.SIGKILL
+
+
+@contextlib.contextmanager
+def _killed_after(pid: int) -> Iterator[None]:
+    """SIGSTOP ``pid`` now (fault: a driver call that never returns); SIGKILL it whatever the test did."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+async def test_a_stream_on_a_stopped_engine_fails_its_job_at_the_op_deadline(data_dir):
+    """A stream batch was never watched: the job stayed running, holding its slots, for good."""
+    app = make_app(data_dir, op_deadlines_s={"generate-stream": 2.0})
+    async with asgi_client(app) as http:
+        api = Api(http)
+        job_id = await api.running(TRAINING, SAMPLING)
+        pid = _host(app, job_id).pid
+        assert pid is not None
+        with _killed_after(pid):
+            body = json.dumps({"prompts": [[1, 2]], "sampling_params": {"max_tokens": 2}}).encode()
+            octet = {"content-type": "application/octet-stream"}
+            await api.call("POST", f"/{job_id}/generate-stream", content=body, headers=octet)
+            job = await api.wait_status(job_id, "failed", timeout_s=30)
+        assert job["reason"] == (
+            f"generate-stream on {job_id}:sampling:0 did not finish within its deadline of 2 s; "
+            f"killed the engine process {pid}"
+        )
+        assert (await api.call("GET", "/capacity")).json()["in_use_slots"] == 0
+
+
+async def test_cancelling_a_job_whose_engine_process_hangs_while_starting_kills_it(data_dir, monkeypatch):
+    """The job thread waited up to 600 s for the engine process: the job stayed cancelling, holding its slot."""
+    stopped: list[int] = []
+    original = ProcessEngineHost.start
+
+    def start_then_hang(self, on_progress, *rest):  # fault: the child hangs while it loads its engines
+        def progress(message: str) -> None:
+            if self.pid is not None and not stopped:
+                os.kill(self.pid, signal.SIGSTOP)
+                stopped.append(self.pid)
+            on_progress(message)
+
+        return original(self, progress, *rest)
+
+    monkeypatch.setattr(ProcessEngineHost, "start", start_then_hang)
+    async with asgi_client(make_app(data_dir)) as http:
+        api = Api(http)
+        job_id = await api.create(TRAINING)
+        await api.wait_status(job_id, "initializing")
+        while not stopped:
+            await asyncio.sleep(0.01)
+        with _killed_after(stopped[0]):
+            assert (await api.call("POST", f"/{job_id}:cancel")).json()["status"] == "cancelling"
+            await api.wait_status(job_id, "terminated", timeout_s=30)
+            assert (await api.call("GET", "/capacity")).json()["in_use_slots"] == 0
+            with pytest.raises(ProcessLookupError):  # killed and reaped before the job said terminated
+                os.kill(stopped[0], 0)
+
+
+async def test_a_weight_sync_deadline_counts_from_its_copy_not_from_waiting_for_queued_generates(data_dir, monkeypatch):
+    """The clock started before the sync waited for the samplers to drain: a healthy engine was killed."""
+    entered, release = threading.Event(), threading.Event()
+    original = ProcessEngineHost.generate_json
+
+    def held_generate(self, sub_job_id, prompts, params):  # a long rollout queued ahead of the sync
+        entered.set()
+        release.wait(60)
+        return original(self, sub_job_id, prompts, params)
+
+    monkeypatch.setattr(ProcessEngineHost, "generate_json", held_generate)
+    deadline_s = 1.0
+    app = make_app(data_dir, op_deadlines_s={"weight-sync": deadline_s})
+    async with asgi_client(app) as http:
+        api = Api(http)
+        job_id = await api.running(TRAINING, SAMPLING)
+        rollout = await api.post_frame(job_id, "generate", {"prompts": [[1, 2]], "sampling_params": {"max_tokens": 2}})
+        assert await asyncio.to_thread(entered.wait, 30)
+        sync = {"operation_type": "weight-sync", "payload": {}}
+        sync_id = (await api.call("POST", f"/{job_id}/operation", json=sync)).json()["request_id"]
+        waiting = await api.poll(job_id, sync_id, wait=4 * deadline_s)  # well past the deadline, still waiting
+        assert waiting["status"] == "running" and (await api.job(job_id))["status"] == "running"
+        release.set()
+        await api.result(job_id, rollout.json()["request_id"])
+        assert (await api.result(job_id, sync_id))["policy_version"] == 0
+        assert (await api.job(job_id))["status"] == "running"
+        pid = _host(app, job_id).pid
+        assert pid is not None
+        with _killed_after(pid):  # the copy itself is still watched
+            await api.call("POST", f"/{job_id}/operation", json=sync)
+            job = await api.wait_status(job_id, "failed", timeout_s=30)
+        assert job["reason"].startswith(f"weight-sync on {job_id}:training:0 did not finish within its deadline")
