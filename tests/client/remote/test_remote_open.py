@@ -71,17 +71,37 @@ def test_an_open_interrupted_by_ctrl_c_cancels_the_job_it_created(full_service):
 
 
 def test_an_async_open_cancelled_while_its_job_places_cancels_the_job_and_shuts_the_client(full_service):
-    async def cancel_open() -> tuple[AsyncClient, str]:
+    async def cancel_open() -> AsyncClient:
         client = AsyncClient(_config(full_service))
+        held = client.step()  # called before the open: it waits for it
         opening = asyncio.ensure_future(client.open())
         job_id = await asyncio.to_thread(_placing_job, full_service)
         opening.cancel()
         with pytest.raises(asyncio.CancelledError):
             await opening
         assert _status(full_service, job_id) in CANCELLED
-        return client, job_id
+        with pytest.raises(ClientClosedError):
+            await held
+        return client
 
-    client, job_id = asyncio.run(cancel_open())
+    client = asyncio.run(cancel_open())
     assert client.closed
     with pytest.raises(ClientClosedError):
         asyncio.run(client.open())
+
+
+def test_a_shutdown_from_another_thread_ends_an_open_that_waits_and_cancels_its_job(full_service):
+    """Shutting down used to wait for the open to end (until the job ran or job_ready_timeout_s passed)."""
+    client = Client(_config(full_service))
+    placing: list[str] = []
+
+    def shut_down_once_placing() -> None:
+        placing.append(_placing_job(full_service))
+        client.shutdown()
+
+    closer = threading.Thread(target=shut_down_once_placing, daemon=True)
+    closer.start()
+    with pytest.raises(ClientClosedError, match="shut down"):
+        client.open()
+    closer.join()
+    assert _status(full_service, placing[0]) in CANCELLED
