@@ -241,9 +241,16 @@ def serve(
     """
     from icefloe.config import user_data_dir
     from icefloe.protocol import ConfigError
+    from icefloe.service.app import base_url
     from icefloe.service.app import serve as run_service
     from icefloe.service.settings import ServeSettings
 
+    if port == 0:
+        raise typer.BadParameter(
+            "0 (any free port) is chosen only when serve binds, after it prints its base URL; pass a free port, "
+            "e.g. 8321",
+            param_hint="--port",
+        )
     data_dir = (data_dir or user_data_dir() / "serve").expanduser().resolve()  # results name absolute paths
     try:
         settings = ServeSettings.from_env(
@@ -258,9 +265,10 @@ def serve(
     auth = f"bearer auth on ({len(settings.tokens)} token(s))" if settings.auth_enabled else "no auth"
     if not settings.auth_enabled and host not in ("127.0.0.1", "localhost", "::1"):
         console.print(f"[yellow]warning: {host} is reachable from other machines and no --token is set[/yellow]")
-    console.print(f"icefloe serve: base URL [bold]http://{host}:{port}[/bold] ({auth}; data in {data_dir})")
+    url = escape(base_url(host, port))
+    console.print(f"icefloe serve: base URL [bold]{url}[/bold] ({auth}; data in {data_dir})")
     pat = " ICEFLOE_REMOTE_PAT=<one of the tokens>" if settings.auth_enabled else ""
-    console.print(f"  remote clients: ICEFLOE_REMOTE_BASE_URL=http://{host}:{port}{pat}", soft_wrap=True)
+    console.print(f"  remote clients: ICEFLOE_REMOTE_BASE_URL={url}{pat}", soft_wrap=True)
     if settings.engines == "ray":
         import ray
 
@@ -298,8 +306,11 @@ def _admin(base_url: str | None, token: str | None) -> Iterator[Any]:
 
     explicit = {"base_url": base_url, "pat": token}
     try:
-        backend = {"type": "remote", **{k: v for k, v in explicit.items() if v}}
-        admin = ServiceAdmin(ClientConfig.from_env(backend=backend).backend)
+        backend = ClientConfig.from_env(backend={"type": "remote", **{k: v for k, v in explicit.items() if v}}).backend
+        pat = backend.pat.get_secret_value() if backend.pat else ""
+        if backend.host and not backend.base_url and not pat:  # the managed endpoint needs a token
+            raise typer.BadParameter(f"no token for {backend.host}: pass --token TOKEN or set ICEFLOE_REMOTE_PAT")
+        admin = ServiceAdmin(backend)
     except ConfigError as exc:
         raise typer.BadParameter(str(exc), param_hint="--base-url") from None
     try:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from typer.testing import CliRunner
 
 from icefloe.cli import app
@@ -137,6 +138,64 @@ def test_cli_jobs_without_a_service_names_the_setting():
     result = CliRunner().invoke(app, ["jobs", "list"], env={"ICEFLOE_REMOTE_BASE_URL": "", "ARCTIC_CORTEX_HOST": ""})
     assert result.exit_code != 0
     assert "base_url" in result.output
+
+
+def test_cli_jobs_for_a_managed_endpoint_without_a_token_names_token_and_its_env_var():
+    """It blamed --base-url and told a person at a shell to build a config with ClientConfig.from_env()."""
+    env = {"ICEFLOE_REMOTE_HOST": "acct.example.com", "ICEFLOE_REMOTE_DATABASE": "DB", "ICEFLOE_REMOTE_SCHEMA": "SC"}
+    env |= dict.fromkeys(("ICEFLOE_REMOTE_BASE_URL", "ARCTIC_CORTEX_BASE_URL", "ICEFLOE_REMOTE_PAT", "CORTEX_PAT"), "")
+    env |= {"ARCTIC_CORTEX_PAT": "", "COLUMNS": "200"}
+    result = CliRunner().invoke(app, ["jobs", "list"], env=env)
+    assert result.exit_code == 2
+    assert "--token" in result.output and "ICEFLOE_REMOTE_PAT" in result.output, result.output
+    assert "--base-url" not in result.output and "from_env" not in result.output, result.output
+
+
+def test_cli_serve_refuses_port_0_whose_base_url_it_could_not_print(tmp_path):
+    result = CliRunner().invoke(
+        app, ["serve", "--port", "0", "--data-dir", str(tmp_path / "d")], env={"COLUMNS": "200"}
+    )
+    assert result.exit_code == 2 and "--port" in result.output and "pass a free port" in result.output, result.output
+    assert not (tmp_path / "d").exists()
+
+
+def test_cli_serve_prints_urls_that_work_for_an_ipv6_host(tmp_path):
+    """`--host ::1` printed http://::1:8321, which no client can parse."""
+    import re
+    import socket
+
+    import httpx
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+            port = probe.getsockname()[1]
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    command = [sys.executable, "-m", "icefloe.cli", "serve", "--host", "::1", "--port", str(port)]
+    command += ["--engines", "local", "--data-dir", str(tmp_path / "serve")]
+    log = tmp_path / "serve.log"
+    with (
+        log.open("wb") as output,
+        subprocess.Popen(
+            command, stdout=output, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"}
+        ) as child,
+    ):
+        try:
+            base_url, deadline = f"http://[::1]:{port}", time.monotonic() + 120
+            while True:
+                try:
+                    httpx.get(f"{base_url}/health", timeout=5).raise_for_status()
+                    break
+                except httpx.TransportError:
+                    assert child.poll() is None and time.monotonic() < deadline, log.read_text()
+                    time.sleep(0.2)
+        finally:
+            child.terminate()
+            child.wait(timeout=60)
+    printed = log.read_text()
+    urls = re.findall(r"http://\S+", printed)
+    assert len(urls) >= 3 and all(url.startswith(base_url) for url in urls), printed  # the CLI's and the log's
 
 
 def test_cli_serve_help_recommends_a_token_file_or_the_env_var_over_token():

@@ -252,13 +252,20 @@ class AsyncClient(_BaseClient):
         self._tasks: set[asyncio.Future[Any]] = set()
 
     async def open(self) -> Self:
-        """Load engines or attach the job now (in a worker thread)."""
+        """Load engines or attach the job now (in a worker thread).
+
+        An open that is cancelled (Ctrl-C under ``asyncio.run``, a timeout) shuts the client down, which
+        interrupts the open and cancels a job it created; build a new client to try again.
+        """
         self._check_open()
         if self._state is _State.UNOPENED:
             if self._opening is None or self._opening.get_loop() is not asyncio.get_running_loop():
                 self._opening = asyncio.ensure_future(asyncio.to_thread(self._transport.open))
             try:
                 await asyncio.shield(self._opening)
+            except asyncio.CancelledError:
+                await self.shutdown()
+                raise
             except Exception:
                 self._opening = None  # a later open() tries again
                 raise

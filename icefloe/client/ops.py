@@ -7,6 +7,7 @@ training API's spelling (``avg_loss``, ``last_lr``, ``global_steps``) and never 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -101,8 +102,10 @@ def forward(batch: Mapping[str, Any], *, reference: bool = False) -> OpCall:
 
 def step(learning_rate: float | None = None) -> OpCall:
     """Apply the optimizer to the accumulated gradients."""
-    if learning_rate is not None and not learning_rate > 0:
-        raise InvalidRequestError(f"learning_rate must be > 0 or None; got {learning_rate!r}")
+    if learning_rate is not None and not 0 < learning_rate < math.inf:
+        raise InvalidRequestError(
+            f"learning_rate must be > 0 and finite, or None for the scheduled rate; got {learning_rate!r}"
+        )
     body = {} if learning_rate is None else {"learning_rate": float(learning_rate)}
     return OpCall(Request(OP_STEP, TARGET_TRAINING, body), normalize_step)
 
@@ -241,9 +244,7 @@ def save_checkpoint(kind: str = "resumable") -> OpCall:
 
 def load_checkpoint(checkpoint_id: str, *, source_job_id: str | None = None) -> OpCall:
     """Load a saved checkpoint into the running training role."""
-    if not checkpoint_id:
-        raise InvalidRequestError("checkpoint_id is required, e.g. 'global_step12' from save_checkpoint()")
-    body: dict[str, Any] = {"checkpoint_id": checkpoint_id}
+    body: dict[str, Any] = {"checkpoint_id": _checkpoint_id(checkpoint_id)}
     if source_job_id:
         body["source_job_id"] = source_job_id
     return OpCall(Request(OP_LOAD, TARGET_TRAINING, body), _parse_checkpoint)
@@ -256,12 +257,20 @@ def list_checkpoints() -> OpCall:
 
 def get_checkpoint(checkpoint_id: str) -> OpCall:
     """One checkpoint's metadata and its files (paths or download URLs)."""
-    return OpCall(Request(OP_GET_CHECKPOINT, TARGET_JOB, {"checkpoint_id": checkpoint_id}), _parse_checkpoint)
+    return OpCall(
+        Request(OP_GET_CHECKPOINT, TARGET_JOB, {"checkpoint_id": _checkpoint_id(checkpoint_id)}), _parse_checkpoint
+    )
 
 
 def delete_checkpoint(checkpoint_id: str) -> OpCall:
     """Delete a checkpoint; a missing one is an error, not a success."""
-    return OpCall(Request(OP_DELETE_CHECKPOINT, TARGET_JOB, {"checkpoint_id": checkpoint_id}), _empty)
+    return OpCall(Request(OP_DELETE_CHECKPOINT, TARGET_JOB, {"checkpoint_id": _checkpoint_id(checkpoint_id)}), _empty)
+
+
+def _checkpoint_id(checkpoint_id: str) -> str:
+    if not checkpoint_id:
+        raise InvalidRequestError("checkpoint_id is required, e.g. 'global_step12' from save_checkpoint()")
+    return checkpoint_id
 
 
 def _parse_checkpoint(result: Mapping[str, Any]) -> dict[str, Any]:

@@ -285,8 +285,8 @@ class TrainingEngine:
         norm before clipping; a non-finite norm skips the update (the step still counts).
         """
         optimizer = self._require_training("step")
-        if learning_rate is not None and not learning_rate >= 0:
-            raise InvalidRequestError(f"learning_rate must be >= 0; got {learning_rate}")
+        if learning_rate is not None and not 0 <= learning_rate < math.inf:
+            raise InvalidRequestError(f"learning_rate must be >= 0 and finite; got {learning_rate}")
         grad_clip = self.config.training.grad_clip
         if adam is not None:
             unknown = sorted(set(adam) - {"beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"})

@@ -34,7 +34,7 @@ from icefloe.service.settings import ServeSettings
 from icefloe.service.store import Database, DataDirInUse, lock_data_dir, purge_expired
 from icefloe.service.tinker import install_tinker
 
-__all__ = ["ServerThread", "create_app", "serve"]
+__all__ = ["ServerThread", "base_url", "create_app", "serve"]
 
 _log = logging.getLogger("icefloe.service")
 _REDACTED_LOGGERS = ("", "icefloe", "icefloe.service", "uvicorn", "uvicorn.error", "uvicorn.access")
@@ -133,13 +133,18 @@ class ServerThread:
                 raise RuntimeError("icefloe serve did not start; see the log above for the cause")
             self._thread.join(0.01)
         host, port = self._server.servers[0].sockets[0].getsockname()[:2]
-        self.base_url = f"http://{host}:{port}"
+        self.base_url = base_url(host, port)
         return self.base_url
 
     def __exit__(self, *exc: object) -> None:
         self._server.should_exit = True
         if self._thread is not None:
             self._thread.join()
+
+
+def base_url(host: str, port: int) -> str:
+    """``http://host:port``, with an IPv6 host in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def serve(settings: ServeSettings, *, log_level: str = "info") -> None:
@@ -162,8 +167,9 @@ def serve(settings: ServeSettings, *, log_level: str = "info") -> None:
         log_config=log_config,
         access_log=settings.access_log,
     )
-    _log.info("icefloe serve on http://%s:%d (data in %s)", settings.host, settings.port, settings.data_dir)
-    _log.info("dashboard: http://%s:%d/ui", settings.host, settings.port)
+    url = base_url(settings.host, settings.port)
+    _log.info("icefloe serve on %s (data in %s)", url, settings.data_dir)
+    _log.info("dashboard: %s/ui", url)
     # What is alive now (torch, transformers, the app) lives as long as the process: a full collection
     # that walked it each time paused every request for 120-150 ms.
     gc.freeze()

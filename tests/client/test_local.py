@@ -178,6 +178,24 @@ def test_transport_handle_returns_futures_that_keep_each_roles_order_and_fail_af
         transport.open()
 
 
+def test_a_learning_rate_that_is_not_finite_is_refused_and_the_weights_stay_finite(tmp_path):
+    """inf passed a `> 0` check and turned every weight into NaN without an error."""
+    from icefloe.client.transports.local import LocalTransport
+    from icefloe.protocol import OP_STEP, TARGET_TRAINING, Request
+
+    transport = LocalTransport(_config(tmp_path))
+    with Client(_config(tmp_path), transport=transport) as client:
+        batch = build_batch([[5, 6]], [[7]], [1.0], pad_id=0)
+        client.fwd_bwd(batch)
+        with pytest.raises(InvalidRequestError, match="learning_rate must be > 0 and finite"):
+            client.step(learning_rate=float("inf"))
+        for rate in (float("inf"), float("nan")):  # sent past the client's check, the engine refuses it too
+            with pytest.raises(InvalidRequestError, match="learning_rate must be >= 0 and finite"):
+                transport.handle(Request(OP_STEP, TARGET_TRAINING, {"learning_rate": rate})).result(60)
+        assert client.step()["global_step"] == 1
+        assert torch.isfinite(client.forward(batch)["logprobs"]).all()
+
+
 def test_lora_reference_is_the_trainer_with_adapters_off_and_sync_takes_a_weight_format(tmp_path):
     pytest.importorskip("peft")
     config = _config(tmp_path, lora={"rank": 4, "alpha": 8}, num_log_prob_workers=0)

@@ -47,9 +47,14 @@ def test_forward_targets_reference_role_when_asked():
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda: ops.step(learning_rate=0), "learning_rate must be > 0"),
+        (lambda: ops.step(learning_rate=0), "learning_rate must be > 0 and finite"),
+        (lambda: ops.step(learning_rate=float("inf")), "learning_rate must be > 0 and finite.*; got inf"),
+        (lambda: ops.step(learning_rate=1e309), "learning_rate must be > 0 and finite.*; got inf"),
+        (lambda: ops.step(learning_rate=float("nan")), "learning_rate must be > 0 and finite.*; got nan"),
         (lambda: ops.save_checkpoint("full"), "kind must be one of"),
         (lambda: ops.load_checkpoint(""), "checkpoint_id is required"),
+        (lambda: ops.get_checkpoint(""), "checkpoint_id is required"),
+        (lambda: ops.delete_checkpoint(""), "checkpoint_id is required"),
     ],
 )
 def test_builders_reject_bad_arguments(call, message):

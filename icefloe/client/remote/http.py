@@ -214,10 +214,8 @@ def translate_errors(call: Call, endpoint: Endpoint, redactor: Redactor, timeout
 
 def _json_or_text(response: httpx.Response) -> Any:
     """The body as JSON (orjson: a generate answer of 100 KiB parses in a third of the time), else text."""
-    try:
+    with contextlib.suppress(orjson.JSONDecodeError):
         return orjson.loads(response.content)
-    except orjson.JSONDecodeError:
-        pass
     try:  # NaN and Infinity, which the standard library writes and orjson refuses
         return json.loads(response.content)
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -242,10 +240,14 @@ def _wire(call: Call) -> tuple[dict[str, str], bytes]:
         headers[SEQUENCE_HEADER] = call.sequence
     if call.content is not None:
         headers["Content-Type"], body = call.content_type, call.content
-    elif call.json is not None:  # as httpx writes JSON: NaN is refused, not sent
-        body = json.dumps(call.json, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
-        headers["Content-Type"] = "application/json"
+    elif call.json is not None:
+        headers["Content-Type"], body = "application/json", json_body(call.json)
     return headers, body
+
+
+def json_body(value: Any) -> bytes:
+    """``value`` as httpx writes JSON, except that NaN and infinity are refused (ValueError), not sent."""
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode()
 
 
 def _query(call: Call) -> str:

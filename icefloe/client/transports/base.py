@@ -15,7 +15,7 @@ from typing import Any
 
 from icefloe.protocol import Request
 
-__all__ = ["Transport"]
+__all__ = ["Transport", "finished"]
 
 
 class Transport(abc.ABC):
@@ -49,9 +49,7 @@ class Transport(abc.ABC):
         Only a service keeps such a series; this default (the local and Ray backends) sends nothing
         and returns a finished future of None: their metrics go to the client's own trackers.
         """
-        done: Future = Future()
-        done.set_result(None)
-        return done
+        return finished(None)
 
     @abc.abstractmethod
     def handle_info(self) -> dict[str, Any]:
@@ -61,3 +59,10 @@ class Transport(abc.ABC):
     def tokenizer(self) -> Any:
         """The model's tokenizer, when this backend can provide one locally."""
         return None
+
+
+def finished(result: Any) -> Future:
+    """A future that already holds ``result``: an answer known when the op is called."""
+    done: Future = Future()
+    done.set_result(result)
+    return done

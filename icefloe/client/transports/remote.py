@@ -27,9 +27,9 @@ from typing import Any, Final
 from icefloe import protocol as api
 from icefloe import wire
 from icefloe.client.remote import jobs
-from icefloe.client.remote.http import Call, Endpoint, Http, Retry, TransportWrapper
+from icefloe.client.remote.http import Call, Endpoint, Http, Retry, TransportWrapper, json_body
 from icefloe.client.remote.polling import Backoff, FrameResult, poll_request
-from icefloe.client.transports.base import Transport
+from icefloe.client.transports.base import Transport, finished
 from icefloe.config import ClientConfig, RemoteConfig
 
 __all__ = ["RemoteTransport"]
@@ -98,9 +98,7 @@ class RemoteTransport(Transport):
             api.OP_STEP: self._step,
             api.OP_GENERATE: self._generate,
             api.OP_WEIGHT_SYNC: self._weight_sync,
-            api.OP_SAVE: lambda r: self._json_op(
-                "save", {"checkpoint_type": r.body.get("checkpoint_type", "resumable")}
-            ),
+            api.OP_SAVE: lambda r: self._json_op("save", r.body),  # ops.save_checkpoint names the checkpoint_type
             api.OP_LOAD: self._load,
             api.OP_LIST_CHECKPOINTS: lambda r: lambda turn: self._list_checkpoints(),
             api.OP_GET_CHECKPOINT: lambda r: lambda turn: self._get_checkpoint(r.body["checkpoint_id"]),
@@ -138,10 +136,10 @@ class RemoteTransport(Transport):
             if not self._attached:
                 try:
                     self._http.run(self._attach())
-                except BaseException:
-                    # a failed open leaves no connection or thread behind; a retry starts afresh
+                except BaseException:  # a failed open leaves no connection or thread behind; a retry starts afresh
                     self._http.close()
                     self._http = Http(self._endpoint, self._backend, self._wrap)
+                    self._check_not_closed("open")  # closed while it waited: say so, not how the wait ended
                     raise
 
     async def _attach(self) -> None:
@@ -165,7 +163,7 @@ class RemoteTransport(Transport):
         timeout_s = self.config.job_ready_timeout_s
         try:
             job = await jobs.wait_running(self._http, self._job.job_id, backoff=self._backoff, timeout_s=timeout_s)
-        except Exception:
+        except BaseException:  # also interrupted (Ctrl-C, a cancelled open, close() while waiting)
             if self._created:  # given up: cancel the job, or it starts later and holds slots nobody uses
                 with contextlib.suppress(Exception):
                     await self._cancel_job()
@@ -193,16 +191,14 @@ class RemoteTransport(Transport):
                 return
 
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
+        if self._closed:  # no lock: an open under way holds it, and closing the I/O loop interrupts that open
+            return
+        self._closed = True
         try:
-            if self._created and self._job is not None and self._backend.cancel_on_shutdown:
-                try:
-                    self._http.run(self._cancel_job())
-                except Exception as exc:  # closing goes on: the job's lease ends it on the service
-                    _log.warning("could not cancel job %s: %s", self._job.job_id, exc)
+            if self._created and self._backend.cancel_on_shutdown:
+                self._http.run(self._cancel_job())
+        except Exception as exc:  # closing goes on: the job's lease ends it on the service
+            _log.warning("could not cancel job %s: %s", self._job and self._job.job_id, exc)
         finally:
             self._http.close()
 
@@ -252,9 +248,7 @@ class RemoteTransport(Transport):
         with self._lock:  # call order = turn order, also for the step count a route reads
             send = route(request)
             if isinstance(send, dict):  # answered here
-                done: Future = Future()
-                done.set_result(send)
-                return done
+                return finished(send)
             turn = self._turn(_roles_of(request))
         return self._http.start(_in_turn(send, turn))  # a caller that stops waiting does not stop it
 
@@ -305,19 +299,18 @@ class RemoteTransport(Transport):
         path: str,
         what: str,
         *,
-        json: Any = None,
+        json: bytes | None = None,
         frame: bytes | None = None,
         group: bool = False,
         params: dict[str, str] | None = None,
         inline: bool = False,
     ) -> dict[str, Any]:
-        """POST the op's JSON body or frame (a chunk group when ``group`` or over the cap), then poll. Only a
-        numbered POST may ask for its answer inline: one in the accept-then-send line is answered at acceptance."""
+        """POST the op's encoded JSON body or frame (a chunk group when ``group`` or over the cap), then poll. Only
+        a numbered POST may ask for its answer inline: one in the accept-then-send line is answered at acceptance."""
         inline_wait = "inline_wait" in self._info.extensions
         hold_s = self._long_poll_s if turn.sequence is not None and inline_wait and not inline else 0.0
-        bodies: list[bytes | None] = [None]
-        if frame is not None:
-            bodies = list(wire.split_frame(frame, max_bytes=self._max_post_bytes, operation=what, force=group))
+        cap = self._max_post_bytes
+        bodies = [json] if frame is None else wire.split_frame(frame, max_bytes=cap, operation=what, force=group)
         key = str(uuid.uuid4())
         for replay in range(2 if group else 1):  # a group the service lost is replayed once
             try:
@@ -327,8 +320,8 @@ class RemoteTransport(Transport):
                         "POST",
                         f"/{self._job_id}/{path}",
                         what,
-                        json=json,
                         content=chunk,
+                        content_type="application/json" if frame is None else "application/octet-stream",
                         params={**(params or {}), "wait": f"{hold_s:.3f}"} if last and hold_s else params,
                         idempotency_key=key if len(bodies) == 1 and not group else f"{key}.{replay}.{index}",
                         timeout_s=self._backend.request_timeout_s + hold_s if last and hold_s else None,
@@ -407,25 +400,35 @@ class RemoteTransport(Transport):
 
         return send
 
-    def _json_op(self, name: str, body: dict[str, Any]) -> Send:
-        return lambda turn: self._submit(turn, name, name, json=body)
+    def _json_op(self, path: str, body: dict[str, Any], what: str | None = None, inline: bool = False) -> Send:
+        content = json_body(body)  # now, so that a body which cannot be sent never takes a turn it leaves unused
+        return lambda turn: self._submit(turn, path, what or path, json=content, inline=inline)
 
     def _step(self, request: api.Request) -> Send:
-        """Without an explicit rate, send the scheduled one (nothing for a flat schedule)."""
-        index = self._steps_called
-        self._steps_called += 1
+        """Send the scheduled rate unless one is given (none for a flat schedule); a failed step does not count."""
         rate = request.body.get("learning_rate")
         schedule = self.config.training.lr_schedule
         if rate is None and (schedule.kind != "constant" or schedule.warmup_steps > 0):
             # A decay to exactly 0 is sent as the smallest rate the API accepts (it requires > 0).
-            rate = max(self.config.training.optimizer.lr * schedule.multiplier(index), _MIN_LR)
-        return self._json_op(api.OP_STEP, {} if rate is None else {"learning_rate": float(rate)})
-
-    def _load(self, request: api.Request) -> Send:
-        body = {k: v for k, v in request.body.items() if v is not None}
+            rate = max(self.config.training.optimizer.lr * schedule.multiplier(self._steps_called), _MIN_LR)
+        submit = self._json_op(api.OP_STEP, {} if rate is None else {"learning_rate": float(rate)})
+        self._steps_called += 1
 
         async def send(turn: Turn) -> dict[str, Any]:
-            result = await self._submit(turn, "load", api.OP_LOAD, json=body)
+            try:
+                return await submit(turn)
+            except Exception:
+                with self._lock:  # handle() counts under it
+                    self._steps_called -= 1
+                raise
+
+        return send
+
+    def _load(self, request: api.Request) -> Send:
+        submit = self._json_op("load", request.body, api.OP_LOAD)
+
+        async def send(turn: Turn) -> dict[str, Any]:
+            result = await submit(turn)
             step = result.get("global_step", result.get("global_steps"))
             if isinstance(step, int):
                 self._steps_called = step  # the schedule continues from the loaded step
@@ -436,8 +439,7 @@ class RemoteTransport(Transport):
     def _operation(self, operation_type: str, payload: dict[str, Any], **target: str | None) -> Send:
         """An ``{job}/operation`` POST; ``target`` names ``sub_job_id`` and/or ``sub_job_type``."""
         body = {"operation_type": operation_type, "payload": payload, **{k: v for k, v in target.items() if v}}
-        inline = operation_type in api.INLINE_OPERATIONS
-        return lambda turn: self._submit(turn, "operation", operation_type, json=body, inline=inline)
+        return self._json_op("operation", body, operation_type, inline=operation_type in api.INLINE_OPERATIONS)
 
     def _weight_sync(self, request: api.Request) -> Send:
         source = self._ref.first("training")
@@ -470,12 +472,7 @@ class RemoteTransport(Transport):
         entry = next((c for c in listed["checkpoints"] if c.get("checkpoint_id") == checkpoint_id), {})
         path = f"/{self._job_id}/checkpoints/{checkpoint_id}:export"
         reply = await self._http.send(Call("POST", path, api.OP_GET_CHECKPOINT, idempotency_key=str(uuid.uuid4())))
-        out = {**entry, **(reply.body or {})}
-        if "global_steps" in out:
-            out.setdefault("global_step", out["global_steps"])
-        if "checkpoint_type" in out:
-            out.setdefault("kind", out["checkpoint_type"])
-        return out
+        return {**entry, **(reply.body or {})}  # read by ops.get_checkpoint, which names fields as every backend does
 
     async def _delete_checkpoint(self, checkpoint_id: str) -> dict[str, Any]:
         path = f"/{self._job_id}/checkpoints/{checkpoint_id}"

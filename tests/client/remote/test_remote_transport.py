@@ -14,10 +14,13 @@ from icefloe.client import AsyncClient, Client, build_batch
 from icefloe.client.transports.remote import RemoteTransport
 from icefloe.config import ClientConfig
 from icefloe.protocol import (
+    OP_STEP,
+    TARGET_TRAINING,
     ClientClosedError,
     InvalidRequestError,
     JobFailedError,
     NotFoundError,
+    Request,
     UnauthenticatedError,
     UnsupportedOpError,
 )
@@ -297,6 +300,37 @@ def test_remote_steps_follow_the_lr_schedule_like_local(service):
         remote.load_checkpoint(saved["checkpoint_id"])  # back to step 3: the schedule resumes there
         assert _step(remote)["lr"] == pytest.approx(expected[3])
     assert got == pytest.approx(expected)
+
+
+def test_remote_a_failed_step_does_not_advance_the_lr_schedule_as_on_local(service):
+    """The remote client counted a step when it was called: after one that failed, its warm-up ran a step ahead."""
+    training = {"optimizer": {"lr": 1e-2}, "lr_schedule": {"warmup_steps": 4}}
+
+    def rates(client: Client) -> list[float]:
+        with pytest.raises(InvalidRequestError, match="needs a fwd_bwd"):
+            client.step()
+        return [_step(client)["lr"] for _ in range(2)]
+
+    with Client(ClientConfig.build(training=training)) as local:
+        expected = rates(local)
+    with Client(ClientConfig.build(training=training, backend=service.config().backend)) as remote:
+        got = rates(remote)
+    assert expected == pytest.approx([0.0025, 0.005])  # the failed step advanced nothing
+    assert got == pytest.approx(expected)
+
+
+def test_remote_a_step_that_cannot_be_sent_is_refused_before_it_takes_the_next_ops_turn(service):
+    """learning_rate=inf took a sequence number and then failed to encode: the POST with that number
+    never left, so every later op of the role waited for it and failed with SequenceGapError."""
+    config = service.config()
+    transport = RemoteTransport(config)
+    with Client(config, transport=transport) as client:
+        client.fwd_bwd(build_batch([[3, 4]], [[5, 6]], [1.0], pad_id=0))
+        with pytest.raises(InvalidRequestError, match="learning_rate must be > 0 and finite"):
+            client.step(learning_rate=float("inf"))
+        with pytest.raises(ValueError, match="JSON"):  # past the client's check: refused by the call itself
+            transport.handle(Request(OP_STEP, TARGET_TRAINING, {"learning_rate": float("inf")}))
+        assert client.step()["global_step"] == 1
 
 
 def test_probe_capabilities_asks_the_service_without_creating_a_job(service):

@@ -1,0 +1,107 @@
+"""An open interrupted while its job waits for slots (Ctrl-C, a cancelled task) cancels the job it created."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from icefloe.client import AsyncClient, Client
+from icefloe.config import ClientConfig
+from icefloe.protocol import ClientClosedError
+from icefloe.service.app import ServerThread, create_app
+from icefloe.service.placement import SlotPool
+from icefloe.service.settings import ServeSettings
+
+from .conftest import Service
+
+CANCELLED = ("cancelling", "cancelled", "terminated")
+
+
+@pytest.fixture
+def full_service(tmp_path) -> Iterator[Service]:
+    """A service whose slots are all taken: every job waits in placing."""
+    pool = SlotPool("cpu", 2)
+    held = pool.acquire(2, cancelled=threading.Event(), ticket=object())
+    try:
+        app = create_app(ServeSettings(data_dir=tmp_path), pool=pool)
+        with ServerThread(app) as base_url:
+            yield Service(base_url, app, tmp_path)
+    finally:
+        pool.release(held)
+
+
+def _config(service: Service) -> ClientConfig:
+    # Without the fix an interrupted open went on waiting, up to this long, in a thread nobody joined.
+    return ClientConfig.build(model="tiny:arith", job_ready_timeout_s=30, backend=service.config().backend)
+
+
+def _placing_job(service: Service) -> str:
+    """The id of the first job that waits for slots, once there is one."""
+    deadline = time.monotonic() + 60
+    while (row := service.app.state.db.fetch_one("SELECT job_id FROM jobs WHERE status = 'placing'")) is None:
+        assert time.monotonic() < deadline, "no job reached placing"
+        time.sleep(0.02)
+    return row["job_id"]
+
+
+def _status(service: Service, job_id: str) -> str:
+    return service.app.state.db.fetch_one("SELECT status FROM jobs WHERE job_id = ?", (job_id,))["status"]
+
+
+def test_an_open_interrupted_by_ctrl_c_cancels_the_job_it_created(full_service):
+    placing: list[str] = []
+
+    def press_ctrl_c_once_placing() -> None:
+        placing.append(_placing_job(full_service))
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    client = Client(_config(full_service))
+    presser = threading.Thread(target=press_ctrl_c_once_placing, daemon=True)
+    presser.start()
+    with pytest.raises(KeyboardInterrupt):
+        client.open()
+    presser.join()
+    assert _status(full_service, placing[0]) in CANCELLED
+    client.shutdown()
+
+
+def test_an_async_open_cancelled_while_its_job_places_cancels_the_job_and_shuts_the_client(full_service):
+    async def cancel_open() -> AsyncClient:
+        client = AsyncClient(_config(full_service))
+        held = client.step()  # called before the open: it waits for it
+        opening = asyncio.ensure_future(client.open())
+        job_id = await asyncio.to_thread(_placing_job, full_service)
+        opening.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await opening
+        assert _status(full_service, job_id) in CANCELLED
+        with pytest.raises(ClientClosedError):
+            await held
+        return client
+
+    client = asyncio.run(cancel_open())
+    assert client.closed
+    with pytest.raises(ClientClosedError):
+        asyncio.run(client.open())
+
+
+def test_a_shutdown_from_another_thread_ends_an_open_that_waits_and_cancels_its_job(full_service):
+    """Shutting down used to wait for the open to end (until the job ran or job_ready_timeout_s passed)."""
+    client = Client(_config(full_service))
+    placing: list[str] = []
+
+    def shut_down_once_placing() -> None:
+        placing.append(_placing_job(full_service))
+        client.shutdown()
+
+    closer = threading.Thread(target=shut_down_once_placing, daemon=True)
+    closer.start()
+    with pytest.raises(ClientClosedError, match="shut down"):
+        client.open()
+    closer.join()
+    assert _status(full_service, placing[0]) in CANCELLED
