@@ -88,6 +88,8 @@ def validate_batch(
     sft = labels_mask_BS is not None and "advantages" not in (raw_context if isinstance(raw_context, Mapping) else {})
     processing = _processing(batch.get("processing"), default_loss="cross_entropy" if sft else "grpo")
     context = _context(raw_context, shape, input_ids_BS, processing["loss_fn"], require_context, labels_mask_BS)
+    if "target_tokens" in context:  # explicit targets (the Tinker API's): column i scores target_tokens[:, i]
+        context["target_tokens"] = _target_tokens(context, shape, vocab_size)
     return {"args": (), "kwargs": normal_kwargs, "context": context, "processing": processing}
 
 
@@ -138,7 +140,7 @@ def _context(
         name = CONTEXT_ALIASES.get(key, key)
         if name in context and value is not None:
             raise InvalidRequestError(f"context.{name} is given twice (also as {key!r}); keep one of the two names")
-        if name in _FLOAT_CONTEXT or name == "input_ids":
+        if name in _FLOAT_CONTEXT or name in ("input_ids", "target_tokens"):
             if value is not None:
                 context[name] = value
         elif isinstance(value, Tensor) and value.dim() >= 1 and value.shape[0] == shape[0]:
@@ -167,9 +169,7 @@ def _context(
             "context.loss_mask disagrees with kwargs.labels (1 exactly where a label is not -100); send one of the two"
         )
     _binary(loss_mask_BS, "context.loss_mask")
-    if "target_tokens" in context:  # explicit targets: column i scores target_tokens[:, i], the last one too
-        context["target_tokens"] = _tensor(context, "target_tokens", "context", integer=True, shape=shape)
-    elif loss_mask_BS[:, -1].any():
+    if "target_tokens" not in context and loss_mask_BS[:, -1].any():  # explicit targets score the last one too
         raise InvalidRequestError(
             "context.loss_mask[:, -1] must be 0: labels are pre-shifted (column i scores token i+1), so the "
             "last column has no target; shift the mask left by one"
@@ -198,6 +198,21 @@ def _tensor(
     if value.is_complex():
         raise InvalidRequestError(f"{field} must be a float32 tensor; got {value.dtype}")
     return value.to(torch.float32)
+
+
+def _target_tokens(context: Mapping[str, Any], shape: tuple[int, ...], vocab_size: int | None) -> Tensor:
+    """``context.target_tokens`` as int64 ``[B, S]`` ids in ``[0, vocab_size)``: gather would fail on any other."""
+    targets_BS = _tensor(context, "target_tokens", "context", integer=True, shape=shape)
+    low, high = int(targets_BS.min()), int(targets_BS.max())
+    limit = vocab_size if vocab_size is not None else high + 1
+    if low < 0 or high >= limit:
+        bad = low if low < 0 else high
+        bound = f"[0, {vocab_size})" if vocab_size is not None else "non-negative"
+        raise InvalidRequestError(
+            f"context.target_tokens holds {bad}, not a token id in {bound}; put any token id where nothing is "
+            "scored and set loss_mask (or weights) to 0 there, instead of -100"
+        )
+    return targets_BS
 
 
 def _binary(mask_BS: Tensor, field: str) -> None:

@@ -105,11 +105,12 @@ def _padding_row(kwargs: Mapping[str, Tensor], context: Mapping[str, Tensor], pr
     }
 
 
-def combine_fwd_bwd(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def combine_fwd_bwd(results: Sequence[Mapping[str, Any]], real_rows: Sequence[int]) -> dict[str, Any]:
     """Reduce per-rank ``fwd_bwd`` results into the whole batch's.
 
     Each rank's loss already uses the global normaliser, so losses add. Every other metric is a
     token mean over that rank's tokens, so it is recombined weighted by the rank's token count.
+    Per-row ``logprobs`` (``return_logprobs``) are joined in row order without the padding rows.
     """
     num_tokens = sum(int(r["num_tokens"]) for r in results)
     loss = float(sum(float(r["loss"]) for r in results))
@@ -119,7 +120,10 @@ def combine_fwd_bwd(results: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         for name in names
     }
     metrics["loss"] = loss
-    return {"loss": loss, "avg_loss": loss, "metrics": metrics, "num_tokens": num_tokens}
+    combined = {"loss": loss, "avg_loss": loss, "metrics": metrics, "num_tokens": num_tokens}
+    if "logprobs" in results[0]:
+        combined.update(concat_forward([{"logprobs": r["logprobs"]} for r in results], real_rows))
+    return combined
 
 
 def concat_forward(results: Sequence[Mapping[str, Tensor]], real_rows: Sequence[int]) -> dict[str, Tensor]:
@@ -177,12 +181,12 @@ class DataParallelTrainingEngine(TrainingEngine):
                 self._params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
             )
 
-    def step(self, learning_rate: float | None = None) -> dict[str, Any]:
+    def step(self, learning_rate: float | None = None, adam: Mapping[str, float] | None = None) -> dict[str, Any]:
         """Sum the gradients over ranks, then clip and update exactly as one engine would."""
         self._require_training("step")
         if not self.fsdp:  # FSDP already reduce-scattered (summed) the gradients during backward
             self._all_reduce_grads()
-        return super().step(learning_rate)  # DTensor grads: the norm is reduced over every shard
+        return super().step(learning_rate, adam)  # DTensor grads: the norm is reduced over every shard
 
     def _all_reduce_grads(self) -> None:
         """SUM every gradient over ranks, flattened into buckets; ranks agree on which params have one."""

@@ -176,7 +176,7 @@ def read_adapter_checkpoint(folder: Path, lora: LoraConfig | None) -> dict[str, 
     if differences:
         raise InvalidRequestError(
             f"the adapter in {Path(folder).name} and the lora settings differ (adapter vs settings): "
-            f"{'; '.join(differences)}; give the sampler the peft_config the adapter was trained with"
+            f"{'; '.join(differences)}; configure lora (peft_config) as the adapter was trained"
         )
     return load_file(str(weights))
 

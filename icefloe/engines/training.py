@@ -24,12 +24,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from icefloe.config import ClientConfig
+from icefloe.config import ClientConfig, OptimizerConfig, TrainingConfig
 from icefloe.engines.batch import shifted_token_logprobs, split_micro_batches, validate_batch
-from icefloe.engines.lora import ADAPTER_WEIGHTS_FILE, add_adapters, merged_copy, trainable_parameters
+from icefloe.engines.lora import (
+    ADAPTER_WEIGHTS_FILE,
+    add_adapters,
+    merged_copy,
+    read_adapter_checkpoint,
+    trainable_parameters,
+)
 from icefloe.engines.losses import get_loss
 from icefloe.engines.models import load_causal_lm, load_tokenizer, resolve_model
 from icefloe.protocol import InvalidRequestError, UnsupportedOpError
@@ -268,7 +275,7 @@ class TrainingEngine:
             with self._autocast(), self.model.disable_adapter() if reference else contextlib.nullcontext():
                 logits_BSV = self.model(**kwargs, use_cache=False).logits
             targets_BS = part["context"].get("target_tokens")
-            targets_BS = None if targets_BS is None else targets_BS.to(self.device, torch.int64)
+            targets_BS = None if targets_BS is None else targets_BS.to(self.device)
             logprobs_BS, entropy_BS = shifted_token_logprobs(
                 logits_BSV, kwargs["input_ids"], temperature, targets_BS=targets_BS
             )
@@ -287,30 +294,22 @@ class TrainingEngine:
         optimizer = self._require_training("step")
         if learning_rate is not None and not 0 <= learning_rate < math.inf:
             raise InvalidRequestError(f"learning_rate must be >= 0 and finite; got {learning_rate}")
-        grad_clip = self.config.training.grad_clip
-        if adam is not None:
-            unknown = sorted(set(adam) - {"beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"})
-            if unknown:
-                raise InvalidRequestError(
-                    f"adam has unknown keys {unknown}; use beta1, beta2, eps, weight_decay, grad_clip_norm"
-                )
-            for group in optimizer.param_groups:
-                beta1, beta2 = group["betas"]
-                group["betas"] = (float(adam.get("beta1", beta1)), float(adam.get("beta2", beta2)))
-                group["eps"] = float(adam.get("eps", group["eps"]))
-                group["weight_decay"] = float(adam.get("weight_decay", group["weight_decay"]))
-            grad_clip = float(adam.get("grad_clip_norm", grad_clip))
-        schedule = self.config.training.lr_schedule
-        base_lr = self.config.training.optimizer.lr
-        lr = learning_rate if learning_rate is not None else base_lr * schedule.multiplier(self._global_step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        overrides = _adam_overrides(adam or {})
         grads = [p.grad for p in self._params if p.grad is not None]
         if not grads:  # nothing to apply: advancing the step and the LR schedule would be silent damage
             raise InvalidRequestError(
                 f"step() needs a fwd_bwd since the last step (global_step {self._global_step}); "
                 "call fwd_bwd first, and to skip a step do not call step()"
             )
+        grad_clip = overrides.pop("grad_clip_norm", self.config.training.grad_clip)
+        beta1, beta2 = overrides.pop("beta1", None), overrides.pop("beta2", None)
+        schedule = self.config.training.lr_schedule
+        base_lr = self.config.training.optimizer.lr
+        lr = learning_rate if learning_rate is not None else base_lr * schedule.multiplier(self._global_step)
+        for group in optimizer.param_groups:
+            betas = group["betas"]
+            group["betas"] = (betas[0] if beta1 is None else beta1, betas[1] if beta2 is None else beta2)
+            group.update(overrides, lr=lr)  # eps and weight_decay
         grad_norm_t = torch.nn.utils.get_total_norm(grads)
         if grad_clip > 0:
             torch.nn.utils.clip_grads_with_norm_(self._params, grad_clip, grad_norm_t)
@@ -422,8 +421,10 @@ class TrainingEngine:
         """Restore weights from a checkpoint folder, plus optimizer, step and RNG when resumable.
 
         A plain Hugging Face directory (no ``trainer_state.json``) loads as ``weights-only``; so
-        does a plain PEFT adapter folder into a LoRA engine. ``optimizer=False`` loads the weights
-        only, whatever the folder holds, and starts a fresh AdamW.
+        does a plain PEFT adapter folder into a LoRA engine. Loading weights only (a weights-only
+        folder, or ``optimizer=False``) starts a fresh AdamW and keeps the engine's step. Returns
+        :func:`describe_checkpoint`'s fields; ``global_step`` is the engine's step after the load
+        (the step the LR schedule continues from), the folder's own only when it was restored.
         """
         path = Path(path)
         weight_files = sorted(p for p in path.glob("*.safetensors") if p.name != _OPTIMIZER_FILE)
@@ -443,21 +444,23 @@ class TrainingEngine:
         state = json.loads(state_path.read_text()) if state_path.is_file() else {"kind": "weights-only"}
         kind = state.get("kind", "weights-only")
         if is_adapter:
-            self._load_adapter(load_file(str(path / ADAPTER_WEIGHTS_FILE)))
+            adapter = read_adapter_checkpoint(path, self.lora)  # refuses another rank or alpha, as the sampler does
+            assert adapter is not None
+            self._load_adapter(adapter)
         else:
             self._load_weights({name: t for file in weight_files for name, t in load_file(str(file)).items()})
-        if not optimizer and self.optimizer is not None:
-            self.optimizer.state.clear()
-        elif kind == "resumable" and self.optimizer is not None:
+        if self.optimizer is not None and optimizer and kind == "resumable":
             self._load_optimizer(load_file(str(path / _OPTIMIZER_FILE)), state)
             self._global_step = int(state["global_step"])
             self._last_lr = float(state["last_lr"])
             torch.set_rng_state(torch.tensor(state["rng"]["torch"], dtype=torch.uint8))
             if state["rng"].get("cuda") and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["rng"]["cuda"]])
+        elif self.optimizer is not None:  # moments of other weights would steer these ones: a fresh AdamW
+            self.optimizer.state.clear()
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
-        return describe_checkpoint(path, int(state.get("global_step", self._global_step)), kind)
+        return describe_checkpoint(path, self._global_step, kind)
 
     def _check_checkpoint_kind(self, kind: str) -> None:
         if kind not in CHECKPOINT_KINDS:
@@ -592,6 +595,33 @@ def _temperature(config: Mapping[str, Any]) -> float:
     if not float(temperature) > 0:
         raise InvalidRequestError(f"processing.config.temperature must be > 0; got {temperature}")
     return float(temperature)
+
+
+def _adam_overrides(adam: Mapping[str, Any]) -> dict[str, float]:
+    """The Tinker API's per-step Adam parameters as floats, checked by the config's own rules for
+    ``training.optimizer`` and ``training.grad_clip`` before anything is applied."""
+    unknown = sorted(set(adam) - {"beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"})
+    if unknown:
+        raise InvalidRequestError(
+            f"adam has unknown keys {unknown}; use beta1, beta2, eps, weight_decay, grad_clip_norm"
+        )
+    values: dict[str, float] = {}
+    for key, given in adam.items():
+        try:
+            value = values[key] = float(given)
+        except (TypeError, ValueError):
+            raise InvalidRequestError(f"adam.{key} must be a number; got {given!r}") from None
+        if not math.isfinite(value):  # the config's fields accept inf
+            raise InvalidRequestError(f"adam.{key} must be finite; got {value}")
+        model: type[OptimizerConfig | TrainingConfig] = TrainingConfig if key == "grad_clip_norm" else OptimizerConfig
+        field = {"beta1": "betas", "beta2": "betas", "grad_clip_norm": "grad_clip"}.get(key, key)
+        probe = (value, 0.0) if key == "beta1" else (0.0, value) if key == "beta2" else value
+        try:
+            model.model_validate({field: probe})
+        except ValidationError as exc:
+            rule = exc.errors()[0]["msg"].removeprefix("Value error, ").split("; got")[0]
+            raise InvalidRequestError(f"adam.{key} is {value}: {rule}; send a value in range or leave it out") from None
+    return values
 
 
 def _detached(value: Tensor | float) -> Tensor | float:

@@ -158,3 +158,21 @@ def test_validate_batch_refuses_labels_that_disagree_with_the_loss_mask():
     batch = {**_sft(frame), "context": {**frame["context"], "loss_mask": torch.zeros(2, 5)}}
     with pytest.raises(InvalidRequestError, match=r"context\.loss_mask disagrees with kwargs\.labels"):
         validate_batch(batch)
+
+
+@pytest.mark.parametrize(
+    ("targets", "message"),
+    [
+        (torch.full((2, 5), -100), r"context\.target_tokens holds -100.*\[0, 32\).*loss_mask"),
+        (torch.full((2, 5), 32), r"context\.target_tokens holds 32.*\[0, 32\)"),
+        (torch.full((2, 5), 3.0), r"context\.target_tokens must be an integer tensor"),
+        (torch.zeros(2, 4, dtype=torch.int64), r"context\.target_tokens has shape \[2, 4\]"),
+    ],
+)
+@pytest.mark.parametrize("require_context", [True, False], ids=["fwd_bwd", "forward"])
+def test_validate_batch_checks_target_tokens_against_the_vocabulary(targets, message, require_context):
+    """Out-of-vocabulary targets reached gather (a device-side assert on CUDA); forward truncated float ones."""
+    batch = _batch()
+    batch["context"]["target_tokens"] = targets
+    with pytest.raises(InvalidRequestError, match=message):
+        validate_batch(batch, require_context=require_context, vocab_size=32)

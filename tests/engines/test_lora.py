@@ -228,7 +228,7 @@ def test_lora_engine_refuses_a_full_weight_checkpoint_and_the_reverse(model_dir,
     with pytest.raises(InvalidRequestError, match="holds a LoRA adapter but this engine trains full weights"):
         full.load_checkpoint(lora_ckpt)
     wider = TrainingEngine(_config(lora={"rank": 8}), model_dir=model_dir)
-    with pytest.raises(InvalidRequestError, match="same rank"):
+    with pytest.raises(InvalidRequestError, match="r: 4 vs 8"):
         wider.load_checkpoint(lora_ckpt)
 
 
@@ -308,3 +308,12 @@ def test_gpu_vllm_sampler_serves_the_synced_adapter(model_dir):
     for b, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
         expected = forward[b, len(prompt) - 1 : len(prompt) + len(response) - 1]
         assert_close(torch.tensor(results[b]["logprobs"]), expected, rtol=0, atol=2e-2)
+
+
+@pytest.mark.parametrize("kind", ["weights-only", "resumable"])
+def test_lora_trainer_refuses_an_adapter_saved_with_another_alpha(model_dir, tmp_path, kind):
+    """Another alpha has the same shapes, so the adapter loaded silently at the wrong scale."""
+    saved = TrainingEngine(_config(), model_dir=model_dir).save_checkpoint(tmp_path, kind=kind)
+    other = TrainingEngine(_config(lora={"rank": 4, "alpha": 16}), model_dir=model_dir)
+    with pytest.raises(InvalidRequestError, match="lora_alpha: 8 vs 16"):
+        other.load_checkpoint(saved["path"])

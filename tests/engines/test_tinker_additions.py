@@ -11,7 +11,7 @@ from torch.testing import assert_close
 from icefloe.engines.losses import get_loss
 from icefloe.engines.sampling import SamplingEngine
 from icefloe.engines.training import TrainingEngine
-from icefloe.protocol import SamplingParams
+from icefloe.protocol import InvalidRequestError, SamplingParams
 
 from .engine_batches import make_config
 
@@ -96,3 +96,39 @@ def test_generate_prompt_logprobs_and_ignore_eos(model_dir):
     expected = F.log_softmax(logits, -1).gather(-1, torch.tensor(prompt[1:])[:, None]).squeeze(-1)
     assert result["prompt_logprobs"][0] is None
     assert result["prompt_logprobs"][1:] == pytest.approx(expected.tolist(), abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("adam", "message"),
+    [
+        ({"beta2": 1.0, "grad_clip_norm": -3.0}, r"adam\.beta2.*1\.0.*\[0, 1\)"),
+        ({"beta2": 1.5}, r"adam\.beta2.*1\.5"),
+        ({"beta1": -0.1}, r"adam\.beta1.*-0\.1"),
+        ({"eps": 0.0}, r"adam\.eps is 0\.0: .*greater than 0"),
+        ({"weight_decay": -1.0}, r"adam\.weight_decay.*greater than or equal to 0"),
+        ({"grad_clip_norm": -3.0}, r"adam\.grad_clip_norm.*-3\.0"),
+        ({"eps": float("inf")}, r"adam\.eps must be finite; got inf"),
+        ({"weight_decay": float("nan")}, r"adam\.weight_decay must be finite; got nan"),
+    ],
+)
+def test_step_refuses_adam_parameters_out_of_range_and_changes_nothing(model_dir, adam, message):
+    """Bad values were written into AdamW unchecked: beta2=1 with a negative clip made every weight NaN."""
+    engine = TrainingEngine(make_config(), model_dir=model_dir)
+    group = engine.optimizer.param_groups[0]
+    before = {key: group[key] for key in ("betas", "eps", "weight_decay")}
+    batch = _targets_batch("cross_entropy")
+    engine.fwd_bwd(batch)
+    with pytest.raises(InvalidRequestError, match=message):
+        engine.step(1e-3, adam)
+    assert {key: group[key] for key in ("betas", "eps", "weight_decay")} == before
+    assert engine.step(1e-3)["global_step"] == 1  # the gradients are still there
+    assert all(torch.isfinite(p).all() for p in engine.model.parameters())
+
+
+def test_a_refused_step_leaves_the_adam_parameters_alone(model_dir):
+    engine = TrainingEngine(make_config(), model_dir=model_dir)
+    group = engine.optimizer.param_groups[0]
+    before = {key: group[key] for key in ("betas", "eps", "weight_decay")}
+    with pytest.raises(InvalidRequestError, match="needs a fwd_bwd since the last step"):
+        engine.step(1e-3, {"beta1": 0.5, "eps": 1e-3, "weight_decay": 0.2})
+    assert {key: group[key] for key in ("betas", "eps", "weight_decay")} == before

@@ -296,3 +296,39 @@ def test_step_reports_peak_memory_only_when_asked(model_dir):
     peak = logged.step()["peak_memory"]
     assert peak["gpu_peak"] == 0  # a CPU engine: no device memory
     assert peak["cpu_peak"] > 50 * 1024 * 1024  # this process's RSS high-water mark, in bytes (torch alone is more)
+
+
+def test_loading_weights_only_starts_a_fresh_adamw_and_reports_the_engines_step(model_dir, tmp_path):
+    """The old AdamW moments survived such a load, and it reported the checkpoint's step, not the engine's."""
+    source = _engine(model_dir, **WELL_CONDITIONED)
+    source.fwd_bwd(make_batch(*random_rows(2, seed=6)))
+    source.step()
+    saved = source.save_checkpoint(tmp_path, kind="weights-only")  # global_step1
+    trained = _engine(model_dir, **WELL_CONDITIONED)
+    for seed in (1, 2, 3):
+        trained.fwd_bwd(make_batch(*random_rows(2, seed=seed)))
+        trained.step()
+
+    loaded = trained.load_checkpoint(saved["path"])
+    assert (loaded["checkpoint_id"], loaded["global_step"], loaded["kind"]) == ("global_step1", 3, "weights-only")
+    fresh = _engine(model_dir, **WELL_CONDITIONED)
+    assert fresh.load_checkpoint(saved["path"])["global_step"] == 0
+    batch = make_batch(*random_rows(2, seed=8))
+    for engine in (trained, fresh):  # same weights, fresh moments, constant LR: the same update
+        engine.fwd_bwd(batch)
+        engine.step()
+    _assert_weights_close(_weights(trained), _weights(fresh))
+
+
+@pytest.mark.parametrize(
+    ("targets", "message"),
+    [(torch.full((2, 5), -100), r"target_tokens holds -100"), (torch.full((2, 5), 3.0), "must be an integer tensor")],
+)
+def test_forward_and_fwd_bwd_refuse_bad_target_tokens(model_dir, targets, message):
+    engine = _engine(model_dir)
+    batch = make_batch([[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14]], [1.0, -0.5], loss_fn="cross_entropy")
+    batch["context"]["target_tokens"] = targets
+    with pytest.raises(InvalidRequestError, match=message):
+        engine.forward(batch)
+    with pytest.raises(InvalidRequestError, match=message):
+        engine.fwd_bwd(batch)

@@ -83,7 +83,7 @@ def test_combine_fwd_bwd_sums_losses_and_token_weights_metrics():
         {"loss": 0.25, "metrics": {"loss": 0.25, "entropy": 1.0}, "num_tokens": 1},
         {"loss": 0.5, "metrics": {"loss": 0.5, "entropy": 4.0}, "num_tokens": 3},
     ]
-    combined = combine_fwd_bwd(results)
+    combined = combine_fwd_bwd(results, [1, 3])
     assert combined["loss"] == pytest.approx(0.75)
     assert combined["metrics"]["entropy"] == pytest.approx((1.0 * 1 + 4.0 * 3) / 4)  # not (1 + 4) / 2
     assert combined["num_tokens"] == 4
@@ -177,7 +177,7 @@ def test_data_parallel_trains_like_one_engine_and_checkpoints_in_its_format(mode
     single = TrainingEngine(config, model_dir=model_dir)
     expected = single.fwd_bwd(make_frame(5))
     expected_step = single.step()
-    combined = combine_fwd_bwd([r["result"] for r in ranks])
+    combined = combine_fwd_bwd([r["result"] for r in ranks], [2, 3])
     assert combined["loss"] == pytest.approx(expected["loss"], abs=1e-5)
     assert ranks[0]["step"]["grad_norm"] == pytest.approx(expected_step["grad_norm"], rel=1e-5)
 

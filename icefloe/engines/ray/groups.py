@@ -203,8 +203,8 @@ class TrainerGroup(ActorGroup):
 
     def fwd_bwd(self, frame: dict[str, Any]) -> dict[str, Any]:
         # Validated first: the shards then share the whole batch's loss mask, loss and normalisers.
-        shards, _ = shard_rows(validate_batch(frame), len(self.actors))
-        return combine_fwd_bwd(self._each("call", [("fwd_bwd", shard) for shard in shards]))
+        shards, real_rows = shard_rows(validate_batch(frame), len(self.actors))
+        return combine_fwd_bwd(self._each("call", [("fwd_bwd", shard) for shard in shards]), real_rows)
 
     def forward(self, frame: dict[str, Any], *, reference: bool = False) -> dict[str, Any]:
         """``reference=True``: LoRA trainers score with the adapters disabled (the base model)."""
@@ -215,8 +215,8 @@ class TrainerGroup(ActorGroup):
         ]
         return concat_forward(gather(self.job_name, calls), real_rows)
 
-    def step(self, learning_rate: float | None = None) -> dict[str, Any]:
-        results = self._all("call", "step", learning_rate)
+    def step(self, learning_rate: float | None = None, adam: dict[str, float] | None = None) -> dict[str, Any]:
+        results = self._all("call", "step", learning_rate, adam)
         first = results[0]
         if "peak_memory" in first:  # the job-wide GPU high-water mark; the CPU one is rank 0's
             first = {**first, "peak_memory": {**first["peak_memory"]}}
@@ -226,8 +226,8 @@ class TrainerGroup(ActorGroup):
     def save_checkpoint(self, root: Path | str, kind: str = "resumable") -> dict[str, Any]:
         return self._all("call", "save_checkpoint", str(root), kind)[0]
 
-    def load_checkpoint(self, path: Path | str) -> dict[str, Any]:
-        return self._all("call", "load_checkpoint", str(path))[0]
+    def load_checkpoint(self, path: Path | str, optimizer: bool = True) -> dict[str, Any]:
+        return self._all("call", "load_checkpoint", str(path), optimizer)[0]
 
     def reset_optimizer(self) -> None:
         self._all("reset_optimizer")

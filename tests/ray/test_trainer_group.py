@@ -1,0 +1,67 @@
+"""A TrainerGroup of two data-parallel ranks answers the Tinker API's extras like one engine does."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+ray = pytest.importorskip("ray")
+pytest.importorskip("transformers")
+
+from torch.testing import assert_close  # noqa: E402
+
+from icefloe.config import ClientConfig  # noqa: E402
+from icefloe.engines.ray import TrainerGroup, create_placement_group, plan_placement  # noqa: E402
+from icefloe.engines.training import TrainingEngine  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+ADAM = {"beta1": 0.5, "beta2": 0.9, "eps": 1e-6, "weight_decay": 0.1, "grad_clip_norm": 0.5}
+
+
+def targets_batch(rows: int) -> dict:
+    generator = torch.Generator().manual_seed(rows)
+    shape = (rows, 6)
+    context = {
+        "target_tokens": torch.randint(4, 18, shape, generator=generator),
+        "loss_mask": torch.ones(shape),
+        "weights": torch.rand(shape, generator=generator),
+    }
+    processing = {"loss_fn": "cross_entropy", "config": {"loss_agg_mode": "token-sum", "return_logprobs": True}}
+    return {"kwargs": {"input_ids": torch.randint(4, 18, shape, generator=generator)}, "context": context,
+            "processing": processing}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def config(model_dir) -> ClientConfig:
+    backend = {"type": "ray", "namespace": "icefloe-tests", "num_cpus_per_worker": 0.25}
+    return ClientConfig.build(model=str(model_dir), max_seq_len=48, num_training_workers=2, backend=backend)
+
+
+@pytest.fixture(scope="module")
+def group(ray_session, config, model_dir):
+    job_name = "icefloe-test-trainer-group"
+    bundles, workers = plan_placement(job_name, {"training": 2}, config.backend)
+    placement = create_placement_group(job_name, bundles, config.backend, config.job_ready_timeout_s)
+    trainers = TrainerGroup.create(job_name, config, workers, placement, model_dir).start()
+    yield trainers
+    trainers.kill()
+    ray.util.remove_placement_group(placement)
+
+
+@pytest.fixture(scope="module")
+def single(config, model_dir) -> TrainingEngine:
+    """One engine taking the same steps as ``group``."""
+    return TrainingEngine(config, model_dir=model_dir)
+
+
+@pytest.mark.parametrize("rows", [5, 1], ids=["split", "one-row-and-a-padding-row"])
+def test_group_fwd_bwd_returns_every_rows_logprobs_and_step_takes_adam_params(group, single, rows):
+    """combine_fwd_bwd dropped the logprobs, and step had no Adam parameters: Tinker on ray failed."""
+    expected = single.fwd_bwd(targets_batch(rows))
+    result = group.fwd_bwd(targets_batch(rows))
+    assert_close(result["logprobs"], expected["logprobs"], atol=1e-5, rtol=1e-5)
+    assert result["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+    stepped, expected_step = group.step(1e-3, ADAM), single.step(1e-3, ADAM)
+    assert stepped["grad_norm"] == pytest.approx(expected_step["grad_norm"], rel=1e-5)
+    assert stepped["global_step"] == expected_step["global_step"]
