@@ -65,3 +65,11 @@ def test_group_fwd_bwd_returns_every_rows_logprobs_and_step_takes_adam_params(gr
     stepped, expected_step = group.step(1e-3, ADAM), single.step(1e-3, ADAM)
     assert stepped["grad_norm"] == pytest.approx(expected_step["grad_norm"], rel=1e-5)
     assert stepped["global_step"] == expected_step["global_step"]
+
+
+def test_group_load_takes_the_optimizer_flag_and_reports_its_own_step(group, tmp_path):
+    """Tinker's load_state passes ``optimizer``; the group did not take it."""
+    group.fwd_bwd(targets_batch(2))
+    steps = group.step(1e-3)["global_step"]
+    saved = group.save_checkpoint(tmp_path, "resumable")
+    assert group.load_checkpoint(saved["path"], False)["global_step"] == steps
