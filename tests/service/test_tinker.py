@@ -581,6 +581,10 @@ def test_a_policy_loss_refuses_a_datum_without_logprobs_even_when_another_has_th
     del without.loss_fn_inputs["logprobs"]
     with pytest.raises(tinker.BadRequestError, match=r"data\.1\.loss_fn_inputs\.logprobs is missing"):
         training.forward_backward([with_logprobs, without], "importance_sampling").result()
+    masked = _policy_data(tokenizer, "4+4=8", [-1.0] * 4, 1.0)
+    masked.loss_fn_inputs["sequence_ratio_mask"] = types.TensorData.from_numpy(np.ones(4, dtype=np.float32))
+    with pytest.raises(tinker.BadRequestError, match=r"data\.0\.loss_fn_inputs\.sequence_ratio_mask is missing"):
+        training.forward_backward([with_logprobs, masked], "gspo").result()
 
 
 def test_top_k_targets_are_refused_by_name(service, model):

@@ -118,6 +118,11 @@ def batch_from_request(
                 )
         rows.append(tokens)
         inputs.append(fields)
+    masked = ["sequence_ratio_mask" in fields for fields in inputs]
+    if any(masked) and not all(masked):  # a row without one would score over no position
+        raise InvalidRequestError(
+            f"data.{masked.index(False)}.loss_fn_inputs.sequence_ratio_mask is missing; give it in every datum or none"
+        )
     lengths = [len(r) for r in rows]
     num_rows, width = len(rows), max(lengths)
     input_ids = torch.full((num_rows, width), pad_id, dtype=torch.int64)

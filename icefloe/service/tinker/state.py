@@ -325,6 +325,8 @@ class TinkerState:
             raise
         if seq_id is None:
             return {"request_id": self.future(model.job_id, render, queue())}
+        if seq_id in model.taken:  # a resend that arrived while its first copy was being checked
+            return model.taken[seq_id]
         submitted: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         answer = {"request_id": self.future(model.job_id, render, submitted=submitted)}
         remember(model.taken, seq_id, answer)
