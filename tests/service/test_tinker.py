@@ -534,3 +534,96 @@ def test_a_call_cancelled_while_it_gathers_is_left_out_of_its_request(base_url, 
         assert kept.headers["content-type"] == "application/x-protobuf"  # a SampleResponse
         assert dropped.json() == {"error": "cancelled by the caller before it was sent", "category": "user"}
         http.post(f"/sessions/{session_id}/finish", json={"reason": {"type": "success"}})
+
+
+def _flat(output) -> list[float]:
+    return [lp for out in output.loss_fn_outputs for lp in out["logprobs"].tolist()]
+
+
+def test_a_batch_the_sdk_splits_into_chunks_completes_and_matches_one_request(service, model):
+    """The SDK sends chunks 2..n of a big batch first and waits for their answers before it sends
+    chunk 1: a service that held each POST until the seq_id before it arrived never finished."""
+    training = service.create_lora_training_client(base_model=model, rank=4).result()
+    tokenizer = training.get_tokenizer()
+    distinct = [_sft_datum(tokenizer, text) for text in ("a b", "cd e", "fgh")]
+    repeats = 350  # 1050 datums: more than the SDK's 1024 per request
+    reference = training.forward(distinct, "cross_entropy").result()
+    chunked = training.forward(distinct * repeats, "cross_entropy").result()
+    assert _flat(chunked) == pytest.approx(_flat(reference) * repeats, abs=1e-5)
+    assert chunked.metrics["loss:sum"] == pytest.approx(repeats * reference.metrics["loss:sum"], rel=1e-4)
+    trained = training.forward_backward(distinct * repeats, "cross_entropy").result()
+    assert trained.metrics["loss:sum"] == pytest.approx(repeats * reference.metrics["loss:sum"], rel=1e-4)
+    assert training.optim_step(types.AdamParams(learning_rate=1e-2)).result().metrics["grad_norm:mean"] > 0
+
+
+def test_a_datum_or_sample_beyond_the_models_context_is_refused_in_tinker_terms(service, model):
+    """The limit was a fixed 2048 (tiny:chat holds 512 positions), and the errors named icefloe's
+    kwargs.input_ids and max_seq_len; a sample past it came back short with stop_reason length."""
+    training = service.create_lora_training_client(base_model=model, rank=4).result()
+    tokenizer = training.get_tokenizer()
+    long_datum = _sft_datum(tokenizer, "x" * 601)
+    with pytest.raises(tinker.BadRequestError, match=r"data\.1\.model_input has 600 tokens; .* context of 512 tokens"):
+        training.forward([_sft_datum(tokenizer, "fits"), long_datum], "cross_entropy").result()
+    assert training.forward([_sft_datum(tokenizer, "x" * 513)], "cross_entropy").result().metrics["loss:sum"] > 0
+    sampler = service.create_sampling_client(base_model=model).result()
+    prompt = types.ModelInput.from_ints(tokenizer.encode("0123456789"))
+    too_long = types.SamplingParams(max_tokens=503, temperature=1.0)
+    with pytest.raises(tinker.BadRequestError, match=r"prompt \(10 tokens\) \+ max_tokens \(503\).*512.*at most 502"):
+        sampler.sample(prompt, num_samples=1, sampling_params=too_long).result()
+
+
+def test_a_policy_loss_refuses_a_datum_without_logprobs_even_when_another_has_them(service, model):
+    """Logprobs given in one datum only were zero-filled in the others: a ratio of exp(logp), silently."""
+    training = service.create_lora_training_client(base_model=model, rank=4).result()
+    tokenizer = training.get_tokenizer()
+    with_logprobs = _policy_data(tokenizer, "2+2=4", [-1.0] * 4, 1.0)
+    without = _policy_data(tokenizer, "3+3=6", [-1.0] * 4, 1.0)
+    del without.loss_fn_inputs["logprobs"]
+    with pytest.raises(tinker.BadRequestError, match=r"data\.1\.loss_fn_inputs\.logprobs is missing"):
+        training.forward_backward([with_logprobs, without], "importance_sampling").result()
+    masked = _policy_data(tokenizer, "4+4=8", [-1.0] * 4, 1.0)
+    masked.loss_fn_inputs["sequence_ratio_mask"] = types.TensorData.from_numpy(np.ones(4, dtype=np.float32))
+    with pytest.raises(tinker.BadRequestError, match=r"data\.0\.loss_fn_inputs\.sequence_ratio_mask is missing"):
+        training.forward_backward([with_logprobs, masked], "gspo").result()
+
+
+def test_top_k_targets_are_refused_by_name(service, model):
+    """(N, K) target_tokens and weights (top-K distillation) were refused as 'N*K values for N tokens'."""
+    training = service.create_lora_training_client(base_model=model, rank=4).result()
+    tokens = training.get_tokenizer().encode("distil me")
+    targets = np.asarray([tokens[1:], tokens[1:]], dtype=np.int64).T  # (N, 2)
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": types.TensorData.from_numpy(targets),
+            "weights": types.TensorData.from_numpy(np.full(targets.shape, 0.5, dtype=np.float32)),
+        },
+    )
+    with pytest.raises(tinker.BadRequestError, match=r"data\.0\.loss_fn_inputs\.target_tokens is 2-D \(8, 2\)"):
+        training.forward_backward([datum], "cross_entropy").result()
+
+
+def test_a_sampler_forgets_the_answer_of_a_seq_id_long_past(base_url, model, monkeypatch):
+    """Every sample call's answer was kept for the life of the service, for a resend that never comes."""
+    import httpx
+
+    from icefloe.service.tinker import state as tinker_state
+
+    monkeypatch.setattr(tinker_state, "FUTURES_KEPT", 2)
+    with httpx.Client(base_url=f"{base_url}/api/v1", headers={"X-API-Key": API_KEY}, timeout=60) as http:
+        session_id = http.post("/create_session", json={}).json()["session_id"]
+        body = {"session_id": session_id, "sampling_session_seq_id": 0, "base_model": model}
+        sampling_session_id = http.post("/create_sampling_session", json=body).json()["sampling_session_id"]
+
+        def asample(seq_id: int) -> str:
+            body = {"sampling_session_id": sampling_session_id, "seq_id": seq_id, "num_samples": 1,
+                    "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]},
+                    "sampling_params": {"max_tokens": 1}}  # fmt: skip
+            return http.post("/asample", json=body).json()["request_id"]
+
+        first = asample(1)
+        assert asample(1) == first  # a resend, still remembered
+        asample(2)
+        asample(3)  # two numbers later: seq_id 1 is forgotten
+        assert asample(1) != first
+        http.post(f"/sessions/{session_id}/finish", json={"reason": {"type": "success"}})

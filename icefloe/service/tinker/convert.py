@@ -63,8 +63,11 @@ def tokens_of(chunks: Any, where: str) -> list[int]:
     return tokens
 
 
-def batch_from_request(request: pb.ForwardBackwardRequest, *, pad_id: int) -> tuple[dict[str, Any], list[int]]:
-    """The canonical batch of one forward(-backward) chunk, and each datum's length."""
+def batch_from_request(
+    request: pb.ForwardBackwardRequest, *, pad_id: int, context_length: int
+) -> tuple[dict[str, Any], list[int]]:
+    """The canonical batch of one forward(-backward) chunk, and each datum's length; a datum longer
+    than ``context_length`` (the model's positions) is refused."""
     import torch
 
     loss_fn = request.loss_fn
@@ -85,21 +88,41 @@ def batch_from_request(request: pb.ForwardBackwardRequest, *, pad_id: int) -> tu
         tokens = tokens_of(datum.model_input, f"data.{index}.model_input")
         if not tokens:
             raise InvalidRequestError(f"data.{index}.model_input is empty; give at least one token")
+        if len(tokens) > context_length:
+            raise InvalidRequestError(
+                f"data.{index}.model_input has {len(tokens)} tokens; the model has a context of {context_length} "
+                "tokens: shorten or split the datum"
+            )
         fields = {}
-        for name, tensor in datum.loss_fn_inputs.items():
+        for name, tensor in sorted(datum.loss_fn_inputs.items()):
             if name not in _CONTEXT_NAMES:
                 continue
-            array = _array(tensor, f"data.{index}.loss_fn_inputs.{name}").reshape(-1)
+            array = _array(tensor, f"data.{index}.loss_fn_inputs.{name}")
+            if array.ndim == 2 and name in ("target_tokens", "weights"):
+                raise InvalidRequestError(
+                    f"data.{index}.loss_fn_inputs.{name} is 2-D {array.shape} (top-K targets per position), "
+                    "which is not served yet; send one target token and weight per position"
+                )
+            array = array.reshape(-1)
             if len(array) != len(tokens):
                 raise InvalidRequestError(
                     f"data.{index}.loss_fn_inputs.{name} has {len(array)} values for {len(tokens)} input tokens; "
                     "give one per input position"
                 )
             fields[_CONTEXT_NAMES[name]] = array
-        if "target_tokens" not in fields:
-            raise InvalidRequestError(f"data.{index}.loss_fn_inputs.target_tokens is missing; it is required")
+        needed = ("target_tokens",) if loss_fn == "cross_entropy" else ("target_tokens", "advantages", "logprobs")
+        for name in needed:
+            if _CONTEXT_NAMES[name] not in fields:
+                raise InvalidRequestError(
+                    f"data.{index}.loss_fn_inputs.{name} is missing; loss {loss_fn!r} needs it in every datum"
+                )
         rows.append(tokens)
         inputs.append(fields)
+    masked = ["sequence_ratio_mask" in fields for fields in inputs]
+    if any(masked) and not all(masked):  # a row without one would score over no position
+        raise InvalidRequestError(
+            f"data.{masked.index(False)}.loss_fn_inputs.sequence_ratio_mask is missing; give it in every datum or none"
+        )
     lengths = [len(r) for r in rows]
     num_rows, width = len(rows), max(lengths)
     input_ids = torch.full((num_rows, width), pad_id, dtype=torch.int64)
@@ -118,10 +141,6 @@ def batch_from_request(request: pb.ForwardBackwardRequest, *, pad_id: int) -> tu
                 array.astype(np.int64 if name == "target_tokens" else np.float32)
             )
     context["loss_mask"] = attention.float()
-    for name in ("advantages", "old_logprobs") if loss_fn != "cross_entropy" else ():
-        if name not in context:
-            field = "advantages" if name == "advantages" else "logprobs"
-            raise InvalidRequestError(f"loss {loss_fn!r} needs loss_fn_inputs.{field} in every datum")
     processing = {"loss_fn": loss_fn, "config": {**config, "loss_agg_mode": "token-sum", "return_logprobs": True,
                                                  "forward_only": request.forward_only}}  # fmt: skip
     batch = {"kwargs": {"input_ids": input_ids, "attention_mask": attention}, "context": context,

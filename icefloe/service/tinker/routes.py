@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -33,7 +34,7 @@ from icefloe.protocol import SamplingParams as EngineSamplingParams
 from icefloe.service import store
 from icefloe.service.models import WeightSyncPayload
 from icefloe.service.operations import submit_weight_sync
-from icefloe.service.tinker.state import CheckpointPath, Model, SamplingSession, TinkerState
+from icefloe.service.tinker.state import CheckpointPath, Model, SamplingSession, TinkerState, remember
 
 __all__ = ["router"]
 
@@ -54,7 +55,8 @@ State = Annotated[TinkerState, Depends(_state)]
 # --- client and session ----------------------------------------------------------------------
 @router.post("/client/config")
 async def client_config(state: State) -> Response:
-    # Uncompressed protobuf bodies; chunks of one forward_backward sent at once (ordered here by seq_id).
+    # Uncompressed protobuf bodies; chunks of one forward_backward sent at once, each answered at once
+    # (queued here in seq_id order).
     # The SDK asks this on a connection pool of its own that it never closes: closing the
     # connection from here keeps its socket from outliving the ServiceClient (a ResourceWarning).
     # An unpickled sampling client asks join_sampling_session for its clone number.
@@ -148,10 +150,11 @@ async def forward_backward(request: Request, state: State) -> dict[str, Any]:
         raise InvalidRequestError(f"forward_backward body is not a ForwardBackwardRequest protobuf: {exc}") from None
     model = state.model(message.model_id)
 
-    async def submit() -> dict[str, Any]:
+    async def prepare() -> Callable[[], str]:
         job = await state.live(model.job_id)
         sub_job_id = state.sub_job(job, "training")
-        batch, lengths = convert.batch_from_request(message, pad_id=0)
+        context_length = job.specs[sub_job_id].config.max_seq_len
+        batch, lengths = convert.batch_from_request(message, pad_id=0, context_length=context_length)
         from icefloe.engines.batch import validate_batch
 
         batch = validate_batch(batch, require_context=True)
@@ -165,10 +168,9 @@ async def forward_backward(request: Request, state: State) -> dict[str, Any]:
             result["logprobs"] = [rows[i, :n].tolist() for i, n in enumerate(lengths)]
             return result
 
-        request_id = state.manager.submit(job, sub_job_id, op, run)
-        return {"request_id": state.future(job.job_id, convert.forward_backward_output, request_id)}
+        return lambda: state.manager.submit(job, sub_job_id, op, run)
 
-    return await state.in_turn(model, message.seq_id, submit)
+    return await state.in_turn(model, message.seq_id, convert.forward_backward_output, prepare)
 
 
 @router.post("/optim_step")
@@ -180,16 +182,15 @@ async def optim_step(body: dict[str, Any], state: State) -> dict[str, Any]:
     learning_rate = float(params.pop("learning_rate", 1e-4))
     params.pop("type", None)
 
-    async def submit() -> dict[str, Any]:
+    async def prepare() -> Callable[[], str]:
         job = await state.live(model.job_id)
         sub_job_id, host = state.sub_job(job, "training"), job.host
         assert host is not None
-        request_id = state.manager.submit(
+        return lambda: state.manager.submit(
             job, sub_job_id, OP_STEP, lambda: host.step(sub_job_id, learning_rate, params)
         )
-        return {"request_id": state.future(job.job_id, _optim_result, request_id)}
 
-    return await state.in_turn(model, body.get("seq_id"), submit)
+    return await state.in_turn(model, body.get("seq_id"), _optim_result, prepare)
 
 
 def _optim_result(result: dict[str, Any]) -> dict[str, Any]:
@@ -202,8 +203,8 @@ async def save_weights(body: dict[str, Any], state: State) -> dict[str, Any]:
     model = state.model(str(body.get("model_id")))
     path = CheckpointPath(model.model_id, "weights", str(body.get("path") or f"seq{body.get('seq_id')}"))
     CheckpointPath.parse(str(path))  # refuses a name holding '/'
-    submit = _saver(state, model, path, "resumable", sync=False)
-    return await state.in_turn(model, body.get("seq_id"), submit)
+    answer, prepare = _saver(state, model, path, "resumable", sync=False)
+    return await state.in_turn(model, body.get("seq_id"), lambda _: answer, prepare)
 
 
 @router.post("/save_weights_for_sampler")
@@ -213,23 +214,25 @@ async def save_weights_for_sampler(body: dict[str, Any], state: State) -> dict[s
     path = CheckpointPath(model.model_id, "sampler_weights", str(name))
     CheckpointPath.parse(str(path))
     session_seq = body.get("sampling_session_seq_id")
-    submit = _saver(
+    answer, prepare = _saver(
         state, model, path, "weights-only", sync=True, session_seq=session_seq, named=bool(body.get("path"))
     )
-    return await state.in_turn(model, body.get("seq_id"), submit)
+    return await state.in_turn(model, body.get("seq_id"), lambda _: answer, prepare)
 
 
 def _saver(
     state: TinkerState, model: Model, path: CheckpointPath, kind: str, *, sync: bool,
     session_seq: int | None = None, named: bool = True,
-) -> Any:  # fmt: skip
-    """Queue a save of ``kind`` (and, for a sampler, a weight sync into the model's sampler).
+) -> tuple[dict[str, Any], Callable[[], Awaitable[Callable[[], str]]]]:  # fmt: skip
+    """The answer of a save of ``kind`` (and, for a sampler, a weight sync into the model's sampler),
+    filled in when it is queued, and what prepares it for :meth:`TinkerState.in_turn`.
 
     An unnamed sampler save (``save_weights_and_get_sampling_client``) writes no files: its
     weights only ever live in the model's sampler, which the sync fills.
     """
+    answer: dict[str, Any] = {"type": "save_weights" if not sync else "save_weights_for_sampler"}
 
-    async def submit() -> dict[str, Any]:
+    async def prepare() -> Callable[[], str]:
         job = await state.live(model.job_id)
         sub_job_id, host = state.sub_job(job, "training"), job.host
         assert host is not None
@@ -243,20 +246,21 @@ def _saver(
             )  # fmt: skip
             return result
 
-        if named or not sync:
-            request_id = state.manager.submit(job, sub_job_id, OP_SAVE, run)
-        answer: dict[str, Any] = {"type": "save_weights" if not sync else "save_weights_for_sampler"}
-        if sync:
-            request_id = submit_weight_sync(state.manager, job, WeightSyncPayload(), sub_job_id)
-            model.sampler_path = str(path)
-            if session_seq is not None:
-                sampler = _sampling_session(state, model.session_id, int(session_seq), model, str(path))
-                answer["sampling_session_id"] = sampler.sampling_session_id
-        if named or not sync:
-            answer["path"] = str(path)
-        return {"request_id": state.future(job.job_id, lambda _: answer, request_id)}
+        def queue() -> str:
+            if named or not sync:
+                request_id = state.manager.submit(job, sub_job_id, OP_SAVE, run)
+                answer["path"] = str(path)
+            if sync:
+                request_id = submit_weight_sync(state.manager, job, WeightSyncPayload(), sub_job_id)
+                model.sampler_path = str(path)
+                if session_seq is not None:
+                    sampler = _sampling_session(state, model.session_id, int(session_seq), model, str(path))
+                    answer["sampling_session_id"] = sampler.sampling_session_id
+            return request_id
 
-    return submit
+        return queue
+
+    return answer, prepare
 
 
 @router.post("/load_weights")
@@ -281,16 +285,15 @@ async def load_weights(body: dict[str, Any], state: State) -> dict[str, Any]:
         return state.models[model_id].taken[-1]
     model = state.model(str(body.get("model_id")))
 
-    async def submit() -> dict[str, Any]:
+    async def prepare() -> Callable[[], str]:
         folder = await asyncio.to_thread(state.checkpoint_folder, path)
         job = await state.live(model.job_id)
         sub_job_id, host = state.sub_job(job, "training"), job.host
         assert host is not None
-        request_id = state.manager.submit(job, sub_job_id, OP_LOAD, lambda: host.load(sub_job_id, folder, optimizer))
-        answer = {"type": "load_weights", "path": str(path), "model_id": model.model_id}
-        return {"request_id": state.future(job.job_id, lambda _: answer, request_id)}
+        return lambda: state.manager.submit(job, sub_job_id, OP_LOAD, lambda: host.load(sub_job_id, folder, optimizer))
 
-    return await state.in_turn(model, body.get("seq_id"), submit)
+    answer = {"type": "load_weights", "path": str(path), "model_id": model.model_id}
+    return await state.in_turn(model, body.get("seq_id"), lambda _: answer, prepare)
 
 
 # --- sampling --------------------------------------------------------------------------------
@@ -363,7 +366,7 @@ async def asample(body: dict[str, Any], state: State) -> dict[str, Any]:
         return await asyncio.shield(sampler.taken[seq_id])
     answered: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
     if seq_id is not None:  # taken from now on: a resend that arrives meanwhile waits for this answer
-        sampler.taken[seq_id] = answered
+        remember(sampler.taken, seq_id, answered)
     try:
         answered.set_result(await _queue_sample(state, sampler, body))
     except BaseException as exc:
@@ -381,9 +384,17 @@ async def _queue_sample(state: TinkerState, sampler: SamplingSession, body: dict
     job = await state.live(sampler.job_id)
     sub_job_id, host = state.sub_job(job, "sampling"), job.host
     assert host is not None
-    limit = job.specs[sub_job_id].config.max_seq_len
+    limit = job.specs[sub_job_id].config.max_seq_len  # the model's context length
     if len(prompt) >= limit:
-        raise InvalidRequestError(f"prompt has {len(prompt)} tokens; the sampler takes fewer than {limit}")
+        raise InvalidRequestError(
+            f"prompt has {len(prompt)} tokens; the model has a context of {limit} tokens, so it must be shorter"
+        )
+    wanted = (body.get("sampling_params") or {}).get("max_tokens")
+    if wanted is not None and len(prompt) + int(wanted) > limit:
+        raise InvalidRequestError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({wanted}) exceeds the model's context of {limit} "
+            f"tokens; set max_tokens to at most {limit - len(prompt)}"
+        )
 
     Call = tuple[list[int], EngineSamplingParams] | None  # None: cancelled before it was sent
 
@@ -563,7 +574,7 @@ async def retrieve_future(body: dict[str, Any], state: State) -> Response:
     if future is None:
         raise NotFoundError(f"future {future_id} not found")
     try:
-        if future.request_id is None and future.gathering is None:
+        if future.request_id is None and future.submitted is None:
             job = await state.running(future.job_id, _POLL_S)
             if job is None:
                 return _try_again(future_id)

@@ -2,14 +2,16 @@
 
 A Tinker model is one job with a training and a sampling sub-job on one slot (the sampler on the
 trainer's device, ``n_gpus`` 0; LoRA from ``lora_config.rank``);
-its training ops run on the training sub-job's ordered worker, in ``seq_id`` order: a POST waits
-until the number before it was taken (accepted or refused: a refused number counts as consumed),
-and a resent number gets the future it got the first time. A future is a request of the request
-table (or, for a model being created, the job reaching ``running``); ``retrieve_future`` long-polls
-it through the table's waiters. A sampling session samples with its model's sampling sub-job, or
-with a sampling job of its own (a base model, or weights saved earlier). ``retrieve_futures``
-reports a sampling client's finished sample futures in one long-poll, in place of one
-``retrieve_future`` long-poll per sample.
+its training ops run on the training sub-job's ordered worker, in ``seq_id`` order: a POST is
+answered at once with a future, and its op is queued once every number before it was used (queued,
+or refused: a refused number counts as used). The SDK relies on that answer: it sends chunks 2..n of
+a big forward_backward first and sends chunk 1 only once they were answered. A resent number gets the
+future it got the first time. A future is a request of the request table (or, for a model being
+created, the job reaching ``running``); ``retrieve_future`` long-polls it through the table's waiters.
+A trainer and a sampler take as many positions as the model has (its ``max_position_embeddings``).
+A sampling session samples with its model's sampling sub-job, or with a sampling job of its own (a
+base model, or weights saved earlier). ``retrieve_futures`` reports a sampling client's finished
+sample futures in one long-poll, in place of one ``retrieve_future`` long-poll per sample.
 """
 
 from __future__ import annotations
@@ -30,13 +32,14 @@ from icefloe.protocol import ConflictError, InvalidRequestError, NotFoundError
 from icefloe.service import store
 from icefloe.service.jobs import JobManager, LiveJob
 from icefloe.service.models import JobCreate
+from icefloe.service.specs import sub_job_specs
 
-__all__ = ["CheckpointPath", "Future", "Model", "SamplingSession", "TinkerState"]
+__all__ = ["CheckpointPath", "Future", "Model", "SamplingSession", "TinkerState", "remember"]
 
 _log = logging.getLogger("icefloe.service.tinker")
 _KINDS = ("weights", "sampler_weights")
 _COPY_PREFIX = "copy-"  # model ids never start so: they are <session>:train:<n>
-_FUTURES_KEPT = 100_000
+FUTURES_KEPT = 100_000  # futures, and answers kept per model or sampler for a resent seq_id
 _CLONE_SEQ_BLOCK = 1_000_000_000  # a sampling client's seq_ids start at its clone number times this
 _START_POLL_S = 0.05  # how often a waiter looks at a starting job's state (no event exists for it)
 # The SDK sends a group's sample calls one by one (a few ms apart on a busy host): a call waits until
@@ -80,9 +83,9 @@ class Future:
 
     ``request_id`` set: a request of the job's table, its stored result passed through ``render``
     (a JSON dict, or protobuf bytes); with ``part``, the result is a list and this future renders
-    its ``part``-th entry (sample calls gathered into one request). A gathered call's future exists
-    before its request does: its ``gathering`` gives the request id once sent. Neither set: the job
-    itself, ``render(None)`` once it runs.
+    its ``part``-th entry (sample calls gathered into one request). A future may exist before its
+    request does (a gathered sample call, a training op waiting for its turn): ``submitted`` gives the
+    request id once queued. None of these: the job itself, ``render(None)`` once it runs.
     """
 
     job_id: str
@@ -91,6 +94,7 @@ class Future:
     part: int | None = None
     rendered: dict[str, Any] | bytes | None = None  # rendered with a sibling, until first read
     gathering: _Gathering | None = None
+    submitted: asyncio.Future[str] | None = None
 
 
 @dataclass
@@ -102,8 +106,15 @@ class Model:
     lora_rank: int | None
     next_seq: int = 1
     taken: dict[int, dict[str, Any]] = field(default_factory=dict)  # seq_id -> the answer it got
-    turn: asyncio.Condition = field(default_factory=asyncio.Condition)
+    # seq_id -> what queues its op (None: refused) and the future its request id goes to, until its turn
+    waiting: dict[int, tuple[Callable[[], str] | None, asyncio.Future[str] | None]] = field(default_factory=dict)
     sampler_path: str | None = None  # the saved weights the model's own sampler holds now
+
+
+def remember(taken: dict[int, Any], seq_id: int, answer: Any) -> None:
+    """Keep ``answer`` for a resend of ``seq_id``, and forget the one ``FUTURES_KEPT`` numbers before it."""
+    taken[seq_id] = answer
+    taken.pop(seq_id - FUTURES_KEPT, None)
 
 
 @dataclass
@@ -111,7 +122,7 @@ class Completions:
     """One sampling client's sample futures for ``retrieve_futures``: those not reported yet, and
     those reported but not yet acknowledged (numbered by cursor, so a lost answer is sent again)."""
 
-    pending: deque[str] = field(default_factory=lambda: deque(maxlen=_FUTURES_KEPT))
+    pending: deque[str] = field(default_factory=lambda: deque(maxlen=FUTURES_KEPT))
     reported: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     cursor: int = 0
     arrived: asyncio.Event = field(default_factory=asyncio.Event)  # set when a future joins ``pending``
@@ -228,12 +239,13 @@ class TinkerState:
         if self.session(session_id) != "active":
             raise ConflictError(f"session {session_id} is finished; create a new session")
         peft = {"peft_config": {"peft_type": "Lora", "r": lora_rank, "lora_alpha": lora_rank}} if lora_rank else {}
+        positions = self.context_length(base_model)
         sub_jobs: list[dict[str, Any]] = []
         if training:
-            training_config = {**peft, "max_seq_len": 2048, "load_optimizer_states": load_optimizer}
+            training_config = {**peft, "max_seq_len": positions, "load_optimizer_states": load_optimizer}
             sub_jobs.append({"job_type": "training", "model_name": base_model, "training_config": training_config})
         # A trainer's sampler shares its device (n_gpus 0): a model takes one slot, like the local backend.
-        inference = {**peft, "max_seq_len": 2048, "n_gpus": 0 if training else 1}
+        inference = {**peft, "max_seq_len": positions, "n_gpus": 0 if training else 1}
         sampling: dict[str, Any] = {"job_type": "sampling", "model_name": base_model, "inference_config": inference}
         sub_jobs.append(sampling)
         if source is not None:
@@ -244,6 +256,21 @@ class TinkerState:
         job_id = self.manager.create(body, database="tinker", schema=session_id)
         self.session_jobs[session_id].append(job_id)
         return job_id
+
+    def context_length(self, base_model: str) -> int:
+        """How many positions ``base_model`` has: its config.json's ``max_position_embeddings``."""
+        from icefloe.engines.models import resolve_model
+
+        body = JobCreate.model_validate({"sub_job_configs": [{"job_type": "sampling", "model_name": base_model}]})
+        (spec,) = sub_job_specs("context-length", body, model_root=self.manager.settings.model_root)
+        config = json.loads((resolve_model(spec.config.model) / "config.json").read_text())
+        positions = config.get("max_position_embeddings") or config.get("n_positions")
+        if not isinstance(positions, int):
+            raise InvalidRequestError(
+                f"base_model {base_model!r} has no max_position_embeddings in its config.json; add the model's "
+                "context length there"
+            )
+        return positions
 
     async def running(self, job_id: str, timeout_s: float) -> LiveJob | None:
         """The job once it runs; None if it is still starting after ``timeout_s``."""
@@ -276,30 +303,75 @@ class TinkerState:
             raise NotFoundError(f"model {model_id} not found; create it with create_model")
         return model
 
-    async def in_turn(self, model: Model, seq_id: int | None, submit: Callable[[], Awaitable[dict[str, Any]]]) -> dict:
-        """Run ``submit`` (which queues the op) when ``seq_id`` is next for the model; dedupe resends."""
-        if seq_id is None:
-            return await submit()
-        if seq_id in model.taken:
+    async def in_turn(
+        self,
+        model: Model,
+        seq_id: int | None,
+        render: Callable[[Any], Any],
+        prepare: Callable[[], Awaitable[Callable[[], str]]],
+    ) -> dict[str, Any]:
+        """Answer op ``seq_id`` at once with a future; queue the op once every number before it is used.
+
+        ``prepare`` checks the op and returns what queues it (returning its request id); a refusal is
+        the POST's answer and uses up the number. A resent number gets the answer it got the first time.
+        """
+        if seq_id is not None and seq_id in model.taken:
             return model.taken[seq_id]
-        async with model.turn:
+        try:
+            queue = await prepare()
+        except Exception:
+            if seq_id is not None:
+                self._in_order(model, seq_id, None, None)
+            raise
+        if seq_id is None:
+            return {"request_id": self.future(model.job_id, render, queue())}
+        if seq_id in model.taken:  # a resend that arrived while its first copy was being checked
+            return model.taken[seq_id]
+        submitted: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        answer = {"request_id": self.future(model.job_id, render, submitted=submitted)}
+        remember(model.taken, seq_id, answer)
+        self._in_order(model, seq_id, queue, submitted)
+        return answer
+
+    def _in_order(
+        self, model: Model, seq_id: int, queue: Callable[[], str] | None, submitted: asyncio.Future[str] | None
+    ) -> None:
+        """Queue op ``seq_id`` (``queue`` None: refused) once the numbers before it are used, and every
+        op waiting behind it whose turn that makes; one still waiting after ``gap_timeout_s`` fails."""
+
+        def send(queue: Callable[[], str] | None, submitted: asyncio.Future[str] | None) -> None:
+            if queue is None or submitted is None:
+                return
             try:
-                await asyncio.wait_for(model.turn.wait_for(lambda: model.next_seq >= seq_id), self.gap_timeout_s)
-            except TimeoutError:
-                raise ConflictError(
+                submitted.set_result(queue())
+            except Exception as exc:  # read through the future
+                submitted.set_exception(exc)
+                submitted.exception()
+
+        if seq_id < model.next_seq:  # a late number (a resend of a refused op): its turn has passed
+            send(queue, submitted)
+            return
+        model.waiting[seq_id] = (queue, submitted)
+        while (entry := model.waiting.pop(model.next_seq, None)) is not None:
+            model.next_seq += 1
+            send(*entry)
+        if seq_id in model.waiting:
+            asyncio.get_running_loop().call_later(self.gap_timeout_s, self._gap_expired, model, seq_id, submitted)
+
+    def _gap_expired(self, model: Model, seq_id: int, submitted: asyncio.Future[str] | None) -> None:
+        entry = model.waiting.get(seq_id)
+        if entry is None or entry[1] is not submitted:
+            return  # its turn came
+        del model.waiting[seq_id]
+        model.taken.pop(seq_id, None)  # a resend waits anew
+        if submitted is not None:
+            submitted.set_exception(
+                ConflictError(
                     f"seq_id {seq_id} of model {model.model_id} waited {self.gap_timeout_s:g} s for "
                     f"seq_id {model.next_seq}, which never arrived"
-                ) from None
-            if seq_id in model.taken:  # a resend that waited behind its first copy
-                return model.taken[seq_id]
-            try:
-                answer = await submit()
-                model.taken[seq_id] = answer
-                model.taken.pop(seq_id - _FUTURES_KEPT, None)
-                return answer
-            finally:  # taken or refused: the number is used up
-                model.next_seq = max(model.next_seq, seq_id + 1)
-                model.turn.notify_all()
+                )
+            )
+            submitted.exception()
 
     def future(
         self,
@@ -308,17 +380,23 @@ class TinkerState:
         request_id: str | None = None,
         *,
         gathered: tuple[_Gathering, int] | None = None,
+        submitted: asyncio.Future[str] | None = None,
     ) -> str:
-        """A future for ``request_id``, for the job start (neither given), or for a call of a
-        gathering (``gathered``: what :meth:`gather` returned)."""
+        """A future for ``request_id``, for the job start (none given), for a call of a gathering
+        (``gathered``: what :meth:`gather` returned), or for a request not queued yet (``submitted``)."""
         if gathered is not None:
             gathering, part = gathered
             future_id = f"{gathering.gathering_id}.{part}"
-            self.futures[future_id] = Future(job_id, render, part=part, gathering=gathering)
+            self.futures[future_id] = Future(
+                job_id, render, part=part, gathering=gathering, submitted=gathering.submitted
+            )
+        elif submitted is not None:
+            future_id = f"{job_id}:op:{uuid.uuid4().hex}"
+            self.futures[future_id] = Future(job_id, render, submitted=submitted)
         else:
             future_id = request_id or f"{job_id}:start:{uuid.uuid4().hex}"
             self.futures[future_id] = Future(job_id, render, request_id)
-        while len(self.futures) > _FUTURES_KEPT:  # the oldest first: long retrieved by now
+        while len(self.futures) > FUTURES_KEPT:  # the oldest first: long retrieved by now
             del self.futures[next(iter(self.futures))]
         return future_id
 
@@ -342,8 +420,8 @@ class TinkerState:
     async def request_of(self, future: Future, timeout_s: float) -> str | None:
         """The request a future reads; for a gathered call, once its gathering is sent (None if it
         is still gathering after ``timeout_s``). Raises the refusal of a refused gathering."""
-        if future.request_id is None and future.gathering is not None:
-            submitted = future.gathering.submitted
+        if future.request_id is None and future.submitted is not None:
+            submitted = future.submitted
             await asyncio.wait([submitted], timeout=timeout_s)
             if submitted.done():
                 future.request_id = submitted.result()
@@ -391,7 +469,7 @@ class TinkerState:
                     await asyncio.wait_for(queue.arrived.wait(), remaining)
 
     def _report_finished(self, queue: Completions) -> None:
-        still: deque[str] = deque(maxlen=_FUTURES_KEPT)
+        still: deque[str] = deque(maxlen=FUTURES_KEPT)
         for future_id in queue.pending:
             future = self.futures.get(future_id)
             if future is None:
