@@ -24,7 +24,6 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from icefloe.protocol import ConfigError
 
@@ -251,39 +250,23 @@ class RayConfig(_Model):
     sync_bucket_mb: int = Field(64, gt=0)  # weight sync packs parameters into flat buckets of this size
 
 
-class RemoteConfig(BaseSettings):
+class RemoteConfig(_Model):
     """Talk to a service that speaks the training API (``icefloe serve`` or the managed endpoint).
 
-    Fields fill from ``ICEFLOE_REMOTE_*`` and the ``ARCTIC_CORTEX_*`` names existing recipes use,
-    but only through :meth:`ClientConfig.from_env`; explicit arguments always win.
+    Holds only what it is given: :meth:`ClientConfig.from_env` fills unset fields from
+    ``ICEFLOE_REMOTE_<FIELD>`` and the ``ARCTIC_CORTEX_*`` names existing recipes use.
     """
 
-    model_config = SettingsConfigDict(
-        extra="forbid", validate_assignment=True, env_prefix="ICEFLOE_REMOTE_", populate_by_name=True
-    )
+    model_config = ConfigDict(populate_by_name=True)
 
     type: Literal["remote"] = "remote"
-    base_url: str | None = Field(
-        None, validation_alias=AliasChoices("base_url", "ICEFLOE_REMOTE_BASE_URL", "ARCTIC_CORTEX_BASE_URL")
-    )  # e.g. http://127.0.0.1:8321; no auth, replaces https://{host}
-    host: str | None = Field(None, validation_alias=AliasChoices("host", "ICEFLOE_REMOTE_HOST", "ARCTIC_CORTEX_HOST"))
-    database: str | None = Field(
-        None, validation_alias=AliasChoices("database", "ICEFLOE_REMOTE_DATABASE", "ARCTIC_CORTEX_DATABASE")
-    )
-    schema_: str | None = Field(
-        None,
-        validation_alias=AliasChoices("schema", "schema_", "ICEFLOE_REMOTE_SCHEMA", "ARCTIC_CORTEX_SCHEMA"),
-        serialization_alias="schema",
-    )
-    endpoint: str = Field(
-        "cortex-training",
-        validation_alias=AliasChoices("endpoint", "ICEFLOE_REMOTE_ENDPOINT", "ARCTIC_CORTEX_ENDPOINT"),
-    )
-    pat: SecretStr | None = Field(None, repr=False, validation_alias=AliasChoices("pat", "ICEFLOE_REMOTE_PAT"))
-    pat_env_var: str = Field(
-        "CORTEX_PAT",
-        validation_alias=AliasChoices("pat_env_var", "ICEFLOE_REMOTE_PAT_ENV_VAR", "ARCTIC_CORTEX_PAT_ENV_VAR"),
-    )
+    base_url: str | None = None  # e.g. http://127.0.0.1:8321; no auth, replaces https://{host}
+    host: str | None = None
+    database: str | None = None
+    schema_: str | None = Field(None, validation_alias=AliasChoices("schema", "schema_"), serialization_alias="schema")
+    endpoint: str = "cortex-training"
+    pat: SecretStr | None = Field(None, repr=False)
+    pat_env_var: str = "CORTEX_PAT"
     verify_ssl: bool = True
     max_retries: int = Field(10, ge=0)
     retry_initial_s: float = Field(0.5, gt=0)  # first retry wait; doubles per attempt, plus jitter
@@ -308,8 +291,9 @@ class RemoteConfig(BaseSettings):
             return self  # checked when a client is built, so an empty config can be filled from env
         if self.host is not None and self.base_url is None and not (self.database and self.schema_):
             raise ValueError(
-                "backend.database and backend.schema are required with backend.host; set them or use "
-                "backend.base_url for a service without auth"
+                "backend.database and backend.schema are required with backend.host; set them (from the "
+                "environment: ICEFLOE_REMOTE_DATABASE and ICEFLOE_REMOTE_SCHEMA) or use backend.base_url for a "
+                "service without auth"
             )
         return self
 
@@ -387,26 +371,30 @@ class ClientConfig(_Model):
         return cls.build(merged)
 
 
-_REMOTE_ENV_FIELDS = {
-    "base_url": ("ICEFLOE_REMOTE_BASE_URL", "ARCTIC_CORTEX_BASE_URL"),
-    "host": ("ICEFLOE_REMOTE_HOST", "ARCTIC_CORTEX_HOST"),
-    "database": ("ICEFLOE_REMOTE_DATABASE", "ARCTIC_CORTEX_DATABASE"),
-    "schema": ("ICEFLOE_REMOTE_SCHEMA", "ARCTIC_CORTEX_SCHEMA"),
-    "endpoint": ("ICEFLOE_REMOTE_ENDPOINT", "ARCTIC_CORTEX_ENDPOINT"),
-    "pat_env_var": ("ICEFLOE_REMOTE_PAT_ENV_VAR", "ARCTIC_CORTEX_PAT_ENV_VAR"),
+# The names existing recipes use, read after ICEFLOE_REMOTE_<FIELD>.
+_CORTEX_ENV_NAMES = {
+    "base_url": "ARCTIC_CORTEX_BASE_URL",
+    "host": "ARCTIC_CORTEX_HOST",
+    "database": "ARCTIC_CORTEX_DATABASE",
+    "schema": "ARCTIC_CORTEX_SCHEMA",
+    "endpoint": "ARCTIC_CORTEX_ENDPOINT",
+    "pat_env_var": "ARCTIC_CORTEX_PAT_ENV_VAR",
 }
 
 
 def _remote_from_env(explicit: dict[str, Any], env: Mapping[str, str]) -> dict[str, Any]:
-    """Fill unset remote fields from the environment; explicit keys are never overwritten."""
+    """Fill unset remote fields from ``env``; explicit keys are never overwritten."""
     filled = dict(explicit)
     if "schema_" in filled:
         filled["schema"] = filled.pop("schema_")
-    for name, env_names in _REMOTE_ENV_FIELDS.items():
-        if filled.get(name) is None:
-            value = next((env[n] for n in env_names if env.get(n)), None)
-            if value is not None:
-                filled[name] = value
+    for field in RemoteConfig.model_fields:
+        name = field.rstrip("_")
+        if name in ("type", "pat") or filled.get(name) is not None:
+            continue
+        env_names = (f"ICEFLOE_REMOTE_{name.upper()}", _CORTEX_ENV_NAMES.get(name, ""))
+        value = next((env[n] for n in env_names if env.get(n)), None)
+        if value is not None:
+            filled[name] = value
     if filled.get("pat") is None:
         pat_var = filled.get("pat_env_var") or "CORTEX_PAT"
         pat = env.get(pat_var) or env.get("ICEFLOE_REMOTE_PAT") or env.get("ARCTIC_CORTEX_PAT") or env.get("CORTEX_PAT")
@@ -426,7 +414,10 @@ def validation_problems(exc: ValidationError, prefix: str = "", whole: str = "co
     error is about the value as a whole); no secret values."""
     problems = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"] if not str(p).startswith("function-"))
+        parts = [str(p) for p in err["loc"] if not str(p).startswith("function-")]
+        if parts[:1] == ["backend"] and parts[1:2] and parts[1] in _BACKEND_ALIASES.values():
+            del parts[1]  # the union's tag: the field is backend.<name>, whatever the type
+        loc = ".".join(parts)
         loc = f"{prefix}{loc}" if loc else prefix.rstrip(".") or whole
         msg = err["msg"].removeprefix("Value error, ")
         given = err.get("input")

@@ -213,3 +213,51 @@ def test_sampling_params_errors_are_one_line_naming_the_field(params, message):
     with pytest.raises(InvalidRequestError) as info:
         ops.generate([[1, 2]], params)
     assert str(info.value) == message
+
+
+def test_build_reads_no_environment(monkeypatch):
+    """A stray variable must not switch off TLS checks or attach a token to an explicit config."""
+    monkeypatch.setenv("ICEFLOE_REMOTE_VERIFY_SSL", "false")
+    monkeypatch.setenv("ICEFLOE_REMOTE_PAT", "secret")
+    monkeypatch.setenv("ICEFLOE_REMOTE_HOST", "acct.example.invalid")
+    backend = ClientConfig.build({"backend": {"type": "remote", "base_url": "http://127.0.0.1:9"}}).backend
+    assert (backend.verify_ssl, backend.pat, backend.host) == (True, None, None)
+    assert RemoteConfig().base_url is None and RemoteConfig().verify_ssl is True
+
+
+def test_from_env_reads_only_the_mapping_it_is_given(monkeypatch):
+    monkeypatch.setenv("ICEFLOE_REMOTE_BASE_URL", "http://from-os-environ")
+    monkeypatch.setenv("ICEFLOE_REMOTE_VERIFY_SSL", "false")
+    backend = ClientConfig.from_env(backend={"type": "remote"}, environ={}).backend
+    assert (backend.base_url, backend.verify_ssl) == (None, True)
+    given = {"ICEFLOE_REMOTE_BASE_URL": "http://given", "ICEFLOE_REMOTE_MAX_RETRIES": "3"}
+    backend = ClientConfig.from_env(backend={"type": "remote"}, environ=given).backend
+    assert (backend.base_url, backend.max_retries, backend.verify_ssl) == ("http://given", 3, True)
+
+
+def test_from_env_without_a_mapping_reads_every_remote_field_from_os_environ(monkeypatch):
+    monkeypatch.setenv("ICEFLOE_BACKEND", "remote")
+    monkeypatch.setenv("ICEFLOE_REMOTE_BASE_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("ICEFLOE_REMOTE_VERIFY_SSL", "false")
+    monkeypatch.setenv("ICEFLOE_REMOTE_REQUEST_TIMEOUT_S", "7.5")
+    monkeypatch.setenv("ICEFLOE_REMOTE_PAT", "tok")
+    backend = ClientConfig.from_env().backend
+    assert (backend.base_url, backend.verify_ssl, backend.request_timeout_s) == ("http://127.0.0.1:9", False, 7.5)
+    assert backend.pat.get_secret_value() == "tok"
+    explicit = ClientConfig.from_env(backend={"type": "remote", "verify_ssl": True}).backend
+    assert explicit.verify_ssl is True
+
+
+def test_from_env_names_the_variables_that_set_database_and_schema():
+    env = {"ICEFLOE_BACKEND": "remote", "ICEFLOE_REMOTE_HOST": "acct.example.invalid"}
+    with pytest.raises(ConfigError) as info:
+        ClientConfig.from_env(environ=env)
+    assert "ICEFLOE_REMOTE_DATABASE" in str(info.value) and "ICEFLOE_REMOTE_SCHEMA" in str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["local", "ray", "remote"])
+def test_a_backend_field_is_named_without_the_union_tag(kind):
+    field = {"local": "device", "ray": "num_gpus_per_worker", "remote": "max_retries"}[kind]
+    with pytest.raises(ConfigError) as info:
+        ClientConfig.build({"backend": {"type": kind, field: -1}})
+    assert f"  backend.{field}: " in str(info.value), str(info.value)
