@@ -1,7 +1,8 @@
 """Per-step metrics to the experiment trackers RL users already read: jsonl, TensorBoard, W&B, MLflow.
 
-A tracker has two methods, ``log(metrics, step)`` and ``close()``; :func:`open_trackers` opens the
-named ones under a run folder and returns one tracker that writes to all of them. Each writes
+A tracker has two methods, ``log(metrics, step)`` and ``close(error)``, where ``error`` is what ended
+the run (None = it finished); :func:`open_trackers` opens the named ones under a run folder and
+returns one tracker that writes to all of them. Each writes
 through its own library, imported only when chosen (``pip install 'icefloe[trackers]'``):
 
 - ``jsonl``: ``<run_dir>/metrics.jsonl``, one JSON object per step, written as each step ends.
@@ -35,7 +36,7 @@ _MODULES = {"jsonl": (), "tensorboard": ("tensorboard",), "wandb": ("wandb",), "
 class Tracker(Protocol):
     def log(self, metrics: Mapping[str, float], step: int) -> None: ...
 
-    def close(self) -> None: ...
+    def close(self, error: BaseException | None = None) -> None: ...
 
 
 def require_trackers(names: Sequence[str]) -> None:
@@ -62,14 +63,15 @@ def open_trackers(names: Sequence[str], run_dir: Path, *, run_name: str, config:
     try:
         for name in dict.fromkeys(names):  # each once, in the order given
             opened.trackers.append(_OPENERS[name](run_dir, run_name, config))
-    except BaseException:
-        opened.close()
+    except BaseException as exc:
+        opened.close(exc)
         raise
     return opened
 
 
 class Trackers:
-    """Logs to each of ``trackers`` in turn; a context manager that closes them all."""
+    """Logs to each of ``trackers`` in turn; a context manager that closes them all, telling each
+    whether the run failed (an exception) or was interrupted (``KeyboardInterrupt``)."""
 
     def __init__(self, trackers: list[Tracker]) -> None:
         self.trackers = trackers
@@ -77,16 +79,16 @@ class Trackers:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        self.close(exc)
 
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         for tracker in self.trackers:
             tracker.log(metrics, step)
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
         for tracker in self.trackers:
-            tracker.close()
+            tracker.close(error)
 
 
 class _Jsonl:
@@ -97,7 +99,7 @@ class _Jsonl:
         self._file.write(json.dumps({"step": step, **metrics}) + "\n")
         self._file.flush()  # a crash keeps every finished step
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
         self._file.close()
 
 
@@ -113,7 +115,7 @@ class _TensorBoard:
             self._writer.add_scalar(key, value, global_step=step)
         self._writer.flush()
 
-    def close(self) -> None:
+    def close(self, error: BaseException | None = None) -> None:
         self._writer.close()
 
 
@@ -132,8 +134,8 @@ class _Wandb:
     def log(self, metrics: Mapping[str, float], step: int) -> None:
         self._run.log(dict(metrics), step=step)
 
-    def close(self) -> None:
-        self._run.finish()
+    def close(self, error: BaseException | None = None) -> None:
+        self._run.finish(exit_code=0 if error is None else 1)
 
 
 class _Mlflow:
@@ -154,8 +156,9 @@ class _Mlflow:
         entries = [self._metric(key, float(value), at, step) for key, value in metrics.items()]
         self._client.log_batch(self._run_id, metrics=entries)
 
-    def close(self) -> None:
-        self._client.set_terminated(self._run_id)
+    def close(self, error: BaseException | None = None) -> None:
+        status = "FINISHED" if error is None else "KILLED" if isinstance(error, KeyboardInterrupt) else "FAILED"
+        self._client.set_terminated(self._run_id, status)
 
 
 _OPENERS = {"jsonl": _Jsonl, "tensorboard": _TensorBoard, "wandb": _Wandb, "mlflow": _Mlflow}

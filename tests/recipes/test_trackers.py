@@ -79,3 +79,21 @@ def test_mlflow_run_reads_back_through_its_client(tmp_path, monkeypatch):
     assert run.info.status == "FINISHED" and run.data.params["seed"] == "3"
     history = client.get_metric_history(run.info.run_id, "reward")
     assert sorted((m.step, m.value) for m in history) == [(1, 0.25), (2, 0.5), (3, 0.75)]
+
+
+def test_mlflow_records_a_run_that_raised_as_failed_and_an_interrupted_one_as_killed(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    uri = (tmp_path / "mlruns").as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # a file store needs no schema migrations
+    log_rows(["mlflow"], tmp_path)
+    for error in (RuntimeError("step failed"), KeyboardInterrupt()):
+        with pytest.raises(type(error)), open_trackers(["mlflow"], tmp_path, run_name=repr(error), config=CONFIG) as t:
+            t.log(ROWS[0], 1)
+            raise error
+    client = MlflowClient(tracking_uri=uri)
+    runs = client.search_runs([client.get_experiment_by_name("icefloe").experiment_id])
+    statuses = {run.info.run_name: run.info.status for run in runs}
+    assert statuses == {"t": "FINISHED", "RuntimeError('step failed')": "FAILED", "KeyboardInterrupt()": "KILLED"}
