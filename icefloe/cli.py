@@ -68,6 +68,7 @@ def demo(
     ] = None,
 ) -> None:
     """Teach a tiny model addition with GRPO and print how its reward rose."""
+    from icefloe.protocol import ConfigError, IcefloeError
     from icefloe.recipes.trackers import require_trackers
 
     if backend not in ("local", "ray", "remote"):
@@ -77,9 +78,15 @@ def demo(
         require_trackers(trackers)
     except (ImportError, ValueError) as exc:
         raise typer.BadParameter(str(exc), param_hint="--tracker") from None
-    run_demo(
-        steps=steps, seed=seed, name=name, backend=backend, out_dir=out_dir, lora_rank=lora_rank, trackers=trackers
-    )
+    try:
+        run_demo(
+            steps=steps, seed=seed, name=name, backend=backend, out_dir=out_dir, lora_rank=lora_rank, trackers=trackers
+        )
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    except IcefloeError as exc:
+        console.print(f"[red]error:[/red] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
 
 
 def run_demo(

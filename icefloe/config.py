@@ -345,9 +345,11 @@ class ClientConfig(_Model):
         """Build a config, letting the environment fill what the caller left unset.
 
         ``ICEFLOE_BACKEND`` (alias ``ARCTIC_BACKEND``: local | ray | remote | cortex) picks the
-        backend when neither ``data`` nor ``overrides`` names one. Remote fields fill from
-        ``ICEFLOE_REMOTE_*`` / ``ARCTIC_CORTEX_*``; the PAT from ``pat_env_var`` (default
-        ``CORTEX_PAT``) or ``ARCTIC_CORTEX_PAT``. Explicit values always win.
+        backend when neither ``data`` nor ``overrides`` names one. Each remote field fills from
+        ``ICEFLOE_REMOTE_<FIELD>`` (``ICEFLOE_REMOTE_HOST``, ``ICEFLOE_REMOTE_VERIFY_SSL``, ...), then its
+        ``ARCTIC_CORTEX_*`` name; the PAT from the variable ``pat_env_var`` names (default ``CORTEX_PAT``;
+        set by ``ICEFLOE_REMOTE_PAT_ENV_VAR``), ``ICEFLOE_REMOTE_PAT`` or ``ARCTIC_CORTEX_PAT``. Only
+        ``environ`` is read (default ``os.environ``); explicit values always win.
         """
         env = dict(os.environ if environ is None else environ)
         merged: dict[str, Any] = {**(data or {}), **overrides}

@@ -46,6 +46,29 @@ def test_cli_demo_rejects_zero_steps():
     assert result.exit_code != 0
 
 
+def test_cli_demo_refuses_a_run_folder_that_holds_a_run(tmp_path):
+    """A second run under the same --name truncated metrics.jsonl and appended to the TensorBoard folder."""
+    args = ["demo", "--steps", "1", "--out-dir", str(tmp_path)]
+    first = CliRunner().invoke(app, args, env={"COLUMNS": "400"})
+    assert first.exit_code == 0, first.output
+    metrics = (tmp_path / "demo" / "metrics.jsonl").read_text()
+    second = CliRunner().invoke(app, args, env={"COLUMNS": "400"})
+    assert second.exit_code == 2, second.output
+    assert "--name" in second.output and str(tmp_path / "demo") in second.output, second.output
+    assert "delete the folder" in second.output, second.output
+    assert (tmp_path / "demo" / "metrics.jsonl").read_text() == metrics
+
+
+def test_cli_demo_remote_config_error_is_one_message_not_a_traceback(tmp_path):
+    env = {"ICEFLOE_REMOTE_HOST": "acct.example.invalid", "COLUMNS": "400"}
+    env |= dict.fromkeys(("ICEFLOE_REMOTE_BASE_URL", "ARCTIC_CORTEX_BASE_URL", "ICEFLOE_REMOTE_DATABASE"), "")
+    env |= dict.fromkeys(("ARCTIC_CORTEX_DATABASE", "ICEFLOE_REMOTE_SCHEMA", "ARCTIC_CORTEX_SCHEMA"), "")
+    result = CliRunner().invoke(app, ["demo", "--backend", "remote", "--out-dir", str(tmp_path)], env=env)
+    assert result.exit_code == 2, result.output
+    assert "ICEFLOE_REMOTE_DATABASE" in result.output and "Traceback" not in result.output, result.output
+    assert not (tmp_path / "demo").exists()
+
+
 def test_cli_jobs_logs_and_checkpoints_against_a_real_service(tmp_path):
     """A person inspects a job another process created: list, show, log, checkpoints, export, cancel;
     every listing also as JSON, and no ID or URL cut short however narrow the terminal says it is."""

@@ -44,6 +44,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from icefloe.protocol import ConfigError
 from icefloe.recipes.tasks import ArithmeticTask, Problem
 from icefloe.recipes.trackers import TrackerName, open_trackers
 
@@ -121,13 +122,22 @@ def main(config: GRPOConfig) -> list[dict[str, Any]]:
 
 
 async def run(config: GRPOConfig, *, on_step: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
-    """Warm up, run ``config.steps`` GRPO steps, write metrics and the reward plot; ``on_step`` sees each row."""
+    """Warm up, run ``config.steps`` GRPO steps, write metrics and the reward plot; ``on_step`` sees each row.
+
+    Raises:
+        ConfigError: the run folder ``<out_dir>/<name>`` already holds files (a run's outputs).
+    """
     from icefloe.client import AsyncClient
     from icefloe.client.batch import build_batch
     from icefloe.config import ClientConfig
     from icefloe.protocol import SamplingParams
 
     run_dir = config.out_dir / config.name
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        raise ConfigError(
+            f"name: the run folder {run_dir} already holds a run; pick another name (icefloe demo --name NAME) "
+            "or delete the folder"
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     task = ArithmeticTask(config.seed, max_operand=config.max_operand)
     shuffler = random.Random(config.seed + 1)
