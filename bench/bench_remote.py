@@ -35,9 +35,9 @@ from icefloe.config import ClientConfig
 from icefloe.recipes.grpo import GRPOConfig, run
 
 
-def _demo_step_s(backend: str, base_url: str, out_dir: Path, steps: int, warmup: int) -> list[float]:
+def _demo_step_s(backend: str, base_url: str, out_dir: Path, steps: int, warmup: int, repeat: int) -> list[float]:
     config = GRPOConfig(
-        name=f"bench-{backend}",
+        name=f"bench-{backend}-{repeat}",  # a folder per run: run() refuses one that already holds a run
         out_dir=out_dir,
         steps=steps,
         warmup_steps=warmup,
@@ -107,9 +107,10 @@ def main(argv: list[str]) -> None:
         serve(Path(tmp) / "serve") as base_url,
     ):
         step_s: dict[str, list[list[float]]] = {"local": [], "remote": []}
-        for _ in range(args.repeats):
+        for repeat in range(args.repeats):
             for backend in ("local", "remote"):
-                step_s[backend].append(_demo_step_s(backend, base_url, Path(tmp) / "runs", args.steps, args.warmup))
+                runs = Path(tmp) / "runs"
+                step_s[backend].append(_demo_step_s(backend, base_url, runs, args.steps, args.warmup, repeat))
         remote = ClientConfig.build(model="tiny:arith", backend={"type": "remote", "base_url": base_url})
         gathered, batched = asyncio.run(_concurrency(remote, args.concurrency, args.rounds))
         pipelined, awaited = asyncio.run(_pipelining(remote, args.pairs))
