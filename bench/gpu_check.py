@@ -6,7 +6,8 @@ check through icefloe's own client and engines, timed and isolated from the othe
 
   train           bf16 fwd_bwd + step on a GRPO batch: finite, falling loss; peak GPU memory
   sample          generate with seeds, logprobs and stop tokens (vLLM); a seed gives the same tokens again
-  sync_local      weight sync inside one process; the sampler's log-probs then match the trainer's
+  sync_local      weight sync inside one process; the sampler's log-probs then match the trainer's, also
+                  on prompts it sampled before the sync (no prefix cached with the old weights is reused)
   sync_ipc        CUDA IPC hand-off to a sampler in a second process, then the same comparison
   sync_broadcast  bucketed broadcast to a sampler in a second process (NCCL; gloo on CPU), then the same
   sleep_wake      both engines sleep and wake: memory freed and taken back, outputs unchanged
@@ -206,6 +207,8 @@ def check_sample(run: Run) -> dict[str, Any]:
 
 def check_sync_local(run: Run) -> dict[str, Any]:
     client = run.client("local")
+    prompts, params = run.prompts(4, 5), {"max_tokens": run.response_len, "seed": 3, "logprobs": True}
+    client.generate(prompts, params)  # their prefixes are cached with the old weights; the sync must drop them
     batch = run.grpo_batch(client.forward)
     client.fwd_bwd(batch)
     version = client.step()["global_step"]
@@ -215,8 +218,7 @@ def check_sync_local(run: Run) -> dict[str, Any]:
         synced = client.sync_weights()
         seconds.append(time.perf_counter() - start)
     _expect(synced["policy_version"] == version, f"policy_version {synced['policy_version']} after step {version}")
-    prompts = run.prompts(4, 5)
-    samples = client.generate(prompts, {"max_tokens": run.response_len, "seed": 3, "logprobs": True})
+    samples = client.generate(prompts, params)
     _expect({s["policy_version"] for s in samples} == {version}, "samples do not carry the synced version")
     gap = _logprob_gap(run, prompts, samples, client.forward)
     run.figures["local_sync_s"] = statistics.median(seconds[1:])

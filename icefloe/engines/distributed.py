@@ -181,6 +181,14 @@ class DataParallelTrainingEngine(TrainingEngine):
                 self._params, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
             )
 
+    def fwd_bwd(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """This rank's shard's result; the checkpoint's loss becomes the whole batch's (the ranks' sum)."""
+        result = super().fwd_bwd(batch)
+        loss = torch.tensor([result["loss"]], dtype=torch.float64, device=self.device)
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM)  # as combine_fwd_bwd adds the ranks' losses
+        self._last_loss = float(loss.item())
+        return result
+
     def step(self, learning_rate: float | None = None, adam: Mapping[str, float] | None = None) -> dict[str, Any]:
         """Sum the gradients over ranks, then clip and update exactly as one engine would."""
         self._require_training("step")

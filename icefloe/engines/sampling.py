@@ -408,6 +408,7 @@ class VLLMSamplingEngine:
         self._adapter_dir = Path(tempfile.mkdtemp(prefix="icefloe-lora-")) if self.lora is not None else None
         self._lora_request: Any = None  # None until the first sync: the base model (zero adapters) samples
         self._num_adapters = 0
+        self._stale_prefixes = False  # full weights changed since the prefix cache was filled
 
     def generate(
         self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams]
@@ -419,6 +420,9 @@ class VLLMSamplingEngine:
             )
         inputs = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]
         vllm_params = [self._vllm_params(p) for p in per_prompt]
+        if self._stale_prefixes:  # once after a sync, however many buckets: cached KV holds the old weights' values
+            self.llm.reset_prefix_cache()
+            self._stale_prefixes = False
         version = self.policy_version
         lora_request = self._current_adapter()
         outputs = self.llm.generate(inputs, vllm_params, use_tqdm=False, lora_request=lora_request)
@@ -451,6 +455,7 @@ class VLLMSamplingEngine:
         tensors = list(named_tensors)
         if self.lora is None:
             self.llm.apply_model(lambda model: model.load_weights(weights=tensors))
+            self._stale_prefixes = True
         else:  # copies: a broadcast hands over views of a staging buffer it reuses for the next bucket
             self._adapter_tensors.update((peft_key(name), t.detach().to("cpu", copy=True)) for name, t in tensors)
         self.policy_version = int(policy_version)

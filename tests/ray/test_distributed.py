@@ -6,6 +6,7 @@ processes, since each needs its own default process group.
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 from pathlib import Path
@@ -188,6 +189,9 @@ def test_data_parallel_trains_like_one_engine_and_checkpoints_in_its_format(mode
     }  # fmt: skip
     single_dir = Path(single.save_checkpoint(tmp_path / "single", "resumable")["path"])
     assert sorted(p.name for p in dp_dir.iterdir()) == sorted(p.name for p in single_dir.iterdir())
+    # The recorded loss is the whole batch's, as the caller was told, not rank 0's share of it.
+    avg_loss = [json.loads((d / "trainer_state.json").read_text())["avg_loss"] for d in (dp_dir, single_dir)]
+    assert avg_loss[0] == pytest.approx(avg_loss[1], abs=1e-5)
     for file in ("model.safetensors", "optimizer.safetensors"):
         ours, theirs = load_file(str(dp_dir / file)), load_file(str(single_dir / file))
         assert sorted(ours) == sorted(theirs)

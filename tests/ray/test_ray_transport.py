@@ -314,3 +314,24 @@ def test_bad_requests_sft_and_checkpoint_listings_match_the_local_backend(dp_cli
     assert ray_loss == pytest.approx(same_weights_loss, abs=1e-6)
     types = {tuple(sorted((k, type(v)) for k, v in c.items())) for c in ray_listed + local_listed}
     assert len(types) == 1  # every field of every listed checkpoint has one type on both backends
+
+
+@pytest.mark.slow  # a Python with Ray and torch, and a Ray start of its own: ~10 s
+def test_a_failed_open_shuts_down_the_local_ray_it_started():
+    """The model is resolved after ray.init; its error left this process's Ray running (close() had no host)."""
+    script = (
+        "import ray\n"
+        "from icefloe.client import Client\n"
+        "from icefloe.protocol import ConfigError\n"
+        "client = Client({'model': '/no/such/model', 'backend': {'type': 'ray', 'num_cpus_per_worker': 0.25}})\n"
+        "try:\n"
+        "    client.open()\n"
+        "except ConfigError as exc:\n"
+        "    print('open failed:', exc)\n"
+        "print('ray running:', ray.is_initialized())\n"
+    )
+    env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}  # a Ray of its own
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "open failed: model must be" in done.stdout and "ray running: False" in done.stdout, done.stdout

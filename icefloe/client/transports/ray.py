@@ -63,10 +63,15 @@ class RayTransport(RoleTransport):
     # --- lifecycle -------------------------------------------------------------------------------
     def _start(self) -> None:
         self._connect()
-        if self._attach is not None:
-            self._attach_actors(self._attach)
-        else:
-            self._launch()
+        try:
+            if self._attach is not None:
+                self._attach_actors(self._attach)
+            else:
+                self._launch()
+        except BaseException:  # close() then has nothing to stop: leave no local Ray of ours running
+            if self._started_ray:
+                ray.shutdown()
+            raise
 
     def _connect(self) -> None:
         """Join the cluster the handle or config names, or start a local Ray when there is none."""

@@ -110,10 +110,15 @@ class TrainingActor(_EngineActor):
 class SamplingActor(_EngineActor):
     """One sampler replica (torch on CPU, vLLM on GPU when installed)."""
 
-    def start(self, device: str) -> None:
+    def start(self, device: str, replica: int) -> None:
+        """Build the engine; replica k's generator starts from ``seed + k``, so replicas never draw alike.
+
+        A request with its own ``seed`` samples the same on every replica (its rows' seeds come from it alone).
+        """
         from icefloe.engines.sampling import build_sampling_engine
 
-        self.engine = build_sampling_engine(self.config, device, model_dir=self.model_dir)
+        config = self.config.model_copy(update={"seed": self.config.seed + replica})
+        self.engine = build_sampling_engine(config, device, model_dir=self.model_dir)
 
     def receive_weights(self, link: str, layout: list[Any], bucket_bytes: int) -> dict[str, Any]:
         """Receive one broadcast into the sampler's parameters in place; the version comes with it."""

@@ -257,7 +257,7 @@ class SamplerGroup(ActorGroup):
     def start_calls(self) -> list[tuple[str, ray.ObjectRef]]:
         assert self.ray_config is not None, "an attached group does not start actors"
         device = worker_device(self.ray_config)
-        return [(name, actor.start.remote(device)) for name, actor in self.members]
+        return [(name, actor.start.remote(device, replica)) for replica, (name, actor) in enumerate(self.members)]
 
     def generate(self, prompts: list[Any], params: list[SamplingParams]) -> list[dict[str, Any]]:
         """Contiguous prompt slices per replica, so joining the answers keeps them prompt-major."""
