@@ -63,8 +63,12 @@ def test_ray_transport_syncs_only_adapters(ray_session, model_dir, tmp_path):
             client.sync_weights(weight_format="vllm")
         synced = _train_sync_and_compare(client)
         assert client.handle()["transport"]["actors"]["reference"] == []
-        adapters = TrainingEngine(client.config, model_dir=model_dir).named_weights()
-    assert synced["bytes"] == sum(t.numel() * t.element_size() for _, t in adapters)
+        policy = client.forward(BATCH)["logprobs"]
+        saved = client.save_checkpoint("weights-only")
+        local = TrainingEngine(client.config, model_dir=model_dir)
+    assert synced["bytes"] == sum(t.numel() * t.element_size() for _, t in local.named_weights())
+    local.load_checkpoint(saved["path"])  # the ranks' adapters, as one PEFT folder
+    torch.testing.assert_close(local.forward(BATCH)["logprobs"], policy, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow
