@@ -8,10 +8,11 @@ torch = pytest.importorskip("torch")
 ray = pytest.importorskip("ray")
 pytest.importorskip("transformers")
 
-from icefloe.config import ClientConfig  # noqa: E402
-from icefloe.engines.ray import SamplerGroup, create_placement_group, plan_placement  # noqa: E402
+from icefloe.engines.ray import SamplerGroup  # noqa: E402
 from icefloe.engines.sampling import SamplingEngine  # noqa: E402
 from icefloe.protocol import SamplingParams  # noqa: E402
+
+from .conftest import two_replica_group  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -19,20 +20,18 @@ PROMPT = [1, 2, 3]
 
 
 @pytest.fixture(scope="module")
-def config(model_dir) -> ClientConfig:
-    backend = {"type": "ray", "namespace": "icefloe-tests", "num_cpus_per_worker": 0.25}
-    return ClientConfig.build(model=str(model_dir), max_seq_len=48, num_sampling_workers=2, backend=backend)
+def started(ray_session, model_dir):
+    yield from two_replica_group(SamplerGroup, "sampling", model_dir)
 
 
 @pytest.fixture(scope="module")
-def samplers(ray_session, config, model_dir):
-    job_name = "icefloe-test-sampler-group"
-    bundles, workers = plan_placement(job_name, {"sampling": 2}, config.backend)
-    placement = create_placement_group(job_name, bundles, config.backend, config.job_ready_timeout_s)
-    group = SamplerGroup.create(job_name, config, workers, placement, model_dir).start()
-    yield group
-    group.kill()
-    ray.util.remove_placement_group(placement)
+def config(started):
+    return started[0]
+
+
+@pytest.fixture(scope="module")
+def samplers(started):
+    return started[1]
 
 
 def test_replicas_draw_distinct_samples_for_repeated_prompts_without_a_seed(samplers):

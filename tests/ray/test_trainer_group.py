@@ -10,9 +10,10 @@ pytest.importorskip("transformers")
 
 from torch.testing import assert_close  # noqa: E402
 
-from icefloe.config import ClientConfig  # noqa: E402
-from icefloe.engines.ray import TrainerGroup, create_placement_group, plan_placement  # noqa: E402
+from icefloe.engines.ray import TrainerGroup  # noqa: E402
 from icefloe.engines.training import TrainingEngine  # noqa: E402
+
+from .conftest import two_replica_group  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -33,20 +34,18 @@ def targets_batch(rows: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def config(model_dir) -> ClientConfig:
-    backend = {"type": "ray", "namespace": "icefloe-tests", "num_cpus_per_worker": 0.25}
-    return ClientConfig.build(model=str(model_dir), max_seq_len=48, num_training_workers=2, backend=backend)
+def started(ray_session, model_dir):
+    yield from two_replica_group(TrainerGroup, "training", model_dir)
 
 
 @pytest.fixture(scope="module")
-def group(ray_session, config, model_dir):
-    job_name = "icefloe-test-trainer-group"
-    bundles, workers = plan_placement(job_name, {"training": 2}, config.backend)
-    placement = create_placement_group(job_name, bundles, config.backend, config.job_ready_timeout_s)
-    trainers = TrainerGroup.create(job_name, config, workers, placement, model_dir).start()
-    yield trainers
-    trainers.kill()
-    ray.util.remove_placement_group(placement)
+def config(started):
+    return started[0]
+
+
+@pytest.fixture(scope="module")
+def group(started):
+    return started[1]
 
 
 @pytest.fixture(scope="module")
