@@ -2,16 +2,41 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
 from icefloe.cli import app
+
+
+@contextlib.contextmanager
+def _serving(command: list[str], base_url: str, log: Path, **popen: Any) -> Iterator[None]:
+    """``icefloe serve`` as a child process writing to ``log``, up (``/health``) for the block, then stopped."""
+    import httpx
+
+    with log.open("wb") as output, subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, **popen) as child:
+        try:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    httpx.get(f"{base_url}/health", timeout=5).raise_for_status()
+                    break
+                except httpx.TransportError:
+                    assert child.poll() is None and time.monotonic() < deadline, log.read_text()
+                    time.sleep(0.2)
+            yield
+        finally:
+            child.terminate()
+            child.wait(timeout=60)
 
 
 def test_cli_import_does_not_load_torch():
@@ -187,8 +212,6 @@ def test_cli_serve_prints_urls_that_work_for_an_ipv6_host(tmp_path):
     import re
     import socket
 
-    import httpx
-
     try:
         with socket.socket(socket.AF_INET6) as probe:
             probe.bind(("::1", 0))
@@ -197,25 +220,9 @@ def test_cli_serve_prints_urls_that_work_for_an_ipv6_host(tmp_path):
         pytest.skip("no IPv6 loopback here")
     command = [sys.executable, "-m", "icefloe.cli", "serve", "--host", "::1", "--port", str(port)]
     command += ["--engines", "local", "--data-dir", str(tmp_path / "serve")]
-    log = tmp_path / "serve.log"
-    with (
-        log.open("wb") as output,
-        subprocess.Popen(
-            command, stdout=output, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"}
-        ) as child,
-    ):
-        try:
-            base_url, deadline = f"http://[::1]:{port}", time.monotonic() + 120
-            while True:
-                try:
-                    httpx.get(f"{base_url}/health", timeout=5).raise_for_status()
-                    break
-                except httpx.TransportError:
-                    assert child.poll() is None and time.monotonic() < deadline, log.read_text()
-                    time.sleep(0.2)
-        finally:
-            child.terminate()
-            child.wait(timeout=60)
+    log, base_url = tmp_path / "serve.log", f"http://[::1]:{port}"
+    with _serving(command, base_url, log, env={**os.environ, "COLUMNS": "200"}):
+        pass
     printed = log.read_text()
     urls = re.findall(r"http://\S+", printed)
     assert len(urls) >= 3 and all(url.startswith(base_url) for url in urls), printed  # the CLI's and the log's
@@ -240,7 +247,6 @@ def test_cli_serve_takes_its_tokens_from_a_file(tmp_path):
     """--token put the secret in `ps`; a token file keeps it out of the command line. A relative
     --data-dir still gives clients absolute checkpoint paths."""
     import socket
-    import time
     from pathlib import Path
 
     import httpx
@@ -255,33 +261,18 @@ def test_cli_serve_takes_its_tokens_from_a_file(tmp_path):
         port = probe.getsockname()[1]
     command = [sys.executable, "-m", "icefloe.cli", "serve", "--port", str(port), "--engines", "local"]
     command += ["--data-dir", "serve", "--token-file", str(token_file)]
-    log = tmp_path / "serve.log"
-    with (
-        log.open("wb") as output,
-        subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, cwd=tmp_path) as child,
-    ):
+    base_url = f"http://127.0.0.1:{port}"
+    with _serving(command, base_url, tmp_path / "serve.log", cwd=tmp_path):
+        assert token not in " ".join(command)
+        capacity = f"{base_url}/api/v2/databases/DB/schemas/SC/cortex-training/capacity"
+        assert httpx.get(capacity, timeout=30).status_code == 401
+        assert httpx.get(capacity, headers={"Authorization": f"Bearer {token}"}, timeout=30).status_code == 200
+        client = Client({"model": "tiny:arith", "backend": {"type": "remote", "base_url": base_url, "pat": token}})
         try:
-            base_url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
-            while True:
-                try:
-                    httpx.get(f"{base_url}/health", timeout=5).raise_for_status()
-                    break
-                except httpx.TransportError:
-                    assert child.poll() is None and time.monotonic() < deadline, log.read_text()
-                    time.sleep(0.2)
-            assert token not in " ".join(command)
-            capacity = f"{base_url}/api/v2/databases/DB/schemas/SC/cortex-training/capacity"
-            assert httpx.get(capacity, timeout=30).status_code == 401
-            assert httpx.get(capacity, headers={"Authorization": f"Bearer {token}"}, timeout=30).status_code == 200
-            client = Client({"model": "tiny:arith", "backend": {"type": "remote", "base_url": base_url, "pat": token}})
-            try:
-                saved = Path(client.save_checkpoint()["path"])
-            finally:
-                client.shutdown()
-            assert saved.is_absolute() and saved.is_dir() and (tmp_path / "serve") in saved.parents
+            saved = Path(client.save_checkpoint()["path"])
         finally:
-            child.terminate()
-            child.wait(timeout=60)
+            client.shutdown()
+        assert saved.is_absolute() and saved.is_dir() and (tmp_path / "serve") in saved.parents
 
 
 def test_cli_jobs_against_a_port_where_nothing_listens_fails_at_once(caplog):
