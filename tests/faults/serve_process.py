@@ -147,6 +147,22 @@ def gone(pid: int) -> bool:
     return state in ("Z", "X")
 
 
+def stop(pid: int) -> None:
+    """SIGSTOP ``pid`` and return once every thread of it has stopped: the signal is asynchronous,
+    and on a busy machine a thread still runs (and answers a call) for a while after ``kill``."""
+    os.kill(pid, signal.SIGSTOP)
+    tasks = Path(f"/proc/{pid}/task")
+
+    def stopped() -> bool:
+        try:
+            states = {(task / "stat").read_text().rsplit(")", 1)[1].split()[0] for task in tasks.iterdir()}
+        except FileNotFoundError:  # a thread ended as we looked
+            return False
+        return states <= {"T", "t"}
+
+    wait_for(stopped, 30, f"process {pid} stops")
+
+
 def wait_for(condition: Any, timeout_s: float, what: str) -> None:
     deadline = time.monotonic() + timeout_s
     while not condition():

@@ -16,7 +16,7 @@ from icefloe.config import ClientConfig
 from icefloe.protocol import IcefloeTimeoutError, InvalidRequestError
 
 from ..service.service_batches import small_batch
-from .serve_process import TRAINING, Serve, gone, wait_for
+from .serve_process import TRAINING, Serve, gone, stop, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real services, 5-15 s each: `make test-slow`
 
@@ -32,7 +32,7 @@ def test_kill9_of_serve_with_queued_requests_then_a_restart_ends_every_accepted_
         job_id = serve.create()
         serve.wait_job(job_id, "running")
         engine = serve.engine_pid(job_id)
-        os.kill(engine, signal.SIGSTOP)  # nothing runs: every request below is accepted and still queued
+        stop(engine)  # nothing runs: every request below is accepted and still queued
         accepted = [serve.submit(job_id, "forward-backward", small_batch(i)) for i in range(3)]
         accepted.append(serve.submit(job_id, "step", {}))
         serve.kill()
@@ -63,7 +63,7 @@ def test_a_stopped_engine_fails_its_job_at_the_op_deadline_naming_the_op_and_the
         job_id = serve.create()
         serve.wait_job(job_id, "running")
         engine = serve.engine_pid(job_id)
-        os.kill(engine, signal.SIGSTOP)  # fault: a driver call that never returns
+        stop(engine)  # fault: a driver call that never returns
         answer = serve.finished(job_id, serve.submit(job_id, "forward-backward", small_batch()), timeout_s=60)
         assert answer["status"] in ("failed", "cancelled") and answer["error"]
         job = serve.wait_job(job_id, "failed")
@@ -78,7 +78,7 @@ def test_cancelling_a_job_kills_its_stopped_engine(tmp_path):
         job_id = serve.create()
         serve.wait_job(job_id, "running")
         engine = serve.engine_pid(job_id)
-        os.kill(engine, signal.SIGSTOP)
+        stop(engine)
         request_id = serve.submit(job_id, "forward-backward", small_batch())
         serve.call("POST", f"/{job_id}:cancel")
         assert serve.wait_job(job_id, "terminated")["status"] == "terminated"

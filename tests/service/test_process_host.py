@@ -27,6 +27,7 @@ from icefloe.service.models import JobCreate
 from icefloe.service.process_host import Channel, ProcessEngineHost, serve
 from icefloe.service.specs import sub_job_specs
 
+from ..faults.serve_process import stop
 from .service_batches import canonical_batch, small_batch
 from .service_client import SAMPLING, TRAINING, Api
 from .service_harness import asgi_client, make_app
@@ -278,7 +279,7 @@ def test_concurrent_calls_on_one_sub_job_run_once_each_in_order_and_user_errors_
 
 def test_closing_kills_an_engine_process_that_does_not_exit():
     host, _ = _started_host("stuck")
-    os.kill(host.pid, signal.SIGSTOP)  # fault: a child wedged in a driver call never exits
+    stop(host.pid)  # fault: a child wedged in a driver call never exits
     host.close()
     assert host.exit_code == -signal.SIGKILL
 
@@ -286,7 +287,7 @@ def test_closing_kills_an_engine_process_that_does_not_exit():
 @contextlib.contextmanager
 def _killed_after(pid: int) -> Iterator[None]:
     """SIGSTOP ``pid`` now (fault: a driver call that never returns); SIGKILL it whatever the test did."""
-    os.kill(pid, signal.SIGSTOP)
+    stop(pid)
     try:
         yield
     finally:
@@ -322,7 +323,7 @@ async def test_cancelling_a_job_whose_engine_process_hangs_while_starting_kills_
     def start_then_hang(self, on_progress, *rest):  # fault: the child hangs while it loads its engines
         def progress(message: str) -> None:
             if self.pid is not None and not stopped:
-                os.kill(self.pid, signal.SIGSTOP)
+                stop(self.pid)
                 stopped.append(self.pid)
             on_progress(message)
 
