@@ -48,6 +48,13 @@ _NO_COUNTERPART = {
     "multiplex_job_id": "sub-jobs are not multiplexed: this one gets slots of its own",
     "global_batch_size": "each forward-backward's batch is its own; put global_batch_size in the loss config",
 }
+# The passthrough keys a section reads or answers: sent on the sub-job itself they would do nothing.
+_SECTION_KEYS = {
+    *_NO_COUNTERPART,
+    *TrainingConfigSpec.model_fields,
+    *InferenceConfig.model_fields,
+    *("peft_config", "activation_checkpointing", "mb_spec", "router_replay", "vllm_config", "gpu_memory_utilization"),
+} - set(SubJobConfig.model_fields)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +149,12 @@ def _client_config(sub: SubJobConfig, model_root: Path | None, where: str) -> tu
     data: dict[str, Any] = {"model": model, "seed": sub.seed or 0}
     if sub.dtype:
         data["dtype"] = _DTYPES.get(sub.dtype, sub.dtype)
+    misplaced = sorted(set(sub.model_extra or {}) & _SECTION_KEYS)
+    if misplaced:
+        raise InvalidRequestError(
+            f"{where} has {misplaced} on the sub-job itself, where they do nothing; "
+            f"move them into {where}.{sub.section_name}"
+        )
     section = sub.section
     extra = dict(section.model_extra or {}) if section is not None else {}
     if section is not None and section.multiplex_job_id is not None:
@@ -185,6 +198,10 @@ def _client_config(sub: SubJobConfig, model_root: Path | None, where: str) -> tu
         f"{where}.{sub.section_name}.{key} is recorded but not used: "
         f"{_NO_COUNTERPART.get(key, 'icefloe does not know this key')}"
         for key in sorted(extra)
+    ]
+    warnings += [
+        f"{where}.{key} is recorded but not used: the sub-job has no such field"
+        for key in sorted(set(sub.model_extra or {}) - _SECTION_KEYS)
     ]
     if sub.global_batch_size is not None:
         why = _NO_COUNTERPART["global_batch_size"]

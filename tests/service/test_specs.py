@@ -66,3 +66,24 @@ async def test_a_sampler_with_no_gpus_of_its_own_runs_on_its_trainers_slot(data_
         alone = await api.call("POST", "/", json={"sub_job_configs": [beside]}, check=False)
     assert alone.status_code == 400
     assert "n_gpus is 0" in alone.json()["message"] and "no training sub-job" in alone.json()["message"]
+
+
+async def test_a_section_key_sent_on_the_sub_job_itself_is_a_400_and_an_unknown_one_a_warning(data_dir):
+    """peft_config beside training_config used to be dropped: the job trained full weights, with no warning."""
+    peft = {"peft_type": "Lora", "r": 4, "lora_alpha": 8}
+    async with asgi_client(make_app(data_dir)) as http:
+        api = Api(http)
+        body = {"sub_job_configs": [{**TRAINING, "peft_config": peft, "activation_checkpointing": True}]}
+        refused = await api.call("POST", "/", json=body, check=False)
+        assert refused.status_code == 400
+        assert refused.json()["message"] == (
+            "sub_job_configs.0 has ['activation_checkpointing', 'peft_config'] on the sub-job itself, where they do "
+            "nothing; move them into sub_job_configs.0.training_config"
+        )
+        body = {"sub_job_configs": [TRAINING, {**SAMPLING, "max_seq_len": 32}]}
+        refused = await api.call("POST", "/", json=body, check=False)
+        assert refused.status_code == 400 and "move them into sub_job_configs.1.inference_config" in refused.text
+
+        created = (await api.call("POST", "/", json={"sub_job_configs": [{**TRAINING, "colour": "blue"}]})).json()
+        unused = "sub_job_configs.0.colour is recorded but not used: the sub-job has no such field"
+        assert created["warnings"] == [unused]
