@@ -347,8 +347,8 @@ class ClientConfig(_Model):
         ``ICEFLOE_BACKEND`` (alias ``ARCTIC_BACKEND``: local | ray | remote | cortex) picks the
         backend when neither ``data`` nor ``overrides`` names one. Each remote field fills from
         ``ICEFLOE_REMOTE_<FIELD>`` (``ICEFLOE_REMOTE_HOST``, ``ICEFLOE_REMOTE_VERIFY_SSL``, ...), then its
-        ``ARCTIC_CORTEX_*`` name; the PAT from the variable ``pat_env_var`` names (default ``CORTEX_PAT``;
-        set by ``ICEFLOE_REMOTE_PAT_ENV_VAR``), ``ICEFLOE_REMOTE_PAT`` or ``ARCTIC_CORTEX_PAT``. Only
+        ``ARCTIC_CORTEX_*`` name; the PAT from the variable ``ICEFLOE_REMOTE_PAT_ENV_VAR`` (or its
+        ``ARCTIC_CORTEX_*`` name) names, else ``ICEFLOE_REMOTE_PAT``, ``ARCTIC_CORTEX_PAT``, ``CORTEX_PAT``. Only
         ``environ`` is read (default ``os.environ``); explicit values always win.
         """
         env = dict(os.environ if environ is None else environ)
@@ -398,8 +398,10 @@ def _remote_from_env(explicit: dict[str, Any], env: Mapping[str, str]) -> dict[s
         if value is not None:
             filled[name] = value
     if filled.get("pat") is None:
-        pat_var = filled.get("pat_env_var") or "CORTEX_PAT"
-        pat = env.get(pat_var) or env.get("ICEFLOE_REMOTE_PAT") or env.get("ARCTIC_CORTEX_PAT") or env.get("CORTEX_PAT")
+        # a variable the caller named first, then icefloe's own name before the managed API's generic one
+        named = [filled["pat_env_var"]] if filled.get("pat_env_var") else []
+        names = (*named, "ICEFLOE_REMOTE_PAT", "ARCTIC_CORTEX_PAT", "CORTEX_PAT")
+        pat = next((env[n] for n in names if env.get(n)), None)
         if pat:
             filled["pat"] = pat
     return filled

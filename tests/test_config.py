@@ -83,6 +83,14 @@ def test_from_env_reads_pat_from_the_named_variable():
     assert ClientConfig.from_env(environ=env).backend.pat.get_secret_value() == "from-my-pat"
 
 
+def test_icefloe_remote_pat_wins_over_the_managed_apis_generic_cortex_pat():
+    """A stale CORTEX_PAT in the shell used to beat the ICEFLOE_REMOTE_PAT that icefloe serve asks for."""
+    env = {**CORTEX_ENV, "ICEFLOE_REMOTE_PAT": "for-icefloe-serve"}
+    assert ClientConfig.from_env(environ=env).backend.pat.get_secret_value() == "for-icefloe-serve"
+    env = {**env, "ICEFLOE_REMOTE_PAT_ENV_VAR": "MY_PAT", "MY_PAT": "named"}
+    assert ClientConfig.from_env(environ=env).backend.pat.get_secret_value() == "named"
+
+
 def test_from_env_rejects_unknown_backend_name():
     with pytest.raises(ConfigError, match="ICEFLOE_BACKEND"):
         ClientConfig.from_env(environ={"ICEFLOE_BACKEND": "kubernetes"})
