@@ -137,8 +137,8 @@ def run_demo(
 def _demo_backend(backend: str) -> Iterator[str | None]:
     """For ``--backend remote`` with no service configured, a local ``icefloe serve`` on a free port.
 
-    For ``--backend ray`` with no Ray running, a local Ray of 2 logical CPUs (one per demo worker,
-    whatever the machine has), shut down at the end.
+    For ``--backend ray``, the running cluster ``RAY_ADDRESS`` or ``ray start`` names, else a local Ray
+    of 2 logical CPUs (one per demo worker, whatever the machine has); left (or shut down) at the end.
     """
     from icefloe.config import ClientConfig
 
@@ -148,8 +148,13 @@ def _demo_backend(backend: str) -> Iterator[str | None]:
         if ray.is_initialized():
             yield None
             return
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="icefloe")
-        console.print("demo: started a local Ray with 2 CPUs", highlight=False)
+        options = {"include_dashboard": False, "log_to_driver": False, "namespace": "icefloe"}
+        try:  # a cluster RAY_ADDRESS or `ray start` names: joined as it is (it takes no num_cpus)
+            ray.init(address="auto", **options)
+            console.print(f"demo: joined the Ray cluster at {ray.get_runtime_context().gcs_address}", highlight=False)
+        except ConnectionError:
+            ray.init(num_cpus=2, **options)
+            console.print("demo: started a local Ray with 2 CPUs", highlight=False)
         try:
             yield None
         finally:
