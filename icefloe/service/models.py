@@ -247,6 +247,17 @@ class GenerateBody(_Open):
                 f"sampling_params has {len(self.sampling_params)} entries for {len(self.prompts)} prompts; "
                 "send one dict for all prompts or one entry (or null) per prompt"
             )
+        if isinstance(self.routing_key, list):
+            if len(self.routing_key) != len(self.prompts):
+                raise ValueError(
+                    f"routing_key has {len(self.routing_key)} entries for {len(self.prompts)} prompts; "
+                    "send one string for all prompts or one entry (or null) per prompt"
+                )
+            if len({key for key in self.routing_key if key}) > 1:  # one generate runs on one sampler
+                raise ValueError(
+                    "routing_key names different keys for the prompts of one generate, which runs on one "
+                    "sampler; send the prompts of each key in a generate of their own"
+                )
         return self
 
 

@@ -207,10 +207,13 @@ def sampling_params_per_prompt(body: GenerateBody, job: LiveJob, sub_job_id: str
 
 
 def generate_target(job: LiveJob, routing_key: Any) -> str:
-    """The sampling sub-job for a generate: a string routing key picks one stably, else the first."""
+    """The sampling sub-job for a generate: a routing key (a string, or the one key of a per-prompt
+    list) picks one stably, else the first."""
     samplers = [sid for sid, spec in job.specs.items() if spec.job_type == "sampling"]
     if not samplers:
         raise InvalidRequestError(f"job {job.job_id} has no sampling sub-job; create it with a sampling sub_job_config")
+    if isinstance(routing_key, list):
+        routing_key = next((key for key in routing_key if key), None)
     if isinstance(routing_key, str) and routing_key:
         return samplers[sum(routing_key.encode()) % len(samplers)]
     return samplers[0]
@@ -286,6 +289,9 @@ def submit_weight_sync(
     targets = payload.target_sub_job_ids
     if targets is None:
         targets = [sid for sid, spec in job.specs.items() if spec.job_type == "sampling"]
+    twice = sorted({t for t in targets if targets.count(t) > 1})
+    if twice:
+        raise InvalidRequestError(f"payload.target_sub_job_ids names {twice} more than once; name each target once")
     bad = sorted(t for t in targets if t not in job.specs or job.specs[t].job_type != "sampling")
     if bad or not targets:
         raise InvalidRequestError(

@@ -284,3 +284,20 @@ async def test_shutdown_during_engine_start_closes_the_host_once_after_start(dat
     assert not [t for t in threading.enumerate() if t.name == f"icefloe-lifecycle-{job_id}"]
     store.update_job(app.state.db, job_id=job_id, status="failed", reason="late")  # closed store: a no-op
     assert store.get_job(app.state.db, job_id=job_id) is None
+
+
+async def test_a_per_prompt_routing_key_list_routes_like_its_one_key(data_dir):
+    """A list of keys used to be ignored: every such generate went to the first sampler."""
+    async with asgi_client(make_app(data_dir)) as http:
+        api = Api(http)
+        job_id = await api.running(TRAINING, SAMPLING, SAMPLING)
+
+        async def sampler_of(routing_key) -> str:
+            body = {"prompts": [[1, 2], [3]], "routing_key": routing_key, "sampling_params": {"max_tokens": 1}}
+            request_id = (await api.post_frame(job_id, "generate", body)).json()["request_id"]
+            await api.result(job_id, request_id)
+            return request_id.split(":")[2]
+
+        keyed = {key: await sampler_of(key) for key in ("a", "b")}
+        assert keyed["a"] != keyed["b"]  # the two keys land on different samplers
+        assert [await sampler_of([None, key]) for key in ("a", "b")] == [keyed["a"], keyed["b"]]

@@ -74,9 +74,11 @@ async def operation(job_id: str, body: OperationBody, jobs: JobsDep, wait: float
         return await _reset_prefix_cache(jobs, job_id, body)
     if kind == OP_WEIGHT_SYNC:
         payload = _payload(WeightSyncPayload, body)
-        routed = body.sub_job_id and jobs.resolve_sub_job(
-            job, sub_job_id=body.sub_job_id, sub_job_type=None, default_type=None
-        )
+        routed = None
+        if body.sub_job_id or body.sub_job_type:  # both given: they must name the same sub-job
+            routed = jobs.resolve_sub_job(
+                job, sub_job_id=body.sub_job_id, sub_job_type=body.sub_job_type, default_type=None
+            )
         if routed is None and payload.source_sub_job_id is None:
             routed = jobs.resolve_sub_job(job, sub_job_id=None, sub_job_type=None, default_type="training")
         accepted = {"request_id": submit_weight_sync(jobs, job, payload, routed or None), "job_id": job_id}
