@@ -335,7 +335,7 @@ class NotFoundError(IcefloeError, LookupError):
 
 
 class ExpiredError(NotFoundError):
-    """A download link outlived its lifetime; export the checkpoint again for a fresh one."""
+    """A download link or a stored result outlived its lifetime; export the checkpoint or run the request again."""
 
 
 class ConflictError(IcefloeError, RuntimeError):

@@ -9,7 +9,9 @@ chunk-group 409s of the training API.
 Memory is bounded twice: a group holds at most the ``frame_size_bytes`` it declared (a chunk
 carrying more is a 400), and a job holds at most ``max_bytes`` of chunk payloads in all. To stay
 under that, the least recently sent other groups are dropped (their next chunk answers
-``chunk_group_restart_required``); a group that alone exceeds it is a 413.
+``chunk_group_restart_required``); a group that alone exceeds it is a 413. Open groups are also
+counted, so that empty chunks cannot pile up group records; that bound is far above what concurrent
+clients keep open, so in practice only the byte cap drops a group.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from icefloe.protocol import (
 
 __all__ = ["ChunkGroups"]
 
-_MAX_OPEN_GROUPS = 16  # bounds memory held for abandoned uploads; an evicted group restarts from chunk 0
+_MAX_OPEN_GROUPS = 4096  # bounds the records of open groups (a chunk may be empty); the byte cap bounds payloads
 _MAX_DONE_GROUPS = 4096
 _MAX_FRAME_SIZE_BYTES = 64 * 1024**3  # 64 GiB: far above any real frame, small enough to refuse nonsense
 _MAX_TOTAL_CHUNKS = 1_000_000

@@ -53,6 +53,7 @@ _log = logging.getLogger("icefloe.service.jobs")
 _USER_ERRORS = (InvalidRequestError, ConfigError, WireError, UnsupportedOpError, ConflictError, ValueError, TypeError)
 _IMAGE_TAG = "icefloe-local"
 _CLOSE_TIMEOUT_S = 30.0  # service shutdown waits this long for the jobs' threads to release their engines
+_SWEEP_EVERY_S = 60.0  # at most this often (and within the result TTL) expired result files are deleted
 
 
 @dataclass
@@ -113,7 +114,9 @@ class JobManager:
         )
         self.requests.on_finish = self.metrics.request_finished
         self.results = ResultPages(
-            inline_max_bytes=settings.inline_result_max_bytes, chunk_bytes=settings.result_chunk_bytes
+            inline_max_bytes=settings.inline_result_max_bytes,
+            chunk_bytes=settings.result_chunk_bytes,
+            ttl_s=settings.result_ttl_s,
         )
         self.streams: dict[str, Any] = {}  # request id -> GenerateStream of a generate-stream request
         self.log_router = JobLogRouter()  # attached to the "icefloe" logger by the app
@@ -243,16 +246,21 @@ class JobManager:
         return {"job_id": job_id, "status": status, "lease_ttl_s": self.settings.lease_ttl_s}
 
     def watch(self) -> None:
-        """Start the thread that fails a job whose op passed its deadline (killing its engines) and
-        cancels a job whose lease lapsed with nothing pending or running."""
+        """Start the thread that fails a job whose op passed its deadline (killing its engines), cancels
+        a job whose lease lapsed with nothing pending or running, and deletes expired result files."""
         settings = self.settings
-        shortest = min(settings.lease_ttl_s or 10, settings.op_deadline_s, *settings.op_deadlines_s.values())
+        shortest = min(
+            settings.lease_ttl_s or 10, settings.op_deadline_s, settings.result_ttl_s, *settings.op_deadlines_s.values()
+        )
         threading.Thread(target=self._watch, args=(min(1.0, max(0.02, shortest / 10)),), daemon=True).start()
 
     def _watch(self, tick: float) -> None:
-        deadline_s = self.settings.deadline_s
+        deadline_s, next_sweep = self.settings.deadline_s, 0.0
         while not self._closing.wait(tick):
             now = time.monotonic()
+            if now >= next_sweep:  # at startup too: files a stopped service left behind
+                next_sweep = now + min(_SWEEP_EVERY_S, self.settings.result_ttl_s)
+                self.results.delete_expired(self.settings.data_dir / "jobs")
             for job in [job for job in self._live.values() if not job.stopping]:
                 late = [(where, op) for where, op, at in list(job.in_flight.values()) if now - at > deadline_s(op)]
                 killable = job.host.killable if job.host is not None else None  # None: engines in this process

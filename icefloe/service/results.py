@@ -2,15 +2,18 @@
 
 Three forms, as the training API defines them: plain JSON (kept in the request's row); an inline
 base64 DSSST1 envelope; or ``result_chunk`` events paged by cursor (asked for, or a frame over
-``inline_result_max_bytes``). A tensor result is one DSSST1 frame on disk.
+``inline_result_max_bytes``). A tensor result is one DSSST1 frame on disk, kept for ``ttl_s`` after
+it was written (a client may re-poll a page whose answer it lost), then deleted.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import logging
 import math
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,7 +22,7 @@ from typing import Any
 import orjson
 
 from icefloe import wire
-from icefloe.protocol import InvalidRequestError
+from icefloe.protocol import ExpiredError, InvalidRequestError
 
 __all__ = [
     "DEFAULT_MAX_EVENTS",
@@ -32,6 +35,8 @@ __all__ = [
     "plain_json",
     "wants_dssst1",
 ]
+
+_log = logging.getLogger("icefloe.service.results")
 
 DEFAULT_MAX_EVENTS = 16
 MAX_EVENTS_CAP = 512
@@ -134,9 +139,10 @@ def _inline_envelope(frame: bytes) -> dict[str, Any]:
 class ResultPages:
     """Results on disk and their delivery as inline envelopes or cursor-paged result chunks."""
 
-    def __init__(self, *, inline_max_bytes: int, chunk_bytes: int) -> None:
+    def __init__(self, *, inline_max_bytes: int, chunk_bytes: int, ttl_s: float) -> None:
         self._inline_max_bytes = inline_max_bytes
         self._chunk_bytes = chunk_bytes
+        self._ttl_s = ttl_s
         self._lock = threading.Lock()
         self._events: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()  # small cache of split results
 
@@ -149,11 +155,31 @@ class ResultPages:
         staging.replace(path)
         return str(path)
 
+    def delete_expired(self, jobs_dir: Path) -> int:
+        """Delete the result files of every job under ``jobs_dir`` written more than ``ttl_s`` ago; returns how many."""
+        written_before, removed = time.time() - self._ttl_s, 0
+        for path in jobs_dir.glob("*/results/*"):
+            try:
+                if path.stat().st_mtime < written_before:
+                    path.unlink()
+                    removed += 1
+            except FileNotFoundError:  # gone meanwhile: a .partial renamed into place
+                pass
+            except OSError as exc:  # the watcher thread that sweeps must not die of one file
+                _log.warning("could not delete expired result %s: %s", path, exc)
+        return removed
+
     def render(
         self, request_id: str, result_path: str, op_metadata: Mapping[str, Any], cursor: str | None, max_events: int
     ) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
         """``(result, events, next_cursor)`` for one poll of a request whose result is the frame at ``result_path``."""
-        frame = Path(result_path).read_bytes()
+        try:
+            frame = Path(result_path).read_bytes()
+        except FileNotFoundError:
+            raise ExpiredError(
+                f"the result of request {request_id} expired: a tensor result is kept for "
+                f"ServeSettings.result_ttl_s={self._ttl_s:g} s after its request finished; run the request again"
+            ) from None
         if not _wants_chunks(op_metadata) and len(frame) <= self._inline_max_bytes:
             return _inline_envelope(frame), [], ""
         events = self._chunk_events(request_id, frame)

@@ -41,6 +41,10 @@ class ServeSettings(BaseModel):
     max_post_bytes: int = Field(_MAX_POST_BYTES, gt=8192)
     inline_result_max_bytes: int = Field(4 * 1024 * 1024, gt=0)  # larger DSSST1 results go as result chunks
     result_chunk_bytes: int = Field(8 * 1024 * 1024, gt=16384)  # size of one result_chunk frame
+    # A tensor result (a DSSST1 frame on disk) is deleted this long after its request finished; a poll
+    # after that is 410. Long enough to re-poll a page whose answer was lost, short enough that a
+    # forward per RL step does not fill the disk.
+    result_ttl_s: float = Field(3600.0, gt=0)
     # Request chunks one job holds for groups not yet complete; older groups are dropped to stay under
     # it (they restart from chunk 0), and a frame larger than this is refused with 413.
     max_job_chunk_bytes: int = Field(1024**3, gt=0)

@@ -162,6 +162,23 @@ async def test_a_group_holds_no_more_than_the_frame_size_it_declared(data_dir):
             assert (await _post(api, job_id, chunk)).status_code == expected, idx
 
 
+async def test_many_groups_sent_chunk_by_chunk_side_by_side_all_complete(data_dir):
+    """Only 16 groups could be open per job, whatever their size: the 17th dropped the first, so 20
+    concurrent chunked fwd_bwd calls left 17 failed and 40 left none done."""
+    async with asgi_client(make_app(data_dir, engines="local")) as http:
+        api = Api(http)
+        job_id = await api.running()
+        groups = [chunks_of(_bigger_batch(), max_bytes=8700) for _ in range(40)]
+        assert len(groups[0]) >= 3
+        answers = []
+        for idx in range(len(groups[0])):  # every group's chunk idx, then every group's next one
+            answers = [(await _post(api, job_id, chunks[idx])).json() for chunks in groups]
+        request_ids = {answer["request_id"] for answer in answers}
+        assert len(request_ids) == 40
+        for request_id in request_ids:
+            assert (await api.result(job_id, request_id))["loss"] is not None
+
+
 async def test_a_job_holds_a_bounded_total_of_chunks(data_dir):
     """Groups of one job were held without any total: 16 open groups of 64 GiB each could be cached."""
     async with asgi_client(make_app(data_dir, max_job_chunk_bytes=350_000)) as http:
