@@ -3,10 +3,12 @@
 A POST numbered ``Icefloe-Sequence: <session>:<n>`` goes into the app only once POST ``n-1`` of
 its session has queued its request (the app calls :func:`release_turn`) or been answered, so a
 sub-job queues them in number order whatever order they arrive in. A POST answered with a status
-its client retries keeps its number; a number below the session's next passes at once; no
-progress for ``gap_timeout_s`` is a 409 ``sequence_gap``. Sessions belong to a caller (the token
-:class:`~icefloe.service.middleware.RequireToken` let in), and this layer runs only after that
-check: an unauthenticated POST never holds or advances a session. docs/service.md has the contract.
+its client retries keeps its number; a number below the session's next passes at once. After
+``gap_timeout_s`` without progress the lowest POST waiting gets a 409 ``sequence_gap`` and the
+session moves past its number: a lost POST fails the op waiting on it, not the session. Sessions
+belong to a caller (the token :class:`~icefloe.service.middleware.RequireToken` let in), and this
+layer runs only after that check: an unauthenticated POST never holds or advances a session.
+docs/service.md has the contract.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class _Session:
 
     def __init__(self) -> None:
         self.next = 0  # the number let in next
-        self.waiting: list[asyncio.Future[None]] = []  # POSTs waiting for the session to move on
+        self.waiting: dict[asyncio.Future[None], int] = {}  # POSTs waiting for the session to move on: their numbers
 
     def advance(self, number: int) -> None:
         if number >= self.next:
@@ -83,8 +85,9 @@ class SubmitOrder:
         if not await self._turn(session, number):
             message = (
                 f"{SEQUENCE_HEADER} {session_id}:{number} waited {self.gap_timeout_s:g} s for POST "
-                f"{session.next} of its session, which never arrived; send that POST (it may be retried)"
+                f"{session.next} of its session, which never arrived; it did not run, and the session moves on past it"
             )
+            session.advance(number)  # the missing numbers are skipped: the POSTs after this one go in
             await send_error(scope, receive, send, SequenceGapError(message))
             return
         answer = Recorder(send, keep_from_status=400)  # only a refusal's body is read below
@@ -113,14 +116,16 @@ class SubmitOrder:
         return session
 
     async def _turn(self, session: _Session, number: int) -> bool:
-        """Wait until ``number`` is next in its session; False after ``gap_timeout_s`` without progress."""
+        """Wait until ``number`` is next in its session; False after ``gap_timeout_s`` without progress, for the
+        lowest number waiting (the others wait on: its refusal moves the session on)."""
         while number > session.next:
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            session.waiting.append(waiter)
+            session.waiting[waiter] = number
             try:
                 await asyncio.wait_for(waiter, self.gap_timeout_s)
             except TimeoutError:
-                return False
+                if number <= min(session.waiting.values()):
+                    return False
             finally:
-                session.waiting.remove(waiter)
+                del session.waiting[waiter]
         return True

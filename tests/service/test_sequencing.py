@@ -218,6 +218,20 @@ async def test_a_post_refused_for_good_lets_the_next_one_in():
     assert app.order == [("400", 0), ("queued", 1)]
 
 
+async def test_past_the_gap_timeout_the_lowest_waiting_post_is_refused_and_the_session_moves_on():
+    """Regression: a number that never came held every later POST of its session, each refused after the timeout."""
+    app = _Queue()
+    layer = _Arrivals(SubmitOrder(app, gap_timeout_s=0.2))
+    assert await _post(layer, "s:0") == 200
+    third = asyncio.ensure_future(_post(layer, "s:3"))  # arrives first, so its wait ends first: it waits on
+    await layer.arrived["s:3"].wait()
+    assert await _post(layer, "s:2") == 409  # 1 never came: the POST waiting on it is refused
+    assert await third == 200
+    assert await _post(layer, "s:4") == 200
+    assert await _post(layer, "s:1") == 200  # late, below the session's next: it passes at once
+    assert app.order == [("queued", 0), ("queued", 3), ("queued", 4), ("queued", 1)]
+
+
 async def test_the_gap_timeout_counts_from_the_sessions_last_progress_not_from_arrival():
     app = _Queue(delay_s=0.4)
     layer = SubmitOrder(app, gap_timeout_s=1.0)  # the whole chain takes 1.6 s or more, each link 0.4 s

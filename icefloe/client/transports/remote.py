@@ -3,7 +3,8 @@
 ``handle`` fixes an op's place in line when it is called and hands its I/O to the client's own
 loop, where it runs to its end even if the caller stops waiting. A service that advertises
 ``sequenced_submit`` (``icefloe serve``) queues numbered POSTs (``Icefloe-Sequence: <session>:<n>``)
-in number order, so every op leaves at once and no number is ever left empty. Against one without it
+in number order, so every op leaves at once and no number is ever left empty: an op that fails before
+its numbered POST is accepted spends its number on the job's heartbeat. Against one without it
 (the managed endpoint) an op's POST waits until every earlier op of its roles has been accepted (not
 finished), so the ops still overlap on the service's queue. Forward-backward always goes as a chunk
 group (a group id makes it run at most once); every mutating POST carries an ``Idempotency-Key``
@@ -39,6 +40,8 @@ _log = logging.getLogger("icefloe.client.remote")
 _TENSOR_RESPONSE: Final = {"response_options": {"format": "dssst1", "delivery": "chunked"}}
 _CANCEL_TIMEOUT_S: Final = 30.0
 _MIN_LR: Final = 1e-12
+# Statuses that spend a number on the service (refused for good); 5xx and 429 leave it for a retry.
+_ANSWERED_FOR_GOOD: Final = frozenset(range(400, 500)) - {429}
 
 
 @dataclass
@@ -48,9 +51,11 @@ class Turn:
     sequence: str | None = None
     before: list[asyncio.Future[None]] = field(default_factory=list)
     accepted: asyncio.Future[None] | None = None
+    released: bool = False
 
     def release(self) -> None:
         """Accepted, or ended without acceptance: the next op may send (call on the I/O loop)."""
+        self.released = True
         if self.accepted is not None and not self.accepted.done():
             self.accepted.set_result(None)
 
@@ -79,6 +84,7 @@ class RemoteTransport(Transport):
         poll_s = self._backend.poll_interval_s
         self._backoff = Backoff(poll_s, self._backend.poll_multiplier, max(self._backend.poll_max_interval_s, poll_s))
         self._session, self._numbers = uuid.uuid4().hex, itertools.count()
+        self._unspent: set[str] = set()  # numbers of failed ops the service has not been told of yet
         self._accepted: dict[str, asyncio.Future[None]] = {}  # by role: the last op's acceptance
         self._lock = threading.Lock()
         self._service: jobs.ServiceInfo | None = None
@@ -250,7 +256,7 @@ class RemoteTransport(Transport):
             if isinstance(send, dict):  # answered here
                 return finished(send)
             turn = self._turn(_roles_of(request))
-        return self._http.start(_in_turn(send, turn))  # a caller that stops waiting does not stop it
+        return self._http.start(self._in_turn(send, turn))  # a caller that stops waiting does not stop it
 
     def _turn(self, roles: tuple[str, ...]) -> Turn:
         """A number, or the acceptances of the earlier ops of its roles; an op in no role waits for nothing."""
@@ -262,6 +268,33 @@ class RemoteTransport(Transport):
         before = [self._accepted[role] for role in roles if role in self._accepted]
         self._accepted.update(dict.fromkeys(roles, accepted))
         return Turn(before=before, accepted=accepted)
+
+    async def _in_turn(self, send: Send, turn: Turn) -> Any:
+        """Run the op's I/O in its turn; one that fails before acceptance still spends its number."""
+        try:
+            if turn.before:
+                await asyncio.wait(turn.before)
+            if turn.sequence is not None and self._unspent:  # this op's number waits for theirs
+                unspent, self._unspent = self._unspent, set()
+                await asyncio.gather(*map(self._spend, unspent))
+            return await send(turn)
+        except Exception:
+            if turn.sequence is not None and not turn.released:  # never accepted: its number may be unheard
+                await self._spend(turn.sequence)
+            raise
+        finally:
+            turn.release()
+
+    async def _spend(self, sequence: str) -> None:
+        """Send a failed op's number on a POST the service answers without queuing anything (the job's
+        heartbeat), so the ops numbered after it go in; kept for the next numbered op if this fails too."""
+        path = f"/{self._job_id}:heartbeat"
+        call = Call("POST", path, f"release {sequence}", sequence=sequence, accept=_ANSWERED_FOR_GOOD)
+        try:
+            await self._http.send(call)
+        except Exception as exc:
+            self._unspent.add(sequence)
+            _log.warning("could not spend number %s of a failed op (sent again before the next op): %s", sequence, exc)
 
     def _check_not_closed(self, op: str) -> None:
         if self._closed:
@@ -478,15 +511,6 @@ class RemoteTransport(Transport):
         path = f"/{self._job_id}/checkpoints/{checkpoint_id}"
         await self._http.send(Call("DELETE", path, api.OP_DELETE_CHECKPOINT, final=frozenset({404})))
         return {}
-
-
-async def _in_turn(send: Send, turn: Turn) -> Any:
-    try:
-        if turn.before:
-            await asyncio.wait(turn.before)
-        return await send(turn)
-    finally:
-        turn.release()
 
 
 def _params_json(params: api.SamplingParams) -> dict[str, Any]:

@@ -56,9 +56,14 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(previous)
 
 
-@pytest.fixture(scope="module")
-def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+def serve(tmp_path_factory: pytest.TempPathFactory, **settings: Any) -> Iterator[Service]:
+    """Run a service (``settings``: ServeSettings fields) for the fixture that yields from this."""
     data_dir = tmp_path_factory.mktemp("serve")
-    app = create_app(ServeSettings(data_dir=data_dir), pool=SlotPool("cpu", 16))
+    app = create_app(ServeSettings(data_dir=data_dir, **settings), pool=SlotPool("cpu", 16))
     with ServerThread(app) as base_url:
         yield Service(base_url, app, data_dir)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    yield from serve(tmp_path_factory)

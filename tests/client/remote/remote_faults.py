@@ -20,7 +20,7 @@ class Rule:
 
     method: str
     path: str
-    # drop_response | cut_upload | swallow_chunk | status:<code> | status_after:<code> | timeout | delay
+    # drop_response | cut_upload | unreachable | swallow_chunk | status:<code> | status_after:<code> | timeout | delay
     # | rehash_chunk (the chunk claims another frame hash: a group id reused for a different frame)
     action: str
     times: int = 1
@@ -76,6 +76,8 @@ class FaultyTransport(httpx.AsyncBaseTransport):
     def _before(self, action: str, request: httpx.Request) -> httpx.Response | None:
         if action == "cut_upload":
             raise httpx.WriteError("injected: connection cut while uploading", request=request)
+        if action == "unreachable":  # a network outage: no connection to the service
+            raise httpx.ConnectError("injected: the network is down", request=request)
         if action == "timeout":
             raise httpx.ReadTimeout("injected: no answer", request=request)
         if action == "swallow_chunk":  # the proxy claims the chunk arrived; the service never sees it

@@ -21,9 +21,16 @@ from icefloe.protocol import (
     RequestFailedError,
 )
 
+from .conftest import serve
 from .remote_faults import Faults, Rule
 
 _JOB = r"/cortex-training/[0-9a-f-]+"
+
+
+@pytest.fixture(scope="module")
+def gap_service(tmp_path_factory):
+    """A service on which a numbered POST waits for a missing number 5 s, not 30, before it is refused."""
+    yield from serve(tmp_path_factory, sequence_gap_timeout_s=5.0)
 
 
 def _client(service, faults: Faults, **backend) -> Client:
@@ -265,3 +272,42 @@ def test_remote_an_op_whose_caller_gave_up_is_still_submitted_so_its_number_is_n
     second, counts = asyncio.run(run())
     assert faults.rules[0].hits == 1
     assert second["global_step"] == 2 and counts == {"forward-backward": 2, "step": 2}
+
+
+def test_remote_ops_sent_behind_an_op_that_never_reached_the_service_still_run(gap_service):
+    """Regression: a fwd_bwd whose first chunk could not be sent never sent its number (its last chunk
+    carries it), so the service held every later op of the client until each failed with 409 sequence_gap."""
+    faults = Faults(Rule("POST", _JOB + "/forward-backward$", "unreachable"))
+    config = gap_service.config(max_post_bytes=12_000, max_retries=0)
+
+    async def run() -> tuple[list, dict[str, int]]:
+        transport = RemoteTransport(config, wrap_http_transport=faults.wrap)
+        async with AsyncClient(config, transport=transport) as client:
+            await client.open()
+            outcomes = await asyncio.gather(  # the POSTs of the later ops wait on the service for the lost number
+                client.fwd_bwd(_big_batch()),
+                client.step(),
+                client.fwd_bwd(_big_batch()),
+                client.step(),
+                return_exceptions=True,
+            )
+            return outcomes, gap_service.request_counts(transport.handle_info()["job_id"])
+
+    (lost, refused, trained, stepped), counts = asyncio.run(run())
+    assert isinstance(lost, RequestFailedError) and "cannot connect" in str(lost), lost
+    assert isinstance(refused, InvalidRequestError) and "needs a fwd_bwd" in str(refused)  # let in, in its turn
+    assert "loss" in trained and stepped["global_step"] == 1
+    assert faults.rules[0].hits == 1 and counts == {"forward-backward": 1, "step": 2}
+
+
+def test_remote_a_failed_op_whose_number_could_not_be_spent_either_does_not_hold_the_next_op(gap_service):
+    faults = Faults(
+        Rule("POST", _JOB + "/forward-backward$", "unreachable"),
+        Rule("POST", _JOB + ":heartbeat$", "unreachable"),  # the POST that spends the failed op's number
+    )
+    with _client(gap_service, faults, max_post_bytes=12_000, max_retries=0) as client:
+        with pytest.raises(RequestFailedError, match="cannot connect"):
+            client.fwd_bwd(_big_batch())
+        assert "loss" in client.fwd_bwd(_big_batch())  # its number waited for the one spent just before it
+        assert client.step()["global_step"] == 1
+    assert [rule.hits for rule in faults.rules] == [1, 1]
