@@ -43,10 +43,11 @@ def release_turn() -> None:
 
 
 class _Session:
-    __slots__ = ("next", "waiting")
+    __slots__ = ("next", "skipped", "waiting")
 
     def __init__(self) -> None:
         self.next = 0  # the number let in next
+        self.skipped: set[int] = set()  # numbers the session moved past without them: refused if they come
         self.waiting: dict[asyncio.Future[None], int] = {}  # POSTs waiting for the session to move on: their numbers
 
     def advance(self, number: int) -> None:
@@ -82,11 +83,20 @@ class SubmitOrder:
             await send_error(scope, receive, send, InvalidRequestError(message))
             return
         number, session = int(number_text), self._session((scope.get(CALLER_SCOPE_KEY, ""), session_id))
+        if number in session.skipped:  # late: the ops after it already ran, so it must not
+            session.skipped.discard(number)
+            message = (
+                f"{SEQUENCE_HEADER} {session_id}:{number} came after its session moved on past it (a POST "
+                f"behind it waited {self.gap_timeout_s:g} s for it); it did not run: call the op again"
+            )
+            await send_error(scope, receive, send, SequenceGapError(message))
+            return
         if not await self._turn(session, number):
             message = (
                 f"{SEQUENCE_HEADER} {session_id}:{number} waited {self.gap_timeout_s:g} s for POST "
                 f"{session.next} of its session, which never arrived; it did not run, and the session moves on past it"
             )
+            session.skipped.update(range(session.next, number))
             session.advance(number)  # the missing numbers are skipped: the POSTs after this one go in
             await send_error(scope, receive, send, SequenceGapError(message))
             return

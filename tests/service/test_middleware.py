@@ -108,9 +108,8 @@ async def test_an_unauthenticated_numbered_post_neither_holds_nor_advances_its_s
 
         assert await step(1, {}) == (401, "unauthenticated")  # at once: it never waited for POST 0
         assert await step(0, {}) == (401, "unauthenticated")
-        assert await step(1, auth) == (409, "sequence_gap")  # the session still waits for the caller's POST 0
-        assert await step(0, auth) == (404, "not_found")  # refused for good: the next one may go in
-        assert await step(1, auth) == (404, "not_found")
+        assert await step(1, auth) == (409, "sequence_gap")  # the session still waited for the caller's POST 0
+        assert await step(2, auth) == (404, "not_found")  # past that gap the session moved on
 
 
 async def test_tokens_never_appear_in_logs(data_dir, capfd, caplog):
