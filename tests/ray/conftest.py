@@ -3,7 +3,6 @@ after it (each start and stop took ~4 s, and a fresh Ray re-imported torch in ev
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,23 +16,6 @@ def ray_session():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="icefloe-tests")
     yield ray
     ray.shutdown()
-
-
-def kill_actor(name: str, namespace: str = "icefloe-tests") -> None:
-    """``ray.kill`` the named actor and return once it is dead: the kill goes through Ray's control
-    store while a call goes straight to the actor, so a call made right after it may still be answered."""
-    import ray
-
-    actor = ray.get_actor(name, namespace=namespace)
-    ray.kill(actor)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            ray.get(actor.__ray_ready__.remote(), timeout=10)
-        except ray.exceptions.RayActorError:
-            return
-        assert time.monotonic() < deadline, f"actor {name} still answers after ray.kill"
-        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")

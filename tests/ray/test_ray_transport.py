@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -28,8 +29,6 @@ from icefloe.client.batch import build_batch  # noqa: E402
 from icefloe.config import ClientConfig  # noqa: E402
 from icefloe.engines.training import TrainingEngine  # noqa: E402
 from icefloe.protocol import JobFailedError  # noqa: E402
-
-from .conftest import kill_actor  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
@@ -237,6 +236,21 @@ def test_colocated_workers_share_one_bundle_with_fractional_cpus(colocated_clien
     assert list(table["bundles"].values()) == [{"CPU": 0.5}]  # ... of one bundle, each holding a quarter CPU
     assert [p["resources"] for p in placements] == [{"CPU": pytest.approx(0.25)}] * 2
     assert colocated_client.generate([[1, 2]], {"max_tokens": 2})[0]["token_ids"]
+
+
+def kill_actor(name: str, namespace: str = "icefloe-tests") -> None:
+    """``ray.kill`` the named actor and return once it is dead: the kill goes through Ray's control
+    store while a call goes straight to the actor, so a call made right after it may still be answered."""
+    actor = ray.get_actor(name, namespace=namespace)
+    ray.kill(actor)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            return
+        assert time.monotonic() < deadline, f"actor {name} still answers after ray.kill"
+        time.sleep(0.05)
 
 
 def test_killed_sampler_surfaces_as_job_failed_error(colocated_client):
