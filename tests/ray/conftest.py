@@ -26,6 +26,18 @@ def model_dir(tmp_path_factory) -> Path:
     return resolve_model("tiny:arith", seed=11, cache_dir=tmp_path_factory.mktemp("models"))
 
 
+@pytest.fixture(scope="module")
+def config(started):
+    """The config of the module's two-replica group: its ``started`` fixture yields from :func:`two_replica_group`."""
+    return started[0]
+
+
+@pytest.fixture(scope="module")
+def replicas(started):
+    """The module's started two-replica group."""
+    return started[1]
+
+
 def two_replica_group(group_class: Any, role: str, model_dir: Path) -> Iterator[tuple[Any, Any]]:
     """``(config, group)``: a started ``group_class`` of two ``role`` replicas on the tiny model, then torn down."""
     import ray

@@ -24,25 +24,15 @@ def started(ray_session, model_dir):
     yield from two_replica_group(SamplerGroup, "sampling", model_dir)
 
 
-@pytest.fixture(scope="module")
-def config(started):
-    return started[0]
-
-
-@pytest.fixture(scope="module")
-def samplers(started):
-    return started[1]
-
-
-def test_replicas_draw_distinct_samples_for_repeated_prompts_without_a_seed(samplers):
+def test_replicas_draw_distinct_samples_for_repeated_prompts_without_a_seed(replicas):
     """Every replica started from config.seed: copies 2 and 3 of a prompt repeated copies 0 and 1."""
     params = SamplingParams(max_tokens=32, temperature=1.0, ignore_eos=True)
-    samples = [s["token_ids"] for s in samplers.generate([PROMPT] * 4, [params] * 4)]
+    samples = [s["token_ids"] for s in replicas.generate([PROMPT] * 4, [params] * 4)]
     assert len({tuple(tokens) for tokens in samples}) == 4, samples
 
 
-def test_a_seeded_request_samples_alike_on_every_replica_and_as_one_engine(samplers, config, model_dir):
+def test_a_seeded_request_samples_alike_on_every_replica_and_as_one_engine(replicas, config, model_dir):
     params = SamplingParams(max_tokens=32, temperature=1.0, ignore_eos=True, seed=5)
-    samples = [s["token_ids"] for s in samplers.generate([PROMPT] * 4, [params] * 4)]
+    samples = [s["token_ids"] for s in replicas.generate([PROMPT] * 4, [params] * 4)]
     single = SamplingEngine(config, model_dir=model_dir).generate([PROMPT], params)[0]["token_ids"]
     assert samples == [single] * 4

@@ -39,36 +39,26 @@ def started(ray_session, model_dir):
 
 
 @pytest.fixture(scope="module")
-def config(started):
-    return started[0]
-
-
-@pytest.fixture(scope="module")
-def group(started):
-    return started[1]
-
-
-@pytest.fixture(scope="module")
 def single(config, model_dir) -> TrainingEngine:
-    """One engine taking the same steps as ``group``."""
+    """One engine taking the same steps as ``replicas``."""
     return TrainingEngine(config, model_dir=model_dir)
 
 
 @pytest.mark.parametrize("rows", [5, 1], ids=["split", "one-row-and-a-padding-row"])
-def test_group_fwd_bwd_returns_every_rows_logprobs_and_step_takes_adam_params(group, single, rows):
+def test_group_fwd_bwd_returns_every_rows_logprobs_and_step_takes_adam_params(replicas, single, rows):
     """combine_fwd_bwd dropped the logprobs, and step had no Adam parameters: Tinker on ray failed."""
     expected = single.fwd_bwd(targets_batch(rows))
-    result = group.fwd_bwd(targets_batch(rows))
+    result = replicas.fwd_bwd(targets_batch(rows))
     assert_close(result["logprobs"], expected["logprobs"], atol=1e-5, rtol=1e-5)
     assert result["loss"] == pytest.approx(expected["loss"], rel=1e-5)
-    stepped, expected_step = group.step(1e-3, ADAM), single.step(1e-3, ADAM)
+    stepped, expected_step = replicas.step(1e-3, ADAM), single.step(1e-3, ADAM)
     assert stepped["grad_norm"] == pytest.approx(expected_step["grad_norm"], rel=1e-5)
     assert stepped["global_step"] == expected_step["global_step"]
 
 
-def test_group_load_takes_the_optimizer_flag_and_reports_its_own_step(group, tmp_path):
+def test_group_load_takes_the_optimizer_flag_and_reports_its_own_step(replicas, tmp_path):
     """Tinker's load_state passes ``optimizer``; the group did not take it."""
-    group.fwd_bwd(targets_batch(2))
-    steps = group.step(1e-3)["global_step"]
-    saved = group.save_checkpoint(tmp_path, "resumable")
-    assert group.load_checkpoint(saved["path"], False)["global_step"] == steps
+    replicas.fwd_bwd(targets_batch(2))
+    steps = replicas.step(1e-3)["global_step"]
+    saved = replicas.save_checkpoint(tmp_path, "resumable")
+    assert replicas.load_checkpoint(saved["path"], False)["global_step"] == steps
