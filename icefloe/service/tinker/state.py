@@ -485,12 +485,13 @@ class TinkerState:
     def _outcome(self, future: Future) -> str | None:
         """``finished`` or ``failed`` once a future's request ended (a refused gathering: failed)."""
         if future.request_id is None:
-            assert future.gathering is not None  # a sample future
-            if not future.gathering.submitted.done():
+            submitted = future.submitted
+            assert submitted is not None  # a sample future
+            if not submitted.done():
                 return None  # still gathering
-            if future.gathering.submitted.exception() is not None:
+            if submitted.exception() is not None:
                 return "failed"
-            future.request_id = future.gathering.submitted.result()
+            future.request_id = submitted.result()
         if self.manager.requests.is_open(future.request_id):
             return None
         row = self.manager.requests.get(future.job_id, future.request_id)
