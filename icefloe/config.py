@@ -144,6 +144,11 @@ class LoraConfig(_Model):
     # Names (or suffixes) of the Linear modules that get an adapter, or "all-linear" (every one but the output layer).
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     bias: Literal["none", "all", "lora_only"] = "none"  # which biases train alongside the adapters
+    # Narrow or widen "all-linear" (the Tinker API's flags): attention and MLP projections, and the
+    # output layer (unembedding), which "all-linear" leaves out. Ignored with a list of modules.
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = False
 
     @field_validator("target_modules", mode="before")
     @classmethod
@@ -164,9 +169,12 @@ class LoraConfig(_Model):
         """Read the training API's ``peft_config`` (``peft_type: "Lora"``, ``r``, ``lora_alpha``, ...).
 
         Missing keys take the API's defaults (r = alpha = 8). Unknown keys and other ``peft_type``
-        values raise :class:`ConfigError`: each would change what is trained.
+        values raise :class:`ConfigError`: each would change what is trained. ``train_attn``,
+        ``train_mlp`` and ``train_unembed`` (icefloe's, as the Tinker API names them) narrow or
+        widen ``"all-linear"``.
         """
-        known = {"peft_type", "r", "lora_alpha", "lora_dropout", "bias", "target_modules"}
+        layers = ("train_attn", "train_mlp", "train_unembed")
+        known = {"peft_type", "r", "lora_alpha", "lora_dropout", "bias", "target_modules", *layers}
         unknown = sorted(set(peft_config) - known)
         if unknown:
             raise ConfigError(
@@ -179,6 +187,7 @@ class LoraConfig(_Model):
         data = {ours: peft_config[theirs] for theirs, ours in fields.items() if peft_config.get(theirs) is not None}
         if peft_config.get("target_modules") is not None:
             data["target_modules"] = peft_config["target_modules"]
+        data.update({key: peft_config[key] for key in layers if peft_config.get(key) is not None})
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
@@ -188,7 +197,15 @@ class LoraConfig(_Model):
             raise ConfigError(message) from None
 
     def to_peft_config(self) -> dict[str, Any]:
-        """The training API's ``peft_config`` for these settings."""
+        """The training API's ``peft_config`` for these settings (the layer flags only where they narrow
+        or widen ``"all-linear"``)."""
+        layers = {
+            key: value
+            for key, value, default in zip(
+                ("train_attn", "train_mlp", "train_unembed"), self.layers, (True, True, False), strict=True
+            )
+            if value != default
+        }
         return {
             "peft_type": "Lora",
             "r": self.rank,
@@ -196,7 +213,19 @@ class LoraConfig(_Model):
             "lora_dropout": self.dropout,
             "bias": self.bias,
             "target_modules": self.target_modules,
+            **layers,
         }
+
+    @model_validator(mode="after")
+    def _trains_something(self) -> LoraConfig:
+        if self.target_modules == "all-linear" and not any(self.layers):
+            raise ValueError("train_attn, train_mlp and train_unembed are all false: no layer would be trained")
+        return self
+
+    @property
+    def layers(self) -> tuple[bool, bool, bool]:
+        """Which layer kinds ``"all-linear"`` adapts: (attention, MLP, output layer)."""
+        return (self.train_attn, self.train_mlp, self.train_unembed)
 
     def mismatch(self, other: LoraConfig | None) -> list[str]:
         """What differs from ``other`` in ways a weight sync cannot bridge (rank, alpha, target modules).
@@ -209,6 +238,7 @@ class LoraConfig(_Model):
             "r": (self.rank, other.rank),
             "lora_alpha": (self.alpha, other.alpha),
             "target_modules": (_module_set(self.target_modules), _module_set(other.target_modules)),
+            "layers (attn, mlp, unembed)": (self.layers, other.layers),
         }
         return [f"{name}: {mine!r} vs {theirs!r}" for name, (mine, theirs) in pairs.items() if mine != theirs]
 

@@ -32,10 +32,11 @@ from icefloe.config import ClientConfig, OptimizerConfig, TrainingConfig
 from icefloe.engines.batch import shifted_token_logprobs, split_micro_batches, validate_batch
 from icefloe.engines.lora import (
     ADAPTER_WEIGHTS_FILE,
-    add_adapters,
+    BASE_ADAPTER,
+    SharedBase,
     merged_copy,
     read_adapter_checkpoint,
-    trainable_parameters,
+    write_adapter_folder,
 )
 from icefloe.engines.losses import get_loss
 from icefloe.engines.models import load_causal_lm, load_tokenizer, resolve_model
@@ -131,6 +132,8 @@ class TrainingEngine:
             reference log-probs through ``forward``. A reference copy never has adapters: with
             LoRA, prefer ``forward(batch, reference=True)`` on the trainer, which needs no copy.
         model_dir: load this Hugging Face directory instead of resolving ``config.model``.
+        shared: train a LoRA adapter of its own on this base, which other runs share (a model
+            host's); ``device`` and ``model_dir`` are the base's then.
     """
 
     def __init__(
@@ -140,22 +143,37 @@ class TrainingEngine:
         device: str | torch.device = "cpu",
         role: Literal["training", "reference"] = "training",
         model_dir: Path | None = None,
+        shared: SharedBase | None = None,
     ) -> None:
         if role not in ("training", "reference"):
             raise InvalidRequestError(f"role must be 'training' or 'reference'; got {role!r}")
         self.config = config
         self.role = role
-        self.device = resolve_device(device)
-        torch.manual_seed(config.seed)
-        self.model_dir = Path(model_dir) if model_dir is not None else resolve_model(config.model, seed=config.seed)
-        self.tokenizer = load_tokenizer(self.model_dir)
-        self.model = load_causal_lm(self.model_dir, dtype=torch.float32, device=self.device)
         self.lora = config.lora if role == "training" else None
-        if role == "training" and config.training.gradient_checkpointing:
-            _enable_activation_checkpointing(self.model)  # on the base model, before peft wraps it
+        torch.manual_seed(config.seed)
+        if shared is not None:
+            if self.lora is None:
+                raise InvalidRequestError("a run on a shared base trains a LoRA adapter; set lora in its config")
+            self.device, self.model_dir, self.tokenizer = shared.device, shared.model_dir, shared.tokenizer
+        else:
+            self.device = resolve_device(device)
+            self.model_dir = Path(model_dir) if model_dir is not None else resolve_model(config.model, seed=config.seed)
+            self.tokenizer = load_tokenizer(self.model_dir)
+            base = load_causal_lm(self.model_dir, dtype=torch.float32, device=self.device)
+            if role == "training" and config.training.gradient_checkpointing:
+                _enable_activation_checkpointing(base)  # on the base model, before peft wraps it
+            self.model = base
+            if self.lora is not None:
+                shared = SharedBase(base, model_dir=self.model_dir, tokenizer=self.tokenizer)
+        self.shared = shared  # None: full weights (or an eval-only reference copy)
+        self.adapter = BASE_ADAPTER
         if self.lora is not None:
-            self.model = add_adapters(self.model, self.lora)
-        self._params = [p for p in self.model.parameters() if p.requires_grad]
+            assert shared is not None
+            self.adapter = shared.add(self.lora, trainable=True, seed=config.seed)
+            self.model = shared.model
+            self._params = list(shared.parameters(self.adapter).values())
+        else:
+            self._params = [p for p in self.model.parameters() if p.requires_grad]
         self._autocast_dtype = _AUTOCAST_DTYPES.get(config.dtype) if self.device.type == "cuda" else None
         if config.dtype == "float16" and self._autocast_dtype is not None:
             log.warning("dtype=float16 trains under fp16 autocast without loss scaling; prefer bfloat16")
@@ -223,7 +241,7 @@ class TrainingEngine:
             kwargs = self._to_device(part["kwargs"])
             context = self._to_device(part["context"])
             with self._autocast(), torch.set_grad_enabled(not forward_only):
-                logits_BSV = self.model(**kwargs, use_cache=False).logits
+                logits_BSV = self._logits(kwargs)
             logprobs_BS, entropy_BS = shifted_token_logprobs(
                 logits_BSV, kwargs["input_ids"], temperature, entropy_requires_grad=entropy_grad,
                 targets_BS=context.get("target_tokens"),
@@ -272,8 +290,8 @@ class TrainingEngine:
         logprobs, entropies = [], []
         for part in split_micro_batches(frame, self.config.training.micro_batch_tokens):
             kwargs = self._to_device(part["kwargs"])
-            with self._autocast(), self.model.disable_adapter() if reference else contextlib.nullcontext():
-                logits_BSV = self.model(**kwargs, use_cache=False).logits
+            with self._autocast():
+                logits_BSV = self._logits(kwargs, reference=reference)
             targets_BS = part["context"].get("target_tokens")
             targets_BS = None if targets_BS is None else targets_BS.to(self.device)
             logprobs_BS, entropy_BS = shifted_token_logprobs(
@@ -340,9 +358,10 @@ class TrainingEngine:
         return {"gpu_peak": gpu_peak, "cpu_peak": _peak_rss_bytes()}
 
     def sync_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """``(name, parameter)`` of what a weight sync moves: every parameter, or with LoRA the adapters only."""
-        if self.lora is not None:
-            return trainable_parameters(self.model)
+        """``(name, parameter)`` of what a weight sync moves: every parameter, or with LoRA this run's
+        adapter only, named as PEFT files name it (so any adapter of the same shape can receive it)."""
+        if self.shared is not None:
+            return list(self.shared.parameters(self.adapter).items())
         return list(self.model.named_parameters())
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
@@ -352,8 +371,11 @@ class TrainingEngine:
 
     # --- memory -------------------------------------------------------------------------------
     def sleep(self) -> dict[str, Any]:
-        """Move parameters, gradients and optimizer state to CPU to free accelerator memory."""
-        if self.device.type != "cpu" and not self._asleep:
+        """Move parameters, gradients and optimizer state to CPU to free accelerator memory.
+
+        A run on a base that other runs share keeps it where it is: the others still use it.
+        """
+        if self.device.type != "cpu" and not self._asleep and not self._sharing:
             self._move_state(torch.device("cpu"))
             torch.cuda.empty_cache()
             self._asleep = True
@@ -407,7 +429,10 @@ class TrainingEngine:
         target = root / free_checkpoint_name(root, self._global_step)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
         try:
-            self.model.save_pretrained(str(staging), state_dict=dict(weights))
+            if self.lora is not None:
+                write_adapter_folder(staging, self.lora, weights.items())
+            else:
+                self.model.save_pretrained(str(staging), state_dict=dict(weights))
             self.tokenizer.save_pretrained(str(staging))
             if kind == "resumable":
                 save_file(dict(optimizer_tensors), str(staging / _OPTIMIZER_FILE))
@@ -504,7 +529,7 @@ class TrainingEngine:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
-            model = self.model if self.lora is None else merged_copy(self.model)
+            model = self.model if self.lora is None else merged_copy(self.model, self.adapter)
             model.save_pretrained(str(staging))
             self.tokenizer.save_pretrained(str(staging))
             publish_folder(staging, target)
@@ -516,13 +541,13 @@ class TrainingEngine:
         from peft import set_peft_model_state_dict
 
         try:
-            result = set_peft_model_state_dict(self.model, loaded)
+            result = set_peft_model_state_dict(self.model, loaded, adapter_name=self.adapter)
         except RuntimeError as exc:  # a shape mismatch: another LoRA rank, or another model
             raise InvalidRequestError(
                 f"adapter weights do not fit this engine's adapters ({exc}); load an adapter with the same rank "
                 "and target modules"
             ) from None
-        missing = [name for name in result.missing_keys if ".lora_" in name]
+        missing = [name for name in result.missing_keys if f".{self.adapter}." in name]
         if missing or result.unexpected_keys:
             raise InvalidRequestError(
                 f"adapter weights do not match this engine's adapters: missing {sorted(missing)}, unexpected "
@@ -565,8 +590,22 @@ class TrainingEngine:
 
     def _set_train_mode(self, train: bool) -> None:
         train = train and self.role == "training"
-        if self.model.training != train:
+        if self.shared is not None:
+            self.shared.train(train)
+        elif self.model.training != train:
             self.model.train(train)
+
+    @property
+    def _sharing(self) -> bool:
+        """Other adapters live on this engine's base (a model host's run)."""
+        return self.shared is not None and len(self.shared.adapters) > 1
+
+    def _logits(self, kwargs: Mapping[str, Tensor], *, reference: bool = False) -> Tensor:
+        """The model's logits for ``kwargs``: the one place a TrainingEngine calls its model.
+        ``reference``: the base with this run's adapter off (the KL reference of a LoRA run)."""
+        if self.shared is None:
+            return self.model(**kwargs, use_cache=False).logits
+        return self.shared.forward(BASE_ADAPTER if reference else self.adapter, **kwargs, use_cache=False).logits
 
     def _to_device(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
         if self.device.type == "cpu":
