@@ -81,3 +81,9 @@ def proc_status_kib(pid: int, key: str) -> int:
         if line.startswith(f"{key}:"):
             return int(line.split()[1])
     raise RuntimeError(f"/proc/{pid}/status has no {key}")
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """CPU seconds the process has used (user + system, from ``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

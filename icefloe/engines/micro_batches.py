@@ -42,10 +42,10 @@ __all__ = [
 # A pass pads at most this share of its real tokens: the plan's positions stay within 5% of them.
 _SLACK = 0.05
 # Share of free memory a step's activations may take, and the most tokens per pass worth having:
-# CPU throughput is flat beyond a few thousand tokens per pass while memory is not; 16384 is
+# CPU throughput is flat beyond a couple of thousand tokens per pass while memory is not; 16384 is
 # verl's ppo_max_token_len_per_gpu default.
 _MEMORY_SHARE = {"cuda": 0.5, "cpu": 0.25}
-_MAX_BUDGET = {"cuda": 16384, "cpu": 4096}
+_MAX_BUDGET = {"cuda": 16384, "cpu": 2048}
 
 
 @dataclass(frozen=True, slots=True)

@@ -342,7 +342,7 @@ class TrainingEngine:
     def token_budget(self) -> int:
         """Positions per forward pass: ``training.micro_batch_tokens``, or when unset a share of the
         device's free memory over the model's activation bytes per token, clamped to
-        ``[max_seq_len, 4096]`` on CPU and ``[max_seq_len, 16384]`` on CUDA (see
+        ``[max_seq_len, 2048]`` on CPU and ``[max_seq_len, 16384]`` on CUDA (see
         :func:`default_token_budget`). 0 means one pass over the batch as sent, padding and all."""
         if self.config.training.micro_batch_tokens is not None:
             return self.config.training.micro_batch_tokens
