@@ -6,7 +6,8 @@ so several calls that pass the whole optimizer batch's normalisers (``batch_num_
 ``dtype="bfloat16"`` runs forward and backward under autocast. Dropout is off in ``forward`` so
 the log-probs it returns are the ones the sampler sees. With ``config.lora`` the model is wrapped
 by ``peft`` and only the adapters train (see ``engines/lora.py``); the base with adapters disabled
-then serves as the KL reference. Tensors: B rows, S positions, V vocabulary.
+then serves as the KL reference. Tensors: B rows, S positions, V vocabulary; b rows and W
+positions of one micro-batch.
 """
 
 from __future__ import annotations

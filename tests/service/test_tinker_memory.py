@@ -27,6 +27,7 @@ ROWS, LOW, HIGH = 80, 100, 1700
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # about 70k tokens forward and backward on two shared CPU cores
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the engine's peak RSS from /proc (Linux)")
 def test_guess_number_sized_forward_backward_keeps_the_engine_under_2_gb(tmp_path):
     from icefloe.engines.models import resolve_model
