@@ -119,7 +119,9 @@ class TrainingConfig(_Model):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     grad_clip: float = Field(1.0, ge=0)  # max global grad norm; 0 = off
     lr_schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
-    micro_batch_tokens: int = Field(0, ge=0)  # token budget per micro-batch; 0 = whole batch at once
+    # Positions per forward pass (rows × width, padding included); None = chosen from the model and device
+    # (TrainingEngine.token_budget); 0 = one pass over the batch as sent, padding and all (for comparisons).
+    micro_batch_tokens: int | None = Field(None, ge=0)
     checkpoint_dir: Path | None = None  # None = <user data dir>/checkpoints/<session>; see checkpoint_root
     gradient_checkpointing: bool = False
     peak_memory_log: bool = False  # each step reports peak_memory {gpu_peak, cpu_peak} in bytes
@@ -253,6 +255,9 @@ class SamplingConfig(_Model):
 
     engine: Literal["auto", "torch", "vllm"] = "auto"  # auto = vLLM on GPU when installed, else torch
     max_batch_size: int = Field(256, gt=0)  # rows generated together; larger requests are split
+    # Positions (prompt + new tokens, padding included) decoded together; None = chosen from the model and
+    # device (SamplingEngine.token_budget). Requests beyond either bound run in several batches.
+    max_batch_tokens: int | None = Field(None, gt=0)
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)  # passed to the engine (vLLM kwargs)
 
 

@@ -1,6 +1,6 @@
 """Torch engines: training, sampling, losses, weight sync, batch validation and the engine host."""
 
-from icefloe.engines.batch import shifted_token_logprobs, split_micro_batches, validate_batch
+from icefloe.engines.batch import shifted_token_logprobs, validate_batch
 from icefloe.engines.host import EngineHost, Lane, SyncGate, Worker
 from icefloe.engines.losses import get_loss, register_loss, registered_losses
 from icefloe.engines.models import load_causal_lm, load_tokenizer, resolve_model
@@ -25,7 +25,6 @@ __all__ = [
     "resolve_device",
     "resolve_model",
     "shifted_token_logprobs",
-    "split_micro_batches",
     "sync_weights_local",
     "validate_batch",
 ]

@@ -15,6 +15,7 @@ Tensors: B rows, P prompt positions, V vocabulary, T generated tokens.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import shutil
@@ -36,6 +37,7 @@ from icefloe.engines.lora import (
     read_adapter_checkpoint,
     write_adapter_folder,
 )
+from icefloe.engines.micro_batches import default_token_budget, sampling_bytes_per_token
 from icefloe.engines.models import load_causal_lm, load_tokenizer, resolve_model
 from icefloe.engines.training import resolve_device
 from icefloe.protocol import InvalidRequestError, SamplingParams
@@ -165,6 +167,19 @@ class SamplingEngine:
                 if k:
                     result["topk_prompt_logprobs"] = topk
         return results
+
+    @functools.cached_property
+    def token_budget(self) -> int:
+        """Positions one decode batch may hold: ``sampling.max_batch_tokens``, or when unset a share of
+        the device's free memory over the model's KV-cache and prefill bytes per position (see
+        :func:`default_token_budget`), at least ``max_seq_len``."""
+        if self.config.sampling.max_batch_tokens is not None:
+            return self.config.sampling.max_batch_tokens
+        dtype_bytes = torch.finfo(next(self.model.parameters()).dtype).bits // 8
+        per_token = sampling_bytes_per_token(
+            self.model.config, dtype_bytes=dtype_bytes, max_seq_len=self.config.max_seq_len
+        )
+        return default_token_budget(per_token, self.device, floor=self.config.max_seq_len, capped=False)
 
     @torch.no_grad()
     def _prompt_logprobs(self, ids: list[int], k: int) -> tuple[list[float | None], list[Any]]:
@@ -368,7 +383,7 @@ def generate_together(
     """Run several samplers' generate calls as one decode, each row through its sampler's adapter.
 
     The samplers must share one base (a model host's): the rows of every call then go through one
-    forward per decode step, in chunks of ``sampling.max_batch_size`` rows. A row's tokens depend
+    forward per decode step, in batches bounded by rows and tokens (:func:`decode_batches`). A row's tokens depend
     on its own seed alone, so each call gets what it would get alone. Returns one result list per
     call, as :meth:`SamplingEngine.generate` returns it.
 
@@ -382,10 +397,25 @@ def generate_together(
         raise ValueError("generate_together needs samplers that share one base model")
     planned = [(engine, engine._plan(prompts, params), engine.policy_version) for engine, prompts, params in calls]
     rows = [row for _, call_rows, _ in planned for row in call_rows]
-    limit = first.config.sampling.max_batch_size
-    for start in range(0, len(rows), limit):
-        first._decode(rows[start : start + limit])
+    for chunk in decode_batches(rows, first.config.sampling.max_batch_size, first.token_budget):
+        first._decode(chunk)
     return [engine._finish(call_rows, version) for engine, call_rows, version in planned]
+
+
+def decode_batches(rows: list[_Row], max_rows: int, max_tokens: int) -> list[list[_Row]]:
+    """Rows in batches of at most ``max_rows`` rows and ``max_tokens`` positions (rows × the longest
+    prompt plus new tokens), longest first, so that each batch's rows pad little; one row always fits."""
+    batches: list[list[_Row]] = []
+    width = new = 0  # the current batch's longest prompt and most new tokens
+    for row in sorted(rows, key=lambda row: -(len(row.prompt_ids) + row.max_new)):
+        grown = (max(width, len(row.prompt_ids)), max(new, row.max_new))
+        if batches and len(batches[-1]) < max_rows and (len(batches[-1]) + 1) * sum(grown) <= max_tokens:
+            batches[-1].append(row)
+            width, new = grown
+            continue
+        batches.append([row])
+        width, new = len(row.prompt_ids), row.max_new
+    return batches
 
 
 class _RowSampler:

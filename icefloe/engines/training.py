@@ -6,12 +6,14 @@ so several calls that pass the whole optimizer batch's normalisers (``batch_num_
 ``dtype="bfloat16"`` runs forward and backward under autocast. Dropout is off in ``forward`` so
 the log-probs it returns are the ones the sampler sees. With ``config.lora`` the model is wrapped
 by ``peft`` and only the adapters train (see ``engines/lora.py``); the base with adapters disabled
-then serves as the KL reference. Tensors: B rows, S positions, V vocabulary.
+then serves as the KL reference. Tensors: B rows, S positions, V vocabulary; b rows and W
+positions of one micro-batch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -29,7 +31,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from icefloe.config import ClientConfig, OptimizerConfig, TrainingConfig
-from icefloe.engines.batch import shifted_token_logprobs, split_micro_batches, validate_batch
+from icefloe.engines.batch import shifted_token_logprobs, validate_batch
 from icefloe.engines.lora import (
     ADAPTER_WEIGHTS_FILE,
     BASE_ADAPTER,
@@ -39,6 +41,17 @@ from icefloe.engines.lora import (
     write_adapter_folder,
 )
 from icefloe.engines.losses import get_loss
+from icefloe.engines.micro_batches import (
+    MicroBatch,
+    Spans,
+    check_rows_fit,
+    cut_micro_batch,
+    default_token_budget,
+    place_rows,
+    plan_micro_batches,
+    row_spans,
+    training_bytes_per_token,
+)
 from icefloe.engines.models import load_causal_lm, load_tokenizer, resolve_model
 from icefloe.protocol import InvalidRequestError, UnsupportedOpError
 
@@ -210,9 +223,11 @@ class TrainingEngine:
         """Run the batch's loss forward and backward, adding to the accumulated gradients.
 
         Normalisers missing from ``processing.config`` default to this call's totals
-        (``batch_num_tokens`` = Σ loss_mask, ``global_batch_size`` = B). Returns ``{loss,
-        avg_loss, metrics, num_tokens}``: ``loss`` is the batch's loss, ``metrics`` are
-        token-weighted over micro-batches (``metrics["loss"]`` = ``loss``), ``num_tokens`` = Σ loss_mask.
+        (``batch_num_tokens`` = Σ loss_mask, ``global_batch_size`` = B, ``loss_scale_factor`` = S),
+        so the micro-batches (see :meth:`token_budget`) add up to the one-pass result. Returns
+        ``{loss, avg_loss, metrics, num_tokens}``: ``metrics`` are token-weighted over micro-batches
+        (``metrics["loss"]`` = ``loss``; ``padding_ratio`` = positions computed ÷ real tokens),
+        ``num_tokens`` = Σ loss_mask.
         """
         self._require_training("fwd_bwd")
         frame = self._validated(batch, require_context=True)
@@ -221,37 +236,42 @@ class TrainingEngine:
         loss_mask_BS = frame["context"]["loss_mask"]
         num_tokens = int(loss_mask_BS.sum().item())  # CPU tensor: no device sync
         # Normalisers default to this call's totals, so micro-batches (and rows) all share them.
-        if loss_config.get("batch_num_tokens") is None:
-            loss_config["batch_num_tokens"] = num_tokens
-        if loss_config.get("global_batch_size") is None:
-            loss_config["global_batch_size"] = int(loss_mask_BS.shape[0])
+        for name, total in (("batch_num_tokens", num_tokens), ("global_batch_size", int(loss_mask_BS.shape[0])),
+                            ("loss_scale_factor", int(loss_mask_BS.shape[1]))):  # fmt: skip
+            if loss_config.get(name) is None:
+                loss_config[name] = total
         temperature = _temperature(loss_config)
         entropy_grad = float(loss_config.get("entropy_coeff") or 0.0) != 0.0
+        spans, passes = self._plan(frame)
 
         # Opt-in extras (the Tinker API's): the per-token log-probs of every row, and a forward-only
         # pass that scores the loss without touching the gradients.
-        return_logprobs = bool(loss_config.get("return_logprobs"))
         forward_only = bool(loss_config.get("forward_only"))
-        logprobs_parts: list[Tensor] = []
+        logprobs_BS = torch.zeros(loss_mask_BS.shape) if loss_config.get("return_logprobs") else None
+        shifted = "target_tokens" not in frame["context"]
         self._set_train_mode(not forward_only)
         total_loss: Tensor | None = None
         weighted: dict[str, Tensor | float] = {}
-        for part in split_micro_batches(frame, self.config.training.micro_batch_tokens):
+        for micro in passes:
+            if not micro.rows:
+                self._idle_pass(backward=not forward_only)
+                continue
+            part = cut_micro_batch(frame, micro, spans)
             part_tokens = float(part["context"]["loss_mask"].sum().item())
             kwargs = self._to_device(part["kwargs"])
             context = self._to_device(part["context"])
-            with self._autocast(), torch.set_grad_enabled(not forward_only):
-                logits_BSV = self._logits(kwargs)
-            logprobs_BS, entropy_BS = shifted_token_logprobs(
-                logits_BSV, kwargs["input_ids"], temperature, entropy_requires_grad=entropy_grad,
-                targets_BS=context.get("target_tokens"),
-            )  # fmt: skip
-            del logits_BSV
-            loss, metrics = loss_fn(logprobs_BS, context=context, config=loss_config, entropy_BS=entropy_BS)
+            with torch.set_grad_enabled(not forward_only):
+                logits_bWV = self._logits(kwargs, micro.rows)
+                logprobs_bW, entropy_bW = shifted_token_logprobs(
+                    logits_bWV, kwargs["input_ids"], temperature, entropy_requires_grad=entropy_grad,
+                    targets_BS=context.get("target_tokens"),
+                )  # fmt: skip
+                del logits_bWV
+                loss, metrics = loss_fn(logprobs_bW, context=context, config=loss_config, entropy_BS=entropy_bW)
             if not forward_only:
                 loss.backward()
-            if return_logprobs:
-                logprobs_parts.append(logprobs_BS.detach().cpu())
+            if logprobs_BS is not None:
+                place_rows(logprobs_BS, logprobs_bW.detach().cpu(), micro, spans, shifted=shifted)
             total_loss = loss.detach() if total_loss is None else total_loss + loss.detach()
             for name, value in metrics.items():
                 if name != "loss":
@@ -264,10 +284,12 @@ class TrainingEngine:
         loss_value = values[0]
         metrics_out = {name: value / max(num_tokens, 1) for name, value in zip(names, values[1:], strict=True)}
         metrics_out["loss"] = loss_value
+        real_tokens = row_spans(frame).num_tokens  # the spans, also when one pass computes the padding too
+        metrics_out["padding_ratio"] = sum(m.num_positions for m in passes if m.rows) / real_tokens
         self._last_loss = loss_value
         result = {"loss": loss_value, "avg_loss": loss_value, "metrics": metrics_out, "num_tokens": num_tokens}
-        if return_logprobs:
-            result["logprobs"] = torch.cat(logprobs_parts)
+        if logprobs_BS is not None:
+            result["logprobs"] = logprobs_BS
         return result
 
     @torch.no_grad()
@@ -277,6 +299,7 @@ class TrainingEngine:
         ``processing.config.temperature`` (default 1) divides the logits first. ``reference=True``
         scores with the reference policy: the base model with the adapters disabled, which only a
         LoRA trainer has (otherwise the reference is a separate ``role="reference"`` engine).
+        Columns outside a row's span (padding; see ``engines/micro_batches.py``) read 0.
         """
         self._require_awake()
         if reference and self.lora is None:
@@ -286,20 +309,72 @@ class TrainingEngine:
             )
         frame = self._validated(batch, require_context=False)
         temperature = _temperature(frame["processing"]["config"])
+        spans, passes = self._plan(frame)
+        shifted = "target_tokens" not in frame["context"]
         self._set_train_mode(False)
-        logprobs, entropies = [], []
-        for part in split_micro_batches(frame, self.config.training.micro_batch_tokens):
+        shape = frame["kwargs"]["input_ids"].shape
+        logprobs_BS, entropy_BS = torch.zeros(shape), torch.zeros(shape)
+        for micro in passes:
+            if not micro.rows:
+                self._idle_pass(backward=False)
+                continue
+            part = cut_micro_batch(frame, micro, spans)
             kwargs = self._to_device(part["kwargs"])
-            with self._autocast():
-                logits_BSV = self._logits(kwargs, reference=reference)
-            targets_BS = part["context"].get("target_tokens")
-            targets_BS = None if targets_BS is None else targets_BS.to(self.device)
-            logprobs_BS, entropy_BS = shifted_token_logprobs(
-                logits_BSV, kwargs["input_ids"], temperature, targets_BS=targets_BS
+            logits_bWV = self._logits(kwargs, micro.rows, reference=reference)
+            targets_bW = part["context"].get("target_tokens")
+            targets_bW = None if targets_bW is None else targets_bW.to(self.device)
+            logprobs_bW, entropy_bW = shifted_token_logprobs(
+                logits_bWV, kwargs["input_ids"], temperature, targets_BS=targets_bW
             )
-            logprobs.append(logprobs_BS)
-            entropies.append(entropy_BS)
-        return {"logprobs": torch.cat(logprobs).cpu(), "entropy": torch.cat(entropies).cpu()}
+            place_rows(logprobs_BS, logprobs_bW.cpu(), micro, spans, shifted=shifted)
+            place_rows(entropy_BS, entropy_bW.cpu(), micro, spans, shifted=shifted)
+        return {"logprobs": logprobs_BS, "entropy": entropy_BS}
+
+    def _logits(self, kwargs: Mapping[str, Tensor], rows: tuple[int, ...], *, reference: bool = False) -> Tensor:
+        """The one model call of ``fwd_bwd`` and ``forward``: logits ``[b, W, V]`` of one pass.
+
+        ``rows`` are the pass's rows in the caller's batch (by them, per-row settings reach the model).
+        """
+        del rows  # one adapter serves every row; a pass of several runs would name one per row here
+        with self._autocast():
+            if self.shared is None:
+                return self.model(**kwargs, use_cache=False).logits
+            adapter = BASE_ADAPTER if reference else self.adapter  # reference: the base with this run's adapter off
+            return self.shared.forward(adapter, **kwargs, use_cache=False).logits
+
+    def _idle_pass(self, *, backward: bool) -> None:
+        """A pass over one token that changes nothing, for a rank that has run out of rows: sharded ranks
+        must run the same number of passes (each one gathers parameters and reduces gradients together)."""
+        input_ids = torch.zeros((1, 1), dtype=torch.int64, device=self.device)
+        with torch.set_grad_enabled(backward):
+            logits = self._logits({"input_ids": input_ids}, ())
+            if backward:
+                (logits.float().sum() * 0.0).backward()
+
+    def _plan(self, frame: Mapping[str, Any]) -> tuple[Spans, list[MicroBatch]]:
+        """Each row's span and the passes over them; a row longer than the budget is refused here,
+        before any work."""
+        budget = self.token_budget
+        spans = row_spans(frame, whole=budget == 0)
+        if budget:
+            check_rows_fit(spans, budget, "training.micro_batch_tokens")
+        return spans, plan_micro_batches(spans, budget)
+
+    @functools.cached_property
+    def token_budget(self) -> int:
+        """Positions per forward pass: ``training.micro_batch_tokens``, or when unset a share of the
+        device's free memory over the model's activation bytes per token, clamped to
+        ``[max_seq_len, 2048]`` on CPU and ``[max_seq_len, 16384]`` on CUDA (see
+        :func:`default_token_budget`). 0 means one pass over the batch as sent, padding and all."""
+        if self.config.training.micro_batch_tokens is not None:
+            return self.config.training.micro_batch_tokens
+        per_token = training_bytes_per_token(
+            self.model.config, dtype_bytes=2 if self._autocast_dtype is not None else 4,
+            checkpointed=self.config.training.gradient_checkpointing,
+        )  # fmt: skip
+        budget = default_token_budget(per_token, self.device, floor=self.config.max_seq_len)
+        log.info("micro-batch budget: %d tokens per pass (%d activation bytes per token)", budget, per_token)
+        return budget
 
     def step(self, learning_rate: float | None = None, adam: Mapping[str, float] | None = None) -> dict[str, Any]:
         """Clip gradients, apply one AdamW update, zero the gradients.
@@ -599,13 +674,6 @@ class TrainingEngine:
     def _sharing(self) -> bool:
         """Other adapters live on this engine's base (a model host's run)."""
         return self.shared is not None and len(self.shared.adapters) > 1
-
-    def _logits(self, kwargs: Mapping[str, Tensor], *, reference: bool = False) -> Tensor:
-        """The model's logits for ``kwargs``: the one place a TrainingEngine calls its model.
-        ``reference``: the base with this run's adapter off (the KL reference of a LoRA run)."""
-        if self.shared is None:
-            return self.model(**kwargs, use_cache=False).logits
-        return self.shared.forward(BASE_ADAPTER if reference else self.adapter, **kwargs, use_cache=False).logits
 
     def _to_device(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
         if self.device.type == "cpu":

@@ -37,9 +37,11 @@ def _fixed_batch(loss_fn: str = "grpo") -> dict:
 
 
 def _logprobs(model, batch) -> torch.Tensor:
+    """The model's shifted log-probs of a right-padded batch; a column that scores padding reads 0, as the engine's."""
     with torch.no_grad():
         logits = model(**batch["kwargs"], use_cache=False).logits
-    return shifted_token_logprobs(logits, batch["kwargs"]["input_ids"])[0]
+    scores_a_token_BS = torch.nn.functional.pad(batch["kwargs"]["attention_mask"][:, 1:], (0, 1))
+    return shifted_token_logprobs(logits, batch["kwargs"]["input_ids"])[0] * scores_a_token_BS
 
 
 def test_lora_step_changes_only_adapters_and_the_loss_falls(model_dir):
