@@ -93,13 +93,22 @@ async def _run(base_url: str, prompts: list[list[int]], args: argparse.Namespace
 async def _measure(base_url: str, runs: int, prompts: list[list[int]], args: argparse.Namespace) -> _Result:
     ready = asyncio.Barrier(runs + 1)
     tasks = [asyncio.create_task(_run(base_url, prompts, args, ready)) for _ in range(runs)]
-    await ready.wait()
+    await _meet(ready, tasks)
     started = time.perf_counter()
-    await ready.wait()
+    await _meet(ready, tasks)
     seconds = time.perf_counter() - started
     rss, pss = _memory()
     rounds = sum(await asyncio.gather(*tasks))
     return _Result(runs, seconds, rounds, rss, pss)
+
+
+async def _meet(ready: asyncio.Barrier, runs: list[asyncio.Task]) -> None:
+    """Wait at the barrier; a run that failed instead of arriving raises its error here."""
+    meeting = asyncio.ensure_future(ready.wait())
+    done, _ = await asyncio.wait({meeting, *runs}, return_when=asyncio.FIRST_COMPLETED)
+    for task in done - {meeting}:
+        task.result()
+    await meeting
 
 
 def _max_jobs(base_url: str) -> int:

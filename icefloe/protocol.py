@@ -38,7 +38,7 @@ pickling round-trips), say in the docstring when it is raised, and add it to the
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -59,9 +59,12 @@ __all__ = [
     "CODE_SEQUENCE_GAP",
     "CODE_UNAUTHENTICATED",
     "CODE_UNAVAILABLE",
+    "ENGINE_CALLS",
+    "ENGINE_OPERATIONS",
     "INLINE_OPERATIONS",
     "JOB_ACTIVE_STATES",
     "JOB_TERMINAL_STATES",
+    "MEMORY_OPS",
     "OPS",
     "OP_CANCEL",
     "OP_DELETE_CHECKPOINT",
@@ -99,6 +102,7 @@ __all__ = [
     "ClientClosedError",
     "ConfigError",
     "ConflictError",
+    "EngineCall",
     "ExpiredError",
     "FrameFormatError",
     "IcefloeError",
@@ -148,15 +152,44 @@ OPS: Final = frozenset(
     }
 )  # fmt: skip
 
+
+@dataclass(frozen=True)
+class EngineCall:
+    """How an op reaches an engine, on every backend: the role whose engine runs it, the engine
+    method, and that method's arguments from the op's body."""
+
+    role: str
+    method: str
+    args: Callable[[dict[str, Any]], tuple[Any, ...]] = lambda body: ()
+    optional: bool = False  # the role may be absent: the op then answers {}
+
+
+#: The op table: every op that is one call of an engine method (engines, Ray actor groups and the
+#: service's model hosts share the method names). The ops not here are more than one call
+#: (generates batch, a weight sync crosses roles, checkpoints name folders, cancel ends a job).
+ENGINE_CALLS: Final[dict[str, EngineCall]] = {
+    OP_FWD_BWD: EngineCall("training", "fwd_bwd", lambda body: (body["batch"],)),
+    OP_FORWARD: EngineCall("training", "forward", lambda body: (body["batch"],)),
+    OP_STEP: EngineCall("training", "step", lambda body: (body.get("learning_rate"),)),
+    OP_SLEEP_TRAINING: EngineCall("training", "sleep"),
+    OP_WAKE_TRAINING: EngineCall("training", "wake"),
+    OP_SLEEP_INFERENCE: EngineCall("sampling", "sleep", lambda body: (body.get("level", 1),), True),
+    OP_WAKE_INFERENCE: EngineCall("sampling", "wake", optional=True),
+    OP_RESET_PREFIX_CACHE: EngineCall("sampling", "reset_prefix_cache", optional=True),
+}
+
+# Sleep and wake: a service's sub-jobs are always resident (a shared base serves other jobs), so a
+# remote client answers these itself.
+MEMORY_OPS: Final = frozenset({OP_SLEEP_TRAINING, OP_WAKE_TRAINING, OP_SLEEP_INFERENCE, OP_WAKE_INFERENCE})
+
+#: Engine ops a service runs through its ``{job}/operation`` route, answered inline: those with
+#: no route of their own. An op that is one engine call lands here and needs no transport or
+#: service code of its own.
+ENGINE_OPERATIONS: Final = frozenset(ENGINE_CALLS) - {OP_FWD_BWD, OP_FORWARD, OP_STEP} - MEMORY_OPS
+
 # Operation types the training API answers inline (no request_id to poll).
 INLINE_OPERATIONS: Final = frozenset(
-    {
-        "bootstrap-router-replay",
-        "cancel-request",
-        "reset-prefix-cache",
-        "router-replay-discard",
-        "tail-logs",
-    }
+    {"bootstrap-router-replay", "cancel-request", "router-replay-discard", "tail-logs", *ENGINE_OPERATIONS}
 )
 
 # The header of the ``sequenced_submit`` extension: ``<session>:<n>`` fixes a POST's place in line.

@@ -314,7 +314,9 @@ def wake_inference(tags: Sequence[str] | None = None) -> OpCall:
 
 def reset_prefix_cache() -> OpCall:
     """Drop cached prefixes so no sample reuses state computed with old weights."""
-    return OpCall(Request(OP_RESET_PREFIX_CACHE, TARGET_SAMPLING), lambda result: {})
+    # The training API's payload defaults: wait for in-flight generates, then reset.
+    body = {"drain": True, "timeout_s": 60.0, "retry_interval_s": 0.1}
+    return OpCall(Request(OP_RESET_PREFIX_CACHE, TARGET_SAMPLING, body), lambda result: {})
 
 
 def cancel() -> OpCall:

@@ -10,12 +10,14 @@ runs as one engine batch. A weight copy from a trainer to its samplers goes thro
 work queued later.
 
 The service keeps one lane per sub-job on its model host's workers and a gate per weight-sync.
-:class:`EngineHost` maps roles to lanes and adds the op table, for the transports whose roles are
-engine objects with the engine method names (``local``: torch engines; ``ray``: actor groups).
+:class:`EngineHost` maps roles to lanes and routes the op table (``protocol.ENGINE_CALLS``), for
+the transports whose roles are engine objects with the engine method names (``local``: torch
+engines; ``ray``: actor groups).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import threading
@@ -28,9 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from icefloe import protocol
-from icefloe.protocol import ClientClosedError, InvalidRequestError, NotFoundError, Request
+from icefloe.protocol import ENGINE_CALLS, ClientClosedError, InvalidRequestError, NotFoundError, Request
 
-__all__ = ["ENGINE_CALLS", "EngineHost", "Lane", "SyncGate", "Worker"]
+__all__ = ["EngineHost", "Lane", "SyncGate", "Worker"]
 
 _BLOCKED_TICK_S = 0.05  # how often a worker re-checks work held by a gate whose state another thread changes
 
@@ -318,30 +320,6 @@ class SyncGate:
         return gate
 
 
-@dataclass(frozen=True)
-class EngineCall:
-    """How an op reaches an engine: the role that runs it, the engine method, its arguments."""
-
-    role: str
-    method: str
-    args: Callable[[dict[str, Any]], tuple[Any, ...]] = lambda body: ()
-    optional: bool = False  # the role may be absent: the op then answers {}
-
-
-#: The op table: every op that is one call of an engine method. Engines and Ray actor groups share
-#: these method names. The ops not here are answered by :class:`EngineHost` itself (generate merges
-#: adjacent calls, weight-sync crosses roles, checkpoints name folders, cancel has nothing to do).
-ENGINE_CALLS: dict[str, EngineCall] = {
-    protocol.OP_FWD_BWD: EngineCall("training", "fwd_bwd", lambda body: (body["batch"],)),
-    protocol.OP_FORWARD: EngineCall("training", "forward", lambda body: (body["batch"],)),
-    protocol.OP_STEP: EngineCall("training", "step", lambda body: (body.get("learning_rate"),)),
-    protocol.OP_SLEEP_TRAINING: EngineCall("training", "sleep"),
-    protocol.OP_WAKE_TRAINING: EngineCall("training", "wake"),
-    protocol.OP_SLEEP_INFERENCE: EngineCall("sampling", "sleep", lambda body: (body.get("level", 1),), True),
-    protocol.OP_WAKE_INFERENCE: EngineCall("sampling", "wake", optional=True),
-    protocol.OP_RESET_PREFIX_CACHE: EngineCall("sampling", "reset_prefix_cache", optional=True),
-}
-
 _MISSING_ROLE = {
     "reference": "forward(reference=True) needs a reference role; set num_log_prob_workers=1 in the config",
     "sampling": "{op} needs a sampling role; set num_sampling_workers=1 in the config",
@@ -401,7 +379,8 @@ class EngineHost:
                 return self.workers["training"].submit(trainer.forward, *call.args(body), reference=True)
             if role not in self.engines and call.optional:
                 return _done({})
-            method = getattr(self._engine(role, op), call.method)
+            engine = self._engine(role, op)
+            method = getattr(engine, call.method, None) or functools.partial(engine.call, call.method)
             return self.workers[role].submit(method, *call.args(body))
         if op == protocol.OP_GENERATE:
             self._engine("sampling", op)

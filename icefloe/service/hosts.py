@@ -33,7 +33,7 @@ from icefloe.service.specs import SubJobSpec
 if TYPE_CHECKING:
     from icefloe.service.jobs import LiveJob
 
-__all__ = ["HostPool", "ModelHost", "shared_base_key"]
+__all__ = ["HostFailed", "HostKey", "HostPool", "ModelHost", "shared_base_key"]
 
 _log = logging.getLogger("icefloe.service.hosts")
 _SHARED_WORKER = "shared"
@@ -162,7 +162,7 @@ class ModelHost:
                 raise HostFailed(self.dead)
             if self.engines is None:
                 if not self.slots:  # else a job that stopped took them before it could start the host
-                    slots = pool.acquire(1 if self.shared else job.num_slots, cancelled=job.state.stop, ticket=job)
+                    slots = pool.acquire(job.num_slots, cancelled=job.state.stop, ticket=job)
                     if slots is None:
                         return False
                     self.slots = slots
@@ -259,7 +259,7 @@ class HostPool:
 
     def place(self, job: LiveJob) -> ModelHost:
         """The host ``job`` runs on: a shared host of its base with room, else a new one. Never blocks."""
-        key = shared_base_key(list(job.specs.values()), self.settings.engines)
+        key = job.base_key
         with self._lock:
             host = next((h for h in self._hosts if key is not None and h.key == key and h.has_room), None)
             if host is None:

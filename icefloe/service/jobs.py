@@ -36,7 +36,7 @@ from icefloe.protocol import (
 )
 from icefloe.service import store
 from icefloe.service.chunks import ChunkGroups
-from icefloe.service.hosts import HostFailed, HostPool, ModelHost
+from icefloe.service.hosts import HostFailed, HostKey, HostPool, ModelHost, shared_base_key
 from icefloe.service.joblog import JobLog, JobLogRouter
 from icefloe.service.lifecycle import JobState
 from icefloe.service.metrics import ServiceMetrics
@@ -76,6 +76,7 @@ class LiveJob:
     thread: threading.Thread | None = None
     lease_until: float = math.inf  # time.monotonic() after which a job with nothing in flight is cancelled
     in_flight: dict[str, tuple[str, str, float]] = field(default_factory=dict)  # request id -> (sub-job, op, start)
+    base_key: HostKey | None = None  # the base it can share with other LoRA jobs (None: a host of its own)
 
     @property
     def status(self) -> str:
@@ -87,7 +88,8 @@ class LiveJob:
 
     @property
     def num_slots(self) -> int:
-        return sum(s.num_slots for s in self.specs.values())
+        """Slots a host of its own takes: one for a base LoRA jobs share, else n_gpus summed."""
+        return 1 if self.base_key is not None else sum(s.num_slots for s in self.specs.values())
 
     @property
     def engines(self) -> JobEngines:
@@ -137,7 +139,8 @@ class JobManager:
         specs = sub_job_specs(job_id, body, model_root=self.settings.model_root)
         for spec in specs:
             self._checkpoint_folder(spec)  # refuse an unknown source checkpoint now, not at load time
-        num_slots = sum(s.num_slots for s in specs)
+        base_key = shared_base_key(specs, self.settings.engines)
+        num_slots = 1 if base_key is not None else sum(s.num_slots for s in specs)
         if num_slots > self.pool.total:
             raise InvalidRequestError(
                 f"the job needs {num_slots} slots (n_gpus summed over sub-jobs); this "
@@ -159,7 +162,7 @@ class JobManager:
         job_dir = self.settings.job_dir(job_id)
         log = JobLog(job_dir / "logs", [s.sub_job_id for s in specs])
         state, chunks = JobState(job_id, self.db, log), ChunkGroups(max_bytes=self.settings.max_job_chunk_bytes)
-        job = LiveJob(job_id, {s.sub_job_id: s for s in specs}, state, log, chunks, job_dir)
+        job = LiveJob(job_id, {s.sub_job_id: s for s in specs}, state, log, chunks, job_dir, base_key=base_key)
         self._live[job_id] = job
         self.renew(job_id)
         log.write(f"job created with sub-jobs {[s.sub_job_id for s in specs]}")
@@ -327,9 +330,13 @@ class JobManager:
             answer["host"] = job.host.describe() if job.host is not None else None
             answer["lease_expires_in_s"] = round(max(0.0, lease_left_s), 1) if math.isfinite(lease_left_s) else None
         if job is not None and job.status == "placing":  # why it waits, for the client to show
-            ahead, free = self.pool.waiting(job)
-            slots = f"{job.num_slots} {self.pool.kind} slot(s): {free} of {self.pool.total} free"
-            answer["reason"] = f"waiting for {slots}, {ahead} job(s) ahead"
+            host = job.host
+            if host is not None and host.slots:  # another job of its base took the host's slot and starts it
+                answer["reason"] = f"waiting for {host.host_id} (shared by LoRA jobs of its base model) to start"
+            else:
+                ahead, free = self.pool.waiting(job)
+                slots = f"{job.num_slots} {self.pool.kind} slot(s): {free} of {self.pool.total} free"
+                answer["reason"] = f"waiting for {slots}, {ahead} job(s) ahead"
         return answer
 
     def list_public(self, status: str | None) -> list[dict[str, Any]]:

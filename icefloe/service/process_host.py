@@ -248,12 +248,17 @@ class ProcessEngineHost(JobEngines):
     def detach(self, sub_job_ids: Sequence[str]) -> None:
         self._channels[SHARED_CHANNEL].call("detach", list(sub_job_ids))
 
+    def sync_weights(self, source_sub_job_id: str, target_sub_job_id: str, weight_format: str | None = None) -> Any:
+        return self._channel(source_sub_job_id).call(
+            "sync_weights", source_sub_job_id, target_sub_job_id, weight_format
+        )
+
     def generate_many(self, calls: Sequence[Call], as_json: bool) -> list[list[Any]]:
         """As JSON, encoded in the engine process: a JSON text pickles and unpickles far faster than its sample."""
         return self._channel(calls[0][0]).call("generate_many", list(calls), as_json)
 
-    def _call(self, sub_job_id: str, method: str, *args: Any) -> Any:
-        return self._channel(sub_job_id).call(method, sub_job_id, *args)
+    def call(self, sub_job_id: str, method: str, *args: Any) -> Any:
+        return self._channel(sub_job_id).call("call", sub_job_id, method, *args)
 
     def _channel(self, sub_job_id: str) -> Channel:
         channel = self._channels.get(SHARED_CHANNEL if self._base is not None else sub_job_id)

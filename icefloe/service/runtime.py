@@ -28,7 +28,7 @@ _BUILD_LOCK = threading.Lock()
 
 def _op(method: str) -> Callable[..., Any]:
     def call(self: JobEngines, sub_job_id: str, *args: Any) -> Any:
-        return self._call(sub_job_id, method, *args)
+        return self.call(sub_job_id, method, *args)
 
     call.__name__ = method
     return call
@@ -56,7 +56,7 @@ Call = tuple[str, list[Any], list[SamplingParams]]  # (sub-job id, prompts, one 
 
 
 class JobEngines:
-    """The engines of one model host, addressed by sub-job id; each op is one :meth:`_call`, by
+    """The engines of one model host, addressed by sub-job id; each op is one :meth:`call`, by
     default the engine method of that name on ``self._engines[sid]``.
 
     A subclass fills ``_engines`` in ``start`` (slow; raise with the cause when an engine cannot be
@@ -87,8 +87,10 @@ class JobEngines:
     save = _op("save")
     load = _op("load")
     generate = _op("generate")
-    reset_prefix_cache = _op("reset_prefix_cache")
-    sync_weights = _op("sync_weights")
+
+    def sync_weights(self, source_sub_job_id: str, target_sub_job_id: str, weight_format: str | None = None) -> Any:
+        """Copy the source trainer's weights (with LoRA: its adapter) into the target sampler."""
+        raise NotImplementedError
 
     def attach(self, specs: Sequence[SubJobSpec], checkpoints: dict[str, Path]) -> None:
         """Build the engines of a job's sub-jobs on the shared base (a shared host only)."""
@@ -124,9 +126,14 @@ class JobEngines:
     def close(self) -> None:
         raise NotImplementedError
 
-    def _call(self, sub_job_id: str, method: str, *args: Any) -> Any:
+    def call(self, sub_job_id: str, method: str, *args: Any) -> Any:
+        """``method`` of the sub-job's engine (an op of ``protocol.ENGINE_CALLS``, or the service's name
+        for one); an actor group without a method of that name runs it on each actor."""
         name, kwargs = _ENGINE_METHODS.get(method, (method, {}))
-        return getattr(self._engine(sub_job_id), name)(*args, **kwargs)
+        engine = self._engine(sub_job_id)
+        if hasattr(engine, name):
+            return getattr(engine, name)(*args, **kwargs)
+        return engine.call(name, *args, **kwargs)
 
     def _engine(self, sub_job_id: str) -> Any:
         try:

@@ -20,7 +20,6 @@ from icefloe.config import ClientConfig
 
 __all__ = [
     "MANAGED_OPS",
-    "MEMORY_OPS",
     "JobRef",
     "ServiceInfo",
     "job_create_body",
@@ -32,11 +31,7 @@ __all__ = [
 
 _log = logging.getLogger("icefloe.client.remote")
 
-# Sleep and wake: sub-jobs on the service are always resident, so the client answers these itself.
-MEMORY_OPS: Final = frozenset(
-    {api.OP_SLEEP_TRAINING, api.OP_WAKE_TRAINING, api.OP_SLEEP_INFERENCE, api.OP_WAKE_INFERENCE}
-)
-MANAGED_OPS: Final = api.OPS - MEMORY_OPS - {api.OP_FORWARD}  # what the managed endpoint executes
+MANAGED_OPS: Final = api.OPS - api.MEMORY_OPS - {api.OP_FORWARD}  # what the managed endpoint executes
 # Capability names that differ from the op constants.
 _CAPABILITY_ALIASES: Final = {"export-checkpoint": api.OP_GET_CHECKPOINT}
 _ENGINE_KWARGS_SET_BY_API: Final = ("max_model_len", "tensor_parallel_size")  # the API sets these itself

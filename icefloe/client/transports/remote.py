@@ -109,9 +109,9 @@ class RemoteTransport(Transport):
             api.OP_LIST_CHECKPOINTS: lambda r: lambda turn: self._list_checkpoints(),
             api.OP_GET_CHECKPOINT: lambda r: lambda turn: self._get_checkpoint(r.body["checkpoint_id"]),
             api.OP_DELETE_CHECKPOINT: lambda r: lambda turn: self._delete_checkpoint(r.body["checkpoint_id"]),
-            api.OP_RESET_PREFIX_CACHE: self._reset_prefix_cache,
             api.OP_CANCEL: lambda r: lambda turn: self._cancel_job(by_op=True),
-            **dict.fromkeys(jobs.MEMORY_OPS, lambda r: {}),
+            **dict.fromkeys(api.MEMORY_OPS, lambda r: {}),
+            **dict.fromkeys(api.ENGINE_OPERATIONS, self._engine_operation),
         }
         if handle is not None:
             job_id = handle.get("job_id")
@@ -126,7 +126,7 @@ class RemoteTransport(Transport):
         if self._service is None:
             return api.OPS
         extra = {api.OP_FORWARD} if self._backend.allow_zero_logprobs else set()
-        return frozenset(self._service.ops & api.OPS) | jobs.MEMORY_OPS | extra
+        return frozenset(self._service.ops & api.OPS) | api.MEMORY_OPS | extra
 
     def probe_capabilities(self) -> frozenset[str]:
         """Ask the service what it offers (``GET /capabilities``) without creating a job."""
@@ -488,11 +488,13 @@ class RemoteTransport(Transport):
         }
         return self._operation(api.OP_WEIGHT_SYNC, payload, sub_job_id=source, sub_job_type="training")
 
-    def _reset_prefix_cache(self, request: api.Request) -> Send | dict[str, Any]:
-        if not self._ref.sub_jobs.get("sampling") or api.OP_RESET_PREFIX_CACHE not in self._info.ops:
+    def _engine_operation(self, request: api.Request) -> Send | dict[str, Any]:
+        """An op of the engine table that the service runs through its operation route; ``{}`` where
+        there is nothing to run it on (an optional role the job lacks, or a service without it)."""
+        call = api.ENGINE_CALLS[request.op]
+        if request.op not in self._info.ops or (call.optional and not self._ref.sub_jobs.get(call.role)):
             return {}
-        payload = {"drain": True, "timeout_s": 60.0, "retry_interval_s": 0.1}
-        return self._operation(api.OP_RESET_PREFIX_CACHE, payload, sub_job_type="sampling")
+        return self._operation(request.op, request.body, sub_job_type=call.role)
 
     # --- checkpoints (job-level: not queued on a sub-job) ----------------------------------------
     async def _list_checkpoints(self) -> dict[str, Any]:

@@ -162,13 +162,9 @@ class ActorGroup(abc.ABC):
         ref = getattr(self.actors[0], method).remote(*args)
         return gather(self.job_name, [(self.names[0], ref)], self.timeout_s)[0]
 
-    def sleep(self, *level: int) -> dict[str, Any]:
-        self._all("call", "sleep", *level)
-        return {}
-
-    def wake(self) -> dict[str, Any]:
-        self._all("call", "wake")
-        return {}
+    def call(self, method: str, *args: Any) -> Any:
+        """An engine method the group has no method of its own for, on every actor; rank 0's answer."""
+        return self._all("call", method, *args)[0]
 
     def kill(self, timeout_s: float = 60.0) -> None:
         """Kill the actors and wait until Ray reports them dead, so their resources are free on return."""
@@ -269,10 +265,6 @@ class SamplerGroup(ActorGroup):
             if hi > lo
         ]
         return [sample for part in gather(self.job_name, calls) for sample in part]
-
-    def reset_prefix_cache(self) -> dict[str, Any]:
-        self._all("call", "reset_prefix_cache")
-        return {}
 
     def receive_weights(self, link: str, layout: list[Any], bucket_bytes: int) -> dict[str, Any]:
         return self._all("receive_weights", link, layout, bucket_bytes)[0]

@@ -11,8 +11,9 @@ __all__ = ["SUPPORTED_OPERATIONS", "router"]
 
 router = api_router("capabilities")
 
-# operation_type values POST {job}/operation executes; the others answer 501.
-SUPPORTED_OPERATIONS = (p.OP_FORWARD, p.OP_WEIGHT_SYNC, p.OP_RESET_PREFIX_CACHE, "cancel-request", "tail-logs")
+# operation_type values POST {job}/operation executes (an op of the engine table with no route of its
+# own among them); the others answer 501.
+SUPPORTED_OPERATIONS = (p.OP_FORWARD, p.OP_WEIGHT_SYNC, *sorted(p.ENGINE_OPERATIONS), "cancel-request", "tail-logs")
 # Every op but sleep / wake (the client answers those itself) and get-checkpoint (no route reads one checkpoint).
 _NOT_SERVED = {p.OP_GET_CHECKPOINT, p.OP_SLEEP_TRAINING, p.OP_WAKE_TRAINING, p.OP_SLEEP_INFERENCE, p.OP_WAKE_INFERENCE}
 

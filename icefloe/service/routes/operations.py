@@ -1,7 +1,8 @@
 """``POST {job}/operation``: the operation envelope of the training API.
 
 Polled operations (``forward``, ``weight-sync``) answer ``{request_id, job_id}``; inline ones
-(``reset-prefix-cache``, ``cancel-request``, ``tail-logs``) answer their result directly. Operation
+(``cancel-request``, ``tail-logs``, and the engine table's ops without a route of their own, such as
+``reset-prefix-cache``) answer their result directly. Operation
 types this service does not run answer 501 ``not_implemented``. A polled operation posted with
 ``?wait=S`` (icefloe extension) also carries the request's poll answer, as the compute routes do.
 """
@@ -14,7 +15,14 @@ from fastapi import APIRouter, Response
 from fastapi.concurrency import run_in_threadpool
 from pydantic import ValidationError
 
-from icefloe.protocol import OP_FORWARD, OP_RESET_PREFIX_CACHE, OP_WEIGHT_SYNC, InvalidRequestError, UnsupportedOpError
+from icefloe.protocol import (
+    ENGINE_CALLS,
+    ENGINE_OPERATIONS,
+    OP_FORWARD,
+    OP_WEIGHT_SYNC,
+    InvalidRequestError,
+    UnsupportedOpError,
+)
 from icefloe.service.jobs import JobManager
 from icefloe.service.models import CancelRequestPayload, OperationBody, TailLogsPayload, WeightSyncPayload
 from icefloe.service.operations import forward_target, submit_frame, submit_weight_sync, validation_text
@@ -36,16 +44,17 @@ def _payload(model, body: OperationBody):
         raise InvalidRequestError(f"{body.operation_type}: {validation_text(exc, prefix='payload.')}") from None
 
 
-async def _reset_prefix_cache(jobs: JobManager, job_id: str, body: OperationBody) -> dict:
-    job = jobs.live(job_id)
+async def _engine_operation(jobs: JobManager, job_id: str, body: OperationBody, kind: str) -> dict:
+    """An op of the engine table with no route of its own, answered inline: on its sub-job's lane,
+    so it never runs in the middle of another op of that engine."""
+    job, call = jobs.live(job_id), ENGINE_CALLS[kind]
     target = jobs.resolve_sub_job(
-        job, sub_job_id=body.sub_job_id, sub_job_type=body.sub_job_type or "sampling", default_type="sampling"
+        job, sub_job_id=body.sub_job_id, sub_job_type=body.sub_job_type or call.role, default_type=call.role
     )
-    # On the sampler's own worker, so it never runs in the middle of a generate.
-    done = job.workers[target].submit(job.engines.reset_prefix_cache, target)
+    done = job.workers[target].submit(job.engines.call, target, call.method, *call.args(body.payload or {}))
     release_turn()
-    await asyncio.wrap_future(done)
-    return {"sub_job_id": target, "status": "ok"}
+    result = await asyncio.wrap_future(done)
+    return {"sub_job_id": target, "status": "ok", **(result if isinstance(result, dict) else {})}
 
 
 @router.post("/{job_id}/operation", response_model=None)
@@ -70,8 +79,8 @@ async def operation(job_id: str, body: OperationBody, jobs: JobsDep, wait: float
     if kind == "cancel-request":
         request_id = _payload(CancelRequestPayload, body).request_id
         return jobs.requests.cancel(job_id, request_id, why="cancelled by cancel-request")
-    if kind == OP_RESET_PREFIX_CACHE:
-        return await _reset_prefix_cache(jobs, job_id, body)
+    if kind in ENGINE_OPERATIONS:
+        return await _engine_operation(jobs, job_id, body, kind)
     if kind == OP_WEIGHT_SYNC:
         payload = _payload(WeightSyncPayload, body)
         routed = None
