@@ -112,7 +112,7 @@ async def create_model(body: dict[str, Any], state: State) -> dict[str, Any]:
         job_id = await asyncio.to_thread(
             state.create_job, session_id, base_model, lora_rank=rank, training=True, name=model_id
         )
-        state.models[model_id] = Model(model_id, session_id, job_id, base_model, rank)
+        state.add_model(model_id, session_id, job_id, base_model, rank)
         state.models[model_id].taken[-1] = {
             "request_id": state.future(job_id, lambda _: {"type": "create_model", "model_id": model_id}),
             "model_id": model_id,
@@ -276,7 +276,7 @@ async def load_weights(body: dict[str, Any], state: State) -> dict[str, Any]:
                 state.create_job, session_id, base_model, lora_rank=rank, training=True, name=model_id,
                 source=path, load_optimizer=optimizer,
             )  # fmt: skip
-            state.models[model_id] = Model(model_id, session_id, job_id, base_model, rank)
+            state.add_model(model_id, session_id, job_id, base_model, rank)
             answer = {"type": "load_weights", "path": str(path), "model_id": model_id}
             state.models[model_id].taken[-1] = {
                 "request_id": state.future(job_id, lambda _: answer),

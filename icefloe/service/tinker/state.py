@@ -33,6 +33,7 @@ from icefloe.service import store
 from icefloe.service.jobs import JobManager, LiveJob
 from icefloe.service.models import JobCreate
 from icefloe.service.specs import sub_job_specs
+from icefloe.service.turns import Turns
 
 __all__ = ["CheckpointPath", "Future", "Model", "SamplingSession", "TinkerState", "remember"]
 
@@ -104,10 +105,9 @@ class Model:
     job_id: str
     base_model: str
     lora_rank: int | None
-    next_seq: int = 1
+    turns: Turns
     taken: dict[int, dict[str, Any]] = field(default_factory=dict)  # seq_id -> the answer it got
-    # seq_id -> what queues its op (None: refused) and the future its request id goes to, until its turn
-    waiting: dict[int, tuple[Callable[[], str] | None, asyncio.Future[str] | None]] = field(default_factory=dict)
+    holding: set[asyncio.Task[None]] = field(default_factory=set)  # ops waiting for their turn
     sampler_path: str | None = None  # the saved weights the model's own sampler holds now
 
 
@@ -297,6 +297,11 @@ class TinkerState:
         return next(sid for sid, spec in job.specs.items() if spec.job_type == job_type)
 
     # --- models and their ordered ops ---------------------------------------------------------
+    def add_model(self, model_id: str, session_id: str, job_id: str, base_model: str, lora_rank: int | None) -> Model:
+        turns = Turns(gap_timeout_s=self.gap_timeout_s, first=1)  # the SDK numbers a model's ops from 1
+        model = self.models[model_id] = Model(model_id, session_id, job_id, base_model, lora_rank, turns)
+        return model
+
     def model(self, model_id: str) -> Model:
         model = self.models.get(model_id)
         if model is None:
@@ -310,18 +315,24 @@ class TinkerState:
         render: Callable[[Any], Any],
         prepare: Callable[[], Awaitable[Callable[[], str]]],
     ) -> dict[str, Any]:
-        """Answer op ``seq_id`` at once with a future; queue the op once every number before it is used.
+        """Answer op ``seq_id`` at once with a future; queue the op once every number before it is used
+        (:class:`~icefloe.service.turns.Turns`, the rule of the training API's ``Icefloe-Sequence`` too).
 
         ``prepare`` checks the op and returns what queues it (returning its request id); a refusal is
         the POST's answer and uses up the number. A resent number gets the answer it got the first time.
         """
         if seq_id is not None and seq_id in model.taken:
             return model.taken[seq_id]
+        if seq_id is not None and model.turns.late(seq_id):
+            raise InvalidRequestError(
+                f"seq_id {seq_id} of model {model.model_id} came after the model moved on past it (an op behind it "
+                f"waited {self.gap_timeout_s:g} s for it); it did not run: call the op again"
+            )
         try:
             queue = await prepare()
         except Exception:
             if seq_id is not None:
-                self._in_order(model, seq_id, None, None)
+                model.turns.use(seq_id)
             raise
         if seq_id is None:
             return {"request_id": self.future(model.job_id, render, queue())}
@@ -330,48 +341,30 @@ class TinkerState:
         submitted: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         answer = {"request_id": self.future(model.job_id, render, submitted=submitted)}
         remember(model.taken, seq_id, answer)
-        self._in_order(model, seq_id, queue, submitted)
+        if seq_id <= model.turns.next:  # its turn, or a late resend of a refused op: now
+            _send(queue, submitted)
+            model.turns.use(seq_id)
+        else:  # held by a task of its own until its turn (chunks of one batch may come in any order)
+            task = asyncio.get_running_loop().create_task(self._send_in_turn(model, seq_id, queue, submitted))
+            model.holding.add(task)
+            task.add_done_callback(model.holding.discard)
         return answer
 
-    def _in_order(
-        self, model: Model, seq_id: int, queue: Callable[[], str] | None, submitted: asyncio.Future[str] | None
+    async def _send_in_turn(
+        self, model: Model, seq_id: int, queue: Callable[[], str], submitted: asyncio.Future[str]
     ) -> None:
-        """Queue op ``seq_id`` (``queue`` None: refused) once the numbers before it are used, and every
-        op waiting behind it whose turn that makes; one still waiting after ``gap_timeout_s`` fails."""
-
-        def send(queue: Callable[[], str] | None, submitted: asyncio.Future[str] | None) -> None:
-            if queue is None or submitted is None:
-                return
-            try:
-                submitted.set_result(queue())
-            except Exception as exc:  # read through the future
-                submitted.set_exception(exc)
-                submitted.exception()
-
-        if seq_id < model.next_seq:  # a late number (a resend of a refused op): its turn has passed
-            send(queue, submitted)
-            return
-        model.waiting[seq_id] = (queue, submitted)
-        while (entry := model.waiting.pop(model.next_seq, None)) is not None:
-            model.next_seq += 1
-            send(*entry)
-        if seq_id in model.waiting:
-            asyncio.get_running_loop().call_later(self.gap_timeout_s, self._gap_expired, model, seq_id, submitted)
-
-    def _gap_expired(self, model: Model, seq_id: int, submitted: asyncio.Future[str] | None) -> None:
-        entry = model.waiting.get(seq_id)
-        if entry is None or entry[1] is not submitted:
-            return  # its turn came
-        del model.waiting[seq_id]
-        model.taken.pop(seq_id, None)  # a resend waits anew
-        if submitted is not None:
+        missing = await model.turns.wait(seq_id)
+        if missing is not None:
             submitted.set_exception(
                 ConflictError(
-                    f"seq_id {seq_id} of model {model.model_id} waited {self.gap_timeout_s:g} s for "
-                    f"seq_id {model.next_seq}, which never arrived"
+                    f"seq_id {seq_id} of model {model.model_id} waited {self.gap_timeout_s:g} s for seq_id "
+                    f"{missing}, which never arrived; it did not run, and the model moves on past it"
                 )
             )
             submitted.exception()
+            return
+        _send(queue, submitted)
+        model.turns.use(seq_id)
 
     def future(
         self,
@@ -577,6 +570,15 @@ class TinkerState:
         first = row["spec"]["body"]["sub_job_configs"][0]
         section = first.get("training_config") or first.get("inference_config") or {}
         return first["model_name"], (section.get("peft_config") or {}).get("r")
+
+
+def _send(queue: Callable[[], str], submitted: asyncio.Future[str]) -> None:
+    """Queue an op and hand its request id (or the refusal) to the future its answer reads."""
+    try:
+        submitted.set_result(queue())
+    except Exception as exc:  # read through the future
+        submitted.set_exception(exc)
+        submitted.exception()
 
 
 def result_of(row: dict[str, Any]) -> Any:
