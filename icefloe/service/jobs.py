@@ -42,7 +42,7 @@ from icefloe.service.placement import SlotPool
 from icefloe.service.requests import RequestTable
 from icefloe.service.results import JsonText, ResultPages, json_text, wants_dssst1
 from icefloe.service.runtime import JobEngines, make_engine_host
-from icefloe.service.settings import ServeSettings
+from icefloe.service.settings import SHARED_TENANT, ServeSettings
 from icefloe.service.specs import SubJobSpec, sub_job_specs
 
 __all__ = ["JobManager", "LiveJob", "job_type_named"]
@@ -123,7 +123,7 @@ class JobManager:
         self._closing = threading.Event()
 
     # --- lifecycle ----------------------------------------------------------------------------
-    def create(self, body: JobCreate, *, database: str, schema: str) -> str:
+    def create(self, body: JobCreate, *, database: str, schema: str, owner: str = SHARED_TENANT) -> str:
         job_id = body.job_id or str(uuid.uuid4())
         taken = ConflictError(f"job {job_id} already exists; omit job_id to get a fresh one")
         if store.get_job(self.db, job_id=job_id) is not None:
@@ -147,8 +147,9 @@ class JobManager:
                 for s in specs
             ],
             "warnings": [warning for s in specs for warning in s.warnings],
+            "num_slots": num_slots,  # what the tenant's max_slots counts
         }
-        if not store.insert_job(self.db, job_id=job_id, status="pending", spec=record):
+        if not store.insert_job(self.db, job_id=job_id, status="pending", spec=record, owner=owner):
             raise taken
         job_dir = self.settings.job_dir(job_id)
         log = JobLog(job_dir / "logs", [s.sub_job_id for s in specs])
@@ -320,9 +321,10 @@ class JobManager:
             answer["reason"] = f"waiting for {slots}, {ahead} job(s) ahead"
         return answer
 
-    def list_public(self, status: str | None) -> list[dict[str, Any]]:
+    def list_public(self, status: str | None, *, owner: str | None = None) -> list[dict[str, Any]]:
+        """Jobs in ``status`` (any: None) owned by ``owner`` (anyone: None)."""
         wanted = normalize_job_state(status) if status else None
-        return [self._public(r) for r in store.list_jobs(self.db, status=wanted)]
+        return [self._public(r) for r in store.list_jobs(self.db, status=wanted, owner=owner)]
 
     @staticmethod
     def _public(row: dict[str, Any]) -> dict[str, Any]:

@@ -136,6 +136,7 @@ class ProcessEngineHost(JobEngines):
         self._log_dir = log_dir
         self._process: Any = None
         self._control: Connection | None = None
+        self._control_lock = threading.Lock()  # the service's side writes cancels to it from any thread
         self._reaping = threading.Lock()
         self.pid: int | None = None
         self.exit_code: int | None = None  # once the child ended; negative: the signal that ended it
@@ -180,6 +181,12 @@ class ProcessEngineHost(JobEngines):
             else:
                 raise value
 
+    def cancel(self, sub_job_id: str, tags: list[str]) -> None:
+        """Over the control pipe: the sub-job's own pipe is busy with the generate to be cut short."""
+        with self._control_lock, contextlib.suppress(OSError, ValueError):  # the child is gone: nothing runs
+            if self._control is not None:
+                self._control.send_bytes(_dumps(("cancel", (sub_job_id, tags))))
+
     @property
     def killable(self) -> str:
         return f"the engine process {self.pid}"
@@ -201,7 +208,8 @@ class ProcessEngineHost(JobEngines):
         for channel in self._engines.values():
             channel.close()
         if self._control is not None:
-            self._control.close()  # the child's EOF: it releases its engines and exits
+            with self._control_lock:
+                self._control.close()  # the child's EOF: it releases its engines and exits
         if self._process is not None and self._reap(_EXIT_TIMEOUT_S) is None:
             _log.warning("engine process %s did not exit within %.0f s; killing it", self.pid, _EXIT_TIMEOUT_S)
             self._process.kill()
@@ -343,8 +351,14 @@ def _child_main(
     ]
     for thread in threads:
         thread.start()
-    with contextlib.suppress(EOFError, OSError):
-        control.recv_bytes()  # nothing is ever sent: this returns (EOF) when the service closes the host or dies
+    while True:  # cancels, until EOF: the service closed the host, or died
+        try:
+            kind, value = pickle.loads(control.recv_bytes())
+        except (EOFError, OSError):
+            break
+        if kind == "cancel":
+            with contextlib.suppress(Exception):  # an unknown sub-job: nothing of it to stop
+                host.cancel(*value)
     for pipe in pipes.values():
         pipe.close()
     for thread in threads:

@@ -72,6 +72,11 @@ class JobEngines:
     def start(self, on_progress: Callable[[str], None], stop: threading.Event) -> None:
         raise NotImplementedError
 
+    def cancel(self, sub_job_id: str, tags: list[str]) -> None:
+        """Stop the calls tagged so (``SamplingParams.tag``) of the sampler's generate at their next decode
+        step, or as soon as it starts; returns at once, while that generate may still run."""
+        self._engine(sub_job_id).cancel(tags)
+
     def interrupt(self) -> None:
         """Fail the calls waiting on the engines now (engines in this process have none to fail)."""
 
