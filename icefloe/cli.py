@@ -249,6 +249,12 @@ def serve(
     metrics_public: Annotated[
         bool, typer.Option(help="Answer GET /metrics (Prometheus) without the token (a scraper on a trusted network).")
     ] = False,
+    sequence_gap_timeout_s: Annotated[
+        float,
+        typer.Option(
+            min=0.001, help="A numbered call (Icefloe-Sequence, Tinker seq_id) waits this long for a missing one."
+        ),
+    ] = 30.0,
     public_url: Annotated[
         str | None,
         typer.Option(help="The service's URL as callers reach it (a proxy in front); download links are made on it."),
@@ -284,6 +290,7 @@ def serve(
             data_dir=data_dir, host=host, port=port, tokens=token or [], token_file=token_file, slots=slots,
             engines=engines, ray_address=address, model_root=model_root, lease_ttl_s=lease_ttl_s,
             op_deadline_s=op_deadline_s, metrics_public=metrics_public, public_url=public_url,
+            sequence_gap_timeout_s=sequence_gap_timeout_s,
             max_samples_per_request=max_samples_per_request, max_tokens_per_request=max_tokens_per_request,
         )  # fmt: skip
         if address is not None and settings.engines != "ray":

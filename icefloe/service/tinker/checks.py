@@ -100,18 +100,25 @@ class Fields:
             return value
         if type(value) is not int:
             raise InvalidRequestError(f"{self.name(key)} must be an integer; got {_shown(value)}")
-        if (low is not None and value < low) or (high is not None and value > high):
-            raise InvalidRequestError(f"{self.name(key)} must be in [{low}, {high}]; got {value}")
+        _check_range(self.name(key), value, low, high)
         return value
 
-    def number(self, key: str, default: Any = _REQUIRED, *, low: float | None = None, high: float | None = None) -> Any:
+    def number(
+        self, key: str, default: Any = _REQUIRED, *, low: float | None = None, high: float | None = None,
+        null_ok: bool = True,
+    ) -> Any:  # fmt: skip
+        """A finite number; ``null_ok=False``: an explicit null is refused, not defaulted (the SDK
+        writes a NaN as null, so a null learning rate or temperature was a NaN)."""
+        if not null_ok and key in self.value and self.value[key] is None:
+            raise InvalidRequestError(
+                f"{self.name(key)} must be a finite number; got null (the SDK sends a NaN as null)"
+            )
         value = self._get(key, default, "a number")
         if value is default:
             return value
         if type(value) not in (int, float) or not math.isfinite(value):
             raise InvalidRequestError(f"{self.name(key)} must be a finite number; got {_shown(value)}")
-        if (low is not None and value < low) or (high is not None and value > high):
-            raise InvalidRequestError(f"{self.name(key)} must be in [{low}, {high}]; got {value}")
+        _check_range(self.name(key), value, low, high)
         return float(value)
 
     def flag(self, key: str, default: bool = False) -> bool:
@@ -138,6 +145,16 @@ class Fields:
         if default is _REQUIRED:
             raise InvalidRequestError(f"{self.name(key)} is required: send {what}")
         return default
+
+
+def _check_range(name: str, value: float, low: float | None, high: float | None) -> None:
+    if (low is not None and value < low) or (high is not None and value > high):
+        wanted = (
+            f"in [{low}, {high}]"
+            if low is not None and high is not None
+            else (f"at least {low}" if low is not None else f"at most {high}")
+        )
+        raise InvalidRequestError(f"{name} must be {wanted}; got {value}")
 
 
 def _shown(value: Any) -> str:

@@ -49,7 +49,7 @@ def _array(tensor: pb.Tensor, where: str, length: int, name: str) -> np.ndarray:
     if dtype is None:
         raise InvalidRequestError(f"{where}: dtype {tensor.dtype} is not supported; send float32 or int64")
     shape = [int(d) for d in tensor.shape]
-    if len(shape) == 2 and shape[1] != 1 and name in ("target_tokens", "weights"):
+    if len(shape) == 2 and shape[0] == length and shape[1] != 1 and name in ("target_tokens", "weights"):
         raise InvalidRequestError(
             f"{where} is 2-D {shape} (top-K targets per position), which is not served yet; send one target token "
             "and weight per position"

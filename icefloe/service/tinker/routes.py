@@ -228,8 +228,8 @@ async def optim_step(body: Body, state: State, tenant: TenantDep) -> dict[str, A
         if unknown:
             known = ["learning_rate", *_ADAM_KEYS]
             raise InvalidRequestError(f"{adam.where}{unknown} are not Adam parameters; send only {known}")
-        learning_rate = adam.number("learning_rate", 1e-4, low=0)
-        params = {key: adam.number(key) for key in _ADAM_KEYS if adam.value.get(key) is not None}
+        learning_rate = adam.number("learning_rate", 1e-4, low=0, null_ok=False)
+        params = {key: adam.number(key, null_ok=False) for key in _ADAM_KEYS if key in adam.value}
         job = await state.live(model.job_id)
         sub_job_id, host = state.sub_job(job, "training"), job.host
         assert host is not None
@@ -553,8 +553,8 @@ def _sample_call(body: Fields, settings: ServeSettings, tag: str) -> tuple[list[
     fields: dict[str, Any] = {
         "n": n,
         "max_tokens": raw.integer("max_tokens", 1_000_000, low=1),  # None: until a stop or the sequence limit
-        "temperature": raw.number("temperature", 1.0, low=0),
-        "top_p": raw.number("top_p", 1.0),
+        "temperature": raw.number("temperature", 1.0, low=0, null_ok=False),
+        "top_p": raw.number("top_p", 1.0, null_ok=False),
         "top_k": raw.integer("top_k", -1, low=-1),
         "seed": raw.integer("seed", None, low=0, high=2**64 - 1),
         "logprobs": True,
