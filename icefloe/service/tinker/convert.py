@@ -227,6 +227,12 @@ def sample_response(result: dict[str, Any], *, last_n: int | None = None) -> byt
             topk = [None if i < skipped else pairs for i, pairs in enumerate(topk)]
     if topk:
         message.topk_prompt_logprobs.CopyFrom(_topk(topk))
+    targeted = result.get("target_prompt_logprobs")
+    if targeted is not None:  # [len(prompt) - 1, K], 0.0 where nothing was asked
+        values = np.asarray(targeted, dtype=np.float32)
+        message.target_prompt_logprobs.CopyFrom(
+            pb.Tensor(dense=values.tobytes(), dtype=pb.DTYPE_FLOAT32, shape=list(values.shape))
+        )
     return message.SerializeToString()
 
 

@@ -595,6 +595,8 @@ def _targets(raw: Any) -> tuple[tuple[int, ...], ...] | None:
         raise InvalidRequestError(f"{where}.shape must be [len(prompt) - 1, K] with K in [1, {_MAX_TOPK}]; got {shape}")
     if not isinstance(data, list) or not all(type(v) is int and v >= -1 for v in data):
         raise InvalidRequestError(f"{where}.data must be token ids (integers from 0), or -1 for none")
+    if max(data, default=-1) < 0:
+        raise InvalidRequestError(f"{where} names no token id; ask for at least one, or leave it unset")
     crow, cols = raw.get("sparse_crow_indices"), raw.get("sparse_col_indices")
     if crow is None and cols is None:
         if len(data) != rows * k:

@@ -175,6 +175,13 @@ def _delete(state: TinkerState, path: CheckpointPath, tenant: str) -> None:
         shutil.rmtree(record["path"], ignore_errors=True)
 
 
+@router.put("/training_runs/{run_id}/checkpoints/{kind}/{name}/ttl")
+async def set_checkpoint_ttl(run_id: str, kind: str, name: str, state: State, tenant: TenantDep) -> dict[str, Any]:
+    """Accepted and changes nothing, as ``ttl_seconds`` on a save: a checkpoint lives until it is deleted."""
+    await asyncio.to_thread(state.checkpoint_record, _path(run_id, kind, name), tenant)  # 404 unless the tenant's
+    return {}
+
+
 @router.get("/training_runs/{run_id}/checkpoints/{kind}/{name}/external_weights_urls")
 async def external_weights_urls(
     run_id: str, kind: str, name: str, request: Request, state: State, tenant: TenantDep, settings: SettingsDep
@@ -221,6 +228,6 @@ async def weights_info(body: Body, state: State, tenant: TenantDep) -> dict[str,
 @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
 async def not_served(path: str, request: Request) -> None:
     raise NotFoundError(
-        f"{request.method} /api/v1/{path[:200]} is not served by icefloe serve (publishing, projects, sessions "
-        "search, checkpoint TTLs, billing and custom losses on the server are not); docs/tinker.md lists what is"
+        f"{request.method} /api/v1/{path[:200]} is not served by icefloe serve (publishing, projects, sessions, "
+        "audit logs, billing and custom losses on the server are not); docs/tinker.md lists what is"
     )
