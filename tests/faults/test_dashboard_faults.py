@@ -87,6 +87,8 @@ def test_a_tenant_sees_only_its_own_jobs_and_the_admin_every_job(served):
     assert mine in listed and theirs not in listed
     assert httpx.get(f"{served.base_url}/ui/api/jobs/{theirs}", headers=bob).status_code == 404
     assert httpx.get(f"{served.base_url}{PREFIX}/{theirs}/metrics", headers=bob).status_code == 404
+    assert httpx.get(f"{served.base_url}/metrics", headers=bob).status_code == 404  # its series name every job
+    assert theirs in httpx.get(f"{served.base_url}/metrics", headers=admin).text
     everyone = {row["job_id"] for row in httpx.get(f"{served.base_url}/ui/api/jobs", headers=admin).json()["jobs"]}
     assert {mine, theirs} <= everyone
 
