@@ -18,16 +18,16 @@ from fastapi import Request
 
 from icefloe.protocol import InvalidRequestError, PayloadTooLargeError
 from icefloe.service.middleware import MAX_JSON_BYTES
-from icefloe.service.models import MAX_JSON_DEPTH, check_body
+from icefloe.service.models import MAX_JSON_DEPTH
 
-__all__ = ["Fields", "checkpoint_name", "json_body", "read_off_loop"]
+__all__ = ["Fields", "checkpoint_name", "json_body"]
 
 _ON_LOOP_BYTES = 64 * 1024  # larger bodies are parsed and checked on a worker thread
 _REQUIRED = object()
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
-async def read_off_loop(request: Request) -> bytes:
+async def _read_capped(request: Request) -> bytes:
     """The raw body; :class:`PayloadTooLargeError` past :data:`MAX_JSON_BYTES` for a JSON route."""
     raw = await request.body()
     if len(raw) > MAX_JSON_BYTES:
@@ -39,7 +39,7 @@ async def read_off_loop(request: Request) -> bytes:
 
 async def json_body(request: Request) -> Fields:
     """The body's JSON object as :class:`Fields`; a large one is parsed on a worker thread."""
-    raw = await read_off_loop(request)
+    raw = await _read_capped(request)
     value = await asyncio.to_thread(_parse, raw) if len(raw) > _ON_LOOP_BYTES else _parse(raw)
     if not isinstance(value, dict):
         raise InvalidRequestError(f"the body must be a JSON object; got {type(value).__name__}")
@@ -79,10 +79,6 @@ class Fields:
 
     def name(self, key: str) -> str:
         return f"{self.where}{key}"
-
-    def finite(self) -> None:
-        """Refuse a non-finite number anywhere in the object, naming each (and over-deep nesting)."""
-        check_body(self.value, self.where.rstrip(".") or "body")
 
     def text(self, key: str, default: Any = _REQUIRED, *, max_chars: int = 1024) -> Any:
         value = self._get(key, default, "a string")
