@@ -12,6 +12,8 @@ A trainer and a sampler take as many positions as the model has (its ``max_posit
 A sampling session samples with its model's sampling sub-job, or with a sampling job of its own (a
 base model, or weights saved earlier). ``retrieve_futures`` reports a sampling client's finished
 sample futures in one long-poll, in place of one ``retrieve_future`` long-poll per sample.
+Sessions and runs (models and samplers) are rows of the store as well, each session owned by the
+tenant that made it: what a finished session or a restart drops from memory is still found there.
 """
 
 from __future__ import annotations
