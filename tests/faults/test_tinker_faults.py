@@ -79,6 +79,9 @@ def test_health_answers_while_a_hostile_60_mb_body_is_parsed(served, alice, tmp_
         (f"{served.base_url}/api/v1/forward_backward", hostile, {**key, **PROTO}),
         (f"{served.base_url}/api/v1/telemetry", telemetry, {**key, "Content-Type": "application/json"}),
     ]
+    idle = _health_latencies_during(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2)"]),
+                                    served.base_url)  # fmt: skip
+    print(f"idle: {len(idle)} /health calls, median {statistics.median(idle):.4f} s, max {max(idle):.4f} s")
     for url, body, headers in cases:
         process = _post_in_another_process(url, str(body), headers)
         latencies = _health_latencies_during(process, served.base_url)
@@ -86,8 +89,9 @@ def test_health_answers_while_a_hostile_60_mb_body_is_parsed(served, alice, tmp_
         print(f"{url.rsplit('/', 1)[1]}: {len(latencies)} /health calls, median {statistics.median(latencies):.4f} s, "
               f"max {max(latencies):.4f} s")  # fmt: skip
         assert len(latencies) >= 3  # /health was called while the body went in and was parsed
-        # Before, the loop was stalled for 7-20 s; a loaded 2-core machine may still delay one call a little.
-        assert max(latencies) < 1.0
+        # Before, the loop was stalled for 7-20 s. Typical calls stay under 100 ms; on a loaded 2-core machine
+        # the slowest one may wait for a core (compare the idle line above), so its bound is looser.
+        assert statistics.median(latencies) < 0.1 and max(latencies) < 1.0
         if url.endswith("forward_backward"):
             assert answer["status"] == 400 and "data.0.loss_fn_inputs.weights has shape [3000000, 1]" in answer["text"]
         else:
