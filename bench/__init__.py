@@ -31,15 +31,21 @@ def _synchronize(device: Any) -> None:
 
 
 @contextlib.contextmanager
-def serve(data_dir: Path, *args: str) -> Iterator[str]:
-    """``icefloe serve`` in its own process, as a user runs it (``args``: more flags); yields its base URL."""
+def serve(data_dir: Path, *args: str, threads: int | None = 1) -> Iterator[str]:
+    """``icefloe serve`` in its own process, as a user runs it (``args``: more flags); yields its base URL.
+
+    ``threads``: torch threads of its engine processes; one (the default) matches a benchmark process
+    that computes the same work itself, None leaves torch its default (every core).
+    """
     import httpx
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     command = [sys.executable, "-m", "icefloe.cli", "serve", "--port", str(port), "--data-dir", str(data_dir), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # one torch thread, like the benchmark process: a fair comparison
+    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     base_url = f"http://127.0.0.1:{port}"
     try:

@@ -7,7 +7,11 @@ Every accepted request is read back at the end; ``lost`` counts those not in a f
 must be 0). ``ratio`` = ops/s at the
 largest N ÷ ops/s at the smallest: how throughput holds up as clients multiply.
 
+``--api tinker``: the Tinker SDK's clients instead, then a kill -9 of the service and a restart
+(:mod:`bench.tinker_load`; defaults 16 clients for 60 s).
+
     python -m bench load [--clients 16 64] [--seconds 8]
+    python -m bench load --api tinker [--clients 16] [--seconds 60]
 """
 
 from __future__ import annotations
@@ -106,9 +110,17 @@ def _percentile(samples: list[float], q: float) -> float:
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench load", description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", type=int, nargs="+", default=[16, 64], help="concurrent clients, one run each")
-    parser.add_argument("--seconds", type=float, default=8.0, help="how long each run keeps its clients busy")
+    parser.add_argument("--api", choices=("training", "tinker"), default="training", help="which API the clients use")
+    parser.add_argument("--clients", type=int, nargs="+", default=None, help="concurrent clients, one run each")
+    parser.add_argument("--seconds", type=float, default=None, help="how long each run keeps its clients busy")
     args = parser.parse_args(argv)
+    if args.api == "tinker":
+        from bench.tinker_load import run
+
+        args.clients, args.seconds = args.clients or [16], args.seconds or 60.0
+        run(args)
+        return
+    args.clients, args.seconds = args.clients or [16, 64], args.seconds or 8.0
 
     with (
         tempfile.TemporaryDirectory(prefix="icefloe-bench-") as tmp,

@@ -144,7 +144,11 @@ def main(argv: list[str]) -> None:
     prompts = [[ord(ch) - 31 for ch in f"Q: {i} + {i + 3} = ?"] for i in range(args.prompts)]  # printable ids
 
     def measure(*flags: str, runs: int) -> _Result:
-        with tempfile.TemporaryDirectory(prefix="bench-multilora-") as tmp, serve(Path(tmp), *flags) as url:
+        # Engine processes get torch's default threads: an operator's server uses every core it has.
+        with (
+            tempfile.TemporaryDirectory(prefix="bench-multilora-") as tmp,
+            serve(Path(tmp), *flags, threads=None) as url,
+        ):
             return asyncio.run(_measure(url, runs, prompts, args))
 
     shared = {runs: measure("--slots", "1", runs=runs) for runs in args.runs}

@@ -222,7 +222,11 @@ def serve(
     ] = None,
     token_file: Annotated[
         Path | None,
-        typer.Option(help="File of bearer tokens, one per line (recommended; or set ICEFLOE_SERVE_TOKENS)."),
+        typer.Option(
+            help="File of bearer tokens, one per line (recommended; or set ICEFLOE_SERVE_TOKENS). A line "
+            "'name: token' gives the token to tenant 'name' (each tenant sees only its own work; 'admin' sees all), "
+            "optionally followed by its limits: max_jobs=N max_lora_adapters=N max_slots=N."
+        ),
     ] = None,
     model_root: Annotated[
         Path | None,
@@ -249,6 +253,23 @@ def serve(
     metrics_public: Annotated[
         bool, typer.Option(help="Answer GET /metrics (Prometheus) without the token (a scraper on a trusted network).")
     ] = False,
+    sequence_gap_timeout_s: Annotated[
+        float,
+        typer.Option(
+            min=0.001, help="A numbered call (Icefloe-Sequence, Tinker seq_id) waits this long for a missing one."
+        ),
+    ] = 30.0,
+    public_url: Annotated[
+        str | None,
+        typer.Option(help="The service's URL as callers reach it (a proxy in front); download links are made on it."),
+    ] = None,
+    max_samples_per_request: Annotated[
+        int, typer.Option(min=1, help="Tinker API: most samples one request may ask for (num_samples x prompts).")
+    ] = 1024,
+    max_tokens_per_request: Annotated[
+        int,
+        typer.Option(min=1, help="Tinker API: most tokens one request may hold or generate (datums, or samples)."),
+    ] = 1_048_576,
 ) -> None:
     """Run the training-API service (`icefloe serve`) that remote clients point their base URL at.
 
@@ -272,13 +293,17 @@ def serve(
         settings = ServeSettings.from_env(
             data_dir=data_dir, host=host, port=port, tokens=token or [], token_file=token_file, slots=slots,
             max_adapters=max_adapters, engines=engines, ray_address=address, model_root=model_root,
-            lease_ttl_s=lease_ttl_s, op_deadline_s=op_deadline_s, metrics_public=metrics_public,
+            lease_ttl_s=lease_ttl_s, op_deadline_s=op_deadline_s, metrics_public=metrics_public, public_url=public_url,
+            sequence_gap_timeout_s=sequence_gap_timeout_s,
+            max_samples_per_request=max_samples_per_request, max_tokens_per_request=max_tokens_per_request,
         )  # fmt: skip
         if address is not None and settings.engines != "ray":
             raise ConfigError("--address names a Ray cluster; it needs --engines ray")
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from None
-    auth = f"bearer auth on ({len(settings.tokens)} token(s))" if settings.auth_enabled else "no auth"
+    tenants = {tenant for _, tenant in settings.token_tenants()}
+    auth = f"bearer auth on ({len(settings.token_values())} token(s), {len(tenants)} tenant(s))"
+    auth = auth if settings.auth_enabled else "no auth"
     if not settings.auth_enabled and host not in ("127.0.0.1", "localhost", "::1"):
         console.print(f"[yellow]warning: {host} is reachable from other machines and no --token is set[/yellow]")
     url = escape(base_url(host, port))

@@ -21,6 +21,8 @@ processes::
     ├── ConflictError (RuntimeError)              the call does not fit the job's state or an earlier call
     │   └── SequenceGapError                      a numbered POST waited too long for the one before it
     ├── UnauthenticatedError (PermissionError)    no valid bearer token
+    ├── ForbiddenError (PermissionError)          a browser's cookie sent from another site, without a CSRF token
+    ├── TooManyRequestsError (RuntimeError)       too many failed logins from one address; wait and try again
     ├── PayloadTooLargeError (ValueError)         a POST body over the service's cap
     ├── UnsupportedOpError (NotImplementedError)  the backend has no such op
     ├── RequestFailedError (RuntimeError)         an op failed; ``reason`` + ``category`` user|server
@@ -57,6 +59,7 @@ __all__ = [
     "CODE_NOT_IMPLEMENTED",
     "CODE_PAYLOAD_TOO_LARGE",
     "CODE_SEQUENCE_GAP",
+    "CODE_TOO_MANY_REQUESTS",
     "CODE_UNAUTHENTICATED",
     "CODE_UNAVAILABLE",
     "ENGINE_CALLS",
@@ -104,6 +107,7 @@ __all__ = [
     "ConflictError",
     "EngineCall",
     "ExpiredError",
+    "ForbiddenError",
     "FrameFormatError",
     "IcefloeError",
     "IcefloeTimeoutError",
@@ -116,6 +120,7 @@ __all__ = [
     "RequestFailedError",
     "SamplingParams",
     "SequenceGapError",
+    "TooManyRequestsError",
     "UnauthenticatedError",
     "UnsupportedOpError",
     "WireError",
@@ -246,6 +251,10 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False  # True: only stop / stop_token_ids / max_tokens end a sample
     prompt_logprobs: bool = False  # each result also carries the prompt's log-probs (None at position 0)
     topk_prompt_logprobs: int = Field(0, ge=0)  # k > 0: and the k likeliest tokens at each prompt position
+    # [len(prompt) - 1, K] token ids whose log-probs each result carries, row i scored at prompt position
+    # i + 1; -1 asks for nothing (0.0 comes back there). The torch sampler serves it.
+    target_prompt_logprobs: tuple[tuple[int, ...], ...] | None = None
+    tag: str | None = None  # names the call for the sampling engine's cancel() (the service sets it)
 
     @field_validator("logprobs", mode="before")
     @classmethod
@@ -300,6 +309,7 @@ CODE_FORBIDDEN: Final = "forbidden"
 CODE_PAYLOAD_TOO_LARGE: Final = "payload_too_large"
 CODE_NOT_IMPLEMENTED: Final = "not_implemented"
 CODE_UNAVAILABLE: Final = "unavailable"
+CODE_TOO_MANY_REQUESTS: Final = "too_many_requests"
 CODE_INTERNAL: Final = "internal"
 CODE_SEQUENCE_GAP: Final = "sequence_gap"
 CODE_CHUNK_GROUP_RESTART_REQUIRED: Final = "chunk_group_restart_required"
@@ -381,6 +391,14 @@ class SequenceGapError(ConflictError):
 
 class UnauthenticatedError(IcefloeError, PermissionError):
     """The call carries no bearer token the service accepts."""
+
+
+class ForbiddenError(IcefloeError, PermissionError):
+    """The caller is known but may not make this call: a cookie-authenticated change sent from another origin."""
+
+
+class TooManyRequestsError(IcefloeError, RuntimeError):
+    """Too many attempts (failed dashboard logins) from one address; the message says how long to wait."""
 
 
 class PayloadTooLargeError(IcefloeError, ValueError):

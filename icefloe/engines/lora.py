@@ -82,6 +82,7 @@ class SharedBase:
         self.tokenizer = tokenizer
         self.device = next(base.parameters()).device
         self._kinds = _linear_kinds(base)  # before peft wraps it: its own layers are Linear too
+        self.cancelled: set[str] = set()  # tags of generate calls to stop (its samplers' SamplingEngine.cancel)
         self.model: Any = base  # the peft model once an adapter exists
         self._configs: dict[str, LoraConfig] = {}
         self._trainable: set[str] = set()

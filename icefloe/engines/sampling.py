@@ -112,6 +112,9 @@ class SamplingEngine:
         self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
         self._generator = torch.Generator().manual_seed(config.seed)
         self._asleep = False
+        # Tags whose rows stop at their next decode step (see cancel()); the samplers of one base share
+        # the set, since any of them may decode the others' rows.
+        self._cancelled: set[str] = shared.cancelled if shared is not None else set()
         self.policy_version = 0
 
     @property
@@ -129,7 +132,8 @@ class SamplingEngine:
             params: one :class:`SamplingParams` for all prompts, or one per prompt.
 
         Returns:
-            ``[{token_ids, text, finish_reason: "stop"|"length", logprobs?, policy_version}]``.
+            ``[{token_ids, text, finish_reason: "stop"|"length", logprobs?, policy_version}]``
+            (``cancelled`` for the rows of a call :meth:`cancel` stopped).
 
         Raises:
             InvalidRequestError: a prompt is empty, holds an unknown id, or leaves no room below
@@ -154,18 +158,21 @@ class SamplingEngine:
     def _finish(self, rows: list[_Row], version: int) -> list[dict[str, Any]]:
         """The results of decoded rows, with the prompt log-probs their params ask for."""
         results = [self._result(row, version) for row in rows]
-        scored: dict[tuple[tuple[int, ...], int], tuple[list[float | None], list[Any]]] = {}
+        scored: dict[tuple[Any, ...], tuple[list[float | None], list[Any], list[list[float]] | None]] = {}
         for row, result in zip(rows, results, strict=True):
-            k = row.params.topk_prompt_logprobs
-            if row.params.prompt_logprobs or k:
-                key = (tuple(row.prompt_ids), k)
+            params = row.params
+            k, targets = params.topk_prompt_logprobs, params.target_prompt_logprobs
+            if (params.prompt_logprobs or k or targets) and row.finish_reason != "cancelled":
+                key = (tuple(row.prompt_ids), k, targets)
                 if key not in scored:
-                    scored[key] = self._prompt_logprobs(row.prompt_ids, k)
-                logprobs, topk = scored[key]
-                if row.params.prompt_logprobs:
+                    scored[key] = self._prompt_logprobs(row.prompt_ids, k, targets)
+                logprobs, topk, targeted = scored[key]
+                if params.prompt_logprobs:
                     result["prompt_logprobs"] = logprobs
                 if k:
                     result["topk_prompt_logprobs"] = topk
+                if targets:
+                    result["target_prompt_logprobs"] = targeted
         return results
 
     @functools.cached_property
@@ -181,10 +188,18 @@ class SamplingEngine:
         )
         return default_token_budget(per_token, self.device, floor=self.config.max_seq_len, capped=False)
 
+    def cancel(self, tags: Sequence[str]) -> None:
+        """Stop the rows of the calls tagged so (``SamplingParams.tag``) at their next decode step, or as
+        soon as their generate starts; they end with ``finish_reason`` ``cancelled``. Thread-safe."""
+        self._cancelled.update(tags)
+
     @torch.no_grad()
-    def _prompt_logprobs(self, ids: list[int], k: int) -> tuple[list[float | None], list[Any]]:
-        """log π(prompt[i] | prompt[:i]) for every position, and (k > 0) the k likeliest
-        ``[token, logprob]`` pairs there, likeliest first; position 0 has no context (None)."""
+    def _prompt_logprobs(
+        self, ids: list[int], k: int, targets: tuple[tuple[int, ...], ...] | None
+    ) -> tuple[list[float | None], list[Any], list[list[float]] | None]:
+        """log π(prompt[i] | prompt[:i]) for every position, (k > 0) the k likeliest ``[token, logprob]``
+        pairs there, likeliest first (position 0 has no context: None), and the log-probs of the
+        ``targets`` ids (row i at position i + 1; -1: 0.0)."""
         input_1P = torch.tensor([ids], device=self.device)
         logits_PV = self._forward(self.adapter, input_ids=input_1P, use_cache=False).logits[0, :-1].float()
         all_PV = torch.log_softmax(logits_PV, dim=-1)
@@ -194,7 +209,17 @@ class SamplingEngine:
             values_PK, tokens_PK = all_PV.topk(min(k, all_PV.shape[-1]), dim=-1)
             pairs = zip(tokens_PK.tolist(), values_PK.tolist(), strict=True)
             topk = [None, *([list(p) for p in zip(t, v, strict=True)] for t, v in pairs)]
-        return [None, *logprobs_P.tolist()], topk
+        targeted = None
+        if targets:
+            wanted_PK = torch.tensor(targets, dtype=torch.long, device=self.device)
+            if wanted_PK.shape[0] != len(ids) - 1 or wanted_PK.min() < -1 or wanted_PK.max() >= self.vocab_size:
+                raise InvalidRequestError(
+                    f"target_prompt_logprobs must be [{len(ids) - 1}, K] token ids in [0, {self.vocab_size}) or -1; "
+                    f"got {wanted_PK.shape[0]} rows of ids from {int(wanted_PK.min())} to {int(wanted_PK.max())}"
+                )
+            scored_PK = all_PV.gather(-1, wanted_PK.clamp_min(0))
+            targeted = torch.where(wanted_PK >= 0, scored_PK, torch.zeros_like(scored_PK)).tolist()
+        return [None, *logprobs_P.tolist()], topk, targeted
 
     def _params_per_prompt(
         self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams]
@@ -264,11 +289,14 @@ class SamplingEngine:
             )  # fmt: skip
             tokens_B, logprobs_B = sampler.sample(out.logits[:, -1].float(), uniform_BT[:, step])
             keep = []
+            cancelled = self._cancelled
             for b, (token, logprob) in enumerate(zip(tokens_B.tolist(), logprobs_B.tolist(), strict=True)):
                 row = rows[live[b]]
                 row.token_ids.append(token)
                 row.logprobs.append(logprob)
-                if not self._finished(row, stops[live[b]]):
+                if cancelled and row.params.tag in cancelled:
+                    row.finish_reason = "cancelled"
+                elif not self._finished(row, stops[live[b]]):
                     keep.append(b)
             if not keep:
                 break
@@ -397,8 +425,12 @@ def generate_together(
         raise ValueError("generate_together needs samplers that share one base model")
     planned = [(engine, engine._plan(prompts, params), engine.policy_version) for engine, prompts, params in calls]
     rows = [row for _, call_rows, _ in planned for row in call_rows]
-    for chunk in decode_batches(rows, first.config.sampling.max_batch_size, first.token_budget):
-        first._decode(chunk)
+    try:
+        for chunk in decode_batches(rows, first.config.sampling.max_batch_size, first.token_budget):
+            first._decode(chunk)
+    finally:
+        for engine, call_rows, _ in planned:
+            engine._cancelled.difference_update(row.params.tag for row in call_rows)
     return [engine._finish(call_rows, version) for engine, call_rows, version in planned]
 
 
@@ -508,9 +540,10 @@ class VLLMSamplingEngine:
         self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams]
     ) -> list[dict[str, Any]]:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if any(p.prompt_logprobs or p.topk_prompt_logprobs for p in per_prompt):
+        if any(p.prompt_logprobs or p.topk_prompt_logprobs or p.target_prompt_logprobs for p in per_prompt):
             raise InvalidRequestError(
-                "prompt_logprobs and topk_prompt_logprobs are served by the torch sampler only; sample on CPU for them"
+                "prompt_logprobs, topk_prompt_logprobs and target_prompt_logprobs are served by the torch sampler "
+                "only; sample on CPU for them"
             )
         inputs = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]
         vllm_params = [self._vllm_params(p) for p in per_prompt]
@@ -536,6 +569,10 @@ class VLLMSamplingEngine:
                     ]
                 results.append(result)
         return results
+
+    def cancel(self, tags: Sequence[str]) -> None:
+        """A started vLLM generate runs to its end: the service's cancel drops only calls not yet started."""
+        del tags
 
     def _vllm_params(self, params: SamplingParams) -> Any:
         return self._vllm.SamplingParams(

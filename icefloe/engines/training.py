@@ -22,6 +22,7 @@ import shutil
 import sys
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -59,6 +60,7 @@ __all__ = [
     "CHECKPOINT_KINDS",
     "TrainingEngine",
     "describe_checkpoint",
+    "fwd_bwd_together",
     "optimizer_file_tensors",
     "optimizer_state_from_file",
     "publish_folder",
@@ -229,68 +231,7 @@ class TrainingEngine:
         (``metrics["loss"]`` = ``loss``; ``padding_ratio`` = positions computed ÷ real tokens),
         ``num_tokens`` = Σ loss_mask.
         """
-        self._require_training("fwd_bwd")
-        frame = self._validated(batch, require_context=True)
-        loss_fn = get_loss(frame["processing"]["loss_fn"])
-        loss_config = dict(frame["processing"]["config"])
-        loss_mask_BS = frame["context"]["loss_mask"]
-        num_tokens = int(loss_mask_BS.sum().item())  # CPU tensor: no device sync
-        # Normalisers default to this call's totals, so micro-batches (and rows) all share them.
-        for name, total in (("batch_num_tokens", num_tokens), ("global_batch_size", int(loss_mask_BS.shape[0])),
-                            ("loss_scale_factor", int(loss_mask_BS.shape[1]))):  # fmt: skip
-            if loss_config.get(name) is None:
-                loss_config[name] = total
-        temperature = _temperature(loss_config)
-        entropy_grad = float(loss_config.get("entropy_coeff") or 0.0) != 0.0
-        spans, passes = self._plan(frame)
-
-        # Opt-in extras (the Tinker API's): the per-token log-probs of every row, and a forward-only
-        # pass that scores the loss without touching the gradients.
-        forward_only = bool(loss_config.get("forward_only"))
-        logprobs_BS = torch.zeros(loss_mask_BS.shape) if loss_config.get("return_logprobs") else None
-        shifted = "target_tokens" not in frame["context"]
-        self._set_train_mode(not forward_only)
-        total_loss: Tensor | None = None
-        weighted: dict[str, Tensor | float] = {}
-        for micro in passes:
-            if not micro.rows:
-                self._idle_pass(backward=not forward_only)
-                continue
-            part = cut_micro_batch(frame, micro, spans)
-            part_tokens = float(part["context"]["loss_mask"].sum().item())
-            kwargs = self._to_device(part["kwargs"])
-            context = self._to_device(part["context"])
-            with torch.set_grad_enabled(not forward_only):
-                logits_bWV = self._logits(kwargs, micro.rows)
-                logprobs_bW, entropy_bW = shifted_token_logprobs(
-                    logits_bWV, kwargs["input_ids"], temperature, entropy_requires_grad=entropy_grad,
-                    targets_BS=context.get("target_tokens"),
-                )  # fmt: skip
-                del logits_bWV
-                loss, metrics = loss_fn(logprobs_bW, context=context, config=loss_config, entropy_BS=entropy_bW)
-            if not forward_only:
-                loss.backward()
-            if logprobs_BS is not None:
-                place_rows(logprobs_BS, logprobs_bW.detach().cpu(), micro, spans, shifted=shifted)
-            total_loss = loss.detach() if total_loss is None else total_loss + loss.detach()
-            for name, value in metrics.items():
-                if name != "loss":
-                    weighted[name] = weighted.get(name, 0.0) + _detached(value) * part_tokens
-        assert total_loss is not None  # validate_batch guarantees at least one row
-
-        # One device sync for everything reported.
-        names = sorted(weighted)
-        values = torch.stack([total_loss.float(), *(_as_tensor(weighted[n], total_loss) for n in names)]).tolist()
-        loss_value = values[0]
-        metrics_out = {name: value / max(num_tokens, 1) for name, value in zip(names, values[1:], strict=True)}
-        metrics_out["loss"] = loss_value
-        real_tokens = row_spans(frame).num_tokens  # the spans, also when one pass computes the padding too
-        metrics_out["padding_ratio"] = sum(m.num_positions for m in passes if m.rows) / real_tokens
-        self._last_loss = loss_value
-        result = {"loss": loss_value, "avg_loss": loss_value, "metrics": metrics_out, "num_tokens": num_tokens}
-        if logprobs_BS is not None:
-            result["logprobs"] = logprobs_BS
-        return result
+        return fwd_bwd_together([(self, batch)])[0]
 
     @torch.no_grad()
     def forward(self, batch: Mapping[str, Any], *, reference: bool = False) -> dict[str, Tensor]:
@@ -330,17 +271,25 @@ class TrainingEngine:
             place_rows(entropy_BS, entropy_bW.cpu(), micro, spans, shifted=shifted)
         return {"logprobs": logprobs_BS, "entropy": entropy_BS}
 
-    def _logits(self, kwargs: Mapping[str, Tensor], rows: tuple[int, ...], *, reference: bool = False) -> Tensor:
+    def _logits(
+        self,
+        kwargs: Mapping[str, Tensor],
+        rows: tuple[int, ...],
+        *,
+        reference: bool = False,
+        adapters: list[str] | None = None,
+    ) -> Tensor:
         """The one model call of ``fwd_bwd`` and ``forward``: logits ``[b, W, V]`` of one pass.
 
-        ``rows`` are the pass's rows in the caller's batch (by them, per-row settings reach the model).
+        ``rows`` are the pass's rows in the caller's batch; ``adapters`` names each row's adapter on a
+        shared base (a pass of several runs); ``reference``: the base with this run's adapter off.
         """
-        del rows  # one adapter serves every row; a pass of several runs would name one per row here
+        del rows
         with self._autocast():
             if self.shared is None:
                 return self.model(**kwargs, use_cache=False).logits
-            adapter = BASE_ADAPTER if reference else self.adapter  # reference: the base with this run's adapter off
-            return self.shared.forward(adapter, **kwargs, use_cache=False).logits
+            routed = adapters if adapters is not None else BASE_ADAPTER if reference else self.adapter
+            return self.shared.forward(routed, **kwargs, use_cache=False).logits
 
     def _idle_pass(self, *, backward: bool) -> None:
         """A pass over one token that changes nothing, for a rank that has run out of rows: sharded ranks
@@ -684,6 +633,163 @@ class TrainingEngine:
         if self._autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self._autocast_dtype)
+
+
+@dataclass
+class _Call:
+    """One fwd_bwd call of :func:`fwd_bwd_together`: its checked frame, its loss and what it adds up."""
+
+    engine: TrainingEngine
+    frame: dict[str, Any]
+    loss_fn: Any
+    config: dict[str, Any]
+    num_tokens: int
+    logprobs_BS: Tensor | None  # per-token log-probs, when the call asks for them
+    spans: Spans | None = None
+    total_loss: Tensor | None = None
+    weighted: dict[str, Tensor | float] = field(default_factory=dict)
+    positions: int = 0  # positions its passes computed for it
+
+    @classmethod
+    def of(cls, engine: TrainingEngine, batch: Mapping[str, Any]) -> _Call:
+        engine._require_training("fwd_bwd")
+        frame = engine._validated(batch, require_context=True)
+        config = dict(frame["processing"]["config"])
+        loss_mask_BS = frame["context"]["loss_mask"]
+        num_tokens = int(loss_mask_BS.sum().item())  # CPU tensor: no device sync
+        # Normalisers default to this call's totals, so micro-batches (and rows) all share them.
+        for name, total in (("batch_num_tokens", num_tokens), ("global_batch_size", int(loss_mask_BS.shape[0])),
+                            ("loss_scale_factor", int(loss_mask_BS.shape[1]))):  # fmt: skip
+            if config.get(name) is None:
+                config[name] = total
+        _temperature(config)  # refused now, before any pass
+        # Opt-in extra (the Tinker API's): the per-token log-probs of every row.
+        logprobs_BS = torch.zeros(loss_mask_BS.shape) if config.get("return_logprobs") else None
+        return cls(engine, frame, get_loss(frame["processing"]["loss_fn"]), config, num_tokens, logprobs_BS)
+
+    @property
+    def forward_only(self) -> bool:
+        """Score the loss without touching the gradients (the Tinker API's forward)."""
+        return bool(self.config.get("forward_only"))
+
+    def score(self, logits_bWV: Tensor, part: dict[str, Any], micro: MicroBatch) -> Tensor:
+        """This call's loss over its rows of a pass (``micro`` in its own frame's rows); adds up its outputs."""
+        context = part["context"]
+        entropy_grad = float(self.config.get("entropy_coeff") or 0.0) != 0.0
+        logprobs_bW, entropy_bW = shifted_token_logprobs(
+            logits_bWV, part["kwargs"]["input_ids"], _temperature(self.config), entropy_requires_grad=entropy_grad,
+            targets_BS=context.get("target_tokens"),
+        )  # fmt: skip
+        loss, metrics = self.loss_fn(logprobs_bW, context=context, config=self.config, entropy_BS=entropy_bW)
+        if self.logprobs_BS is not None:
+            assert self.spans is not None
+            shifted = "target_tokens" not in self.frame["context"]
+            place_rows(self.logprobs_BS, logprobs_bW.detach().cpu(), micro, self.spans, shifted=shifted)
+        self.total_loss = loss.detach() if self.total_loss is None else self.total_loss + loss.detach()
+        part_tokens = float(context["loss_mask"].sum().item())
+        for name, value in metrics.items():
+            if name != "loss":
+                self.weighted[name] = self.weighted.get(name, 0.0) + _detached(value) * part_tokens
+        self.positions += micro.num_positions
+        return loss
+
+    def result(self) -> dict[str, Any]:
+        assert self.total_loss is not None  # validate_batch guarantees at least one row
+        # One device sync for everything reported.
+        names = sorted(self.weighted)
+        stacked = [self.total_loss.float(), *(_as_tensor(self.weighted[n], self.total_loss) for n in names)]
+        values = torch.stack(stacked).tolist()
+        loss_value = values[0]
+        metrics = {name: value / max(self.num_tokens, 1) for name, value in zip(names, values[1:], strict=True)}
+        metrics["loss"] = loss_value
+        real_tokens = row_spans(self.frame).num_tokens  # the spans, also when one pass computes the padding too
+        metrics["padding_ratio"] = self.positions / real_tokens
+        self.engine._last_loss = loss_value
+        result = {"loss": loss_value, "avg_loss": loss_value, "metrics": metrics, "num_tokens": self.num_tokens}
+        if self.logprobs_BS is not None:
+            result["logprobs"] = self.logprobs_BS
+        return result
+
+
+def fwd_bwd_together(calls: Sequence[tuple[TrainingEngine, Mapping[str, Any]]]) -> list[dict[str, Any]]:
+    """Run fwd_bwd calls as one set of passes: those of one engine, or of several runs on one shared
+    base, whose rows then go through their own run's adapter in the same forward.
+
+    Each call's loss is taken over its own rows with its own loss and normalisers, and one backward
+    per pass carries each into its own run's adapter only, so every call gets exactly what it gets
+    alone (gradients too; ``tests/engines/test_shared_base.py``). Returns one result per call, as
+    :meth:`TrainingEngine.fwd_bwd` returns it.
+
+    Raises:
+        InvalidRequestError: a call's batch is invalid (nothing has run then).
+        ValueError: the calls' engines share no base, or their batches cannot share passes
+            (different context keys, or forward-only mixed with training); run them one by one.
+    """
+    first = calls[0][0]
+    prepared = [_Call.of(engine, batch) for engine, batch in calls]
+    if any(
+        c.engine is not first and (c.engine.shared is None or c.engine.shared is not first.shared) for c in prepared
+    ):
+        raise ValueError("fwd_bwd_together needs calls of one engine, or of runs that share one base")
+    if len({c.forward_only for c in prepared}) > 1 or len({frozenset(c.frame["context"]) for c in prepared}) > 1:
+        raise ValueError("fwd_bwd_together needs calls with the same context keys, all forward-only or none")
+    frame, owner_B, offset = _stacked([c.frame for c in prepared])
+    for call in prepared:
+        call.spans = row_spans(call.frame)
+    spans, passes = first._plan(frame)
+    forward_only = prepared[0].forward_only
+    first._set_train_mode(not forward_only)
+    for micro in passes:
+        if not micro.rows:
+            first._idle_pass(backward=not forward_only)
+            continue
+        part = cut_micro_batch(frame, micro, spans)
+        kwargs, context = first._to_device(part["kwargs"]), first._to_device(part["context"])
+        owners = [owner_B[row] for row in micro.rows]
+        with torch.set_grad_enabled(not forward_only):
+            adapters = [prepared[owner].engine.adapter for owner in owners]
+            logits_bWV = first._logits(kwargs, micro.rows, adapters=adapters)
+            total: Tensor | None = None
+            for owner in dict.fromkeys(owners):  # each call's rows of the pass, in its own row order
+                mine = [i for i, o in enumerate(owners) if o == owner]
+                own_micro = MicroBatch(tuple(micro.rows[i] - offset[owner] for i in mine), micro.width)
+                if len(mine) == len(owners):  # the whole pass is this call's
+                    own, own_logits = {"kwargs": kwargs, "context": context}, logits_bWV
+                else:
+                    index = torch.tensor(mine, device=logits_bWV.device)
+                    own = {section: {k: v[index] for k, v in values.items()}
+                           for section, values in (("kwargs", kwargs), ("context", context))}  # fmt: skip
+                    own_logits = logits_bWV[index]
+                loss = prepared[owner].score(own_logits, own, own_micro)
+                total = loss if total is None else total + loss
+            del logits_bWV
+        if not forward_only and total is not None:
+            total.backward()
+    return [call.result() for call in prepared]
+
+
+def _stacked(frames: list[dict[str, Any]]) -> tuple[dict[str, Any], list[int], list[int]]:
+    """The frames' rows in one frame (right-padded to the widest: padding changes no span), each
+    row's frame, and each frame's first row."""
+    if len(frames) == 1:
+        return frames[0], [0] * frames[0]["kwargs"]["input_ids"].shape[0], [0]
+    width = max(f["kwargs"]["input_ids"].shape[1] for f in frames)
+
+    def padded(tensor: Tensor, own_width: int) -> Tensor:
+        if tensor.dim() < 2 or tensor.shape[1] != own_width:  # a per-row extra
+            return tensor
+        return torch.nn.functional.pad(tensor, (0, 0) * (tensor.dim() - 2) + (0, width - own_width))
+
+    def joined(section: str) -> dict[str, Tensor]:
+        return {
+            name: torch.cat([padded(f[section][name], f["kwargs"]["input_ids"].shape[1]) for f in frames])
+            for name in frames[0][section]
+        }
+
+    sizes = [f["kwargs"]["input_ids"].shape[0] for f in frames]
+    owner_B = [owner for owner, size in enumerate(sizes) for _ in range(size)]
+    offset = [sum(sizes[:owner]) for owner in range(len(frames))]
+    return {"kwargs": joined("kwargs"), "context": joined("context")}, owner_B, offset
 
 
 def _enable_activation_checkpointing(model: torch.nn.Module) -> None:

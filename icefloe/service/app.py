@@ -25,6 +25,7 @@ from icefloe.service.errors import install_error_handlers
 from icefloe.service.joblog import TokenRedactor
 from icefloe.service.jobs import JobManager
 from icefloe.service.lifecycle import fail_interrupted_jobs
+from icefloe.service.logins import Logins
 from icefloe.service.middleware import BodyLimit, IdempotencyKeys, JsonBodies, RequireToken
 from icefloe.service.placement import SlotPool
 from icefloe.service.routes import capabilities, checkpoints, compute, jobs, metrics, operations, requests
@@ -32,6 +33,7 @@ from icefloe.service.routes.ui import install_ui
 from icefloe.service.sequencing import SubmitOrder
 from icefloe.service.settings import ServeSettings
 from icefloe.service.store import Database, DataDirInUse, lock_data_dir, purge_expired
+from icefloe.service.tenants import Tenancy
 from icefloe.service.tinker import install_tinker
 
 __all__ = ["ServerThread", "base_url", "create_app", "serve"]
@@ -84,6 +86,10 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     app.state.settings = settings
     app.state.db = db
     app.state.jobs = manager
+    app.state.tenancy = Tenancy(settings, db)
+    app.state.logins = Logins(
+        ttl_s=settings.ui_session_ttl_s, max_failures_per_minute=settings.max_failed_logins_per_minute
+    )
     unlock = weakref.finalize(app, os.close, lock_fd)  # at lifespan exit, or when an app never run is dropped
     install_error_handlers(app)
     app.add_api_route("/health", _health, methods=["GET"], tags=["health"])  # open: see middleware.OPEN_PATH
@@ -104,7 +110,8 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     app.add_middleware(IdempotencyKeys, db=db, settings=settings)
     app.add_middleware(Batches)  # each part of a batch runs through the layers above, as if it came alone
     app.add_middleware(BodyLimit, max_bytes=settings.max_post_bytes)  # refuse before buffering
-    app.add_middleware(RequireToken, settings=settings)  # outermost: nothing is read before the token passes
+    # Outermost: nothing is read before the token (or the dashboard session) passes.
+    app.add_middleware(RequireToken, settings=settings, logins=app.state.logins)
     _redact(redactor, on=True)
     return app
 

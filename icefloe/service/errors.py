@@ -31,12 +31,17 @@ _STATUS_AND_CODE = (
     (p.PayloadTooLargeError, 413, p.CODE_PAYLOAD_TOO_LARGE),
     (p.InvalidRequestError | p.ConfigError | p.WireError, 400, p.CODE_INVALID_ARGUMENT),
     (p.UnauthenticatedError, 401, p.CODE_UNAUTHENTICATED),
+    (p.ForbiddenError, 403, p.CODE_FORBIDDEN),
+    (p.TooManyRequestsError, 429, p.CODE_TOO_MANY_REQUESTS),
     (p.ExpiredError, 410, p.CODE_NOT_FOUND),
     (p.NotFoundError, 404, p.CODE_NOT_FOUND),
     (p.ConflictError | p.JobFailedError | p.ClientClosedError, 409, p.CODE_CONFLICT),  # the job stopped under the call
     (p.UnsupportedOpError, 501, p.CODE_NOT_IMPLEMENTED),
 )
 _CODE_BY_STATUS = {401: p.CODE_UNAUTHENTICATED, 404: p.CODE_NOT_FOUND}
+# The tinker SDK retries every 409 for up to two hours: the Tinker API answers its conflicts (a finished
+# session, a stopped job, a tenant's limit) as 400, which it reports at once.
+_TINKER_PREFIX = "/api/v1/"
 
 
 def status_and_body(exc: Exception) -> tuple[int, dict[str, Any]]:
@@ -72,7 +77,7 @@ def _validation_message(exc: RequestValidationError) -> str:
 def install_error_handlers(app: FastAPI) -> None:
     """Register the handlers so every error leaves as ``{code, message}`` with its status."""
 
-    async def _error(_request: Request, exc: Exception) -> JSONResponse:
+    async def _error(request: Request, exc: Exception) -> JSONResponse:
         if isinstance(exc, StarletteHTTPException):  # the framework's own: unknown paths, wrong methods
             fallback = p.CODE_INTERNAL if exc.status_code >= 500 else p.CODE_INVALID_ARGUMENT
             body = {"code": _CODE_BY_STATUS.get(exc.status_code, fallback), "message": str(exc.detail)}
@@ -80,6 +85,8 @@ def install_error_handlers(app: FastAPI) -> None:
         if isinstance(exc, RequestValidationError):
             return JSONResponse({"code": p.CODE_INVALID_ARGUMENT, "message": _validation_message(exc)}, status_code=400)
         status, body = status_and_body(exc)
+        if status == 409 and request.url.path.startswith(_TINKER_PREFIX):
+            status = 400
         return JSONResponse(body, status_code=status)
 
     # Exception: a bug; Starlette answers with this handler, then re-raises.

@@ -33,7 +33,7 @@ from icefloe.service.specs import SubJobSpec
 if TYPE_CHECKING:
     from icefloe.service.jobs import LiveJob
 
-__all__ = ["HostFailed", "HostKey", "HostPool", "ModelHost", "shared_base_key"]
+__all__ = ["HostFailed", "HostKey", "HostPool", "ModelHost", "own_slots", "shared_base_key"]
 
 _log = logging.getLogger("icefloe.service.hosts")
 _SHARED_WORKER = "shared"
@@ -80,6 +80,12 @@ def shared_base_key(specs: list[SubJobSpec], engines: str) -> HostKey | None:
     if not tiny and _has_dropout(Path(first.model)):
         return None
     return HostKey(first.model, first.seed if tiny else 0, first.dtype)
+
+
+def own_slots(specs: list[SubJobSpec], engines: str) -> int:
+    """The slots a job holds by itself (what a tenant's ``max_slots`` counts): none for a LoRA job on a
+    shared base, whose host's one slot is everyone's on it."""
+    return 0 if shared_base_key(specs, engines) is not None else sum(s.num_slots for s in specs)
 
 
 def _has_dropout(folder: Path) -> bool:

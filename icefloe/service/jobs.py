@@ -46,7 +46,7 @@ from icefloe.service.process_host import EngineProcessDied
 from icefloe.service.requests import RequestTable
 from icefloe.service.results import JsonText, ResultPages, json_text, wants_dssst1
 from icefloe.service.runtime import JobEngines
-from icefloe.service.settings import ServeSettings
+from icefloe.service.settings import SHARED_TENANT, ServeSettings
 from icefloe.service.specs import SubJobSpec, sub_job_specs
 
 __all__ = ["JobManager", "LiveJob", "job_type_named"]
@@ -131,7 +131,7 @@ class JobManager:
         self._closing = threading.Event()
 
     # --- lifecycle ----------------------------------------------------------------------------
-    def create(self, body: JobCreate, *, database: str, schema: str) -> str:
+    def create(self, body: JobCreate, *, database: str, schema: str, owner: str = SHARED_TENANT) -> str:
         job_id = body.job_id or str(uuid.uuid4())
         taken = ConflictError(f"job {job_id} already exists; omit job_id to get a fresh one")
         if store.get_job(self.db, job_id=job_id) is not None:
@@ -156,8 +156,9 @@ class JobManager:
                 for s in specs
             ],
             "warnings": [warning for s in specs for warning in s.warnings],
+            "num_slots": 0 if base_key is not None else num_slots,  # what a tenant's max_slots counts (own_slots)
         }
-        if not store.insert_job(self.db, job_id=job_id, status="pending", spec=record):
+        if not store.insert_job(self.db, job_id=job_id, status="pending", spec=record, owner=owner):
             raise taken
         job_dir = self.settings.job_dir(job_id)
         log = JobLog(job_dir / "logs", [s.sub_job_id for s in specs])
@@ -339,9 +340,10 @@ class JobManager:
                 answer["reason"] = f"waiting for {slots}, {ahead} job(s) ahead"
         return answer
 
-    def list_public(self, status: str | None) -> list[dict[str, Any]]:
+    def list_public(self, status: str | None, *, owner: str | None = None) -> list[dict[str, Any]]:
+        """Jobs in ``status`` (any: None) owned by ``owner`` (anyone: None)."""
         wanted = normalize_job_state(status) if status else None
-        answers = [self._public(r) for r in store.list_jobs(self.db, status=wanted)]
+        answers = [self._public(r) for r in store.list_jobs(self.db, status=wanted, owner=owner)]
         for answer in answers:
             job = self._live.get(answer["job_id"])
             if job is not None and job.host is not None:

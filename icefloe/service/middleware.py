@@ -1,5 +1,5 @@
-"""The pure-ASGI layers in front of the routes: the bearer token, the body-size cap, ``Idempotency-Key``
-replay and the JSON-body bounds.
+"""The pure-ASGI layers in front of the routes: the bearer token (or a dashboard login) and its tenant,
+the body-size cap, ``Idempotency-Key`` replay and the JSON-body bounds.
 
 The token is checked first, from the headers alone, so an unauthenticated request never has its
 body read or parsed and never reaches a later layer (the ``Icefloe-Sequence`` order among them).
@@ -23,27 +23,37 @@ from starlette.requests import cookie_parser
 from starlette.responses import RedirectResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from icefloe.protocol import ConflictError, InvalidRequestError, PayloadTooLargeError, UnauthenticatedError
+from icefloe.protocol import (
+    ConflictError,
+    ForbiddenError,
+    InvalidRequestError,
+    PayloadTooLargeError,
+    UnauthenticatedError,
+)
 from icefloe.service import store
 from icefloe.service.errors import send_error
+from icefloe.service.logins import SESSION_COOKIE, Logins
 from icefloe.service.models import parse_json_body
-from icefloe.service.settings import ServeSettings
+from icefloe.service.settings import SHARED_TENANT, ServeSettings
 
 __all__ = [
     "CALLER_SCOPE_KEY",
     "OPEN_PATH",
     "OPEN_PREFIX",
     "PAT_TOKEN_TYPE",
-    "TOKEN_COOKIE",
+    "TENANT_SCOPE_KEY",
     "BodyLimit",
     "IdempotencyKeys",
     "JsonBodies",
     "Recorder",
     "RequireToken",
+    "caller_of",
     "header",
+    "matching_token",
     "note_acceptance",
     "read_body",
     "replaying",
+    "tenant_of",
 ]
 
 PAT_TOKEN_TYPE = "PROGRAMMATIC_ACCESS_TOKEN"
@@ -52,10 +62,14 @@ OPEN_PATH, OPEN_PREFIX = "/health", "/files/"
 TINKER_PREFIX = "/api/v1/"  # the Tinker API: its token comes as X-API-Key
 # The dashboard's login form and its static files (no data in them) are open; its pages and data need the token.
 UI_OPEN_PATHS, UI_OPEN_PREFIX = ("/ui/login",), "/ui/static/"
-TOKEN_COOKIE = "icefloe_token"  # set by the login form (HttpOnly); accepted like the Authorization header
 CALLER_SCOPE_KEY = "icefloe.caller"  # set by RequireToken: a hash of the caller's token (absent = '', no auth)
+TENANT_SCOPE_KEY = "icefloe.tenant"  # set by RequireToken: the caller's tenant (absent: the shared one, no auth)
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 _CHECK_ON_LOOP_BYTES = 64 * 1024  # larger JSON bodies are checked on a worker thread
+# Parsing JSON holds the GIL however it is run (a 15 MB array of ints took 0.2 s), so a larger body
+# would stall every request: none of either API's JSON bodies comes near it.
+MAX_JSON_BYTES = 4 * 1024 * 1024
 
 _IDEMPOTENCY_HEADER = b"idempotency-key"
 _MAX_KEY_LENGTH = 255
@@ -136,8 +150,18 @@ class Recorder:
         return b"".join(self.parts)
 
 
-def _authenticate(settings: ServeSettings, authorization: str | None, token_type: str | None) -> str:
-    """The configured token the caller presented; :class:`UnauthenticatedError` otherwise.
+def caller_of(token: str) -> str:
+    """How a caller is recorded: a hash of its token, never the token."""
+    return hashlib.sha256(b"icefloe-caller\0" + token.encode()).hexdigest()
+
+
+def tenant_of(scope: Scope) -> str:
+    """The tenant of a request (the shared one when auth is off)."""
+    return scope.get(TENANT_SCOPE_KEY, SHARED_TENANT)
+
+
+def _authenticate(tokens: list[tuple[str, str]], authorization: str | None, token_type: str | None) -> tuple[str, str]:
+    """The configured (token, tenant) the caller presented; :class:`UnauthenticatedError` otherwise.
 
     Accepts ``Authorization: Bearer <token>``, optionally with the PAT form's
     ``X-Snowflake-Authorization-Token-Type: PROGRAMMATIC_ACCESS_TOKEN``.
@@ -147,19 +171,19 @@ def _authenticate(settings: ServeSettings, authorization: str | None, token_type
         raise UnauthenticatedError("missing bearer token; send 'Authorization: Bearer <token>'")
     if token_type not in (None, PAT_TOKEN_TYPE):
         raise UnauthenticatedError(f"X-Snowflake-Authorization-Token-Type must be {PAT_TOKEN_TYPE} when sent")
-    matched = matching_token(settings, presented.strip())
+    matched = matching_token(tokens, presented.strip())
     if matched is None:
         raise UnauthenticatedError("the bearer token is not valid for this service")
     return matched
 
 
-def matching_token(settings: ServeSettings, presented: str) -> str | None:
-    """The configured token equal to ``presented``, or None; every token is compared, so the time
-    taken says nothing about which one matched."""
+def matching_token(tokens: list[tuple[str, str]], presented: str) -> tuple[str, str] | None:
+    """The (token, tenant) among ``tokens`` whose token equals ``presented``, or None; every token is
+    compared, so the time taken says nothing about which one matched."""
     matched = None
-    for token in settings.token_values():
-        if hmac.compare_digest(presented.encode(), token.encode()):
-            matched = token
+    for pair in tokens:
+        if hmac.compare_digest(presented.encode(), pair[0].encode()):
+            matched = pair
     return matched
 
 
@@ -168,38 +192,68 @@ class RequireToken:
 
     Every path needs the token but :data:`OPEN_PATH` and :data:`OPEN_PREFIX` (the API docs and their
     assets included), the dashboard's login form and static files, and ``/metrics`` when
-    ``settings.metrics_public``. A browser may send the token as the :data:`TOKEN_COOKIE` cookie
-    instead of the header; a dashboard page without it is redirected to the login form. The refusal
-    closes the connection, since the body it did not read cannot be skipped. An accepted caller is
-    recorded in the scope as a hash of its token (:data:`CALLER_SCOPE_KEY`), which the later layers
-    scope their records by; with auth off every caller is ``''``.
+    ``settings.metrics_public``. A browser that logged in to the dashboard sends the cookie of its
+    session (:mod:`icefloe.service.logins`) instead of a token; a dashboard page without one is
+    redirected to the login form. A change (any method but GET / HEAD / OPTIONS) that only the
+    cookie authenticates must come from the service's own origin (its ``Origin`` header) or carry the
+    session's CSRF token (``X-CSRF-Token``): a page elsewhere, on another port of the same host
+    included, cannot act through the cookie. The refusal closes the connection, since the body it
+    did not read cannot be skipped. An accepted caller is recorded in the scope as a hash of its
+    token (:data:`CALLER_SCOPE_KEY`), which the later layers scope their records by, and its tenant
+    (:data:`TENANT_SCOPE_KEY`); with auth off every caller is ``''`` of the shared tenant.
     """
 
-    def __init__(self, app: ASGIApp, *, settings: ServeSettings) -> None:
+    def __init__(self, app: ASGIApp, *, settings: ServeSettings, logins: Logins) -> None:
         self.app = app
         self.settings = settings
+        self.logins = logins
+        self._tokens = settings.token_tenants()
+        self._public_origin = settings.public_url.split("/", 3)[:3] if settings.public_url else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"] if scope["type"] == "http" else ""
         if scope["type"] == "http" and self.settings.auth_enabled and not self._is_open(path):
-            authorization = header(scope, b"authorization")
-            api_key = header(scope, b"x-api-key") if path.startswith(TINKER_PREFIX) else None
-            if authorization is None and api_key is not None:  # the Tinker SDK sends its key so
-                authorization = b"Bearer " + api_key
-            if authorization is None and (cookies := header(scope, b"cookie")):  # a browser after the login form
-                cookie = cookie_parser(cookies.decode("latin-1")).get(TOKEN_COOKIE)
-                authorization = b"Bearer " + cookie.encode("latin-1") if cookie else None
-            token_type = header(scope, b"x-snowflake-authorization-token-type")
             try:
-                token = _authenticate(self.settings, _text(authorization), _text(token_type))
-            except UnauthenticatedError as refused:
-                if path == "/ui" or (path.startswith("/ui/") and not path.startswith("/ui/api/")):
+                scope[CALLER_SCOPE_KEY], scope[TENANT_SCOPE_KEY] = self._caller(scope, path)
+            except (UnauthenticatedError, ForbiddenError) as refused:
+                if isinstance(refused, UnauthenticatedError) and _is_page(path):
                     await RedirectResponse("/ui/login", 303)(scope, receive, send)  # a dashboard page: log in
                 else:
                     await send_error(scope, receive, send, refused, close=True)
                 return
-            scope[CALLER_SCOPE_KEY] = hashlib.sha256(b"icefloe-caller\0" + token.encode()).hexdigest()
         await self.app(scope, receive, send)
+
+    def _caller(self, scope: Scope, path: str) -> tuple[str, str]:
+        """(caller, tenant) of the request, from its token, or else from its dashboard session."""
+        authorization = header(scope, b"authorization")
+        api_key = header(scope, b"x-api-key") if path.startswith(TINKER_PREFIX) else None
+        if authorization is None and api_key is not None:  # the Tinker SDK sends its key so
+            authorization = b"Bearer " + api_key
+        if authorization is None and (cookies := header(scope, b"cookie")):  # a browser after the login form
+            session_id = cookie_parser(cookies.decode("latin-1")).get(SESSION_COOKIE)
+            session = self.logins.get(session_id) if session_id else None
+            if session is not None:
+                if scope["method"] not in _SAFE_METHODS and not self._same_origin(scope, session.csrf_token):
+                    raise ForbiddenError(
+                        "a change made through the dashboard's login cookie must come from the dashboard's own page "
+                        "(its Origin) or carry its X-CSRF-Token; send the token in an Authorization header instead"
+                    )
+                return session.caller, session.tenant
+        token_type = header(scope, b"x-snowflake-authorization-token-type")
+        token, tenant = _authenticate(self._tokens, _text(authorization), _text(token_type))
+        return caller_of(token), tenant
+
+    def _same_origin(self, scope: Scope, csrf_token: str) -> bool:
+        sent_token = header(scope, b"x-csrf-token")
+        if sent_token is not None and hmac.compare_digest(sent_token, csrf_token.encode()):
+            return True
+        origin = header(scope, b"origin")
+        if origin is None:
+            return False
+        if self._public_origin is not None:
+            return origin.decode("latin-1") == "/".join(self._public_origin)
+        host = header(scope, b"host")
+        return host is not None and origin == f"{scope.get('scheme', 'http')}://".encode() + host
 
     def _is_open(self, path: str) -> bool:
         return (
@@ -208,6 +262,10 @@ class RequireToken:
             or path in UI_OPEN_PATHS
             or (path == "/metrics" and self.settings.metrics_public)
         )
+
+
+def _is_page(path: str) -> bool:
+    return path == "/ui" or (path.startswith("/ui/") and not path.startswith("/ui/api/"))
 
 
 class BodyLimit:
@@ -329,10 +387,13 @@ def _text(raw: bytes | None) -> str | None:
 
 
 class JsonBodies:
-    """400 for a JSON body nested too deeply or holding a non-finite number, before a route parses it.
+    """400 for a JSON body nested too deeply or holding a non-finite number, before a route parses it;
+    413 for one over :data:`MAX_JSON_BYTES`, before it is parsed at all.
 
     The routes' models cannot refuse either: ``1e400`` parses as infinity, and a body nested a few
     hundred levels deep breaks the framework's own encoders (a 500). See :func:`parse_json_body`.
+    The Tinker API's routes check their bodies themselves (only the size is checked here): a refused
+    op must still use up its ``seq_id``, which only the route can read.
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -342,13 +403,21 @@ class JsonBodies:
         if scope["type"] != "http" or scope["method"] not in _BODY_METHODS or not _is_json(scope):
             await self.app(scope, receive, send)
             return
-        body = await read_body(receive)
+        try:
+            body = await read_body(receive, MAX_JSON_BYTES)
+        except PayloadTooLargeError:
+            refused = PayloadTooLargeError(
+                f"a JSON body is at most {MAX_JSON_BYTES} bytes here; send tensors as binary frames (octet-stream)"
+            )
+            await send_error(scope, receive, send, refused, close=True)
+            return
         if body is None:
             return
+        checked_by_route = scope["path"].startswith(TINKER_PREFIX)
         try:
-            if len(body) > _CHECK_ON_LOOP_BYTES:
+            if len(body) > _CHECK_ON_LOOP_BYTES and not checked_by_route:
                 await asyncio.to_thread(parse_json_body, body)
-            elif body:
+            elif body and not checked_by_route:
                 parse_json_body(body)
         except InvalidRequestError as refused:
             await send_error(scope, receive, send, refused)

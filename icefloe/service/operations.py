@@ -93,7 +93,10 @@ def _submit_decoded(
     else:
         assert sub_job_id is not None
         run = _engine_call(job, op, payload, sub_job_id, reference)
-        request_id = manager.submit(job, sub_job_id, op, run, op_metadata=op_metadata)
+        if isinstance(run, Training):
+            request_id = submit_training(manager, job, run, op_metadata=op_metadata)
+        else:
+            request_id = manager.submit(job, sub_job_id, op, run, op_metadata=op_metadata)
     return {"request_id": request_id, "job_id": job.job_id}
 
 
@@ -112,7 +115,7 @@ def forward_target(
     return target, False
 
 
-def _engine_call(job: LiveJob, op: str, payload: Any, sub_job_id: str, reference: bool) -> Callable[[], Any]:
+def _engine_call(job: LiveJob, op: str, payload: Any, sub_job_id: str, reference: bool) -> Callable[[], Any] | Training:
     """The engine call a forward or forward-backward body asks for, validated before it is queued."""
     from icefloe.engines.batch import validate_batch
 
@@ -128,12 +131,36 @@ def _engine_call(job: LiveJob, op: str, payload: Any, sub_job_id: str, reference
     if not job.specs[sub_job_id].is_training:
         raise InvalidRequestError(f"forward-backward needs a training sub-job; {sub_job_id} is not one")
 
-    def fwd_bwd() -> dict[str, Any]:
-        result = host.fwd_bwd(sub_job_id, batch)
+    def render(result: dict[str, Any]) -> dict[str, Any]:
         job.last_avg_loss[sub_job_id] = float(result["avg_loss"])
         return {"job_id": job.job_id, **result, "post_process_outputs": {}}
 
-    return fwd_bwd
+    return Training(sub_job_id, batch, render)
+
+
+@dataclass(frozen=True, slots=True)
+class Training:
+    """One forward-backward a lane holds: the validated batch of a training sub-job, and how its
+    result becomes the request's. Those queued at the same time on the lanes of a shared host run in
+    the same passes, each through its own run's adapter (:func:`submit_training`)."""
+
+    sub_job_id: str
+    batch: Any
+    render: Callable[[dict[str, Any]], Any]
+
+
+def submit_training(
+    manager: JobManager, job: LiveJob, item: Training, *, op: str = api.OP_FWD_BWD, op_metadata: dict | None = None
+) -> str:
+    """Queue ``item`` to run with every forward-backward queued beside it (``op``: the request's op)."""
+
+    def run_batch(items: list[Training]) -> list[Any]:
+        results = job.engines.fwd_bwd_many([(i.sub_job_id, i.batch) for i in items])
+        return [i.render(result) for i, result in zip(items, results, strict=True)]
+
+    return manager.submit(
+        job, item.sub_job_id, op, run_batch, batch_key=(api.OP_FWD_BWD,), batch_item=item, op_metadata=op_metadata
+    )
 
 
 # --- generate ----------------------------------------------------------------------------------

@@ -91,19 +91,20 @@ class Channel:
         self._lost = lost
         self._lock = threading.Lock()
 
-    def call(self, method: str, *args: Any) -> Any:
-        """``method(*args)`` on the engines at the other end; blocks for its result or raises its error."""
+    def call(self, method: str, *args: Any, what: str | None = None) -> Any:
+        """``method(*args)`` on the engines at the other end; blocks for its result or raises its error
+        (``what``: the op to name when the pipe breaks, if not ``method``)."""
         data = _dumps((method, args))
         with self._lock:
             try:
                 self._pipe.send_bytes(data)
                 reply = self._pipe.recv_bytes()
             except (EOFError, OSError):
-                raise self._lost(method) from None
+                raise self._lost(what or method) from None
         try:
             kind, value = pickle.loads(reply)
         except Exception as exc:  # a reply this side cannot unpickle fails its call only
-            raise RuntimeError(f"the reply to {method} could not be read: {exc}") from None
+            raise RuntimeError(f"the reply to {what or method} could not be read: {exc}") from None
         if kind == "error":
             raise value
         return value
@@ -144,6 +145,7 @@ class ProcessEngineHost(JobEngines):
         self._log_dir = log_dir
         self._process: Any = None
         self._control: Connection | None = None
+        self._control_lock = threading.Lock()  # the service's side writes cancels to it from any thread
         self._reaping = threading.Lock()
         self.pid: int | None = None
         self.exit_code: int | None = None  # once the child ended; negative: the signal that ended it
@@ -191,6 +193,12 @@ class ProcessEngineHost(JobEngines):
             else:
                 raise value
 
+    def cancel(self, sub_job_id: str, tags: list[str]) -> None:
+        """Over the control pipe: the sub-job's own pipe is busy with the generate to be cut short."""
+        with self._control_lock, contextlib.suppress(OSError, ValueError):  # the child is gone: nothing runs
+            if self._control is not None:
+                self._control.send_bytes(_dumps(("cancel", (sub_job_id, tags))))
+
     @property
     def killable(self) -> str:
         return f"the engine process {self.pid}"
@@ -212,7 +220,8 @@ class ProcessEngineHost(JobEngines):
         for channel in self._channels.values():
             channel.close()
         if self._control is not None:
-            self._control.close()  # the child's EOF: it releases its engines and exits
+            with self._control_lock:
+                self._control.close()  # the child's EOF: it releases its engines and exits
         if self._process is not None and self._reap(_EXIT_TIMEOUT_S) is None:
             _log.warning("engine process %s did not exit within %.0f s; killing it", self.pid, _EXIT_TIMEOUT_S)
             self._process.kill()
@@ -253,12 +262,15 @@ class ProcessEngineHost(JobEngines):
             "sync_weights", source_sub_job_id, target_sub_job_id, weight_format
         )
 
+    def fwd_bwd_many(self, calls: Sequence[tuple[str, Any]]) -> list[dict[str, Any]]:
+        return self._channel(calls[0][0]).call("fwd_bwd_many", list(calls), what="fwd_bwd")
+
     def generate_many(self, calls: Sequence[Call], as_json: bool) -> list[list[Any]]:
         """As JSON, encoded in the engine process: a JSON text pickles and unpickles far faster than its sample."""
         return self._channel(calls[0][0]).call("generate_many", list(calls), as_json)
 
     def call(self, sub_job_id: str, method: str, *args: Any) -> Any:
-        return self._channel(sub_job_id).call("call", sub_job_id, method, *args)
+        return self._channel(sub_job_id).call("call", sub_job_id, method, *args, what=method)
 
     def _channel(self, sub_job_id: str) -> Channel:
         channel = self._channels.get(SHARED_CHANNEL if self._base is not None else sub_job_id)
@@ -379,8 +391,14 @@ def _child_main(
     ]
     for thread in threads:
         thread.start()
-    with contextlib.suppress(EOFError, OSError):
-        control.recv_bytes()  # nothing is ever sent: this returns (EOF) when the service closes the host or dies
+    while True:  # cancels, until EOF: the service closed the host, or died
+        try:
+            kind, value = pickle.loads(control.recv_bytes())
+        except (EOFError, OSError):
+            break
+        if kind == "cancel":
+            with contextlib.suppress(Exception):  # an unknown sub-job: nothing of it to stop
+                host.cancel(*value)
     for pipe in pipes.values():
         pipe.close()
     for thread in threads:

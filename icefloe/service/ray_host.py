@@ -86,6 +86,10 @@ class RayEngineHost(JobEngines):
 
     killable = "its Ray actors"
 
+    def cancel(self, sub_job_id: str, tags: list[str]) -> None:
+        """An actor runs one call at a time: a started generate runs to its end (only queued calls are dropped)."""
+        del sub_job_id, tags
+
     def kill(self) -> None:
         self.close()
 

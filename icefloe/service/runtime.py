@@ -100,6 +100,11 @@ class JobEngines:
         """Drop those sub-jobs' engines (their adapters and optimizer state); the base stays."""
         raise NotImplementedError(f"{type(self).__name__} hosts one job; close it instead")
 
+    def fwd_bwd_many(self, calls: Sequence[tuple[str, Any]]) -> list[dict[str, Any]]:
+        """Forward-backward ``calls`` ``(sub_job_id, batch)``, in shared passes where their runs share a
+        base (each as it would run alone); one result per call."""
+        return [self.fwd_bwd(sub_job_id, batch) for sub_job_id, batch in calls]
+
     def generate_many(self, calls: Sequence[Call], as_json: bool) -> list[list[Any]]:
         """Generate ``calls`` ``(sub_job_id, prompts, params)`` as one batch where their samplers
         share a base; one list of samples per call (each encoded as JSON when ``as_json``, so an
@@ -109,6 +114,11 @@ class JobEngines:
 
     def start(self, on_progress: Callable[[str], None], stop: threading.Event) -> None:
         raise NotImplementedError
+
+    def cancel(self, sub_job_id: str, tags: list[str]) -> None:
+        """Stop the calls tagged so (``SamplingParams.tag``) of the sampler's generate at their next decode
+        step, or as soon as it starts; returns at once, while that generate may still run."""
+        self._engine(sub_job_id).cancel(tags)
 
     def interrupt(self) -> None:
         """Fail the calls waiting on the engines now (engines in this process have none to fail)."""
@@ -216,6 +226,25 @@ class LocalEngineHost(JobEngines):
                         engine.optimizer.state.clear()  # load_optimizer_states=false: weights only, fresh AdamW
                     on_progress(f"{sub_job_id} starts from {loaded['checkpoint_id']} ({loaded['kind']})")
             self._engines[sub_job_id] = engine
+
+    def fwd_bwd_many(self, calls: Sequence[tuple[str, Any]]) -> list[dict[str, Any]]:
+        from icefloe.engines.training import fwd_bwd_together
+
+        groups: dict[tuple[int, bool, frozenset[str]], list[int]] = {}  # calls that can share passes
+        for index, (sub_job_id, batch) in enumerate(calls):
+            engine = self._engine(sub_job_id)
+            forward_only = bool(batch["processing"]["config"].get("forward_only"))
+            key = (id(engine.shared or engine), forward_only, frozenset(batch["context"]))
+            groups.setdefault(key, []).append(index)
+        results: list[Any] = [None] * len(calls)
+        for indices in groups.values():
+            if len(indices) == 1:  # nothing to share passes with
+                results[indices[0]] = self.fwd_bwd(*calls[indices[0]])
+                continue
+            together = fwd_bwd_together([(self._engine(calls[i][0]), calls[i][1]) for i in indices])
+            for index, result in zip(indices, together, strict=True):
+                results[index] = result
+        return results
 
     def generate_many(self, calls: Sequence[Call], as_json: bool) -> list[list[Any]]:
         from icefloe.engines.sampling import SamplingEngine, generate_together

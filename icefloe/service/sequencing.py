@@ -5,7 +5,8 @@ its session has queued its request (the app calls :func:`release_turn`) or been 
 sub-job queues them in number order whatever order they arrive in. A POST answered with a status
 its client retries keeps its number; a number below the session's next passes at once. After
 ``gap_timeout_s`` without progress the lowest POST waiting gets a 409 ``sequence_gap`` and the
-session moves past its number: a lost POST fails the op waiting on it, not the session. Sessions
+session moves past its number: a lost POST fails the op waiting on it, not the session (the rule is
+:class:`~icefloe.service.turns.Turns`, which orders the Tinker API's ``seq_id`` too). Sessions
 belong to a caller (the token :class:`~icefloe.service.middleware.RequireToken` let in), and this
 layer runs only after that check: an unauthenticated POST never holds or advances a session.
 docs/service.md has the contract.
@@ -13,7 +14,6 @@ docs/service.md has the contract.
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 from collections import OrderedDict
 from collections.abc import Callable
@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from icefloe.protocol import CODE_CHUNK_GROUP_RESTART_REQUIRED, SEQUENCE_HEADER, InvalidRequestError, SequenceGapError
 from icefloe.service.errors import send_error
 from icefloe.service.middleware import CALLER_SCOPE_KEY, Recorder, header
+from icefloe.service.turns import Turns
 
 __all__ = ["SubmitOrder", "release_turn"]
 
@@ -42,22 +43,6 @@ def release_turn() -> None:
         release()
 
 
-class _Session:
-    __slots__ = ("next", "skipped", "waiting")
-
-    def __init__(self) -> None:
-        self.next = 0  # the number let in next
-        self.skipped: set[int] = set()  # numbers the session moved past without them: refused if they come
-        self.waiting: dict[asyncio.Future[None], int] = {}  # POSTs waiting for the session to move on: their numbers
-
-    def advance(self, number: int) -> None:
-        if number >= self.next:
-            self.next = number + 1
-            for waiter in self.waiting:
-                if not waiter.done():
-                    waiter.set_result(None)
-
-
 class SubmitOrder:
     """Pure ASGI: holds a numbered POST until the POST numbered before it in its session went in."""
 
@@ -67,7 +52,7 @@ class SubmitOrder:
         self.max_sessions = max_sessions
         # Least recently used first. Never expired by time: a client may stay quiet for hours (a long
         # rollout) and must find its place kept.
-        self._sessions: OrderedDict[tuple[str, str], _Session] = OrderedDict()
+        self._sessions: OrderedDict[tuple[str, str], Turns] = OrderedDict()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw = header(scope, _HEADER_KEY) if scope["type"] == "http" and scope["method"] == "POST" else None
@@ -83,25 +68,23 @@ class SubmitOrder:
             await send_error(scope, receive, send, InvalidRequestError(message))
             return
         number, session = int(number_text), self._session((scope.get(CALLER_SCOPE_KEY, ""), session_id))
-        if number in session.skipped:  # late: the ops after it already ran, so it must not
-            session.skipped.discard(number)
+        if session.late(number):  # the ops after it already ran, so it must not
             message = (
                 f"{SEQUENCE_HEADER} {session_id}:{number} came after its session moved on past it (a POST "
                 f"behind it waited {self.gap_timeout_s:g} s for it); it did not run: call the op again"
             )
             await send_error(scope, receive, send, SequenceGapError(message))
             return
-        if not await self._turn(session, number):
+        missing = await session.wait(number)
+        if missing is not None:
             message = (
                 f"{SEQUENCE_HEADER} {session_id}:{number} waited {self.gap_timeout_s:g} s for POST "
-                f"{session.next} of its session, which never arrived; it did not run, and the session moves on past it"
+                f"{missing} of its session, which never arrived; it did not run, and the session moves on past it"
             )
-            session.skipped.update(range(session.next, number))
-            session.advance(number)  # the missing numbers are skipped: the POSTs after this one go in
             await send_error(scope, receive, send, SequenceGapError(message))
             return
         answer = Recorder(send, keep_from_status=400)  # only a refusal's body is read below
-        token = _RELEASE.set(lambda: session.advance(number))
+        token = _RELEASE.set(lambda: session.use(number))
         try:
             await self.app(scope, receive, answer)
         finally:
@@ -109,33 +92,18 @@ class SubmitOrder:
         status = answer.status
         restart = status >= 400 and CODE_CHUNK_GROUP_RESTART_REQUIRED.encode() in answer.body
         if status and not (status >= 500 or status == 429 or restart):  # answered without queuing, or refused
-            session.advance(number)  # for good: the next may go in
+            session.use(number)  # for good: the next may go in
 
-    def _session(self, key: tuple[str, str]) -> _Session:
+    def _session(self, key: tuple[str, str]) -> Turns:
         """The session of (caller, session id), made on first use."""
         session = self._sessions.get(key)
         if session is not None:
             self._sessions.move_to_end(key)
             return session
-        session = self._sessions[key] = _Session()
+        session = self._sessions[key] = Turns(gap_timeout_s=self.gap_timeout_s)
         while len(self._sessions) > self.max_sessions:
             oldest_id, oldest = next(iter(self._sessions.items()))
-            if oldest.waiting:  # someone waits on it: keep it
+            if oldest.busy:  # someone waits on it: keep it
                 break
             del self._sessions[oldest_id]
         return session
-
-    async def _turn(self, session: _Session, number: int) -> bool:
-        """Wait until ``number`` is next in its session; False after ``gap_timeout_s`` without progress, for the
-        lowest number waiting (the others wait on: its refusal moves the session on)."""
-        while number > session.next:
-            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            session.waiting[waiter] = number
-            try:
-                await asyncio.wait_for(waiter, self.gap_timeout_s)
-            except TimeoutError:
-                if number <= min(session.waiting.values()):
-                    return False
-            finally:
-                del session.waiting[waiter]
-        return True

@@ -7,6 +7,7 @@ explicitly and never depends on the shell it runs in.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -16,10 +17,24 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from icefloe.config import validated
 from icefloe.protocol import ConfigError
 
-__all__ = ["TOKENS_ENV_VAR", "ServeSettings"]
+__all__ = ["ADMIN_TENANT", "SHARED_TENANT", "TOKENS_ENV_VAR", "ServeSettings", "TenantLimits"]
 
 TOKENS_ENV_VAR = "ICEFLOE_SERVE_TOKENS"  # comma-separated bearer tokens
+SHARED_TENANT = "default"  # the tenant of every bare token (and of everyone when auth is off)
+ADMIN_TENANT = "admin"  # sees and touches every tenant's work
 _MAX_POST_BYTES = 62_914_560  # the training API's per-POST cap (60 MiB)
+_TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+_TOKEN_LINE = re.compile(r"(?:(?P<tenant>[^\s:]+):\s+)?(?P<token>\S+)(?P<limits>(?:\s+\S+)*)")
+
+
+class TenantLimits(BaseModel):
+    """What one tenant may hold at once (a line of the token file: ``name: token max_jobs=2 ...``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_jobs: int | None = Field(None, gt=0)  # active jobs of either API (a Tinker model or sampler is one); None = any
+    max_lora_adapters: int | None = Field(None, gt=0)  # active jobs that train or sample a LoRA adapter
+    max_slots: int | None = Field(None, gt=0)  # slots its active jobs hold, counted from their sub-jobs
 
 
 class ServeSettings(BaseModel):
@@ -30,7 +45,13 @@ class ServeSettings(BaseModel):
     data_dir: Path  # SQLite records, job logs, results and checkpoints live here
     host: str = "127.0.0.1"  # loopback unless told otherwise: the API runs training code for its callers
     port: int = Field(8321, ge=0, le=65535)  # 0 = any free port
-    tokens: tuple[SecretStr, ...] = ()  # empty = no auth (a local, single-user service)
+    tokens: tuple[SecretStr, ...] = ()  # the shared tenant's; no token at all = no auth (a local, single-user service)
+    # Named tenants (token file lines `name: token`): each sees and touches only its own work.
+    tenant_tokens: dict[str, tuple[SecretStr, ...]] = Field(default_factory=dict)
+    tenant_limits: dict[str, TenantLimits] = Field(default_factory=dict)
+    # The service's address as its callers reach it (a proxy in front): download links are made on it.
+    # None = the address the request came in on (never the Host header a caller sends).
+    public_url: str | None = None
     # Folder whose model folders jobs may load (model_name "org/name" = model_root/org/name);
     # None = tiny:<preset> models only. Nothing outside it is ever read on a caller's behalf.
     model_root: Path | None = None
@@ -66,6 +87,13 @@ class ServeSettings(BaseModel):
     # while an engine thread holds the GIL (~0.5 ms per request on a busy CPU service).
     access_log: bool = False
     metrics_public: bool = False  # True: GET /metrics answers without the token (a scraper on a trusted network)
+    # Tinker API bounds per request: samples (num_samples x prompts) and tokens (a forward_backward's
+    # datums, or a sample's prompt plus what it may generate, times num_samples).
+    max_samples_per_request: int = Field(1024, gt=0)
+    max_tokens_per_request: int = Field(1_048_576, gt=0)
+    ui_session_ttl_s: float = Field(12 * 3600.0, gt=0)  # a dashboard login lasts this long
+    # Failed dashboard logins one client address may make per minute; more are answered 429.
+    max_failed_logins_per_minute: int = Field(10, gt=0)
 
     @field_validator("tokens", mode="before")
     @classmethod
@@ -77,13 +105,40 @@ class ServeSettings(BaseModel):
             raise ValueError("tokens must not contain an empty string; drop it or set a real token")
         return tuple(t.strip() for t in cleaned)
 
+    @field_validator("tenant_tokens")
+    @classmethod
+    def _tenants_named_once(cls, value: dict[str, tuple[SecretStr, ...]]) -> dict[str, tuple[SecretStr, ...]]:
+        bad = sorted(name for name in value if not _TENANT_NAME.fullmatch(name))
+        if bad:
+            raise ValueError(f"tenant names must be 1-64 of A-Z a-z 0-9 _ . -; got {bad}")
+        return value
+
+    @field_validator("public_url")
+    @classmethod
+    def _public_url(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(r"https?://[^/\s?#]+(/[^\s?#]*)?", value):
+            raise ValueError(f"public_url must be http(s)://host[:port][/path]; got {value!r}")
+        return value.rstrip("/") if value else value
+
     @property
     def auth_enabled(self) -> bool:
-        return bool(self.tokens)
+        return bool(self.tokens) or any(self.tenant_tokens.values())
 
     def token_values(self) -> tuple[str, ...]:
         """The raw tokens, for comparison and log redaction only; never log or return them."""
-        return tuple(t.get_secret_value() for t in self.tokens)
+        return tuple(token for token, _ in self.token_tenants())
+
+    def token_tenants(self) -> list[tuple[str, str]]:
+        """(raw token, its tenant) for every token; a token given for two tenants raises ConfigError."""
+        pairs = [(t.get_secret_value(), SHARED_TENANT) for t in self.tokens]
+        pairs += [(t.get_secret_value(), name) for name, tokens in self.tenant_tokens.items() for t in tokens]
+        owners: dict[str, str] = {}
+        for token, tenant in pairs:
+            if owners.setdefault(token, tenant) != tenant:
+                raise ConfigError(
+                    f"serve.tenant_tokens: one token is given to tenants {owners[token]!r} and {tenant!r}"
+                )
+        return pairs
 
     def deadline_s(self, op: str) -> float:
         return self.op_deadlines_s.get(op, self.op_deadline_s)
@@ -97,23 +152,48 @@ class ServeSettings(BaseModel):
     ) -> ServeSettings:
         """Build settings, adding tokens from ``ICEFLOE_SERVE_TOKENS`` and ``token_file`` to any given explicitly.
 
-        ``token_file`` holds one token per line; blank lines and lines starting with ``#`` are skipped.
-        Unlike a token on the command line, neither source shows the secret in ``ps``. Raises
-        :class:`ConfigError` naming every bad field.
+        ``token_file`` holds one token per line, ``name: token`` for a named tenant, optionally followed
+        by that tenant's limits (``max_jobs=2 max_lora_adapters=4 max_slots=2``); blank lines and lines
+        starting with ``#`` are skipped. Unlike a token on the command line, neither source shows the
+        secret in ``ps``. Raises :class:`ConfigError` naming every bad field.
         """
         env = os.environ if environ is None else environ
         from_env = [t for t in env.get(TOKENS_ENV_VAR, "").split(",") if t.strip()]
         explicit = list(values.pop("tokens", None) or ())
-        tokens = explicit + from_env + (_read_tokens(token_file) if token_file else [])
-        return validated(cls, {**values, "tokens": tokens}, "serve.")
+        named: dict[str, list[str]] = {}
+        limits: dict[str, dict[str, str]] = {}
+        if token_file is not None:
+            for tenant, token, tenant_limits in _read_token_file(token_file):
+                if tenant is None:
+                    explicit.append(token)
+                else:
+                    named.setdefault(tenant, []).append(token)
+                if tenant_limits:
+                    limits.setdefault(tenant or SHARED_TENANT, {}).update(tenant_limits)
+        fields = {**values, "tokens": explicit + from_env, "tenant_tokens": named, "tenant_limits": limits}
+        return validated(cls, fields, "serve.")
 
 
-def _read_tokens(path: Path) -> list[str]:
+def _read_token_file(path: Path) -> list[tuple[str | None, str, dict[str, str]]]:
+    """(tenant or None for a bare token, token, limits) per line of a token file."""
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"serve.token_file: cannot read {str(path)!r} ({type(exc).__name__}); fix the path") from None
-    tokens = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
-    if not tokens:
+    entries = []
+    for number, line in enumerate(lines, start=1):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        match = _TOKEN_LINE.fullmatch(text)
+        assert match is not None  # any non-blank line matches: a token is any word
+        pairs = [word.partition("=") for word in match["limits"].split()]
+        if any(not eq or key not in TenantLimits.model_fields or not value for key, eq, value in pairs):
+            raise ConfigError(  # the words are not echoed: one may be a second token
+                f"serve.token_file line {number}: a line holds one token ('name: token' or 'token'), then limits "
+                f"as key=value with key one of {sorted(TenantLimits.model_fields)}"
+            )
+        entries.append((match["tenant"], match["token"], {word: value for word, _, value in pairs}))
+    if not entries:
         raise ConfigError(f"serve.token_file: {str(path)!r} holds no token; write one token per line")
-    return tokens
+    return entries

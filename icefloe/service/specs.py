@@ -23,6 +23,7 @@ __all__ = ["SubJobSpec", "sub_job_specs"]
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _PRESET_PREFIX = "tiny:"  # models built in code (icefloe.engines.models.TINY_PRESETS)
+_MAX_MODEL_NAME = 1024
 _PRIME_RL_DTYPES = ("optimization_dtype", "reduce_dtype")
 # Passthrough keys that tune machinery these engines do not have: accepted, reported as unused.
 _NO_COUNTERPART = {
@@ -77,18 +78,23 @@ class SubJobSpec:
 
 
 def _model(name: str, model_root: Path | None, where: str) -> str:
-    """What the engines load for ``model_name``: the preset itself, or the folder it names under the root."""
+    """What the engines load for ``model_name``: the preset itself, or the folder it names under the root.
+    A name the file system cannot take (too long, a NUL, a link loop) is refused like any unknown one."""
     if name.startswith(_PRESET_PREFIX):
         return name
-    if model_root is not None:
+    if model_root is not None and len(name) <= _MAX_MODEL_NAME and name.isprintable():
         root = model_root.resolve()
         named = Path(os.path.normpath(root / name))  # lexical first: ".." or a path outside is refused unread
-        if named.is_relative_to(root):
-            real = named.resolve()  # a link inside the root may lead out of it
-            if real.is_relative_to(root) and (real / "config.json").is_file():
-                return str(real)
+        try:
+            if named.is_relative_to(root):
+                real = named.resolve()  # a link inside the root may lead out of it
+                if real.is_relative_to(root) and (real / "config.json").is_file():
+                    return str(real)
+        except (OSError, RuntimeError, ValueError):  # RuntimeError: a link loop
+            pass
+    shown = name if len(name) <= 80 else f"{name[:80]}... ({len(name)} characters)"
     raise InvalidRequestError(
-        f"{where}.model_name {name!r} is not a model this service offers; send tiny:<preset> or the name of a "
+        f"{where}.model_name {shown!r} is not a model this service offers; send tiny:<preset> or the name of a "
         "model folder under the service's model root (icefloe serve --model-root), such as org/name"
     )
 

@@ -1,4 +1,5 @@
-"""The service's records in SQLite: jobs, requests, idempotency keys, checkpoints, download links.
+"""The service's records in SQLite: jobs (and their owners), requests, idempotency keys, checkpoints,
+download links, and the Tinker API's sessions and runs.
 
 One connection in WAL mode, shared by the event loop and the worker threads under one lock; each
 statement is a short indexed write, so holding the lock never stalls the loop noticeably. Every data
@@ -45,11 +46,23 @@ CREATE TABLE IF NOT EXISTS file_links (
     token TEXT PRIMARY KEY, path TEXT NOT NULL, expires_at REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS file_links_by_expiry ON file_links (expires_at);
+CREATE TABLE IF NOT EXISTS tinker_sessions (
+    session_id TEXT PRIMARY KEY, owner TEXT NOT NULL, status TEXT NOT NULL, created_at TEXT NOT NULL,
+    updated_at TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS tinker_runs (
+    run_id TEXT PRIMARY KEY, kind TEXT NOT NULL, session_id TEXT NOT NULL, job_id TEXT NOT NULL,
+    base_model TEXT NOT NULL, lora_rank INTEGER, model_path TEXT, created_at TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS tinker_runs_by_session ON tinker_runs (session_id);
 CREATE TABLE IF NOT EXISTS job_metrics (
     job_id TEXT NOT NULL, step INTEGER NOT NULL, name TEXT NOT NULL, value REAL NOT NULL, time REAL NOT NULL,
     PRIMARY KEY (job_id, step, name)
 );
 """
+# Columns added since a data dir could first have been made: (table, column, definition).
+_ADDED_COLUMNS = (("jobs", "owner", "TEXT NOT NULL DEFAULT 'default'"),)  # jobs made before tenants: the shared one's
+_AFTER_COLUMNS = "CREATE INDEX IF NOT EXISTS jobs_by_owner ON jobs (owner, status);"
 
 
 def now_iso() -> str:
@@ -82,6 +95,11 @@ class Database:
         self._conn.execute("PRAGMA synchronous=NORMAL")  # WAL + NORMAL survives a process crash
         self._closed = False
         self._conn.executescript(_SCHEMA)
+        for table, column, definition in _ADDED_COLUMNS:
+            present = {row["name"] for row in self._conn.execute(f"PRAGMA table_info({table})")}
+            if column not in present:
+                self._conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {definition}")
+        self._conn.executescript(_AFTER_COLUMNS)
 
     def execute(self, sql: str, params: Iterable[Any] = ()) -> int:
         with self._lock:
@@ -135,9 +153,9 @@ def lock_data_dir(data_dir: Path) -> int:
 
 
 # --- jobs --------------------------------------------------------------------------------------
-def insert_job(db: Database, *, job_id: str, status: str, spec: dict[str, Any]) -> bool:
+def insert_job(db: Database, *, job_id: str, status: str, spec: dict[str, Any], owner: str) -> bool:
     """False when a job with this id already exists (nothing is written then)."""
-    row = {"job_id": job_id, "status": status, "created_at": (now := now_iso()), "updated_at": now}
+    row = {"job_id": job_id, "status": status, "created_at": (now := now_iso()), "updated_at": now, "owner": owner}
     return db.insert("jobs", {**row, "spec": json.dumps(spec)}, verb="INSERT OR IGNORE") > 0
 
 
@@ -152,10 +170,22 @@ def get_job(db: Database, *, job_id: str) -> dict[str, Any] | None:
     return {**row, "spec": json.loads(row["spec"])} if row else None
 
 
-def list_jobs(db: Database, *, status: str | None = None) -> list[dict[str, Any]]:
-    """Jobs in creation order, ``spec`` decoded; ``status`` None: all of them."""
-    sql = "SELECT * FROM jobs WHERE ?1 IS NULL OR status = ?1 ORDER BY created_at"
-    return [{**row, "spec": json.loads(row["spec"])} for row in db.fetch_all(sql, (status,))]
+def list_jobs(db: Database, *, status: str | None = None, owner: str | None = None) -> list[dict[str, Any]]:
+    """Jobs in creation order, ``spec`` decoded; ``status`` / ``owner`` None: of any."""
+    sql = "SELECT * FROM jobs WHERE (?1 IS NULL OR status = ?1) AND (?2 IS NULL OR owner = ?2) ORDER BY created_at"
+    return [{**row, "spec": json.loads(row["spec"])} for row in db.fetch_all(sql, (status, owner))]
+
+
+def job_owner(db: Database, *, job_id: str) -> str | None:
+    row = db.fetch_one("SELECT owner FROM jobs WHERE job_id = ?", (job_id,))
+    return row["owner"] if row else None
+
+
+def active_jobs(db: Database, *, owner: str, states: Iterable[str]) -> list[dict[str, Any]]:
+    """The owner's jobs in one of ``states``, ``spec`` decoded."""
+    states = tuple(states)
+    sql = f"SELECT * FROM jobs WHERE owner = ? AND status IN ({', '.join('?' * len(states))})"
+    return [{**row, "spec": json.loads(row["spec"])} for row in db.fetch_all(sql, (owner, *states))]
 
 
 # --- requests ----------------------------------------------------------------------------------
@@ -231,6 +261,79 @@ def find_checkpoints(db: Database, *, checkpoint_id: str) -> list[dict[str, Any]
 
 def delete_checkpoint(db: Database, *, job_id: str, checkpoint_id: str) -> bool:
     return db.execute("DELETE FROM checkpoints WHERE job_id = ? AND checkpoint_id = ?", (job_id, checkpoint_id)) > 0
+
+
+def owned_tinker_checkpoints(db: Database, *, owner: str | None, limit: int, offset: int) -> list[dict[str, Any]]:
+    """The Tinker checkpoints of the owner's runs (every owner's: None), newest first, each with its
+    ``run_id``; a page of ``limit`` from ``offset``."""
+    sql = (
+        "SELECT c.*, r.run_id FROM checkpoints c JOIN tinker_runs r ON r.job_id = c.job_id AND r.kind = 'model' "
+        "JOIN jobs j ON j.job_id = c.job_id WHERE c.checkpoint_id LIKE 'tinker-%' AND (?1 IS NULL OR j.owner = ?1) "
+        "ORDER BY c.created_at DESC LIMIT ?2 OFFSET ?3"
+    )
+    return db.fetch_all(sql, (owner, limit, offset))
+
+
+def count_tinker_checkpoints(db: Database, *, owner: str | None) -> int:
+    sql = (
+        "SELECT COUNT(*) AS n FROM checkpoints c JOIN tinker_runs r ON r.job_id = c.job_id AND r.kind = 'model' "
+        "JOIN jobs j ON j.job_id = c.job_id WHERE c.checkpoint_id LIKE 'tinker-%' AND (?1 IS NULL OR j.owner = ?1)"
+    )
+    row = db.fetch_one(sql, (owner,))
+    return row["n"] if row else 0
+
+
+# --- Tinker sessions and runs ------------------------------------------------------------------
+def insert_tinker_session(db: Database, *, session_id: str, owner: str) -> None:
+    row = {"session_id": session_id, "owner": owner, "status": "active", "created_at": (now := now_iso())}
+    db.insert("tinker_sessions", {**row, "updated_at": now})
+
+
+def finish_tinker_session(db: Database, *, session_id: str) -> None:
+    db.execute(
+        "UPDATE tinker_sessions SET status = 'finished', updated_at = ? WHERE session_id = ?", (now_iso(), session_id)
+    )
+
+
+def finish_active_tinker_sessions(db: Database) -> int:
+    """Mark the sessions a previous service process left active finished (their jobs failed with it)."""
+    sql = "UPDATE tinker_sessions SET status = 'finished', updated_at = ? WHERE status = 'active'"
+    return db.execute(sql, (now_iso(),))
+
+
+def get_tinker_session(db: Database, *, session_id: str) -> dict[str, Any] | None:
+    return db.fetch_one("SELECT * FROM tinker_sessions WHERE session_id = ?", (session_id,))
+
+
+def insert_tinker_run(
+    db: Database, *, run_id: str, kind: str, session_id: str, job_id: str, base_model: str,
+    lora_rank: int | None, model_path: str | None,
+) -> None:  # fmt: skip
+    """Record a model (``kind`` 'model') or a sampling session ('sampler') and the job behind it."""
+    row = {"run_id": run_id, "kind": kind, "session_id": session_id, "job_id": job_id, "base_model": base_model}
+    db.insert("tinker_runs", {**row, "lora_rank": lora_rank, "model_path": model_path, "created_at": now_iso()})
+
+
+def get_tinker_run(db: Database, *, run_id: str) -> dict[str, Any] | None:
+    """The run with its session's ``owner`` and its job's ``status`` and ``updated_at``."""
+    return db.fetch_one(
+        "SELECT r.*, s.owner, j.status, j.updated_at FROM tinker_runs r JOIN tinker_sessions s "
+        "ON s.session_id = r.session_id JOIN jobs j ON j.job_id = r.job_id WHERE r.run_id = ?",
+        (run_id,),
+    )
+
+
+def list_tinker_runs(db: Database, *, owner: str | None, limit: int, offset: int) -> tuple[list[dict[str, Any]], int]:
+    """A page of the owner's models (every owner's: None), newest first, as :func:`get_tinker_run`
+    answers each; and how many there are in all."""
+    where = "FROM tinker_runs r JOIN tinker_sessions s ON s.session_id = r.session_id "
+    where += "JOIN jobs j ON j.job_id = r.job_id WHERE r.kind = 'model' AND (?1 IS NULL OR s.owner = ?1)"
+    rows = db.fetch_all(
+        f"SELECT r.*, s.owner, j.status, j.updated_at {where} ORDER BY r.created_at DESC LIMIT ?2 OFFSET ?3",
+        (owner, limit, offset),
+    )
+    total = db.fetch_one(f"SELECT COUNT(*) AS n {where}", (owner,))
+    return rows, total["n"] if total else 0
 
 
 # --- download links ----------------------------------------------------------------------------

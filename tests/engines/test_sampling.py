@@ -159,3 +159,36 @@ def test_inverse_cdf_draws_each_token_in_proportion_to_its_weight():
     uniform = (torch.arange(1000) + 0.5) / 1000  # evenly spread: counts come out exactly proportional
     counts = torch.bincount(_inverse_cdf(weights * 7.0, uniform), minlength=4)  # unnormalised is fine
     assert counts.tolist() == [100, 0, 600, 300]
+
+
+def test_cancel_stops_a_tagged_call_at_its_next_decode_step_and_leaves_the_rest_of_its_batch(sampler, monkeypatch):
+    """cancel_future used to leave a started sample running to its end (a million-sample call ran on for 40 s)."""
+    wanted = SamplingParams(max_tokens=12, seed=5, ignore_eos=True)
+    alone = sampler.generate([PROMPTS[1]], wanted)
+    forward, steps = sampler.model.forward, []
+
+    def counting(*args, **kwargs):  # a cancel arriving from another thread while the third step runs
+        steps.append(1)
+        if len(steps) == 3:
+            sampler.cancel(["stop-me"])
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(sampler.model, "forward", counting)
+    tagged = SamplingParams(max_tokens=12, seed=4, ignore_eos=True, tag="stop-me")
+    stopped, kept = sampler.generate(PROMPTS[:2], [tagged, wanted])
+    assert stopped["finish_reason"] == "cancelled" and len(stopped["token_ids"]) == 3
+    assert _ids([kept]) == _ids(alone) and kept["finish_reason"] == "length"
+    assert len(steps) == 12  # the other row went on to its end
+
+
+def test_target_prompt_logprobs_score_the_asked_ids_at_each_prompt_position(sampler):
+    ids = sampler.tokenizer.encode(PROMPTS[2])
+    other = [(token + 1) % sampler.vocab_size for token in ids[1:]]
+    targets = tuple((token, alternative, -1) for token, alternative in zip(ids[1:], other, strict=True))
+    params = SamplingParams(max_tokens=1, prompt_logprobs=True, target_prompt_logprobs=targets)
+    (result,) = sampler.generate([ids], params)
+    scored = result["target_prompt_logprobs"]
+    assert [row[0] for row in scored] == pytest.approx(result["prompt_logprobs"][1:], abs=1e-6)
+    assert all(row[2] == 0.0 for row in scored) and all(row[1] < 0 for row in scored)
+    with pytest.raises(InvalidRequestError, match=r"target_prompt_logprobs must be \[6, K\]"):
+        sampler.generate([ids], params.model_copy(update={"target_prompt_logprobs": targets[:2]}))

@@ -9,7 +9,7 @@ from torch.testing import assert_close
 from icefloe.engines.lora import SharedBase
 from icefloe.engines.models import load_causal_lm, load_tokenizer
 from icefloe.engines.sampling import SamplingEngine, generate_together
-from icefloe.engines.training import TrainingEngine
+from icefloe.engines.training import TrainingEngine, fwd_bwd_together
 from icefloe.engines.weight_sync import sync_weights_local
 from icefloe.protocol import SamplingParams
 
@@ -62,6 +62,32 @@ def test_four_runs_on_one_base_train_exactly_as_each_alone(model_dir):
         assert_close(reference, solo_run.forward(probe, reference=True)["logprobs"], atol=1e-5, rtol=0)
         for name, tensor in _adapter(solo_run).items():
             assert_close(_adapter(shared_run)[name], tensor, atol=1e-5, rtol=0)
+
+
+def test_fwd_bwd_of_several_runs_in_shared_passes_equals_each_alone(model_dir):
+    """Rows of four runs (batches of different widths and losses) go through their own adapters in
+    the same passes: each run's loss, metrics, log-probs and gradients are what it gets alone."""
+    shared = _shared(model_dir)
+    together = [TrainingEngine(_config(run), shared=shared) for run in RUNS]
+    alone = [TrainingEngine(_config(run), model_dir=model_dir) for run in RUNS]
+    batches = []
+    for index in range(len(RUNS)):
+        batch = _batch(index, 7)
+        loss_fn = "cross_entropy" if index % 2 else "grpo"
+        batch["processing"] = {"loss_fn": loss_fn, "config": {"return_logprobs": True}}
+        batches.append(batch)
+    results = fwd_bwd_together(list(zip(together, batches, strict=True)))
+    assert together[0].token_budget >= sum(int(b["kwargs"]["attention_mask"].sum()) for b in batches)  # one pass
+    for mine, engine, solo, batch in zip(results, together, alone, batches, strict=True):
+        theirs = solo.fwd_bwd(batch)
+        assert mine["loss"] == pytest.approx(theirs["loss"], abs=1e-5)
+        assert mine["num_tokens"] == theirs["num_tokens"]
+        assert_close(mine["logprobs"], theirs["logprobs"], atol=1e-5, rtol=0)
+        for name in theirs["metrics"].keys() - {"padding_ratio"}:
+            assert mine["metrics"][name] == pytest.approx(theirs["metrics"][name], abs=1e-5), name
+        solo_grads = {name: p.grad for name, p in solo.sync_parameters()}
+        for name, param in engine.sync_parameters():
+            assert_close(param.grad, solo_grads[name], atol=1e-5, rtol=0)
 
 
 def test_layers_a_run_picks_are_the_ones_adapted(model_dir):

@@ -22,7 +22,7 @@ SCREENSHOT_ENV_VAR = "ICEFLOE_UI_SCREENSHOT"  # also copy the browser test's scr
 
 
 @pytest.mark.anyio
-async def test_dashboard_pages_need_the_token_and_the_login_form_sets_an_http_only_cookie(data_dir):
+async def test_dashboard_pages_need_a_login_whose_cookie_holds_a_session_id_not_the_token(data_dir):
     async with asgi_client(make_app(data_dir, tokens=("s3cret",))) as http:
         for page in ("/ui", "/ui/jobs/some-job"):
             redirected = await http.get(page)
@@ -35,15 +35,27 @@ async def test_dashboard_pages_need_the_token_and_the_login_form_sets_an_http_on
         assert wrong.headers["location"] == "/ui/login?failed=1" and "set-cookie" not in wrong.headers
         right = await http.post("/ui/login", content=b"token=s3cret", headers=_FORM)
         cookie = right.headers["set-cookie"]
-        assert right.headers["location"] == "/ui" and cookie.startswith("icefloe_token=s3cret;")
-        assert "HttpOnly" in cookie and "SameSite=strict" in cookie
+        session_id = cookie.removeprefix("icefloe_session=").split(";")[0]
+        assert right.headers["location"] == "/ui" and len(session_id) >= 40 and "s3cret" not in cookie
+        assert "HttpOnly" in cookie and "SameSite=strict" in cookie and "Max-Age=" in cookie
 
-        signed_in = {"cookie": "icefloe_token=s3cret"}
-        assert 'id="jobs"' in (await http.get("/ui", headers=signed_in)).text
+        signed_in = {"cookie": f"icefloe_session={session_id}"}
+        page = await http.get("/ui", headers=signed_in)
+        assert 'id="jobs"' in page.text
+        assert page.headers["x-frame-options"] == "DENY"
+        assert page.headers["content-security-policy"] == "frame-ancestors 'none'"
         assert (await http.get("/ui/api/jobs", headers=signed_in)).json() == {"jobs": []}
         assert (await http.get(PREFIX + "/capabilities", headers=signed_in)).status_code == 200
         assert (await http.get("/metrics", headers=signed_in)).status_code == 200
-        assert (await http.get("/ui", headers={"cookie": "icefloe_token=guess"})).status_code == 303
+        assert (await http.get("/ui", headers={"cookie": "icefloe_session=guess"})).status_code == 303
+        assert (await http.get("/ui", headers={"cookie": "icefloe_token=s3cret"})).status_code == 303  # no token cookie
+
+        csrf = (await http.get("/ui/api/session", headers=signed_in)).json()
+        assert csrf["tenant"] == "default" and csrf["csrf_token"]
+        assert (await http.post("/ui/logout", headers=signed_in)).status_code == 403  # no Origin, no CSRF token
+        out = await http.post("/ui/logout", headers={**signed_in, "x-csrf-token": csrf["csrf_token"]})
+        assert out.status_code == 303 and out.headers["location"] == "/ui/login"
+        assert (await http.get("/ui/api/jobs", headers=signed_in)).status_code == 401  # the session is revoked
 
 
 _FORM = {"content-type": "application/x-www-form-urlencoded"}

@@ -13,7 +13,7 @@ from icefloe.service.lifecycle import JobState
 @pytest.fixture
 def job(tmp_path):
     db = store.Database(tmp_path / "db.sqlite3")
-    store.insert_job(db, job_id="j", status="pending", spec={})
+    store.insert_job(db, job_id="j", status="pending", spec={}, owner="default")
     log = JobLog(tmp_path / "logs", ["j:training:0"])
     yield JobState("j", db, log), db, log
     db.close()

@@ -60,7 +60,8 @@ def _sft_datum(tokenizer, text: str) -> types.Datum:
 
 def test_forward_backward_and_optim_step_lower_the_loss(service, model):
     by_name = service.create_lora_training_client(base_model=Path(model).name, rank=4).result()
-    assert by_name.get_info().model_data.tokenizer_id == model  # a name under the model root, resolved
+    # The tokenizer is named as the caller named the model, never by the service's own path for it.
+    assert by_name.get_info().model_data.tokenizer_id == Path(model).name
     training = service.create_lora_training_client(base_model=model, rank=4).result()
     assert training.get_info().is_lora and training.get_info().lora_rank == 4
     tokenizer = training.get_tokenizer()
@@ -174,6 +175,7 @@ def test_a_cancelled_sample_that_has_not_started_never_runs(base_url, model):
             return answer.json() if answer.headers["content-type"].startswith("application/json") else {}
 
         running = asample(1, 400)  # keeps the sampler busy
+        time.sleep(0.2)  # past the gathering window (50 ms): the next call goes out as a request of its own
         queued = asample(2, 4)
         assert http.post("/cancel_future", json={"request_id": queued}).status_code == 200
         assert "cancelled" in outcome(queued)["error"]
@@ -532,7 +534,7 @@ def test_a_call_cancelled_while_it_gathers_is_left_out_of_its_request(base_url, 
 
         kept, dropped = outcome(calls[0]), outcome(calls[1])
         assert kept.headers["content-type"] == "application/x-protobuf"  # a SampleResponse
-        assert dropped.json() == {"error": "cancelled by the caller before it was sent", "category": "user"}
+        assert dropped.json() == {"error": "cancelled by the caller", "category": "user"}
         http.post(f"/sessions/{session_id}/finish", json={"reason": {"type": "success"}})
 
 
@@ -599,7 +601,7 @@ def test_top_k_targets_are_refused_by_name(service, model):
             "weights": types.TensorData.from_numpy(np.full(targets.shape, 0.5, dtype=np.float32)),
         },
     )
-    with pytest.raises(tinker.BadRequestError, match=r"data\.0\.loss_fn_inputs\.target_tokens is 2-D \(8, 2\)"):
+    with pytest.raises(tinker.BadRequestError, match=r"data\.0\.loss_fn_inputs\.target_tokens is 2-D \[8, 2\]"):
         training.forward_backward([datum], "cross_entropy").result()
 
 
@@ -627,3 +629,89 @@ def test_a_sampler_forgets_the_answer_of_a_seq_id_long_past(base_url, model, mon
         asample(3)  # two numbers later: seq_id 1 is forgotten
         assert asample(1) != first
         http.post(f"/sessions/{session_id}/finish", json={"reason": {"type": "success"}})
+
+
+def test_server_capabilities_list_the_served_model_as_skyrl_checks_it(base_url, model, monkeypatch):
+    """SkyRL's Tinker API test_capabilities: the SDK's get_server_capabilities lists the model the test
+    trains. It was a 404, so the SDK's own raise_if_tinker_not_accessible() failed too."""
+    from tinker.auth import raise_if_tinker_not_accessible
+
+    rest = tinker.RestClient(base_url=base_url, api_key=API_KEY)
+    capabilities = rest.get_server_capabilities().result()
+    served = {item.model_name: item for item in capabilities.supported_models}
+    assert Path(model).name in served and "tiny:chat" in served  # by the name create_model takes
+    assert served[Path(model).name].max_context_length == 512 and served["tiny:chat"].trainable
+    assert not any(name.startswith("/") for name in served)  # never the server's own path
+    monkeypatch.setenv("TINKER_BASE_URL", base_url)
+    monkeypatch.setenv("TINKER_API_KEY", API_KEY)
+    raise_if_tinker_not_accessible()
+
+
+def test_rest_client_lists_runs_and_user_checkpoints_and_deletes_one(service, base_url, model):
+    training = service.create_lora_training_client(base_model=model, rank=4).result()
+    kept = training.save_state("kept").result().path
+    dropped = training.save_state("dropped").result().path
+    rest = tinker.RestClient(base_url=base_url, api_key=API_KEY)
+    runs = rest.list_training_runs(limit=1000).result()
+    assert training.model_id in [run.training_run_id for run in runs.training_runs]
+    run = rest.get_training_run(training.model_id).result()
+    assert (run.base_model, run.is_lora, run.lora_rank) == (model, True, 4)
+    assert run.last_checkpoint is not None and run.last_checkpoint.tinker_path == dropped
+    mine = [c.tinker_path for c in rest.list_user_checkpoints(limit=1000).result().checkpoints]
+    assert {kept, dropped} <= set(mine)
+    rest.delete_checkpoint_from_tinker_path(dropped).result()
+    listed = [c.tinker_path for c in rest.list_checkpoints(training.model_id).result().checkpoints]
+    assert listed == [kept]
+    with pytest.raises(tinker.NotFoundError, match="not found"):
+        rest.get_weights_info_by_tinker_path(dropped).result()
+    with pytest.raises(tinker.NotFoundError, match="GET /api/v1/sessions/some-session is not served"):
+        rest.get_session("some-session").result()
+
+
+def test_save_weights_external_gives_download_links_to_a_peft_folder(service, base_url, model, tmp_path):
+    import urllib.request
+
+    from safetensors.torch import load_file
+
+    training = service.create_lora_training_client(base_model=model, rank=4).result()
+    exported = training.save_weights_external("exported").result().path
+    assert exported == f"tinker://{training.model_id}/external_weights/exported"
+    rest = tinker.RestClient(base_url=base_url, api_key=API_KEY)
+    urls = rest.get_external_weights_urls(exported).result().urls
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(urls)
+    assert all(url.startswith(f"{base_url}/files/") for url in urls.values())
+    for name, url in urls.items():
+        urllib.request.urlretrieve(url, tmp_path / name)
+    tensors = load_file(tmp_path / "adapter_model.safetensors")
+    assert tensors and all("lora_" in key for key in tensors)
+
+
+def test_target_prompt_logprobs_score_the_ids_asked_for(service, model):
+    import torch
+
+    sampler = service.create_sampling_client(base_model=model).result()
+    tokens = sampler.get_tokenizer().encode("score these")
+    prompt = types.ModelInput.from_ints(tokens)
+    wanted = torch.full((len(tokens) - 1, 2), -1, dtype=torch.int64)
+    wanted[:, 0] = torch.tensor(tokens[1:])
+    wanted[2, 1] = 7
+    for targets in (types.TensorData.from_torch(wanted), types.TensorData.from_torch_sparse(wanted, pad_value=-1)):
+        response = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=1), include_prompt_logprobs=True,
+                                  target_prompt_logprobs=targets).result()  # fmt: skip
+        scored = np.asarray(response.target_prompt_logprobs.data).reshape(len(tokens) - 1, 2)
+        assert scored[:, 0] == pytest.approx(response.prompt_logprobs[1:], abs=1e-5)
+        assert scored[2, 1] < 0 and (np.delete(scored[:, 1], 2) == 0).all()
+
+
+def test_a_finished_session_is_pruned_from_memory_and_its_run_stays_listed(tmp_path, model):
+    service_app = make_app(tmp_path / "serve", engines="local", tokens=[API_KEY], model_root=Path(model).parent)
+    with ServerThread(service_app) as url:
+        with tinker.ServiceClient(base_url=url, api_key=API_KEY) as service:
+            training = service.create_lora_training_client(base_model=model, rank=4).result()
+            path = training.save_state("kept").result().path
+            state = service_app.state.tinker
+            assert training.model_id in state.models and state.sessions
+        assert not state.sessions and not state.models and not state.samplers  # pruned: nothing kept per session
+        rest = tinker.RestClient(base_url=url, api_key=API_KEY)
+        assert [c.tinker_path for c in rest.list_checkpoints(training.model_id).result().checkpoints] == [path]
+        assert rest.get_training_run(training.model_id).result().training_run_id == training.model_id

@@ -46,3 +46,29 @@ def test_math_rl_arithmetic_trains_against_icefloe_serve(tmp_path):
     assert len(kls) == 3 and all(abs(kl) < 1e-4 for kl in kls)  # the sampler samples what the trainer trains
     final = json.loads((log_path / "checkpoints.jsonl").read_text().splitlines()[-1])
     assert final["name"] == "final" and final["state_path"].endswith("/weights/final")
+
+
+def test_weights_download_fetches_a_training_checkpoint_as_a_peft_folder(tmp_path, monkeypatch):
+    """The cookbook's weights.download: load the checkpoint into a new run, export it encrypted to a key it
+    makes (save_weights_external), fetch and decrypt each file, delete the export. It failed on the 404
+    of save_weights_external."""
+    import tinker
+    from safetensors.torch import load_file
+    from tinker_cookbook import weights
+
+    model = tmp_path / "tiny-chat"
+    subprocess.run([sys.executable, "-m", "icefloe.cli", "models", "export", "tiny:chat", str(model)], check=True)
+    monkeypatch.setenv("TINKER_API_KEY", "tml-cookbook")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with ServerThread(make_app(tmp_path / "serve", engines="local", model_root=tmp_path)) as base_url:
+        with tinker.ServiceClient(base_url=base_url) as service:
+            training = service.create_lora_training_client(base_model=str(model), rank=4).result()
+            state_path = training.save_state("to-download").result().path
+        output = weights.download(tinker_path=state_path, output_dir=str(tmp_path / "adapter"), base_url=base_url)
+        rest = tinker.RestClient(base_url=base_url)
+        exports = [c for c in rest.list_user_checkpoints().result().checkpoints if c.checkpoint_type == "external"]
+    files = {path.name for path in (tmp_path / "adapter").iterdir()}
+    assert output == str(tmp_path / "adapter") and {"adapter_config.json", "adapter_model.safetensors"} <= files
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["r"] == 4
+    assert all("lora_" in key for key in load_file(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert exports == []  # the temporary export was deleted

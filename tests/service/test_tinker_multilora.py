@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -17,6 +18,7 @@ from typer.testing import CliRunner  # noqa: E402
 
 from icefloe.cli import app  # noqa: E402
 from icefloe.service.app import ServerThread  # noqa: E402
+from icefloe.service.settings import SHARED_TENANT  # noqa: E402
 from icefloe.service.tinker.state import CheckpointPath  # noqa: E402
 from tests.service.service_harness import make_app  # noqa: E402
 
@@ -96,7 +98,8 @@ def test_each_runs_lora_layers_are_honoured_and_travel_with_its_weights(tmp_path
         saved = {}
         for name, training in (("narrow", narrow), ("default", default)):
             path = training.save_weights_for_sampler(name).result().path
-            folder = service_app.state.tinker.checkpoint_folder(CheckpointPath.parse(path))
+            record = service_app.state.tinker.checkpoint_record(CheckpointPath.parse(path), SHARED_TENANT)
+            folder = Path(record["path"])
             with safe_open(str(folder / "adapter_model.safetensors"), "pt") as tensors:
                 saved[name] = list(tensors.keys())
             sampler = service.create_sampling_client(model_path=path).result()  # a sampler of its own, same layers

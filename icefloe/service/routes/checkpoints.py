@@ -1,4 +1,8 @@
-"""List, export (download links served here) and delete a job's checkpoints."""
+"""List, export (download links served here) and delete a job's checkpoints.
+
+A download link is made on ``--public-url`` when the service has one, else on the address the
+request came in on: never on the ``Host`` header, which the caller writes.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +19,9 @@ from icefloe.protocol import ExpiredError, NotFoundError
 from icefloe.service import store
 from icefloe.service.models import CheckpointExport, CheckpointList
 from icefloe.service.routes import JobsDep, SettingsDep, StoreDep, api_router
+from icefloe.service.settings import ServeSettings
 
-__all__ = ["files_router", "router"]
+__all__ = ["download_links", "files_router", "router"]
 
 router = api_router("checkpoints")
 files_router = APIRouter(tags=["files"])  # no bearer token: the link's secret is the credential
@@ -44,20 +49,29 @@ async def export_checkpoint(
     folder = Path(record["path"])
     if not folder.is_dir():
         raise NotFoundError(f"checkpoint {checkpoint_id} of job {job_id} has no files on disk any more")
+    files, expires = download_links(request, db, settings, folder)
+    expires_at = datetime.fromtimestamp(expires, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {"checkpoint_id": checkpoint_id, "files": files, "expires_at": expires_at}
+
+
+def download_links(
+    request: Request, db: store.Database, settings: ServeSettings, folder: Path
+) -> tuple[list[dict], float]:
+    """A link per file under ``folder`` (``filename``, ``url``, ``size_bytes``), and when they expire."""
     expires = time.time() + settings.export_ttl_s
+    if settings.public_url:
+        base = settings.public_url
+    else:
+        server = request.scope.get("server")  # (host, port) of the socket the request came in on
+        host, port = server if server and server[1] else (settings.host, settings.port)
+        base = f"{request.url.scheme}://{f'[{host}]' if ':' in host else host}:{port}"
     files = []
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         token = secrets.token_urlsafe(24)
         store.insert_file_link(db, token=token, path=str(path), expires_at=expires)
-        files.append(
-            {
-                "filename": str(path.relative_to(folder)),
-                "url": str(request.url_for("download", token=token)),
-                "size_bytes": path.stat().st_size,
-            }
-        )
-    expires_at = datetime.fromtimestamp(expires, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return {"checkpoint_id": checkpoint_id, "files": files, "expires_at": expires_at}
+        url = base + request.app.url_path_for("download", token=token)
+        files.append({"filename": str(path.relative_to(folder)), "url": url, "size_bytes": path.stat().st_size})
+    return files, expires
 
 
 @router.delete("/{job_id}/checkpoints/{checkpoint_id}", status_code=204)

@@ -35,7 +35,7 @@ from icefloe.service.operations import (
     submit_save,
     submit_step,
 )
-from icefloe.service.routes import API_PREFIX, JobsDep, OctetBody, api_router
+from icefloe.service.routes import API_PREFIX, JobsDep, OctetBody, api_router, visible_job
 from icefloe.service.routes.requests import with_answer
 
 __all__ = ["STEP_ROUTES", "router"]
@@ -149,12 +149,14 @@ def _answer(answer: dict | Response) -> Response:
 
 
 async def _fast_forward_backward(request: Request) -> Response:
+    visible_job(request)
     job_id, sub_job_id = request.path_params["job_id"], request.query_params.get("sub_job_id")
     body, jobs = await request.body(), request.app.state.jobs
     return _answer(await forward_backward(job_id, body, jobs, sub_job_id=sub_job_id, wait=_wait(request)))
 
 
 async def _fast_step(request: Request) -> Response:
+    visible_job(request)
     body = await _json_body(request, StepBody)
     return _answer(await step(request.path_params["job_id"], request.app.state.jobs, body, wait=_wait(request)))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi.concurrency import run_in_threadpool
 
 from icefloe.service.models import ExperimentRun, JobCreate, JobCreated, JobList, JobPublic
-from icefloe.service.routes import JobsDep, api_router
+from icefloe.service.routes import JobsDep, TenancyDep, TenantDep, api_router
 
 __all__ = ["router"]
 
@@ -14,15 +14,17 @@ router = api_router("jobs")
 
 @router.post("/", response_model=JobCreated, response_model_exclude_none=True)
 @router.post("", response_model=JobCreated, response_model_exclude_none=True, include_in_schema=False)
-async def create_job(body: JobCreate, database: str, schema: str, jobs: JobsDep) -> dict:
-    job_id = await run_in_threadpool(jobs.create, body, database=database, schema=schema)
+async def create_job(
+    body: JobCreate, database: str, schema: str, jobs: JobsDep, tenancy: TenancyDep, tenant: TenantDep
+) -> dict:
+    job_id = await run_in_threadpool(tenancy.create, jobs, body, tenant=tenant, database=database, schema=schema)
     return {"job_id": job_id, "warnings": jobs.public(job_id)["warnings"] or None}
 
 
 @router.get("/", response_model=JobList)
 @router.get("", response_model=JobList, include_in_schema=False)
-async def list_jobs(jobs: JobsDep, status: str | None = None) -> dict:
-    return {"jobs": jobs.list_public(status)}
+async def list_jobs(jobs: JobsDep, tenancy: TenancyDep, tenant: TenantDep, status: str | None = None) -> dict:
+    return {"jobs": jobs.list_public(status, owner=tenancy.owner_filter(tenant))}
 
 
 @router.get("/{job_id}", response_model=JobPublic)

@@ -3,7 +3,8 @@
 ``POST {job}/metrics`` takes ``{"step": int, "metrics": {name: number}}`` from the client (reward
 and other scalars only it knows); ``GET {job}/metrics`` answers the job's series, one point per step
 with the engine's values and the client's merged. ``GET /metrics`` is the Prometheus text format;
-it needs the token like the API unless the service runs with ``--metrics-public``.
+it needs the token like the API unless the service runs with ``--metrics-public``. It is service-wide
+(its series name jobs), so on a server with named tenants only the ``admin`` tenant reads it.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from typing import Any
 from fastapi import APIRouter, Body, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from icefloe.protocol import NotFoundError
 from icefloe.service.metrics import check_reported
-from icefloe.service.routes import JobsDep, api_router
+from icefloe.service.routes import JobsDep, SettingsDep, TenantDep, api_router
+from icefloe.service.settings import ADMIN_TENANT
 
 __all__ = ["prometheus_router", "router"]
 
@@ -37,5 +40,10 @@ async def job_metrics(job_id: str, jobs: JobsDep) -> dict:
 
 
 @prometheus_router.get("/metrics")
-async def prometheus(jobs: JobsDep) -> Response:
+async def prometheus(jobs: JobsDep, settings: SettingsDep, tenant: TenantDep) -> Response:
+    if settings.tenant_tokens and tenant != ADMIN_TENANT and not settings.metrics_public:
+        raise NotFoundError(
+            "GET /metrics is service-wide, so only the admin tenant reads it here; read a job's own series at "
+            "GET {prefix}/{job_id}/metrics"
+        )
     return Response(generate_latest(jobs.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,10 +1,13 @@
 """The dashboard at ``/ui``: static pages (uPlot charts shipped in ``ui/static``) whose script polls
-``/ui/api/...``, which gathers what a page shows in one answer, and the API. With auth on,
-``/ui/login`` keeps the token in an HttpOnly cookie, which the token check accepts like the header.
+``/ui/api/...``, which gathers what a page shows in one answer, and the API. A tenant sees its own
+jobs only (the admin tenant every job). With auth on, ``/ui/login`` takes a token once and answers
+with a cookie that holds a server-side session id (:mod:`icefloe.service.logins`), never the token;
+``/ui/logout`` ends the session. No page may be framed by another site.
 """
 
 from __future__ import annotations
 
+import math
 import time
 import urllib.parse
 from pathlib import Path
@@ -14,16 +17,26 @@ from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
+from icefloe.protocol import TooManyRequestsError
 from icefloe.service import store
 from icefloe.service.jobs import JobManager
-from icefloe.service.middleware import TOKEN_COOKIE, matching_token
-from icefloe.service.routes import JobsDep, SettingsDep, StoreDep
+from icefloe.service.logins import SESSION_COOKIE, Logins
+from icefloe.service.middleware import caller_of, matching_token
+from icefloe.service.routes import JobsDep, SettingsDep, StoreDep, TenancyDep, TenantDep
 
 __all__ = ["install_ui"]
 
 _PAGES = Path(__file__).resolve().parent.parent / "ui"
 _LOG_LINES = 200
 _FAILED_SHOWN = 10
+_CHECKPOINT_SHOWN = ("checkpoint_id", "global_steps", "avg_loss", "created_at", "checkpoint_type")  # not its path
+# Every page: never inside another site's frame (a click there would act through the login cookie).
+_PAGE_HEADERS = {
+    "cache-control": "no-store",
+    "x-frame-options": "DENY",
+    "content-security-policy": "frame-ancestors 'none'",
+    "x-content-type-options": "nosniff",
+}
 
 router = APIRouter(prefix="/ui", tags=["dashboard"], include_in_schema=False)
 
@@ -39,7 +52,7 @@ def _page(name: str, title: str, *stylesheets: str) -> HTMLResponse:
     head = f'<!doctype html>\n<html lang="en">\n<head>\n  <meta charset="utf-8">\n  <title>icefloe {title}</title>\n'
     head += f"{links}</head>\n"
     body = (_PAGES / name).read_text(encoding="utf-8")
-    return HTMLResponse(head + body, headers={"cache-control": "no-store"})
+    return HTMLResponse(head + body, headers=_PAGE_HEADERS)
 
 
 @router.get("")
@@ -61,21 +74,49 @@ async def login_form(settings: SettingsDep) -> Response:
 
 @router.post("/login")
 async def login(request: Request, settings: SettingsDep) -> Response:
-    """A form post ``token=...``: a known token is set as the cookie; an unknown one shows the form again."""
+    """A form post ``token=...``: a known token starts a session whose id is set as the cookie; an
+    unknown one shows the form again. Too many failures from one address are refused (429) unchecked."""
+    logins: Logins = request.app.state.logins
+    address = request.client.host if request.client else ""
+    wait_s = logins.wait_s(address)
+    if wait_s > 0:
+        raise TooManyRequestsError(
+            f"too many failed logins from this address; try again in {math.ceil(wait_s)} s "
+            f"(at most {logins.max_failures} a minute)"
+        )
     form = urllib.parse.parse_qs((await request.body()).decode("utf-8", "replace"))
     presented = (form.get("token") or [""])[0].strip()
-    if not presented or matching_token(settings, presented) is None:
+    matched = matching_token(settings.token_tenants(), presented) if presented else None
+    if matched is None:
+        logins.failed(address)
         return RedirectResponse("/ui/login?failed=1", status_code=303)
+    token, tenant = matched
+    session_id = logins.start(tenant=tenant, caller=caller_of(token))
     answer = RedirectResponse("/ui", status_code=303)
-    answer.set_cookie(TOKEN_COOKIE, presented, httponly=True, samesite="strict", path="/")
+    answer.set_cookie(
+        SESSION_COOKIE, session_id, max_age=int(logins.ttl_s), httponly=True, samesite="strict", path="/",
+        secure=request.url.scheme == "https",
+    )  # fmt: skip
     return answer
 
 
 @router.post("/logout")
-async def logout() -> Response:
+async def logout(request: Request) -> Response:
+    """End the session: its id is refused from now on, wherever the cookie was copied to."""
+    session_id = request.cookies.get(SESSION_COOKIE)
+    if session_id:
+        request.app.state.logins.end(session_id)
     answer = RedirectResponse("/ui/login", status_code=303)
-    answer.delete_cookie(TOKEN_COOKIE, path="/")
+    answer.delete_cookie(SESSION_COOKIE, path="/")
     return answer
+
+
+@router.get("/api/session")
+async def session(request: Request, tenant: TenantDep) -> dict:
+    """Who the page is signed in as, and the CSRF token its changes carry (None: a token caller)."""
+    session_id = request.cookies.get(SESSION_COOKIE)
+    live = request.app.state.logins.get(session_id) if session_id else None
+    return {"tenant": tenant, "csrf_token": live.csrf_token if live is not None else None}
 
 
 # --- what the pages show -----------------------------------------------------------------------
@@ -124,13 +165,15 @@ def _host(jobs: JobManager, job_id: str) -> str:
 
 
 @router.get("/api/jobs")
-async def jobs_table(jobs: JobsDep, db: StoreDep) -> dict:
+async def jobs_table(jobs: JobsDep, db: StoreDep, tenancy: TenancyDep, tenant: TenantDep) -> dict:
     latest = store.latest_job_metrics(db)  # one query for every job; rows newest first
-    return {"jobs": [_row(jobs, row, latest.get(row["job_id"], {})) for row in reversed(store.list_jobs(db))]}
+    rows = store.list_jobs(db, owner=tenancy.owner_filter(tenant))
+    return {"jobs": [_row(jobs, row, latest.get(row["job_id"], {})) for row in reversed(rows)]}
 
 
 @router.get("/api/jobs/{job_id}")
-async def job_detail(job_id: str, jobs: JobsDep, db: StoreDep) -> dict:
+async def job_detail(job_id: str, jobs: JobsDep, db: StoreDep, tenancy: TenancyDep, tenant: TenantDep) -> dict:
+    tenancy.check(tenant, job_id)
     row = jobs.row(job_id)  # 404 for an unknown job; watching a job does not keep its lease alive
     sub_jobs = row["spec"]["sub_jobs"]
     live, log = jobs.live_job(job_id), jobs.job_log(job_id)
@@ -151,6 +194,6 @@ async def job_detail(job_id: str, jobs: JobsDep, db: StoreDep) -> dict:
             for r in jobs.requests.open_rows(job_id)
         ],
         "failed": store.recent_failed_requests(db, job_id=job_id, limit=_FAILED_SHOWN),
-        "checkpoints": store.list_checkpoints(db, job_id=job_id),
+        "checkpoints": [{k: c[k] for k in _CHECKPOINT_SHOWN} for c in store.list_checkpoints(db, job_id=job_id)],
         "log": sorted(entries.values(), key=lambda e: e.get("ts") or "")[-_LOG_LINES:],
     }

@@ -25,8 +25,10 @@ def install_tinker(app: FastAPI) -> None:
 
         app.add_api_route("/api/v1/{path:path}", missing_extra, methods=["GET", "POST"], include_in_schema=False)
         return
-    from icefloe.service.tinker.routes import router
+    from icefloe.service.tinker import routes, runs
     from icefloe.service.tinker.state import TinkerState
 
-    app.state.tinker = TinkerState(app.state.jobs, gap_timeout_s=app.state.settings.sequence_gap_timeout_s)
-    app.include_router(router)
+    gap_timeout_s = app.state.settings.sequence_gap_timeout_s
+    app.state.tinker = TinkerState(app.state.jobs, app.state.tenancy, gap_timeout_s=gap_timeout_s)
+    app.include_router(routes.router)
+    app.include_router(runs.router)  # its catch-all last: what no route above serves is refused by name

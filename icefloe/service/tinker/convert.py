@@ -33,23 +33,67 @@ _UNPUBLISHED = {
 }
 
 
-def _array(tensor: pb.Tensor, where: str) -> np.ndarray:
+def _buffer(raw: bytes, dtype: type[np.generic], where: str) -> np.ndarray:
+    size = np.dtype(dtype).itemsize
+    if len(raw) % size:
+        raise InvalidRequestError(
+            f"{where} holds {len(raw)} bytes, not a multiple of {size} ({np.dtype(dtype).name}); send whole values"
+        )
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def _array(tensor: pb.Tensor, where: str, length: int, name: str) -> np.ndarray:
+    """The values of one datum's input tensor, one per position (``length``): its shape, sizes and
+    (sparse) indices are checked before anything is allocated, and float values must be finite."""
     dtype = _NUMPY_DTYPES.get(tensor.dtype)
     if dtype is None:
         raise InvalidRequestError(f"{where}: dtype {tensor.dtype} is not supported; send float32 or int64")
-    shape = list(tensor.shape)
+    shape = [int(d) for d in tensor.shape]
+    if len(shape) == 2 and shape[0] == length and shape[1] != 1 and name in ("target_tokens", "weights"):
+        raise InvalidRequestError(
+            f"{where} is 2-D {shape} (top-K targets per position), which is not served yet; send one target token "
+            "and weight per position"
+        )
+    if any(d < 0 for d in shape) or (shape and math.prod(shape) != length):
+        raise InvalidRequestError(f"{where} has shape {shape[:4]}; a datum of {length} tokens needs [{length}]")
     if tensor.WhichOneof("encoding") == "sparse_csr":
-        csr = tensor.sparse_csr
-        values = np.frombuffer(csr.values, dtype=dtype)
-        rows = np.frombuffer(csr.crow_indices, dtype=np.int64)
-        cols = np.frombuffer(csr.col_indices, dtype=np.int64)
-        width = shape[-1] if shape else int(cols.max(initial=-1)) + 1
-        dense = np.zeros((max(len(rows) - 1, 1), width), dtype=dtype)
-        for row in range(len(rows) - 1):
-            dense[row, cols[rows[row] : rows[row + 1]]] = values[rows[row] : rows[row + 1]]
-        return dense.reshape(shape) if shape else dense.reshape(-1)
-    array = np.frombuffer(tensor.dense, dtype=dtype)
-    return array.reshape(shape) if shape else array
+        array = _from_csr(tensor.sparse_csr, dtype, shape, where)
+    else:
+        array = _buffer(tensor.dense, dtype, f"{where}.dense")
+        if len(array) != length:
+            raise InvalidRequestError(
+                f"{where} has {len(array)} values for {length} input tokens; give one per input position"
+            )
+    if dtype is np.float32 and not np.isfinite(array).all():
+        position = int(np.flatnonzero(~np.isfinite(array))[0])
+        raise InvalidRequestError(
+            f"{where} holds {array[position]} at position {position}; every value must be a finite number"
+        )
+    return array
+
+
+def _from_csr(csr: pb.SparseCsr, dtype: type[np.generic], shape: list[int], where: str) -> np.ndarray:
+    """A sparse CSR tensor of a checked 2-D ``shape`` as its dense values, flat."""
+    if len(shape) != 2:
+        raise InvalidRequestError(f"{where}: a sparse_csr tensor needs a 2-D shape [rows, columns]; got {shape[:4]}")
+    rows, width = shape
+    values = _buffer(csr.values, dtype, f"{where}.sparse_csr.values")
+    crow = _buffer(csr.crow_indices, np.int64, f"{where}.sparse_csr.crow_indices")
+    cols = _buffer(csr.col_indices, np.int64, f"{where}.sparse_csr.col_indices")
+    if len(crow) != rows + 1 or crow[0] != 0 or crow[-1] != len(cols) or (np.diff(crow) < 0).any():
+        raise InvalidRequestError(
+            f"{where}.sparse_csr.crow_indices must be {rows + 1} non-decreasing offsets from 0 to the number of "
+            f"column indices ({len(cols)})"
+        )
+    if len(values) != len(cols):
+        raise InvalidRequestError(f"{where}.sparse_csr has {len(values)} values for {len(cols)} column indices")
+    if len(cols) and (cols.min() < 0 or cols.max() >= width):
+        raise InvalidRequestError(
+            f"{where}.sparse_csr.col_indices must be in [0, {width}); got {cols.min()}..{cols.max()}"
+        )
+    dense = np.zeros(rows * width, dtype=dtype)
+    dense[np.repeat(np.arange(rows, dtype=np.int64), np.diff(crow)) * width + cols] = values
+    return dense
 
 
 def tokens_of(chunks: Any, where: str) -> list[int]:
@@ -59,15 +103,15 @@ def tokens_of(chunks: Any, where: str) -> list[int]:
         kind = chunk.WhichOneof("chunk") if hasattr(chunk, "WhichOneof") else None
         if kind != "encoded_text":
             raise InvalidRequestError(f"{where}.chunks.{index} is a {kind} chunk; only encoded_text is served")
-        tokens += np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist()
+        tokens += _buffer(chunk.encoded_text.tokens, np.int32, f"{where}.chunks.{index}.encoded_text.tokens").tolist()
     return tokens
 
 
 def batch_from_request(
-    request: pb.ForwardBackwardRequest, *, pad_id: int, context_length: int
+    request: pb.ForwardBackwardRequest, *, pad_id: int, context_length: int, max_tokens: int
 ) -> tuple[dict[str, Any], list[int]]:
     """The canonical batch of one forward(-backward) chunk, and each datum's length; a datum longer
-    than ``context_length`` (the model's positions) is refused."""
+    than ``context_length`` (the model's positions), or more than ``max_tokens`` in all, is refused."""
     import torch
 
     loss_fn = request.loss_fn
@@ -82,6 +126,15 @@ def batch_from_request(
     config: dict[str, Any] = {name: value for name, value in request.loss_fn_config.items()}
     for name, value in request.loss_fn_config_v2.items():
         config[name] = value.text if value.WhichOneof("value") == "text" else value.number
+    for name, value in config.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidRequestError(f"loss_fn_config.{name} is {value}; send a finite number")
+    total = sum(len(chunk.encoded_text.tokens) // 4 for datum in request.data for chunk in datum.model_input)
+    if total > max_tokens:
+        raise InvalidRequestError(
+            f"the request holds {total} tokens; at most {max_tokens} go in one request (icefloe serve "
+            "--max-tokens-per-request): send fewer datums per forward_backward"
+        )
     rows: list[list[int]] = []
     inputs: list[dict[str, np.ndarray]] = []
     for index, datum in enumerate(request.data):
@@ -95,21 +148,9 @@ def batch_from_request(
             )
         fields = {}
         for name, tensor in sorted(datum.loss_fn_inputs.items()):
-            if name not in _CONTEXT_NAMES:
-                continue
-            array = _array(tensor, f"data.{index}.loss_fn_inputs.{name}")
-            if array.ndim == 2 and name in ("target_tokens", "weights"):
-                raise InvalidRequestError(
-                    f"data.{index}.loss_fn_inputs.{name} is 2-D {array.shape} (top-K targets per position), "
-                    "which is not served yet; send one target token and weight per position"
-                )
-            array = array.reshape(-1)
-            if len(array) != len(tokens):
-                raise InvalidRequestError(
-                    f"data.{index}.loss_fn_inputs.{name} has {len(array)} values for {len(tokens)} input tokens; "
-                    "give one per input position"
-                )
-            fields[_CONTEXT_NAMES[name]] = array
+            if name in _CONTEXT_NAMES:
+                where = f"data.{index}.loss_fn_inputs.{name}"
+                fields[_CONTEXT_NAMES[name]] = _array(tensor, where, len(tokens), name)
         needed = ("target_tokens",) if loss_fn == "cross_entropy" else ("target_tokens", "advantages", "logprobs")
         for name in needed:
             if _CONTEXT_NAMES[name] not in fields:
@@ -186,6 +227,12 @@ def sample_response(result: dict[str, Any], *, last_n: int | None = None) -> byt
             topk = [None if i < skipped else pairs for i, pairs in enumerate(topk)]
     if topk:
         message.topk_prompt_logprobs.CopyFrom(_topk(topk))
+    targeted = result.get("target_prompt_logprobs")
+    if targeted is not None:  # [len(prompt) - 1, K], 0.0 where nothing was asked
+        values = np.asarray(targeted, dtype=np.float32)
+        message.target_prompt_logprobs.CopyFrom(
+            pb.Tensor(dense=values.tobytes(), dtype=pb.DTYPE_FLOAT32, shape=list(values.shape))
+        )
     return message.SerializeToString()
 
 

@@ -1,19 +1,25 @@
-"""The Tinker API's routes (``/api/v1``), as the ``tinker`` SDK calls them.
+"""The Tinker API's routes (``/api/v1``) for sessions, models, training ops, sampling and futures, as
+the ``tinker`` SDK calls them; :mod:`.runs` has the REST client's routes.
 
 The ``tinker`` package (its protobuf classes) imports torch, so :mod:`.convert` is imported on
 first use: ``icefloe serve`` starts without torch in its own process.
 
-The ``X-API-Key`` is checked before a handler runs (``middleware.RequireToken``). Each handler
-validates, queues the work on the model's job (see :mod:`icefloe.service.tinker.state`) and
-answers the SDK's shape: a future ``{request_id}`` for ops, the result itself for the rest.
-Forward-backward requests and forward-backward / sample results travel as protobuf, the rest as JSON.
+The ``X-API-Key`` is checked before a handler runs (``middleware.RequireToken``), which also names
+the caller's tenant: every lookup takes it. Each handler reads its body off the event loop when it is
+large (:mod:`.checks`), checks every field, queues the work on the model's job (see
+:mod:`icefloe.service.tinker.state`) and answers the SDK's shape: a future ``{request_id}`` for ops,
+the result itself for the rest. An ordered op reads its ``model_id`` and ``seq_id`` first and checks
+the rest in its turn, so a refusal uses up its ``seq_id``. Forward-backward requests and
+forward-backward / sample results travel as protobuf, the rest as JSON.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Awaitable, Callable
+import uuid
+from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -27,28 +33,39 @@ from icefloe.protocol import (
     OP_STEP,
     ConflictError,
     InvalidRequestError,
-    NotFoundError,
 )
 from icefloe.protocol import SamplingParams as EngineSamplingParams
 from icefloe.service import store
 from icefloe.service.models import WeightSyncPayload
-from icefloe.service.operations import Sampling, submit_sampling, submit_weight_sync
+from icefloe.service.operations import Sampling, Training, submit_sampling, submit_training, submit_weight_sync
+from icefloe.service.routes import SettingsDep, TenantDep
+from icefloe.service.settings import ServeSettings
+from icefloe.service.tinker.checks import Fields, checkpoint_name, json_body
+from icefloe.service.tinker.external import encrypt_folder, recipients_of
 from icefloe.service.tinker.state import CheckpointPath, Model, SamplingSession, TinkerState, remember
 
-__all__ = ["router"]
+__all__ = ["router", "tinker_state"]
 
 _POLL_S = 30.0  # the SDK gives retrieve_future 45 s; answer try_again well before
 _PROTO = "application/x-protobuf"
-_PROMPT_KEYS = ("prompt_logprobs", "topk_prompt_logprobs")  # per call, not per sample
+_PROMPT_KEYS = ("prompt_logprobs", "topk_prompt_logprobs", "target_prompt_logprobs")  # per call, not per sample
+_ON_LOOP_BYTES = 64 * 1024  # larger protobuf bodies are parsed and converted on a worker thread
+_MAX_SEQ_ID = 2**62
+_MAX_TOPK = 1024
 
 
-async def _state(request: Request) -> TinkerState:
+async def tinker_state(request: Request) -> TinkerState:
     return request.app.state.tinker
 
 
 # The X-API-Key is checked by the service's RequireToken layer, like every other token.
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
-State = Annotated[TinkerState, Depends(_state)]
+State = Annotated[TinkerState, Depends(tinker_state)]
+Body = Annotated[Fields, Depends(json_body)]
+
+
+def _seq_id(body: Fields) -> int | None:
+    return body.integer("seq_id", None, low=0, high=_MAX_SEQ_ID)
 
 
 # --- client and session ----------------------------------------------------------------------
@@ -67,69 +84,82 @@ async def client_config(state: State) -> Response:
 
 @router.post("/client/dynamic_config")
 async def client_dynamic_config() -> dict[str, Any]:
-    # An abandoned sample future sends cancel_future, so its call leaves the sampler's queue at once.
+    # An abandoned sample future sends cancel_future: a call that has not started leaves the sampler's
+    # queue, one that runs stops at its next decode step.
     return {"sample_cancel_enabled": True}
 
 
 @router.post("/create_session")
-async def create_session(state: State) -> dict[str, Any]:
-    return {"type": "create_session", "session_id": state.create_session()}
+async def create_session(state: State, tenant: TenantDep) -> dict[str, Any]:
+    return {"type": "create_session", "session_id": state.create_session(tenant)}
 
 
 @router.post("/session_heartbeat")
-async def session_heartbeat(body: dict[str, Any], state: State) -> Response:
-    session_id = str(body.get("session_id"))
-    if state.session(session_id) != "active":
+async def session_heartbeat(body: Body, state: State, tenant: TenantDep) -> Response:
+    session_id = body.text("session_id", max_chars=256)
+    if state.session(session_id, tenant) != "active":
         return JSONResponse({"code": "session_finished", "message": "the session has finished"}, status_code=410)
     state.heartbeat(session_id)
     return JSONResponse({"type": "session_heartbeat"})
 
 
 @router.post("/sessions/{session_id}/finish")
-async def finish_session(session_id: str, state: State) -> dict[str, Any]:
-    await asyncio.to_thread(state.finish_session, session_id)
+async def finish_session(session_id: str, state: State, tenant: TenantDep) -> dict[str, Any]:
+    await asyncio.to_thread(state.finish_session, session_id, tenant)
     return {}
 
 
 @router.post("/telemetry")
 async def telemetry() -> dict[str, Any]:
-    return {"status": "accepted"}
+    return {"status": "accepted"}  # the body is never parsed: nothing here reads the SDK's telemetry
 
 
 # --- models ----------------------------------------------------------------------------------
+def _base_model(body: Fields) -> str:
+    value = body.text("base_model", max_chars=1024).strip()
+    if not value:
+        raise InvalidRequestError("base_model must name a model (a folder under --model-root, or tiny:<preset>)")
+    return value
+
+
 @router.post("/create_model")
-async def create_model(body: dict[str, Any], state: State) -> dict[str, Any]:
-    session_id, seq = str(body.get("session_id")), int(body.get("model_seq_id", 0))
+async def create_model(body: Body, state: State, tenant: TenantDep) -> dict[str, Any]:
+    session_id = body.text("session_id", max_chars=256)
+    seq = body.integer("model_seq_id", 0, low=0, high=_MAX_SEQ_ID)
     model_id = f"{session_id}:train:{seq}"
     if model_id not in state.models:
-        lora = body.get("lora_config") or {}
-        rank = lora.get("rank")
+        lora = body.section("lora_config")
+        rank = lora.integer("rank", None, low=1, high=1024)
         # The SDK's defaults: every layer kind, the output layer (unembedding) included.
-        layers = {key: lora.get(key, True) for key in ("train_attn", "train_mlp", "train_unembed")}
-        base_model = _base_model(body.get("base_model"))
+        layers = {key: lora.flag(key, True) for key in ("train_attn", "train_mlp", "train_unembed")}
+        base_model = _base_model(body)
         job_id = await asyncio.to_thread(
-            state.create_job, session_id, base_model, lora_rank=rank, training=True, name=model_id, layers=layers
+            state.create_job,
+            session_id,
+            base_model,
+            lora_rank=rank,
+            training=True,
+            name=model_id,
+            tenant=tenant,
+            layers=layers,
         )
-        state.models[model_id] = Model(model_id, session_id, job_id, base_model, rank)
-        state.models[model_id].taken[-1] = {
+        model = state.add_model(model_id, session_id, job_id, base_model, rank)
+        model.taken[-1] = {
             "request_id": state.future(job_id, lambda _: {"type": "create_model", "model_id": model_id}),
             "model_id": model_id,
         }
-    return state.models[model_id].taken[-1]
+    return state.model(model_id, tenant).taken[-1]
 
 
 @router.post("/get_info")
-async def get_info(body: dict[str, Any], state: State) -> dict[str, Any]:
-    model = state.model(str(body.get("model_id")))
-    from icefloe.engines.models import resolve_model
-
-    # The folder the job loads (a name under --model-root resolved), where the SDK finds the tokenizer.
-    job = await state.live(model.job_id)
-    folder = await asyncio.to_thread(resolve_model, next(iter(job.specs.values())).config.model)
+async def get_info(body: Body, state: State, tenant: TenantDep) -> dict[str, Any]:
+    model = state.model(body.text("model_id", max_chars=512), tenant)
+    # The SDK loads the tokenizer from tokenizer_id: the base model as the caller named it (a folder
+    # path it shares with the service, typically), never the service's own path for it.
     return {
         "type": "get_info",
         "model_id": model.model_id,
-        "model_data": {"arch": "causal_lm", "model_name": model.base_model, "tokenizer_id": str(folder)},
+        "model_data": {"arch": "causal_lm", "model_name": model.base_model, "tokenizer_id": model.base_model},
         "is_lora": model.lora_rank is not None,
         "lora_rank": model.lora_rank,
         "model_name": model.base_model,
@@ -137,56 +167,78 @@ async def get_info(body: dict[str, Any], state: State) -> dict[str, Any]:
 
 
 # --- training ops, in seq_id order -----------------------------------------------------------
+async def _off_loop(size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    call = functools.partial(fn, *args, **kwargs)
+    return await asyncio.to_thread(call) if size > _ON_LOOP_BYTES else call()
+
+
 @router.post("/forward_backward")
-async def forward_backward(request: Request, state: State) -> dict[str, Any]:
+async def forward_backward(request: Request, state: State, tenant: TenantDep) -> dict[str, Any]:
     from icefloe.service.tinker import convert  # protobuf and torch: imported on first use
 
-    message = convert.pb.ForwardBackwardRequest()
-    try:
-        message.ParseFromString(await request.body())
-    except Exception as exc:  # protobuf raises DecodeError, a plain Exception subclass
-        raise InvalidRequestError(f"forward_backward body is not a ForwardBackwardRequest protobuf: {exc}") from None
-    model = state.model(message.model_id)
+    raw = await request.body()
+    message = await _off_loop(len(raw), _parse_request, convert.pb.ForwardBackwardRequest, raw)
+    model = state.model(message.model_id, tenant)
+    max_tokens = state.manager.settings.max_tokens_per_request
 
     async def prepare() -> Callable[[], str]:
         job = await state.live(model.job_id)
         sub_job_id = state.sub_job(job, "training")
         context_length = job.specs[sub_job_id].config.max_seq_len
-        batch, lengths = convert.batch_from_request(message, pad_id=0, context_length=context_length)
-        from icefloe.engines.batch import validate_batch
-
-        batch = validate_batch(batch, require_context=True)
-        host = job.engines
+        batch, lengths = await _off_loop(len(raw), _batch, message, context_length, max_tokens)
         op = OP_FORWARD if message.forward_only else OP_FWD_BWD
 
-        def run() -> dict[str, Any]:
-            result = host.fwd_bwd(sub_job_id, batch)
+        def render(result: dict[str, Any]) -> dict[str, Any]:
             rows = result.pop("logprobs")
             result["logprobs"] = [rows[i, :n].tolist() for i, n in enumerate(lengths)]
             return result
 
-        return lambda: state.manager.submit(job, sub_job_id, op, run)
+        return lambda: submit_training(state.manager, job, Training(sub_job_id, batch, render), op=op)
 
     return await state.in_turn(model, message.seq_id, convert.forward_backward_output, prepare)
 
 
+def _parse_request(kind: Any, raw: bytes) -> Any:
+    message = kind()
+    try:
+        message.ParseFromString(raw)
+    except Exception as exc:  # protobuf raises DecodeError, a plain Exception subclass
+        raise InvalidRequestError(f"the body is not a {kind.__name__} protobuf: {exc}") from None
+    return message
+
+
+def _batch(message: Any, context_length: int, max_tokens: int) -> tuple[dict[str, Any], list[int]]:
+    from icefloe.engines.batch import validate_batch
+    from icefloe.service.tinker import convert
+
+    batch, lengths = convert.batch_from_request(message, pad_id=0, context_length=context_length, max_tokens=max_tokens)
+    return validate_batch(batch, require_context=True), lengths
+
+
+_ADAM_KEYS = ("beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+
+
 @router.post("/optim_step")
-async def optim_step(body: dict[str, Any], state: State) -> dict[str, Any]:
-    model = state.model(str(body.get("model_id")))
-    params = dict(body.get("adam_params") or body.get("optim_params") or {})
-    if body.get("optimizer_params"):
-        raise InvalidRequestError("optimizer_params (a non-Adam optimizer) is not served; send adam_params")
-    learning_rate = float(params.pop("learning_rate", 1e-4))
-    params.pop("type", None)
+async def optim_step(body: Body, state: State, tenant: TenantDep) -> dict[str, Any]:
+    model = state.model(body.text("model_id", max_chars=512), tenant)
 
     async def prepare() -> Callable[[], str]:
+        if body.value.get("optimizer_params") is not None:
+            raise InvalidRequestError("optimizer_params (a non-Adam optimizer) is not served; send adam_params")
+        adam = body.section("adam_params" if "adam_params" in body.value else "optim_params")
+        unknown = sorted(set(adam.value) - {"learning_rate", "type", *_ADAM_KEYS})
+        if unknown:
+            known = ["learning_rate", *_ADAM_KEYS]
+            raise InvalidRequestError(f"{adam.where}{unknown} are not Adam parameters; send only {known}")
+        learning_rate = adam.number("learning_rate", 1e-4, low=0, null_ok=False)
+        params = {key: adam.number(key, null_ok=False) for key in _ADAM_KEYS if key in adam.value}
         job = await state.live(model.job_id)
         sub_job_id, host = state.sub_job(job, "training"), job.engines
         return lambda: state.manager.submit(
             job, sub_job_id, OP_STEP, lambda: host.step(sub_job_id, learning_rate, params)
         )
 
-    return await state.in_turn(model, body.get("seq_id"), _optim_result, prepare)
+    return await state.in_turn(model, _seq_id(body), _optim_result, prepare)
 
 
 def _optim_result(result: dict[str, Any]) -> dict[str, Any]:
@@ -195,174 +247,188 @@ def _optim_result(result: dict[str, Any]) -> dict[str, Any]:
 
 
 @router.post("/save_weights")
-async def save_weights(body: dict[str, Any], state: State) -> dict[str, Any]:
-    model = state.model(str(body.get("model_id")))
-    path = CheckpointPath(model.model_id, "weights", str(body.get("path") or f"seq{body.get('seq_id')}"))
-    CheckpointPath.parse(str(path))  # refuses a name holding '/'
-    answer, prepare = _saver(state, model, path, "resumable", sync=False)
-    return await state.in_turn(model, body.get("seq_id"), lambda _: answer, prepare)
+async def save_weights(body: Body, state: State, tenant: TenantDep) -> dict[str, Any]:
+    model, seq_id = state.model(body.text("model_id", max_chars=512), tenant), _seq_id(body)
+    answer: dict[str, Any] = {"type": "save_weights"}
+
+    async def prepare() -> Callable[[], str]:
+        name = checkpoint_name(body.value.get("path") or f"seq{seq_id}", "path")
+        return await _saver(state, model, CheckpointPath(model.model_id, "weights", name), answer, kind="resumable")
+
+    return await state.in_turn(model, seq_id, lambda _: answer, prepare)
 
 
 @router.post("/save_weights_for_sampler")
-async def save_weights_for_sampler(body: dict[str, Any], state: State) -> dict[str, Any]:
-    model = state.model(str(body.get("model_id")))
-    name = body.get("path") or f"ephemeral-{body.get('sampling_session_seq_id')}-{body.get('seq_id')}"
-    path = CheckpointPath(model.model_id, "sampler_weights", str(name))
-    CheckpointPath.parse(str(path))
-    session_seq = body.get("sampling_session_seq_id")
-    answer, prepare = _saver(
-        state, model, path, "weights-only", sync=True, session_seq=session_seq, named=bool(body.get("path"))
-    )
-    return await state.in_turn(model, body.get("seq_id"), lambda _: answer, prepare)
+async def save_weights_for_sampler(body: Body, state: State, tenant: TenantDep) -> dict[str, Any]:
+    model, seq_id = state.model(body.text("model_id", max_chars=512), tenant), _seq_id(body)
+    answer: dict[str, Any] = {"type": "save_weights_for_sampler"}
+
+    async def prepare() -> Callable[[], str]:
+        session_seq = body.integer("sampling_session_seq_id", None, low=0, high=_MAX_SEQ_ID)
+        named = body.value.get("path") is not None
+        name = checkpoint_name(body.value.get("path") if named else f"ephemeral-{session_seq}-{seq_id}", "path")
+        path = CheckpointPath(model.model_id, "sampler_weights", name)
+        return await _saver(state, model, path, answer, kind="weights-only", sync=True, session_seq=session_seq,
+                            named=named)  # fmt: skip
+
+    return await state.in_turn(model, seq_id, lambda _: answer, prepare)
 
 
-def _saver(
-    state: TinkerState, model: Model, path: CheckpointPath, kind: str, *, sync: bool,
-    session_seq: int | None = None, named: bool = True,
-) -> tuple[dict[str, Any], Callable[[], Awaitable[Callable[[], str]]]]:  # fmt: skip
-    """The answer of a save of ``kind`` (and, for a sampler, a weight sync into the model's sampler),
-    filled in when it is queued, and what prepares it for :meth:`TinkerState.in_turn`.
+@router.post("/save_weights_external")
+async def save_weights_external(body: Body, state: State, tenant: TenantDep) -> dict[str, Any]:
+    """The weights as a Hugging Face (or, with LoRA, PEFT) folder under ``tinker://<run>/external_weights/<name>``,
+    each file encrypted to ``age_encryption_recipients`` when given. ``ttl_seconds`` is accepted and
+    changes nothing: checkpoints live until deleted."""
+    model, seq_id = state.model(body.text("model_id", max_chars=512), tenant), _seq_id(body)
+    path_of: dict[str, str] = {}
+
+    async def prepare() -> Callable[[], str]:
+        path = CheckpointPath(model.model_id, "external_weights", checkpoint_name(body.value.get("path"), "path"))
+        body.integer("ttl_seconds", None, low=0)
+        recipients = recipients_of(body.value.get("age_encryption_recipients"), "age_encryption_recipients")
+        path_of["path"] = str(path)
+        return await _saver(state, model, path, {}, kind="weights-only", encrypt_to=recipients)
+
+    def render(result: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "save_weights_external", "path": path_of["path"], "size_bytes": result["size_bytes"]}
+
+    return await state.in_turn(model, seq_id, render, prepare)
+
+
+async def _saver(
+    state: TinkerState, model: Model, path: CheckpointPath, answer: dict[str, Any], *, kind: str,
+    sync: bool = False, session_seq: int | None = None, named: bool = True, encrypt_to: list[Any] | None = None,
+) -> Callable[[], str]:  # fmt: skip
+    """What queues a save of ``kind`` (and, for a sampler, a weight sync into the model's sampler),
+    filling ``answer`` in when it is queued.
 
     An unnamed sampler save (``save_weights_and_get_sampling_client``) writes no files: its
     weights only ever live in the model's sampler, which the sync fills.
     """
-    answer: dict[str, Any] = {"type": "save_weights" if not sync else "save_weights_for_sampler"}
+    job = await state.live(model.job_id)
+    sub_job_id, host = state.sub_job(job, "training"), job.engines
 
-    async def prepare() -> Callable[[], str]:
-        job = await state.live(model.job_id)
-        sub_job_id, host = state.sub_job(job, "training"), job.engines
+    def run() -> dict[str, Any]:
+        result = host.save(sub_job_id, job.job_dir / "tinker" / path.kind / path.name, kind)
+        result["size_bytes"] = encrypt_folder(Path(result["path"]), encrypt_to)
+        store.upsert_checkpoint(
+            state.db, job_id=job.job_id, checkpoint_id=path.checkpoint_id, global_steps=result["global_step"],
+            avg_loss=None, checkpoint_type=result["kind"], path=result["path"],
+        )  # fmt: skip
+        return {key: value for key, value in result.items() if key != "path"}  # the answer names no server path
 
-        def run() -> dict[str, Any]:
-            result = host.save(sub_job_id, job.job_dir / "tinker" / path.kind / path.name, kind)
-            store.upsert_checkpoint(
-                state.manager.db, job_id=job.job_id, checkpoint_id=path.checkpoint_id,
-                global_steps=result["global_step"], avg_loss=None, checkpoint_type=result["kind"],
-                path=result["path"],
-            )  # fmt: skip
-            return result
+    def queue() -> str:
+        if named or not sync:
+            request_id = state.manager.submit(job, sub_job_id, OP_SAVE, run)
+            answer["path"] = str(path)
+        if sync:
+            request_id = submit_weight_sync(state.manager, job, WeightSyncPayload(), sub_job_id)
+            model.sampler_path = str(path)
+            if session_seq is not None:
+                sampler = _sampling_session(state, model.session_id, session_seq, model, str(path))
+                answer["sampling_session_id"] = sampler.sampling_session_id
+        return request_id
 
-        def queue() -> str:
-            if named or not sync:
-                request_id = state.manager.submit(job, sub_job_id, OP_SAVE, run)
-                answer["path"] = str(path)
-            if sync:
-                request_id = submit_weight_sync(state.manager, job, WeightSyncPayload(), sub_job_id)
-                model.sampler_path = str(path)
-                if session_seq is not None:
-                    sampler = _sampling_session(state, model.session_id, int(session_seq), model, str(path))
-                    answer["sampling_session_id"] = sampler.sampling_session_id
-            return request_id
-
-        return queue
-
-    return answer, prepare
+    return queue
 
 
 @router.post("/load_weights")
-async def load_weights(body: dict[str, Any], state: State) -> dict[str, Any]:
-    path = CheckpointPath.parse(str(body.get("path")))
-    optimizer = bool(body.get("optimizer", False))
-    if body.get("session_id") is not None:  # resume: a new model that starts from the checkpoint
-        session_id, seq = str(body["session_id"]), int(body.get("model_seq_id", 0))
-        model_id = f"{session_id}:train:{seq}"
+async def load_weights(body: Body, state: State, tenant: TenantDep) -> dict[str, Any]:
+    if body.value.get("session_id") is not None:  # resume: a new model that starts from the checkpoint
+        path, optimizer = CheckpointPath.parse(body.text("path", max_chars=2048)), body.flag("optimizer")
+        session_id = body.text("session_id", max_chars=256)
+        model_id = f"{session_id}:train:{body.integer('model_seq_id', 0, low=0, high=_MAX_SEQ_ID)}"
         if model_id not in state.models:
-            base_model, rank, layers = await asyncio.to_thread(state.base_model_of, path)
+            base_model, rank, layers = await asyncio.to_thread(state.base_model_of, path, tenant)
             job_id = await asyncio.to_thread(
                 state.create_job, session_id, base_model, lora_rank=rank, training=True, name=model_id,
-                source=path, load_optimizer=optimizer, layers=layers,
+                tenant=tenant, source=path, load_optimizer=optimizer, layers=layers,
             )  # fmt: skip
-            state.models[model_id] = Model(model_id, session_id, job_id, base_model, rank)
+            model = state.add_model(model_id, session_id, job_id, base_model, rank)
             answer = {"type": "load_weights", "path": str(path), "model_id": model_id}
-            state.models[model_id].taken[-1] = {
-                "request_id": state.future(job_id, lambda _: answer),
-                "model_id": model_id,
-            }
-        return state.models[model_id].taken[-1]
-    model = state.model(str(body.get("model_id")))
+            model.taken[-1] = {"request_id": state.future(job_id, lambda _: answer), "model_id": model_id}
+        return state.model(model_id, tenant).taken[-1]
+    model = state.model(body.text("model_id", max_chars=512), tenant)
+    answer: dict[str, Any] = {"type": "load_weights", "model_id": model.model_id}
 
     async def prepare() -> Callable[[], str]:
-        folder = await asyncio.to_thread(state.checkpoint_folder, path)
+        path, optimizer = CheckpointPath.parse(body.text("path", max_chars=2048)), body.flag("optimizer")
+        answer["path"] = str(path)
+        record = await asyncio.to_thread(state.checkpoint_record, path, tenant)
         job = await state.live(model.job_id)
         sub_job_id, host = state.sub_job(job, "training"), job.engines
+        folder = Path(record["path"])
         return lambda: state.manager.submit(job, sub_job_id, OP_LOAD, lambda: host.load(sub_job_id, folder, optimizer))
 
-    answer = {"type": "load_weights", "path": str(path), "model_id": model.model_id}
-    return await state.in_turn(model, body.get("seq_id"), lambda _: answer, prepare)
+    return await state.in_turn(model, _seq_id(body), lambda _: answer, prepare)
 
 
 # --- sampling --------------------------------------------------------------------------------
 def _sampling_session(state: TinkerState, session_id: str, seq: int, model: Model, model_path: str) -> SamplingSession:
     """A sampling session on the model's own sampler."""
     sampling_session_id = f"{session_id}:sample:{seq}"
-    sampler = SamplingSession(sampling_session_id, session_id, model.job_id, model.base_model, model_path)
-    state.samplers[sampling_session_id] = sampler
-    return sampler
+    return state.add_sampler(sampling_session_id, session_id, model.job_id, model.base_model, model_path)
 
 
 @router.post("/create_sampling_session")
-async def create_sampling_session(body: dict[str, Any], state: State) -> dict[str, Any]:
-    session_id, seq = str(body.get("session_id")), int(body.get("sampling_session_seq_id", 0))
+async def create_sampling_session(body: Body, state: State, tenant: TenantDep) -> dict[str, Any]:
+    session_id = body.text("session_id", max_chars=256)
+    seq = body.integer("sampling_session_seq_id", 0, low=0, high=_MAX_SEQ_ID)
     sampling_session_id = f"{session_id}:sample:{seq}"
     if sampling_session_id in state.samplers:
+        state.sampler(sampling_session_id, tenant)  # 404 for another tenant's
         return {"type": "create_sampling_session", "sampling_session_id": sampling_session_id}
-    model_path = body.get("model_path")
+    if state.session(session_id, tenant) != "active":
+        raise ConflictError(f"session {session_id} is finished; create a new session")
+    model_path = body.text("model_path", None, max_chars=2048)
     if model_path:
-        path = CheckpointPath.parse(str(model_path))
+        path = CheckpointPath.parse(model_path)
         model = state.models.get(path.run)
-        if model is not None and model.sampler_path == str(path):  # the model's sampler holds these weights
-            sampler = _sampling_session(state, session_id, seq, model, str(path))
+        if model is not None and state.tenancy.sees(tenant, model.owner) and model.sampler_path == str(path):
+            _sampling_session(state, session_id, seq, model, str(path))
         else:
-            base_model, rank, layers = await asyncio.to_thread(state.base_model_of, path)
+            base_model, rank, layers = await asyncio.to_thread(state.base_model_of, path, tenant)
             job_id = await asyncio.to_thread(
                 state.create_job, session_id, base_model, lora_rank=rank, training=False,
-                name=sampling_session_id, source=path, layers=layers,
+                name=sampling_session_id, tenant=tenant, source=path, layers=layers,
             )  # fmt: skip
-            sampler = SamplingSession(sampling_session_id, session_id, job_id, base_model, str(path))
-            state.samplers[sampling_session_id] = sampler
+            state.add_sampler(sampling_session_id, session_id, job_id, base_model, str(path))
     else:
-        base_model = _base_model(body.get("base_model"))
+        base_model = _base_model(body)
         job_id = await asyncio.to_thread(
-            state.create_job, session_id, base_model, lora_rank=None, training=False, name=sampling_session_id
-        )
-        state.samplers[sampling_session_id] = SamplingSession(sampling_session_id, session_id, job_id, base_model, None)
+            state.create_job, session_id, base_model, lora_rank=None, training=False, name=sampling_session_id,
+            tenant=tenant,
+        )  # fmt: skip
+        state.add_sampler(sampling_session_id, session_id, job_id, base_model, None)
     return {"type": "create_sampling_session", "sampling_session_id": sampling_session_id}
 
 
 @router.post("/join_sampling_session")
-async def join_sampling_session(body: dict[str, Any], state: State) -> dict[str, Any]:
+async def join_sampling_session(body: Body, state: State, tenant: TenantDep) -> dict[str, Any]:
     """A clone of a sampling client (unpickled in another process) gets a number of its own:
     its seq_ids start at number × 10⁹, so they never collide with another client's."""
-    sampler = _sampler(state, str(body.get("sampling_session_id")))
+    sampler = state.sampler(body.text("sampling_session_id", max_chars=512), tenant)
     sampler.clients += 1
     return {"type": "join_sampling_session", "client_counter": sampler.clients - 1}
 
 
 @router.get("/samplers/{sampling_session_id}")
-async def get_sampler(sampling_session_id: str, state: State) -> dict[str, Any]:
-    sampler = _sampler(state, sampling_session_id)
+async def get_sampler(sampling_session_id: str, state: State, tenant: TenantDep) -> dict[str, Any]:
+    sampler = state.sampler(sampling_session_id, tenant)
     return {"sampler_id": sampling_session_id, "base_model": sampler.base_model, "model_path": sampler.model_path}
 
 
-def _sampler(state: TinkerState, sampling_session_id: str) -> SamplingSession:
-    sampler = state.samplers.get(sampling_session_id)
-    if sampler is None:
-        raise NotFoundError(f"sampling session {sampling_session_id} not found; create it with create_sampling_session")
-    return sampler
-
-
 @router.post("/asample")
-async def asample(body: dict[str, Any], state: State) -> dict[str, Any]:
-    if not body.get("sampling_session_id"):
-        raise InvalidRequestError("sampling_session_id is required; create one with create_sampling_session")
-    sampler = _sampler(state, str(body["sampling_session_id"]))
-    seq_id = body.get("seq_id")
+async def asample(body: Body, state: State, tenant: TenantDep, settings: SettingsDep) -> dict[str, Any]:
+    sampler = state.sampler(body.text("sampling_session_id", max_chars=512), tenant)
+    seq_id = _seq_id(body)
     if seq_id is not None and seq_id in sampler.taken:  # a resend: the first copy's answer, once it has one
         return await asyncio.shield(sampler.taken[seq_id])
     answered: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
     if seq_id is not None:  # taken from now on: a resend that arrives meanwhile waits for this answer
         remember(sampler.taken, seq_id, answered)
     try:
-        answered.set_result(await _queue_sample(state, sampler, body))
+        answered.set_result(await _queue_sample(state, sampler, body, settings))
     except BaseException as exc:
         sampler.taken.pop(seq_id, None)  # nothing was queued: a resend may try again
         answered.set_exception(exc if isinstance(exc, Exception) else ConflictError("the first copy was dropped"))
@@ -371,10 +437,12 @@ async def asample(body: dict[str, Any], state: State) -> dict[str, Any]:
     return answered.result()
 
 
-async def _queue_sample(state: TinkerState, sampler: SamplingSession, body: dict[str, Any]) -> dict[str, Any]:
-    """Validate one sample call and queue it with the calls gathered beside it; the SDK's answer."""
-    prompt = _prompt_tokens(body.get("prompt") or {})
-    params = _sampling_params(body)
+async def _queue_sample(
+    state: TinkerState, sampler: SamplingSession, body: Fields, settings: ServeSettings
+) -> dict[str, Any]:
+    """Check one sample call and queue it with the calls gathered beside it; the SDK's answer."""
+    tag = uuid.uuid4().hex  # names the call to the engine, which stops it on cancel_future
+    prompt, params, last_n = await _off_loop(body.size, _sample_call, body, settings, tag)
     job = await state.live(sampler.job_id)
     sub_job_id = state.sub_job(job, "sampling")
     limit = job.specs[sub_job_id].config.max_seq_len  # the model's context length
@@ -382,11 +450,18 @@ async def _queue_sample(state: TinkerState, sampler: SamplingSession, body: dict
         raise InvalidRequestError(
             f"prompt has {len(prompt)} tokens; the model has a context of {limit} tokens, so it must be shorter"
         )
-    wanted = (body.get("sampling_params") or {}).get("max_tokens")
-    if wanted is not None and len(prompt) + int(wanted) > limit:
+    wanted = body.section("sampling_params").value.get("max_tokens")
+    if wanted is not None and len(prompt) + wanted > limit:
         raise InvalidRequestError(
             f"prompt ({len(prompt)} tokens) + max_tokens ({wanted}) exceeds the model's context of {limit} "
             f"tokens; set max_tokens to at most {limit - len(prompt)}"
+        )
+    generated = params.n * (len(prompt) + min(params.max_tokens, limit - len(prompt)))
+    if generated > settings.max_tokens_per_request:
+        raise InvalidRequestError(
+            f"num_samples ({params.n}) x (prompt + max_tokens) is up to {generated} tokens; at most "
+            f"{settings.max_tokens_per_request} go in one request (icefloe serve --max-tokens-per-request): lower "
+            "num_samples or max_tokens"
         )
 
     Call = tuple[list[int], EngineSamplingParams] | None  # None: cancelled before it was sent
@@ -402,6 +477,9 @@ async def _queue_sample(state: TinkerState, sampler: SamplingSession, body: dict
                     results.append(None)
                     continue
                 mine = [next(rest) for _ in range(call[1].n)]
+                if mine[0]["finish_reason"] == "cancelled":  # stopped by cancel_future while it ran
+                    results.append(None)
+                    continue
                 # The engine repeats the prompt's log-probs on each sample; the call keeps them once.
                 prompt = {key: mine[0].pop(key, None) for key in _PROMPT_KEYS}  # the samples are this call's own
                 for sample in mine[1:]:
@@ -415,80 +493,138 @@ async def _queue_sample(state: TinkerState, sampler: SamplingSession, body: dict
 
     from icefloe.service.tinker import convert
 
-    last_n = body.get("prompt_logprobs_last_n")
-    if last_n is not None and not (params.prompt_logprobs and 1 <= int(last_n) < len(prompt)):
+    if last_n is not None and not (params.prompt_logprobs and last_n < len(prompt)):
         raise InvalidRequestError(
             f"prompt_logprobs_last_n must be between 1 and {len(prompt) - 1} (the prompt's scored positions), "
             f"with prompt_logprobs; got {last_n}"
         )
-    render = functools.partial(convert.sample_response, last_n=None if last_n is None else int(last_n))
-    future_id = state.future(job.job_id, render, gathered=state.gather(sampler, (prompt, params), submit))
+    targets = params.target_prompt_logprobs
+    if targets is not None and len(targets) != len(prompt) - 1:
+        raise InvalidRequestError(
+            f"target_prompt_logprobs has {len(targets)} rows; the prompt has {len(prompt)} tokens, so it needs "
+            f"{len(prompt) - 1} (one per position after the first)"
+        )
+    render = functools.partial(convert.sample_response, last_n=last_n)
+    gathered = state.gather(sampler, (prompt, params), submit)
+    future_id = state.future(job.job_id, render, gathered=gathered, tag=tag)
     if state.advertise_retrieve_futures:  # only a client told to poll retrieve_futures drains the queue
-        sampler.track(body.get("seq_id"), future_id)
+        sampler.track(body.value.get("seq_id"), future_id)
     return {"request_id": future_id, "sample_sequence_ids": [f"{future_id}:{i}" for i in range(params.n)]}
 
 
-def _prompt_tokens(prompt: dict[str, Any]) -> list[int]:
+def _chunks(body: Fields) -> list[dict[str, Any]]:
+    chunks = body.section("prompt").value.get("chunks")
+    if not isinstance(chunks, list) or not all(isinstance(chunk, dict) for chunk in chunks):
+        raise InvalidRequestError("prompt.chunks must be a list of chunk objects ({type, tokens})")
+    return chunks
+
+
+def _sample_call(body: Fields, settings: ServeSettings, tag: str) -> tuple[list[int], EngineSamplingParams, int | None]:
+    """The prompt's tokens, the engine's sampling params and ``prompt_logprobs_last_n`` of one call."""
+    _refuse_unserved(body)
     tokens: list[int] = []
-    for index, chunk in enumerate(prompt.get("chunks") or []):
+    for index, chunk in enumerate(_chunks(body)):
         if chunk.get("type", "encoded_text") != "encoded_text":
             raise InvalidRequestError(
                 f"prompt.chunks.{index} is a {chunk.get('type')} chunk; only encoded_text is served"
             )
-        tokens += [int(t) for t in chunk.get("tokens") or []]
+        ids = chunk.get("tokens") or []
+        if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < 2**31 for t in ids):
+            raise InvalidRequestError(f"prompt.chunks.{index}.tokens must be a list of token ids (integers from 0)")
+        tokens += ids
     if not tokens:
         raise InvalidRequestError("prompt is empty; give at least one token")
-    return tokens
-
-
-def _sampling_params(body: dict[str, Any]) -> EngineSamplingParams:
-    raw = body.get("sampling_params") or {}
-    stop = raw.get("stop")
+    n = body.integer("num_samples", 1, low=1, high=settings.max_samples_per_request)
+    raw = body.section("sampling_params")
+    stop = raw.value.get("stop")
     if isinstance(stop, str):
         stop = [stop]
+    if stop is not None and not (
+        isinstance(stop, list) and (all(type(s) is int for s in stop) or all(isinstance(s, str) for s in stop))
+    ):
+        raise InvalidRequestError(f"sampling_params.stop must be strings or token ids, not a mix; got {stop!r:.200}")
+    topk = body.integer("topk_prompt_logprobs", 0, low=0, high=_MAX_TOPK)
     fields: dict[str, Any] = {
-        "n": int(body.get("num_samples", 1)),
-        "max_tokens": int(raw.get("max_tokens") or 1_000_000),  # None: until a stop or the sequence limit
-        "temperature": float(raw.get("temperature", 1.0)),
-        "top_p": float(raw.get("top_p", 1.0)),
-        "top_k": int(raw.get("top_k", -1)),
-        "seed": raw.get("seed"),
+        "n": n,
+        "max_tokens": raw.integer("max_tokens", 1_000_000, low=1),  # None: until a stop or the sequence limit
+        "temperature": raw.number("temperature", 1.0, low=0, null_ok=False),
+        "top_p": raw.number("top_p", 1.0, null_ok=False),
+        "top_k": raw.integer("top_k", -1, low=-1),
+        "seed": raw.integer("seed", None, low=0, high=2**64 - 1),
         "logprobs": True,
-        "prompt_logprobs": bool(body.get("prompt_logprobs")),
-        "topk_prompt_logprobs": int(body.get("topk_prompt_logprobs") or 0),
+        "prompt_logprobs": body.flag("prompt_logprobs"),
+        "topk_prompt_logprobs": topk,
+        "target_prompt_logprobs": _targets(body.value.get("target_prompt_logprobs")),
+        "tag": tag,
         # No stop: EOS stops. A stop list (even empty) replaces EOS.
         "ignore_eos": stop is not None,
     }
     if stop:
-        if all(isinstance(s, int) for s in stop):
-            fields["stop_token_ids"] = tuple(stop)
-        elif all(isinstance(s, str) for s in stop):
-            fields["stop"] = tuple(stop)
-        else:
-            raise InvalidRequestError(f"sampling_params.stop must be strings or token ids, not a mix; got {stop!r}")
-    _refuse_unserved(body)
+        fields["stop_token_ids" if type(stop[0]) is int else "stop"] = tuple(stop)
     try:
-        return EngineSamplingParams(**fields)
+        params = EngineSamplingParams(**fields)
     except ValueError as exc:
         raise InvalidRequestError(f"sampling_params: {exc}") from None
-
-
-def _refuse_unserved(body: dict[str, Any]) -> None:
-    """Refuse the sample request fields the sampler cannot honour, each naming what to do instead."""
-    if body.get("topk_sample_logprobs"):
+    if n * len(tokens) > settings.max_tokens_per_request:
         raise InvalidRequestError(
-            f"topk_sample_logprobs={body['topk_sample_logprobs']} is not served "
+            f"num_samples ({n}) x the prompt ({len(tokens)} tokens) exceeds {settings.max_tokens_per_request} tokens "
+            "per request (icefloe serve --max-tokens-per-request)"
+        )
+    return tokens, params, body.integer("prompt_logprobs_last_n", None, low=1)
+
+
+def _targets(raw: Any) -> tuple[tuple[int, ...], ...] | None:
+    """``target_prompt_logprobs`` (the SDK's TensorData: int64 ``[len(prompt) - 1, K]``, dense or sparse
+    CSR whose unlisted cells ask for nothing) as rows of ids, -1 where nothing is asked."""
+    if raw is None:
+        return None
+    where = "target_prompt_logprobs"
+    if not isinstance(raw, dict) or raw.get("dtype") != "int64":
+        raise InvalidRequestError(f"{where} must be an int64 tensor ({{data, dtype: 'int64', shape: [rows, K]}})")
+    shape, data = raw.get("shape"), raw.get("data")
+    if not (isinstance(shape, list) and len(shape) == 2 and all(type(d) is int for d in shape)):
+        raise InvalidRequestError(f"{where}.shape must be [len(prompt) - 1, K]; got {shape!r:.80}")
+    rows, k = shape
+    if not 1 <= k <= _MAX_TOPK or rows < 1:
+        raise InvalidRequestError(f"{where}.shape must be [len(prompt) - 1, K] with K in [1, {_MAX_TOPK}]; got {shape}")
+    if not isinstance(data, list) or not all(type(v) is int and v >= -1 for v in data):
+        raise InvalidRequestError(f"{where}.data must be token ids (integers from 0), or -1 for none")
+    if max(data, default=-1) < 0:
+        raise InvalidRequestError(f"{where} names no token id; ask for at least one, or leave it unset")
+    crow, cols = raw.get("sparse_crow_indices"), raw.get("sparse_col_indices")
+    if crow is None and cols is None:
+        if len(data) != rows * k:
+            raise InvalidRequestError(f"{where}.data has {len(data)} values for shape {shape}; send {rows * k}")
+        return tuple(tuple(data[i * k : (i + 1) * k]) for i in range(rows))
+    if not (isinstance(crow, list) and isinstance(cols, list) and len(crow) == rows + 1 and len(cols) == len(data)):
+        raise InvalidRequestError(
+            f"{where}: sparse_crow_indices must be {rows + 1} offsets and sparse_col_indices one column per value"
+        )
+    dense = [[-1] * k for _ in range(rows)]
+    for row in range(rows):
+        start, end = crow[row], crow[row + 1]
+        if not (type(start) is int and type(end) is int and 0 <= start <= end <= len(data)):
+            raise InvalidRequestError(f"{where}.sparse_crow_indices must be non-decreasing offsets into data")
+        for column, value in zip(cols[start:end], data[start:end], strict=True):
+            if type(column) is not int or not 0 <= column < k:
+                raise InvalidRequestError(f"{where}.sparse_col_indices must be in [0, {k}); got {column!r:.40}")
+            dense[row][column] = value
+    return tuple(map(tuple, dense))
+
+
+def _refuse_unserved(body: Fields) -> None:
+    """Refuse the sample request fields the sampler cannot honour, each naming what to do instead."""
+    if body.value.get("topk_sample_logprobs"):
+        raise InvalidRequestError(
+            f"topk_sample_logprobs={body.value['topk_sample_logprobs']!r:.40} is not served "
             "(top-k log-probs of sampled tokens); leave it 0, or score prompt + completion with "
             "topk_prompt_logprobs and max_tokens=1"
         )
-    if body.get("prompt_alt_tokens_k"):
-        raise InvalidRequestError(f"prompt_alt_tokens_k={body['prompt_alt_tokens_k']} is not served; leave it 0")
-    if body.get("target_prompt_logprobs") is not None:
+    if body.value.get("prompt_alt_tokens_k"):
         raise InvalidRequestError(
-            "target_prompt_logprobs is not served; leave it unset, or read the tokens you need from "
-            "topk_prompt_logprobs"
+            f"prompt_alt_tokens_k={body.value['prompt_alt_tokens_k']!r:.40} is not served; leave it 0"
         )
-    if body.get("record_stability_info"):
+    if body.value.get("record_stability_info"):
         raise InvalidRequestError(
             "record_stability_info=true is not served: it only feeds the stable_reinforce loss, which is not "
             "served either; sample with record_stability_info=False and train with importance_sampling, ppo, "
@@ -496,58 +632,26 @@ def _refuse_unserved(body: dict[str, Any]) -> None:
         )
 
 
-# --- RestClient: checkpoints of a run ------------------------------------------------------------
-@router.get("/training_runs/{model_id}/checkpoints")
-async def list_checkpoints(model_id: str, state: State) -> dict[str, Any]:
-    model = state.model(model_id)
-    records = await asyncio.to_thread(store.list_checkpoints, state.manager.db, job_id=model.job_id)
-    checkpoints = []
-    for record in records:
-        kind, _, name = record["checkpoint_id"].removeprefix("tinker-").partition("-")
-        if kind not in ("weights", "sampler_weights") or not name:
-            continue  # saved through the training API, not a tinker:// path
-        checkpoints.append({
-            "checkpoint_id": f"{kind}/{name}",
-            "checkpoint_type": "training" if kind == "weights" else "sampler",
-            "time": record["created_at"],
-            "tinker_path": str(CheckpointPath(model_id, kind, name)),
-        })  # fmt: skip
-    return {"checkpoints": checkpoints}
-
-
-@router.post("/copy_weights")
-async def copy_weights(body: dict[str, Any], state: State) -> dict[str, Any]:
-    # One service has no projects: destination_project_id, session_id and ttl_seconds change nothing.
-    source = CheckpointPath.parse(str(body.get("source_path")))
-    copy = await asyncio.to_thread(state.copy_checkpoint, source)
-    return {"tinker_path": str(copy)}
-
-
-@router.post("/weights_info")
-async def weights_info(body: dict[str, Any], state: State) -> dict[str, Any]:
-    path = CheckpointPath.parse(str(body.get("tinker_path")))
-    base_model, rank, _ = await asyncio.to_thread(state.base_model_of, path)
-    return {"base_model": base_model, "is_lora": rank is not None, "lora_rank": rank}
-
-
 # --- futures ---------------------------------------------------------------------------------
 @router.post("/cancel_future")
-async def cancel_future(body: dict[str, Any], state: State) -> dict[str, Any]:
-    state.cancel(str(body.get("request_id")))
+async def cancel_future(body: Body, state: State, tenant: TenantDep) -> dict[str, Any]:
+    await asyncio.to_thread(state.cancel, body.text("request_id", max_chars=512), tenant)
     return {}
 
 
 @router.post("/retrieve_futures")
-async def retrieve_futures(body: dict[str, Any], state: State) -> dict[str, Any]:
+async def retrieve_futures(body: Body, state: State, tenant: TenantDep) -> dict[str, Any]:
     """A sampling client's finished sample futures since ``prev_cursor`` (a long-poll); the client
     then fetches each one's result with ``retrieve_future``, which answers at once."""
-    target = body.get("target") or {}
-    if target.get("type", "sampling_session") != "sampling_session":
-        raise InvalidRequestError(f"target.type {target.get('type')!r} is not served; poll a sampling_session")
-    sampler = _sampler(state, str(target.get("sampling_session_id")))
-    timeout = body.get("timeout")
-    wait_s = _POLL_S if timeout is None else max(0.0, min(float(timeout), _POLL_S))
-    clone, prev_cursor = int(target.get("cloned_sampler_id") or 0), int(body.get("prev_cursor") or 0)
+    target = body.section("target")
+    if target.value.get("type", "sampling_session") != "sampling_session":
+        kind = target.value.get("type")
+        raise InvalidRequestError(f"target.type {kind!r:.40} is not served; poll a sampling_session")
+    sampler = state.sampler(target.text("sampling_session_id", max_chars=512), tenant)
+    timeout = body.number("timeout", None, low=0)
+    wait_s = _POLL_S if timeout is None else min(timeout, _POLL_S)
+    clone = target.integer("cloned_sampler_id", 0, low=0)
+    prev_cursor = body.integer("prev_cursor", 0, low=0)
     completions, cursor = await state.completions(sampler, clone, prev_cursor, wait_s)
     return {"completions": completions, "cursor": cursor}
 
@@ -557,11 +661,11 @@ def _try_again(future_id: str) -> JSONResponse:
 
 
 @router.post("/retrieve_future")
-async def retrieve_future(body: dict[str, Any], state: State) -> Response:
-    future_id = str(body.get("request_id"))
-    future = state.futures.get(future_id)
-    if future is None:
-        raise NotFoundError(f"future {future_id} not found")
+async def retrieve_future(body: Body, state: State, tenant: TenantDep) -> Response:
+    future_id = body.text("request_id", max_chars=512)
+    if future_id not in state.futures:
+        return JSONResponse(await asyncio.to_thread(state.lost_future, future_id, tenant))
+    future = state.future_of(future_id, tenant)
     try:
         if future.request_id is None and future.submitted is None:
             job = await state.running(future.job_id, _POLL_S)
@@ -578,20 +682,25 @@ async def retrieve_future(body: dict[str, Any], state: State) -> Response:
             if row["status"] != "done":
                 # A caller's mistake fails the request and leaves the job up; an engine crash fails the job.
                 running = state.manager.public(future.job_id)["status"] == "running"
-                return JSONResponse(
-                    {"error": row["error"] or row["status"], "category": "user" if running else "server"}
-                )
+                error = _without_paths(row["error"] or row["status"], state.manager.settings)
+                return JSONResponse({"error": error, "category": "user" if running else "server"})
             answer = state.answer(future_id, future, row)
     except Exception as exc:  # the job failed to start, or the result could not be turned into an answer
         if isinstance(exc, InvalidRequestError):
             raise
-        return JSONResponse({"error": f"{type(exc).__name__}: {exc}", "category": "server"})
+        error = _without_paths(f"{type(exc).__name__}: {exc}", state.manager.settings)
+        return JSONResponse({"error": error, "category": "server"})
     if isinstance(answer, bytes):
         return Response(answer, media_type=_PROTO)
     return JSONResponse(answer)
 
 
-def _base_model(value: Any) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise InvalidRequestError(f"base_model must name a model (a local folder or tiny:<preset>); got {value!r}")
-    return value.strip()
+def _without_paths(text: str, settings: ServeSettings) -> str:
+    """An engine's error as a caller may read it: the service's own folders named, not spelled out."""
+    folders = {str(settings.data_dir): "<data dir>", str(Path.home() / ".cache" / "icefloe"): "<model cache>"}
+    if settings.model_root is not None:
+        folders[str(settings.model_root.resolve())] = "<model root>"
+        folders[str(settings.model_root)] = "<model root>"
+    for folder, name in sorted(folders.items(), key=lambda item: -len(item[0])):
+        text = text.replace(folder, name)
+    return text

@@ -12,6 +12,8 @@ A trainer and a sampler take as many positions as the model has (its ``max_posit
 A sampling session samples with its model's sampling sub-job, or with a sampling job of its own (a
 base model, or weights saved earlier). ``retrieve_futures`` reports a sampling client's finished
 sample futures in one long-poll, in place of one ``retrieve_future`` long-poll per sample.
+Sessions and runs (models and samplers) are rows of the store as well, each session owned by the
+tenant that made it: what a finished session or a restart drops from memory is still found there.
 """
 
 from __future__ import annotations
@@ -25,19 +27,20 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from icefloe.protocol import ConflictError, InvalidRequestError, NotFoundError
+from icefloe.protocol import JOB_ACTIVE_STATES, ConflictError, InvalidRequestError, NotFoundError
 from icefloe.service import store
 from icefloe.service.jobs import JobManager, LiveJob
 from icefloe.service.models import JobCreate
 from icefloe.service.specs import sub_job_specs
+from icefloe.service.tenants import Tenancy
+from icefloe.service.turns import Turns
 
 __all__ = ["CheckpointPath", "Future", "Model", "SamplingSession", "TinkerState", "remember"]
 
 _log = logging.getLogger("icefloe.service.tinker")
-_KINDS = ("weights", "sampler_weights")
+_KINDS = ("weights", "sampler_weights", "external_weights")
 _COPY_PREFIX = "copy-"  # model ids never start so: they are <session>:train:<n>
 FUTURES_KEPT = 100_000  # futures, and answers kept per model or sampler for a resent seq_id
 _CLONE_SEQ_BLOCK = 1_000_000_000  # a sampling client's seq_ids start at its clone number times this
@@ -61,9 +64,14 @@ class CheckpointPath:
         parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
         if len(parts) != 3 or parts[1] not in _KINDS or not all(parts):
             raise InvalidRequestError(
-                f"path must be tinker://<run>/<weights|sampler_weights>/<name> (no '/' inside a part); got {path!r}"
+                f"path must be tinker://<run>/<weights|sampler_weights|external_weights>/<name> (no '/' inside a "
+                f"part); got {path[:200]!r}"
             )
         return cls(*parts)
+
+    def copy(self) -> CheckpointPath:
+        """A new run's name for the same files (``tinker://copy-<hex>/<kind>/<name>``)."""
+        return CheckpointPath(f"{_COPY_PREFIX}{uuid.uuid4().hex}", self.kind, self.name)
 
     @property
     def copied(self) -> bool:  # a copy_weights run: its own name for another run's files
@@ -95,6 +103,7 @@ class Future:
     rendered: dict[str, Any] | bytes | None = None  # rendered with a sibling, until first read
     gathering: _Gathering | None = None
     submitted: asyncio.Future[str] | None = None
+    tag: str | None = None  # a sample call's tag, which stops it once it runs (SamplingEngine.cancel)
 
 
 @dataclass
@@ -104,10 +113,10 @@ class Model:
     job_id: str
     base_model: str
     lora_rank: int | None
-    next_seq: int = 1
+    turns: Turns
+    owner: str
     taken: dict[int, dict[str, Any]] = field(default_factory=dict)  # seq_id -> the answer it got
-    # seq_id -> what queues its op (None: refused) and the future its request id goes to, until its turn
-    waiting: dict[int, tuple[Callable[[], str] | None, asyncio.Future[str] | None]] = field(default_factory=dict)
+    holding: set[asyncio.Task[None]] = field(default_factory=set)  # ops waiting for their turn
     sampler_path: str | None = None  # the saved weights the model's own sampler holds now
 
 
@@ -135,6 +144,7 @@ class SamplingSession:
     job_id: str
     base_model: str
     model_path: str | None
+    owner: str
     taken: dict[int, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)  # seq_id -> its answer
     gathering: _Gathering | None = None  # the sample calls waiting to go out as one request
     clients: int = 1  # the original client is 0; each joined clone gets the next number
@@ -146,6 +156,13 @@ class SamplingSession:
         queue = self.completions.setdefault(clone, Completions())
         queue.pending.append(future_id)
         queue.arrived.set()
+
+
+@dataclass
+class _Session:
+    owner: str
+    heartbeat: float  # time.monotonic() of its last sign of life
+    jobs: list[str] = field(default_factory=list)  # its models' and samplers' jobs
 
 
 @dataclass
@@ -161,38 +178,48 @@ class _Gathering:
 
 
 class TinkerState:
-    """Everything the Tinker routes keep between calls; lives on ``app.state.tinker``."""
+    """Everything the Tinker routes keep between calls; lives on ``app.state.tinker``.
 
-    def __init__(self, manager: JobManager, *, gap_timeout_s: float, session_lease_s: float = 120.0) -> None:
+    Active sessions, their models and samplers live in memory; every session, model and sampler is
+    also a row of the store (``tinker_sessions``, ``tinker_runs``), so after a restart, or once a
+    finished session is pruned from memory, its runs and checkpoints are still listed and loadable.
+    Every lookup takes the caller's tenant: another tenant's session, model, sampler, future or
+    checkpoint answers as one that does not exist.
+    """
+
+    def __init__(
+        self, manager: JobManager, tenancy: Tenancy, *, gap_timeout_s: float, session_lease_s: float = 120.0
+    ) -> None:
         self.manager = manager
+        self.tenancy = tenancy
+        self.db = manager.db
         self.gap_timeout_s = gap_timeout_s
         self.session_lease_s = session_lease_s  # the SDK heartbeats every 10 s
         # Off: per sample, the SDK's retrieve_future long-poll answers when the sample is done. On,
         # it long-polls retrieve_futures once per sampling client, then still fetches each result:
         # one request more per batch of samples, and more CPU on both sides (python -m bench tinker).
         self.advertise_retrieve_futures = False
-        self.sessions: dict[str, str] = {}  # session id -> "active" | "finished"
-        self.heartbeats: dict[str, float] = {}  # session id -> monotonic time of its last sign of life
+        self.sessions: dict[str, _Session] = {}  # the active ones; a finished session is pruned
         self._reaper: asyncio.Task[None] | None = None
-        self.session_jobs: dict[str, list[str]] = {}
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, SamplingSession] = {}
         self.futures: dict[str, Future] = {}
+        store.finish_active_tinker_sessions(self.db)  # a previous process's: their jobs failed with it
 
     # --- sessions -----------------------------------------------------------------------------
-    def create_session(self) -> str:
+    def create_session(self, tenant: str) -> str:
         session_id = uuid.uuid4().hex
-        self.sessions[session_id] = "active"
-        self.session_jobs[session_id] = []
-        self.heartbeat(session_id)
+        store.insert_tinker_session(self.db, session_id=session_id, owner=tenant)
+        self.sessions[session_id] = _Session(tenant, time.monotonic())
         if self._reaper is None:  # on the server's loop, which cancels it at shutdown
             self._reaper = asyncio.get_running_loop().create_task(self._reap_lapsed_sessions())
         return session_id
 
     def heartbeat(self, session_id: str) -> None:
         """The session lives on, and so do its jobs: their leases are renewed with it."""
-        self.heartbeats[session_id] = time.monotonic()
-        for job_id in self.session_jobs.get(session_id, []):
+        session = self.sessions[session_id]
+        session.heartbeat = time.monotonic()
+        for job_id in session.jobs:
             self.manager.renew(job_id)
 
     async def _reap_lapsed_sessions(self) -> None:
@@ -200,29 +227,40 @@ class TinkerState:
         while True:
             await asyncio.sleep(min(5.0, self.session_lease_s / 2))
             now = time.monotonic()
-            for session_id, status in list(self.sessions.items()):
-                if status == "active" and now - self.heartbeats[session_id] > self.session_lease_s:
+            for session_id, session in list(self.sessions.items()):
+                if now - session.heartbeat > self.session_lease_s:
                     _log.warning(
                         "session %s sent no heartbeat for %g s; finishing it", session_id, self.session_lease_s
                     )
                     try:
-                        await asyncio.to_thread(self.finish_session, session_id)
+                        await asyncio.to_thread(self.finish_session, session_id, session.owner)
                     except Exception as exc:  # the service is shutting down under it
                         _log.warning("finishing lapsed session %s failed: %s", session_id, exc)
 
-    def session(self, session_id: str) -> str:
-        status = self.sessions.get(session_id)
-        if status is None:
+    def session(self, session_id: str, tenant: str) -> str:
+        """``active`` or ``finished``; 404 for a session that is not the tenant's."""
+        session = self.sessions.get(session_id)
+        owner = session.owner if session is not None else None
+        if session is None:
+            row = store.get_tinker_session(self.db, session_id=session_id)
+            owner = row["owner"] if row is not None else None
+        if not self.tenancy.sees(tenant, owner):
             raise NotFoundError(f"session {session_id} not found; create one with create_session")
-        return status
+        return "active" if session is not None else "finished"
 
-    def finish_session(self, session_id: str) -> None:
-        """End the session and cancel its jobs (models and samplers); idempotent."""
-        self.session(session_id)
-        self.sessions[session_id] = "finished"
-        for job_id in self.session_jobs.get(session_id, []):
+    def finish_session(self, session_id: str, tenant: str) -> None:
+        """End the session, cancel its jobs (models and samplers) and forget it here; idempotent."""
+        self.session(session_id, tenant)
+        session = self.sessions.pop(session_id, None)
+        if session is None:
+            return
+        store.finish_tinker_session(self.db, session_id=session_id)
+        for job_id in session.jobs:
             with contextlib.suppress(ConflictError):  # failed or finished already
                 self.manager.cancel(job_id)
+        for table in (self.models, self.samplers):
+            for run_id in [run_id for run_id, run in table.items() if run.session_id == session_id]:
+                del table[run_id]
 
     # --- jobs ---------------------------------------------------------------------------------
     def create_job(
@@ -233,13 +271,14 @@ class TinkerState:
         lora_rank: int | None,
         training: bool,
         name: str,
+        tenant: str,
         source: CheckpointPath | None = None,
         load_optimizer: bool = True,
         layers: dict[str, bool] | None = None,
     ) -> str:
         """A job for a Tinker model (``training``) or sampler; ``layers``: the ``train_attn`` /
         ``train_mlp`` / ``train_unembed`` flags of its LoRA adapter."""
-        if self.session(session_id) != "active":
+        if self.session(session_id, tenant) != "active":
             raise ConflictError(f"session {session_id} is finished; create a new session")
         lora = {"peft_type": "Lora", "r": lora_rank, "lora_alpha": lora_rank, **(layers or {})}
         peft = {"peft_config": lora} if lora_rank else {}
@@ -253,12 +292,13 @@ class TinkerState:
         sampling: dict[str, Any] = {"job_type": "sampling", "model_name": base_model, "inference_config": inference}
         sub_jobs.append(sampling)
         if source is not None:
-            job_id = self.checkpoint_job(source)
+            job_id = self.checkpoint_job(source, tenant)
             info = {"checkpoint_id": source.checkpoint_id, "source_job_id": job_id}
             sub_jobs[0]["source_checkpoint_info"] = info
         body = JobCreate.model_validate({"sub_job_configs": sub_jobs, "experiment_name": name})
-        job_id = self.manager.create(body, database="tinker", schema=session_id)
-        self.session_jobs[session_id].append(job_id)
+        session = self.sessions[session_id]
+        job_id = self.tenancy.create(self.manager, body, tenant=session.owner, database="tinker", schema=session_id)
+        session.jobs.append(job_id)
         return job_id
 
     def context_length(self, base_model: str) -> int:
@@ -267,8 +307,14 @@ class TinkerState:
 
         body = JobCreate.model_validate({"sub_job_configs": [{"job_type": "sampling", "model_name": base_model}]})
         (spec,) = sub_job_specs("context-length", body, model_root=self.manager.settings.model_root)
-        config = json.loads((resolve_model(spec.config.model) / "config.json").read_text())
-        positions = config.get("max_position_embeddings") or config.get("n_positions")
+        try:
+            config = json.loads((resolve_model(spec.config.model) / "config.json").read_text())
+        except (OSError, ValueError):  # ValueError: not JSON (the message would name the server's path)
+            why = "its config.json cannot be read; fix the model folder"
+            raise InvalidRequestError(f"base_model {base_model!r}: {why}") from None
+        positions = None
+        if isinstance(config, dict):
+            positions = config.get("max_position_embeddings") or config.get("n_positions")
         if not isinstance(positions, int):
             raise InvalidRequestError(
                 f"base_model {base_model!r} has no max_position_embeddings in its config.json; add the model's "
@@ -301,11 +347,61 @@ class TinkerState:
         return next(sid for sid, spec in job.specs.items() if spec.job_type == job_type)
 
     # --- models and their ordered ops ---------------------------------------------------------
-    def model(self, model_id: str) -> Model:
+    def add_model(self, model_id: str, session_id: str, job_id: str, base_model: str, lora_rank: int | None) -> Model:
+        owner = self.sessions[session_id].owner
+        store.insert_tinker_run(
+            self.db, run_id=model_id, kind="model", session_id=session_id, job_id=job_id, base_model=base_model,
+            lora_rank=lora_rank, model_path=None,
+        )  # fmt: skip
+        model = self.models[model_id] = self._model(model_id, session_id, job_id, base_model, lora_rank, owner)
+        return model
+
+    def _model(
+        self, model_id: str, session_id: str, job_id: str, base_model: str, lora_rank: int | None, owner: str
+    ) -> Model:
+        turns = Turns(gap_timeout_s=self.gap_timeout_s, first=1)  # the SDK numbers a model's ops from 1
+        return Model(model_id, session_id, job_id, base_model, lora_rank, turns, owner)
+
+    def model(self, model_id: str, tenant: str) -> Model:
+        """The tenant's model: live, or (its session finished, or the service restarted) from the store,
+        where its ops fail naming its job's state and its checkpoints stay readable."""
         model = self.models.get(model_id)
         if model is None:
+            row = store.get_tinker_run(self.db, run_id=model_id)
+            if row is not None and row["kind"] == "model":
+                model = self._model(
+                    model_id, row["session_id"], row["job_id"], row["base_model"], row["lora_rank"], row["owner"]
+                )
+        if model is None or not self.tenancy.sees(tenant, model.owner):
             raise NotFoundError(f"model {model_id} not found; create it with create_model")
         return model
+
+    def add_sampler(
+        self, sampling_session_id: str, session_id: str, job_id: str, base_model: str, model_path: str | None
+    ) -> SamplingSession:
+        owner = self.sessions[session_id].owner
+        store.insert_tinker_run(
+            self.db, run_id=sampling_session_id, kind="sampler", session_id=session_id, job_id=job_id,
+            base_model=base_model, lora_rank=None, model_path=model_path,
+        )  # fmt: skip
+        sampler = SamplingSession(sampling_session_id, session_id, job_id, base_model, model_path, owner)
+        self.samplers[sampling_session_id] = sampler
+        return sampler
+
+    def sampler(self, sampling_session_id: str, tenant: str) -> SamplingSession:
+        sampler = self.samplers.get(sampling_session_id)
+        if sampler is None:
+            row = store.get_tinker_run(self.db, run_id=sampling_session_id)
+            if row is not None and row["kind"] == "sampler":
+                sampler = SamplingSession(
+                    sampling_session_id, row["session_id"], row["job_id"], row["base_model"], row["model_path"],
+                    row["owner"],
+                )  # fmt: skip
+        if sampler is None or not self.tenancy.sees(tenant, sampler.owner):
+            raise NotFoundError(
+                f"sampling session {sampling_session_id} not found; create it with create_sampling_session"
+            )
+        return sampler
 
     async def in_turn(
         self,
@@ -314,18 +410,24 @@ class TinkerState:
         render: Callable[[Any], Any],
         prepare: Callable[[], Awaitable[Callable[[], str]]],
     ) -> dict[str, Any]:
-        """Answer op ``seq_id`` at once with a future; queue the op once every number before it is used.
+        """Answer op ``seq_id`` at once with a future; queue the op once every number before it is used
+        (:class:`~icefloe.service.turns.Turns`, the rule of the training API's ``Icefloe-Sequence`` too).
 
         ``prepare`` checks the op and returns what queues it (returning its request id); a refusal is
         the POST's answer and uses up the number. A resent number gets the answer it got the first time.
         """
         if seq_id is not None and seq_id in model.taken:
             return model.taken[seq_id]
+        if seq_id is not None and model.turns.late(seq_id):
+            raise InvalidRequestError(
+                f"seq_id {seq_id} of model {model.model_id} came after the model moved on past it (an op behind it "
+                f"waited {self.gap_timeout_s:g} s for it); it did not run: call the op again"
+            )
         try:
             queue = await prepare()
         except Exception:
             if seq_id is not None:
-                self._in_order(model, seq_id, None, None)
+                model.turns.use(seq_id)
             raise
         if seq_id is None:
             return {"request_id": self.future(model.job_id, render, queue())}
@@ -334,48 +436,30 @@ class TinkerState:
         submitted: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         answer = {"request_id": self.future(model.job_id, render, submitted=submitted)}
         remember(model.taken, seq_id, answer)
-        self._in_order(model, seq_id, queue, submitted)
+        if seq_id <= model.turns.next:  # its turn, or a late resend of a refused op: now
+            _send(queue, submitted)
+            model.turns.use(seq_id)
+        else:  # held by a task of its own until its turn (chunks of one batch may come in any order)
+            task = asyncio.get_running_loop().create_task(self._send_in_turn(model, seq_id, queue, submitted))
+            model.holding.add(task)
+            task.add_done_callback(model.holding.discard)
         return answer
 
-    def _in_order(
-        self, model: Model, seq_id: int, queue: Callable[[], str] | None, submitted: asyncio.Future[str] | None
+    async def _send_in_turn(
+        self, model: Model, seq_id: int, queue: Callable[[], str], submitted: asyncio.Future[str]
     ) -> None:
-        """Queue op ``seq_id`` (``queue`` None: refused) once the numbers before it are used, and every
-        op waiting behind it whose turn that makes; one still waiting after ``gap_timeout_s`` fails."""
-
-        def send(queue: Callable[[], str] | None, submitted: asyncio.Future[str] | None) -> None:
-            if queue is None or submitted is None:
-                return
-            try:
-                submitted.set_result(queue())
-            except Exception as exc:  # read through the future
-                submitted.set_exception(exc)
-                submitted.exception()
-
-        if seq_id < model.next_seq:  # a late number (a resend of a refused op): its turn has passed
-            send(queue, submitted)
-            return
-        model.waiting[seq_id] = (queue, submitted)
-        while (entry := model.waiting.pop(model.next_seq, None)) is not None:
-            model.next_seq += 1
-            send(*entry)
-        if seq_id in model.waiting:
-            asyncio.get_running_loop().call_later(self.gap_timeout_s, self._gap_expired, model, seq_id, submitted)
-
-    def _gap_expired(self, model: Model, seq_id: int, submitted: asyncio.Future[str] | None) -> None:
-        entry = model.waiting.get(seq_id)
-        if entry is None or entry[1] is not submitted:
-            return  # its turn came
-        del model.waiting[seq_id]
-        model.taken.pop(seq_id, None)  # a resend waits anew
-        if submitted is not None:
+        missing = await model.turns.wait(seq_id)
+        if missing is not None:
             submitted.set_exception(
                 ConflictError(
-                    f"seq_id {seq_id} of model {model.model_id} waited {self.gap_timeout_s:g} s for "
-                    f"seq_id {model.next_seq}, which never arrived"
+                    f"seq_id {seq_id} of model {model.model_id} waited {self.gap_timeout_s:g} s for seq_id "
+                    f"{missing}, which never arrived; it did not run, and the model moves on past it"
                 )
             )
             submitted.exception()
+            return
+        _send(queue, submitted)
+        model.turns.use(seq_id)
 
     def future(
         self,
@@ -385,14 +469,16 @@ class TinkerState:
         *,
         gathered: tuple[_Gathering, int] | None = None,
         submitted: asyncio.Future[str] | None = None,
+        tag: str | None = None,
     ) -> str:
         """A future for ``request_id``, for the job start (none given), for a call of a gathering
-        (``gathered``: what :meth:`gather` returned), or for a request not queued yet (``submitted``)."""
+        (``gathered``: what :meth:`gather` returned; ``tag``: its ``SamplingParams.tag``), or for a
+        request not queued yet (``submitted``)."""
         if gathered is not None:
             gathering, part = gathered
             future_id = f"{gathering.gathering_id}.{part}"
             self.futures[future_id] = Future(
-                job_id, render, part=part, gathering=gathering, submitted=gathering.submitted
+                job_id, render, part=part, gathering=gathering, submitted=gathering.submitted, tag=tag
             )
         elif submitted is not None:
             future_id = f"{job_id}:op:{uuid.uuid4().hex}"
@@ -417,8 +503,8 @@ class TinkerState:
                 if sibling is not None and result is not None:  # None: cancelled before it was sent
                     sibling.rendered = sibling.render(result)
         answer, future.rendered = future.rendered, None
-        if answer is None:  # a part cancelled before its gathering was sent
-            return {"error": "cancelled by the caller before it was sent", "category": "user"}
+        if answer is None:  # a part cancelled before its gathering was sent, or stopped while it ran
+            return {"error": "cancelled by the caller", "category": "user"}
         return answer
 
     async def request_of(self, future: Future, timeout_s: float) -> str | None:
@@ -431,22 +517,51 @@ class TinkerState:
                 future.request_id = submitted.result()
         return future.request_id
 
-    def cancel(self, future_id: str) -> None:
-        """Drop a future's request if it has not started, once every future sharing it was cancelled;
-        a request that runs or ran is left as it is."""
+    def future_of(self, future_id: str, tenant: str) -> Future:
+        """The tenant's future of that id; 404 for an unknown one or another tenant's."""
         future = self.futures.get(future_id)
-        if future is None:
+        if future is None or not self.tenancy.sees(tenant, self.tenancy.owner(future.job_id)):
             raise NotFoundError(f"future {future_id} not found")
+        return future
+
+    def lost_future(self, future_id: str, tenant: str) -> dict[str, Any]:
+        """The answer for a future this process never made (the service restarted since; a future's
+        id begins with its job's, or is a request id of the table): a failure naming its job's state.
+        404 when its job is unknown or another tenant's."""
+        job_id = future_id.partition(":")[0]
+        if store.get_job(self.db, job_id=job_id) is None and (row := store.get_request(self.db, request_id=future_id)):
+            job_id = row["job_id"]
+        if not self.tenancy.sees(tenant, self.tenancy.owner(job_id)):
+            raise NotFoundError(f"future {future_id} not found")
+        job = self.manager.public(job_id)
+        if job["status"] in JOB_ACTIVE_STATES:  # forgotten: one of the oldest FUTURES_KEPT
+            raise NotFoundError(f"future {future_id} not found (futures are kept for {FUTURES_KEPT} calls)")
+        why = f"job {job_id} is {job['status']}" + (f": {job['reason']}" if job["reason"] else "")
+        return {"error": f"{why}; the result of this call was not kept, so send it again", "category": "server"}
+
+    def cancel(self, future_id: str, tenant: str) -> None:
+        """Drop a future's request if it has not started, once every future sharing it was cancelled;
+        a sample that runs stops at its next decode step, the rest of its batch going on."""
+        future = self.future_of(future_id, tenant)
         request_id, gathering = future.request_id, future.gathering
         if gathering is not None:
             gathering.cancelled.add(future.part or 0)  # before it is sent: left out of it
             sent = gathering.submitted
-            if not sent.done() or sent.exception() is not None or len(gathering.cancelled) < gathering.size:
-                return  # still gathering, refused (nothing was queued), or wanted by another call
+            if not sent.done() or sent.exception() is not None:
+                return  # still gathering, or refused (nothing was queued)
+            self._stop_sample(future)
+            if len(gathering.cancelled) < gathering.size:
+                return  # wanted by another call
             request_id = sent.result()
         if request_id is not None:  # None: a model being created; its session's end cancels it
             with contextlib.suppress(NotFoundError):  # long finished and forgotten
                 self.manager.requests.cancel(future.job_id, request_id, why="cancelled by the caller")
+
+    def _stop_sample(self, future: Future) -> None:
+        job = self.manager.live_job(future.job_id)
+        running = job is not None and job.host is not None and job.host.engines is not None
+        if running and not job.stopping and future.tag is not None:  # type: ignore[union-attr]
+            job.engines.cancel(self.sub_job(job, "sampling"), [future.tag])
 
     async def completions(
         self, sampler: SamplingSession, clone: int, prev_cursor: int, wait_s: float
@@ -514,7 +629,8 @@ class TinkerState:
         now = loop.time()
         gathering = sampler.gathering
         if gathering is None:
-            gathering = _Gathering(uuid.uuid4().hex, [], loop.create_future(), now + GATHER_QUIET_S, now + GATHER_MAX_S)
+            gathering_id = f"{sampler.job_id}:sample:{uuid.uuid4().hex}"  # its job first: see lost_future
+            gathering = _Gathering(gathering_id, [], loop.create_future(), now + GATHER_QUIET_S, now + GATHER_MAX_S)
             sampler.gathering = gathering
             gathering.sender = loop.create_task(self._send_gathered(sampler, gathering, submit))
         part = len(gathering.items)
@@ -540,49 +656,50 @@ class TinkerState:
             gathering.submitted.exception()  # read here, so no poll is needed to consume it
 
     # --- checkpoints --------------------------------------------------------------------------
-    def checkpoint_job(self, path: CheckpointPath) -> str:
-        """The job that saved ``path`` (from this process's models, or the store)."""
-        model = self.models.get(path.run)
-        if model is not None and store.get_checkpoint(
-            self.manager.db, job_id=model.job_id, checkpoint_id=path.checkpoint_id
-        ):
-            return model.job_id
-        for record in store.find_checkpoints(self.manager.db, checkpoint_id=path.checkpoint_id):
-            if path.copied:  # the copy's record names its run
-                return record["job_id"]
-            row = store.get_job(self.manager.db, job_id=record["job_id"])
-            if row is not None and row["spec"].get("experiment_name") == path.run:
-                return record["job_id"]
+    def checkpoint_job(self, path: CheckpointPath, tenant: str) -> str:
+        """The job that saved ``path``, if it is the tenant's (404 otherwise)."""
+        if path.copied:  # the copy's record names its run
+            candidates = [r["job_id"] for r in store.find_checkpoints(self.db, checkpoint_id=path.checkpoint_id)]
+        elif (run := store.get_tinker_run(self.db, run_id=path.run)) is not None:
+            candidates = [run["job_id"]] if run["kind"] == "model" else []
+        else:  # saved before runs were recorded: the job is named after its run
+            candidates = [
+                record["job_id"]
+                for record in store.find_checkpoints(self.db, checkpoint_id=path.checkpoint_id)
+                if (row := store.get_job(self.db, job_id=record["job_id"])) is not None
+                and row["spec"].get("experiment_name") == path.run
+            ]
+        for job_id in candidates:
+            visible = self.tenancy.sees(tenant, self.tenancy.owner(job_id))
+            if visible and store.get_checkpoint(self.db, job_id=job_id, checkpoint_id=path.checkpoint_id):
+                return job_id
         raise NotFoundError(f"checkpoint {path} not found; save it with save_weights or save_weights_for_sampler")
 
-    def copy_checkpoint(self, source: CheckpointPath) -> CheckpointPath:
-        """A new run's name for ``source``'s files (``tinker://copy-<hex>/<kind>/<name>``), recorded on
-        the job that saved them: nothing is duplicated, and nothing trains under the copy's run."""
-        job_id = self.checkpoint_job(source)
-        record = store.get_checkpoint(self.manager.db, job_id=job_id, checkpoint_id=source.checkpoint_id)
-        assert record is not None
-        copy = CheckpointPath(f"{_COPY_PREFIX}{uuid.uuid4().hex}", source.kind, source.name)
-        store.upsert_checkpoint(
-            self.manager.db, job_id=job_id, checkpoint_id=copy.checkpoint_id, global_steps=record["global_steps"],
-            avg_loss=record["avg_loss"], checkpoint_type=record["checkpoint_type"], path=record["path"],
-        )  # fmt: skip
-        return copy
+    def checkpoint_record(self, path: CheckpointPath, tenant: str) -> dict[str, Any]:
+        job_id = self.checkpoint_job(path, tenant)
+        record = store.get_checkpoint(self.db, job_id=job_id, checkpoint_id=path.checkpoint_id)
+        if record is None:  # deleted since
+            raise NotFoundError(f"checkpoint {path} not found; save it with save_weights or save_weights_for_sampler")
+        return record
 
-    def checkpoint_folder(self, path: CheckpointPath) -> Path:
-        job_id = self.checkpoint_job(path)
-        record = store.get_checkpoint(self.manager.db, job_id=job_id, checkpoint_id=path.checkpoint_id)
-        assert record is not None
-        return Path(record["path"])
-
-    def base_model_of(self, path: CheckpointPath) -> tuple[str, int | None, dict[str, bool]]:
+    def base_model_of(self, path: CheckpointPath, tenant: str) -> tuple[str, int | None, dict[str, bool]]:
         """The base model, LoRA rank and adapted layer kinds of the run that saved ``path``."""
-        row = store.get_job(self.manager.db, job_id=self.checkpoint_job(path))
+        row = store.get_job(self.db, job_id=self.checkpoint_job(path, tenant))
         assert row is not None
         first = row["spec"]["body"]["sub_job_configs"][0]
         section = first.get("training_config") or first.get("inference_config") or {}
         peft = section.get("peft_config") or {}
         layers = {key: peft[key] for key in ("train_attn", "train_mlp", "train_unembed") if key in peft}
         return first["model_name"], peft.get("r"), layers
+
+
+def _send(queue: Callable[[], str], submitted: asyncio.Future[str]) -> None:
+    """Queue an op and hand its request id (or the refusal) to the future its answer reads."""
+    try:
+        submitted.set_result(queue())
+    except Exception as exc:  # read through the future
+        submitted.set_exception(exc)
+        submitted.exception()
 
 
 def result_of(row: dict[str, Any]) -> Any:

@@ -9,8 +9,11 @@ const icefloe = (() => {
   const NOT_CHARTED = new Set(["step", "time"]);
   const COLORS = ["#2563eb", "#16a34a", "#dc2626", "#9333ea", "#ea580c", "#0891b2", "#4d7c0f", "#be185d"];
 
-  async function getJson(url, options) {
-    const response = await fetch(url, { credentials: "same-origin", ...options });
+  let csrfToken = null; // the session's, sent with every change the page makes (see /ui/api/session)
+
+  async function getJson(url, options = {}) {
+    const headers = { ...(options.headers || {}), ...(csrfToken ? { "X-CSRF-Token": csrfToken } : {}) };
+    const response = await fetch(url, { credentials: "same-origin", ...options, headers });
     if (response.status === 401) {
       location.href = "/ui/login";
       throw new Error("signed out");
@@ -66,6 +69,19 @@ const icefloe = (() => {
     box.textContent = error ? `Update failed: ${error.message}` : "";
   }
 
+  // The header's "signed in as" and its logout button (hidden when the service has no auth).
+  async function signedIn() {
+    const session = await getJson("/ui/api/session");
+    csrfToken = session.csrf_token;
+    document.getElementById("who").textContent = session.tenant;
+    const button = document.getElementById("logout");
+    button.hidden = !csrfToken;
+    button.onclick = async () => {
+      await fetch("/ui/logout", { method: "POST", credentials: "same-origin", headers: { "X-CSRF-Token": csrfToken } });
+      location.href = "/ui/login";
+    };
+  }
+
   function poll(update) {
     const tick = async () => {
       try {
@@ -90,6 +106,7 @@ const icefloe = (() => {
 
   // --- the jobs table ---------------------------------------------------------------------------
   function jobsPage() {
+    signedIn().catch(showError);
     const tbody = document.querySelector("#jobs tbody");
     poll(async () => {
       const { jobs } = await getJson("/ui/api/jobs");
@@ -156,6 +173,7 @@ const icefloe = (() => {
   }
 
   function jobPage(jobId) {
+    signedIn().catch(showError);
     document.getElementById("job-id").textContent = jobId;
     document.title = `icefloe ${jobId}`;
     const charts = new Map();

@@ -1,0 +1,125 @@
+"""Tenants: who owns which job, what each may see, and what each may still start.
+
+A token names its tenant (``--token-file`` lines ``name: token``; a bare token is the shared tenant's).
+A tenant sees and touches only the jobs it created, and through them their requests, checkpoints,
+logs, metrics and download links, in both APIs: another tenant's job answers exactly as a job
+that does not exist (404), so nobody learns what others run. The ``admin`` tenant sees every job.
+Each tenant's limits (concurrent jobs, LoRA jobs, slots) are checked when a job is created, under
+one lock, against the jobs it holds then.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from icefloe.protocol import JOB_ACTIVE_STATES, ConflictError, InvalidRequestError, NotFoundError
+from icefloe.service import store
+from icefloe.service.hosts import own_slots
+from icefloe.service.jobs import JobManager
+from icefloe.service.models import JobCreate
+from icefloe.service.settings import ADMIN_TENANT, ServeSettings
+from icefloe.service.specs import sub_job_specs
+
+__all__ = ["Tenancy"]
+
+_OWNERS_KEPT = 100_000  # job owners cached in memory (they never change)
+
+
+class Tenancy:
+    """The owner of each job, read once from the store, and the admission of new jobs."""
+
+    def __init__(self, settings: ServeSettings, db: store.Database) -> None:
+        self.settings = settings
+        self.db = db
+        self._owners: dict[str, str] = {}
+        self._admitting = threading.Lock()
+
+    def sees(self, tenant: str, owner: str | None) -> bool:
+        return owner is not None and tenant in (owner, ADMIN_TENANT)
+
+    def owner(self, job_id: str) -> str | None:
+        owner = self._owners.get(job_id)
+        if owner is None:
+            owner = store.job_owner(self.db, job_id=job_id)
+            if owner is not None:
+                if len(self._owners) >= _OWNERS_KEPT:
+                    self._owners.clear()
+                self._owners[job_id] = owner
+        return owner
+
+    def check(self, tenant: str, job_id: str) -> None:
+        """404, worded as for a job that does not exist, unless ``tenant`` may see the job."""
+        if not self.sees(tenant, self.owner(job_id)):
+            raise NotFoundError(f"job {job_id} not found")
+
+    def owner_filter(self, tenant: str) -> str | None:
+        """The owner a listing for ``tenant`` is limited to (None: every owner, for the admin)."""
+        return None if tenant == ADMIN_TENANT else tenant
+
+    def create(self, manager: JobManager, body: JobCreate, *, tenant: str, database: str, schema: str) -> str:
+        """Create a job owned by ``tenant`` if its limits leave room; a source checkpoint must be the
+        tenant's own. Raises :class:`ConflictError` naming the limit reached."""
+        body = self._own_sources(tenant, body)
+        with self._admitting:  # the count and the insert, as one step: two creates cannot both take the last place
+            limits = self.settings.tenant_limits.get(tenant)
+            if limits is not None:
+                specs = sub_job_specs("admission", body, model_root=self.settings.model_root)
+                held = store.active_jobs(self.db, owner=tenant, states=JOB_ACTIVE_STATES)
+                _admit(
+                    tenant,
+                    limits.model_dump(),
+                    jobs=len(held) + 1,
+                    lora=sum(map(_is_lora, (row["spec"] for row in held))) + any(s.config.lora for s in specs),
+                    slots=sum(row["spec"].get("num_slots", 0) for row in held)
+                    + own_slots(specs, self.settings.engines),
+                )
+            job_id = manager.create(body, database=database, schema=schema, owner=tenant)
+        self._owners[job_id] = tenant
+        return job_id
+
+    def _own_sources(self, tenant: str, body: JobCreate) -> JobCreate:
+        """``body`` with each source checkpoint pinned to a job of ``tenant`` (404 if it has none by that id)."""
+        changed = False
+        configs = []
+        for position, sub in enumerate(body.sub_job_configs):
+            info = sub.source_checkpoint_info
+            if info is None:
+                configs.append(sub)
+                continue
+            where = f"source_checkpoint_info of sub_job_configs.{position}"
+            if info.source_job_id is not None:
+                if not self.sees(tenant, self.owner(info.source_job_id)):
+                    missing = f"checkpoint {info.checkpoint_id!r} not found in job {info.source_job_id}"
+                    raise NotFoundError(f"{where}: {missing}")
+                configs.append(sub)
+                continue
+            found = store.find_checkpoints(self.db, checkpoint_id=info.checkpoint_id)
+            mine = [record["job_id"] for record in found if self.sees(tenant, self.owner(record["job_id"]))]
+            if not mine and found:  # another tenant's: answered as one that does not exist
+                raise NotFoundError(f"{where}: checkpoint {info.checkpoint_id!r} not found")
+            if len(mine) > 1:
+                raise InvalidRequestError(f"{where}: {info.checkpoint_id!r} exists in several jobs; set source_job_id")
+            if not mine:  # the create reports it not found
+                configs.append(sub)
+                continue
+            pinned = info.model_copy(update={"source_job_id": mine[0]})
+            configs.append(sub.model_copy(update={"source_checkpoint_info": pinned}))
+            changed = True
+        return body.model_copy(update={"sub_job_configs": configs}) if changed else body
+
+
+def _is_lora(spec: dict[str, Any]) -> bool:
+    return any(sub["config"].get("peft_config") for sub in spec.get("sub_jobs", ()))
+
+
+def _admit(tenant: str, limits: dict[str, int | None], *, jobs: int, lora: int, slots: int) -> None:
+    wanted = {"max_jobs": (jobs, "active jobs"), "max_lora_adapters": (lora, "LoRA jobs")}
+    wanted["max_slots"] = (slots, "slots")
+    for key, (count, what) in wanted.items():
+        limit = limits[key]
+        if limit is not None and count > limit:
+            raise ConflictError(
+                f"tenant {tenant!r} may hold {limit} {what} at once ({key}={limit} in the token file); this job would "
+                f"make {count}: finish or cancel one of its jobs first"
+            )
