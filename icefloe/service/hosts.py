@@ -177,14 +177,17 @@ class ModelHost:
                 try:
                     self._start(job, pool, settings, checkpoints)
                 except Exception as exc:
+                    self.close()
+                    if job.state.stop.is_set():  # the job starting it stopped: the next job of the host starts it
+                        return False
                     self.dead = f"initializing failed: {type(exc).__name__}: {exc}"
                     raise HostFailed(self.dead) from None
                 if not self.shared:
                     return True  # a dedicated host built the job's engines at start
             elif not placed():
                 return False
-        assert self.engines is not None
-        job.log.write(f"attaching to {self.host_id} (shared base {self.key.model!r} on {self.device})")  # type: ignore[union-attr]
+        assert self.engines is not None and self.key is not None
+        job.log.write(f"attaching to {self.host_id} (shared base {self.key.model!r} on {self.device})")
         self.engines.attach(list(job.specs.values()), checkpoints)
         return True
 
@@ -195,7 +198,7 @@ class ModelHost:
             self.device = pool.device(self.slots[0])
             base = BaseModel(self.key.model, self.key.seed, self.device)
             self.engines = make_engine_host(settings.engines, [], {}, {}, None, base=base)
-            self.engines.start(lambda message: _log.info("%s: %s", self.host_id, message), job.state.stop)
+            self.engines.start(job.log.write, job.state.stop)  # what it loads, in the log of the job waiting for it
             self._workers[_SHARED_WORKER] = Worker(self.host_id, linger_s=0.0)
             return
         cursor = 0
@@ -229,10 +232,12 @@ class ModelHost:
                 _log.warning("%s: detaching job %s failed: %s", self.host_id, job.job_id, exc)
 
     def close(self) -> None:
-        """Stop the workers and the engines (the last job left, or the host failed). Idempotent."""
+        """Stop the workers and the engines (the last job left, the host failed, or its start gave up).
+        Idempotent; the slots stay with the host."""
         if self.engines is not None:
             self.engines.interrupt()  # no worker may stay blocked on an engine process's pipes
-        for worker in self._workers.values():
+        workers, self._workers = self._workers, {}
+        for worker in workers.values():
             worker.close()
         if self.engines is not None:
             try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,7 @@ async def _four_runs(app, steps: int) -> tuple[list[dict], list[dict]]:
         return jobs, list(results)
 
 
+@pytest.mark.slow  # eight jobs of five steps each: tens of seconds
 async def test_four_runs_on_one_host_equal_each_run_alone(tmp_path, model_root):
     shared_jobs, shared = await _four_runs(make_app(tmp_path / "shared", slots=1, model_root=model_root), steps=5)
     alone_app = make_app(tmp_path / "alone", slots=4, max_adapters=1, model_root=model_root)
@@ -174,3 +176,32 @@ async def test_a_killed_host_fails_every_job_on_it_naming_the_crash_and_where_ea
         assert (await api.call("GET", "/capacity")).json()["in_use_slots"] == 0
         again = await api.running(*lora_job(seed=0))  # a new host starts for the next LoRA job
         assert (await api.fwd_bwd(again))["num_tokens"] > 0
+
+
+async def test_a_job_that_stops_while_starting_a_shared_host_leaves_it_to_the_next(tmp_path, model_root, monkeypatch):
+    """The host of a cancelled starter was marked dead, and every job waiting for it failed."""
+    from icefloe.service.process_host import ProcessEngineHost
+    from icefloe.service.runtime import stop_check
+
+    entered, release = threading.Event(), threading.Event()
+    original = ProcessEngineHost.start
+
+    def held_start(self, on_progress, stop):  # fault: a slow start (a big model), during which its job is cancelled
+        entered.set()
+        release.wait(30)
+        stop_check(stop)
+        return original(self, on_progress, stop)
+
+    monkeypatch.setattr(ProcessEngineHost, "start", held_start)
+    app = make_app(tmp_path, slots=1, model_root=model_root)
+    async with asgi_client(app) as http:
+        api = Api(http)
+        starter = await api.create(*lora_job(seed=1))
+        assert await asyncio.to_thread(entered.wait, 30)
+        waiting = await api.create(*lora_job(seed=2))
+        assert (await api.wait_status(waiting, "placing"))["reason"].endswith("to start")
+        await api.call("POST", f"/{starter}:cancel")
+        await api.wait_status(starter, "cancelled", "terminated")
+        release.set()
+        job = await api.wait_status(waiting, "running", timeout_s=300)
+        assert job["host"]["num_jobs"] == 1 and (await api.fwd_bwd(waiting))["num_tokens"] > 0

@@ -62,6 +62,7 @@ def _one_run(base_url: str, model: str, index: int, all_created: threading.Barri
         }
 
 
+@pytest.mark.slow  # sixteen SDK clients, each an RL round: tens of seconds
 def test_sixteen_sdk_runs_share_one_slot_and_one_host(tmp_path):
     root = tmp_path / "models"
     model = str(root / "tiny-chat")
