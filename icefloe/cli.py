@@ -402,7 +402,7 @@ def jobs_show(job_id: str, base_url: BaseUrl = None, token: Token = None, as_jso
         "step": last.get("step", "-"),
         "last loss": "-" if loss is None else f"{loss:.4f}",
         "queue": "-" if queue is None else f"{queue.get('pending', 0)} pending, {queue.get('running', 0)} running",
-        "lease": "ended" if ended else "-" if lease is None else f"{lease:.0f} s left (each call on the job renews it)",
+        "lease": "ended" if ended else "-" if lease is None else f"{lease:.0f} s left (renewed by its client's calls)",
         "sub-jobs": _sub_jobs(job) or "-",
         "reason": job.get("reason") or "-",
     }

@@ -129,7 +129,7 @@ def test_cli_jobs_logs_and_checkpoints_against_a_real_service(tmp_path):
             assert fields["last_loss"] == (f"{losses[-1]:.4f}" if losses else "-")
             assert (fields["job_id"], fields["status"], fields["model"]) == (job_id, "running", "tiny:arith")
             assert fields["queue"] == "0 pending, 0 running"
-            assert fields["lease"].endswith("s left (each call on the job renews it)")
+            assert fields["lease"].endswith("s left (renewed by its client's calls)")
             shown_json = json.loads(
                 runner.invoke(app, ["jobs", "show", job_id, "--json", "--base-url", base_url]).output
             )

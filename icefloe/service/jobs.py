@@ -242,7 +242,8 @@ class JobManager:
             job.lease_until = time.monotonic() + self.settings.lease_ttl_s
 
     def heartbeat(self, job_id: str) -> dict[str, Any]:
-        status = self.public(job_id)["status"]  # renews the lease
+        self.renew(job_id)
+        status = self.public(job_id)["status"]
         return {"job_id": job_id, "status": status, "lease_ttl_s": self.settings.lease_ttl_s}
 
     def watch(self) -> None:
@@ -300,16 +301,16 @@ class JobManager:
 
     # --- reading ------------------------------------------------------------------------------
     def row(self, job_id: str) -> dict[str, Any]:
-        """The job's stored record, 404 if unknown (a read: no lease renewal, unlike :meth:`public`)."""
+        """The job's stored record, 404 if unknown (a read: no lease renewal)."""
         row = store.get_job(self.db, job_id=job_id)
         if row is None:
             raise NotFoundError(f"job {job_id} not found")
         return row
 
     def public(self, job_id: str) -> dict[str, Any]:
+        """The job as the API shows it; a read, so it renews no lease (a watcher must not keep a job alive)."""
         job = self._live.get(job_id)
-        lease_left_s = job.lease_until - time.monotonic() if job is not None else math.inf  # before this call
-        self.renew(job_id)
+        lease_left_s = job.lease_until - time.monotonic() if job is not None else math.inf
         answer = self._public(self.row(job_id))
         if job is not None:  # icefloe extensions: what `icefloe jobs show` prints
             answer["queue"] = self.requests.queue(job_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import httpx
 import pytest
@@ -177,15 +178,25 @@ def test_local_client_log_metrics_is_a_no_op_after_checking_its_input():
 
 
 @anyio
-async def test_watching_a_job_on_the_dashboard_does_not_renew_its_lease(data_dir):
-    async with asgi_client(make_app(data_dir)) as http:
+async def test_reading_a_job_never_renews_its_lease_and_a_heartbeat_does(data_dir):
+    """`jobs show` every 10 s, `logs -f` or an open dashboard page kept a job whose client was killed alive."""
+    app = make_app(data_dir)
+    async with asgi_client(app) as http:
         api = Api(http)
         job_id = await api.running(TRAINING)
-        await api.call("GET", f"/{job_id}")  # a client's read renews the lease
-        await asyncio.sleep(0.5)
-        for _ in range(3):  # what an open job page polls
-            assert (await http.get(f"/ui/api/jobs/{job_id}")).status_code == 200
-            assert (await api.call("GET", f"/{job_id}/metrics")).status_code == 200
-        left_s = (await api.call("GET", f"/{job_id}")).json()["lease_expires_in_s"]
-        ttl_s = (await api.call("GET", "/capabilities")).json()["limits"]["lease_ttl_ms"] / 1000
-    assert left_s <= ttl_s - 0.4  # the polls in between did not push the lease out
+        live = app.state.jobs.live_job(job_id)
+        live.lease_until = soon = time.monotonic() + 5.0  # as if the client's last call were long ago
+        tail = {"operation_type": "tail-logs", "payload": {"max_lines": 5}}
+        for method, path, body in [
+            ("GET", f"/{job_id}", None),  # jobs show, the client's own wait for the job to run
+            ("GET", f"/{job_id}/metrics", None),  # jobs show
+            ("POST", f"/{job_id}/operation", tail),  # logs -f
+            ("GET", f"/{job_id}/checkpoints", None),
+            ("GET", "", None),  # jobs list
+        ]:
+            await api.call(method, path, json=body)
+            assert live.lease_until == soon, f"{method} {path or '/'} renewed the lease"
+        assert (await http.get(f"/ui/api/jobs/{job_id}")).status_code == 200
+        assert live.lease_until == soon
+        await api.call("POST", f"/{job_id}:heartbeat")
+        assert live.lease_until > soon + 60

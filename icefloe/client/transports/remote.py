@@ -144,6 +144,7 @@ class RemoteTransport(Transport):
                     self._http.run(self._attach())
                 except BaseException:  # a failed open leaves no connection or thread behind; a retry starts afresh
                     self._http.close()
+                    self._lease = None  # it ran on the closed loop
                     self._http = Http(self._endpoint, self._backend, self._wrap)
                     self._check_not_closed("open")  # closed while it waited: say so, not how the wait ended
                     raise
@@ -166,6 +167,8 @@ class RemoteTransport(Transport):
                 raise api.JobFailedError("<none>", "not created", why)
             self._job, self._created = jobs.JobRef(str(job_id)), True
             _log.info("created job %s on %s", job_id, self._endpoint.origin)
+        if service.lease_ttl_s and self._lease is None:  # from now: reading the job while it waits renews nothing
+            self._lease = asyncio.get_running_loop().create_task(self._keep_lease(service.lease_ttl_s / 3))
         timeout_s = self.config.job_ready_timeout_s
         try:
             job = await jobs.wait_running(self._http, self._job.job_id, backoff=self._backoff, timeout_s=timeout_s)
@@ -178,8 +181,6 @@ class RemoteTransport(Transport):
         known = {k: v for k, v in self._job.sub_jobs.items() if v}
         self._job = jobs.JobRef(self._job.job_id, {**jobs.sub_jobs_of(self._job.job_id, job, self.config), **known})
         self._attached = True
-        if service.lease_ttl_s:
-            self._lease = asyncio.get_running_loop().create_task(self._keep_lease(service.lease_ttl_s / 3))
 
     async def _keep_lease(self, period_s: float) -> None:
         """Renew the job's lease while this client is open (the service cancels a job whose lease lapses)."""
