@@ -61,6 +61,7 @@ __all__ = [
     "CODE_UNAVAILABLE",
     "INLINE_OPERATIONS",
     "JOB_ACTIVE_STATES",
+    "JOB_STATES",
     "JOB_TERMINAL_STATES",
     "OPS",
     "OP_CANCEL",
@@ -230,6 +231,7 @@ class SamplingParams(BaseModel):
 # --- job and request states --------------------------------------------------------------------
 JOB_ACTIVE_STATES: Final = frozenset({"pending", "placing", "initializing", "running", "cancelling"})
 JOB_TERMINAL_STATES: Final = frozenset({"cancelled", "canceled", "terminated", "failed", "done"})
+JOB_STATES: Final = JOB_ACTIVE_STATES | JOB_TERMINAL_STATES
 REQUEST_SUCCESS_STATES: Final = frozenset({"done", "completed", "succeeded"})
 REQUEST_FAILURE_STATES: Final = frozenset({"failed", "cancelled", "canceled"})
 

@@ -71,17 +71,21 @@ def test_cli_demo_rejects_zero_steps():
     assert result.exit_code != 0
 
 
-def test_cli_demo_refuses_a_run_folder_that_holds_a_run(tmp_path):
-    """A second run under the same --name truncated metrics.jsonl and appended to the TensorBoard folder."""
+def test_cli_demo_run_again_writes_a_new_folder_and_a_failed_run_does_not_block_the_next(tmp_path):
+    """`make demo` twice failed the second time ("runs/demo already holds a run"), and so did a rerun
+    after a failed first run; a run under a taken name once truncated the first run's metrics."""
     args = ["demo", "--steps", "1", "--out-dir", str(tmp_path)]
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "metrics.jsonl").write_text("")  # what a run that failed at once leaves behind
     first = CliRunner().invoke(app, args, env={"COLUMNS": "400"})
     assert first.exit_code == 0, first.output
-    metrics = (tmp_path / "demo" / "metrics.jsonl").read_text()
+    assert f"({tmp_path / 'demo-2'}: jsonl)" in first.output, first.output
+    metrics = (tmp_path / "demo-2" / "metrics.jsonl").read_text()
     second = CliRunner().invoke(app, args, env={"COLUMNS": "400"})
-    assert second.exit_code == 2, second.output
-    assert "--name" in second.output and str(tmp_path / "demo") in second.output, second.output
-    assert "delete the folder" in second.output, second.output
-    assert (tmp_path / "demo" / "metrics.jsonl").read_text() == metrics
+    assert second.exit_code == 0, second.output
+    assert f"({tmp_path / 'demo-3'}: jsonl)" in second.output, second.output
+    assert (tmp_path / "demo-2" / "metrics.jsonl").read_text() == metrics
+    assert (tmp_path / "demo" / "metrics.jsonl").read_text() == ""
 
 
 def test_cli_demo_remote_config_error_is_one_message_not_a_traceback(tmp_path):

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from icefloe.protocol import (
+    JOB_STATES,
     SEGMENT_BY_JOB_TYPE,
     ClientClosedError,
     ConfigError,
@@ -315,18 +316,27 @@ class JobManager:
         if job is not None:  # icefloe extensions: what `icefloe jobs show` prints
             answer["queue"] = self.requests.queue(job_id)
             answer["lease_expires_in_s"] = round(max(0.0, lease_left_s), 1) if math.isfinite(lease_left_s) else None
-        if job is not None and job.status == "placing":  # why it waits, for the client to show
-            ahead, free = self.pool.waiting(job)
-            slots = f"{job.num_slots} {self.pool.kind} slot(s): {free} of {self.pool.total} free"
-            answer["reason"] = f"waiting for {slots}, {ahead} job(s) ahead"
         return answer
+
+    def waiting(self, job_id: str) -> str | None:
+        """Why the job waits for slots, while it does (every client shows it); else None."""
+        job = self._live.get(job_id)
+        if job is None or job.status != "placing":
+            return None
+        ahead, free = self.pool.waiting(job)
+        return f"waiting for {job.num_slots} {self.pool.kind} slot(s): {free} of {self.pool.total} free, {ahead} job(s) ahead"
+
+    def reason(self, row: dict[str, Any]) -> str | None:
+        """The reason of a job's stored ``row``: why it waits while it does, else why it ended."""
+        return self.waiting(row["job_id"]) or row["reason"]
 
     def list_public(self, status: str | None) -> list[dict[str, Any]]:
         wanted = normalize_job_state(status) if status else None
+        if wanted is not None and wanted not in JOB_STATES:
+            raise InvalidRequestError(f"status must be one of {', '.join(sorted(JOB_STATES))}; got {status!r}")
         return [self._public(r) for r in store.list_jobs(self.db, status=wanted)]
 
-    @staticmethod
-    def _public(row: dict[str, Any]) -> dict[str, Any]:
+    def _public(self, row: dict[str, Any]) -> dict[str, Any]:
         spec, status = row["spec"], row["status"]
         sub_jobs = [
             {
@@ -337,7 +347,8 @@ class JobManager:
             for sub in spec["sub_jobs"]
         ]
         return {
-            **{key: row[key] for key in ("job_id", "status", "reason", "created_at", "updated_at")},
+            **{key: row[key] for key in ("job_id", "status", "created_at", "updated_at")},
+            "reason": self.reason(row),
             "image_tag": "" if status in ("pending", "placing") else _IMAGE_TAG,
             "experiment_name": spec["experiment_name"],
             "sub_jobs": sub_jobs,
@@ -369,12 +380,14 @@ class JobManager:
         return self._live.get(job_id)
 
     def live(self, job_id: str) -> LiveJob:
-        """The running job behind ``job_id``: 404 if unknown, 409 naming the state otherwise."""
+        """The running job behind ``job_id``: 404 if unknown, 409 naming the state and its reason otherwise."""
         job = self._live.get(job_id)  # jobs of this process: no SQLite read on the hot path
         self.renew(job_id)
-        status = job.status if job is not None else self.row(job_id)["status"]
-        if job is None or status != "running":
-            raise ConflictError(f"job {job_id} is {status}; this call needs it running")
+        if job is None or job.status != "running":
+            row = self.row(job_id)
+            reason = self.reason(row)
+            why = f" ({reason})" if reason else ""
+            raise ConflictError(f"job {job_id} is {job.status if job else row['status']}{why}; this call needs it running")
         return job
 
     def resolve_sub_job(

@@ -292,6 +292,36 @@ def test_a_model_and_its_sampler_run_on_one_slot(tmp_path, model):
         assert len(sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()) == len(tokens)
 
 
+def test_a_sampler_waiting_for_a_slot_tells_the_sdk_user_why_within_one_poll(tmp_path, model, monkeypatch, caplog):
+    """A Tinker sampling client waiting for a slot hung for minutes with nothing said to the SDK user."""
+    import httpx
+
+    from icefloe.service.tinker import routes
+    from tests.service.service_client import PREFIX, TRAINING
+
+    monkeypatch.setattr(routes, "_POLL_S", 0.5)  # a poll answers try_again after 0.5 s, not 30
+    service_app = make_app(tmp_path / "serve", slots=1, engines="local", tokens=[API_KEY], model_root=Path(model).parent)
+    with ServerThread(service_app) as url, httpx.Client(base_url=url + PREFIX, timeout=60) as http:
+        http.headers["Authorization"] = f"Bearer {API_KEY}"
+        holder = http.post("/", json={"sub_job_configs": [TRAINING]}).json()["job_id"]  # takes the one slot
+        deadline = time.monotonic() + 60
+        while http.get(f"/{holder}").json()["status"] != "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with (
+            caplog.at_level("WARNING", logger="tinker"),
+            tinker.ServiceClient(base_url=url, api_key=API_KEY) as service,
+        ):
+            sampler = service.create_sampling_client(base_model=model).result()
+            future = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 1, types.SamplingParams(max_tokens=2))
+            told = "Reason: waiting for 1 cpu slot(s): 0 of 1 free, 0 job(s) ahead"
+            while not any(told in record.getMessage() for record in caplog.records):
+                assert time.monotonic() < deadline, [record.getMessage() for record in caplog.records]
+                time.sleep(0.05)
+            http.post(f"/{holder}:cancel")
+            assert len(future.result().sequences) == 1
+
+
 def test_leaving_the_service_client_finishes_its_session(base_url, model):
     import httpx
 

@@ -211,7 +211,8 @@ class RemoteTransport(Transport):
 
     async def _cancel_job(self, *, by_op: bool = False) -> dict[str, Any]:
         path = f"/{self._job_id}:cancel"
-        call = Call("POST", path, "cancel job", retry=Retry.NEVER, final=frozenset({409}), timeout_s=_CANCEL_TIMEOUT_S)
+        # 409: the job ended already (failed, or cancelled by its lease): nothing left to cancel
+        call = Call("POST", path, "cancel job", retry=Retry.NEVER, accept=frozenset({409}), timeout_s=_CANCEL_TIMEOUT_S)
         await self._http.send(call)
         if by_op:
             self._created = False  # cancelled on purpose: nothing left to cancel at shutdown

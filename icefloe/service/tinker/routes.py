@@ -563,8 +563,12 @@ async def retrieve_futures(body: dict[str, Any], state: State) -> dict[str, Any]
     return {"completions": completions, "cursor": cursor}
 
 
-def _try_again(future_id: str) -> JSONResponse:
-    return JSONResponse({"type": "try_again", "request_id": future_id, "queue_state": "active"})
+def _try_again(future_id: str, state: TinkerState, job_id: str) -> JSONResponse:
+    """Poll again; while the job waits for slots, the SDK's queue-state observer is told why."""
+    answer = {"type": "try_again", "request_id": future_id, "queue_state": "active"}
+    if waiting := state.manager.waiting(job_id):
+        answer |= {"queue_state": "paused_capacity", "queue_state_reason": waiting}
+    return JSONResponse(answer)
 
 
 @router.post("/retrieve_future")
@@ -577,15 +581,15 @@ async def retrieve_future(body: dict[str, Any], state: State) -> Response:
         if future.request_id is None and future.submitted is None:
             job = await state.running(future.job_id, _POLL_S)
             if job is None:
-                return _try_again(future_id)
+                return _try_again(future_id, state, future.job_id)
             answer = future.render(None)
         else:
             request_id = await state.request_of(future, _POLL_S)
             if request_id is None:
-                return _try_again(future_id)
+                return _try_again(future_id, state, future.job_id)
             row = await state.manager.requests.wait(future.job_id, request_id, _POLL_S)
             if row["status"] in ("pending", "running"):
-                return _try_again(future_id)
+                return _try_again(future_id, state, future.job_id)
             if row["status"] != "done":
                 # A caller's mistake fails the request and leaves the job up; an engine crash fails the job.
                 running = state.manager.public(future.job_id)["status"] == "running"
