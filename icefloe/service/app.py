@@ -131,12 +131,12 @@ async def _health() -> dict[str, str]:
 
 
 class ServerThread:
-    """Run an app on uvicorn in a background thread on a free loopback port: ``with ServerThread(app) as url:``."""
+    """Run an app on uvicorn in a background thread on a loopback port (0: a free one): ``with ServerThread(app) as url:``."""
 
-    def __init__(self, app: Any, *, log_level: str = "warning") -> None:
+    def __init__(self, app: Any, *, log_level: str = "warning", port: int = 0) -> None:
         import uvicorn
 
-        self._config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level=log_level, lifespan="on")
+        self._config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level, lifespan="on")
         self._server = uvicorn.Server(self._config)
         self._thread: threading.Thread | None = None
         self.base_url = ""

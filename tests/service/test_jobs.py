@@ -75,7 +75,7 @@ async def test_job_waits_in_placing_until_slots_are_free(data_dir):
         assert refused.status_code == 409 and "placing" in refused.json()["message"]
         await api.call("POST", f"/{first}:cancel")
         await api.wait_status(second, "running")
-        assert (await api.job(second))["reason"] is None
+        assert not (await api.job(second))["reason"]
 
 
 async def test_listing_jobs_by_an_unknown_status_is_refused_naming_the_states(data_dir):
@@ -83,8 +83,10 @@ async def test_listing_jobs_by_an_unknown_status_is_refused_naming_the_states(da
     async with asgi_client(make_app(data_dir)) as http:
         refused = await Api(http).call("GET", "", params={"status": "bogus"}, check=False)
     assert (refused.status_code, refused.json()["code"]) == (400, "invalid_argument")
-    assert refused.json()["message"].startswith("status must be one of cancelled, ")
-    assert refused.json()["message"].endswith("; got 'bogus'")
+    assert refused.json()["message"] == (
+        "status must be one of canceled, cancelled, cancelling, done, failed, initializing, pending, placing, "
+        "running, terminated; got 'bogus'"
+    )
 
 
 async def test_job_needing_more_slots_than_exist_is_refused(data_dir):
