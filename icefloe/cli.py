@@ -389,7 +389,8 @@ def jobs_list(
     from icefloe.protocol import JOB_STATES, normalize_job_state
 
     if status is not None and normalize_job_state(status) not in JOB_STATES:
-        raise typer.BadParameter(f"must be one of {', '.join(sorted(JOB_STATES))}; got {status!r}", param_hint="--status")
+        states = ", ".join(sorted(JOB_STATES))
+        raise typer.BadParameter(f"must be one of {states}; got {status!r}", param_hint="--status")
     with _admin(base_url, token) as admin:
         jobs = sorted(reversed(admin.list_jobs(status)), key=lambda job: str(job.get("created_at", "")), reverse=True)
     if as_json:

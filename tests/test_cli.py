@@ -236,7 +236,8 @@ def test_cli_serve_refuses_port_0_as_its_help_says(tmp_path):
     """The help said 0 was allowed, and serve refused it."""
     shown = CliRunner().invoke(app, ["serve", "-h"], env={"COLUMNS": "200"})
     assert "[1<=x<=65535]" in shown.output, shown.output
-    result = CliRunner().invoke(app, ["serve", "--port", "0", "--data-dir", str(tmp_path / "d")], env={"COLUMNS": "200"})
+    args = ["serve", "--port", "0", "--data-dir", str(tmp_path / "d")]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
     assert result.exit_code == 2 and "'--port'" in result.output and "greater than or equal to 1" in result.output
     assert not (tmp_path / "d").exists()
 

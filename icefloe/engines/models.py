@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import string
 import tempfile
@@ -26,6 +27,8 @@ from icefloe.protocol import ConfigError
 __all__ = [
     "TINY_PRESETS",
     "TinyPreset",
+    "cached_hub_model",
+    "context_limit",
     "default_cache_dir",
     "load_causal_lm",
     "load_tokenizer",
@@ -34,6 +37,7 @@ __all__ = [
 
 TINY_PREFIX = "tiny:"
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name, as the Hugging Face hub names a repository
 # Bump when the way a preset is turned into files changes, so stale cache folders are not reused.
 _BUILD_FORMAT = 1
 # torch's default generator is process-wide: two threads seeding and drawing at once would mix streams.
@@ -113,9 +117,15 @@ def resolve_model(spec: str, *, seed: int = 0, cache_dir: Path | None = None) ->
         return _build_tiny(spec.removeprefix(TINY_PREFIX), seed=seed, cache_dir=cache_dir or default_cache_dir())
     path = Path(spec).expanduser()
     if not path.is_dir():
+        cached = cached_hub_model(spec)
+        if cached is not None:
+            return cached
+        from huggingface_hub.constants import HF_HUB_CACHE
+
         raise ConfigError(
-            f"model must be a local Hugging Face directory or tiny:<preset> ({_preset_list()}); "
-            f"{spec!r} is not a directory (models are never downloaded)"
+            f"model must be a local Hugging Face directory, a hub id (org/name) in the local Hugging Face cache "
+            f"({HF_HUB_CACHE}), or tiny:<preset> ({_preset_list()}); {spec!r} is neither (models are never "
+            "downloaded: fetch it once with `hf download ORG/NAME`)"
         )
     if not (path / "config.json").is_file():
         raise ConfigError(
@@ -123,6 +133,26 @@ def resolve_model(spec: str, *, seed: int = 0, cache_dir: Path | None = None) ->
             f"directory or use tiny:<preset> ({_preset_list()})"
         )
     return path
+
+
+def cached_hub_model(repo_id: str) -> Path | None:
+    """The snapshot folder of hub id ``repo_id`` (``org/name``) in the local Hugging Face cache
+    (``HF_HUB_CACHE``), offline; None when it is not a hub id or no snapshot there holds a config.json."""
+    if not _HUB_ID.fullmatch(repo_id):
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo_id, "config.json")
+    return Path(found).parent if isinstance(found, str) else None
+
+
+def context_limit(model_config: Any, max_seq_len: int) -> tuple[int, str]:
+    """The positions one row may hold, and that limit in words: ``max_seq_len``, or the model's own
+    context (``max_position_embeddings``) where that is smaller."""
+    positions = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
+    if isinstance(positions, int) and positions < max_seq_len:
+        return positions, f"the model's context of {positions} tokens"
+    return max_seq_len, f"max_seq_len={max_seq_len}"
 
 
 def load_tokenizer(path: Path | str) -> Any:

@@ -38,7 +38,7 @@ from icefloe.engines.lora import (
     trainable_parameters,
 )
 from icefloe.engines.losses import get_loss
-from icefloe.engines.models import load_causal_lm, load_tokenizer, resolve_model
+from icefloe.engines.models import context_limit, load_causal_lm, load_tokenizer, resolve_model
 from icefloe.protocol import InvalidRequestError, UnsupportedOpError
 
 __all__ = [
@@ -546,10 +546,10 @@ class TrainingEngine:
         self._require_awake()
         frame = validate_batch(batch, require_context=require_context, vocab_size=self.vocab_size)
         width = frame["kwargs"]["input_ids"].shape[1]
-        if width > self.config.max_seq_len:
+        limit, named = context_limit(self.model.config, self.config.max_seq_len)
+        if width > limit:
             raise InvalidRequestError(
-                f"kwargs.input_ids has {width} positions, more than max_seq_len={self.config.max_seq_len}; "
-                "shorten the rows or raise max_seq_len"
+                f"kwargs.input_ids has {width} positions, more than {named}: shorten or split the rows"
             )
         return frame
 

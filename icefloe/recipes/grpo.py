@@ -134,9 +134,7 @@ async def run(config: GRPOConfig, *, on_step: Callable[[dict[str, Any]], None] |
 
     run_dir = config.out_dir / config.name
     if run_dir.is_dir() and any(run_dir.iterdir()):
-        raise ConfigError(
-            f"name: the run folder {run_dir} already holds a run; pick another name or delete the folder"
-        )
+        raise ConfigError(f"name: the run folder {run_dir} already holds a run; pick another name or delete the folder")
     run_dir.mkdir(parents=True, exist_ok=True)
     task = ArithmeticTask(config.seed, max_operand=config.max_operand)
     shuffler = random.Random(config.seed + 1)

@@ -131,7 +131,7 @@ async def _health() -> dict[str, str]:
 
 
 class ServerThread:
-    """Run an app on uvicorn in a background thread on a loopback port (0: a free one): ``with ServerThread(app) as url:``."""
+    """Run an app on uvicorn in a thread on a loopback port (0: a free one): ``with ServerThread(app) as url:``."""
 
     def __init__(self, app: Any, *, log_level: str = "warning", port: int = 0) -> None:
         import uvicorn

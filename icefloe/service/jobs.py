@@ -324,7 +324,8 @@ class JobManager:
         if job is None or job.status != "placing":
             return None
         ahead, free = self.pool.waiting(job)
-        return f"waiting for {job.num_slots} {self.pool.kind} slot(s): {free} of {self.pool.total} free, {ahead} job(s) ahead"
+        slots = f"{job.num_slots} {self.pool.kind} slot(s): {free} of {self.pool.total} free"
+        return f"waiting for {slots}, {ahead} job(s) ahead"
 
     def reason(self, row: dict[str, Any]) -> str | None:
         """The reason of a job's stored ``row``: why it waits while it does, else why it ended."""
@@ -387,7 +388,8 @@ class JobManager:
             row = self.row(job_id)
             reason = self.reason(row)
             why = f" ({reason})" if reason else ""
-            raise ConflictError(f"job {job_id} is {job.status if job else row['status']}{why}; this call needs it running")
+            status = job.status if job is not None else row["status"]
+            raise ConflictError(f"job {job_id} is {status}{why}; this call needs it running")
         return job
 
     def resolve_sub_job(

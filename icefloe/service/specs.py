@@ -10,6 +10,7 @@ when it only tunes machinery these engines do not have.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,9 +18,12 @@ from typing import Any
 
 from icefloe.config import ClientConfig, LoraConfig
 from icefloe.protocol import SEGMENT_BY_JOB_TYPE, ConfigError, InvalidRequestError
+from icefloe.engines.models import cached_hub_model
 from icefloe.service.models import InferenceConfig, JobCreate, SubJobConfig, TrainingConfigSpec
 
 __all__ = ["SubJobSpec", "sub_job_specs"]
+
+_log = logging.getLogger("icefloe.service")
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _PRESET_PREFIX = "tiny:"  # models built in code (icefloe.engines.models.TINY_PRESETS)
@@ -77,19 +81,32 @@ class SubJobSpec:
 
 
 def _model(name: str, model_root: Path | None, where: str) -> str:
-    """What the engines load for ``model_name``: the preset itself, or the folder it names under the root."""
+    """What the engines load for ``model_name``: the preset itself, the folder it names under the root, or a
+    hub id's snapshot in the service's Hugging Face cache. The caller's refusal never says why (it would map
+    the host's folders); the service log does."""
     if name.startswith(_PRESET_PREFIX):
         return name
+    why = "no --model-root"
     if model_root is not None:
         root = model_root.resolve()
         named = Path(os.path.normpath(root / name))  # lexical first: ".." or a path outside is refused unread
-        if named.is_relative_to(root):
-            real = named.resolve()  # a link inside the root may lead out of it
-            if real.is_relative_to(root) and (real / "config.json").is_file():
-                return str(real)
+        real = named.resolve()  # a link inside the root may lead out of it
+        if not named.is_relative_to(root):
+            why = f"{named} is outside the model root {root}"
+        elif not real.is_relative_to(root):
+            why = f"{named} is a link to {real}, outside the model root {root}: move the model under the root"
+        elif not (real / "config.json").is_file():
+            why = f"{real} holds no config.json" if real.is_dir() else f"there is no folder {named}"
+        else:
+            return str(real)
+    cached = cached_hub_model(name)
+    if cached is not None:
+        return str(cached)
+    _log.warning("%s.model_name %r refused: %s; not a hub id in the Hugging Face cache either", where, name, why)
     raise InvalidRequestError(
-        f"{where}.model_name {name!r} is not a model this service offers; send tiny:<preset> or the name of a "
-        "model folder under the service's model root (icefloe serve --model-root), such as org/name"
+        f"{where}.model_name {name!r} is not a model this service offers; send tiny:<preset>, the name of a "
+        "model folder under the service's model root (icefloe serve --model-root), such as org/name, or the hub "
+        "id of a model in the service's Hugging Face cache"
     )
 
 

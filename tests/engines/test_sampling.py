@@ -90,7 +90,7 @@ def test_generate_reports_the_policy_version(sampler):
 
 def test_generate_rejects_bad_prompts(sampler):
     with pytest.raises(
-        InvalidRequestError, match=r"prompts\[1\] has 60 tokens; it must be shorter than max_seq_len=48"
+        InvalidRequestError, match=r"prompts\[1\] has 60 tokens; it must be shorter than max_seq_len=48 to leave room"
     ):
         sampler.generate(["1+1=", "1" * 60], SamplingParams())
     with pytest.raises(InvalidRequestError, match=r"prompts\[0\] is empty"):

@@ -300,7 +300,8 @@ def test_a_sampler_waiting_for_a_slot_tells_the_sdk_user_why_within_one_poll(tmp
     from tests.service.service_client import PREFIX, TRAINING
 
     monkeypatch.setattr(routes, "_POLL_S", 0.5)  # a poll answers try_again after 0.5 s, not 30
-    service_app = make_app(tmp_path / "serve", slots=1, engines="local", tokens=[API_KEY], model_root=Path(model).parent)
+    root = Path(model).parent
+    service_app = make_app(tmp_path / "serve", slots=1, engines="local", tokens=[API_KEY], model_root=root)
     with ServerThread(service_app) as url, httpx.Client(base_url=url + PREFIX, timeout=60) as http:
         http.headers["Authorization"] = f"Bearer {API_KEY}"
         holder = http.post("/", json={"sub_job_configs": [TRAINING]}).json()["job_id"]  # takes the one slot

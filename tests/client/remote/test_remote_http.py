@@ -158,7 +158,7 @@ def test_a_client_with_no_service_listening_fails_its_open_at_once():
         backend={"type": "remote", "base_url": f"http://127.0.0.1:{_closed_port()}", "retry_initial_s": 30.0},
     )
     client = Client(config)
-    with pytest.raises(RequestFailedError, match="capabilities: cannot connect .+ is the service running"):
+    with pytest.raises(RequestFailedError, match=r"capabilities: cannot connect .+ is the service running"):
         client.open()  # with retries, the 30 s before the first one alone would pass the test's timeout
     client.shutdown()
 
