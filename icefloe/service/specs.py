@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from icefloe.config import ClientConfig, LoraConfig
-from icefloe.protocol import SEGMENT_BY_JOB_TYPE, ConfigError, InvalidRequestError
 from icefloe.engines.models import cached_hub_model
+from icefloe.protocol import SEGMENT_BY_JOB_TYPE, ConfigError, InvalidRequestError
 from icefloe.service.models import InferenceConfig, JobCreate, SubJobConfig, TrainingConfigSpec
 
 __all__ = ["SubJobSpec", "sub_job_specs"]

@@ -10,12 +10,12 @@ import pytest
 
 pytest.importorskip("torch")
 
-from icefloe.client import Client, build_batch  # noqa: E402
-from icefloe.engines.models import resolve_model  # noqa: E402
-from icefloe.protocol import InvalidRequestError  # noqa: E402
-from icefloe.service.app import ServerThread, create_app  # noqa: E402
-from icefloe.service.placement import SlotPool  # noqa: E402
-from icefloe.service.settings import ServeSettings  # noqa: E402
+from icefloe.client import Client, build_batch
+from icefloe.engines.models import resolve_model
+from icefloe.protocol import InvalidRequestError
+from icefloe.service.app import ServerThread, create_app
+from icefloe.service.placement import SlotPool
+from icefloe.service.settings import ServeSettings
 
 
 @pytest.fixture(scope="module")
