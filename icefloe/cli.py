@@ -534,10 +534,10 @@ def models_export(
 
 
 def _quiet_transformers() -> None:
-    """Silence transformers' load/save progress bars, which would break up the demo's own bar."""
+    """Silence transformers' load/save notices, which would break up the demo's own bar (the engines
+    turn its progress bars off themselves)."""
     from transformers.utils import logging
 
-    logging.disable_progress_bar()
     logging.set_verbosity_error()
 
 

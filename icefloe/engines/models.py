@@ -169,9 +169,19 @@ def load_causal_lm(path: Path | str, *, dtype: torch.dtype = torch.float32, devi
     """Load the causal LM saved in ``path`` onto ``device`` in ``dtype``, in train mode off (eval)."""
     from transformers import AutoModelForCausalLM
 
+    _no_progress_bars()
+
     # sdpa is at least as fast as eager at every shape measured on CPU, and much faster on GPU.
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
     return model.to(device).eval()
+
+
+def _no_progress_bars() -> None:
+    """Turn off transformers' bars on every load and save ("Loading weights", "Writing model shards"): they
+    break up the service's log and the demo's own bar. Each process loads or builds a model before it saves one."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
 
 
 # --- tiny models -------------------------------------------------------------------------------
@@ -219,6 +229,8 @@ def _char_tokenizer(alphabet: str):
 
 def _tiny_model(preset: TinyPreset, tokenizer, *, seed: int):
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    _no_progress_bars()
 
     config = Qwen3Config(
         vocab_size=len(tokenizer),

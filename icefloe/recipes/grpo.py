@@ -267,9 +267,9 @@ async def run(config: GRPOConfig, *, on_step: Callable[[dict[str, Any]], None] |
                 }
                 history.append(row)
                 tracker.log({key: value for key, value in row.items() if key != "step"}, step)
-                # The service keeps what only the client knows, filed under the trainer's last optimizer
-                # step (its own points count optimizer steps from 0), so reward lines up with loss.
-                optimizer_step = results[-1]["global_step"] - 1 if results else config.supervised_steps + step - 1
+                # The service keeps what only the client knows, filed under the trainer's global_step after
+                # this RL step (the number of its own points), so reward lines up with loss.
+                optimizer_step = results[-1]["global_step"] if results else config.supervised_steps + step
                 if reported is not None:
                     await reported
                 metrics = {key: row[key] for key in _CLIENT_METRICS}

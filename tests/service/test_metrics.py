@@ -44,12 +44,12 @@ async def test_engine_and_client_values_merge_into_one_point_per_step_and_surviv
         assert caps["extensions"]["job_metrics"] is True
         job_id = await api.running(TRAINING)
         await _train(api, job_id, steps=2)
-        reported = await api.call("POST", f"/{job_id}/metrics", json={"step": 1, "metrics": {"reward": 0.75, "kl": 0}})
-        assert reported.json() == {"job_id": job_id, "step": 1, "recorded": ["kl", "reward"]}
+        reported = await api.call("POST", f"/{job_id}/metrics", json={"step": 2, "metrics": {"reward": 0.75, "kl": 0}})
+        assert reported.json() == {"job_id": job_id, "step": 2, "recorded": ["kl", "reward"]}
         answer = (await api.call("GET", f"/{job_id}/metrics")).json()
     assert answer["job_id"] == job_id
     points = answer["points"]
-    assert [p["step"] for p in points] == [0, 1]
+    assert [p["step"] for p in points] == [1, 2]  # global_step, as the client's step() reports it
     for point in points:
         assert {"time", "loss", "grad_norm", "lr", "num_tokens", "step_time_s", "tokens_per_s"} <= set(point)
         assert point["lr"] == 1e-3 and point["num_tokens"] == 16 and math.isfinite(point["loss"])
@@ -149,20 +149,20 @@ def test_remote_client_reports_metrics_next_to_the_engine_values(data_dir):
         client.fwd_bwd(
             build_batch([prompt] * 2, [s["token_ids"] for s in samples], [1.0, -1.0], pad_id=tok.pad_token_id)
         )
-        client.step()
+        step = client.step()["global_step"]  # the point's number, as "step 71" must not say global_step 72
         client.sync_weights()
-        assert client.log_metrics({"reward": 0.5}, step=0) is None
+        assert client.log_metrics({"reward": 0.5}, step=step) is None
         with pytest.raises(InvalidRequestError, match=r"metrics.reward must be a finite number; got nan"):
-            client.log_metrics({"reward": float("nan")}, step=0)
+            client.log_metrics({"reward": float("nan")}, step=step)
 
         async def report_async() -> None:
             async with AsyncClient(client.config, _handle=client.handle()["transport"]) as other:
-                await other.log_metrics({"reward_async": 2}, step=0)
+                await other.log_metrics({"reward_async": 2}, step=step)
 
         asyncio.run(report_async())
         job_id = client.handle()["transport"]["job_id"]
         points = httpx.get(f"{base_url}{PREFIX}/{job_id}/metrics").json()["points"]
-    assert len(points) == 1
+    assert [point["step"] for point in points] == [step] == [1]
     assert points[0]["reward"] == 0.5 and points[0]["reward_async"] == 2.0 and points[0]["policy_version"] == 1
     assert {"loss", "grad_norm", "lr"} <= set(points[0])
 
