@@ -32,6 +32,7 @@ __all__ = [
     "default_cache_dir",
     "load_causal_lm",
     "load_tokenizer",
+    "open_modes",
     "resolve_model",
 ]
 
@@ -39,7 +40,7 @@ TINY_PREFIX = "tiny:"
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name, as the Hugging Face hub names a repository
 # Bump when the way a preset is turned into files changes, so stale cache folders are not reused.
-_BUILD_FORMAT = 1
+_BUILD_FORMAT = 2
 # torch's default generator is process-wide: two threads seeding and drawing at once would mix streams.
 _INIT_LOCK = threading.Lock()
 
@@ -176,6 +177,14 @@ def load_causal_lm(path: Path | str, *, dtype: torch.dtype = torch.float32, devi
     return model.to(device).eval()
 
 
+def open_modes(folder: Path) -> None:
+    """Give a folder built in a private staging place (``mkdtemp``: 0700, files 0600) the modes of any
+    other: 0755 for folders, 0644 for files, so other users and tools can read an exported model."""
+    for path in [folder, *folder.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod(0o755 if path.is_dir() else 0o644)
+
+
 def _no_progress_bars() -> None:
     """Turn off transformers' bars on every load and save ("Loading weights", "Writing model shards"): they
     break up the service's log and the demo's own bar. Each process loads or builds a model before it saves one."""
@@ -204,6 +213,7 @@ def _build_tiny(name: str, *, seed: int, cache_dir: Path) -> Path:
         tokenizer = _char_tokenizer(preset.alphabet)
         tokenizer.save_pretrained(str(staging))
         _tiny_model(preset, tokenizer, seed=seed).save_pretrained(str(staging))
+        open_modes(staging)
         try:
             os.rename(staging, target)
         except OSError:

@@ -38,7 +38,7 @@ from icefloe.engines.lora import (
     trainable_parameters,
 )
 from icefloe.engines.losses import get_loss
-from icefloe.engines.models import context_limit, load_causal_lm, load_tokenizer, resolve_model
+from icefloe.engines.models import context_limit, load_causal_lm, load_tokenizer, open_modes, resolve_model
 from icefloe.protocol import InvalidRequestError, UnsupportedOpError
 
 __all__ = [
@@ -65,6 +65,7 @@ def publish_folder(staging: Path, target: Path) -> None:
     The old folder is renamed aside first and deleted last, so a crash leaves either the old or the
     new checkpoint in place, never neither (the service's records keep pointing at something real).
     """
+    open_modes(staging)
     aside = target.with_name(f".{target.name}.old-{os.getpid()}")
     if target.exists():
         os.rename(target, aside)

@@ -87,3 +87,18 @@ def test_a_hub_id_missing_from_the_cache_is_refused_naming_the_cache(hub_cache):
 
     with pytest.raises(ConfigError, match=r"Hugging Face cache \(.+/hub\).+'acme/other' is neither .+hf download"):
         resolve_model("acme/other")
+
+
+def test_exported_and_saved_model_folders_have_the_usual_modes(tmp_path):
+    """They were built in mkdtemp folders and kept its modes: 0700 folders and a 0600 model.safetensors."""
+    from typer.testing import CliRunner
+
+    from icefloe.cli import app
+
+    assert CliRunner().invoke(app, ["models", "export", "tiny:arith", str(tmp_path / "exported")]).exit_code == 0
+    with Client({"model": "tiny:arith", "training": {"checkpoint_dir": str(tmp_path / "ckpt")}}) as client:
+        saved = Path(client.save_checkpoint("weights-only")["path"])
+    for folder in (tmp_path / "exported", saved):
+        modes = {path.name: oct(path.stat().st_mode & 0o777) for path in [folder, *folder.iterdir()]}
+        assert modes.pop(folder.name) == "0o755" and modes.pop("model.safetensors") == "0o644", folder
+        assert set(modes.values()) == {"0o644"}, modes
