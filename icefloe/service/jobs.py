@@ -276,11 +276,11 @@ class JobManager:
                     job.log.write(f"no call or heartbeat for {self.settings.lease_ttl_s:g} s", level="WARNING")
                     job.state.cancel("client lease expired")
 
-    def cancel(self, job_id: str) -> dict[str, Any]:
+    def cancel(self, job_id: str, reason: str = "cancelled on request") -> dict[str, Any]:
         """Idempotent while cancelling/cancelled; 409 once the job terminated or failed."""
         job = self._live.get(job_id)
         if job is not None:
-            return {"job_id": job_id, "status": job.state.cancel()}
+            return {"job_id": job_id, "status": job.state.cancel(reason)}
         status = self.row(job_id)["status"]
         if status not in ("cancelling", "cancelled"):
             raise ConflictError(f"job {job_id} is {status}; only an active job can be cancelled")

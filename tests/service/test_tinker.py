@@ -336,25 +336,33 @@ def test_leaving_the_service_client_finishes_its_session(base_url, model):
     assert refused.status_code == 401
 
 
-def test_a_session_without_heartbeats_lapses_and_its_jobs_are_cancelled(tmp_path, model):
-    import time
-
+def test_a_finished_or_lapsed_sessions_jobs_are_cancelled_with_the_reason(tmp_path, model):
+    """A cancelled Tinker session's jobs ended with an empty reason."""
     import httpx
 
+    from tests.service.service_client import PREFIX
+
     service_app = make_app(tmp_path / "serve", engines="local", model_root=Path(model).parent)
-    with ServerThread(service_app) as url:
-        service_app.state.tinker.session_lease_s = 0.2
-        session_id = httpx.post(f"{url}/api/v1/create_session", json={}).json()["session_id"]
-        httpx.post(
-            f"{url}/api/v1/create_model", json={"session_id": session_id, "model_seq_id": 0, "base_model": model}
-        )
+    with ServerThread(service_app) as url, httpx.Client(base_url=url, timeout=60) as http:
+        sessions = {}
+        for name in ("finished", "lapsed"):
+            session_id = sessions[name] = http.post("/api/v1/create_session", json={}).json()["session_id"]
+            body = {"session_id": session_id, "model_seq_id": 0, "base_model": model}
+            assert http.post("/api/v1/create_model", json=body).status_code == 200
+        http.post(f"/api/v1/sessions/{sessions['finished']}/finish", json={"reason": {"type": "success"}})
+        service_app.state.tinker.session_lease_s = 0.2  # the other one sends no heartbeat from now on
+        expected = {
+            "finished": "its Tinker session was finished",
+            "lapsed": "its Tinker session sent no heartbeat for 0.2 s",
+        }
         deadline = time.monotonic() + 60
-        while (
-            status := httpx.post(f"{url}/api/v1/session_heartbeat", json={"session_id": session_id})
-        ).status_code == 200:
-            assert time.monotonic() < deadline, "the lapsed session was never finished"
-            time.sleep(1.0)  # five leases without a heartbeat (each probe is one)
-        assert status.status_code == 410
+        for name, session_id in sessions.items():
+            (job_id,) = service_app.state.tinker.session_jobs[session_id]
+            while (job := http.get(f"{PREFIX}/{job_id}").json())["status"] != "terminated":
+                assert time.monotonic() < deadline, job
+                time.sleep(0.05)
+            assert job["reason"] == expected[name]
+        assert http.post("/api/v1/session_heartbeat", json={"session_id": sessions["lapsed"]}).status_code == 410
 
 
 def test_save_weights_and_get_sampling_client_and_a_custom_loss(service, model):

@@ -381,9 +381,10 @@ async def _queue_sample(state: TinkerState, sampler: SamplingSession, body: dict
     """Validate one sample call and queue it with the calls gathered beside it; the SDK's answer."""
     prompt = _prompt_tokens(body.get("prompt") or {})
     params = _sampling_params(body)
-    job = await state.live(sampler.job_id)
-    sub_job_id, host = state.sub_job(job, "sampling"), job.host
-    assert host is not None
+    # A job still waiting for its slots takes the call now: it waits in its gathering (sent once the job
+    # runs), and each poll of its future says why it waits.
+    job = state.manager.live_job(sampler.job_id) or await state.live(sampler.job_id)
+    sub_job_id = state.sub_job(job, "sampling")
     limit = job.specs[sub_job_id].config.max_seq_len  # the model's context length
     if len(prompt) >= limit:
         raise InvalidRequestError(
@@ -401,7 +402,8 @@ async def _queue_sample(state: TinkerState, sampler: SamplingSession, body: dict
     def run_batch(calls: list[list[Call]]) -> list[list[dict[str, Any] | None]]:
         """One generate for the gathered calls of every request batched here; per request, per call."""
         items = [item for gathered in calls for item in gathered if item is not None]
-        samples = host.generate(sub_job_id, [p for p, _ in items], [q for _, q in items])
+        assert job.host is not None  # it runs on the job's worker: the job runs
+        samples = job.host.generate(sub_job_id, [p for p, _ in items], [q for _, q in items])
         results: list[list[dict[str, Any] | None]] = []
         cursor = 0
         for gathered in calls:

@@ -206,7 +206,8 @@ class TinkerState:
                         "session %s sent no heartbeat for %g s; finishing it", session_id, self.session_lease_s
                     )
                     try:
-                        await asyncio.to_thread(self.finish_session, session_id)
+                        why = f"its Tinker session sent no heartbeat for {self.session_lease_s:g} s"
+                        await asyncio.to_thread(self.finish_session, session_id, why)
                     except Exception as exc:  # the service is shutting down under it
                         _log.warning("finishing lapsed session %s failed: %s", session_id, exc)
 
@@ -216,13 +217,13 @@ class TinkerState:
             raise NotFoundError(f"session {session_id} not found; create one with create_session")
         return status
 
-    def finish_session(self, session_id: str) -> None:
-        """End the session and cancel its jobs (models and samplers); idempotent."""
+    def finish_session(self, session_id: str, reason: str = "its Tinker session was finished") -> None:
+        """End the session and cancel its jobs (models and samplers), each with ``reason``; idempotent."""
         self.session(session_id)
         self.sessions[session_id] = "finished"
         for job_id in self.session_jobs.get(session_id, []):
             with contextlib.suppress(ConflictError):  # failed or finished already
-                self.manager.cancel(job_id)
+                self.manager.cancel(job_id, reason)
 
     # --- jobs ---------------------------------------------------------------------------------
     def create_job(
@@ -530,6 +531,7 @@ class TinkerState:
         try:
             if len(gathering.cancelled) == len(items):
                 raise ConflictError("cancelled by the caller before it was sent")
+            await self.live(sampler.job_id)  # a job waiting for slots: sent once it runs
             gathering.submitted.set_result(submit(items))
         except Exception as exc:  # every call of the gathering gets the refusal, through its future
             gathering.submitted.set_exception(exc)
