@@ -79,7 +79,7 @@ def test_resolve_model_unknown_preset_lists_presets(tmp_path):
 
 
 def test_resolve_model_missing_directory_names_the_field(tmp_path):
-    with pytest.raises(ConfigError, match=r"model must be a local Hugging Face directory or tiny:<preset>"):
+    with pytest.raises(ConfigError, match=r"model must be a local Hugging Face directory, a hub id .+ or tiny:"):
         resolve_model(str(tmp_path / "nowhere"))
 
 
