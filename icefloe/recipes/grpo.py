@@ -23,8 +23,12 @@ their neighbours' updates moved the shared output digits; and each RL step's eig
 on the same samples, inside a 0.2 clip range, moved those digits far enough to erase a class that
 the warm-up had taught (a 35-step warm-up lost every sum ending in 0-4 on seed 1). So each step
 deals every problem once (8 samples each), the clip range is 0.1 (halving the optimizer steps
-works as well), and a 25-step warm-up teaches the final digits before RL starts. Seeds 0-4 now
-end at 1.00, 0.98, 0.99, 0.99, 0.96 after 200 steps.
+works as well), and a 25-step warm-up teaches the final digits before RL starts. Later seeds 3, 5
+and 7 stalled near 0.5 in turn: their warm-up, at a learning rate of 1e-2, had diverged for a few
+steps and left a model that scored 0.05 where the others scored 0.2, and RL from there lost half the
+classes. At 5e-3 the warm-up ends at the same loss on every seed, and every seed 0-9 ends above
+0.9 (``tests/recipes/golden/demo_curves.json`` holds each full run's end; CI checks a short run of
+each seed against its recorded curve).
 
 With ``lora_rank`` > 0 RL trains LoRA adapters only. Adapters alone cannot teach this random
 model the answer format (the supervised loss stalls), so the warm-up still trains the full weights
@@ -84,7 +88,9 @@ class GRPOConfig(BaseModel):
     # (seed 0: the first RL step scores 0.17, the last ten 0.99).
     lora_warmup_steps: int = Field(22, ge=0)
     warmup_batch_size: int = Field(64, gt=0)
-    warmup_lr: float = Field(1e-2, gt=0)
+    # 1e-2 was unstable on some seeds (seed 5's loss jumped to 3.4 mid warm-up and ended at 1.5, where
+    # others end near 0.8), and RL from such a start stalled near 0.5; at 5e-3 every seed ends near 0.8.
+    warmup_lr: float = Field(5e-3, gt=0)
     max_operand: int = Field(9, ge=1)  # problems are a+b with a, b in 0..max_operand
     eps: float = Field(1e-6, gt=0)  # added to a group's std before dividing
     # False: Dr.GRPO, advantages only mean-centred (verl's algorithm.norm_adv_by_std_in_grpo=False).
