@@ -55,3 +55,35 @@ def serve(data_dir: Path, *args: str) -> Iterator[str]:
     finally:
         process.terminate()
         process.wait(timeout=60)
+
+
+def descendant_pids(pid: int) -> set[int]:
+    """Every live process below ``pid`` (children, their children, ...), read from ``/proc`` (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:  # it exited meanwhile
+                continue
+            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def proc_status_kib(pid: int, key: str) -> int:
+    """A size from ``/proc/PID/status`` in KiB: ``VmRSS`` (resident now) or ``VmHWM`` (its peak)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/{pid}/status has no {key}")
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """CPU seconds the process has used (user + system, from ``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -260,9 +260,13 @@ def serve(
         typer.Option(help="Folder of model folders jobs may load (model_name org/name); default: tiny:* presets only."),
     ] = None,
     slots: Annotated[int, typer.Option(min=1, help="CPU slots to hand out when there is no GPU.")] = 4,
+    max_adapters: Annotated[
+        int,
+        typer.Option(min=1, help="LoRA jobs of one base model share a host and a slot; at most this many per host."),
+    ] = 32,
     engines: Annotated[
         str,
-        typer.Option(help="Where job engines run: process (a child process per job), local (this process) or ray."),
+        typer.Option(help="Where engines run: process (a child process per host), local (this process) or ray."),
     ] = "process",
     address: Annotated[
         str | None, typer.Option(help="With --engines ray: the Ray cluster to join ('auto' = the running one).")
@@ -292,8 +296,8 @@ def serve(
     try:
         settings = ServeSettings.from_env(
             data_dir=data_dir, host=host, port=port, tokens=token or [], token_file=token_file, slots=slots,
-            engines=engines, ray_address=address, model_root=model_root, lease_ttl_s=lease_ttl_s,
-            op_deadline_s=op_deadline_s, metrics_public=metrics_public,
+            max_adapters=max_adapters, engines=engines, ray_address=address, model_root=model_root,
+            lease_ttl_s=lease_ttl_s, op_deadline_s=op_deadline_s, metrics_public=metrics_public,
         )  # fmt: skip
         if address is not None and settings.engines != "ray":
             raise ConfigError("--address names a Ray cluster; it needs --engines ray")

@@ -119,7 +119,9 @@ class TrainingConfig(_Model):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     grad_clip: float = Field(1.0, ge=0)  # max global grad norm; 0 = off
     lr_schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
-    micro_batch_tokens: int = Field(0, ge=0)  # token budget per micro-batch; 0 = whole batch at once
+    # Positions per forward pass (rows × width, padding included); None = chosen from the model and device
+    # (TrainingEngine.token_budget); 0 = one pass over the batch as sent, padding and all (for comparisons).
+    micro_batch_tokens: int | None = Field(None, ge=0)
     checkpoint_dir: Path | None = None  # None = <user data dir>/checkpoints/<session>; see checkpoint_root
     gradient_checkpointing: bool = False
     peak_memory_log: bool = False  # each step reports peak_memory {gpu_peak, cpu_peak} in bytes
@@ -144,6 +146,11 @@ class LoraConfig(_Model):
     # Names (or suffixes) of the Linear modules that get an adapter, or "all-linear" (every one but the output layer).
     target_modules: list[str] | Literal["all-linear"] = "all-linear"
     bias: Literal["none", "all", "lora_only"] = "none"  # which biases train alongside the adapters
+    # Narrow or widen "all-linear" (the Tinker API's flags): attention and MLP projections, and the
+    # output layer (unembedding), which "all-linear" leaves out. Ignored with a list of modules.
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = False
 
     @field_validator("target_modules", mode="before")
     @classmethod
@@ -164,9 +171,12 @@ class LoraConfig(_Model):
         """Read the training API's ``peft_config`` (``peft_type: "Lora"``, ``r``, ``lora_alpha``, ...).
 
         Missing keys take the API's defaults (r = alpha = 8). Unknown keys and other ``peft_type``
-        values raise :class:`ConfigError`: each would change what is trained.
+        values raise :class:`ConfigError`: each would change what is trained. ``train_attn``,
+        ``train_mlp`` and ``train_unembed`` (icefloe's, as the Tinker API names them) narrow or
+        widen ``"all-linear"``.
         """
-        known = {"peft_type", "r", "lora_alpha", "lora_dropout", "bias", "target_modules"}
+        layers = ("train_attn", "train_mlp", "train_unembed")
+        known = {"peft_type", "r", "lora_alpha", "lora_dropout", "bias", "target_modules", *layers}
         unknown = sorted(set(peft_config) - known)
         if unknown:
             raise ConfigError(
@@ -179,6 +189,7 @@ class LoraConfig(_Model):
         data = {ours: peft_config[theirs] for theirs, ours in fields.items() if peft_config.get(theirs) is not None}
         if peft_config.get("target_modules") is not None:
             data["target_modules"] = peft_config["target_modules"]
+        data.update({key: peft_config[key] for key in layers if peft_config.get(key) is not None})
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
@@ -188,7 +199,15 @@ class LoraConfig(_Model):
             raise ConfigError(message) from None
 
     def to_peft_config(self) -> dict[str, Any]:
-        """The training API's ``peft_config`` for these settings."""
+        """The training API's ``peft_config`` for these settings (the layer flags only where they narrow
+        or widen ``"all-linear"``)."""
+        layers = {
+            key: value
+            for key, value, default in zip(
+                ("train_attn", "train_mlp", "train_unembed"), self.layers, (True, True, False), strict=True
+            )
+            if value != default
+        }
         return {
             "peft_type": "Lora",
             "r": self.rank,
@@ -196,7 +215,19 @@ class LoraConfig(_Model):
             "lora_dropout": self.dropout,
             "bias": self.bias,
             "target_modules": self.target_modules,
+            **layers,
         }
+
+    @model_validator(mode="after")
+    def _trains_something(self) -> LoraConfig:
+        if self.target_modules == "all-linear" and not any(self.layers):
+            raise ValueError("train_attn, train_mlp and train_unembed are all false: no layer would be trained")
+        return self
+
+    @property
+    def layers(self) -> tuple[bool, bool, bool]:
+        """Which layer kinds ``"all-linear"`` adapts: (attention, MLP, output layer)."""
+        return (self.train_attn, self.train_mlp, self.train_unembed)
 
     def mismatch(self, other: LoraConfig | None) -> list[str]:
         """What differs from ``other`` in ways a weight sync cannot bridge (rank, alpha, target modules).
@@ -209,6 +240,7 @@ class LoraConfig(_Model):
             "r": (self.rank, other.rank),
             "lora_alpha": (self.alpha, other.alpha),
             "target_modules": (_module_set(self.target_modules), _module_set(other.target_modules)),
+            "layers (attn, mlp, unembed)": (self.layers, other.layers),
         }
         return [f"{name}: {mine!r} vs {theirs!r}" for name, (mine, theirs) in pairs.items() if mine != theirs]
 
@@ -223,6 +255,9 @@ class SamplingConfig(_Model):
 
     engine: Literal["auto", "torch", "vllm"] = "auto"  # auto = vLLM on GPU when installed, else torch
     max_batch_size: int = Field(256, gt=0)  # rows generated together; larger requests are split
+    # Positions (prompt + new tokens, padding included) decoded together; None = chosen from the model and
+    # device (SamplingEngine.token_budget). Requests beyond either bound run in several batches.
+    max_batch_tokens: int | None = Field(None, gt=0)
     engine_kwargs: dict[str, Any] = Field(default_factory=dict)  # passed to the engine (vLLM kwargs)
 
 

@@ -181,6 +181,8 @@ CLAIMS = [
      "tests/recipes/test_grpo.py::test_demo_run_with_lora_learns_addition"),
     ("docs/lora.md", "moves 3.4% of the full weights", "bench/bench_lora.py"),
     ("docs/ray.md", "(a ~0.5 GB state)", "bench/bench_ray.py"),
+    ("docs/architecture.md", "under 2 GB of engine RSS",
+     "tests/service/test_tinker_memory.py::test_guess_number_sized_forward_backward_keeps_the_engine_under_2_gb"),
     ("docs/service.md", "8 ×", "bench/bench_remote.py"),
     ("docs/service.md", "for 8 s", "bench/bench_load.py"),
 ]  # fmt: skip

@@ -1,7 +1,7 @@
 """Torch engines: training, sampling, losses, weight sync, batch validation and the engine host."""
 
-from icefloe.engines.batch import shifted_token_logprobs, split_micro_batches, validate_batch
-from icefloe.engines.host import EngineHost, RoleWorker, SyncGate
+from icefloe.engines.batch import shifted_token_logprobs, validate_batch
+from icefloe.engines.host import EngineHost, Lane, SyncGate, Worker
 from icefloe.engines.losses import get_loss, register_loss, registered_losses
 from icefloe.engines.models import load_causal_lm, load_tokenizer, resolve_model
 from icefloe.engines.sampling import SamplingEngine, VLLMSamplingEngine, build_sampling_engine
@@ -10,11 +10,12 @@ from icefloe.engines.weight_sync import sync_weights_local
 
 __all__ = [
     "EngineHost",
-    "RoleWorker",
+    "Lane",
     "SamplingEngine",
     "SyncGate",
     "TrainingEngine",
     "VLLMSamplingEngine",
+    "Worker",
     "build_sampling_engine",
     "get_loss",
     "load_causal_lm",
@@ -24,7 +25,6 @@ __all__ = [
     "resolve_device",
     "resolve_model",
     "shifted_token_logprobs",
-    "split_micro_batches",
     "sync_weights_local",
     "validate_batch",
 ]

@@ -1,4 +1,4 @@
-"""The canonical training batch: validation, micro-batch splitting, shifted log-probs.
+"""The canonical training batch: validation and shifted log-probs.
 
 See ``docs/architecture.md`` for the frame. Validation runs on the CPU tensors as they arrive, so
 its checks never wait on an accelerator. Tensors: B rows, S positions, V vocabulary.
@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from icefloe.engines.losses import loss_requirements
 from icefloe.protocol import InvalidRequestError
@@ -21,7 +22,6 @@ __all__ = [
     "IGNORE_INDEX",
     "batch_rows",
     "shifted_token_logprobs",
-    "split_micro_batches",
     "validate_batch",
 ]
 
@@ -29,6 +29,8 @@ __all__ = [
 CONTEXT_ALIASES = {"old_log_probs_shifted": "old_logprobs", "ref_log_probs_shifted": "ref_logprobs"}
 _FLOAT_CONTEXT = ("advantages", "loss_mask", "old_logprobs", "ref_logprobs", "rollout_is_weights")
 IGNORE_INDEX = -100  # a label that trains nothing
+# Logit values per chunk of shifted_token_logprobs: 128 MiB of float32 per temporary.
+_CHUNK_VALUES = 1 << 25
 
 
 def validate_batch(
@@ -225,30 +227,6 @@ def batch_rows(batch: Mapping[str, Any]) -> int:
     return int(batch["kwargs"]["input_ids"].shape[0])
 
 
-def split_micro_batches(batch: Mapping[str, Any], micro_batch_tokens: int) -> list[dict[str, Any]]:
-    """Split a validated batch by rows so each part holds at most ``micro_batch_tokens`` padded tokens.
-
-    A part always holds at least one row; ``micro_batch_tokens=0`` returns the batch whole.
-    Parts are views (no copies); ``processing`` is shared.
-    """
-    rows, width = batch["kwargs"]["input_ids"].shape
-    rows_per_part = rows if micro_batch_tokens <= 0 else max(1, micro_batch_tokens // width)
-    if rows_per_part >= rows:
-        return [dict(batch)]
-    parts = []
-    for start in range(0, rows, rows_per_part):
-        rows_slice = slice(start, start + rows_per_part)
-        parts.append(
-            {
-                "args": (),
-                "kwargs": {name: t[rows_slice] for name, t in batch["kwargs"].items()},
-                "context": {name: t[rows_slice] for name, t in batch["context"].items()},
-                "processing": batch["processing"],
-            }
-        )
-    return parts
-
-
 def shifted_token_logprobs(
     logits_BSV: Tensor,
     input_ids_BS: Tensor,
@@ -262,18 +240,42 @@ def shifted_token_logprobs(
     Column ``i`` scores ``input_ids[:, i+1]`` under ``logits[:, i] / temperature``; the last column
     has no target and is 0 in both outputs. With ``targets_BS`` (explicit targets, the Tinker API's
     ``target_tokens``) column ``i`` scores ``targets_BS[:, i]`` instead, the last column included.
-    log_softmax runs once and the entropy reuses it. ``entropy_requires_grad=False`` computes the
-    entropy without building its backward graph.
+    ``entropy_requires_grad=False`` computes the entropy without building its backward graph.
+
+    Columns go in chunks of about ``_CHUNK_VALUES`` logits, so the float32 copy, log-softmax and
+    its exp exist for one chunk at a time; under autograd each chunk is recomputed in backward
+    instead of kept, so a pass holds nothing ``[S, V]``-sized beyond the logits and their gradient.
     """
     if targets_BS is None:
-        logits_BSV, targets_BS, pad = logits_BSV[:, :-1], input_ids_BS[:, 1:], 1
+        targets_BS, pad = input_ids_BS[:, 1:], 1
     else:
         pad = 0
-    logits_BSV = logits_BSV.float()
-    if temperature != 1.0:
-        logits_BSV = logits_BSV / temperature
-    logp_BSV = F.log_softmax(logits_BSV, dim=-1)
-    logprobs_BS = logp_BSV.gather(-1, targets_BS[..., None]).squeeze(-1)
-    with torch.set_grad_enabled(entropy_requires_grad and torch.is_grad_enabled()):
-        entropy_BS = -(logp_BSV.exp() * logp_BSV).sum(-1)
+    rows, width, vocab = logits_BSV.shape
+    scored = width - pad
+    step = max(1, _CHUNK_VALUES // max(rows * vocab, 1))
+    recompute = torch.is_grad_enabled() and logits_BSV.requires_grad
+    parts = []
+    # split(), not one slice per chunk: its backward joins the chunks' gradients once.
+    chunks = zip(logits_BSV[:, :scored].split(step, dim=1), targets_BS.split(step, dim=1), strict=True)
+    for logits_BCV, targets_BC in chunks:
+        args = (logits_BCV, targets_BC, temperature, entropy_requires_grad)
+        if recompute:
+            parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False, preserve_rng_state=False))
+        else:
+            parts.append(_chunk_logprobs(*args))
+    logprobs_BS = torch.cat([p[0] for p in parts], dim=1)
+    entropy_BS = torch.cat([p[1] for p in parts], dim=1)
     return F.pad(logprobs_BS, (0, pad)), F.pad(entropy_BS, (0, pad))
+
+
+def _chunk_logprobs(
+    logits_BCV: Tensor, targets_BC: Tensor, temperature: float, entropy_requires_grad: bool
+) -> tuple[Tensor, Tensor]:
+    logits_BCV = logits_BCV.float()
+    if temperature != 1.0:
+        logits_BCV = logits_BCV / temperature
+    logp_BCV = F.log_softmax(logits_BCV, dim=-1)
+    logprobs_BC = logp_BCV.gather(-1, targets_BC[..., None]).squeeze(-1)
+    with torch.set_grad_enabled(entropy_requires_grad and torch.is_grad_enabled()):
+        entropy_BC = -(logp_BCV.exp() * logp_BCV).sum(-1)
+    return logprobs_BC, entropy_BC

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from icefloe.config import ClientConfig
+from icefloe.engines.micro_batches import MicroBatch, Spans, row_spans
 from icefloe.engines.training import (
     TrainingEngine,
     describe_checkpoint,
@@ -139,8 +140,9 @@ class DataParallelTrainingEngine(TrainingEngine):
     Replicated mode (default): every rank holds the whole model and ``step`` sums the gradients
     with one all-reduce per bucket before clipping, so clipping and the AdamW update see the global
     gradient on every rank. FSDP mode (``fsdp=True``): parameters are sharded with FSDP2
-    ``fully_shard`` and the reduce-scatter sums (divide factor 1); every rank must then run the same
-    number of forward passes, so ``training.micro_batch_tokens`` must be 0. Checkpoints are the
+    ``fully_shard`` and the reduce-scatter sums (divide factor 1). Every rank runs the same number of
+    forward passes (sharded ranks gather and reduce together in each): ranks agree on the most any
+    of them plans and the others add idle passes. Checkpoints are the
     files one unsharded engine writes and reads, so they move freely between both modes.
 
     The process group must be initialised before construction; other arguments are TrainingEngine's.
@@ -151,11 +153,6 @@ class DataParallelTrainingEngine(TrainingEngine):
     ) -> None:
         if not dist.is_initialized():
             raise ConfigError("DataParallelTrainingEngine needs torch.distributed initialised first")
-        if fsdp and config.training.micro_batch_tokens:
-            raise ConfigError(
-                "backend.fsdp=true needs training.micro_batch_tokens=0: sharded ranks must run the same number of "
-                "forward passes; set micro_batch_tokens to 0 or turn fsdp off"
-            )
         super().__init__(config, **engine)
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
@@ -188,6 +185,23 @@ class DataParallelTrainingEngine(TrainingEngine):
         dist.all_reduce(loss, op=dist.ReduceOp.SUM)  # as combine_fwd_bwd adds the ranks' losses
         self._last_loss = float(loss.item())
         return result
+
+    def _plan(self, frame: Mapping[str, Any]) -> tuple[Spans, list[MicroBatch]]:
+        """This rank's passes, under FSDP padded with idle ones to the most any rank plans; if any rank refuses its
+        shard (a row over the budget), every rank raises, so none is left waiting in a collective."""
+        refusal: InvalidRequestError | None = None
+        try:
+            spans, passes = super()._plan(frame)
+        except InvalidRequestError as exc:
+            refusal, spans, passes = exc, row_spans(frame), []
+        agreed = torch.tensor([len(passes), refusal is not None], dtype=torch.int64, device=self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        if refusal is not None:
+            raise refusal
+        if agreed[1]:
+            raise InvalidRequestError("another data-parallel rank refused its share of the batch; see its error")
+        idle = int(agreed[0]) - len(passes) if self.fsdp else 0  # replicated ranks only meet in step()
+        return spans, passes + [MicroBatch((), 1)] * idle
 
     def step(self, learning_rate: float | None = None, adam: Mapping[str, float] | None = None) -> dict[str, Any]:
         """Sum the gradients over ranks, then clip and update exactly as one engine would."""

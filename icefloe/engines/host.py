@@ -1,15 +1,17 @@
-"""The one engine host: roles -> ordered workers -> weight-sync gate, and the op table.
+"""The one engine host: lanes -> workers -> weight-sync gate, and the op table.
 
-Every op for a role (an engine, or a service sub-job) runs on that role's :class:`RoleWorker`,
-one thread with a FIFO queue, so an engine is only ever touched by one thread and requests to it
-run strictly in the order they were handed in. Generate calls that sit next to each other in a
-sampler's queue run as one engine batch. A weight copy from a trainer to its samplers goes
-through a :class:`SyncGate`: it runs after all work queued earlier on every role it touches and
-before any work queued later.
+Every op for a role (an engine, or a service sub-job) runs on that role's :class:`Lane`, an
+ordered queue: requests to it run strictly in the order they were handed in. A :class:`Worker` is
+the one thread that runs the lanes of one engine (or of one shared base model and every run on
+it), so an engine is only ever touched by one thread. Lanes take turns, so no run waits behind
+another's long queue, and batchable work queued at the same time in several lanes (generates)
+runs as one engine batch. A weight copy from a trainer to its samplers goes through a
+:class:`SyncGate`: it runs after all work queued earlier on every lane it touches and before any
+work queued later.
 
-The service keeps one worker per sub-job and a gate per weight-sync. :class:`EngineHost` maps
-roles to workers and adds the op table, for the transports whose roles are engine objects with the
-engine method names (``local``: torch engines; ``ray``: actor groups).
+The service keeps one lane per sub-job on its model host's workers and a gate per weight-sync.
+:class:`EngineHost` maps roles to lanes and adds the op table, for the transports whose roles are
+engine objects with the engine method names (``local``: torch engines; ``ray``: actor groups).
 """
 
 from __future__ import annotations
@@ -28,33 +30,67 @@ from typing import Any
 from icefloe import protocol
 from icefloe.protocol import ClientClosedError, InvalidRequestError, NotFoundError, Request
 
-__all__ = ["ENGINE_CALLS", "EngineHost", "RoleWorker", "SyncGate"]
+__all__ = ["ENGINE_CALLS", "EngineHost", "Lane", "SyncGate", "Worker"]
+
+_BLOCKED_TICK_S = 0.05  # how often a worker re-checks work held by a gate whose state another thread changes
 
 
 @dataclass
 class _Job:
     future: Future
-    fn: Callable[..., Any] | None = None
+    fn: Callable[..., Any] | None = None  # None: a marker that only holds its place
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
     key: Hashable | None = None  # set: a batchable item
     item: Any = None
     run_batch: Callable[[list[Any]], Sequence[Any]] | None = None
+    ready: Callable[[], bool] | None = None  # None: runnable once at the head of its lane
 
 
-class RoleWorker:
-    """A daemon thread that runs its queue strictly in submission order.
+class Lane:
+    """One ordered queue of a :class:`Worker`: its items run strictly in submission order."""
+
+    def __init__(self, worker: Worker, name: str) -> None:
+        self.worker = worker
+        self.name = name
+        self.queue: deque[_Job] = deque()
+        self.busy = False  # an item of this lane is running
+        self.closed = False
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        """Queue ``fn(*args, **kwargs)``; its result or exception lands on the returned future."""
+        return self.worker._put(self, _Job(Future(), fn=fn, args=args, kwargs=kwargs))
+
+    def submit_when(self, ready: Callable[[], bool], fn: Callable[..., Any], /, *args: Any) -> Future:
+        """Queue ``fn(*args)``, to start only once ``ready()`` holds when it heads the lane (other
+        lanes run meanwhile); ``ready`` is polled under the worker's lock: keep it a quick read."""
+        return self.worker._put(self, _Job(Future(), fn=fn, args=args, ready=ready))
+
+    def submit_batchable(self, key: Hashable, item: Any, run_batch: Callable[[list[Any]], Sequence[Any]]) -> Future:
+        """Queue ``item``; items with the same ``key`` queued right behind it, or heading other lanes of
+        the worker, run in one ``run_batch(items)`` call, which returns one result per item, in order.
+        The key must name what ``run_batch`` does: any item's ``run_batch`` may run the whole batch."""
+        return self.worker._put(self, _Job(Future(), key=key, item=item, run_batch=run_batch))
+
+    def close(self) -> None:
+        """Refuse new work and wait until what is queued has run. Idempotent."""
+        self.worker._close_lane(self)
+
+
+class Worker:
+    """A daemon thread that runs the items of its lanes, each lane strictly in submission order.
 
     Args:
         name: names the thread (``icefloe-<name>``) and appears in errors.
-        linger_s: how long a batchable item waits for same-key company when nothing is queued
-            behind it; 0 = never wait.
+        linger_s: how long a batchable item waits for same-key company when nothing else is
+            queued; 0 = never wait.
     """
 
     def __init__(self, name: str, *, linger_s: float = 0.002) -> None:
         self.name = name
         self.linger_s = linger_s
-        self._queue: deque[_Job] = deque()
+        self._lanes: list[Lane] = []
+        self._turn = 0  # where the next search for ready work starts: lanes take turns
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"icefloe-{name}", daemon=True)
@@ -64,64 +100,116 @@ class RoleWorker:
     def closed(self) -> bool:
         return self._closed
 
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
-        """Queue ``fn(*args, **kwargs)``; its result or exception lands on the returned future."""
-        return self._put(_Job(Future(), fn=fn, args=args, kwargs=kwargs))
-
-    def submit_batchable(self, key: Hashable, item: Any, run_batch: Callable[[list[Any]], Sequence[Any]]) -> Future:
-        """Queue ``item``; adjacent queued items with the same ``key`` run in one ``run_batch(items)``
-        call, which must return one result per item, in order."""
-        return self._put(_Job(Future(), key=key, item=item, run_batch=run_batch))
+    def lane(self, name: str) -> Lane:
+        """A new lane of this worker."""
+        with self._cond:
+            if self._closed:
+                raise ClientClosedError(f"worker {self.name!r} is closed; no new work is accepted")
+            lane = Lane(self, name)
+            self._lanes.append(lane)
+            return lane
 
     def close(self) -> None:
-        """Refuse new work, finish what is queued, stop the thread. Idempotent."""
+        """Refuse new work, finish what is queued on every lane, stop the thread. Idempotent."""
         with self._cond:
             self._closed = True
+            for lane in self._lanes:
+                lane.closed = True
             self._cond.notify_all()
         if threading.current_thread() is not self._thread:
             self._thread.join()
 
-    def _put(self, job: _Job) -> Future:
+    def poke(self) -> None:
+        """Re-check held work now (a gate it waits on changed)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def _put(self, lane: Lane, job: _Job) -> Future:
         with self._cond:
             if self._closed:
                 raise ClientClosedError(f"worker {self.name!r} is closed; no new work is accepted")
-            self._queue.append(job)
+            if lane.closed:
+                raise ClientClosedError(f"lane {lane.name!r} is closed; no new work is accepted")
+            lane.queue.append(job)
             self._cond.notify_all()
         return job.future
+
+    def _close_lane(self, lane: Lane) -> None:
+        with self._cond:
+            lane.closed = True
+            self._cond.notify_all()
+            if threading.current_thread() is self._thread:
+                return
+            while lane.queue or lane.busy:
+                if not self._thread.is_alive():
+                    return
+                self._cond.wait(_BLOCKED_TICK_S)
+            if lane in self._lanes:
+                self._lanes.remove(lane)
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
-                    return  # closed and drained
-                job = self._queue.popleft()
-            if job.run_batch is None:
-                _run_one(job)
-            else:
-                _run_batch([job, *self._same_key_followers(job.key)])
+                while (taken := self._take()) is None:
+                    if self._closed and not any(lane.queue for lane in self._lanes):
+                        return  # closed and drained
+                    held = any(lane.queue for lane in self._lanes)  # only work held by a gate is left
+                    self._cond.wait(_BLOCKED_TICK_S if held else None)
+                jobs = taken
+            try:
+                if jobs[0].run_batch is None:
+                    _run_one(jobs[0])
+                else:
+                    _run_batch(jobs)
+            finally:
+                with self._cond:
+                    for lane in self._lanes:
+                        lane.busy = False
+                    self._cond.notify_all()
 
-    def _same_key_followers(self, key: Hashable) -> list[_Job]:
-        """Take the queued items right behind the head that share its key (after a short linger)."""
-        followers: list[_Job] = []
+    def _take(self) -> list[_Job] | None:
+        """The next ready item, taking turns over the lanes (with its batch company); None: none ready.
+        Called under the lock."""
+        lanes = self._lanes
+        for offset in range(len(lanes)):
+            lane = lanes[(self._turn + offset) % len(lanes)]
+            if not lane.queue or not _is_ready(lane.queue[0]):
+                continue
+            self._turn = (self._turn + offset + 1) % len(lanes)
+            head = lane.queue.popleft()
+            lane.busy = True
+            if head.run_batch is None:
+                return [head]
+            return [head, *self._company(lane, head.key)]
+        return None
+
+    def _company(self, first: Lane, key: Hashable) -> list[_Job]:
+        """Items with ``key`` right behind the head of ``first`` and heading the other lanes (after a
+        short linger when nothing else is queued). Called under the lock."""
+        company: list[_Job] = []
         deadline = time.monotonic() + self.linger_s
-        with self._cond:
-            while True:
-                while self._queue and self._queue[0].run_batch is not None and self._queue[0].key == key:
-                    followers.append(self._queue.popleft())
-                remaining = deadline - time.monotonic()
-                if self._queue or self._closed or remaining <= 0:
-                    return followers
-                self._cond.wait(remaining)
+        while True:
+            for lane in [first, *(other for other in self._lanes if other is not first)]:
+                while lane.queue and lane.queue[0].key == key and lane.queue[0].run_batch is not None:
+                    if not _is_ready(lane.queue[0]):
+                        break
+                    company.append(lane.queue.popleft())
+                    lane.busy = True
+            remaining = deadline - time.monotonic()
+            if any(lane.queue for lane in self._lanes) or self._closed or remaining <= 0:
+                return company
+            self._cond.wait(remaining)
+
+
+def _is_ready(job: _Job) -> bool:
+    return job.ready is None or job.ready()
 
 
 def _run_one(job: _Job) -> None:
     if not job.future.set_running_or_notify_cancel():
         return
-    assert job.fn is not None
     try:
-        result = job.fn(*job.args, **job.kwargs)
+        result = job.fn(*job.args, **job.kwargs) if job.fn is not None else None
     except BaseException as exc:
         job.future.set_exception(exc)
     else:
@@ -146,11 +234,12 @@ def _run_batch(jobs: list[_Job]) -> None:
 
 
 class SyncGate:
-    """Lines a source worker up with its target workers for one copy between engines.
+    """Lines a copy from a source lane up with its target lanes.
 
-    :meth:`park` runs on every target worker and :meth:`run` on the source worker: the copy then
-    happens after all work queued earlier on every worker and before any work queued later, and
-    no target runs anything while the copy reads or writes its engine.
+    The copy runs after all work queued earlier on the source and every target and before any work
+    queued later, and no target runs anything while the copy reads or writes its engine. A target
+    on another worker parks that worker's thread (:meth:`park`); a target on the source's own
+    worker holds its lane with a marker, and the copy starts once every marker heads its lane.
 
     Args:
         num_targets: how many ``park`` calls ``run`` waits for.
@@ -159,7 +248,7 @@ class SyncGate:
     """
 
     def __init__(
-        self, num_targets: int, *, abandoned: Callable[[], str | None] = lambda: None, tick_s: float = 0.05
+        self, num_targets: int, *, abandoned: Callable[[], str | None] = lambda: None, tick_s: float = _BLOCKED_TICK_S
     ) -> None:
         self._num_targets = num_targets
         self._abandoned = abandoned
@@ -167,6 +256,8 @@ class SyncGate:
         self._num_parked = 0
         self._cond = threading.Condition()
         self._released = threading.Event()
+        self._source: Lane | None = None
+        self._markers: list[tuple[Lane, _Job]] = []
 
     def park(self) -> None:
         """Runs on a target worker: hold it until the copy is done (or abandoned)."""
@@ -186,21 +277,44 @@ class SyncGate:
                     reason = self._abandoned()
                     if reason:
                         raise ClientClosedError(f"weight sync abandoned: {reason}")
+            reason = self._abandoned()
+            if reason:
+                raise ClientClosedError(f"weight sync abandoned: {reason}")
             return copy()
         finally:
-            self._released.set()
+            self.release()
 
     def release(self) -> None:
-        """Free parked targets without copying (the copy could not be queued)."""
+        """Free the targets without copying (the copy could not be queued), or after it."""
         self._released.set()
+        if self._source is not None:
+            self._source.worker.poke()
+
+    def submit(self, copy: Callable[[], Any]) -> Future:
+        """Queue ``self.run(copy)`` on the source lane given to :meth:`parked` (see there)."""
+        assert self._source is not None, "use SyncGate.parked(..., source=lane)"
+        return self._source.submit_when(self.may_start, self.run, copy)
+
+    def may_start(self) -> bool:
+        """Every target on the source's worker holds its place at the head of its lane (or the job stopped)."""
+        return all(lane.queue and lane.queue[0] is marker for lane, marker in self._markers) or bool(self._abandoned())
 
     @classmethod
-    def parked(cls, targets: Sequence[RoleWorker], *, abandoned: Callable[[], str | None] = lambda: None) -> SyncGate:
-        """A gate with :meth:`park` queued on every target; queue ``gate.run(copy)`` on the source
-        next, or call ``gate.release()`` if that fails."""
-        gate = cls(len(targets), abandoned=abandoned)
-        for target in targets:
-            target.submit(gate.park)
+    def parked(
+        cls, targets: Sequence[Lane], *, source: Lane, abandoned: Callable[[], str | None] = lambda: None
+    ) -> SyncGate:
+        """A gate whose targets are held in place; queue the copy next with ``gate.submit(copy)``, or
+        call ``gate.release()`` if that fails."""
+        others = [lane for lane in targets if lane.worker is not source.worker]
+        gate = cls(len(others), abandoned=abandoned)
+        gate._source = source
+        for lane in others:
+            lane.submit(gate.park)
+        for lane in targets:
+            if lane.worker is source.worker:
+                marker = _Job(Future(), ready=lambda: gate._released.is_set() or bool(gate._abandoned()))
+                lane.worker._put(lane, marker)
+                gate._markers.append((lane, marker))
         return gate
 
 
@@ -259,7 +373,9 @@ class EngineHost:
     ) -> None:
         self.engines = {role: engine for role, engine in engines.items() if engine is not None}
         self.checkpoint_root = Path(checkpoint_root)
-        self.workers = {role: RoleWorker(role) for role in self.engines}
+        # A worker per engine, so training and sampling run side by side; one lane each.
+        self._threads = {role: Worker(role) for role in self.engines}
+        self.workers = {role: worker.lane(role) for role, worker in self._threads.items()}
         self._sync_weights = sync_weights or self._sync_in_memory
         self._abandoned = abandoned
         self._lora_reference = lora_reference
@@ -273,7 +389,7 @@ class EngineHost:
 
     def close(self) -> None:
         """Finish queued work and stop the workers. Idempotent."""
-        for worker in self.workers.values():
+        for worker in self._threads.values():
             worker.close()
 
     def _route(self, op: str, target: str, body: dict[str, Any]) -> Future:
@@ -332,9 +448,9 @@ class EngineHost:
         from icefloe.engines.weight_sync import sync_weights_local
 
         training, sampling = self.engines["training"], self.engines["sampling"]
-        gate = SyncGate.parked([self.workers["sampling"]], abandoned=self._abandoned)
+        gate = SyncGate.parked([self.workers["sampling"]], source=self.workers["training"], abandoned=self._abandoned)
         weight_format = body.get("weight_format")
-        return self.workers["training"].submit(gate.run, lambda: sync_weights_local(training, sampling, weight_format))
+        return gate.submit(lambda: sync_weights_local(training, sampling, weight_format))
 
     # --- checkpoints: folders under checkpoint_root ------------------------------------------------
     def _folder(self, checkpoint_id: str) -> Path:

@@ -26,8 +26,9 @@ from icefloe.protocol import InvalidRequestError
 
 __all__ = [
     "ADAPTER_WEIGHTS_FILE",
+    "BASE_ADAPTER",
     "WEIGHT_FORMATS",
-    "add_adapters",
+    "SharedBase",
     "check_weight_format",
     "merged_copy",
     "peft_config",
@@ -57,24 +58,148 @@ def peft_config(lora: LoraConfig, *, target_modules: list[str] | None = None) ->
     )
 
 
-def add_adapters(model: torch.nn.Module, lora: LoraConfig) -> Any:
-    """Wrap ``model`` in a ``peft.PeftModel`` with fresh adapters; only they (and the chosen biases) train.
+BASE_ADAPTER = "__base__"  # peft's name, in a mixed batch, for rows that run the base model alone
 
-    The adapters start as an exact no-op (``lora_B`` is zero), so a fresh wrapped model scores
-    tokens exactly as the base does. Initialisation draws from torch's default generator.
+
+class SharedBase:
+    """One base model in memory and the LoRA adapters of every run on it (peft's multi-adapter model).
+
+    A run trains an adapter of its own (its own rank, scale and layers) and nothing else; a sampler
+    samples with a frozen snapshot adapter that each weight sync refreshes. One forward may mix rows
+    of several adapters (:meth:`forward` takes one adapter name per row; ``BASE_ADAPTER`` rows run
+    the base alone, the KL reference). peft runs such mixed batches in eval mode only, so a base
+    shared by several adapters must have no dropout (:func:`shareable`); a base with one adapter
+    trains as a plain peft model, dropout included.
+
+    Args:
+        base: the Hugging Face model; adapters are injected into it in place.
+        model_dir: the folder it was loaded from; tokenizer: its tokenizer (the runs share both).
     """
-    import peft
 
-    try:
-        with warnings.catch_warnings():
-            # peft reads a transformers attribute that transformers 5 deprecated; nothing for a caller to fix.
-            warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-            return peft.get_peft_model(model, peft_config(lora))
-    except ValueError as exc:  # peft names the modules it could not find
-        raise InvalidRequestError(
-            f"lora.target_modules={lora.target_modules!r} does not fit the model: {exc}; name Linear modules "
-            "of the model (e.g. ['q_proj', 'v_proj']) or use 'all-linear'"
-        ) from None
+    def __init__(self, base: torch.nn.Module, *, model_dir: Path, tokenizer: Any) -> None:
+        self.base = base
+        self.model_dir = Path(model_dir)
+        self.tokenizer = tokenizer
+        self.device = next(base.parameters()).device
+        self._kinds = _linear_kinds(base)  # before peft wraps it: its own layers are Linear too
+        self.model: Any = base  # the peft model once an adapter exists
+        self._configs: dict[str, LoraConfig] = {}
+        self._trainable: set[str] = set()
+        self._count = 0
+
+    @property
+    def mixed(self) -> bool:
+        """More than one adapter: batches name an adapter per row (and run in eval mode)."""
+        return len(self._configs) > 1
+
+    @property
+    def adapters(self) -> list[str]:
+        return list(self._configs)
+
+    def add(self, lora: LoraConfig, *, trainable: bool, seed: int, name: str | None = None) -> str:
+        """Add a fresh adapter (an exact no-op until trained: ``lora_B`` starts at zero); returns its name.
+
+        The initialisation draws from a generator seeded with ``seed`` alone, so a run's adapter
+        starts the same whatever else shares the base.
+        """
+        import peft
+
+        if name is None:
+            self._count += 1
+            name = _ADAPTER_NAME if self._count == 1 else f"run{self._count}"
+        config = peft_config(lora, target_modules=_target_modules(self._kinds, lora))
+        try:
+            with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+                torch.manual_seed(seed)
+                # peft reads a transformers attribute that transformers 5 deprecated; nothing for a caller to fix.
+                warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+                if not self._configs:
+                    self.model = peft.get_peft_model(self.base, config, adapter_name=name)
+                else:
+                    self.model.add_adapter(name, config)
+        except ValueError as exc:  # peft names the modules it could not find
+            raise InvalidRequestError(
+                f"lora.target_modules={lora.target_modules!r} does not fit the model: {exc}; name Linear modules "
+                "of the model (e.g. ['q_proj', 'v_proj']) or use 'all-linear'"
+            ) from None
+        self._configs[name] = lora
+        if trainable:
+            self._trainable.add(name)
+        self._mark_trainable()
+        return name
+
+    def remove(self, name: str) -> None:
+        """Drop an adapter and its tensors; the last one leaves the plain base model."""
+        if self._configs.pop(name, None) is None:
+            return
+        self._trainable.discard(name)
+        if self._configs:
+            with warnings.catch_warnings():  # peft says which adapter it makes active: none is, batches name theirs
+                warnings.filterwarnings("ignore", "Adapter .* was active which is now deleted", UserWarning)
+                self.model.delete_adapter(name)
+            self._mark_trainable()
+        else:
+            self.model = self.model.unload()
+
+    def parameters(self, name: str) -> dict[str, torch.nn.Parameter]:
+        """The adapter's parameters (and, with ``bias`` set, the biases it trains), by PEFT file name."""
+        marker = f".{name}."
+        lora = self._configs[name]
+        found = {}
+        for full, param in self.model.named_parameters():
+            if marker in full or (lora.bias != "none" and full.endswith(".bias") and param.requires_grad):
+                found[peft_key(full, name)] = param
+        return found
+
+    def forward(self, adapters: list[str] | str, **kwargs: Any) -> Any:
+        """The model's forward with each row through its adapter (``adapters``: one name, or one per row).
+
+        Rows that all use the only adapter there is run as a plain peft model, in whatever mode
+        :meth:`train` set; anything else names an adapter per row, which peft runs in eval mode.
+        """
+        rows = kwargs["input_ids"].shape[0]
+        names = [adapters] * rows if isinstance(adapters, str) else list(adapters)
+        if not self.mixed and len(set(names)) == 1:
+            if names[0] == BASE_ADAPTER and self._configs:
+                with self.model.disable_adapter():
+                    return self.model(**kwargs)
+            return self.model(**kwargs)
+        if self.model.training:
+            self.model.train(False)
+        return self.model(**kwargs, adapter_names=names)
+
+    def train(self, mode: bool) -> None:
+        """Train mode only where peft allows it: never while batches mix adapters."""
+        mode = mode and not self.mixed
+        if self.model.training != mode:
+            self.model.train(mode)
+
+    def _mark_trainable(self) -> None:
+        # peft re-marks only its active adapter trainable whenever one is added or deleted.
+        for full, param in self.model.named_parameters():
+            if ".lora_" in full:
+                param.requires_grad_(any(f".{name}." in full for name in self._trainable))
+
+
+def _target_modules(kinds: dict[str, str], lora: LoraConfig) -> list[str] | str:
+    """What peft adapts: the given module names, ``"all-linear"``, or, by full name, the Linear
+    modules of the layer kinds ``lora.layers`` picks (``kinds``: see :func:`_linear_kinds`)."""
+    if not isinstance(lora.target_modules, str) or lora.layers == (True, True, False):
+        return lora.target_modules
+    wanted = {kind for kind, on in zip(("attn", "mlp", "unembed"), lora.layers, strict=True) if on}
+    return [name for name, kind in kinds.items() if kind in wanted]
+
+
+def _linear_kinds(model: torch.nn.Module) -> dict[str, str]:
+    """Each Linear module of a plain (unwrapped) model: ``attn``, ``mlp`` (any other block) or ``unembed``."""
+    head = model.get_output_embeddings()
+    attention = [name for name, module in model.named_modules() if "attention" in type(module).__name__.lower()]
+    kinds = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            inside_attention = any(name.startswith(f"{block}.") for block in attention)
+            kinds[name] = "unembed" if module is head else "attn" if inside_attention else "mlp"
+    return kinds
 
 
 def trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
@@ -82,8 +207,9 @@ def trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Par
     return [(name, param) for name, param in model.named_parameters() if param.requires_grad]
 
 
-def merged_copy(model: Any) -> torch.nn.Module:
-    """A plain Hugging Face model with the adapters of peft model ``model`` merged in; ``model`` is untouched.
+def merged_copy(model: Any, adapter: str = _ADAPTER_NAME) -> torch.nn.Module:
+    """A plain Hugging Face model with adapter ``adapter`` of peft model ``model`` merged in;
+    ``model`` is untouched.
 
     An adapted output layer that shares its weight with the input embeddings is untied first:
     merging into the shared tensor would change the embeddings too.
@@ -94,7 +220,7 @@ def merged_copy(model: Any) -> torch.nn.Module:
     if getattr(base.config, "tie_word_embeddings", False) and head is not None and hasattr(head, "base_layer"):
         head.base_layer.weight = torch.nn.Parameter(head.base_layer.weight.detach().clone(), requires_grad=False)
         base.config.tie_word_embeddings = False
-    return clone.merge_and_unload()
+    return clone.merge_and_unload(adapter_names=[adapter])
 
 
 def check_weight_format(weight_format: str | None, trainer: LoraConfig | None, sampler: LoraConfig | None) -> str:
@@ -134,9 +260,9 @@ def check_weight_format(weight_format: str | None, trainer: LoraConfig | None, s
     return weight_format
 
 
-def peft_key(name: str) -> str:
+def peft_key(name: str, adapter: str = _ADAPTER_NAME) -> str:
     """A parameter's name as PEFT files spell it: without the adapter's name."""
-    return name.replace(f".{_ADAPTER_NAME}.", ".")
+    return name.replace(f".{adapter}.", ".")
 
 
 def write_adapter_folder(path: Path, lora: LoraConfig, named: Iterable[tuple[str, Tensor]]) -> Path:

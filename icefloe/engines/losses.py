@@ -418,6 +418,7 @@ def gspo_loss(
     advantage per row this is the sequence-level objective. Per token -min(s·A, clip(s, low,
     high)·A); ``clip_low_threshold`` / ``clip_high_threshold`` default to 1 - 3e-4 / 1 + 4e-4, the
     ranges GSPO was published with. Normaliser: see :func:`aggregate` (default token-sum).
+    ``clip_ratio`` is the share of scored tokens in rows whose ratio was clipped.
     """
     mask_BS, advantages_BS = context["loss_mask"], context["advantages"]
     old_BS = _context(context, "old_logprobs", "old_log_probs_shifted")
@@ -432,4 +433,5 @@ def gspo_loss(
     high = float(_option(config, "clip_high_threshold", 1.0 + 4e-4))
     loss = _tinker_aggregate(_clipped_surrogate(ratio_BS, advantages_BS, low, high), context, config)
     clipped_B = ((sequence_ratio_B < low) | (sequence_ratio_B > high)).float()
-    return loss, {"loss": loss.detach(), "clip_ratio": clipped_B.mean()}
+    # Token-weighted like every metric, so micro-batches and data-parallel ranks combine it exactly.
+    return loss, {"loss": loss.detach(), "clip_ratio": _masked_mean(clipped_B[:, None].expand_as(mask_BS), mask_BS)}

@@ -15,6 +15,7 @@ Tensors: B rows, P prompt positions, V vocabulary, T generated tokens.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import shutil
@@ -30,17 +31,18 @@ from torch import Tensor
 
 from icefloe.config import ClientConfig
 from icefloe.engines.lora import (
-    add_adapters,
+    BASE_ADAPTER,
+    SharedBase,
     peft_key,
     read_adapter_checkpoint,
-    trainable_parameters,
     write_adapter_folder,
 )
+from icefloe.engines.micro_batches import default_token_budget, sampling_bytes_per_token
 from icefloe.engines.models import context_limit, load_causal_lm, load_tokenizer, resolve_model
 from icefloe.engines.training import resolve_device
 from icefloe.protocol import InvalidRequestError, SamplingParams
 
-__all__ = ["SamplingEngine", "VLLMSamplingEngine", "build_sampling_engine"]
+__all__ = ["SamplingEngine", "VLLMSamplingEngine", "build_sampling_engine", "generate_together"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Odd 64-bit constant for mixing (seed, sample index) into one generator seed.
@@ -55,6 +57,7 @@ class _Row:
     params: SamplingParams
     seed: int
     max_new: int
+    adapter: str = BASE_ADAPTER  # the adapter the row samples with, on a shared base
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
@@ -68,22 +71,42 @@ class SamplingEngine:
         config: the client config; ``model``, ``seed``, ``max_seq_len`` and ``sampling`` are read.
         device: ``"cpu"``, ``"cuda"`` or ``"auto"``.
         model_dir: load this Hugging Face directory instead of resolving ``config.model``.
+        shared: sample on this base, which other runs share (a model host's): with LoRA through a
+            snapshot adapter of its own that weight syncs fill, else the base itself.
     """
 
-    def __init__(self, config: ClientConfig, *, device: str | torch.device = "cpu", model_dir: Path | None = None):
+    def __init__(
+        self,
+        config: ClientConfig,
+        *,
+        device: str | torch.device = "cpu",
+        model_dir: Path | None = None,
+        shared: SharedBase | None = None,
+    ):
         self.config = config
-        self.device = resolve_device(device)
-        self.model_dir = Path(model_dir) if model_dir is not None else resolve_model(config.model, seed=config.seed)
-        self.tokenizer = load_tokenizer(self.model_dir)
-        dtype = _DTYPES[config.dtype] if self.device.type == "cuda" else torch.float32
-        base = load_causal_lm(self.model_dir, dtype=dtype, device=self.device)
         self.lora = config.lora
-        with torch.random.fork_rng(devices=[]):  # the adapters' (overwritten) init leaves the process RNG alone
-            self.model = base if self.lora is None else add_adapters(base, self.lora)
-        # What a weight sync may write (every parameter, or with LoRA only the adapters), by PEFT file name.
-        named = self.model.named_parameters() if self.lora is None else trainable_parameters(self.model)
-        self._params = {peft_key(name): param for name, param in named}
-        self.model.requires_grad_(False)
+        if shared is not None:
+            self.device, self.model_dir, self.tokenizer = shared.device, shared.model_dir, shared.tokenizer
+            base = shared.base
+        else:
+            self.device = resolve_device(device)
+            self.model_dir = Path(model_dir) if model_dir is not None else resolve_model(config.model, seed=config.seed)
+            self.tokenizer = load_tokenizer(self.model_dir)
+            dtype = _DTYPES[config.dtype] if self.device.type == "cuda" else torch.float32
+            base = load_causal_lm(self.model_dir, dtype=dtype, device=self.device).requires_grad_(False)
+            if self.lora is not None:
+                shared = SharedBase(base, model_dir=self.model_dir, tokenizer=self.tokenizer)
+        self.shared = shared
+        self.adapter = BASE_ADAPTER
+        if shared is not None and self.lora is not None:  # frozen: only weight syncs write it
+            self.adapter = shared.add(self.lora, trainable=False, seed=config.seed)
+        self.model = base if shared is None else shared.model
+        # What a weight sync may write (every parameter, or with LoRA only the adapter), by PEFT file name.
+        if self.lora is not None:
+            assert shared is not None
+            self._params = shared.parameters(self.adapter)
+        else:
+            self._params = {} if shared is not None else dict(base.named_parameters())
         # transformers renamed the forward's KV-cache argument from past_key_values to cache.
         forward_args = inspect.signature(base.forward).parameters
         self._cache_arg = "cache" if "cache" in forward_args else "past_key_values"
@@ -112,6 +135,12 @@ class SamplingEngine:
             InvalidRequestError: a prompt is empty, holds an unknown id, or leaves no room below
                 ``max_seq_len``; the message names the prompt index.
         """
+        return generate_together([(self, prompts, params)])[0]
+
+    def _plan(
+        self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[_Row]:
+        """The rows a generate call decodes, checked before any work."""
         if self._asleep:
             raise InvalidRequestError("the sampling engine is asleep; call wake() (wake_inference) first")
         per_prompt = self._params_per_prompt(prompts, params)
@@ -124,11 +153,11 @@ class SamplingEngine:
                     f"prompts[{index}] ({len(ids)} tokens) + max_tokens ({wanted.max_tokens}) exceeds {named}; "
                     f"set max_tokens to at most {limit - len(ids)}"
                 )
-            rows += [_Row(ids, wanted, seed, wanted.max_tokens) for seed in self._row_seeds(wanted)]
-        version = self.policy_version
-        limit = self.config.sampling.max_batch_size
-        for start in range(0, len(rows), limit):
-            self._decode(rows[start : start + limit])
+            rows += [_Row(ids, wanted, seed, wanted.max_tokens, self.adapter) for seed in self._row_seeds(wanted)]
+        return rows
+
+    def _finish(self, rows: list[_Row], version: int) -> list[dict[str, Any]]:
+        """The results of decoded rows, with the prompt log-probs their params ask for."""
         results = [self._result(row, version) for row in rows]
         scored: dict[tuple[tuple[int, ...], int], tuple[list[float | None], list[Any]]] = {}
         for row, result in zip(rows, results, strict=True):
@@ -144,12 +173,25 @@ class SamplingEngine:
                     result["topk_prompt_logprobs"] = topk
         return results
 
+    @functools.cached_property
+    def token_budget(self) -> int:
+        """Positions one decode batch may hold: ``sampling.max_batch_tokens``, or when unset a share of
+        the device's free memory over the model's KV-cache and prefill bytes per position (see
+        :func:`default_token_budget`), at least ``max_seq_len``."""
+        if self.config.sampling.max_batch_tokens is not None:
+            return self.config.sampling.max_batch_tokens
+        dtype_bytes = torch.finfo(next(self.model.parameters()).dtype).bits // 8
+        per_token = sampling_bytes_per_token(
+            self.model.config, dtype_bytes=dtype_bytes, max_seq_len=self.config.max_seq_len
+        )
+        return default_token_budget(per_token, self.device, floor=self.config.max_seq_len, capped=False)
+
     @torch.no_grad()
     def _prompt_logprobs(self, ids: list[int], k: int) -> tuple[list[float | None], list[Any]]:
         """log π(prompt[i] | prompt[:i]) for every position, and (k > 0) the k likeliest
         ``[token, logprob]`` pairs there, likeliest first; position 0 has no context (None)."""
         input_1P = torch.tensor([ids], device=self.device)
-        logits_PV = self.model(input_ids=input_1P, use_cache=False).logits[0, :-1].float()
+        logits_PV = self._forward(self.adapter, input_ids=input_1P, use_cache=False).logits[0, :-1].float()
         all_PV = torch.log_softmax(logits_PV, dim=-1)
         logprobs_P = all_PV.gather(-1, input_1P[0, 1:, None]).squeeze(-1)
         topk: list[Any] = []
@@ -221,9 +263,9 @@ class SamplingEngine:
         position_ids = (mask_BT.cumsum(-1) - 1).clamp_min(0)
         cache = DynamicCache()
         for step in range(max_new):
-            out = self.model(
-                input_ids=input_ids, attention_mask=mask_BT, position_ids=position_ids,
-                use_cache=True, logits_to_keep=1, **{self._cache_arg: cache},
+            out = self._forward(
+                [rows[i].adapter for i in live], input_ids=input_ids, attention_mask=mask_BT,
+                position_ids=position_ids, use_cache=True, logits_to_keep=1, **{self._cache_arg: cache},
             )  # fmt: skip
             tokens_B, logprobs_B = sampler.sample(out.logits[:, -1].float(), uniform_BT[:, step])
             keep = []
@@ -245,6 +287,12 @@ class SamplingEngine:
                 )
                 live = [live[b] for b in keep]
                 sampler = _RowSampler([rows[i] for i in live], device)
+
+    def _forward(self, adapters: list[str] | str, **kwargs: Any) -> Any:
+        """The model's forward, each row through its adapter on a shared base."""
+        if self.shared is None:
+            return self.model(**kwargs)
+        return self.shared.forward(adapters, **kwargs)
 
     def _stop_ids(self, params: SamplingParams) -> frozenset[int]:
         eos = None if params.ignore_eos else self.tokenizer.eos_token_id
@@ -312,11 +360,16 @@ class SamplingEngine:
     def sleep(self, level: int = 1) -> dict[str, Any]:
         """Offload the weights to CPU (on an accelerator; nothing to free on CPU)."""
         del level  # the torch engine keeps no KV cache between calls: every level frees the same
-        if self.device.type != "cpu" and not self._asleep:
+        if self.device.type != "cpu" and not self._asleep and not self._sharing:
             self.model.to("cpu")
             torch.cuda.empty_cache()
             self._asleep = True
         return {}
+
+    @property
+    def _sharing(self) -> bool:
+        """Other adapters live on this engine's base: it stays on its device for them."""
+        return self.shared is not None and (self.lora is None or len(self.shared.adapters) > 1)
 
     def wake(self) -> dict[str, Any]:
         if self._asleep:
@@ -327,6 +380,47 @@ class SamplingEngine:
     def reset_prefix_cache(self) -> dict[str, Any]:
         """Nothing to reset: the torch engine builds a fresh KV cache for every batch."""
         return {}
+
+
+def generate_together(
+    calls: Sequence[tuple[SamplingEngine, Sequence[Sequence[int] | str], SamplingParams | Sequence[SamplingParams]]],
+) -> list[list[dict[str, Any]]]:
+    """Run several samplers' generate calls as one decode, each row through its sampler's adapter.
+
+    The samplers must share one base (a model host's): the rows of every call then go through one
+    forward per decode step, in batches bounded by rows and tokens (:func:`decode_batches`). A row's tokens depend
+    on its own seed alone, so each call gets what it would get alone. Returns one result list per
+    call, as :meth:`SamplingEngine.generate` returns it.
+
+    Raises:
+        InvalidRequestError: a call's prompts or params are invalid (nothing is decoded then).
+    """
+    first = calls[0][0]
+    if any(
+        engine is not first and (engine.shared is None or engine.shared is not first.shared) for engine, *_ in calls
+    ):
+        raise ValueError("generate_together needs samplers that share one base model")
+    planned = [(engine, engine._plan(prompts, params), engine.policy_version) for engine, prompts, params in calls]
+    rows = [row for _, call_rows, _ in planned for row in call_rows]
+    for chunk in decode_batches(rows, first.config.sampling.max_batch_size, first.token_budget):
+        first._decode(chunk)
+    return [engine._finish(call_rows, version) for engine, call_rows, version in planned]
+
+
+def decode_batches(rows: list[_Row], max_rows: int, max_tokens: int) -> list[list[_Row]]:
+    """Rows in batches of at most ``max_rows`` rows and ``max_tokens`` positions (rows × the longest
+    prompt plus new tokens), longest first, so that each batch's rows pad little; one row always fits."""
+    batches: list[list[_Row]] = []
+    width = new = 0  # the current batch's longest prompt and most new tokens
+    for row in sorted(rows, key=lambda row: -(len(row.prompt_ids) + row.max_new)):
+        grown = (max(width, len(row.prompt_ids)), max(new, row.max_new))
+        if batches and len(batches[-1]) < max_rows and (len(batches[-1]) + 1) * sum(grown) <= max_tokens:
+            batches[-1].append(row)
+            width, new = grown
+            continue
+        batches.append([row])
+        width, new = len(row.prompt_ids), row.max_new
+    return batches
 
 
 class _RowSampler:

@@ -6,12 +6,14 @@ so several calls that pass the whole optimizer batch's normalisers (``batch_num_
 ``dtype="bfloat16"`` runs forward and backward under autocast. Dropout is off in ``forward`` so
 the log-probs it returns are the ones the sampler sees. With ``config.lora`` the model is wrapped
 by ``peft`` and only the adapters train (see ``engines/lora.py``); the base with adapters disabled
-then serves as the KL reference. Tensors: B rows, S positions, V vocabulary.
+then serves as the KL reference. Tensors: B rows, S positions, V vocabulary; b rows and W
+positions of one micro-batch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -29,15 +31,27 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from icefloe.config import ClientConfig, OptimizerConfig, TrainingConfig
-from icefloe.engines.batch import shifted_token_logprobs, split_micro_batches, validate_batch
+from icefloe.engines.batch import shifted_token_logprobs, validate_batch
 from icefloe.engines.lora import (
     ADAPTER_WEIGHTS_FILE,
-    add_adapters,
+    BASE_ADAPTER,
+    SharedBase,
     merged_copy,
     read_adapter_checkpoint,
-    trainable_parameters,
+    write_adapter_folder,
 )
 from icefloe.engines.losses import get_loss
+from icefloe.engines.micro_batches import (
+    MicroBatch,
+    Spans,
+    check_rows_fit,
+    cut_micro_batch,
+    default_token_budget,
+    place_rows,
+    plan_micro_batches,
+    row_spans,
+    training_bytes_per_token,
+)
 from icefloe.engines.models import context_limit, load_causal_lm, load_tokenizer, open_modes, resolve_model
 from icefloe.protocol import InvalidRequestError, UnsupportedOpError
 
@@ -132,6 +146,8 @@ class TrainingEngine:
             reference log-probs through ``forward``. A reference copy never has adapters: with
             LoRA, prefer ``forward(batch, reference=True)`` on the trainer, which needs no copy.
         model_dir: load this Hugging Face directory instead of resolving ``config.model``.
+        shared: train a LoRA adapter of its own on this base, which other runs share (a model
+            host's); ``device`` and ``model_dir`` are the base's then.
     """
 
     def __init__(
@@ -141,22 +157,37 @@ class TrainingEngine:
         device: str | torch.device = "cpu",
         role: Literal["training", "reference"] = "training",
         model_dir: Path | None = None,
+        shared: SharedBase | None = None,
     ) -> None:
         if role not in ("training", "reference"):
             raise InvalidRequestError(f"role must be 'training' or 'reference'; got {role!r}")
         self.config = config
         self.role = role
-        self.device = resolve_device(device)
-        torch.manual_seed(config.seed)
-        self.model_dir = Path(model_dir) if model_dir is not None else resolve_model(config.model, seed=config.seed)
-        self.tokenizer = load_tokenizer(self.model_dir)
-        self.model = load_causal_lm(self.model_dir, dtype=torch.float32, device=self.device)
         self.lora = config.lora if role == "training" else None
-        if role == "training" and config.training.gradient_checkpointing:
-            _enable_activation_checkpointing(self.model)  # on the base model, before peft wraps it
+        torch.manual_seed(config.seed)
+        if shared is not None:
+            if self.lora is None:
+                raise InvalidRequestError("a run on a shared base trains a LoRA adapter; set lora in its config")
+            self.device, self.model_dir, self.tokenizer = shared.device, shared.model_dir, shared.tokenizer
+        else:
+            self.device = resolve_device(device)
+            self.model_dir = Path(model_dir) if model_dir is not None else resolve_model(config.model, seed=config.seed)
+            self.tokenizer = load_tokenizer(self.model_dir)
+            base = load_causal_lm(self.model_dir, dtype=torch.float32, device=self.device)
+            if role == "training" and config.training.gradient_checkpointing:
+                _enable_activation_checkpointing(base)  # on the base model, before peft wraps it
+            self.model = base
+            if self.lora is not None:
+                shared = SharedBase(base, model_dir=self.model_dir, tokenizer=self.tokenizer)
+        self.shared = shared  # None: full weights (or an eval-only reference copy)
+        self.adapter = BASE_ADAPTER
         if self.lora is not None:
-            self.model = add_adapters(self.model, self.lora)
-        self._params = [p for p in self.model.parameters() if p.requires_grad]
+            assert shared is not None
+            self.adapter = shared.add(self.lora, trainable=True, seed=config.seed)
+            self.model = shared.model
+            self._params = list(shared.parameters(self.adapter).values())
+        else:
+            self._params = [p for p in self.model.parameters() if p.requires_grad]
         self._autocast_dtype = _AUTOCAST_DTYPES.get(config.dtype) if self.device.type == "cuda" else None
         if config.dtype == "float16" and self._autocast_dtype is not None:
             log.warning("dtype=float16 trains under fp16 autocast without loss scaling; prefer bfloat16")
@@ -193,9 +224,11 @@ class TrainingEngine:
         """Run the batch's loss forward and backward, adding to the accumulated gradients.
 
         Normalisers missing from ``processing.config`` default to this call's totals
-        (``batch_num_tokens`` = Σ loss_mask, ``global_batch_size`` = B). Returns ``{loss,
-        avg_loss, metrics, num_tokens}``: ``loss`` is the batch's loss, ``metrics`` are
-        token-weighted over micro-batches (``metrics["loss"]`` = ``loss``), ``num_tokens`` = Σ loss_mask.
+        (``batch_num_tokens`` = Σ loss_mask, ``global_batch_size`` = B, ``loss_scale_factor`` = S),
+        so the micro-batches (see :meth:`token_budget`) add up to the one-pass result. Returns
+        ``{loss, avg_loss, metrics, num_tokens}``: ``metrics`` are token-weighted over micro-batches
+        (``metrics["loss"]`` = ``loss``; ``padding_ratio`` = positions computed ÷ real tokens),
+        ``num_tokens`` = Σ loss_mask.
         """
         self._require_training("fwd_bwd")
         frame = self._validated(batch, require_context=True)
@@ -204,37 +237,42 @@ class TrainingEngine:
         loss_mask_BS = frame["context"]["loss_mask"]
         num_tokens = int(loss_mask_BS.sum().item())  # CPU tensor: no device sync
         # Normalisers default to this call's totals, so micro-batches (and rows) all share them.
-        if loss_config.get("batch_num_tokens") is None:
-            loss_config["batch_num_tokens"] = num_tokens
-        if loss_config.get("global_batch_size") is None:
-            loss_config["global_batch_size"] = int(loss_mask_BS.shape[0])
+        for name, total in (("batch_num_tokens", num_tokens), ("global_batch_size", int(loss_mask_BS.shape[0])),
+                            ("loss_scale_factor", int(loss_mask_BS.shape[1]))):  # fmt: skip
+            if loss_config.get(name) is None:
+                loss_config[name] = total
         temperature = _temperature(loss_config)
         entropy_grad = float(loss_config.get("entropy_coeff") or 0.0) != 0.0
+        spans, passes = self._plan(frame)
 
         # Opt-in extras (the Tinker API's): the per-token log-probs of every row, and a forward-only
         # pass that scores the loss without touching the gradients.
-        return_logprobs = bool(loss_config.get("return_logprobs"))
         forward_only = bool(loss_config.get("forward_only"))
-        logprobs_parts: list[Tensor] = []
+        logprobs_BS = torch.zeros(loss_mask_BS.shape) if loss_config.get("return_logprobs") else None
+        shifted = "target_tokens" not in frame["context"]
         self._set_train_mode(not forward_only)
         total_loss: Tensor | None = None
         weighted: dict[str, Tensor | float] = {}
-        for part in split_micro_batches(frame, self.config.training.micro_batch_tokens):
+        for micro in passes:
+            if not micro.rows:
+                self._idle_pass(backward=not forward_only)
+                continue
+            part = cut_micro_batch(frame, micro, spans)
             part_tokens = float(part["context"]["loss_mask"].sum().item())
             kwargs = self._to_device(part["kwargs"])
             context = self._to_device(part["context"])
-            with self._autocast(), torch.set_grad_enabled(not forward_only):
-                logits_BSV = self.model(**kwargs, use_cache=False).logits
-            logprobs_BS, entropy_BS = shifted_token_logprobs(
-                logits_BSV, kwargs["input_ids"], temperature, entropy_requires_grad=entropy_grad,
-                targets_BS=context.get("target_tokens"),
-            )  # fmt: skip
-            del logits_BSV
-            loss, metrics = loss_fn(logprobs_BS, context=context, config=loss_config, entropy_BS=entropy_BS)
+            with torch.set_grad_enabled(not forward_only):
+                logits_bWV = self._logits(kwargs, micro.rows)
+                logprobs_bW, entropy_bW = shifted_token_logprobs(
+                    logits_bWV, kwargs["input_ids"], temperature, entropy_requires_grad=entropy_grad,
+                    targets_BS=context.get("target_tokens"),
+                )  # fmt: skip
+                del logits_bWV
+                loss, metrics = loss_fn(logprobs_bW, context=context, config=loss_config, entropy_BS=entropy_bW)
             if not forward_only:
                 loss.backward()
-            if return_logprobs:
-                logprobs_parts.append(logprobs_BS.detach().cpu())
+            if logprobs_BS is not None:
+                place_rows(logprobs_BS, logprobs_bW.detach().cpu(), micro, spans, shifted=shifted)
             total_loss = loss.detach() if total_loss is None else total_loss + loss.detach()
             for name, value in metrics.items():
                 if name != "loss":
@@ -247,10 +285,12 @@ class TrainingEngine:
         loss_value = values[0]
         metrics_out = {name: value / max(num_tokens, 1) for name, value in zip(names, values[1:], strict=True)}
         metrics_out["loss"] = loss_value
+        real_tokens = row_spans(frame).num_tokens  # the spans, also when one pass computes the padding too
+        metrics_out["padding_ratio"] = sum(m.num_positions for m in passes if m.rows) / real_tokens
         self._last_loss = loss_value
         result = {"loss": loss_value, "avg_loss": loss_value, "metrics": metrics_out, "num_tokens": num_tokens}
-        if return_logprobs:
-            result["logprobs"] = torch.cat(logprobs_parts)
+        if logprobs_BS is not None:
+            result["logprobs"] = logprobs_BS
         return result
 
     @torch.no_grad()
@@ -260,6 +300,7 @@ class TrainingEngine:
         ``processing.config.temperature`` (default 1) divides the logits first. ``reference=True``
         scores with the reference policy: the base model with the adapters disabled, which only a
         LoRA trainer has (otherwise the reference is a separate ``role="reference"`` engine).
+        Columns outside a row's span (padding; see ``engines/micro_batches.py``) read 0.
         """
         self._require_awake()
         if reference and self.lora is None:
@@ -269,20 +310,72 @@ class TrainingEngine:
             )
         frame = self._validated(batch, require_context=False)
         temperature = _temperature(frame["processing"]["config"])
+        spans, passes = self._plan(frame)
+        shifted = "target_tokens" not in frame["context"]
         self._set_train_mode(False)
-        logprobs, entropies = [], []
-        for part in split_micro_batches(frame, self.config.training.micro_batch_tokens):
+        shape = frame["kwargs"]["input_ids"].shape
+        logprobs_BS, entropy_BS = torch.zeros(shape), torch.zeros(shape)
+        for micro in passes:
+            if not micro.rows:
+                self._idle_pass(backward=False)
+                continue
+            part = cut_micro_batch(frame, micro, spans)
             kwargs = self._to_device(part["kwargs"])
-            with self._autocast(), self.model.disable_adapter() if reference else contextlib.nullcontext():
-                logits_BSV = self.model(**kwargs, use_cache=False).logits
-            targets_BS = part["context"].get("target_tokens")
-            targets_BS = None if targets_BS is None else targets_BS.to(self.device)
-            logprobs_BS, entropy_BS = shifted_token_logprobs(
-                logits_BSV, kwargs["input_ids"], temperature, targets_BS=targets_BS
+            logits_bWV = self._logits(kwargs, micro.rows, reference=reference)
+            targets_bW = part["context"].get("target_tokens")
+            targets_bW = None if targets_bW is None else targets_bW.to(self.device)
+            logprobs_bW, entropy_bW = shifted_token_logprobs(
+                logits_bWV, kwargs["input_ids"], temperature, targets_BS=targets_bW
             )
-            logprobs.append(logprobs_BS)
-            entropies.append(entropy_BS)
-        return {"logprobs": torch.cat(logprobs).cpu(), "entropy": torch.cat(entropies).cpu()}
+            place_rows(logprobs_BS, logprobs_bW.cpu(), micro, spans, shifted=shifted)
+            place_rows(entropy_BS, entropy_bW.cpu(), micro, spans, shifted=shifted)
+        return {"logprobs": logprobs_BS, "entropy": entropy_BS}
+
+    def _logits(self, kwargs: Mapping[str, Tensor], rows: tuple[int, ...], *, reference: bool = False) -> Tensor:
+        """The one model call of ``fwd_bwd`` and ``forward``: logits ``[b, W, V]`` of one pass.
+
+        ``rows`` are the pass's rows in the caller's batch (by them, per-row settings reach the model).
+        """
+        del rows  # one adapter serves every row; a pass of several runs would name one per row here
+        with self._autocast():
+            if self.shared is None:
+                return self.model(**kwargs, use_cache=False).logits
+            adapter = BASE_ADAPTER if reference else self.adapter  # reference: the base with this run's adapter off
+            return self.shared.forward(adapter, **kwargs, use_cache=False).logits
+
+    def _idle_pass(self, *, backward: bool) -> None:
+        """A pass over one token that changes nothing, for a rank that has run out of rows: sharded ranks
+        must run the same number of passes (each one gathers parameters and reduces gradients together)."""
+        input_ids = torch.zeros((1, 1), dtype=torch.int64, device=self.device)
+        with torch.set_grad_enabled(backward):
+            logits = self._logits({"input_ids": input_ids}, ())
+            if backward:
+                (logits.float().sum() * 0.0).backward()
+
+    def _plan(self, frame: Mapping[str, Any]) -> tuple[Spans, list[MicroBatch]]:
+        """Each row's span and the passes over them; a row longer than the budget is refused here,
+        before any work."""
+        budget = self.token_budget
+        spans = row_spans(frame, whole=budget == 0)
+        if budget:
+            check_rows_fit(spans, budget, "training.micro_batch_tokens")
+        return spans, plan_micro_batches(spans, budget)
+
+    @functools.cached_property
+    def token_budget(self) -> int:
+        """Positions per forward pass: ``training.micro_batch_tokens``, or when unset a share of the
+        device's free memory over the model's activation bytes per token, clamped to
+        ``[max_seq_len, 2048]`` on CPU and ``[max_seq_len, 16384]`` on CUDA (see
+        :func:`default_token_budget`). 0 means one pass over the batch as sent, padding and all."""
+        if self.config.training.micro_batch_tokens is not None:
+            return self.config.training.micro_batch_tokens
+        per_token = training_bytes_per_token(
+            self.model.config, dtype_bytes=2 if self._autocast_dtype is not None else 4,
+            checkpointed=self.config.training.gradient_checkpointing,
+        )  # fmt: skip
+        budget = default_token_budget(per_token, self.device, floor=self.config.max_seq_len)
+        log.info("micro-batch budget: %d tokens per pass (%d activation bytes per token)", budget, per_token)
+        return budget
 
     def step(self, learning_rate: float | None = None, adam: Mapping[str, float] | None = None) -> dict[str, Any]:
         """Clip gradients, apply one AdamW update, zero the gradients.
@@ -341,9 +434,10 @@ class TrainingEngine:
         return {"gpu_peak": gpu_peak, "cpu_peak": _peak_rss_bytes()}
 
     def sync_parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        """``(name, parameter)`` of what a weight sync moves: every parameter, or with LoRA the adapters only."""
-        if self.lora is not None:
-            return trainable_parameters(self.model)
+        """``(name, parameter)`` of what a weight sync moves: every parameter, or with LoRA this run's
+        adapter only, named as PEFT files name it (so any adapter of the same shape can receive it)."""
+        if self.shared is not None:
+            return list(self.shared.parameters(self.adapter).items())
         return list(self.model.named_parameters())
 
     def named_weights(self) -> Iterator[tuple[str, Tensor]]:
@@ -353,8 +447,11 @@ class TrainingEngine:
 
     # --- memory -------------------------------------------------------------------------------
     def sleep(self) -> dict[str, Any]:
-        """Move parameters, gradients and optimizer state to CPU to free accelerator memory."""
-        if self.device.type != "cpu" and not self._asleep:
+        """Move parameters, gradients and optimizer state to CPU to free accelerator memory.
+
+        A run on a base that other runs share keeps it where it is: the others still use it.
+        """
+        if self.device.type != "cpu" and not self._asleep and not self._sharing:
             self._move_state(torch.device("cpu"))
             torch.cuda.empty_cache()
             self._asleep = True
@@ -408,7 +505,10 @@ class TrainingEngine:
         target = root / free_checkpoint_name(root, self._global_step)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
         try:
-            self.model.save_pretrained(str(staging), state_dict=dict(weights))
+            if self.lora is not None:
+                write_adapter_folder(staging, self.lora, weights.items())
+            else:
+                self.model.save_pretrained(str(staging), state_dict=dict(weights))
             self.tokenizer.save_pretrained(str(staging))
             if kind == "resumable":
                 save_file(dict(optimizer_tensors), str(staging / _OPTIMIZER_FILE))
@@ -505,7 +605,7 @@ class TrainingEngine:
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
-            model = self.model if self.lora is None else merged_copy(self.model)
+            model = self.model if self.lora is None else merged_copy(self.model, self.adapter)
             model.save_pretrained(str(staging))
             self.tokenizer.save_pretrained(str(staging))
             publish_folder(staging, target)
@@ -517,13 +617,13 @@ class TrainingEngine:
         from peft import set_peft_model_state_dict
 
         try:
-            result = set_peft_model_state_dict(self.model, loaded)
+            result = set_peft_model_state_dict(self.model, loaded, adapter_name=self.adapter)
         except RuntimeError as exc:  # a shape mismatch: another LoRA rank, or another model
             raise InvalidRequestError(
                 f"adapter weights do not fit this engine's adapters ({exc}); load an adapter with the same rank "
                 "and target modules"
             ) from None
-        missing = [name for name in result.missing_keys if ".lora_" in name]
+        missing = [name for name in result.missing_keys if f".{self.adapter}." in name]
         if missing or result.unexpected_keys:
             raise InvalidRequestError(
                 f"adapter weights do not match this engine's adapters: missing {sorted(missing)}, unexpected "
@@ -566,8 +666,15 @@ class TrainingEngine:
 
     def _set_train_mode(self, train: bool) -> None:
         train = train and self.role == "training"
-        if self.model.training != train:
+        if self.shared is not None:
+            self.shared.train(train)
+        elif self.model.training != train:
             self.model.train(train)
+
+    @property
+    def _sharing(self) -> bool:
+        """Other adapters live on this engine's base (a model host's run)."""
+        return self.shared is not None and len(self.shared.adapters) > 1
 
     def _to_device(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
         if self.device.type == "cpu":

@@ -1,8 +1,10 @@
-"""Jobs: the coordinator of their lifecycle, engines, workers and requests.
+"""Jobs: the coordinator of their lifecycle, hosts, lanes and requests.
 
-Each job has one thread of its own, the only one that starts or stops its engines, which walks it
-through :mod:`icefloe.service.lifecycle`, and one FIFO :class:`RoleWorker` per sub-job, so the
-requests to a sub-job run in submission order. An engine crash asks the job to stop as failed.
+Each job has one thread of its own, which walks it through :mod:`icefloe.service.lifecycle`: it
+places the job on a model host (:mod:`icefloe.service.hosts`), builds its engines there and takes
+them down. Each sub-job has one lane on its host's workers, so the requests to a sub-job run in
+submission order. An engine crash asks the job (or, when the host's engines died, every job on
+the host) to stop as failed.
 """
 
 from __future__ import annotations
@@ -35,14 +37,16 @@ from icefloe.protocol import (
 )
 from icefloe.service import store
 from icefloe.service.chunks import ChunkGroups
+from icefloe.service.hosts import HostFailed, HostPool, ModelHost
 from icefloe.service.joblog import JobLog, JobLogRouter
 from icefloe.service.lifecycle import JobState
 from icefloe.service.metrics import ServiceMetrics
 from icefloe.service.models import JobCreate
 from icefloe.service.placement import SlotPool
+from icefloe.service.process_host import EngineProcessDied
 from icefloe.service.requests import RequestTable
 from icefloe.service.results import JsonText, ResultPages, json_text, wants_dssst1
-from icefloe.service.runtime import JobEngines, make_engine_host
+from icefloe.service.runtime import JobEngines
 from icefloe.service.settings import ServeSettings
 from icefloe.service.specs import SubJobSpec, sub_job_specs
 
@@ -67,8 +71,8 @@ class LiveJob:
     log: JobLog
     chunks: ChunkGroups
     job_dir: Path
-    host: JobEngines | None = None
-    workers: dict[str, Any] = field(default_factory=dict)  # sub-job id -> RoleWorker
+    host: ModelHost | None = None
+    workers: dict[str, Any] = field(default_factory=dict)  # sub-job id -> its Lane on the host
     last_avg_loss: dict[str, float] = field(default_factory=dict)
     thread: threading.Thread | None = None
     lease_until: float = math.inf  # time.monotonic() after which a job with nothing in flight is cancelled
@@ -88,8 +92,8 @@ class LiveJob:
 
     @property
     def engines(self) -> JobEngines:
-        assert self.host is not None, "a running job has engines"
-        return self.host
+        assert self.host is not None and self.host.engines is not None, "a running job has engines"
+        return self.host.engines
 
     def restart_clock(self, sub_job_id: str, at: float | None = None) -> None:
         """Count the deadline of the op running on ``sub_job_id`` from ``at`` (default now; ``math.inf``:
@@ -106,12 +110,14 @@ class JobManager:
         self.settings = settings
         self.db = db
         self.pool = pool
+        self.hosts = HostPool(settings, pool)
         self._live: dict[str, LiveJob] = {}
         self.requests = RequestTable(db)
         self.metrics = ServiceMetrics(
             db,
             open_requests=self.requests.open_rows,
             chunk_bytes=lambda: {job_id: job.chunks.held_bytes for job_id, job in list(self._live.items())},
+            hosts=lambda: [(host.describe(), list(host.members)) for host in self.hosts.hosts()],
         )
         self.requests.on_finish = self.metrics.request_finished
         self.results = ResultPages(
@@ -187,54 +193,47 @@ class JobManager:
 
     def _run(self, job: LiveJob) -> None:
         """The job's thread: place, start, run until a stop is asked for, release, record the outcome."""
-        from icefloe.engines.host import RoleWorker
-
-        state, slots = job.state, None
+        state = job.state
         try:
             if state.advance("placing"):
-                slots = self.pool.acquire(job.num_slots, cancelled=state.stop, ticket=job)
-            if slots is not None and state.advance("initializing"):
-                devices, cursor = {}, 0
-                for sub_job_id, spec in job.specs.items():
-                    if spec.num_slots:
-                        devices[sub_job_id] = self.pool.device(slots[cursor])
-                        cursor += spec.num_slots
-                for sub_job_id, spec in job.specs.items():
-                    if not spec.num_slots:  # n_gpus 0: a sampler on its trainer's device
-                        devices[sub_job_id] = next(devices[s] for s, o in job.specs.items() if o.is_training)
                 checkpoints = {sid: p for sid, s in job.specs.items() if (p := self._checkpoint_folder(s)) is not None}
-                specs = list(job.specs.values())
-                job.host = make_engine_host(self.settings.engines, specs, devices, checkpoints, job.job_dir / "logs")
-                job.host.start(job.log.write, state.stop)
-                # No linger for company: requests that arrive while a sampler is busy batch up behind it anyway.
-                job.workers = {sid: RoleWorker(sid, linger_s=0.0) for sid in job.specs}
-                state.advance("running")
+                job.host = self.hosts.place(job)
+                placed = functools.partial(state.advance, "initializing")
+                opened = job.host.open(
+                    job, pool=self.pool, settings=self.settings, placed=placed, checkpoints=checkpoints
+                )
+                if opened:
+                    job.workers = job.host.lanes(job)
+                    state.advance("running")
             state.stop.wait()
         except Exception as exc:  # any start failure fails the job, with its cause as the reason
             if not state.stop.is_set():  # else the start gave up because the job is stopping
                 _log.warning("job %s failed to start: %s", job.job_id, exc)
-                state.fail(f"initializing failed: {type(exc).__name__}: {exc}")
+                state.fail(
+                    str(exc) if isinstance(exc, HostFailed) else f"initializing failed: {type(exc).__name__}: {exc}"
+                )
         finally:
-            self._release(job, slots)
+            self._release(job)
             state.finish()
             self._live.pop(job.job_id, None)  # its engines, workers and chunk payloads go with it
 
-    def _release(self, job: LiveJob, slots: list[int] | None) -> None:
-        if job.host is not None:
-            job.host.interrupt()  # no worker may stay blocked on an engine process's pipes
-        for worker in job.workers.values():
-            worker.close()  # queued requests see the stop and are marked cancelled
-        if job.host is not None:
-            try:
-                job.host.close()
-            except Exception as exc:  # a failing close must not keep the slots
-                _log.warning("job %s: closing engines failed: %s", job.job_id, exc)
-        if slots:
-            self.pool.release(slots)
+    def _release(self, job: LiveJob) -> None:
+        host = job.host
+        if host is not None and not host.shared and host.engines is not None:
+            host.engines.interrupt()  # no lane may stay blocked on a dedicated engine process's pipes
+        for lane in job.workers.values():
+            lane.close()  # queued requests see the stop and are marked cancelled
+        if host is not None:
+            self.hosts.release(host, job)
         self.log_router.unbind(job.log)
         for request_id, stream in list(self.streams.items()):  # events no one drained (the requests are over)
             if stream.job_id == job.job_id:
                 self.streams.pop(request_id, None)
+
+    def last_checkpoint(self, job_id: str) -> str | None:
+        """The newest checkpoint a job saved (its id), for a failure reason to name."""
+        records = store.list_checkpoints(self.db, job_id=job_id)
+        return records[-1]["checkpoint_id"] if records else None
 
     def renew(self, job_id: str) -> None:
         """Extend the job's lease (every call on the job does; a client with nothing to send heartbeats)."""
@@ -248,8 +247,9 @@ class JobManager:
         return {"job_id": job_id, "status": status, "lease_ttl_s": self.settings.lease_ttl_s}
 
     def watch(self) -> None:
-        """Start the thread that fails a job whose op passed its deadline (killing its engines), cancels
-        a job whose lease lapsed with nothing pending or running, and deletes expired result files."""
+        """Start the thread that fails a job whose op passed its deadline (killing its engines) and the
+        jobs of a host whose engines died, cancels a job whose lease lapsed with nothing pending or
+        running, and deletes expired result files."""
         settings = self.settings
         shortest = min(
             settings.lease_ttl_s or 10, settings.op_deadline_s, settings.result_ttl_s, *settings.op_deadlines_s.values()
@@ -263,15 +263,26 @@ class JobManager:
             if now >= next_sweep:  # at startup too: files a stopped service left behind
                 next_sweep = now + min(_SWEEP_EVERY_S, self.settings.result_ttl_s)
                 self.results.delete_expired(self.settings.data_dir / "jobs")
+            for host in self.hosts.hosts():  # an op in flight reports a crash itself, naming the op
+                idle = not any(member.in_flight for member in list(host.members.values()))
+                why = host.engines.died() if idle and host.dead is None and host.engines is not None else None
+                if why is not None:
+                    host.fail(f"{why} ({host.host_id})", self.last_checkpoint)
             for job in [job for job in self._live.values() if not job.stopping]:
                 late = [(where, op) for where, op, at in list(job.in_flight.values()) if now - at > deadline_s(op)]
-                killable = job.host.killable if job.host is not None else None  # None: engines in this process
-                if late and killable:
+                host = job.host
+                engines = host.engines if host is not None else None
+                killable = engines.killable if engines is not None else None  # None: engines in this process
+                if late and killable and host is not None and engines is not None:
                     where, op = late[0]
-                    job.state.fail(
+                    reason = (
                         f"{op} on {where} did not finish within its deadline of {deadline_s(op):g} s; killed {killable}"
                     )
-                    job.engines.kill()
+                    if host.shared:  # every job on the host loses its engines
+                        host.fail(f"{reason} ({host.host_id}, shared by every job on it)", self.last_checkpoint)
+                    else:
+                        job.state.fail(reason)
+                    engines.kill()
                 elif now > job.lease_until and not job.in_flight and not self.requests.has_open(job.job_id):
                     job.log.write(f"no call or heartbeat for {self.settings.lease_ttl_s:g} s", level="WARNING")
                     job.state.cancel("client lease expired")
@@ -315,6 +326,7 @@ class JobManager:
         answer = self._public(self.row(job_id))
         if job is not None:  # icefloe extensions: what `icefloe jobs show` prints
             answer["queue"] = self.requests.queue(job_id)
+            answer["host"] = job.host.describe() if job.host is not None else None
             answer["lease_expires_in_s"] = round(max(0.0, lease_left_s), 1) if math.isfinite(lease_left_s) else None
         return answer
 
@@ -335,7 +347,12 @@ class JobManager:
         wanted = normalize_job_state(status) if status else None
         if wanted is not None and wanted not in JOB_STATES:
             raise InvalidRequestError(f"status must be one of {', '.join(sorted(JOB_STATES))}; got {status!r}")
-        return [self._public(r) for r in store.list_jobs(self.db, status=wanted)]
+        answers = [self._public(r) for r in store.list_jobs(self.db, status=wanted)]
+        for answer in answers:
+            job = self._live.get(answer["job_id"])
+            if job is not None and job.host is not None:
+                answer["host"] = job.host.describe()
+        return answers
 
     def _public(self, row: dict[str, Any]) -> dict[str, Any]:
         spec, status = row["spec"], row["status"]
@@ -421,52 +438,76 @@ class JobManager:
         op: str,
         fn: Callable[..., Any],
         *,
+        batch_key: Any = None,
         batch_item: Any = None,
         op_metadata: dict | None = None,
         stream: Any = None,
+        ready: Callable[[], bool] | None = None,
     ) -> str:
-        """Record a request and queue ``fn()`` on the sub-job's worker; returns the request id. With
-        ``batch_item``, ``fn(items)`` runs once for the items of ``op`` queued next to each other.
-        ``stream``: a GenerateStream, in place of ``batch_item``: each of its ``items`` is queued so,
-        and its outcome pushed to the stream as an event."""
+        """Record a request and queue ``fn()`` on the sub-job's lane; returns the request id.
+
+        With ``batch_key``, ``fn(items)`` runs once for ``batch_item`` and the items of the same key
+        queued beside it, on any lane of the host (so ``fn`` must serve every such item, whatever job
+        it belongs to). ``stream``: a GenerateStream, in place of ``batch_item``: each of its
+        ``items`` is queued so, and its outcome pushed to the stream as an event. ``ready``: the
+        request starts only once this holds (a weight sync waits for its gate).
+        """
         op_metadata = op_metadata or {}
         request_id = self.requests.add(job.job_id, sub_job_id, op, op_metadata)
         if stream is not None:
             self.streams[request_id] = stream
-        worker = job.workers[sub_job_id]
+        lane = job.workers[sub_job_id]
         try:
-            if batch_item is None and stream is None:
-                worker.submit(self._execute, job, sub_job_id, op, [(request_id, None, op_metadata)], lambda _: [fn()])
+            if batch_key is None:
+                entry = _Entry(job, sub_job_id, request_id, None, op_metadata)
+                lane.submit_when(ready or _always, self._execute, op, [entry], lambda _: [fn()])
             else:  # run with the entries of one batch
-                execute = functools.partial(self._execute, job, sub_job_id, op, run=fn)
+                execute = functools.partial(self._execute, op, run=fn)
                 for item in [batch_item] if stream is None else stream.items:
-                    worker.submit_batchable(op, (request_id, item, op_metadata), execute)
-        except ClientClosedError:  # a stop closed the workers after the state check
+                    lane.submit_batchable(batch_key, _Entry(job, sub_job_id, request_id, item, op_metadata), execute)
+        except ClientClosedError:  # a stop closed the lanes after the state check
             self.requests.finish(request_id, status="cancelled", error=f"job {job.job_id} is stopping")
             self.streams.pop(request_id, None)
             raise ConflictError(f"job {job.job_id} is stopping; this call needs it running") from None
         return request_id
 
-    def _execute(
-        self, job: LiveJob, sub_job_id: str, op: str, entries: list[tuple], run: Callable[[list], list]
-    ) -> list[None]:
-        """Run the entries ``(request id, batch item, op metadata)`` that may still run as one call
-        of ``run`` and record each outcome (on its request, or as an event of its stream)."""
-        live = [e for e in entries if self._may_run(job, e[0])]
-        if live:
-            started = time.monotonic()
-            job.in_flight[live[0][0]] = (sub_job_id, op, started)  # watched for its deadline
-            try:
-                results = run([item for _, item, _ in live])
-            except Exception as exc:  # every failure is recorded on its requests
-                self._record_failure(job, sub_job_id, live, op, exc)
+    def _execute(self, op: str, entries: list[_Entry], run: Callable[[list], list]) -> list[None]:
+        """Run the entries that may still run as one call of ``run`` and record each outcome (on its
+        request, or as an event of its stream). A batch of several jobs that fails is run again one
+        entry at a time, so a failure is recorded on the request that caused it alone."""
+        live = [e for e in entries if self._may_run(e.job, e.request_id)]
+        if not live:
+            return [None] * len(entries)
+        started = time.monotonic()
+        firsts = {e.job.job_id: e for e in reversed(live)}  # each job's first request is watched for its deadline
+        for e in firsts.values():
+            e.job.in_flight[e.request_id] = (e.sub_job_id, op, started)
+        try:
+            results = run([e.item for e in live])
+        except Exception as exc:  # every failure is recorded on its requests
+            if len(firsts) > 1:
+                for e in live:
+                    self._run_alone(op, e, run)
             else:
-                self.metrics.engine_ran(job.job_id, sub_job_id, op, started, results)
-                for entry, result in zip(live, results, strict=True):
-                    self._record_result(job, entry, result)
-            finally:
-                job.in_flight.pop(live[0][0], None)
+                self._record_failure(live, op, exc)
+        else:
+            for e, result in zip(live, results, strict=True):
+                self.metrics.engine_ran(e.job.job_id, e.sub_job_id, op, started, [result])
+                self._record_result(e, result)
+        finally:
+            for e in firsts.values():
+                e.job.in_flight.pop(e.request_id, None)
         return [None] * len(entries)
+
+    def _run_alone(self, op: str, entry: _Entry, run: Callable[[list], list]) -> None:
+        started = time.monotonic()
+        try:
+            (result,) = run([entry.item])
+        except Exception as exc:
+            self._record_failure([entry], op, exc)
+        else:
+            self.metrics.engine_ran(entry.job.job_id, entry.sub_job_id, op, started, [result])
+            self._record_result(entry, result)
 
     def _may_run(self, job: LiveJob, request_id: str) -> bool:
         if job.stopping:
@@ -478,11 +519,11 @@ class JobManager:
         self.streams.pop(request_id, None)  # cancel-request took it: its stream has nothing to show
         return False
 
-    def _record_result(self, job: LiveJob, entry: tuple, result: Any) -> None:
-        request_id, item, op_metadata = entry
+    def _record_result(self, entry: _Entry, result: Any) -> None:
+        request_id, op_metadata = entry.request_id, entry.op_metadata
         stream = self.streams.get(request_id)
         if stream is not None:
-            self._push(request_id, stream, item, result=result)
+            self._push(request_id, stream, entry.item, result=result)
             return
         try:
             text = None if wants_dssst1(op_metadata) else json_text(result)
@@ -490,34 +531,57 @@ class JobManager:
                 self.requests.finish(request_id, status="done", result_json=text)
                 return
             result = json.loads(result) if isinstance(result, JsonText) else result
-            path = ResultPages.write_frame(result, job.job_dir / "results" / f"{uuid.uuid4().hex}.dssst1")
+            path = ResultPages.write_frame(result, entry.job.job_dir / "results" / f"{uuid.uuid4().hex}.dssst1")
             self.requests.finish(request_id, status="done", result_path=path)
         except Exception as exc:  # an unencodable result fails the request, not the job
             self.requests.finish(request_id, status="failed", error=f"the result could not be stored: {exc}")
 
-    def _record_failure(self, job: LiveJob, sub_job_id: str, entries: list[tuple], op: str, exc: Exception) -> None:
+    def _record_failure(self, entries: list[_Entry], op: str, exc: Exception) -> None:
+        """Record a failed run on its entries (all of one job); an engine crash fails the job, or,
+        when the host's engines died, every job on the host."""
+        job, sub_job_id = entries[0].job, entries[0].sub_job_id
         if job.stopping and isinstance(exc, ClientClosedError):  # cut short by the job stopping
-            for request_id, _, _ in entries:
-                self.requests.finish(request_id, status="cancelled", error=f"job {job.job_id} stopped: {exc}")
+            for e in entries:
+                self.requests.finish(e.request_id, status="cancelled", error=f"job {job.job_id} stopped: {exc}")
             return
         message = f"{type(exc).__name__}: {exc}"
-        for request_id, item, _ in entries:
-            stream = self.streams.get(request_id)
+        for e in entries:
+            stream = self.streams.get(e.request_id)
             if stream is not None:
-                self._push(request_id, stream, item, error=message)
+                self._push(e.request_id, stream, e.item, error=message)
             else:
-                self.requests.finish(request_id, status="failed", error=message)
+                self.requests.finish(e.request_id, status="failed", error=message)
         if isinstance(exc, _USER_ERRORS) or (isinstance(exc, RequestFailedError) and exc.category == "user"):
             job.log.write(f"{op} failed: {message}", level="WARNING", sub_job_id=sub_job_id)
             return
         job.log.write(f"{op} crashed the engine: {message}", level="ERROR", sub_job_id=sub_job_id)
-        job.state.fail(f"{sub_job_id} crashed during {op}: {message}")
+        host = job.host
+        if host is not None and host.shared and isinstance(exc, EngineProcessDied):
+            cause = f"the engine process of {host.host_id} died during {op} of job {job.job_id}: {exc}"
+            host.fail(cause, self.last_checkpoint)
+        else:
+            job.state.fail(f"{sub_job_id} crashed during {op}: {message}")
 
     def _push(self, request_id: str, stream: Any, item: Any, **outcome: Any) -> None:
         """One prompt's result or error as an event of its stream; the last prompt's finishes the request."""
         counts = stream.push(item, **outcome)
         if counts is not None:
             self.requests.finish(request_id, status="done", result_json=counts)
+
+
+def _always() -> bool:
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """One queued request (or one item of a stream) as its lane holds it."""
+
+    job: LiveJob
+    sub_job_id: str
+    request_id: str
+    item: Any
+    op_metadata: dict[str, Any]
 
 
 def _pick_sub_job(

@@ -65,6 +65,7 @@ class ServiceMetrics:
         *,
         open_requests: Callable[[], Iterable[dict[str, Any]]],
         chunk_bytes: Callable[[], Mapping[str, int]],
+        hosts: Callable[[], Iterable[tuple[dict[str, Any], list[str]]]] = lambda: (),
     ) -> None:
         self.db = db
         self.registry = reg = CollectorRegistry()
@@ -89,6 +90,7 @@ class ServiceMetrics:
         self.sync_bytes = Counter("icefloe_weight_sync_bytes", "Bytes weight syncs moved.", registry=reg)
         self._open_requests = open_requests
         self._chunk_bytes = chunk_bytes
+        self._hosts = hosts
         reg.register(self)  # its collect(): the gauges read at scrape time
         self._pending: dict[str, _Pending] = {}  # sub-job id -> its forward-backward calls since its last step
         self._last_step_end: dict[str, float] = {}
@@ -164,7 +166,8 @@ class ServiceMetrics:
         return list(points.values())
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
-        """Jobs by state, queue depth per sub-job and chunk-store bytes per job, read when scraped."""
+        """Jobs by state, queue depth per sub-job, chunk-store bytes per job and jobs per model host,
+        read when scraped."""
         jobs = GaugeMetricFamily("icefloe_jobs", "Jobs by state.", labels=["state"])
         for row in self.db.fetch_all("SELECT status, COUNT(*) AS n FROM jobs GROUP BY status"):
             jobs.add_metric([row["status"]], row["n"])
@@ -179,4 +182,16 @@ class ServiceMetrics:
         )
         for job_id, held in sorted(self._chunk_bytes().items()):
             chunks.add_metric([job_id], held)
-        return [jobs, queue, chunks]
+        hosted = GaugeMetricFamily(
+            "icefloe_host_jobs",
+            "Jobs on each model host (a shared host: one LoRA adapter each).",
+            labels=["host", "model"],
+        )
+        placed = GaugeMetricFamily(
+            "icefloe_job_host", "1 for the model host each running job is on.", labels=["job_id", "host"]
+        )
+        for host, members in self._hosts():
+            hosted.add_metric([host["host_id"], host["base_model"] or ""], host["num_jobs"])
+            for job_id in members:
+                placed.add_metric([job_id, host["host_id"]], 1)
+        return [jobs, queue, chunks, hosted, placed]

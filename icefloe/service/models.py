@@ -173,6 +173,17 @@ class SubJobPublic(_Open):
     model_name: str
 
 
+class HostPublic(BaseModel):
+    """A model host as a job record shows it: shared by LoRA jobs of one base, or one job's own."""
+
+    host_id: str
+    shared: bool
+    base_model: str | None
+    num_jobs: int
+    max_jobs: int
+    slots: list[int]
+
+
 class JobPublic(BaseModel):
     job_id: str
     status: str
@@ -187,6 +198,7 @@ class JobPublic(BaseModel):
     # lease had left before this call renewed it (None = no lease)
     queue: dict[str, int] | None = None
     lease_expires_in_s: float | None = None
+    host: HostPublic | None = None  # the model host it runs on, once placed
 
 
 class JobList(BaseModel):

@@ -8,7 +8,6 @@ octet body run on a thread-pool thread (decoding a 60 MiB frame must not stall t
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 import math
 import time
@@ -166,25 +165,50 @@ def _submit_generate(
     body = _generate_body(payload)
     if sub_job_id is None:
         sub_job_id = generate_target(job, body.routing_key)
-    params, host = sampling_params_per_prompt(body, job, sub_job_id), job.engines
+    params = sampling_params_per_prompt(body, job, sub_job_id)
 
-    def run_batch(items: list[tuple[list, list[SamplingParams]]]) -> list[Any]:
-        # Each sample is encoded as JSON where it is made (an engine process: see JobEngines.generate_json).
-        prompts = [prompt for item_prompts, _ in items for prompt in item_prompts]
-        samples = host.generate_json(sub_job_id, prompts, [p for _, item_params in items for p in item_params])
-        return [
-            JsonText.object({"job_id": job.job_id}, results=part)
-            for part in _split(samples, [sum(p.n for p in item_params) for _, item_params in items])
-        ]
+    def render(samples: list[Any]) -> JsonText:
+        return JsonText.object({"job_id": job.job_id}, results=samples)
 
-    item = (body.prompts, params)
-    return manager.submit(job, sub_job_id, api.OP_GENERATE, run_batch, batch_item=item, op_metadata=op_metadata)
+    # Each sample is encoded as JSON where it is made (an engine process), so the answer splices it in.
+    item = Sampling(sub_job_id, body.prompts, params, render)
+    return submit_sampling(manager, job, item, as_json=True, op_metadata=op_metadata)
 
 
-def _split(samples: list[Any], counts: list[int]) -> list[list[Any]]:
-    """Hand each call its slice of a merged batch's samples (prompt-major: n samples per prompt)."""
-    rest = iter(samples)
-    return [list(itertools.islice(rest, count)) for count in counts]
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """One generate item a lane holds: what to sample on which sub-job, and how its samples (prompt
+    major, ``n`` per prompt) become its result. Items queued at the same time on any lane of a host
+    run as one engine batch (:func:`submit_sampling`)."""
+
+    sub_job_id: str
+    prompts: list[Any]
+    params: list[SamplingParams]
+    render: Callable[[list[Any]], Any]
+    index: int = 0  # a generate-stream's prompt
+
+
+def submit_sampling(
+    manager: JobManager,
+    job: LiveJob,
+    item: Sampling,
+    *,
+    as_json: bool,
+    op: str = api.OP_GENERATE,
+    op_metadata: dict[str, Any] | None = None,
+    stream: Any = None,
+) -> str:
+    """Queue ``item`` (or a stream's items) to be sampled in one batch with every item queued beside it.
+    ``as_json``: samples reach ``render`` as JSON text (cheap to pass on) instead of dicts."""
+
+    def run_batch(items: list[Sampling]) -> list[Any]:
+        samples = job.engines.generate_many([(i.sub_job_id, i.prompts, i.params) for i in items], as_json)
+        return [i.render(part) for i, part in zip(items, samples, strict=True)]
+
+    key = (api.OP_GENERATE, as_json)
+    return manager.submit(
+        job, item.sub_job_id, op, run_batch, batch_key=key, batch_item=item, op_metadata=op_metadata, stream=stream
+    )
 
 
 def sampling_params_per_prompt(body: GenerateBody, job: LiveJob, sub_job_id: str) -> list[SamplingParams]:
@@ -316,7 +340,8 @@ def submit_weight_sync(
             return "the weight-sync request was cancelled"
         return None
 
-    gate, host = SyncGate.parked([job.workers[t] for t in targets], abandoned=abandoned), job.engines
+    gate = SyncGate.parked([job.workers[t] for t in targets], source=job.workers[source], abandoned=abandoned)
+    host = job.engines
 
     def copy() -> dict[str, Any]:
         job.restart_clock(source)  # the targets are parked: the deadline counts from here
@@ -338,7 +363,7 @@ def submit_weight_sync(
             raise ConflictError(str(exc)) from None
 
     try:
-        sync_request["id"] = manager.submit(job, source, api.OP_WEIGHT_SYNC, run)
+        sync_request["id"] = manager.submit(job, source, api.OP_WEIGHT_SYNC, run, ready=gate.may_start)
     except BaseException:
         gate.release()
         raise
@@ -352,28 +377,27 @@ OP_GENERATE_STREAM = "generate-stream"
 @dataclass
 class GenerateStream:
     """Events of one ``generate-stream`` request (UTF-8 JSON with a generate's fields): each prompt
-    is a batchable item ``(index, (prompt, params))`` of ``items``, and its outcome an event the
-    moment its batch finishes. Polls drain events destructively, as the training API specifies:
-    ``{type: "result", index, result}``, ``{type: "error", index, error}``, then ``{type: "done",
-    completed, failed}``. Only the sub-job's worker pushes and only polls drain, so the deque needs
-    no lock.
+    is a :class:`Sampling` item of ``items``, and its outcome an event the moment its batch
+    finishes. Polls drain events destructively, as the training API specifies: ``{type: "result",
+    index, result}``, ``{type: "error", index, error}``, then ``{type: "done", completed, failed}``.
+    Only the host's worker pushes and only polls drain, so the deque needs no lock.
     """
 
     job_id: str
-    items: list[tuple]
+    items: list[Sampling]
     completed: int = 0
     failed: int = 0
     _events: deque[dict[str, Any]] = field(default_factory=deque)
 
-    def push(self, item: tuple, *, result: Any = None, error: str | None = None) -> str | None:
+    def push(self, item: Sampling, *, result: Any = None, error: str | None = None) -> str | None:
         """Queue the event of ``item``'s prompt; after the last prompt's, ``done``, and return the
         counts (JSON) the request finishes with."""
         if error is None:
             self.completed += 1
-            self._events.append({"type": "result", "index": item[0], "result": result})
+            self._events.append({"type": "result", "index": item.index, "result": result})
         else:
             self.failed += 1
-            self._events.append({"type": "error", "index": item[0], "error": error})
+            self._events.append({"type": "error", "index": item.index, "error": error})
         if self.completed + self.failed < len(self.items):
             return None
         self._events.append({"type": "done", "completed": self.completed, "failed": self.failed})
@@ -392,14 +416,16 @@ def submit_generate_stream(manager: JobManager, job: LiveJob, body: bytes, *, su
     request = _generate_body(parse_json_body(body, "generate-stream body (UTF-8 JSON, not DSSST1)"))
     target = sub_job_id or generate_target(job, request.routing_key)
     params = sampling_params_per_prompt(request, job, target)
-    stream = GenerateStream(job.job_id, items=list(enumerate(zip(request.prompts, params, strict=True))))
 
-    def run_batch(batch: list[tuple]) -> list[dict[str, Any]]:  # prompts of every stream queued together
-        samples = job.engines.generate(target, [prompt for _, (prompt, _) in batch], [p for _, (_, p) in batch])
-        parts = _split(samples, [p.n for _, (_, p) in batch])
-        return [{"job_id": job.job_id, "results": part} for part in parts]
+    def render(samples: list[Any]) -> dict[str, Any]:
+        return {"job_id": job.job_id, "results": samples}
 
-    request_id = manager.submit(job, target, OP_GENERATE_STREAM, run_batch, stream=stream)
+    items = [
+        Sampling(target, [prompt], [p], render, index)
+        for index, (prompt, p) in enumerate(zip(request.prompts, params, strict=True))
+    ]
+    stream = GenerateStream(job.job_id, items=items)
+    request_id = submit_sampling(manager, job, items[0], as_json=False, op=OP_GENERATE_STREAM, stream=stream)
     return {"request_id": request_id, "job_id": job.job_id, "count": len(stream.items)}
 
 

@@ -1,11 +1,13 @@
-"""``icefloe serve --engines process``: each job's engines in a child process of their own.
+"""``icefloe serve --engines process``: each model host's engines in a child process of their own.
 
 In the service process the engines would share one GIL with the HTTP loop; a child also contains a
-crash (a CUDA fault, the OOM killer ends one job, never the service). The child runs a
-:class:`LocalEngineHost`; each sub-job talks to it over its own pipe (a :class:`Channel` here,
-:func:`serve` on a thread there), pickled by hand (multiprocessing's pickler would move each tensor
-through a shared-memory segment). The child writes what its engines log into the job's log itself.
-Children fork from a forkserver that imported torch once, so a tiny job starts in about 0.2 s.
+crash (a CUDA fault, the OOM killer ends one host, never the service). The child runs a
+:class:`LocalEngineHost`; each of the host's workers talks to it over its own pipe (a
+:class:`Channel` here, :func:`serve` on a thread there): one per sub-job on a dedicated host, one
+for a shared base and every run on it. Calls are pickled by hand (multiprocessing's pickler would
+move each tensor through a shared-memory segment). The child writes what a dedicated job's engines
+log into the job's log itself. Children fork from a forkserver that imported torch once, so a tiny
+host starts in about 0.2 s.
 """
 
 from __future__ import annotations
@@ -26,11 +28,11 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from icefloe.protocol import ClientClosedError, SamplingParams
-from icefloe.service.runtime import JobEngines, stop_check
+from icefloe.protocol import ClientClosedError, InvalidRequestError
+from icefloe.service.runtime import BaseModel, Call, JobEngines, stop_check
 from icefloe.service.specs import SubJobSpec
 
-__all__ = ["Channel", "EngineProcessDied", "ProcessEngineHost", "serve", "warm_forkserver"]
+__all__ = ["SHARED_CHANNEL", "Channel", "EngineProcessDied", "ProcessEngineHost", "serve", "warm_forkserver"]
 
 _log = logging.getLogger("icefloe.service.process_host")
 
@@ -51,8 +53,11 @@ _START_TICK_S = 0.05  # while it waits for the engine process to start, a job ch
 _EXIT_TIMEOUT_S = 3.0  # after the pipes close, a child still running by then is killed
 
 
+SHARED_CHANNEL = "shared"  # the one channel of a shared host: its base and every run on it
+
+
 class EngineProcessDied(RuntimeError):
-    """The job's engine process exited mid-call: the job has lost its engines."""
+    """The host's engine process exited mid-call: every job on it has lost its engines."""
 
 
 def _context() -> Any:
@@ -120,9 +125,9 @@ class Channel:
 
 
 class ProcessEngineHost(JobEngines):
-    """The engines of one job, in a child process: each op runs on the child's :class:`LocalEngineHost`.
+    """The engines of one model host, in a child process: each op runs on the child's :class:`LocalEngineHost`.
 
-    ``log_dir``: the job's log folder, where the child writes what its engines log (None: nowhere).
+    ``log_dir``: a dedicated job's log folder, where the child writes what its engines log (None: nowhere).
     """
 
     def __init__(
@@ -131,8 +136,11 @@ class ProcessEngineHost(JobEngines):
         devices: dict[str, str],
         checkpoints: dict[str, Path],
         log_dir: Path | None = None,
+        *,
+        base: BaseModel | None = None,
     ) -> None:
-        super().__init__(specs, devices, checkpoints)
+        super().__init__(specs, devices, checkpoints, base=base)
+        self._channels: dict[str, Channel] = {}
         self._log_dir = log_dir
         self._process: Any = None
         self._control: Connection | None = None
@@ -144,15 +152,18 @@ class ProcessEngineHost(JobEngines):
     def start(self, on_progress: Callable[[str], None], stop: threading.Event) -> None:
         context = _context()
         control, child_control = context.Pipe()
-        ends = {sub_job_id: context.Pipe() for sub_job_id in self._specs}
+        groups = [SHARED_CHANNEL] if self._base is not None else list(self._specs)
+        ends = {group: context.Pipe() for group in groups}
         self._control = control
         process = context.Process(
             target=_child_main,
-            args=(child_control, {sid: child for sid, (_, child) in ends.items()}, list(self._specs.values())),
-            kwargs={"devices": self._devices, "checkpoints": self._checkpoints, "log_dir": self._log_dir},
+            args=(child_control, {group: child for group, (_, child) in ends.items()}, list(self._specs.values())),
+            kwargs={
+                "devices": self._devices, "checkpoints": self._checkpoints, "log_dir": self._log_dir, "base": self._base
+            },
             name="icefloe-engines",
             daemon=True,
-        )
+        )  # fmt: skip
         try:
             process.start()
         finally:  # the child holds its own copies now (or never will): ours would only keep fds open
@@ -160,8 +171,8 @@ class ProcessEngineHost(JobEngines):
             for _, child in ends.values():
                 child.close()
         self._process, self.pid = process, process.pid
-        # each sub-job's engine, as far as this process sees it: the channel to it
-        self._engines = {sid: Channel(parent, lost=self._lost) for sid, (parent, _) in ends.items()}
+        # each worker's engines, as far as this process sees them: the channel to them
+        self._channels = {group: Channel(parent, lost=self._lost) for group, (parent, _) in ends.items()}
         on_progress(f"engines run in process {process.pid}")
         deadline = time.monotonic() + _START_TIMEOUT_S
         while True:
@@ -192,13 +203,13 @@ class ProcessEngineHost(JobEngines):
         """The job is stopping: every call waiting on the engine process fails now, as cancelled,
         and so does any later one; the process exits after the op it is running."""
         self._stopping = True
-        for channel in self._engines.values():
+        for channel in self._channels.values():
             channel.shut()
 
     def close(self) -> None:
         """Interrupt, let the child release its engines and exit; kill it after a few seconds."""
         self.interrupt()
-        for channel in self._engines.values():
+        for channel in self._channels.values():
             channel.close()
         if self._control is not None:
             self._control.close()  # the child's EOF: it releases its engines and exits
@@ -220,16 +231,35 @@ class ProcessEngineHost(JobEngines):
     def _lost(self, what: str) -> BaseException:
         if self._stopping:
             return ClientClosedError(f"the job is stopping; {what} was not completed")
-        code = self._reap(5)
-        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-        return EngineProcessDied(f"the engine process {self.pid} {how} during {what}")
+        return EngineProcessDied(f"{self._ended(self._reap(5))} during {what}")
 
-    def generate_json(self, sub_job_id: str, prompts: list[list[int] | str], params: list[SamplingParams]) -> list[str]:
-        """Encoded in the engine process: a JSON text pickles and unpickles far faster than its sample."""
-        return self._call(sub_job_id, "generate_json", prompts, params)
+    def died(self) -> str | None:
+        if self._process is None or self._stopping or self._process.is_alive():
+            return None
+        return self._ended(self._reap(5))
+
+    def _ended(self, code: int | None) -> str:
+        how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        return f"the engine process {self.pid} {how}"
+
+    def attach(self, specs: Sequence[SubJobSpec], checkpoints: dict[str, Path]) -> None:
+        self._channels[SHARED_CHANNEL].call("attach", list(specs), checkpoints)
+
+    def detach(self, sub_job_ids: Sequence[str]) -> None:
+        self._channels[SHARED_CHANNEL].call("detach", list(sub_job_ids))
+
+    def generate_many(self, calls: Sequence[Call], as_json: bool) -> list[list[Any]]:
+        """As JSON, encoded in the engine process: a JSON text pickles and unpickles far faster than its sample."""
+        return self._channel(calls[0][0]).call("generate_many", list(calls), as_json)
 
     def _call(self, sub_job_id: str, method: str, *args: Any) -> Any:
-        return self._engine(sub_job_id).call(method, sub_job_id, *args)
+        return self._channel(sub_job_id).call(method, sub_job_id, *args)
+
+    def _channel(self, sub_job_id: str) -> Channel:
+        channel = self._channels.get(SHARED_CHANNEL if self._base is not None else sub_job_id)
+        if channel is None:
+            raise InvalidRequestError(f"sub-job {sub_job_id!r} has no engine on this host")
+        return channel
 
 
 class _TensorPickler(pickle.Pickler):
@@ -304,6 +334,7 @@ def _child_main(
     devices: dict[str, str],
     checkpoints: dict[str, Path],
     log_dir: Path | None,
+    base: BaseModel | None,
 ) -> None:
     from icefloe.service.joblog import JobLog, JobLogRouter
     from icefloe.service.runtime import LocalEngineHost
@@ -323,7 +354,7 @@ def _child_main(
         for spec in specs:
             router.bind(f"icefloe-{spec.sub_job_id}", log, spec.sub_job_id)
         logging.getLogger("icefloe").addHandler(router)
-    host = LocalEngineHost(specs, devices, checkpoints)
+    host = LocalEngineHost(specs, devices, checkpoints, base=base)
 
     def tell(kind: str, value: Any) -> None:
         control.send_bytes(_dumps((kind, value)))
@@ -338,8 +369,8 @@ def _child_main(
     gc.freeze()
     tell("ready", None)
     threads = [
-        threading.Thread(target=serve, args=(host, pipe), name=f"icefloe-{sub_job_id}", daemon=True)
-        for sub_job_id, pipe in pipes.items()
+        threading.Thread(target=serve, args=(host, pipe), name=f"icefloe-{group}", daemon=True)
+        for group, pipe in pipes.items()
     ]
     for thread in threads:
         thread.start()

@@ -1,14 +1,17 @@
-"""Where a job's engines live: the one seam between the service and the compute behind it.
+"""Where jobs' engines live: the one seam between the service and the compute behind it.
 
-A :class:`JobEngines` builds and owns the engines of ONE job and runs one op at a time on a named
-sub-job, called from that sub-job's ordered worker, so a host need not lock. ``local`` keeps the
-engines in this process, ``process`` in a child process, ``ray`` in actors.
+A :class:`JobEngines` builds and owns the engines of one model host and runs ops on them by
+sub-job id, called from the host's workers (:mod:`icefloe.service.hosts`), so it need not lock.
+A host is dedicated (the engines of one job, built at start) or shared (one base model, on which
+the LoRA runs of many jobs attach and detach: :meth:`JobEngines.attach`). ``local`` keeps the
+engines in this process, ``process`` in a child process, ``ray`` in actors (dedicated only).
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +19,7 @@ from icefloe.protocol import ClientClosedError, ConfigError, InvalidRequestError
 from icefloe.service.results import encode_json
 from icefloe.service.specs import SubJobSpec
 
-__all__ = ["JobEngines", "LocalEngineHost", "make_engine_host"]
+__all__ = ["BaseModel", "JobEngines", "LocalEngineHost", "make_engine_host"]
 
 # Engines of two jobs are never built at the same time in one process: transformers' lazy imports
 # and the tiny-model cache (resolve_model) are not safe to enter from two threads at once.
@@ -31,6 +34,15 @@ def _op(method: str) -> Callable[..., Any]:
     return call
 
 
+@dataclass(frozen=True)
+class BaseModel:
+    """The base model a shared host holds: what ``resolve_model`` loads, on which device."""
+
+    model: str
+    seed: int  # a tiny:<preset> model's weights depend on it
+    device: str
+
+
 # The service's name for an op -> the engine method it calls and that method's keyword arguments,
 # where the two differ.
 _ENGINE_METHODS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -40,19 +52,32 @@ _ENGINE_METHODS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+Call = tuple[str, list[Any], list[SamplingParams]]  # (sub-job id, prompts, one params per prompt)
+
+
 class JobEngines:
-    """The engines of one job, addressed by sub-job id; each op is one :meth:`_call`, by default the
-    engine method of that name on ``self._engines[sid]``.
+    """The engines of one model host, addressed by sub-job id; each op is one :meth:`_call`, by
+    default the engine method of that name on ``self._engines[sid]``.
 
     A subclass fills ``_engines`` in ``start`` (slow; raise with the cause when an engine cannot be
     built, and give up soon once the ``stop`` event is set) and releases them in ``close``
-    (idempotent), also after a start that failed or gave up.
+    (idempotent), also after a start that failed or gave up. With ``base`` the host is shared:
+    ``start`` loads the base model only, and each job's engines come and go with :meth:`attach`
+    and :meth:`detach`.
     """
 
-    def __init__(self, specs: Sequence[SubJobSpec], devices: dict[str, str], checkpoints: dict[str, Path]) -> None:
+    def __init__(
+        self,
+        specs: Sequence[SubJobSpec],
+        devices: dict[str, str],
+        checkpoints: dict[str, Path],
+        *,
+        base: BaseModel | None = None,
+    ) -> None:
         self._specs = {s.sub_job_id: s for s in specs}
         self._devices = devices
         self._checkpoints = checkpoints  # sub-job id -> checkpoint folder to start from
+        self._base = base
         self._engines: dict[str, Any] = {}
 
     fwd_bwd = _op("fwd_bwd")
@@ -65,9 +90,20 @@ class JobEngines:
     reset_prefix_cache = _op("reset_prefix_cache")
     sync_weights = _op("sync_weights")
 
-    def generate_json(self, sub_job_id: str, prompts: list[list[int] | str], params: list[SamplingParams]) -> list[str]:
-        """:meth:`generate` with each sample encoded as JSON, so the answer splices the text in as it is."""
-        return [encode_json(sample) for sample in self.generate(sub_job_id, prompts, params)]
+    def attach(self, specs: Sequence[SubJobSpec], checkpoints: dict[str, Path]) -> None:
+        """Build the engines of a job's sub-jobs on the shared base (a shared host only)."""
+        raise NotImplementedError(f"{type(self).__name__} hosts one job; its engines are built at start")
+
+    def detach(self, sub_job_ids: Sequence[str]) -> None:
+        """Drop those sub-jobs' engines (their adapters and optimizer state); the base stays."""
+        raise NotImplementedError(f"{type(self).__name__} hosts one job; close it instead")
+
+    def generate_many(self, calls: Sequence[Call], as_json: bool) -> list[list[Any]]:
+        """Generate ``calls`` ``(sub_job_id, prompts, params)`` as one batch where their samplers
+        share a base; one list of samples per call (each encoded as JSON when ``as_json``, so an
+        answer splices it in as it is)."""
+        results = [self.generate(sub_job_id, prompts, params) for sub_job_id, prompts, params in calls]
+        return [[encode_json(s) for s in samples] for samples in results] if as_json else results
 
     def start(self, on_progress: Callable[[str], None], stop: threading.Event) -> None:
         raise NotImplementedError
@@ -81,6 +117,10 @@ class JobEngines:
     def kill(self) -> None:
         """End the engines now, whatever they are running (an op past its deadline)."""
 
+    def died(self) -> str | None:
+        """How the engines ended if they are gone without being closed (None: alive, or in this process)."""
+        return None
+
     def close(self) -> None:
         raise NotImplementedError
 
@@ -92,37 +132,92 @@ class JobEngines:
         try:
             return self._engines[sub_job_id]
         except KeyError:
-            raise InvalidRequestError(f"sub-job {sub_job_id!r} has no engine in this job") from None
+            raise InvalidRequestError(f"sub-job {sub_job_id!r} has no engine on this host") from None
 
 
 class LocalEngineHost(JobEngines):
-    """Engines in this process: one TrainingEngine or SamplingEngine per sub-job, on its slot's device."""
+    """Engines in this process: one TrainingEngine or SamplingEngine per sub-job, on its slot's device;
+    on a shared host, each a run's adapter (or the base itself) on the one base model."""
+
+    _shared: Any = None  # the SharedBase of a shared host, once loaded
 
     def start(self, on_progress: Callable[[str], None], stop: threading.Event) -> None:
         with _BUILD_LOCK:
-            self._build_all(on_progress, stop)
+            if self._base is not None:
+                self._load_base(on_progress)
+            self._build(self._specs.values(), self._checkpoints, on_progress, stop)
         on_progress("engines ready")
 
-    def _build_all(self, on_progress: Callable[[str], None], stop: threading.Event) -> None:
-        from icefloe.engines.sampling import build_sampling_engine
+    def attach(self, specs: Sequence[SubJobSpec], checkpoints: dict[str, Path]) -> None:
+        if self._base is None:
+            super().attach(specs, checkpoints)
+        with _BUILD_LOCK:
+            self._build(specs, checkpoints, lambda message: None, threading.Event())
+
+    def detach(self, sub_job_ids: Sequence[str]) -> None:
+        for sub_job_id in sub_job_ids:
+            engine = self._engines.pop(sub_job_id, None)
+            if engine is not None and engine.lora is not None:
+                engine.shared.remove(engine.adapter)
+
+    def _load_base(self, on_progress: Callable[[str], None]) -> None:
+        import torch
+
+        from icefloe.engines.lora import SharedBase
+        from icefloe.engines.models import load_causal_lm, load_tokenizer, resolve_model
+        from icefloe.engines.training import resolve_device
+
+        assert self._base is not None
+        on_progress(f"loading the shared base {self._base.model!r} on {self._base.device}")
+        folder = resolve_model(self._base.model, seed=self._base.seed)
+        base = load_causal_lm(folder, dtype=torch.float32, device=resolve_device(self._base.device))
+        self._shared = SharedBase(base.requires_grad_(False), model_dir=folder, tokenizer=load_tokenizer(folder))
+
+    def _build(
+        self,
+        specs: Sequence[SubJobSpec] | Any,
+        checkpoints: dict[str, Path],
+        on_progress: Callable[[str], None],
+        stop: threading.Event,
+    ) -> None:
+        from icefloe.engines.lora import read_adapter_checkpoint
+        from icefloe.engines.sampling import SamplingEngine, build_sampling_engine
         from icefloe.engines.training import TrainingEngine
 
-        for sub_job_id, spec in self._specs.items():
+        shared = self._shared
+        for spec in specs:
+            sub_job_id = spec.sub_job_id
             stop_check(stop)  # an engine loading in this process cannot be cut short: give up between them
-            device = self._devices[sub_job_id]
-            start_from = self._checkpoints.get(sub_job_id)
-            on_progress(f"loading {spec.config.model!r} for {sub_job_id} on {device}")
-            if spec.job_type == "sampling":  # a weights-only LoRA checkpoint: the base model with its adapter
-                engine = build_sampling_engine(spec.config, device, model_dir=start_from)
+            start_from = checkpoints.get(sub_job_id)
+            if shared is None:
+                on_progress(f"loading {spec.config.model!r} for {sub_job_id} on {self._devices[sub_job_id]}")
+            if spec.job_type == "sampling" and shared is not None:
+                engine = SamplingEngine(spec.config, shared=shared)
+                adapter = read_adapter_checkpoint(start_from, spec.config.lora) if start_from else None
+                if adapter is not None:  # a weights-only LoRA checkpoint: the base with its adapter
+                    engine.load_weights(adapter.items(), policy_version=0)
+            elif spec.job_type == "sampling":
+                engine = build_sampling_engine(spec.config, self._devices[sub_job_id], model_dir=start_from)
             else:
                 role = "training" if spec.is_training else "reference"
-                engine = TrainingEngine(spec.config, device=device, role=role)
+                engine = TrainingEngine(
+                    spec.config, device=self._devices.get(sub_job_id, "cpu"), role=role, shared=shared
+                )
                 if start_from is not None:
                     loaded = engine.load_checkpoint(start_from)
                     if spec.is_training and not spec.load_optimizer_states and engine.optimizer is not None:
                         engine.optimizer.state.clear()  # load_optimizer_states=false: weights only, fresh AdamW
                     on_progress(f"{sub_job_id} starts from {loaded['checkpoint_id']} ({loaded['kind']})")
             self._engines[sub_job_id] = engine
+
+    def generate_many(self, calls: Sequence[Call], as_json: bool) -> list[list[Any]]:
+        from icefloe.engines.sampling import SamplingEngine, generate_together
+
+        engines = [self._engine(sub_job_id) for sub_job_id, _, _ in calls]
+        if not all(isinstance(engine, SamplingEngine) for engine in engines):  # vLLM batches by itself
+            return super().generate_many(calls, as_json)
+        results = generate_together([(engine, p, q) for engine, (_, p, q) in zip(engines, calls, strict=True)])
+        return [[encode_json(s) for s in samples] for samples in results] if as_json else results
 
     def sync_weights(
         self, source_sub_job_id: str, target_sub_job_id: str, weight_format: str | None = None
@@ -150,15 +245,22 @@ def stop_check(stop: threading.Event) -> None:
 
 
 def make_engine_host(
-    engines: str, specs: Sequence[SubJobSpec], devices: dict[str, str], checkpoints: dict[str, Path], log_dir: Path
+    engines: str,
+    specs: Sequence[SubJobSpec],
+    devices: dict[str, str],
+    checkpoints: dict[str, Path],
+    log_dir: Path | None,
+    *,
+    base: BaseModel | None = None,
 ) -> JobEngines:
-    """Build the host ``--engines`` names for one job's sub-jobs (``log_dir``: the job's log folder)."""
+    """Build the host ``--engines`` names: a dedicated job's sub-jobs (``log_dir``: the job's log
+    folder), or a shared ``base`` that jobs attach to later."""
     if engines == "local":
-        return LocalEngineHost(specs, devices, checkpoints)
+        return LocalEngineHost(specs, devices, checkpoints, base=base)
     if engines == "process":
         from icefloe.service.process_host import ProcessEngineHost
 
-        return ProcessEngineHost(specs, devices, checkpoints, log_dir)
+        return ProcessEngineHost(specs, devices, checkpoints, log_dir, base=base)
     if engines == "ray":
         from icefloe.service.ray_host import RayEngineHost
 

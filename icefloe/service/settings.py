@@ -35,6 +35,8 @@ class ServeSettings(BaseModel):
     # None = tiny:<preset> models only. Nothing outside it is ever read on a caller's behalf.
     model_root: Path | None = None
     slots: int = Field(4, gt=0)  # CPU slots handed to sub-jobs when torch sees no GPU
+    # LoRA jobs of one base model share a host (one copy of the base, one slot); at most this many per host.
+    max_adapters: int = Field(32, ge=1)
     # Where a job's engines run: a child process per job, this process (threads), or Ray actors.
     engines: Literal["process", "local", "ray"] = "process"
     ray_address: str | None = None  # engines="ray": cluster to join; None = a local Ray started on demand

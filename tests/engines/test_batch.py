@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from icefloe.engines.batch import shifted_token_logprobs, split_micro_batches, validate_batch
+from icefloe.engines.batch import shifted_token_logprobs, validate_batch
+from icefloe.engines.micro_batches import MicroBatch, cut_micro_batch, row_spans
 from icefloe.protocol import InvalidRequestError
 
 from .engine_batches import make_batch
@@ -82,15 +83,6 @@ def test_validate_batch_cross_entropy_needs_no_advantages():
     assert "advantages" not in validate_batch(batch)["context"]
 
 
-def test_split_micro_batches_respects_the_token_budget():
-    frame = validate_batch(make_batch([[5, 6]] * 5, [[7, 8, 9]] * 5, [1.0] * 5))  # S = 5
-    parts = split_micro_batches(frame, micro_batch_tokens=12)
-    assert [p["kwargs"]["input_ids"].shape[0] for p in parts] == [2, 2, 1]
-    assert torch.equal(torch.cat([p["context"]["loss_mask"] for p in parts]), frame["context"]["loss_mask"])
-    assert len(split_micro_batches(frame, 0)) == 1
-    assert [p["kwargs"]["input_ids"].shape[0] for p in split_micro_batches(frame, 3)] == [1] * 5  # ≥ 1 row
-
-
 def test_shifted_token_logprobs_matches_a_per_position_loop():
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 4, 6, generator=gen)
@@ -121,7 +113,8 @@ def test_validate_batch_keeps_per_row_extras_and_drops_batch_level_ones():
     batch["context"]["note"] = "not a tensor"
     frame = validate_batch(batch)
     assert "versions" in frame["context"] and "cu_seqlens" not in frame["context"] and "note" not in frame["context"]
-    assert [p["context"]["versions"].tolist() for p in split_micro_batches(frame, 5)] == [[3], [4]]
+    parts = [cut_micro_batch(frame, MicroBatch((row,), 5), row_spans(frame)) for row in (1, 0)]
+    assert [p["context"]["versions"].tolist() for p in parts] == [[4], [3]]
 
 
 def _sft(frame: dict) -> dict:

@@ -6,18 +6,23 @@ import threading
 
 import pytest
 
-from icefloe.engines.host import EngineHost, RoleWorker, SyncGate
+from icefloe.engines.host import EngineHost, Lane, SyncGate, Worker
 from icefloe.protocol import ClientClosedError, InvalidRequestError
+
+
+def _lane(name: str, *, linger_s: float = 0.002) -> Lane:
+    """A lane on a worker of its own (close it with ``lane.worker.close()``)."""
+    return Worker(name, linger_s=linger_s).lane(name)
 
 
 @pytest.fixture
 def worker():
-    w = RoleWorker("test", linger_s=0.0)
-    yield w
-    w.close()
+    lane = _lane("test", linger_s=0.0)
+    yield lane
+    lane.worker.close()
 
 
-def _blocked(worker: RoleWorker) -> threading.Event:
+def _blocked(worker: Lane) -> threading.Event:
     """Occupy the worker until the returned event is set, so later submissions queue up."""
     release, started = threading.Event(), threading.Event()
 
@@ -62,7 +67,7 @@ def test_submit_batchable_coalesces_consecutive_items_with_the_same_key(worker):
 
 def test_linger_collects_items_that_arrive_just_after_the_first():
     """With a long linger the first item waits for company until a different item queues behind it."""
-    worker = RoleWorker("linger", linger_s=30.0)
+    worker = _lane("linger", linger_s=30.0)
     batches: list[list[int]] = []
     first = worker.submit_batchable("k", 1, lambda items: batches.append(list(items)) or items)
     second = worker.submit_batchable("k", 2, lambda items: batches.append(list(items)) or items)
@@ -70,7 +75,7 @@ def test_linger_collects_items_that_arrive_just_after_the_first():
     assert stopper.result(10) == "done"
     assert first.result(10) == 1 and second.result(10) == 2
     assert batches == [[1, 2]]
-    worker.close()
+    worker.worker.close()
 
 
 def test_exceptions_reach_the_futures(worker):
@@ -91,14 +96,14 @@ def test_exceptions_reach_the_futures(worker):
 
 
 def test_close_finishes_queued_work_is_idempotent_and_refuses_new_work():
-    worker = RoleWorker("closing", linger_s=0.0)
+    worker = _lane("closing", linger_s=0.0)
     release = _blocked(worker)
     queued = worker.submit(lambda: "queued")
     release.set()
-    worker.close()
-    worker.close()
+    worker.worker.close()
+    worker.worker.close()
     assert queued.result(0) == "queued"
-    assert worker.closed
+    assert worker.worker.closed
     with pytest.raises(ClientClosedError, match="worker 'closing' is closed"):
         worker.submit(lambda: None)
     with pytest.raises(ClientClosedError):
@@ -106,7 +111,7 @@ def test_close_finishes_queued_work_is_idempotent_and_refuses_new_work():
 
 
 def test_sync_gate_copies_between_earlier_and_later_work():
-    source, target = RoleWorker("source"), RoleWorker("target")
+    source, target = _lane("source"), _lane("target")
     events: list[str] = []
     try:
         release_first = threading.Event()
@@ -120,12 +125,12 @@ def test_sync_gate_copies_between_earlier_and_later_work():
         later.result(5)
         assert events == ["target-earlier", "copy", "target-later"]
     finally:
-        source.close()
-        target.close()
+        source.worker.close()
+        target.worker.close()
 
 
 def test_sync_gate_abandons_instead_of_hanging():
-    source = RoleWorker("source")
+    source = _lane("source")
     reason: list[str] = []
     try:
         gate = SyncGate(1, abandoned=lambda: reason[0] if reason else None, tick_s=0.01)
@@ -134,19 +139,19 @@ def test_sync_gate_abandons_instead_of_hanging():
         with pytest.raises(ClientClosedError, match="job stopped"):
             waiting.result(5)
     finally:
-        source.close()
+        source.worker.close()
 
 
 def test_a_parked_gate_copies_after_earlier_work_on_every_worker_and_before_later_work():
-    workers = {name: RoleWorker(name, linger_s=0.0) for name in ("train", "a", "b")}
+    workers = {name: _lane(name, linger_s=0.0) for name in ("train", "a", "b")}
     events: list[str] = []
     release = threading.Event()
     try:
         workers["a"].submit(lambda: (release.wait(5), events.append("a-earlier")))
         for name in ("b", "train"):
             workers[name].submit(events.append, f"{name}-earlier")
-        gate = SyncGate.parked([workers["a"], workers["b"]])
-        copied = workers["train"].submit(gate.run, lambda: events.append("copy") or "copied")
+        gate = SyncGate.parked([workers["a"], workers["b"]], source=workers["train"])
+        copied = gate.submit(lambda: events.append("copy") or "copied")
         later = [worker.submit(events.append, f"{name}-later") for name, worker in workers.items()]
         release.set()
         assert copied.result(5) == "copied"
@@ -154,7 +159,7 @@ def test_a_parked_gate_copies_after_earlier_work_on_every_worker_and_before_late
             future.result(5)
     finally:
         for worker in workers.values():
-            worker.close()
+            worker.worker.close()
     assert events.index("copy") > max(events.index(e) for e in ("a-earlier", "b-earlier", "train-earlier"))
     assert events.index("copy") < min(events.index(e) for e in ("a-later", "b-later", "train-later"))
 
@@ -173,3 +178,82 @@ def test_engine_host_answers_bad_requests_on_the_future_without_blocking(tmp_pat
         assert host.submit(Request(OP_LIST_CHECKPOINTS, "job", {})).result(0) == {"checkpoints": []}
     finally:
         host.close()
+
+
+def test_lanes_of_one_worker_take_turns():
+    """A lane with a long queue does not hold back another lane's work: they alternate."""
+    worker = Worker("turns", linger_s=0.0)
+    busy, quiet = worker.lane("busy"), worker.lane("quiet")
+    order: list[str] = []
+    try:
+        release = _blocked(busy)
+        for i in range(5):
+            busy.submit(order.append, f"busy{i}")
+        done = [quiet.submit(order.append, f"quiet{i}") for i in range(2)]
+        release.set()
+        for future in done:
+            future.result(10)
+        busy.submit(lambda: None).result(10)
+    finally:
+        worker.close()
+    assert order[:4] == ["quiet0", "busy0", "quiet1", "busy1"]
+
+
+def test_batchable_items_heading_several_lanes_run_as_one_batch():
+    worker = Worker("gather", linger_s=0.0)
+    lanes = [worker.lane(f"run{i}") for i in range(3)]
+    batches: list[list[str]] = []
+
+    def run_batch(items):
+        batches.append(list(items))
+        return [item.upper() for item in items]
+
+    try:
+        release = _blocked(lanes[0])
+        futures = [lane.submit_batchable("generate", f"r{i}", run_batch) for i, lane in enumerate(lanes)]
+        behind = lanes[1].submit_batchable("generate", "r1b", run_batch)
+        after = lanes[2].submit(lambda: "plain")
+        release.set()
+        assert [f.result(10) for f in futures] == ["R0", "R1", "R2"]
+        assert behind.result(10) == "R1B" and after.result(10) == "plain"
+    finally:
+        worker.close()
+    assert batches == [["r1", "r1b", "r0", "r2"]]  # the lane whose turn it is first, then the others' heads
+
+
+def test_a_gate_within_one_worker_copies_between_earlier_and_later_work_of_every_lane():
+    """Trainer and sampler lanes of a shared base sit on one worker: the copy waits for the sampler's
+    earlier work without parking the thread it needs itself."""
+    worker = Worker("shared", linger_s=0.0)
+    train, sample = worker.lane("train"), worker.lane("sample")
+    events: list[str] = []
+    try:
+        release = _blocked(train)
+        sample.submit(events.append, "sample-earlier")
+        gate = SyncGate.parked([sample], source=train)
+        copied = gate.submit(lambda: events.append("copy") or "copied")
+        later = [lane.submit(events.append, f"{lane.name}-later") for lane in (sample, train)]
+        release.set()
+        assert copied.result(10) == "copied"
+        for future in later:
+            future.result(10)
+    finally:
+        worker.close()
+    assert events.index("copy") > events.index("sample-earlier")
+    assert events.index("copy") < min(events.index("sample-later"), events.index("train-later"))
+
+
+def test_closing_a_lane_waits_for_its_work_and_leaves_the_worker_running():
+    worker = Worker("close-lane", linger_s=0.0)
+    first, second = worker.lane("first"), worker.lane("second")
+    try:
+        release = _blocked(first)
+        queued = first.submit(lambda: "ran")
+        threading.Timer(0.05, release.set).start()
+        first.close()
+        assert queued.result(0) == "ran"
+        with pytest.raises(ClientClosedError, match="lane 'first' is closed"):
+            first.submit(lambda: None)
+        assert second.submit(lambda: "still running").result(10) == "still running"
+    finally:
+        worker.close()

@@ -37,18 +37,21 @@ def _fixed_batch(loss_fn: str = "grpo") -> dict:
 
 
 def _logprobs(model, batch) -> torch.Tensor:
+    """The model's shifted log-probs of a right-padded batch; a column that scores padding reads 0, as the engine's."""
     with torch.no_grad():
         logits = model(**batch["kwargs"], use_cache=False).logits
-    return shifted_token_logprobs(logits, batch["kwargs"]["input_ids"])[0]
+    scores_a_token_BS = torch.nn.functional.pad(batch["kwargs"]["attention_mask"][:, 1:], (0, 1))
+    return shifted_token_logprobs(logits, batch["kwargs"]["input_ids"])[0] * scores_a_token_BS
 
 
 def test_lora_step_changes_only_adapters_and_the_loss_falls(model_dir):
     engine = TrainingEngine(_config(), model_dir=model_dir)
     before = _all_weights(engine)
-    adapter_names = {name for name, _ in engine.named_weights()}
-    assert adapter_names and all(".lora_A." in n or ".lora_B." in n for n in adapter_names)
+    synced = {name for name, _ in engine.named_weights()}
+    assert synced and all(".lora_A." in n or ".lora_B." in n for n in synced)
     optimized = {id(p) for group in engine.optimizer.param_groups for p in group["params"]}
     assert optimized == {id(p) for _, p in engine.sync_parameters()}
+    adapter_names = {name for name, p in engine.model.named_parameters() if id(p) in optimized}
 
     batch = _fixed_batch("cross_entropy")  # on-policy GRPO's loss value does not move; cross-entropy's does
     losses = []

@@ -46,6 +46,21 @@ def test_generate_splits_large_requests_without_changing_results(model_dir, samp
     assert _ids(small.generate(PROMPTS, params)) == _ids(sampler.generate(PROMPTS, params))
 
 
+def test_generate_bounds_decode_batches_by_tokens_without_changing_results(model_dir, sampler):
+    """Many prompts with a large n decode in batches of at most max_batch_tokens positions."""
+    params = SamplingParams(max_tokens=6, seed=3, n=5, logprobs=True)
+    bounded = SamplingEngine(make_config(sampling={"max_batch_tokens": 30}), model_dir=model_dir)
+    sizes: list[int] = []
+    decode = bounded._decode
+    bounded._decode = lambda rows: (
+        sizes.append(len(rows) * max(len(r.prompt_ids) + r.max_new for r in rows)),
+        decode(rows),
+    )
+    assert _ids(bounded.generate(PROMPTS, params)) == _ids(sampler.generate(PROMPTS, params))
+    assert len(sizes) > 2 and max(sizes) <= 30
+    assert sampler.token_budget >= 48  # the default: at least max_seq_len
+
+
 def test_generate_greedy_and_top_k_one_agree(sampler):
     greedy = sampler.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0))
     top1 = sampler.generate(PROMPTS, SamplingParams(max_tokens=8, top_k=1, seed=9))

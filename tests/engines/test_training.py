@@ -80,7 +80,8 @@ def test_micro_batching_by_token_budget_equals_one_pass(model_dir):
     assert micro_result["num_tokens"] == plain_result["num_tokens"] == int(batch["context"]["loss_mask"].sum())
     assert micro_result.keys() == plain_result.keys() == {"loss", "avg_loss", "metrics", "num_tokens"}
     for name, value in plain_result["metrics"].items():
-        assert micro_result["metrics"][name] == pytest.approx(value, abs=1e-5), name
+        if name != "padding_ratio":  # passes of another shape pad differently
+            assert micro_result["metrics"][name] == pytest.approx(value, abs=1e-5), name
     assert micro_result["loss"] == micro_result["avg_loss"] == micro_result["metrics"]["loss"]
     assert micro_step["grad_norm"] == pytest.approx(plain_step["grad_norm"], rel=1e-5)
 

@@ -213,3 +213,63 @@ def test_data_parallel_trains_like_one_engine_and_checkpoints_in_its_format(mode
     assert resumed.step()["grad_norm"] == pytest.approx(ranks[0]["second"]["grad_norm"], rel=1e-4)
     for name, tensor in resumed.named_weights():
         torch.testing.assert_close(ranks[0]["weights"][name], tensor, atol=1e-5, rtol=0)
+
+
+def _fsdp_micro_rank(rank: int, port: int, model_dir: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from icefloe.engines.distributed import DataParallelTrainingEngine
+    from icefloe.protocol import InvalidRequestError
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        # 8 positions per pass: about one row per pass, so the ranks plan different numbers of passes.
+        training = {"optimizer": {"lr": 1e-3}, "micro_batch_tokens": 8}
+        config = ClientConfig.build(model=model_dir, max_seq_len=48, training=training)
+        engine = DataParallelTrainingEngine(config, model_dir=Path(model_dir), fsdp=True)
+        shards, _ = shard_rows(make_frame(7), 2)
+        passes = len(engine._plan(shards[rank])[1])
+        result = engine.fwd_bwd(shards[rank])
+        step = engine.step()
+        forward = engine.forward(shards[rank])
+        too_long = build_batch([[1]] * 3, [[2] * 3, [2] * 3, [2] * 12], None, pad_id=0, loss_fn="cross_entropy")
+        too_long_shards, _ = shard_rows(validate_batch(too_long), 2)  # the 13-token row goes to rank 1
+        try:
+            engine.fwd_bwd(too_long_shards[rank])
+            refusal = ""
+        except InvalidRequestError as exc:
+            refusal = str(exc)
+        weights = {name: t.clone() for name, t in engine.named_weights()}
+        outcome = {"result": result, "step": step, "forward": forward, "refusal": refusal, "passes": passes}
+        torch.save({**outcome, "weights": weights}, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp_with_micro_batches_trains_like_one_engine(model_dir, tmp_path):
+    """FSDP used to refuse micro-batches: sharded ranks must run the same number of passes."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(
+        _fsdp_micro_rank, args=(free_port(), str(model_dir), str(tmp_path)), nprocs=2, join=True, start_method="fork"
+    )
+    ranks = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+    assert ranks[0]["passes"] == ranks[1]["passes"] > 2  # the rank with fewer rows ran idle passes
+
+    torch.set_num_threads(1)
+    config = ClientConfig.build(model=str(model_dir), max_seq_len=48, training={"optimizer": {"lr": 1e-3}})
+    single = TrainingEngine(config, model_dir=model_dir)
+    expected = single.fwd_bwd(make_frame(7))
+    expected_step = single.step()
+    expected_forward = single.forward(make_frame(7))
+    combined = combine_fwd_bwd([r["result"] for r in ranks], [3, 4])
+    assert combined["loss"] == pytest.approx(expected["loss"], abs=1e-5)
+    assert ranks[0]["step"]["grad_norm"] == pytest.approx(expected_step["grad_norm"], rel=1e-5)
+    for name, tensor in single.named_weights():
+        torch.testing.assert_close(ranks[0]["weights"][name], tensor, atol=1e-5, rtol=0, msg=name)
+    joined = concat_forward([r["forward"] for r in ranks], [3, 4])
+    torch.testing.assert_close(joined["logprobs"], expected_forward["logprobs"], atol=1e-5, rtol=1e-5)
+    # A row over the budget on rank 1 fails both ranks: neither waits forever in a collective.
+    assert ranks[1]["refusal"].startswith("row 1 has 13 tokens, more than the micro-batch budget of 8")
+    assert ranks[0]["refusal"] == "another data-parallel rank refused its share of the batch; see its error"

@@ -151,15 +151,15 @@ async def test_requests_to_one_sub_job_run_in_submission_order(data_dir):
 
 async def test_concurrent_generates_to_one_sampler_are_coalesced(data_dir, monkeypatch):
     gate, calls = threading.Event(), []
-    original = LocalEngineHost.generate
+    original = LocalEngineHost.generate_many
 
-    def gated_generate(self, sub_job_id, prompts, params):  # fault: the first batch is slow
-        calls.append(len(prompts))
+    def gated_generate(self, batch, as_json):  # fault: the first batch is slow
+        calls.append(sum(len(prompts) for _, prompts, _ in batch))
         if len(calls) == 1:
             gate.wait(30)
-        return original(self, sub_job_id, prompts, params)
+        return original(self, batch, as_json)
 
-    monkeypatch.setattr(LocalEngineHost, "generate", gated_generate)
+    monkeypatch.setattr(LocalEngineHost, "generate_many", gated_generate)
     async with asgi_client(make_app(data_dir, engines="local")) as http:
         api = Api(http)
         job_id = await api.create(TRAINING, SAMPLING)

@@ -51,15 +51,15 @@ async def _drain(api: Api, job_id: str, request_id: str) -> list[dict]:
 async def test_streams_generated_in_one_batch_each_get_only_their_own_events(data_dir, monkeypatch):
     """Prompts of two streams were generated together and every event went to the first stream."""
     gate, calls = threading.Event(), []
-    original = LocalEngineHost.generate
+    original = LocalEngineHost.generate_many
 
-    def gated_generate(self, sub_job_id, prompts, params):  # fault: the first batch is slow
-        calls.append(len(prompts))
+    def gated_generate(self, batch, as_json):  # fault: the first batch is slow
+        calls.append(sum(len(prompts) for _, prompts, _ in batch))
         if len(calls) == 1:
             gate.wait(30)
-        return original(self, sub_job_id, prompts, params)
+        return original(self, batch, as_json)
 
-    monkeypatch.setattr(LocalEngineHost, "generate", gated_generate)
+    monkeypatch.setattr(LocalEngineHost, "generate_many", gated_generate)
     async with asgi_client(make_app(data_dir, engines="local")) as http:
         api = Api(http)
         job_id = await api.running(TRAINING, SAMPLING)
@@ -89,10 +89,10 @@ def _stream_body(prompts: list) -> dict:
 async def test_an_engine_crash_during_a_stream_fails_the_job_naming_the_crash(data_dir, monkeypatch):
     """A crash became error events only; the job stayed running and later ended as "client lease expired"."""
 
-    def crash(self, sub_job_id, prompts, params):  # fault: the device went away mid-batch
+    def crash(self, batch, as_json):  # fault: the device went away mid-batch
         raise RuntimeError("device lost during sampling")
 
-    monkeypatch.setattr(LocalEngineHost, "generate", crash)
+    monkeypatch.setattr(LocalEngineHost, "generate_many", crash)
     async with asgi_client(make_app(data_dir, engines="local")) as http:
         api = Api(http)
         job_id = await api.running(TRAINING, SAMPLING)
@@ -109,15 +109,15 @@ async def test_a_cancelled_stream_stays_cancelled_its_prompts_never_run_and_its_
 ):
     """cancel-request answered cancelled, then the prompts ran anyway and the row flipped to done."""
     gate, calls = threading.Event(), []
-    original = LocalEngineHost.generate
+    original = LocalEngineHost.generate_many
 
-    def gated_generate(self, sub_job_id, prompts, params):  # fault: the first batch holds the sampler
-        calls.append(len(prompts))
+    def gated_generate(self, batch, as_json):  # fault: the first batch holds the sampler
+        calls.append(sum(len(prompts) for _, prompts, _ in batch))
         if len(calls) == 1:
             gate.wait(30)
-        return original(self, sub_job_id, prompts, params)
+        return original(self, batch, as_json)
 
-    monkeypatch.setattr(LocalEngineHost, "generate", gated_generate)
+    monkeypatch.setattr(LocalEngineHost, "generate_many", gated_generate)
     app = make_app(data_dir, engines="local")
     async with asgi_client(app) as http:
         api = Api(http)

@@ -36,7 +36,7 @@ pytestmark = pytest.mark.anyio
 
 
 def _host(app, job_id: str) -> ProcessEngineHost:
-    host = app.state.jobs.live(job_id).host
+    host = app.state.jobs.live(job_id).engines
     assert isinstance(host, ProcessEngineHost)
     return host
 
@@ -78,12 +78,13 @@ async def test_a_killed_engine_process_fails_its_job_and_the_service_keeps_servi
         survivor = await api.create(TRAINING)
         await api.wait_status(doomed, "running")
         await api.wait_status(survivor, "running")
-        os.kill(_host(app, doomed).pid, signal.SIGKILL)  # fault: the OOM killer, a CUDA abort
-        request_id = (await api.call("POST", f"/{doomed}/step", json={})).json()["request_id"]
-        polled = await api.poll(doomed, request_id)
-        assert polled["status"] == "failed" and "killed by signal 9" in polled["error"]
-        job = await api.wait_status(doomed, "failed")
-        assert "killed by signal 9" in job["reason"]
+        pid = _host(app, doomed).pid
+        os.kill(pid, signal.SIGKILL)  # fault: the OOM killer, a CUDA abort; nothing was running
+        job = await api.wait_status(doomed, "failed")  # found dead without waiting for an op to fail
+        assert job["reason"].startswith(f"the engine process {pid} was killed by signal 9")
+        assert job["reason"].endswith("no checkpoint was saved")
+        refused = await api.call("POST", f"/{doomed}/step", json={}, check=False)
+        assert refused.status_code == 409
         await api.fwd_bwd(survivor)
         stepped = await api.run(survivor, "POST", "step", json={})
         assert stepped["global_step"] == 1
@@ -233,11 +234,11 @@ def test_generate_samples_are_encoded_as_json_in_the_engine_process():
             raise AssertionError("generate ran in the service process")
 
         host.generate = not_here  # type: ignore[method-assign]
-        texts = host.generate_json(sub_job_id, [[1, 2, 3]], params)
+        (texts,) = host.generate_many([(sub_job_id, [[1, 2, 3]], params)], True)
         assert [type(text) for text in texts] == [str]
         assert len(json.loads(texts[0])["token_ids"]) == 3
-        with pytest.raises(InvalidRequestError, match="sub-job 'nope' has no engine in this job"):
-            host.generate_json("nope", [[1, 2, 3]], params)
+        with pytest.raises(InvalidRequestError, match="sub-job 'nope' has no engine on this host"):
+            host.generate_many([("nope", [[1, 2, 3]], params)], True)
     finally:
         host.close()
 
@@ -347,14 +348,14 @@ async def test_cancelling_a_job_whose_engine_process_hangs_while_starting_kills_
 async def test_a_weight_sync_deadline_counts_from_its_copy_not_from_waiting_for_queued_generates(data_dir, monkeypatch):
     """The clock started before the sync waited for the samplers to drain: a healthy engine was killed."""
     entered, release = threading.Event(), threading.Event()
-    original = ProcessEngineHost.generate_json
+    original = ProcessEngineHost.generate_many
 
-    def held_generate(self, sub_job_id, prompts, params):  # a long rollout queued ahead of the sync
+    def held_generate(self, batch, as_json):  # a long rollout queued ahead of the sync
         entered.set()
         release.wait(60)
-        return original(self, sub_job_id, prompts, params)
+        return original(self, batch, as_json)
 
-    monkeypatch.setattr(ProcessEngineHost, "generate_json", held_generate)
+    monkeypatch.setattr(ProcessEngineHost, "generate_many", held_generate)
     deadline_s = 1.0
     app = make_app(data_dir, op_deadlines_s={"weight-sync": deadline_s})
     async with asgi_client(app) as http:

@@ -110,7 +110,7 @@ def job_create_body(config: ClientConfig, experiment_name: str | None = None) ->
     }
     if config.training.peak_memory_log:
         training["step_peak_memory_log"] = True
-    if config.training.micro_batch_tokens:
+    if config.training.micro_batch_tokens is not None:
         training["mb_spec"] = {"max_tokens_per_mb": config.training.micro_batch_tokens}
     if config.training.gradient_checkpointing:
         training["activation_checkpointing"] = True

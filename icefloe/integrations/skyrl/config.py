@@ -45,7 +45,7 @@ class IcefloeSection:
     low_memory_weight_sync: bool = False  # sync weights bucket by bucket
     device: str = "auto"  # local backend: auto | cpu | cuda
     dtype: str = "bfloat16"  # float32 | bfloat16 | float16
-    micro_batch_tokens: int = 0  # token budget per training micro-batch; 0 = whole batch at once
+    micro_batch_tokens: int | None = None  # positions per training pass; None = from the model and device
     gradient_checkpointing: bool = False
     sampling_engine: str = "auto"  # auto | torch | vllm
     sampling_max_batch_size: int = 256

@@ -179,6 +179,9 @@ def _client_data(main_config: Any) -> dict[str, Any]:
         if value is not None:
             engine_kwargs.setdefault(name, _plain(value))
     sampling["engine_kwargs"] = engine_kwargs
+    # verl's token budget counts only with dynamic batch size (else it splits by rows); icefloe always
+    # splits by tokens, so without it the engine picks the budget from the model and device.
+    token_budget = select(actor, "ppo_max_token_len_per_gpu") if select(actor, "use_dynamic_bsz", False) else None
     data: dict[str, Any] = {
         "model": str(_required(main_config, "actor_rollout_ref.model.path")),
         "seed": int(select(remote, "seed", 0)),
@@ -196,9 +199,7 @@ def _client_data(main_config: Any) -> dict[str, Any]:
             },
             "grad_clip": float(grad_clip),
             "lr_schedule": _schedule(main_config, optim),
-            "micro_batch_tokens": int(select(actor, "ppo_max_token_len_per_gpu", 0))
-            if bool(select(actor, "use_dynamic_bsz", False))
-            else 0,
+            "micro_batch_tokens": None if token_budget is None else int(token_budget),
             "gradient_checkpointing": bool(
                 select(main_config, "actor_rollout_ref.model.enable_gradient_checkpointing", False)
             ),

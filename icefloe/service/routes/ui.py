@@ -111,7 +111,17 @@ def _row(jobs: JobManager, row: dict[str, Any], latest: dict[str, tuple[int, flo
         "step": max((step for step, _ in latest.values()), default=None),
         **value,
         "lease": _lease(jobs, job_id),
+        "host": _host(jobs, job_id),
     }
+
+
+def _host(jobs: JobManager, job_id: str) -> str:
+    """The model host a running job is on, and how many jobs share it."""
+    live = jobs.live_job(job_id)
+    if live is None or live.host is None:
+        return "–"
+    host = live.host.describe()
+    return f"{host['host_id']} ({host['num_jobs']}/{host['max_jobs']})" if host["shared"] else host["host_id"]
 
 
 @router.get("/api/jobs")

@@ -22,7 +22,6 @@ from fastapi.responses import JSONResponse
 from icefloe.protocol import (
     OP_FORWARD,
     OP_FWD_BWD,
-    OP_GENERATE,
     OP_LOAD,
     OP_SAVE,
     OP_STEP,
@@ -33,7 +32,7 @@ from icefloe.protocol import (
 from icefloe.protocol import SamplingParams as EngineSamplingParams
 from icefloe.service import store
 from icefloe.service.models import WeightSyncPayload
-from icefloe.service.operations import submit_weight_sync
+from icefloe.service.operations import Sampling, submit_sampling, submit_weight_sync
 from icefloe.service.tinker.state import CheckpointPath, Model, SamplingSession, TinkerState, remember
 
 __all__ = ["router"]
@@ -104,13 +103,12 @@ async def create_model(body: dict[str, Any], state: State) -> dict[str, Any]:
     model_id = f"{session_id}:train:{seq}"
     if model_id not in state.models:
         lora = body.get("lora_config") or {}
-        narrowed = sorted(k for k in ("train_unembed", "train_mlp", "train_attn") if lora.get(k) is False)
-        if narrowed:
-            raise InvalidRequestError(f"lora_config {narrowed} = false is not served; adapters go on every layer")
         rank = lora.get("rank")
+        # The SDK's defaults: every layer kind, the output layer (unembedding) included.
+        layers = {key: lora.get(key, True) for key in ("train_attn", "train_mlp", "train_unembed")}
         base_model = _base_model(body.get("base_model"))
         job_id = await asyncio.to_thread(
-            state.create_job, session_id, base_model, lora_rank=rank, training=True, name=model_id
+            state.create_job, session_id, base_model, lora_rank=rank, training=True, name=model_id, layers=layers
         )
         state.models[model_id] = Model(model_id, session_id, job_id, base_model, rank)
         state.models[model_id].taken[-1] = {
@@ -158,8 +156,7 @@ async def forward_backward(request: Request, state: State) -> dict[str, Any]:
         from icefloe.engines.batch import validate_batch
 
         batch = validate_batch(batch, require_context=True)
-        host = job.host
-        assert host is not None
+        host = job.engines
         op = OP_FORWARD if message.forward_only else OP_FWD_BWD
 
         def run() -> dict[str, Any]:
@@ -184,8 +181,7 @@ async def optim_step(body: dict[str, Any], state: State) -> dict[str, Any]:
 
     async def prepare() -> Callable[[], str]:
         job = await state.live(model.job_id)
-        sub_job_id, host = state.sub_job(job, "training"), job.host
-        assert host is not None
+        sub_job_id, host = state.sub_job(job, "training"), job.engines
         return lambda: state.manager.submit(
             job, sub_job_id, OP_STEP, lambda: host.step(sub_job_id, learning_rate, params)
         )
@@ -234,8 +230,7 @@ def _saver(
 
     async def prepare() -> Callable[[], str]:
         job = await state.live(model.job_id)
-        sub_job_id, host = state.sub_job(job, "training"), job.host
-        assert host is not None
+        sub_job_id, host = state.sub_job(job, "training"), job.engines
 
         def run() -> dict[str, Any]:
             result = host.save(sub_job_id, job.job_dir / "tinker" / path.kind / path.name, kind)
@@ -271,10 +266,10 @@ async def load_weights(body: dict[str, Any], state: State) -> dict[str, Any]:
         session_id, seq = str(body["session_id"]), int(body.get("model_seq_id", 0))
         model_id = f"{session_id}:train:{seq}"
         if model_id not in state.models:
-            base_model, rank = await asyncio.to_thread(state.base_model_of, path)
+            base_model, rank, layers = await asyncio.to_thread(state.base_model_of, path)
             job_id = await asyncio.to_thread(
                 state.create_job, session_id, base_model, lora_rank=rank, training=True, name=model_id,
-                source=path, load_optimizer=optimizer,
+                source=path, load_optimizer=optimizer, layers=layers,
             )  # fmt: skip
             state.models[model_id] = Model(model_id, session_id, job_id, base_model, rank)
             answer = {"type": "load_weights", "path": str(path), "model_id": model_id}
@@ -288,8 +283,7 @@ async def load_weights(body: dict[str, Any], state: State) -> dict[str, Any]:
     async def prepare() -> Callable[[], str]:
         folder = await asyncio.to_thread(state.checkpoint_folder, path)
         job = await state.live(model.job_id)
-        sub_job_id, host = state.sub_job(job, "training"), job.host
-        assert host is not None
+        sub_job_id, host = state.sub_job(job, "training"), job.engines
         return lambda: state.manager.submit(job, sub_job_id, OP_LOAD, lambda: host.load(sub_job_id, folder, optimizer))
 
     answer = {"type": "load_weights", "path": str(path), "model_id": model.model_id}
@@ -318,10 +312,10 @@ async def create_sampling_session(body: dict[str, Any], state: State) -> dict[st
         if model is not None and model.sampler_path == str(path):  # the model's sampler holds these weights
             sampler = _sampling_session(state, session_id, seq, model, str(path))
         else:
-            base_model, rank = await asyncio.to_thread(state.base_model_of, path)
+            base_model, rank, layers = await asyncio.to_thread(state.base_model_of, path)
             job_id = await asyncio.to_thread(
                 state.create_job, session_id, base_model, lora_rank=rank, training=False,
-                name=sampling_session_id, source=path,
+                name=sampling_session_id, source=path, layers=layers,
             )  # fmt: skip
             sampler = SamplingSession(sampling_session_id, session_id, job_id, base_model, str(path))
             state.samplers[sampling_session_id] = sampler
@@ -396,37 +390,34 @@ async def _queue_sample(state: TinkerState, sampler: SamplingSession, body: dict
             f"prompt ({len(prompt)} tokens) + max_tokens ({wanted}) exceeds the model's context of {limit} "
             f"tokens; set max_tokens to at most {limit - len(prompt)}"
         )
+    if wanted is None:  # until a stop or the end of the context, which the engines hold max_tokens to
+        params = params.model_copy(update={"max_tokens": limit - len(prompt)})
 
     Call = tuple[list[int], EngineSamplingParams] | None  # None: cancelled before it was sent
 
-    def run_batch(calls: list[list[Call]]) -> list[list[dict[str, Any] | None]]:
-        """One generate for the gathered calls of every request batched here; per request, per call."""
-        items = [item for gathered in calls for item in gathered if item is not None]
-        assert job.host is not None  # it runs on the job's worker: the job runs
-        samples = job.host.generate(sub_job_id, [p for p, _ in items], [q for _, q in items])
-        results: list[list[dict[str, Any] | None]] = []
-        cursor = 0
-        for gathered in calls:
-            results.append([])
-            for item in gathered:
-                if item is None:
-                    results[-1].append(None)
+    def submit(gathered: list[Call]) -> str:
+        """One request for the calls gathered here; it samples in one batch with whatever is queued beside it."""
+        calls = [call for call in gathered if call is not None]
+
+        def render(samples: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
+            rest, results = iter(samples), []
+            for call in gathered:
+                if call is None:
+                    results.append(None)
                     continue
-                item_params = item[1]
-                mine = samples[cursor : cursor + item_params.n]
-                cursor += item_params.n
+                mine = [next(rest) for _ in range(call[1].n)]
                 # The engine repeats the prompt's log-probs on each sample; the call keeps them once.
                 prompt = {key: mine[0].pop(key, None) for key in _PROMPT_KEYS}  # the samples are this call's own
                 for sample in mine[1:]:
                     for key in _PROMPT_KEYS:
                         sample.pop(key, None)
-                results[-1].append({"samples": mine, **prompt})
-        return results
+                results.append({"samples": mine, **prompt})
+            return results
+
+        item = Sampling(sub_job_id, [p for p, _ in calls], [q for _, q in calls], render)
+        return submit_sampling(state.manager, job, item, as_json=False)
 
     from icefloe.service.tinker import convert
-
-    def submit(gathered: list[Call]) -> str:
-        return state.manager.submit(job, sub_job_id, OP_GENERATE, run_batch, batch_item=gathered)
 
     last_n = body.get("prompt_logprobs_last_n")
     if last_n is not None and not (params.prompt_logprobs and 1 <= int(last_n) < len(prompt)):
@@ -539,7 +530,7 @@ async def copy_weights(body: dict[str, Any], state: State) -> dict[str, Any]:
 @router.post("/weights_info")
 async def weights_info(body: dict[str, Any], state: State) -> dict[str, Any]:
     path = CheckpointPath.parse(str(body.get("tinker_path")))
-    base_model, rank = await asyncio.to_thread(state.base_model_of, path)
+    base_model, rank, _ = await asyncio.to_thread(state.base_model_of, path)
     return {"base_model": base_model, "is_lora": rank is not None, "lora_rank": rank}
 
 

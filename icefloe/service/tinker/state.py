@@ -236,10 +236,14 @@ class TinkerState:
         name: str,
         source: CheckpointPath | None = None,
         load_optimizer: bool = True,
+        layers: dict[str, bool] | None = None,
     ) -> str:
+        """A job for a Tinker model (``training``) or sampler; ``layers``: the ``train_attn`` /
+        ``train_mlp`` / ``train_unembed`` flags of its LoRA adapter."""
         if self.session(session_id) != "active":
             raise ConflictError(f"session {session_id} is finished; create a new session")
-        peft = {"peft_config": {"peft_type": "Lora", "r": lora_rank, "lora_alpha": lora_rank}} if lora_rank else {}
+        lora = {"peft_type": "Lora", "r": lora_rank, "lora_alpha": lora_rank, **(layers or {})}
+        peft = {"peft_config": lora} if lora_rank else {}
         positions = self.context_length(base_model)
         sub_jobs: list[dict[str, Any]] = []
         if training:
@@ -572,13 +576,15 @@ class TinkerState:
         assert record is not None
         return Path(record["path"])
 
-    def base_model_of(self, path: CheckpointPath) -> tuple[str, int | None]:
-        """The base model and LoRA rank of the run that saved ``path``."""
+    def base_model_of(self, path: CheckpointPath) -> tuple[str, int | None, dict[str, bool]]:
+        """The base model, LoRA rank and adapted layer kinds of the run that saved ``path``."""
         row = store.get_job(self.manager.db, job_id=self.checkpoint_job(path))
         assert row is not None
         first = row["spec"]["body"]["sub_job_configs"][0]
         section = first.get("training_config") or first.get("inference_config") or {}
-        return first["model_name"], (section.get("peft_config") or {}).get("r")
+        peft = section.get("peft_config") or {}
+        layers = {key: peft[key] for key in ("train_attn", "train_mlp", "train_unembed") if key in peft}
+        return first["model_name"], peft.get("r"), layers
 
 
 def result_of(row: dict[str, Any]) -> Any:

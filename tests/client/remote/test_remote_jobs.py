@@ -83,6 +83,15 @@ def test_job_create_body_sends_lora_and_memory_knobs_as_the_api_spells_them(capl
     assert "ignores" not in caplog.text
 
 
+def test_job_create_body_sends_a_zero_budget_and_leaves_an_unset_one_to_the_service():
+    def training_config(**training):
+        config = ClientConfig.build(training=training, backend={"type": "remote", "base_url": "http://x"})
+        return job_create_body(config)["sub_job_configs"][-1]["training_config"]
+
+    assert training_config(micro_batch_tokens=0)["mb_spec"] == {"max_tokens_per_mb": 0}  # one padded pass
+    assert "mb_spec" not in training_config()  # the engine picks a budget from the model and device
+
+
 def test_sub_jobs_of_reads_enum_names_and_fills_missing_ids():
     job = {
         "sub_jobs": [

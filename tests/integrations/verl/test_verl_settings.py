@@ -33,6 +33,14 @@ def test_client_config_maps_optimizer_schedule_and_lengths(make_config) -> None:
     assert settings.actor_loss_config["clip_ratio"] == 0.2
 
 
+def test_client_config_takes_verl_token_budget_only_with_dynamic_batch_size(make_config) -> None:
+    budget = {"actor_rollout_ref.actor.ppo_max_token_len_per_gpu": 4096}
+    dynamic = make_config(**budget, **{"actor_rollout_ref.actor.use_dynamic_bsz": True})
+    assert client_config(dynamic, environ={}).training.micro_batch_tokens == 4096
+    # Without it verl splits by rows; the engine still splits by tokens, with a budget of its own choosing.
+    assert client_config(make_config(**budget), environ={}).training.micro_batch_tokens is None
+
+
 def test_client_config_maps_verl_lora_settings(make_config) -> None:
     assert client_config(make_config(), environ={}).lora is None
     assert client_config(make_config(**{"actor_rollout_ref.model.lora_rank": 0}), environ={}).lora is None

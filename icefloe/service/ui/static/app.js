@@ -84,6 +84,7 @@ const icefloe = (() => {
       el("td", {}, job.model), el("td", {}, job.mode), el("td", { class: "num" }, job.step ?? "–"),
       el("td", { class: "num" }, num(job.loss)), el("td", { class: "num" }, num(job.reward)),
       el("td", { class: "num" }, num(job.tokens_per_s, 3)), el("td", {}, age(job.created_at)), el("td", {}, job.lease),
+      el("td", {}, job.host),
     ];
   }
 

@@ -1,0 +1,176 @@
+"""Many LoRA jobs on one base model: one host and one slot, each run exactly as alone, each isolated."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from icefloe.cli import app as cli
+
+from .service_batches import canonical_batch, small_batch
+from .service_client import TRAINING, Api
+from .service_harness import asgi_client, make_app
+
+pytest.importorskip("peft")
+pytestmark = pytest.mark.anyio
+
+MODEL = "arith"  # a folder under the model root: runs with different seeds share its weights
+RANKS = [4, 8, 2, 4]
+
+
+@pytest.fixture(scope="module")
+def model_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("models")
+    assert CliRunner().invoke(cli, ["models", "export", "tiny:arith", str(root / MODEL)]).exit_code == 0
+    return root
+
+
+def lora_job(seed: int, rank: int = 4) -> list[dict]:
+    peft = {"peft_type": "Lora", "r": rank, "lora_alpha": 8}
+    training = {"optimizer": {"name": "AdamW", "lr": 2e-2}, "max_seq_len": 64, "peft_config": peft}
+    return [
+        {"job_type": "training", "model_name": MODEL, "seed": seed, "training_config": training},
+        {"job_type": "sampling", "model_name": MODEL, "seed": seed,
+         "inference_config": {"max_seq_len": 64, "n_gpus": 0, "peft_config": peft}},
+    ]  # fmt: skip
+
+
+async def _run(api: Api, job_id: str, index: int, steps: int) -> dict:
+    """A run's fixed schedule: steps of forward-backward + step, then a forward, a sync, a generate and a save."""
+    losses = []
+    for step in range(steps):
+        losses.append((await api.fwd_bwd(job_id, seed=10 * index + step))["loss"])
+        await api.run(job_id, "POST", "step", json={})
+    accepted = (await api.post_frame(job_id, "forward", small_batch(99))).json()
+    logprobs = (await api.result(job_id, accepted["request_id"]))["logprobs"]
+    sync = {"operation_type": "weight-sync", "sub_job_type": "training", "payload": {}}
+    await api.run(job_id, "POST", "operation", json=sync)
+    body = {"prompts": [[1, 11, 2]], "sampling_params": {"max_tokens": 5, "n": 3, "seed": 7, "logprobs": True}}
+    samples = await api.result(job_id, (await api.post_frame(job_id, "generate", body)).json()["request_id"])
+    saved = await api.run(job_id, "POST", "save", json={"checkpoint_type": "weights-only"})
+    adapter = load_file(str(Path(saved["path"]) / "adapter_model.safetensors"))
+    return {"losses": losses, "logprobs": logprobs, "samples": samples["results"], "adapter": adapter}
+
+
+async def _four_runs(app, steps: int) -> tuple[list[dict], list[dict]]:
+    async with asgi_client(app) as http:
+        api = Api(http)
+        job_ids = [await api.create(*lora_job(seed=i + 1, rank=RANKS[i])) for i in range(4)]
+        jobs = [await api.wait_status(job_id, "running") for job_id in job_ids]
+        results = await asyncio.gather(*(_run(api, job_id, i, steps) for i, job_id in enumerate(job_ids)))
+        return jobs, list(results)
+
+
+async def test_four_runs_on_one_host_equal_each_run_alone(tmp_path, model_root):
+    shared_jobs, shared = await _four_runs(make_app(tmp_path / "shared", slots=1, model_root=model_root), steps=5)
+    alone_app = make_app(tmp_path / "alone", slots=4, max_adapters=1, model_root=model_root)
+    alone_jobs, alone = await _four_runs(alone_app, steps=5)
+    assert len({job["host"]["host_id"] for job in shared_jobs}) == 1
+    assert len({job["host"]["host_id"] for job in alone_jobs}) == 4
+    for mine, theirs in zip(shared, alone, strict=True):
+        torch.testing.assert_close(torch.tensor(mine["losses"]), torch.tensor(theirs["losses"]), atol=1e-5, rtol=0)
+        torch.testing.assert_close(mine["logprobs"], theirs["logprobs"], atol=1e-5, rtol=0)
+        assert mine["adapter"].keys() == theirs["adapter"].keys()
+        for name, tensor in theirs["adapter"].items():
+            torch.testing.assert_close(mine["adapter"][name], tensor, atol=1e-5, rtol=0)
+        assert [s["token_ids"] for s in mine["samples"]] == [s["token_ids"] for s in theirs["samples"]]
+        assert {s["policy_version"] for s in mine["samples"]} == {5}
+
+
+async def test_lora_jobs_of_one_base_share_one_host_and_one_slot(tmp_path, model_root):
+    app = make_app(tmp_path, slots=1, model_root=model_root)
+    async with asgi_client(app) as http:
+        api = Api(http)
+        lora_ids = [await api.create(*lora_job(seed=i)) for i in range(4)]
+        hosts = {(await api.wait_status(job_id, "running"))["host"]["host_id"] for job_id in lora_ids}
+        assert len(hosts) == 1
+        assert (await api.job(lora_ids[0]))["host"]["num_jobs"] == 4
+        assert (await api.call("GET", "/capacity")).json()["in_use_slots"] == 1
+        metrics = (await http.get("/metrics")).text
+        assert f'icefloe_host_jobs{{host="{hosts.pop()}",model="{model_root / MODEL}"}} 4.0' in metrics
+        full = await api.create(TRAINING)  # full weights: a host of its own, so a slot of its own
+        assert (await api.wait_status(full, "placing"))["reason"].startswith("waiting for 1 cpu slot(s)")
+        for job_id in lora_ids:
+            await api.call("POST", f"/{job_id}:cancel")
+        for job_id in lora_ids:
+            await api.wait_status(job_id, "cancelled", "terminated")
+        await api.wait_status(full, "running")  # the last LoRA job left: the host gave its slot back
+
+
+async def test_a_nan_step_a_cancel_and_a_lease_lapse_of_one_run_leave_the_others_as_they_were(tmp_path, model_root):
+    alone_app = make_app(tmp_path / "alone", slots=1, model_root=model_root)
+    async with asgi_client(alone_app) as http:
+        api = Api(http)
+        solo = await api.running(*lora_job(seed=4, rank=RANKS[3]))
+        expected = []
+        for seed in range(3):
+            expected.append((await api.fwd_bwd(solo, seed=seed))["loss"])
+            await api.run(solo, "POST", "step", json={})
+
+    app = make_app(tmp_path / "shared", slots=1, model_root=model_root, lease_ttl_s=3.0)
+    async with asgi_client(app) as http:
+        api = Api(http)
+        runs = [await api.create(*lora_job(seed=i + 1, rank=RANKS[i])) for i in range(4)]
+        nan_run, cancelled, lapsed, healthy = runs
+        alive = set(runs)
+
+        async def keep_alive() -> None:  # each run's client heartbeats until it goes away
+            while True:
+                for job_id in list(alive):
+                    await api.call("POST", f"/{job_id}:heartbeat", check=False)
+                await asyncio.sleep(0.3)
+
+        beating = asyncio.create_task(keep_alive())
+        try:
+            for job_id in runs:
+                await api.wait_status(job_id, "running")
+            losses = [(await api.fwd_bwd(healthy, seed=0))["loss"]]
+            await api.run(healthy, "POST", "step", json={})
+
+            poisoned = canonical_batch([([1, 2, 3], [4, 5, 6]), ([2, 3, 4], [5, 6, 7])], [float("nan"), 1.0])
+            accepted = (await api.post_frame(nan_run, "forward-backward", poisoned)).json()
+            await api.result(nan_run, accepted["request_id"])
+            skipped = await api.run(nan_run, "POST", "step", json={})
+            assert skipped["global_step"] == 1 and skipped["grad_norm"] is None  # NaN (null in JSON): not applied
+            await api.call("POST", f"/{cancelled}:cancel")
+            await api.wait_status(cancelled, "cancelled", "terminated")
+            alive.discard(lapsed)  # its client went away; the stored record is read without renewing its lease
+            while (row := app.state.jobs.row(lapsed))["status"] not in ("cancelled", "terminated"):
+                await asyncio.sleep(0.1)
+            assert row["reason"] == "client lease expired"
+
+            for seed in (1, 2):
+                losses.append((await api.fwd_bwd(healthy, seed=seed))["loss"])
+                await api.run(healthy, "POST", "step", json={})
+            assert (await api.job(nan_run))["status"] == "running"
+            assert (await api.fwd_bwd(nan_run, seed=0))["loss"] == (await api.fwd_bwd(nan_run, seed=0))["loss"]
+        finally:
+            beating.cancel()
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), atol=1e-5, rtol=0)
+
+
+async def test_a_killed_host_fails_every_job_on_it_naming_the_crash_and_where_each_can_resume(tmp_path, model_root):
+    app = make_app(tmp_path, slots=1, model_root=model_root)
+    async with asgi_client(app) as http:
+        api = Api(http)
+        job_ids = [await api.running(*lora_job(seed=i)) for i in range(3)]
+        await api.fwd_bwd(job_ids[0])
+        await api.run(job_ids[0], "POST", "step", json={})
+        await api.run(job_ids[0], "POST", "save", json={"checkpoint_type": "resumable"})
+        engines = app.state.jobs.live(job_ids[0]).engines
+        os.kill(engines.pid, signal.SIGKILL)  # fault: the OOM killer takes the shared engine process
+        jobs = [await api.wait_status(job_id, "failed", timeout_s=30) for job_id in job_ids]
+        for job in jobs:
+            assert f"the engine process {engines.pid} was killed by signal 9" in job["reason"]
+        assert jobs[0]["reason"].endswith("resume from checkpoint global_step1")
+        assert all(job["reason"].endswith("no checkpoint was saved") for job in jobs[1:])
+        assert (await api.call("GET", "/capacity")).json()["in_use_slots"] == 0
+        again = await api.running(*lora_job(seed=0))  # a new host starts for the next LoRA job
+        assert (await api.fwd_bwd(again))["num_tokens"] > 0
