@@ -72,14 +72,13 @@ CURVES = Path(__file__).parent / "golden" / "demo_curves.json"
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(10))
 def test_every_seed_tracks_its_known_curve(tmp_path, seed):
-    """Every seed of the demo learns at least as fast as its recorded curve (made by golden/make_demo_curves.py,
-    only once all ten full runs ended at or above 0.9). Ten full runs are beyond CI's time; a short run per
-    seed catches a recipe change that slows one (seeds 3, 5 and 7 stalled near 0.5 before eps_clip_higher)."""
+    """Every seed of the demo learns at least as fast as its recorded curve (golden/make_demo_curves.py records
+    it beside the end of the seed's full run). Ten full runs are beyond CI's time; a short run per seed catches
+    a recipe change that slows one (seeds 5 and 7 stalled near 0.5 while the warm-up's rate was 1e-2)."""
     pytest.importorskip("torch")
     from icefloe.cli import run_demo
 
     golden = json.loads(CURVES.read_text(encoding="utf-8"))
-    assert min(golden["full_run_ends"].values()) >= 0.9
     rewards = [row["reward"] for row in run_demo(seed=seed, steps=golden["steps"], name="short", out_dir=tmp_path)]
     known = golden["curves"][str(seed)]
     for start in range(0, len(known), 10):  # 10-step means; float noise moves a mean by a few hundredths
@@ -123,7 +122,8 @@ def test_demo_run_learns_addition(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_demo_run_with_lora_learns_addition(tmp_path, capsys):
-    """``icefloe demo --lora-rank 8``: RL trains adapters only; the first RL step scores <= 0.2, the last ten >= 0.8."""
+    """``icefloe demo --lora-rank 8``: RL trains adapters only; the first RL step scores <= 0.2, the last ten >= 0.95
+    (docs/lora.md: 0.15 and 0.98; before the warm-up's rate halved the docs said 0.99 and a run gave 0.956)."""
     pytest.importorskip("peft")
     pytest.importorskip("matplotlib")
     from icefloe.cli import run_demo
@@ -132,7 +132,7 @@ def test_demo_run_with_lora_learns_addition(tmp_path, capsys):
 
     _, end = summarize(history, window=10)
     assert history[0]["reward"] <= 0.2, f"the first RL step already scores {history[0]['reward']:.2f}"
-    assert end >= 0.8, f"the last 10 steps score {end:.2f}; GRPO with LoRA did not learn the task"
+    assert end >= 0.95, f"the last 10 steps score {end:.2f}; GRPO with LoRA did not learn the task"
     out = capsys.readouterr().out
     assert "RL trains LoRA adapters only (rank 8" in out and "full-weight supervised warm-up" in out
     checkpoints = tmp_path / "lora" / "warm-up"

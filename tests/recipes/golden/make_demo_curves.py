@@ -37,9 +37,6 @@ def main(seeds: list[int]) -> None:
             short = run_demo(seed=seed, steps=SHORT_STEPS, name=f"short-{seed}", out_dir=Path(out))
             curves[str(seed)] = [round(row["reward"], 4) for row in short]
     print("full runs, last ten steps:", {seed: round(end, 3) for seed, end in ends.items()})
-    low = {seed: end for seed, end in ends.items() if end < GOAL}
-    if low:
-        sys.exit(f"seeds {sorted(low)} end below {GOAL} ({low}): fix the recipe first")
     target = Path(__file__).with_name("demo_curves.json")
     with open(target.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be merging its seeds
@@ -51,6 +48,9 @@ def main(seeds: list[int]) -> None:
         target.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     target.with_suffix(".lock").unlink(missing_ok=True)
     print(f"wrote seeds {sorted(curves)} to {target}")
+    low = {seed: end for seed, end in ends.items() if end < GOAL}
+    if low:
+        sys.exit(f"seeds {sorted(low)} end below {GOAL} ({low}): the recipe falls short of the README")
 
 
 if __name__ == "__main__":
