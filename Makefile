@@ -2,18 +2,27 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints-cpu.txt | cksum | cut -d' ' -f1)
+SUM := $(shell cat pyproject.toml constraints-cpu.txt | cksum | cut -d' ' -f1)
+# The demo needs only the engines (`.[torch]`); the tests install the rest on top of that.
+DEMO_STAMP := $(VENV)/.demo-$(SUM)
+STAMP := $(VENV)/.installed-$(SUM)
+PIP := $(PY) -m pip install -q -c constraints-cpu.txt
 
 .PHONY: demo test test-slow bench gpu-check lint format clean
 
-$(STAMP): pyproject.toml constraints-cpu.txt
+$(DEMO_STAMP): pyproject.toml constraints-cpu.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints-cpu.txt -e '.[torch,server,ray,dev]'
+	$(PIP) -e '.[torch]'
+	rm -f $(VENV)/.demo-*
+	touch $@
+
+$(STAMP): $(DEMO_STAMP)
+	$(PIP) -e '.[torch,server,ray,dev]'
 	rm -f $(VENV)/.installed-*
 	touch $@
 
-demo: $(STAMP)
+# Each run writes a new folder: runs/demo, then runs/demo-2, ... (a failed run never blocks the next).
+demo: $(DEMO_STAMP)
 	$(VENV)/bin/icefloe demo
 
 test: $(STAMP)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import itertools
 import json
 import re
 import sys
@@ -32,14 +33,25 @@ app = typer.Typer(
     help="A training-and-sampling backend for LLM reinforcement learning.",
     no_args_is_help=True,
     add_completion=False,
+    context_settings={"help_option_names": ["-h", "--help"]},  # subcommands inherit it
 )
 console = Console()
 
 SUMMARY_WINDOW = 10  # steps averaged for the start and end rewards of the demo's summary line
 
 
+def _print_version(wanted: bool) -> None:
+    if wanted:
+        typer.echo(f"icefloe {importlib.metadata.version('icefloe')}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_print_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
     """Keep subcommands explicit: ``icefloe demo``, never a bare ``icefloe`` that runs one."""
 
 
@@ -47,7 +59,9 @@ def _root() -> None:
 def demo(
     steps: Annotated[int | None, typer.Option(min=1, help="GRPO steps after the warm-up (default: 200).")] = None,
     seed: Annotated[int, typer.Option(help="Seeds the model, the problems and the sampler.")] = 0,
-    name: Annotated[str, typer.Option(help="Run name: results go to OUT_DIR/NAME/.")] = "demo",
+    name: Annotated[
+        str, typer.Option(help="Run name: results go to OUT_DIR/NAME/, or NAME-2, NAME-3, ... once it holds a run.")
+    ] = "demo",
     backend: Annotated[
         str,
         typer.Option(
@@ -101,10 +115,13 @@ def run_demo(
 ) -> list[dict[str, Any]]:
     """Run the GRPO recipe with a progress bar and print one summary line; returns the metric rows.
 
-    The summary's start reward is the mean of the first 10 RL steps, its end the mean of the last 10.
+    The run goes to ``out_dir/name``, or to the first of ``name-2``, ``name-3``, ... that holds no run,
+    so a second demo (or one after a failed run) never overwrites or refuses. The summary's start
+    reward is the mean of the first 10 RL steps, its end the mean of the last 10.
     """
     from icefloe.recipes.grpo import GRPOConfig
 
+    name = _fresh_name(out_dir, name)
     _quiet_transformers()
     with _demo_backend(backend) as base_url:
         config = GRPOConfig(
@@ -131,6 +148,16 @@ def run_demo(
             )
         console.print(f"demo: {warm_up}", highlight=False, soft_wrap=True)
         return _run_demo(config)
+
+
+def _fresh_name(out_dir: Path, name: str) -> str:
+    """``name``, or ``name-N`` for the smallest N >= 2 whose folder under ``out_dir`` is missing or empty."""
+    for number in itertools.count(1):
+        candidate = name if number == 1 else f"{name}-{number}"
+        folder = out_dir / candidate
+        if not (folder.is_dir() and any(folder.iterdir())):
+            return candidate
+    raise AssertionError("unreachable: count() never ends")
 
 
 @contextlib.contextmanager
@@ -211,10 +238,14 @@ def _run_demo(config: GRPOConfig) -> list[dict[str, Any]]:
 @app.command()
 def serve(
     host: Annotated[str, typer.Option(help="Interface to bind; loopback unless you mean to expose it.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(min=0, max=65535, help="TCP port.")] = 8321,
+    port: Annotated[int, typer.Option(min=1, max=65535, help="A free TCP port.")] = 8321,
     data_dir: Annotated[
         Path | None,
-        typer.Option(help="Where job records, logs, results and checkpoints live [default: <user data dir>/serve]."),
+        typer.Option(
+            help="Where job records, logs, results and checkpoints live (default: serve/ in the user data "
+            "directory, ~/.local/share/icefloe/serve on Linux).",
+            show_default=False,
+        ),
     ] = None,
     token: Annotated[
         list[str] | None,
@@ -278,16 +309,10 @@ def serve(
     """
     from icefloe.config import user_data_dir
     from icefloe.protocol import ConfigError
-    from icefloe.service.app import base_url
+    from icefloe.service.app import base_url, listen
     from icefloe.service.app import serve as run_service
     from icefloe.service.settings import ServeSettings
 
-    if port == 0:
-        raise typer.BadParameter(
-            "0 (any free port) is chosen only when serve binds, after it prints its base URL; pass a free port, "
-            "e.g. 8321",
-            param_hint="--port",
-        )
     data_dir = (data_dir or user_data_dir() / "serve").expanduser().resolve()  # results name absolute paths
     try:
         settings = ServeSettings.from_env(
@@ -301,6 +326,7 @@ def serve(
             raise ConfigError("--address names a Ray cluster; it needs --engines ray")
     except ConfigError as exc:
         raise typer.BadParameter(str(exc)) from None
+    listening = listen(host, port)  # before the banner: a busy port is one line, not a banner then a traceback
     tenants = {tenant for _, tenant in settings.token_tenants()}
     auth = f"bearer auth on ({len(settings.token_values())} token(s), {len(tenants)} tenant(s))"
     auth = auth if settings.auth_enabled else "no auth"
@@ -315,7 +341,7 @@ def serve(
 
         ray.init(address=settings.ray_address, namespace="icefloe-serve", include_dashboard=False, log_to_driver=False)
         console.print(f"  engines: Ray actors on {ray.get_runtime_context().gcs_address}")
-    run_service(settings)
+    run_service(settings, sock=listening)
 
 
 jobs_app = typer.Typer(
@@ -386,11 +412,16 @@ def jobs_list(
     status: Annotated[str | None, typer.Option(help="Only jobs in this state, e.g. running.")] = None,
     as_json: AsJson = False,
 ) -> None:
-    """List jobs: id, state, sub-jobs and, for failed jobs, the reason."""
+    """List jobs, newest first: id, state, sub-jobs and the reason (why it failed, or why it waits)."""
     from rich.table import Column, Table
 
+    from icefloe.protocol import JOB_STATES, normalize_job_state
+
+    if status is not None and normalize_job_state(status) not in JOB_STATES:
+        states = ", ".join(sorted(JOB_STATES))
+        raise typer.BadParameter(f"must be one of {states}; got {status!r}", param_hint="--status")
     with _admin(base_url, token) as admin:
-        jobs = admin.list_jobs(status)
+        jobs = sorted(reversed(admin.list_jobs(status)), key=lambda job: str(job.get("created_at", "")), reverse=True)
     if as_json:
         _print_json(jobs)
         return
@@ -431,7 +462,7 @@ def jobs_show(job_id: str, base_url: BaseUrl = None, token: Token = None, as_jso
         "step": last.get("step", "-"),
         "last loss": "-" if loss is None else f"{loss:.4f}",
         "queue": "-" if queue is None else f"{queue.get('pending', 0)} pending, {queue.get('running', 0)} running",
-        "lease": "ended" if ended else "-" if lease is None else f"{lease:.0f} s left (each call on the job renews it)",
+        "lease": "ended" if ended else "-" if lease is None else f"{lease:.0f} s left (renewed by its client's calls)",
         "sub-jobs": _sub_jobs(job) or "-",
         "reason": job.get("reason") or "-",
     }
@@ -532,10 +563,10 @@ def models_export(
 
 
 def _quiet_transformers() -> None:
-    """Silence transformers' load/save progress bars, which would break up the demo's own bar."""
+    """Silence transformers' load/save notices, which would break up the demo's own bar (the engines
+    turn its progress bars off themselves)."""
     from transformers.utils import logging
 
-    logging.disable_progress_bar()
     logging.set_verbosity_error()
 
 

@@ -66,6 +66,7 @@ __all__ = [
     "ENGINE_OPERATIONS",
     "INLINE_OPERATIONS",
     "JOB_ACTIVE_STATES",
+    "JOB_STATES",
     "JOB_TERMINAL_STATES",
     "MEMORY_OPS",
     "OPS",
@@ -272,6 +273,7 @@ class SamplingParams(BaseModel):
 # --- job and request states --------------------------------------------------------------------
 JOB_ACTIVE_STATES: Final = frozenset({"pending", "placing", "initializing", "running", "cancelling"})
 JOB_TERMINAL_STATES: Final = frozenset({"cancelled", "canceled", "terminated", "failed", "done"})
+JOB_STATES: Final = JOB_ACTIVE_STATES | JOB_TERMINAL_STATES
 REQUEST_SUCCESS_STATES: Final = frozenset({"done", "completed", "succeeded"})
 REQUEST_FAILURE_STATES: Final = frozenset({"failed", "cancelled", "canceled"})
 

@@ -71,17 +71,21 @@ def test_cli_demo_rejects_zero_steps():
     assert result.exit_code != 0
 
 
-def test_cli_demo_refuses_a_run_folder_that_holds_a_run(tmp_path):
-    """A second run under the same --name truncated metrics.jsonl and appended to the TensorBoard folder."""
+def test_cli_demo_run_again_writes_a_new_folder_and_a_failed_run_does_not_block_the_next(tmp_path):
+    """`make demo` twice failed the second time ("runs/demo already holds a run"), and so did a rerun
+    after a failed first run; a run under a taken name once truncated the first run's metrics."""
     args = ["demo", "--steps", "1", "--out-dir", str(tmp_path)]
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "metrics.jsonl").write_text("")  # what a run that failed at once leaves behind
     first = CliRunner().invoke(app, args, env={"COLUMNS": "400"})
     assert first.exit_code == 0, first.output
-    metrics = (tmp_path / "demo" / "metrics.jsonl").read_text()
+    assert f"({tmp_path / 'demo-2'}: jsonl)" in first.output, first.output
+    metrics = (tmp_path / "demo-2" / "metrics.jsonl").read_text()
     second = CliRunner().invoke(app, args, env={"COLUMNS": "400"})
-    assert second.exit_code == 2, second.output
-    assert "--name" in second.output and str(tmp_path / "demo") in second.output, second.output
-    assert "delete the folder" in second.output, second.output
-    assert (tmp_path / "demo" / "metrics.jsonl").read_text() == metrics
+    assert second.exit_code == 0, second.output
+    assert f"({tmp_path / 'demo-3'}: jsonl)" in second.output, second.output
+    assert (tmp_path / "demo-2" / "metrics.jsonl").read_text() == metrics
+    assert (tmp_path / "demo" / "metrics.jsonl").read_text() == ""
 
 
 def test_cli_demo_remote_config_error_is_one_message_not_a_traceback(tmp_path):
@@ -129,7 +133,7 @@ def test_cli_jobs_logs_and_checkpoints_against_a_real_service(tmp_path):
             assert fields["last_loss"] == (f"{losses[-1]:.4f}" if losses else "-")
             assert (fields["job_id"], fields["status"], fields["model"]) == (job_id, "running", "tiny:arith")
             assert fields["queue"] == "0 pending, 0 running"
-            assert fields["lease"].endswith("s left (each call on the job renews it)")
+            assert fields["lease"].endswith("s left (renewed by its client's calls)")
             shown_json = json.loads(
                 runner.invoke(app, ["jobs", "show", job_id, "--json", "--base-url", base_url]).output
             )
@@ -182,6 +186,35 @@ def _prefix(base_url: str) -> str:
     return endpoint.url
 
 
+def test_cli_jobs_list_newest_first_with_why_a_job_waits_and_what_a_missing_token_needs(tmp_path):
+    """Jobs were listed oldest first (the dashboard: newest first), a placing job showed no reason, a
+    missing token was told in terms of the HTTP header, and `--status bogus` printed an empty table."""
+    import httpx
+
+    from icefloe.service.app import ServerThread
+    from tests.service.service_client import PREFIX, TRAINING
+    from tests.service.service_harness import make_app
+
+    runner = CliRunner(env={"COLUMNS": "400", "ICEFLOE_REMOTE_PAT": "", "CORTEX_PAT": "", "ARCTIC_CORTEX_PAT": ""})
+    with ServerThread(make_app(tmp_path, slots=1, engines="local", tokens=["cli-token"])) as base_url:
+        headers = {"Authorization": "Bearer cli-token"}
+        with httpx.Client(base_url=base_url + PREFIX, headers=headers, timeout=60) as http:
+            first = http.post("/", json={"sub_job_configs": [TRAINING]}).json()["job_id"]
+            second = http.post("/", json={"sub_job_configs": [TRAINING]}).json()["job_id"]  # waits for the slot
+            base = ["--base-url", base_url]
+            denied = runner.invoke(app, ["jobs", "list", *base])
+            assert denied.exit_code == 1, denied.output
+            assert "ICEFLOE_REMOTE_PAT=TOKEN" in denied.output and "--token TOKEN" in denied.output, denied.output
+            listed = runner.invoke(app, ["jobs", "list", *base, "--token", "cli-token"])
+            rows = [line for line in listed.output.splitlines() if first in line or second in line]
+            assert [first in row for row in rows] == [False, True], listed.output  # newest first
+            assert "waiting for 1 cpu slot(s): 0 of 1 free, 0 job(s) ahead" in rows[0], listed.output
+            bogus = runner.invoke(app, ["jobs", "list", *base, "--status", "bogus"])
+            assert bogus.exit_code == 2 and "must be one of canceled, cancelled" in bogus.output, bogus.output
+            http.post(f"/{first}:cancel")
+            http.post(f"/{second}:cancel")
+
+
 def test_cli_jobs_without_a_service_names_the_setting():
     result = CliRunner().invoke(app, ["jobs", "list"], env={"ICEFLOE_REMOTE_BASE_URL": "", "ARCTIC_CORTEX_HOST": ""})
     assert result.exit_code != 0
@@ -199,12 +232,46 @@ def test_cli_jobs_for_a_managed_endpoint_without_a_token_names_token_and_its_env
     assert "--base-url" not in result.output and "from_env" not in result.output, result.output
 
 
-def test_cli_serve_refuses_port_0_whose_base_url_it_could_not_print(tmp_path):
-    result = CliRunner().invoke(
-        app, ["serve", "--port", "0", "--data-dir", str(tmp_path / "d")], env={"COLUMNS": "200"}
-    )
-    assert result.exit_code == 2 and "--port" in result.output and "pass a free port" in result.output, result.output
+def test_cli_serve_refuses_port_0_as_its_help_says(tmp_path):
+    """The help said 0 was allowed, and serve refused it."""
+    shown = CliRunner().invoke(app, ["serve", "-h"], env={"COLUMNS": "200"})
+    assert "[1<=x<=65535]" in shown.output, shown.output
+    args = ["serve", "--port", "0", "--data-dir", str(tmp_path / "d")]
+    result = CliRunner().invoke(app, args, env={"COLUMNS": "200"})
+    assert result.exit_code == 2 and "'--port'" in result.output and "greater than or equal to 1" in result.output
     assert not (tmp_path / "d").exists()
+
+
+def test_cli_serve_help_names_its_default_data_dir():
+    """Rich markup ate "[default: <user data dir>/serve]" and left "checkpoints live ."."""
+    result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "200"})
+    assert "checkpoints live (default: serve/ in the user data directory," in " ".join(result.output.split())
+
+
+def test_cli_prints_its_version_and_takes_h_for_help():
+    import importlib.metadata
+
+    version = CliRunner().invoke(app, ["--version"])
+    assert (version.exit_code, version.output) == (0, f"icefloe {importlib.metadata.version('icefloe')}\n")
+    for args in (["-h"], ["jobs", "-h"], ["serve", "-h"]):
+        shown = CliRunner().invoke(app, args)
+        assert shown.exit_code == 0 and "Usage: icefloe" in shown.output, args
+
+
+def test_cli_serve_on_a_busy_port_says_so_in_one_line_before_any_banner(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [sys.executable, "-m", "icefloe.cli", "serve", "--port", str(port), "--data-dir", str(tmp_path)]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and result.stdout == "", result.stdout
+    assert result.stderr == (
+        f"icefloe serve: cannot listen on http://127.0.0.1:{port}: Address already in use (another process "
+        "listens there: stop it, or pass --port with a free port)\n"
+    )
 
 
 def test_cli_serve_prints_urls_that_work_for_an_ipv6_host(tmp_path):

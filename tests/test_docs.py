@@ -165,3 +165,80 @@ def test_doc_check_catches_what_does_not_exist(root, package_source):
             "no environment variable ICEFLOE_NO_SUCH_VAR in the package",
         ]
     )
+
+
+# --- numbers -----------------------------------------------------------------------------------
+# A number a doc reports as a result (a reward, a time, a speed-up, a share of bytes) is a promise, so
+# each one is tied here to the test or bench that reproduces it: (doc, the words that state it, the
+# reproducer, "path::test" or a bench script). Settings and limits (a default of 600 s, a 60 MiB cap)
+# are not results: the code that enforces them is their source.
+CLAIMS = [
+    ("README.md", "from about 0.1 to 1.0", "tests/recipes/test_readme_loop.py::test_the_readme_loop_learns"),
+    ("README.md", "leaves the reward near 0.2", "tests/recipes/test_grpo.py::test_demo_run_learns_addition"),
+    ("README.md", "Seeds 0-9 end between 0.75 and 0.99",
+     "tests/recipes/test_grpo.py::test_every_seed_tracks_its_known_curve"),
+    ("docs/lora.md", "the first RL step scores 0.15, the last ten 0.98",
+     "tests/recipes/test_grpo.py::test_demo_run_with_lora_learns_addition"),
+    ("docs/lora.md", "moves 3.4% of the full weights", "bench/bench_lora.py"),
+    ("docs/ray.md", "(a ~0.5 GB state)", "bench/bench_ray.py"),
+    ("docs/architecture.md", "under 2 GB of engine RSS",
+     "tests/service/test_tinker_memory.py::test_guess_number_sized_forward_backward_keeps_the_engine_under_2_gb"),
+    ("docs/service.md", "8 ×", "bench/bench_remote.py"),
+    ("docs/service.md", "for 8 s", "bench/bench_load.py"),
+    ("docs/tinker.md", "runs 16 SDK clients", "bench/bench_load.py"),
+]  # fmt: skip
+
+_NUMBER = r"\d+(?:\.\d+)?"
+_MEASURE = re.compile(
+    rf"(?<![\w.-])~?{_NUMBER}(?:\s*(?:to|-|–)\s*{_NUMBER})?\s*(?:ms|µs|s|min|minutes?|seconds?|%|×|GB|ops/s)(?!\w)"
+    rf"|(?<![\w.-])[01]\.\d\d?(?![\w.])|\b(?:under|about|in) (?:a|one|two) minutes?\b"
+)
+_REPORTS = re.compile(
+    r"~|\b(?:about|took|takes|costs?|measured|one run|p50|p99|faster|slower|ends? (?:at|above|near)|reward|"
+    r"scores \d|gave|ranged|overhead|per step)\b",
+    re.IGNORECASE,
+)
+
+
+def number_claims(text: str) -> list[str]:
+    """The sentences of ``text``'s prose (code left out) that state a measured number."""
+    prose, fenced = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            prose.append(re.sub(r"`[^`]*`", "", line))
+    # paragraphs, table rows and list items, then their sentences
+    pieces = re.split(r"\n\s*\n|\n(?=\s*(?:[-*] |\|))|(?<=\|)\n", "\n".join(prose))
+    sentences = [s for piece in pieces for s in re.split(r"(?<=[.;])\s+(?=[A-Z(])", piece)]
+    return [" ".join(s.split()) for s in sentences if _MEASURE.search(s) and _REPORTS.search(s)]
+
+
+def uncovered(doc: str, text: str, claims: list[tuple[str, str, str]]) -> list[str]:
+    """Each sentence of ``doc`` stating a number that no claim of it covers, and each claim whose words
+    the doc no longer holds."""
+    own = [words for name, words, _ in claims if name == doc]
+    problems = [f"{doc}: no reproducer for: {s}" for s in number_claims(text) if not any(w in s for w in own)]
+    flat = " ".join(re.sub(r"`[^`]*`", "", text).split())
+    return problems + [f"{doc}: the claim {words!r} is gone from the doc" for words in own if words not in flat]
+
+
+@pytest.mark.parametrize("doc", [d for d in DOCS if d.parent in (ROOT, ROOT / "docs")], ids=lambda p: p.name)
+def test_every_number_a_doc_reports_has_a_test_or_bench_that_reproduces_it(doc):
+    assert uncovered(doc.relative_to(ROOT).as_posix(), doc.read_text(encoding="utf-8"), CLAIMS) == []
+
+
+@pytest.mark.parametrize(("doc", "words", "reproducer"), CLAIMS)
+def test_each_reproducer_exists(doc, words, reproducer):
+    path, _, test = reproducer.partition("::")
+    assert (ROOT / path).is_file(), reproducer
+    assert not test or re.search(rf"^def {test}\(", (ROOT / path).read_text(encoding="utf-8"), re.M), reproducer
+
+
+def test_number_check_catches_an_untied_number_and_a_stale_claim():
+    text = "The demo ends at 0.93 after 200 steps.\n\nIt runs `icefloe demo --seed 3` in ~70 s here."
+    claims = [("x.md", "ends at 0.93", "tests/recipes/test_grpo.py::x"), ("x.md", "ends at 0.99", "bench/y.py")]
+    assert uncovered("x.md", text, claims) == [
+        "x.md: no reproducer for: It runs in ~70 s here.",
+        "x.md: the claim 'ends at 0.99' is gone from the doc",
+    ]

@@ -78,10 +78,6 @@ class OpCall:
     parse: Callable[[Any], Any]
 
 
-def _identity(result: Any) -> Any:
-    return result
-
-
 def _empty(result: Any) -> dict[str, Any]:
     return dict(result) if isinstance(result, Mapping) else {}
 
@@ -120,7 +116,7 @@ def normalize_fwd_bwd(result: Mapping[str, Any]) -> dict[str, Any]:
         metrics.setdefault("loss", float(loss))
     out["metrics"] = metrics
     out.setdefault("num_tokens", int(metrics.get("num_tokens", 0)))
-    return out
+    return _only(out, "loss", "avg_loss", "metrics", "num_tokens")
 
 
 def normalize_step(result: Mapping[str, Any]) -> dict[str, Any]:
@@ -139,7 +135,21 @@ def normalize_step(result: Mapping[str, Any]) -> dict[str, Any]:
             out[key] = _first(found)
     out["metrics"] = metrics
     out.setdefault("grad_norm", None)
-    return out
+    return _only(out, "global_step", "lr", "grad_norm", "metrics", "peak_memory")
+
+
+def _only(result: dict[str, Any], *keys: str) -> dict[str, Any]:
+    """The canonical keys of a result (README's table), on every backend: a service's own (``job_id``,
+    ``weight_format``, ...) stay on the wire."""
+    return {key: result[key] for key in keys if key in result}
+
+
+def _parse_sync(result: Mapping[str, Any]) -> dict[str, Any]:
+    return _only(dict(result), "policy_version", "seconds", "bytes")
+
+
+def _parse_saved(result: Mapping[str, Any]) -> dict[str, Any]:
+    return _only(_parse_checkpoint(result), "checkpoint_id", "global_step", "path", "kind")
 
 
 def _parse_forward(result: Mapping[str, Any]) -> dict[str, Any]:
@@ -230,7 +240,7 @@ def sync_weights(*, cuda_ipc: bool = False, low_memory: bool = False, weight_for
     body: dict[str, Any] = {"cuda_ipc": cuda_ipc, "low_memory": low_memory}
     if weight_format is not None:
         body["weight_format"] = weight_format
-    return OpCall(Request(OP_WEIGHT_SYNC, TARGET_TRAINING, body), _identity)
+    return OpCall(Request(OP_WEIGHT_SYNC, TARGET_TRAINING, body), _parse_sync)
 
 
 # --- checkpoints -------------------------------------------------------------------------------
@@ -239,7 +249,7 @@ def save_checkpoint(kind: str = "resumable") -> OpCall:
     kind = str(kind).lower()
     if kind not in CHECKPOINT_KINDS:
         raise InvalidRequestError(f"kind must be one of {list(CHECKPOINT_KINDS)}; got {kind!r}")
-    return OpCall(Request(OP_SAVE, TARGET_TRAINING, {"checkpoint_type": kind}), _parse_checkpoint)
+    return OpCall(Request(OP_SAVE, TARGET_TRAINING, {"checkpoint_type": kind}), _parse_saved)
 
 
 def load_checkpoint(checkpoint_id: str, *, source_job_id: str | None = None) -> OpCall:
@@ -247,7 +257,7 @@ def load_checkpoint(checkpoint_id: str, *, source_job_id: str | None = None) -> 
     body: dict[str, Any] = {"checkpoint_id": _checkpoint_id(checkpoint_id)}
     if source_job_id:
         body["source_job_id"] = source_job_id
-    return OpCall(Request(OP_LOAD, TARGET_TRAINING, body), _parse_checkpoint)
+    return OpCall(Request(OP_LOAD, TARGET_TRAINING, body), _parse_saved)
 
 
 def list_checkpoints() -> OpCall:

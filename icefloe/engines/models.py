@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import string
 import tempfile
@@ -26,16 +27,20 @@ from icefloe.protocol import ConfigError
 __all__ = [
     "TINY_PRESETS",
     "TinyPreset",
+    "cached_hub_model",
+    "context_limit",
     "default_cache_dir",
     "load_causal_lm",
     "load_tokenizer",
+    "open_modes",
     "resolve_model",
 ]
 
 TINY_PREFIX = "tiny:"
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name, as the Hugging Face hub names a repository
 # Bump when the way a preset is turned into files changes, so stale cache folders are not reused.
-_BUILD_FORMAT = 1
+_BUILD_FORMAT = 2
 # torch's default generator is process-wide: two threads seeding and drawing at once would mix streams.
 _INIT_LOCK = threading.Lock()
 
@@ -113,9 +118,15 @@ def resolve_model(spec: str, *, seed: int = 0, cache_dir: Path | None = None) ->
         return _build_tiny(spec.removeprefix(TINY_PREFIX), seed=seed, cache_dir=cache_dir or default_cache_dir())
     path = Path(spec).expanduser()
     if not path.is_dir():
+        cached = cached_hub_model(spec)
+        if cached is not None:
+            return cached
+        from huggingface_hub.constants import HF_HUB_CACHE
+
         raise ConfigError(
-            f"model must be a local Hugging Face directory or tiny:<preset> ({_preset_list()}); "
-            f"{spec!r} is not a directory (models are never downloaded)"
+            f"model must be a local Hugging Face directory, a hub id (org/name) in the local Hugging Face cache "
+            f"({HF_HUB_CACHE}), or tiny:<preset> ({_preset_list()}); {spec!r} is neither (models are never "
+            "downloaded: fetch it once with `hf download ORG/NAME`)"
         )
     if not (path / "config.json").is_file():
         raise ConfigError(
@@ -123,6 +134,26 @@ def resolve_model(spec: str, *, seed: int = 0, cache_dir: Path | None = None) ->
             f"directory or use tiny:<preset> ({_preset_list()})"
         )
     return path
+
+
+def cached_hub_model(repo_id: str) -> Path | None:
+    """The snapshot folder of hub id ``repo_id`` (``org/name``) in the local Hugging Face cache
+    (``HF_HUB_CACHE``), offline; None when it is not a hub id or no snapshot there holds a config.json."""
+    if not _HUB_ID.fullmatch(repo_id):
+        return None
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo_id, "config.json")
+    return Path(found).parent if isinstance(found, str) else None
+
+
+def context_limit(model_config: Any, max_seq_len: int) -> tuple[int, str]:
+    """The positions one row may hold, and that limit in words: ``max_seq_len``, or the model's own
+    context (``max_position_embeddings``) where that is smaller."""
+    positions = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
+    if isinstance(positions, int) and positions < max_seq_len:
+        return positions, f"the model's context of {positions} tokens"
+    return max_seq_len, f"max_seq_len={max_seq_len}"
 
 
 def load_tokenizer(path: Path | str) -> Any:
@@ -139,9 +170,27 @@ def load_causal_lm(path: Path | str, *, dtype: torch.dtype = torch.float32, devi
     """Load the causal LM saved in ``path`` onto ``device`` in ``dtype``, in train mode off (eval)."""
     from transformers import AutoModelForCausalLM
 
+    _no_progress_bars()
+
     # sdpa is at least as fast as eager at every shape measured on CPU, and much faster on GPU.
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="sdpa")
     return model.to(device).eval()
+
+
+def open_modes(folder: Path) -> None:
+    """Give a folder built in a private staging place (``mkdtemp``: 0700, files 0600) the modes of any
+    other: 0755 for folders, 0644 for files, so other users and tools can read an exported model."""
+    for path in [folder, *folder.rglob("*")]:
+        if not path.is_symlink():
+            path.chmod(0o755 if path.is_dir() else 0o644)
+
+
+def _no_progress_bars() -> None:
+    """Turn off transformers' bars on every load and save ("Loading weights", "Writing model shards"): they
+    break up the service's log and the demo's own bar. Each process loads or builds a model before it saves one."""
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
 
 
 # --- tiny models -------------------------------------------------------------------------------
@@ -164,6 +213,7 @@ def _build_tiny(name: str, *, seed: int, cache_dir: Path) -> Path:
         tokenizer = _char_tokenizer(preset.alphabet)
         tokenizer.save_pretrained(str(staging))
         _tiny_model(preset, tokenizer, seed=seed).save_pretrained(str(staging))
+        open_modes(staging)
         try:
             os.rename(staging, target)
         except OSError:
@@ -189,6 +239,8 @@ def _char_tokenizer(alphabet: str):
 
 def _tiny_model(preset: TinyPreset, tokenizer, *, seed: int):
     from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    _no_progress_bars()
 
     config = Qwen3Config(
         vocab_size=len(tokenizer),

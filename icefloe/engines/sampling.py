@@ -38,7 +38,7 @@ from icefloe.engines.lora import (
     write_adapter_folder,
 )
 from icefloe.engines.micro_batches import default_token_budget, sampling_bytes_per_token
-from icefloe.engines.models import load_causal_lm, load_tokenizer, resolve_model
+from icefloe.engines.models import context_limit, load_causal_lm, load_tokenizer, resolve_model
 from icefloe.engines.training import resolve_device
 from icefloe.protocol import InvalidRequestError, SamplingParams
 
@@ -151,8 +151,13 @@ class SamplingEngine:
         rows: list[_Row] = []
         for index, (prompt, wanted) in enumerate(zip(prompts, per_prompt, strict=True)):
             ids = self._prompt_ids(index, prompt)
-            max_new = min(wanted.max_tokens, self.config.max_seq_len - len(ids))
-            rows += [_Row(ids, wanted, seed, max_new, self.adapter) for seed in self._row_seeds(wanted)]
+            limit, named = context_limit(self.model.config, self.config.max_seq_len)
+            if len(ids) + wanted.max_tokens > limit:
+                raise InvalidRequestError(
+                    f"prompts[{index}] ({len(ids)} tokens) + max_tokens ({wanted.max_tokens}) exceeds {named}; "
+                    f"set max_tokens to at most {limit - len(ids)}"
+                )
+            rows += [_Row(ids, wanted, seed, wanted.max_tokens, self.adapter) for seed in self._row_seeds(wanted)]
         return rows
 
     def _finish(self, rows: list[_Row], version: int) -> list[dict[str, Any]]:
@@ -244,10 +249,10 @@ class SamplingEngine:
             raise InvalidRequestError(f"prompts[{index}] is empty; give at least one token")
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             raise InvalidRequestError(f"prompts[{index}] holds token ids outside [0, {self.vocab_size})")
-        if len(ids) >= self.config.max_seq_len:
+        limit, named = context_limit(self.model.config, self.config.max_seq_len)
+        if len(ids) >= limit:
             raise InvalidRequestError(
-                f"prompts[{index}] has {len(ids)} tokens; it must be shorter than max_seq_len="
-                f"{self.config.max_seq_len} to leave room for generation (shorten it or raise max_seq_len)"
+                f"prompts[{index}] has {len(ids)} tokens; it must be shorter than {named} to leave room for generation"
             )
         return ids
 

@@ -53,7 +53,7 @@ from icefloe.engines.micro_batches import (
     row_spans,
     training_bytes_per_token,
 )
-from icefloe.engines.models import load_causal_lm, load_tokenizer, resolve_model
+from icefloe.engines.models import context_limit, load_causal_lm, load_tokenizer, open_modes, resolve_model
 from icefloe.protocol import InvalidRequestError, UnsupportedOpError
 
 __all__ = [
@@ -81,6 +81,7 @@ def publish_folder(staging: Path, target: Path) -> None:
     The old folder is renamed aside first and deleted last, so a crash leaves either the old or the
     new checkpoint in place, never neither (the service's records keep pointing at something real).
     """
+    open_modes(staging)
     aside = target.with_name(f".{target.name}.old-{os.getpid()}")
     if target.exists():
         os.rename(target, aside)
@@ -595,10 +596,10 @@ class TrainingEngine:
         self._require_awake()
         frame = validate_batch(batch, require_context=require_context, vocab_size=self.vocab_size)
         width = frame["kwargs"]["input_ids"].shape[1]
-        if width > self.config.max_seq_len:
+        limit, named = context_limit(self.model.config, self.config.max_seq_len)
+        if width > limit:
             raise InvalidRequestError(
-                f"kwargs.input_ids has {width} positions, more than max_seq_len={self.config.max_seq_len}; "
-                "shorten the rows or raise max_seq_len"
+                f"kwargs.input_ids has {width} positions, more than {named}: shorten or split the rows"
             )
         return frame
 

@@ -23,13 +23,18 @@ their neighbours' updates moved the shared output digits; and each RL step's eig
 on the same samples, inside a 0.2 clip range, moved those digits far enough to erase a class that
 the warm-up had taught (a 35-step warm-up lost every sum ending in 0-4 on seed 1). So each step
 deals every problem once (8 samples each), the clip range is 0.1 (halving the optimizer steps
-works as well), and a 25-step warm-up teaches the final digits before RL starts. Seeds 0-4 now
-end at 1.00, 0.98, 0.99, 0.99, 0.96 after 200 steps.
+works as well), and a warm-up teaches the final digits before RL starts. Later seeds 3, 5 and 7
+stalled near 0.5 in turn: their warm-up, at a learning rate of 1e-2, had diverged for a few steps
+and left a model that scored 0.05 where the others scored 0.2, and RL from there lost half the
+classes. At 5e-3 the warm-up ends at the same loss on every seed and no seed stalls; seeds 0-9 end
+between 0.75 and 0.99, seven above 0.9 (``tests/recipes/golden/demo_curves.json`` holds each full
+run's end; CI checks a short run of each seed against its recorded curve). Seed 3 (0.75) learns its
+last classes too slowly for 200 steps: the recipe still owes it.
 
 With ``lora_rank`` > 0 RL trains LoRA adapters only. Adapters alone cannot teach this random
 model the answer format (the supervised loss stalls), so the warm-up still trains the full weights
 on a client of its own, saves them as a Hugging Face folder, and RL starts from that folder.
-Seed 0: reward 0.30 → 0.96 in 200 steps at rank 8.
+Seed 0 at rank 8: the first RL step scores 0.15, the last ten 0.98.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ _CLIENT_METRICS = ("reward", "response_len", "groups_with_signal")  # what only 
 
 
 class GRPOConfig(BaseModel):
-    """Everything one run reads; the defaults are the demo (seed 0: reward 0.28 → 1.00 in 200 steps)."""
+    """Everything one run reads; the defaults are the demo (seed 0: reward 0.22 → 0.95 in 200 steps)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -81,10 +86,12 @@ class GRPOConfig(BaseModel):
     entropy_coeff: float = Field(0.1, ge=0)  # at step 1, falling linearly to 0 at the last step
     warmup_steps: int = Field(25, ge=0)  # supervised steps before RL; 0 = RL from the random model
     # Before LoRA RL: adapters catch up fast, so a shorter warm-up leaves more of the learning to RL
-    # (seed 0: the first RL step scores 0.17, the last ten 0.99).
+    # (seed 0: the first RL step scores 0.15, the last ten 0.98).
     lora_warmup_steps: int = Field(22, ge=0)
     warmup_batch_size: int = Field(64, gt=0)
-    warmup_lr: float = Field(1e-2, gt=0)
+    # 1e-2 was unstable on some seeds (seed 5's loss jumped to 3.4 mid warm-up and ended at 1.5, where
+    # others ended near 0.75), and RL from such a start stalled near 0.5; at 5e-3 every seed ends near 0.8.
+    warmup_lr: float = Field(5e-3, gt=0)
     max_operand: int = Field(9, ge=1)  # problems are a+b with a, b in 0..max_operand
     eps: float = Field(1e-6, gt=0)  # added to a group's std before dividing
     # False: Dr.GRPO, advantages only mean-centred (verl's algorithm.norm_adv_by_std_in_grpo=False).
@@ -134,10 +141,7 @@ async def run(config: GRPOConfig, *, on_step: Callable[[dict[str, Any]], None] |
 
     run_dir = config.out_dir / config.name
     if run_dir.is_dir() and any(run_dir.iterdir()):
-        raise ConfigError(
-            f"name: the run folder {run_dir} already holds a run; pick another name (icefloe demo --name NAME) "
-            "or delete the folder"
-        )
+        raise ConfigError(f"name: the run folder {run_dir} already holds a run; pick another name or delete the folder")
     run_dir.mkdir(parents=True, exist_ok=True)
     task = ArithmeticTask(config.seed, max_operand=config.max_operand)
     shuffler = random.Random(config.seed + 1)
@@ -270,9 +274,9 @@ async def run(config: GRPOConfig, *, on_step: Callable[[dict[str, Any]], None] |
                 }
                 history.append(row)
                 tracker.log({key: value for key, value in row.items() if key != "step"}, step)
-                # The service keeps what only the client knows, filed under the trainer's last optimizer
-                # step (its own points count optimizer steps from 0), so reward lines up with loss.
-                optimizer_step = results[-1]["global_step"] - 1 if results else config.supervised_steps + step - 1
+                # The service keeps what only the client knows, filed under the trainer's global_step after
+                # this RL step (the number of its own points), so reward lines up with loss.
+                optimizer_step = results[-1]["global_step"] if results else config.supervised_steps + step
                 if reported is not None:
                     await reported
                 metrics = {key: row[key] for key in _CLIENT_METRICS}

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import logging
 import os
+import re
+import socket
 import threading
 import weakref
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI
@@ -106,7 +109,7 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     app.add_middleware(JsonBodies)
     # Replays skip SubmitOrder, and a POST waiting for its turn has its body read and its key looked
     # up already (moved outside IdempotencyKeys, a demo step took 3% longer).
-    app.add_middleware(SubmitOrder, gap_timeout_s=settings.sequence_gap_timeout_s)
+    app.add_middleware(SubmitOrder, gap_timeout_s=settings.sequence_gap_timeout_s, unordered=_not_running(manager))
     app.add_middleware(IdempotencyKeys, db=db, settings=settings)
     app.add_middleware(Batches)  # each part of a batch runs through the layers above, as if it came alone
     app.add_middleware(BodyLimit, max_bytes=settings.max_post_bytes)  # refuse before buffering
@@ -116,17 +119,31 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     return app
 
 
+_JOB_PATH = re.compile(r"/api/v2/databases/[^/]+/schemas/[^/]+/[^/]+/([^/:]+)")
+
+
+def _not_running(manager: JobManager) -> Callable[[dict[str, Any]], bool]:
+    """True for a request on a job this process does not run: after a restart, the job's numbered POSTs
+    have no earlier number to wait for (the session was lost with the old process)."""
+
+    def not_running(scope: dict[str, Any]) -> bool:
+        match = _JOB_PATH.match(scope["path"])
+        return match is not None and manager.live_job(match.group(1)) is None
+
+    return not_running
+
+
 async def _health() -> dict[str, str]:
     return {"status": "ok"}
 
 
 class ServerThread:
-    """Run an app on uvicorn in a background thread on a free loopback port: ``with ServerThread(app) as url:``."""
+    """Run an app on uvicorn in a thread on a loopback port (0: a free one): ``with ServerThread(app) as url:``."""
 
-    def __init__(self, app: Any, *, log_level: str = "warning") -> None:
+    def __init__(self, app: Any, *, log_level: str = "warning", port: int = 0) -> None:
         import uvicorn
 
-        self._config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level=log_level, lifespan="on")
+        self._config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level, lifespan="on")
         self._server = uvicorn.Server(self._config)
         self._thread: threading.Thread | None = None
         self.base_url = ""
@@ -154,8 +171,30 @@ def base_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def serve(settings: ServeSettings, *, log_level: str = "info") -> None:
-    """Run the service in the foreground until interrupted: lock the data dir, bind, then recover and serve."""
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port`` for :func:`serve`.
+
+    Raises:
+        SystemExit: the port is taken or not ours to bind, in one line naming the address and the fix.
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        busy = " (another process listens there: stop it, or pass --port with a free port)"
+        raise SystemExit(
+            f"icefloe serve: cannot listen on {base_url(host, port)}: {exc.strerror or exc}"
+            + (busy if exc.errno == errno.EADDRINUSE else "")
+        ) from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(settings: ServeSettings, *, log_level: str = "info", sock: socket.socket | None = None) -> None:
+    """Run the service in the foreground until interrupted: lock the data dir, bind (unless ``sock`` is
+    already bound), then recover and serve."""
     import uvicorn
     from uvicorn.config import LOGGING_CONFIG
 
@@ -180,4 +219,4 @@ def serve(settings: ServeSettings, *, log_level: str = "info") -> None:
     # What is alive now (torch, transformers, the app) lives as long as the process: a full collection
     # that walked it each time paused every request for 120-150 ms.
     gc.freeze()
-    uvicorn.Server(config).run(sockets=[config.bind_socket()])
+    uvicorn.Server(config).run(sockets=[sock or listen(settings.host, settings.port)])

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from icefloe.protocol import (
+    JOB_STATES,
     SEGMENT_BY_JOB_TYPE,
     ClientClosedError,
     ConfigError,
@@ -245,7 +246,8 @@ class JobManager:
             job.lease_until = time.monotonic() + self.settings.lease_ttl_s
 
     def heartbeat(self, job_id: str) -> dict[str, Any]:
-        status = self.public(job_id)["status"]  # renews the lease
+        self.renew(job_id)
+        status = self.public(job_id)["status"]
         return {"job_id": job_id, "status": status, "lease_ttl_s": self.settings.lease_ttl_s}
 
     def watch(self) -> None:
@@ -289,11 +291,11 @@ class JobManager:
                     job.log.write(f"no call or heartbeat for {self.settings.lease_ttl_s:g} s", level="WARNING")
                     job.state.cancel("client lease expired")
 
-    def cancel(self, job_id: str) -> dict[str, Any]:
+    def cancel(self, job_id: str, reason: str = "cancelled on request") -> dict[str, Any]:
         """Idempotent while cancelling/cancelled; 409 once the job terminated or failed."""
         job = self._live.get(job_id)
         if job is not None:
-            return {"job_id": job_id, "status": job.state.cancel()}
+            return {"job_id": job_id, "status": job.state.cancel(reason)}
         status = self.row(job_id)["status"]
         if status not in ("cancelling", "cancelled"):
             raise ConflictError(f"job {job_id} is {status}; only an active job can be cancelled")
@@ -315,34 +317,44 @@ class JobManager:
 
     # --- reading ------------------------------------------------------------------------------
     def row(self, job_id: str) -> dict[str, Any]:
-        """The job's stored record, 404 if unknown (a read: no lease renewal, unlike :meth:`public`)."""
+        """The job's stored record, 404 if unknown (a read: no lease renewal)."""
         row = store.get_job(self.db, job_id=job_id)
         if row is None:
             raise NotFoundError(f"job {job_id} not found")
         return row
 
     def public(self, job_id: str) -> dict[str, Any]:
+        """The job as the API shows it; a read, so it renews no lease (a watcher must not keep a job alive)."""
         job = self._live.get(job_id)
-        lease_left_s = job.lease_until - time.monotonic() if job is not None else math.inf  # before this call
-        self.renew(job_id)
+        lease_left_s = job.lease_until - time.monotonic() if job is not None else math.inf
         answer = self._public(self.row(job_id))
         if job is not None:  # icefloe extensions: what `icefloe jobs show` prints
             answer["queue"] = self.requests.queue(job_id)
             answer["host"] = job.host.describe() if job.host is not None else None
             answer["lease_expires_in_s"] = round(max(0.0, lease_left_s), 1) if math.isfinite(lease_left_s) else None
-        if job is not None and job.status == "placing":  # why it waits, for the client to show
-            host = job.host
-            if host is not None and host.slots:  # another job of its base took the host's slot and starts it
-                answer["reason"] = f"waiting for {host.host_id} (shared by LoRA jobs of its base model) to start"
-            else:
-                ahead, free = self.pool.waiting(job)
-                slots = f"{job.num_slots} {self.pool.kind} slot(s): {free} of {self.pool.total} free"
-                answer["reason"] = f"waiting for {slots}, {ahead} job(s) ahead"
         return answer
+
+    def waiting(self, job_id: str) -> str | None:
+        """Why the job waits in placing, while it does (every client shows it); else None."""
+        job = self._live.get(job_id)
+        if job is None or job.status != "placing":
+            return None
+        host = job.host
+        if host is not None and host.slots:  # another job of its base took the host's slot and starts it
+            return f"waiting for {host.host_id} (shared by LoRA jobs of its base model) to start"
+        ahead, free = self.pool.waiting(job)
+        slots = f"{job.num_slots} {self.pool.kind} slot(s): {free} of {self.pool.total} free"
+        return f"waiting for {slots}, {ahead} job(s) ahead"
+
+    def reason(self, row: dict[str, Any]) -> str | None:
+        """The reason of a job's stored ``row``: why it waits while it does, else why it ended."""
+        return self.waiting(row["job_id"]) or row["reason"]
 
     def list_public(self, status: str | None, *, owner: str | None = None) -> list[dict[str, Any]]:
         """Jobs in ``status`` (any: None) owned by ``owner`` (anyone: None)."""
         wanted = normalize_job_state(status) if status else None
+        if wanted is not None and wanted not in JOB_STATES:
+            raise InvalidRequestError(f"status must be one of {', '.join(sorted(JOB_STATES))}; got {status!r}")
         answers = [self._public(r) for r in store.list_jobs(self.db, status=wanted, owner=owner)]
         for answer in answers:
             job = self._live.get(answer["job_id"])
@@ -350,8 +362,7 @@ class JobManager:
                 answer["host"] = job.host.describe()
         return answers
 
-    @staticmethod
-    def _public(row: dict[str, Any]) -> dict[str, Any]:
+    def _public(self, row: dict[str, Any]) -> dict[str, Any]:
         spec, status = row["spec"], row["status"]
         sub_jobs = [
             {
@@ -362,7 +373,8 @@ class JobManager:
             for sub in spec["sub_jobs"]
         ]
         return {
-            **{key: row[key] for key in ("job_id", "status", "reason", "created_at", "updated_at")},
+            **{key: row[key] for key in ("job_id", "status", "created_at", "updated_at")},
+            "reason": self.reason(row),
             "image_tag": "" if status in ("pending", "placing") else _IMAGE_TAG,
             "experiment_name": spec["experiment_name"],
             "sub_jobs": sub_jobs,
@@ -394,12 +406,15 @@ class JobManager:
         return self._live.get(job_id)
 
     def live(self, job_id: str) -> LiveJob:
-        """The running job behind ``job_id``: 404 if unknown, 409 naming the state otherwise."""
+        """The running job behind ``job_id``: 404 if unknown, 409 naming the state and its reason otherwise."""
         job = self._live.get(job_id)  # jobs of this process: no SQLite read on the hot path
         self.renew(job_id)
-        status = job.status if job is not None else self.row(job_id)["status"]
-        if job is None or status != "running":
-            raise ConflictError(f"job {job_id} is {status}; this call needs it running")
+        if job is None or job.status != "running":
+            row = self.row(job_id)
+            reason = self.reason(row)
+            why = f" ({reason})" if reason else ""
+            status = job.status if job is not None else row["status"]
+            raise ConflictError(f"job {job_id} is {status}{why}; this call needs it running")
         return job
 
     def resolve_sub_job(

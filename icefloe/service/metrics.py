@@ -6,8 +6,8 @@ since the last ``step`` add up into that step's point (``loss`` token-weighted, 
 summed), and the ``step`` writes it with ``lr``, ``grad_norm``, ``step_time_s`` (since the previous
 step ended, or since the step's first forward-backward began) and ``tokens_per_s``. A weight sync
 adds ``policy_version`` to the step whose weights it moved. Engine points are numbered by the
-optimizer step they end, from 0 (``global_step - 1``); the client numbers the values it reports
-(``POST {job}/metrics``) itself.
+``global_step`` the step's result reports (1 after the first step), the number every client shows; the
+client numbers the values it reports (``POST {job}/metrics``) itself.
 
 The Prometheus metrics live in a registry of the app's own, so several apps in one process (the
 tests) never share counters. Queue depth, jobs by state and chunk-store bytes are read when
@@ -118,8 +118,8 @@ class ServiceMetrics:
                 self.sync_seconds.observe(float(result.get("seconds", now - started)))
                 self.sync_bytes.inc(int(result.get("bytes", 0)))
                 version = result["policy_version"]
-                if version > 0:  # the weights of step version - 1
-                    self.record(job_id, version - 1, {"policy_version": float(version)})
+                if version > 0:  # the weights of global_step == version
+                    self.record(job_id, version, {"policy_version": float(version)})
         except Exception:  # a value that cannot be recorded must never fail the op that produced it
             _log.exception("job %s: recording the metrics of %s failed", job_id, op)
 
@@ -138,7 +138,7 @@ class ServiceMetrics:
             pending = self._pending.pop(sub_job_id, None) or _Pending()
             began = self._last_step_end.get(sub_job_id, pending.started)
             self._last_step_end[sub_job_id] = now
-        step = result["global_step"] - 1
+        step = result["global_step"]
         values = {k: float(result[k]) for k in ("lr", "grad_norm") if isinstance(result.get(k), int | float)}
         if pending.tokens:
             values["loss"] = pending.loss_x_tokens / pending.tokens

@@ -46,8 +46,18 @@ def release_turn() -> None:
 class SubmitOrder:
     """Pure ASGI: holds a numbered POST until the POST numbered before it in its session went in."""
 
-    def __init__(self, app: ASGIApp, *, gap_timeout_s: float, max_sessions: int = _MAX_SESSIONS) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        gap_timeout_s: float,
+        max_sessions: int = _MAX_SESSIONS,
+        unordered: Callable[[Scope], bool] = lambda scope: False,
+    ) -> None:
+        """``unordered(scope)``: True for a POST whose job does not run here (it ended, or the service
+        restarted and lost the session), which goes in at once to be refused with the job's reason."""
         self.app = app
+        self.unordered = unordered
         self.gap_timeout_s = gap_timeout_s
         self.max_sessions = max_sessions
         # Least recently used first. Never expired by time: a client may stay quiet for hours (a long
@@ -66,6 +76,9 @@ class SubmitOrder:
                 f"without ':', n: a number from 0); got {raw[:80].decode('latin-1')!r}"
             )
             await send_error(scope, receive, send, InvalidRequestError(message))
+            return
+        if self.unordered(scope):
+            await self.app(scope, receive, send)
             return
         number, session = int(number_text), self._session((scope.get(CALLER_SCOPE_KEY, ""), session_id))
         if session.late(number):  # the ops after it already ran, so it must not

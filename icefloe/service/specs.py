@@ -10,16 +10,20 @@ when it only tunes machinery these engines do not have.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from icefloe.config import ClientConfig, LoraConfig
+from icefloe.engines.models import cached_hub_model
 from icefloe.protocol import SEGMENT_BY_JOB_TYPE, ConfigError, InvalidRequestError
 from icefloe.service.models import InferenceConfig, JobCreate, SubJobConfig, TrainingConfigSpec
 
 __all__ = ["SubJobSpec", "sub_job_specs"]
+
+_log = logging.getLogger("icefloe.service")
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _PRESET_PREFIX = "tiny:"  # models built in code (icefloe.engines.models.TINY_PRESETS)
@@ -78,24 +82,39 @@ class SubJobSpec:
 
 
 def _model(name: str, model_root: Path | None, where: str) -> str:
-    """What the engines load for ``model_name``: the preset itself, or the folder it names under the root.
-    A name the file system cannot take (too long, a NUL, a link loop) is refused like any unknown one."""
+    """What the engines load for ``model_name``: the preset itself, the folder it names under the root, or a
+    hub id's snapshot in the service's Hugging Face cache. The caller's refusal never says why (it would map
+    the host's folders); the service log does. A name the file system cannot take (too long, a NUL, a link
+    loop) is refused like any unknown one."""
     if name.startswith(_PRESET_PREFIX):
         return name
-    if model_root is not None and len(name) <= _MAX_MODEL_NAME and name.isprintable():
+    why = "no --model-root"
+    if len(name) > _MAX_MODEL_NAME or not name.isprintable():
+        why = "a name the file system cannot take"
+    elif model_root is not None:
         root = model_root.resolve()
         named = Path(os.path.normpath(root / name))  # lexical first: ".." or a path outside is refused unread
         try:
-            if named.is_relative_to(root):
-                real = named.resolve()  # a link inside the root may lead out of it
-                if real.is_relative_to(root) and (real / "config.json").is_file():
-                    return str(real)
-        except (OSError, RuntimeError, ValueError):  # RuntimeError: a link loop
-            pass
+            real = named.resolve()  # a link inside the root may lead out of it
+            if not named.is_relative_to(root):
+                why = f"{named} is outside the model root {root}"
+            elif not real.is_relative_to(root):
+                why = f"{named} is a link to {real}, outside the model root {root}: move the model under the root"
+            elif not (real / "config.json").is_file():
+                why = f"{real} holds no config.json" if real.is_dir() else f"there is no folder {named}"
+            else:
+                return str(real)
+        except (OSError, RuntimeError, ValueError) as exc:  # RuntimeError: a link loop
+            why = f"{named} cannot be read ({type(exc).__name__})"
+    cached = cached_hub_model(name) if why != "a name the file system cannot take" else None
+    if cached is not None:
+        return str(cached)
     shown = name if len(name) <= 80 else f"{name[:80]}... ({len(name)} characters)"
+    _log.warning("%s.model_name %r refused: %s; not a hub id in the Hugging Face cache either", where, shown, why)
     raise InvalidRequestError(
-        f"{where}.model_name {shown!r} is not a model this service offers; send tiny:<preset> or the name of a "
-        "model folder under the service's model root (icefloe serve --model-root), such as org/name"
+        f"{where}.model_name {shown!r} is not a model this service offers; send tiny:<preset>, the name of a "
+        "model folder under the service's model root (icefloe serve --model-root), such as org/name, or the hub "
+        "id of a model in the service's Hugging Face cache"
     )
 
 

@@ -79,7 +79,7 @@ def test_resolve_model_unknown_preset_lists_presets(tmp_path):
 
 
 def test_resolve_model_missing_directory_names_the_field(tmp_path):
-    with pytest.raises(ConfigError, match=r"model must be a local Hugging Face directory or tiny:<preset>"):
+    with pytest.raises(ConfigError, match=r"model must be a local Hugging Face directory, a hub id .+ or tiny:"):
         resolve_model(str(tmp_path / "nowhere"))
 
 
@@ -110,3 +110,20 @@ def test_resolve_model_bench_preset_is_bigger_and_reads_text(tmp_path):
     assert (model.config.hidden_size, model.config.num_hidden_layers) == (384, 4)
     tokenizer = load_tokenizer(path)
     assert tokenizer.decode(tokenizer("Hello, world!").input_ids) == "Hello, world!"
+
+
+def test_loading_and_saving_a_model_draws_no_progress_bar(tmp_path):
+    """transformers drew "Loading weights" and "Writing model shards" bars on every open and save."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from icefloe.engines.models import load_causal_lm, resolve_model; "
+        "load_causal_lm(resolve_model('tiny:arith', cache_dir=sys.argv[1])).save_pretrained(sys.argv[2])"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "models"), str(tmp_path / "saved")], capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "saved" / "config.json").is_file()
+    assert "it/s]" not in run.stderr and "Loading weights" not in run.stderr, run.stderr

@@ -105,9 +105,9 @@ def test_generate_reports_the_policy_version(sampler):
 
 def test_generate_rejects_bad_prompts(sampler):
     with pytest.raises(
-        InvalidRequestError, match=r"prompts\[1\] has 60 tokens; it must be shorter than max_seq_len=48"
+        InvalidRequestError, match=r"prompts\[1\] has 60 tokens; it must be shorter than max_seq_len=48 to leave room"
     ):
-        sampler.generate(["1+1=", "1" * 60], SamplingParams())
+        sampler.generate(["1+1=", "1" * 60], SamplingParams(max_tokens=2))
     with pytest.raises(InvalidRequestError, match=r"prompts\[0\] is empty"):
         sampler.generate([[]], SamplingParams())
     with pytest.raises(InvalidRequestError, match=r"prompts\[0\] holds token ids outside"):
@@ -116,12 +116,15 @@ def test_generate_rejects_bad_prompts(sampler):
         sampler.generate(["1", "2"], [SamplingParams()])
 
 
-def test_generate_caps_new_tokens_at_max_seq_len(sampler):
+def test_generate_refuses_max_tokens_past_max_seq_len_and_fills_it_exactly(sampler):
+    """A max_tokens past the room left was cut short silently (finish_reason "length" after 3 tokens)."""
     prompt = "1" * 45
-    result = sampler.generate([prompt], SamplingParams(max_tokens=20, stop_token_ids=(), temperature=0))[0]
-    assert len(result["token_ids"]) <= 3
-    if result["finish_reason"] == "length":
-        assert len(result["token_ids"]) == 3
+    with pytest.raises(
+        InvalidRequestError, match=r"prompts\[0\] \(45 tokens\) \+ max_tokens \(20\) exceeds max_seq_len=48; "
+    ):
+        sampler.generate([prompt], SamplingParams(max_tokens=20))
+    params = SamplingParams(max_tokens=3, stop_token_ids=(), ignore_eos=True, temperature=0)
+    assert len(sampler.generate([prompt], params)[0]["token_ids"]) == 3
 
 
 def test_load_weights_rejects_unknown_names_and_shapes(sampler):

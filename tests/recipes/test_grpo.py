@@ -66,11 +66,32 @@ def test_grpo_config_rejects_a_group_of_one():
         GRPOConfig(group_size=1)
 
 
+CURVES = Path(__file__).parent / "golden" / "demo_curves.json"
+
+
 @pytest.mark.slow
-# Seed 4 ended at 0.72 before the recipe's fix for classes that never get learned (see grpo.py). Seeds 0-4 take
-# 5-8 min on 2 cores, too much of CI's 15, so CI runs the default seed and that worst one.
-@pytest.mark.parametrize("seed", [0, 4])
-def test_demo_run_learns_addition(tmp_path, capsys, seed):
+@pytest.mark.parametrize("seed", range(10))
+def test_every_seed_tracks_its_known_curve(tmp_path, seed):
+    """Every seed of the demo learns at least as fast as its recorded curve (golden/make_demo_curves.py records
+    it beside the end of the seed's full run). Ten full runs are beyond CI's time; a short run per seed catches
+    a recipe change that slows one (seeds 5 and 7 stalled near 0.5 while the warm-up's rate was 1e-2)."""
+    pytest.importorskip("torch")
+    from icefloe.cli import run_demo
+
+    golden = json.loads(CURVES.read_text(encoding="utf-8"))
+    rewards = [row["reward"] for row in run_demo(seed=seed, steps=golden["steps"], name="short", out_dir=tmp_path)]
+    known = golden["curves"][str(seed)]
+    for start in range(0, len(known), 10):  # 10-step means; float noise moves a mean by a few hundredths
+        ours, theirs = _mean(rewards[start : start + 10]), _mean(known[start : start + 10])
+        assert ours >= theirs - 0.06, f"steps {start + 1}-{start + 10}: {ours:.3f} < the known {theirs:.3f}"
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+@pytest.mark.slow
+def test_demo_run_learns_addition(tmp_path, capsys):
     """The demo's own run: the reward of the RL steps rises from <= 0.35 to >= 0.9 (10-step means).
 
     The first step, straight after the warm-up, scores about 0.2; RL already lifts the rest of the first ten.
@@ -79,7 +100,7 @@ def test_demo_run_learns_addition(tmp_path, capsys, seed):
     pytest.importorskip("matplotlib")
     from icefloe.cli import run_demo
 
-    history = run_demo(seed=seed, name="ci", out_dir=tmp_path)
+    history = run_demo(seed=0, name="ci", out_dir=tmp_path)
 
     start, end = summarize(history, window=10)
     assert start <= 0.35, f"the first RL steps already score {start:.2f}; the warm-up taught too much"
@@ -101,7 +122,8 @@ def test_demo_run_learns_addition(tmp_path, capsys, seed):
 
 @pytest.mark.slow
 def test_demo_run_with_lora_learns_addition(tmp_path, capsys):
-    """``icefloe demo --lora-rank 8``: RL trains adapters only; the first RL step scores <= 0.2, the last ten >= 0.8."""
+    """``icefloe demo --lora-rank 8``: RL trains adapters only; the first RL step scores <= 0.2, the last ten >= 0.95
+    (docs/lora.md: 0.15 and 0.98; before the warm-up's rate halved the docs said 0.99 and a run gave 0.956)."""
     pytest.importorskip("peft")
     pytest.importorskip("matplotlib")
     from icefloe.cli import run_demo
@@ -110,7 +132,7 @@ def test_demo_run_with_lora_learns_addition(tmp_path, capsys):
 
     _, end = summarize(history, window=10)
     assert history[0]["reward"] <= 0.2, f"the first RL step already scores {history[0]['reward']:.2f}"
-    assert end >= 0.8, f"the last 10 steps score {end:.2f}; GRPO with LoRA did not learn the task"
+    assert end >= 0.95, f"the last 10 steps score {end:.2f}; GRPO with LoRA did not learn the task"
     out = capsys.readouterr().out
     assert "RL trains LoRA adapters only (rank 8" in out and "full-weight supervised warm-up" in out
     checkpoints = tmp_path / "lora" / "warm-up"

@@ -68,7 +68,7 @@ async def test_dashboard_json_has_the_jobs_row_queue_failures_checkpoints_and_lo
         job_id = await api.running(TRAINING, SAMPLING)
         await api.fwd_bwd(job_id)
         await api.run(job_id, "POST", "step", json={})
-        await api.call("POST", f"/{job_id}/metrics", json={"step": 0, "metrics": {"reward": 0.25}})
+        await api.call("POST", f"/{job_id}/metrics", json={"step": 1, "metrics": {"reward": 0.25}})
         saved = await api.run(job_id, "POST", "save", json={})
         failed = (await api.call("POST", f"/{job_id}/step", json={})).json()  # no fwd_bwd since the last step
         assert (await api.poll(job_id, failed["request_id"]))["status"] == "failed"
@@ -76,7 +76,7 @@ async def test_dashboard_json_has_the_jobs_row_queue_failures_checkpoints_and_lo
         detail = (await http.get(f"/ui/api/jobs/{job_id}")).json()
         assert (await http.get("/ui/api/jobs/no-such-job")).status_code == 404
     assert row["job_id"] == job_id and row["status"] == "running" and row["mode"] == "full"
-    assert row["model"] == "tiny:arith" and row["step"] == 0 and row["reward"] == 0.25 and "loss" in row
+    assert row["model"] == "tiny:arith" and row["step"] == 1 and row["reward"] == 0.25 and "loss" in row
     assert row["lease"].startswith("expires in")
     assert [s["job_type"] for s in detail["sub_jobs"]] == ["training", "sampling"]
     assert detail["queue"] == []
@@ -126,7 +126,7 @@ def test_job_page_renders_charts_log_and_checkpoints_in_headless_chromium(tmp_pa
                 client.fwd_bwd(batch)
                 client.step()
                 client.sync_weights()
-                client.log_metrics({"reward": sum(rewards) / len(rewards)}, step=step)
+                client.log_metrics({"reward": sum(rewards) / len(rewards)}, step=step + 1)  # the global_step
             checkpoint = client.save_checkpoint()
             job_id = client.handle()["transport"]["job_id"]
 
@@ -143,9 +143,10 @@ def test_job_page_renders_charts_log_and_checkpoints_in_headless_chromium(tmp_pa
         shutil.copyfile(screenshot, target)
     assert f'data-job-id="{job_id}"' in dom and f'data-job-id="{job_id}"' in jobs_dom
     for metric in ("loss", "reward", "grad_norm", "lr", "step_time_s", "tokens_per_s", "policy_version"):
-        assert re.search(rf'data-metric="{metric}" data-points="{steps}"', dom), metric
+        # every chart on one x range: reward and policy_version started one step off the others
+        assert re.search(rf'data-metric="{metric}" data-points="{steps}" data-steps="1-{steps}"', dom), metric
     assert dom.count("<canvas") >= 7  # uPlot drew each chart
     assert "job is running" in dom and checkpoint["checkpoint_id"] in dom
     assert screenshot.stat().st_size > 10_000
     output = serve.output()
-    assert f"job {job_id} is running" in output and f"job {job_id} step {steps - 1} loss" in output
+    assert f"job {job_id} is running" in output and f"job {job_id} step {steps} loss" in output

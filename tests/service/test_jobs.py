@@ -61,12 +61,32 @@ async def test_job_waits_in_placing_until_slots_are_free(data_dir):
         await api.wait_status(first, "running")
         second = await api.create(TRAINING)
         await api.wait_status(second, "placing", timeout_s=30)
+        # Why it waits, in every read of it: GET (the remote client), the list (`icefloe jobs list`), /ui.
+        why = "waiting for 1 cpu slot(s): 0 of 2 free, 0 job(s) ahead"
+        assert (await api.job(second))["reason"] == why
+        listed = (await api.call("GET", "")).json()["jobs"]
+        assert [job["reason"] for job in listed if job["job_id"] == second] == [why]
+        shown = (await http.get("/ui/api/jobs")).json()["jobs"]
+        assert [job["reason"] for job in shown if job["job_id"] == second] == [why]
+        assert (await http.get(f"/ui/api/jobs/{second}")).json()["reason"] == why
         logs = (await api.call("POST", f"/{second}/operation", json={"operation_type": "tail-logs"})).json()
         assert logs["eof"] is True and any("placing" in e["msg"] for e in logs["entries"])
         refused = await api.call("POST", f"/{second}/step", json={}, check=False)
         assert refused.status_code == 409 and "placing" in refused.json()["message"]
         await api.call("POST", f"/{first}:cancel")
         await api.wait_status(second, "running")
+        assert not (await api.job(second))["reason"]
+
+
+async def test_listing_jobs_by_an_unknown_status_is_refused_naming_the_states(data_dir):
+    """`icefloe jobs list --status bogus` printed an empty table."""
+    async with asgi_client(make_app(data_dir)) as http:
+        refused = await Api(http).call("GET", "", params={"status": "bogus"}, check=False)
+    assert (refused.status_code, refused.json()["code"]) == (400, "invalid_argument")
+    assert refused.json()["message"] == (
+        "status must be one of canceled, cancelled, cancelling, done, failed, initializing, pending, placing, "
+        "running, terminated; got 'bogus'"
+    )
 
 
 async def test_job_needing_more_slots_than_exist_is_refused(data_dir):

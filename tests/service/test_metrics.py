@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import httpx
 import pytest
@@ -43,12 +44,12 @@ async def test_engine_and_client_values_merge_into_one_point_per_step_and_surviv
         assert caps["extensions"]["job_metrics"] is True
         job_id = await api.running(TRAINING)
         await _train(api, job_id, steps=2)
-        reported = await api.call("POST", f"/{job_id}/metrics", json={"step": 1, "metrics": {"reward": 0.75, "kl": 0}})
-        assert reported.json() == {"job_id": job_id, "step": 1, "recorded": ["kl", "reward"]}
+        reported = await api.call("POST", f"/{job_id}/metrics", json={"step": 2, "metrics": {"reward": 0.75, "kl": 0}})
+        assert reported.json() == {"job_id": job_id, "step": 2, "recorded": ["kl", "reward"]}
         answer = (await api.call("GET", f"/{job_id}/metrics")).json()
     assert answer["job_id"] == job_id
     points = answer["points"]
-    assert [p["step"] for p in points] == [0, 1]
+    assert [p["step"] for p in points] == [1, 2]  # global_step, as the client's step() reports it
     for point in points:
         assert {"time", "loss", "grad_norm", "lr", "num_tokens", "step_time_s", "tokens_per_s"} <= set(point)
         assert point["lr"] == 1e-3 and point["num_tokens"] == 16 and math.isfinite(point["loss"])
@@ -148,20 +149,20 @@ def test_remote_client_reports_metrics_next_to_the_engine_values(data_dir):
         client.fwd_bwd(
             build_batch([prompt] * 2, [s["token_ids"] for s in samples], [1.0, -1.0], pad_id=tok.pad_token_id)
         )
-        client.step()
+        step = client.step()["global_step"]  # the point's number, as "step 71" must not say global_step 72
         client.sync_weights()
-        assert client.log_metrics({"reward": 0.5}, step=0) is None
+        assert client.log_metrics({"reward": 0.5}, step=step) is None
         with pytest.raises(InvalidRequestError, match=r"metrics.reward must be a finite number; got nan"):
-            client.log_metrics({"reward": float("nan")}, step=0)
+            client.log_metrics({"reward": float("nan")}, step=step)
 
         async def report_async() -> None:
             async with AsyncClient(client.config, _handle=client.handle()["transport"]) as other:
-                await other.log_metrics({"reward_async": 2}, step=0)
+                await other.log_metrics({"reward_async": 2}, step=step)
 
         asyncio.run(report_async())
         job_id = client.handle()["transport"]["job_id"]
         points = httpx.get(f"{base_url}{PREFIX}/{job_id}/metrics").json()["points"]
-    assert len(points) == 1
+    assert [point["step"] for point in points] == [step] == [1]
     assert points[0]["reward"] == 0.5 and points[0]["reward_async"] == 2.0 and points[0]["policy_version"] == 1
     assert {"loss", "grad_norm", "lr"} <= set(points[0])
 
@@ -177,15 +178,25 @@ def test_local_client_log_metrics_is_a_no_op_after_checking_its_input():
 
 
 @anyio
-async def test_watching_a_job_on_the_dashboard_does_not_renew_its_lease(data_dir):
-    async with asgi_client(make_app(data_dir)) as http:
+async def test_reading_a_job_never_renews_its_lease_and_a_heartbeat_does(data_dir):
+    """`jobs show` every 10 s, `logs -f` or an open dashboard page kept a job whose client was killed alive."""
+    app = make_app(data_dir)
+    async with asgi_client(app) as http:
         api = Api(http)
         job_id = await api.running(TRAINING)
-        await api.call("GET", f"/{job_id}")  # a client's read renews the lease
-        await asyncio.sleep(0.5)
-        for _ in range(3):  # what an open job page polls
-            assert (await http.get(f"/ui/api/jobs/{job_id}")).status_code == 200
-            assert (await api.call("GET", f"/{job_id}/metrics")).status_code == 200
-        left_s = (await api.call("GET", f"/{job_id}")).json()["lease_expires_in_s"]
-        ttl_s = (await api.call("GET", "/capabilities")).json()["limits"]["lease_ttl_ms"] / 1000
-    assert left_s <= ttl_s - 0.4  # the polls in between did not push the lease out
+        live = app.state.jobs.live_job(job_id)
+        live.lease_until = soon = time.monotonic() + 5.0  # as if the client's last call were long ago
+        tail = {"operation_type": "tail-logs", "payload": {"max_lines": 5}}
+        for method, path, body in [
+            ("GET", f"/{job_id}", None),  # jobs show, the client's own wait for the job to run
+            ("GET", f"/{job_id}/metrics", None),  # jobs show
+            ("POST", f"/{job_id}/operation", tail),  # logs -f
+            ("GET", f"/{job_id}/checkpoints", None),
+            ("GET", "", None),  # jobs list
+        ]:
+            await api.call(method, path, json=body)
+            assert live.lease_until == soon, f"{method} {path or '/'} renewed the lease"
+        assert (await http.get(f"/ui/api/jobs/{job_id}")).status_code == 200
+        assert live.lease_until == soon
+        await api.call("POST", f"/{job_id}:heartbeat")
+        assert live.lease_until > soon + 60

@@ -12,8 +12,9 @@ from .service_harness import asgi_client, make_app
 pytestmark = pytest.mark.anyio
 
 
-async def test_model_name_is_a_preset_or_a_folder_under_the_model_root_and_nothing_else(data_dir, tmp_path):
-    """model_name took any server path, and the error said whether a directory existed there."""
+async def test_model_name_is_a_preset_or_a_folder_under_the_model_root_and_nothing_else(data_dir, tmp_path, caplog):
+    """model_name took any server path, and the error said whether a directory existed there; a refused
+    link left no line in the service log to say why."""
     root = tmp_path / "models"
     built = resolve_model("tiny:arith", cache_dir=tmp_path / "build")
     (root / "org").mkdir(parents=True)
@@ -49,6 +50,8 @@ async def test_model_name_is_a_preset_or_a_folder_under_the_model_root_and_nothi
             assert (response.status_code, response.json()["code"]) == (400, "invalid_argument"), name
             refusals[name] = response.json()["message"].replace(repr(name), "<name>")
         assert len(set(refusals.values())) == 1, refusals  # one message: nothing tells the cases apart
+        logged = [r.getMessage() for r in caplog.records if "'org/escape' refused" in r.getMessage()]
+        assert logged and f"is a link to {outside}, outside the model root" in logged[0], logged
         assert "tiny:<preset>" in refusals["/no/such/dir"] and "--model-root" in refusals["/no/such/dir"]
     async with asgi_client(make_app(tmp_path / "serve-2")) as http:  # no model root: presets only
         response = await Api(http).call(

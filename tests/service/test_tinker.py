@@ -294,6 +294,37 @@ def test_a_model_and_its_sampler_run_on_one_slot(tmp_path, model):
         assert len(sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()) == len(tokens)
 
 
+def test_a_sampler_waiting_for_a_slot_tells_the_sdk_user_why_within_one_poll(tmp_path, model, monkeypatch, caplog):
+    """A Tinker sampling client waiting for a slot hung for minutes with nothing said to the SDK user."""
+    import httpx
+
+    from icefloe.service.tinker import routes
+    from tests.service.service_client import PREFIX, TRAINING
+
+    monkeypatch.setattr(routes, "_POLL_S", 0.5)  # a poll answers try_again after 0.5 s, not 30
+    root = Path(model).parent
+    service_app = make_app(tmp_path / "serve", slots=1, engines="local", tokens=[API_KEY], model_root=root)
+    with ServerThread(service_app) as url, httpx.Client(base_url=url + PREFIX, timeout=60) as http:
+        http.headers["Authorization"] = f"Bearer {API_KEY}"
+        holder = http.post("/", json={"sub_job_configs": [TRAINING]}).json()["job_id"]  # takes the one slot
+        deadline = time.monotonic() + 60
+        while http.get(f"/{holder}").json()["status"] != "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with (
+            caplog.at_level("WARNING", logger="tinker"),
+            tinker.ServiceClient(base_url=url, api_key=API_KEY) as service,
+        ):
+            sampler = service.create_sampling_client(base_model=model).result()
+            future = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 1, types.SamplingParams(max_tokens=2))
+            told = "Reason: waiting for 1 cpu slot(s): 0 of 1 free, 0 job(s) ahead"
+            while not any(told in record.getMessage() for record in caplog.records):
+                assert time.monotonic() < deadline, [record.getMessage() for record in caplog.records]
+                time.sleep(0.05)
+            http.post(f"/{holder}:cancel")
+            assert len(future.result().sequences) == 1
+
+
 def test_leaving_the_service_client_finishes_its_session(base_url, model):
     import httpx
 
@@ -307,25 +338,33 @@ def test_leaving_the_service_client_finishes_its_session(base_url, model):
     assert refused.status_code == 401
 
 
-def test_a_session_without_heartbeats_lapses_and_its_jobs_are_cancelled(tmp_path, model):
-    import time
-
+def test_a_finished_or_lapsed_sessions_jobs_are_cancelled_with_the_reason(tmp_path, model):
+    """A cancelled Tinker session's jobs ended with an empty reason."""
     import httpx
 
+    from tests.service.service_client import PREFIX
+
     service_app = make_app(tmp_path / "serve", engines="local", model_root=Path(model).parent)
-    with ServerThread(service_app) as url:
-        service_app.state.tinker.session_lease_s = 0.2
-        session_id = httpx.post(f"{url}/api/v1/create_session", json={}).json()["session_id"]
-        httpx.post(
-            f"{url}/api/v1/create_model", json={"session_id": session_id, "model_seq_id": 0, "base_model": model}
-        )
+    with ServerThread(service_app) as url, httpx.Client(base_url=url, timeout=60) as http:
+        sessions, jobs = {}, {}
+        for name in ("finished", "lapsed"):
+            session_id = sessions[name] = http.post("/api/v1/create_session", json={}).json()["session_id"]
+            body = {"session_id": session_id, "model_seq_id": 0, "base_model": model}
+            assert http.post("/api/v1/create_model", json=body).status_code == 200
+            (jobs[name],) = service_app.state.tinker.sessions[session_id].jobs  # a finished session is forgotten
+        http.post(f"/api/v1/sessions/{sessions['finished']}/finish", json={"reason": {"type": "success"}})
+        service_app.state.tinker.session_lease_s = 0.2  # the other one sends no heartbeat from now on
+        expected = {
+            "finished": "its Tinker session was finished",
+            "lapsed": "its Tinker session sent no heartbeat for 0.2 s",
+        }
         deadline = time.monotonic() + 60
-        while (
-            status := httpx.post(f"{url}/api/v1/session_heartbeat", json={"session_id": session_id})
-        ).status_code == 200:
-            assert time.monotonic() < deadline, "the lapsed session was never finished"
-            time.sleep(1.0)  # five leases without a heartbeat (each probe is one)
-        assert status.status_code == 410
+        for name, job_id in jobs.items():
+            while (job := http.get(f"{PREFIX}/{job_id}").json())["status"] != "terminated":
+                assert time.monotonic() < deadline, job
+                time.sleep(0.05)
+            assert job["reason"] == expected[name]
+        assert http.post("/api/v1/session_heartbeat", json={"session_id": sessions["lapsed"]}).status_code == 410
 
 
 def test_save_weights_and_get_sampling_client_and_a_custom_loss(service, model):

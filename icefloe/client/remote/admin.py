@@ -27,8 +27,6 @@ class ServiceAdmin:
         endpoint = Endpoint.from_config(backend)
         self.url = endpoint.url
         self._http = Http(endpoint, backend)
-        # a person waiting at a terminal is told at once that no service listens there, not after a minute
-        self._http.policy.retry_refused = False
 
     def _send(self, call: Call) -> Any:
         return self._http.run(self._http.send(call)).body

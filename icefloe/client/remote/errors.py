@@ -119,6 +119,9 @@ def error_from_response(
     code = find_error_code(body)
     message = redactor(f"{what} failed: {error_message(body, f'HTTP {status_code}')}")
     named = _CODE_ERRORS.get(code or "", api.RequestFailedError)
+    if named is api.UnauthenticatedError:  # the service names its header; the user sets one of these
+        message += "; give the client one of the service's tokens: ICEFLOE_REMOTE_PAT=TOKEN (icefloe jobs, logs and "
+        message += "checkpoints also take --token TOKEN)"
     if issubclass(named, api.RequestFailedError):
         category = "user" if 400 <= status_code < 500 and status_code != 429 else "server"
         return named(message, category=category, status_code=status_code, code=code, request_id=request_id)

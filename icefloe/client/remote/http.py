@@ -157,14 +157,15 @@ class RetryPolicy:
         self.initial_s = backend.retry_initial_s
         self.max_wait_s = backend.retry_max_s
         self.retry_restart_statuses = False  # set once the service is known to be the managed endpoint
-        self.retry_refused = True  # a connection refused (nothing listens on the port) is retried
 
     def should_retry(self, call: Call, exc: BaseException) -> bool:
         """True for a transient failure this call may repeat (chunk-group refusals never are)."""
         if call.retry is Retry.NEVER:
             return False
         if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
-            return self.retry_refused or not _refused(exc)  # the request never left: safe even for a create
+            # The request never left, so a retry is safe even for a create; but a refused connection means
+            # nothing listens on the port, and waiting a minute of retries would only delay saying so.
+            return not _refused(exc)
         if call.retry is Retry.CONNECT_ONLY:
             return False
         if isinstance(exc, httpx.TimeoutException | httpx.NetworkError | httpx.RemoteProtocolError):

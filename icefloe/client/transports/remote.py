@@ -88,6 +88,7 @@ class RemoteTransport(Transport):
         self._accepted: dict[str, asyncio.Future[None]] = {}  # by role: the last op's acceptance
         self._lock = threading.Lock()
         self._service: jobs.ServiceInfo | None = None
+        self._max_post_bytes, self._long_poll_s = 0, 0.0  # the service's limits, once open
         self._job: jobs.JobRef | None = None
         self._created = False
         self._attached = False
@@ -144,15 +145,22 @@ class RemoteTransport(Transport):
                     self._http.run(self._attach())
                 except BaseException:  # a failed open leaves no connection or thread behind; a retry starts afresh
                     self._http.close()
+                    self._lease = None  # it ran on the closed loop
                     self._http = Http(self._endpoint, self._backend, self._wrap)
                     self._check_not_closed("open")  # closed while it waited: say so, not how the wait ended
                     raise
 
     async def _attach(self) -> None:
-        service = await jobs.probe_service(self._http)
-        self._service = service
+        service = self._service = await jobs.probe_service(self._http)
         self._http.policy.retry_restart_statuses = service.managed
-        batching = "batch_requests" in service.extensions and self._backend.batch_requests
+        backend = self._backend
+        self._max_post_bytes = min(backend.max_post_bytes, service.max_post_bytes or backend.max_post_bytes)
+        # The ?wait= of a poll; 0 when the service cannot hold answers (or the config turned it off).
+        long_poll = "long_poll" in service.extensions
+        self._long_poll_s = (
+            min(backend.long_poll_s, service.max_long_poll_s or backend.long_poll_s) if long_poll else 0.0
+        )
+        batching = "batch_requests" in service.extensions and backend.batch_requests
         self._http.batch_bytes = self._max_post_bytes if batching else 0
         if self._job is None:
             # retried fully only where the service honours idempotency keys, else only if never sent
@@ -166,6 +174,8 @@ class RemoteTransport(Transport):
                 raise api.JobFailedError("<none>", "not created", why)
             self._job, self._created = jobs.JobRef(str(job_id)), True
             _log.info("created job %s on %s", job_id, self._endpoint.origin)
+        if service.lease_ttl_s and self._lease is None:  # from now: reading the job while it waits renews nothing
+            self._lease = asyncio.get_running_loop().create_task(self._keep_lease(service.lease_ttl_s / 3))
         timeout_s = self.config.job_ready_timeout_s
         try:
             job = await jobs.wait_running(self._http, self._job.job_id, backoff=self._backoff, timeout_s=timeout_s)
@@ -178,8 +188,6 @@ class RemoteTransport(Transport):
         known = {k: v for k, v in self._job.sub_jobs.items() if v}
         self._job = jobs.JobRef(self._job.job_id, {**jobs.sub_jobs_of(self._job.job_id, job, self.config), **known})
         self._attached = True
-        if service.lease_ttl_s:
-            self._lease = asyncio.get_running_loop().create_task(self._keep_lease(service.lease_ttl_s / 3))
 
     async def _keep_lease(self, period_s: float) -> None:
         """Renew the job's lease while this client is open (the service cancels a job whose lease lapses)."""
@@ -210,7 +218,8 @@ class RemoteTransport(Transport):
 
     async def _cancel_job(self, *, by_op: bool = False) -> dict[str, Any]:
         path = f"/{self._job_id}:cancel"
-        call = Call("POST", path, "cancel job", retry=Retry.NEVER, final=frozenset({409}), timeout_s=_CANCEL_TIMEOUT_S)
+        # 409: the job ended already (failed, or cancelled by its lease): nothing left to cancel
+        call = Call("POST", path, "cancel job", retry=Retry.NEVER, accept=frozenset({409}), timeout_s=_CANCEL_TIMEOUT_S)
         await self._http.send(call)
         if by_op:
             self._created = False  # cancelled on purpose: nothing left to cancel at shutdown
@@ -314,17 +323,6 @@ class RemoteTransport(Transport):
         """What the service offers; ``open`` probes it before any op runs."""
         assert self._service is not None
         return self._service
-
-    @property
-    def _max_post_bytes(self) -> int:
-        return min(self._backend.max_post_bytes, self._info.max_post_bytes or self._backend.max_post_bytes)
-
-    @property
-    def _long_poll_s(self) -> float:
-        """The ``?wait=`` of a poll; 0 when the service cannot hold answers or the config turned it off."""
-        if "long_poll" not in self._info.extensions:
-            return 0.0
-        return min(self._backend.long_poll_s, self._info.max_long_poll_s or self._backend.long_poll_s)
 
     async def _submit(
         self,
@@ -475,8 +473,7 @@ class RemoteTransport(Transport):
         return self._json_op("operation", body, operation_type, inline=operation_type in api.INLINE_OPERATIONS)
 
     def _weight_sync(self, request: api.Request) -> Send:
-        source = self._ref.first("training")
-        targets = self._ref.sub_jobs.get("sampling") or []
+        source, targets = self._ref.first("training"), self._ref.sub_jobs.get("sampling") or []
         if not targets:
             raise api.InvalidRequestError(
                 "sync_weights needs a sampling role; set num_sampling_workers=1 in the config"

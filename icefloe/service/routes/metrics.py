@@ -27,7 +27,8 @@ prometheus_router = APIRouter(tags=["metrics"])
 
 @router.post("/{job_id}/metrics")
 async def report_metrics(job_id: str, jobs: JobsDep, body: dict[str, Any] = Body(...)) -> dict:
-    jobs.public(job_id)  # 404 for an unknown job; renews the lease
+    jobs.row(job_id)  # 404 for an unknown job
+    jobs.renew(job_id)  # the client reporting is alive
     step, values = check_reported(body)
     jobs.metrics.record(job_id, step, values)
     return {"job_id": job_id, "step": step, "recorded": sorted(values)}

@@ -145,7 +145,8 @@ def _row(jobs: JobManager, row: dict[str, Any], latest: dict[str, tuple[int, flo
     job_id, spec = row["job_id"], row["spec"]
     value = {name: latest[name][1] for name in ("loss", "reward", "tokens_per_s") if name in latest}
     return {
-        **{key: row[key] for key in ("job_id", "status", "reason", "created_at")},
+        **{key: row[key] for key in ("job_id", "status", "created_at")},
+        "reason": jobs.reason(row),
         "model": spec["sub_jobs"][0]["model_name"] if spec["sub_jobs"] else "",
         "mode": _mode(spec),
         "step": max((step for step, _ in latest.values()), default=None),

@@ -443,7 +443,9 @@ async def _queue_sample(
     """Check one sample call and queue it with the calls gathered beside it; the SDK's answer."""
     tag = uuid.uuid4().hex  # names the call to the engine, which stops it on cancel_future
     prompt, params, last_n = await _off_loop(body.size, _sample_call, body, settings, tag)
-    job = await state.live(sampler.job_id)
+    # A job still waiting for its slots takes the call now: it waits in its gathering (sent once the job
+    # runs), and each poll of its future says why it waits.
+    job = state.manager.live_job(sampler.job_id) or await state.live(sampler.job_id)
     sub_job_id = state.sub_job(job, "sampling")
     limit = job.specs[sub_job_id].config.max_seq_len  # the model's context length
     if len(prompt) >= limit:
@@ -456,7 +458,9 @@ async def _queue_sample(
             f"prompt ({len(prompt)} tokens) + max_tokens ({wanted}) exceeds the model's context of {limit} "
             f"tokens; set max_tokens to at most {limit - len(prompt)}"
         )
-    generated = params.n * (len(prompt) + min(params.max_tokens, limit - len(prompt)))
+    if wanted is None:  # until a stop or the end of the context, which the engines hold max_tokens to
+        params = params.model_copy(update={"max_tokens": limit - len(prompt)})
+    generated = params.n * (len(prompt) + params.max_tokens)
     if generated > settings.max_tokens_per_request:
         raise InvalidRequestError(
             f"num_samples ({params.n}) x (prompt + max_tokens) is up to {generated} tokens; at most "
@@ -656,8 +660,12 @@ async def retrieve_futures(body: Body, state: State, tenant: TenantDep) -> dict[
     return {"completions": completions, "cursor": cursor}
 
 
-def _try_again(future_id: str) -> JSONResponse:
-    return JSONResponse({"type": "try_again", "request_id": future_id, "queue_state": "active"})
+def _try_again(future_id: str, state: TinkerState, job_id: str) -> JSONResponse:
+    """Poll again; while the job waits for slots, the SDK's queue-state observer is told why."""
+    answer = {"type": "try_again", "request_id": future_id, "queue_state": "active"}
+    if waiting := state.manager.waiting(job_id):
+        answer |= {"queue_state": "paused_capacity", "queue_state_reason": waiting}
+    return JSONResponse(answer)
 
 
 @router.post("/retrieve_future")
@@ -670,15 +678,15 @@ async def retrieve_future(body: Body, state: State, tenant: TenantDep) -> Respon
         if future.request_id is None and future.submitted is None:
             job = await state.running(future.job_id, _POLL_S)
             if job is None:
-                return _try_again(future_id)
+                return _try_again(future_id, state, future.job_id)
             answer = future.render(None)
         else:
             request_id = await state.request_of(future, _POLL_S)
             if request_id is None:
-                return _try_again(future_id)
+                return _try_again(future_id, state, future.job_id)
             row = await state.manager.requests.wait(future.job_id, request_id, _POLL_S)
             if row["status"] in ("pending", "running"):
-                return _try_again(future_id)
+                return _try_again(future_id, state, future.job_id)
             if row["status"] != "done":
                 # A caller's mistake fails the request and leaves the job up; an engine crash fails the job.
                 running = state.manager.public(future.job_id)["status"] == "running"

@@ -233,7 +233,8 @@ class TinkerState:
                         "session %s sent no heartbeat for %g s; finishing it", session_id, self.session_lease_s
                     )
                     try:
-                        await asyncio.to_thread(self.finish_session, session_id, session.owner)
+                        why = f"its Tinker session sent no heartbeat for {self.session_lease_s:g} s"
+                        await asyncio.to_thread(self.finish_session, session_id, session.owner, why)
                     except Exception as exc:  # the service is shutting down under it
                         _log.warning("finishing lapsed session %s failed: %s", session_id, exc)
 
@@ -248,8 +249,8 @@ class TinkerState:
             raise NotFoundError(f"session {session_id} not found; create one with create_session")
         return "active" if session is not None else "finished"
 
-    def finish_session(self, session_id: str, tenant: str) -> None:
-        """End the session, cancel its jobs (models and samplers) and forget it here; idempotent."""
+    def finish_session(self, session_id: str, tenant: str, reason: str = "its Tinker session was finished") -> None:
+        """End the session, cancel its jobs (models and samplers) with ``reason`` and forget it here; idempotent."""
         self.session(session_id, tenant)
         session = self.sessions.pop(session_id, None)
         if session is None:
@@ -257,7 +258,7 @@ class TinkerState:
         store.finish_tinker_session(self.db, session_id=session_id)
         for job_id in session.jobs:
             with contextlib.suppress(ConflictError):  # failed or finished already
-                self.manager.cancel(job_id)
+                self.manager.cancel(job_id, reason)
         for table in (self.models, self.samplers):
             for run_id in [run_id for run_id, run in table.items() if run.session_id == session_id]:
                 del table[run_id]
@@ -650,6 +651,7 @@ class TinkerState:
         try:
             if len(gathering.cancelled) == len(items):
                 raise ConflictError("cancelled by the caller before it was sent")
+            await self.live(sampler.job_id)  # a job waiting for slots: sent once it runs
             gathering.submitted.set_result(submit(items))
         except Exception as exc:  # every call of the gathering gets the refusal, through its future
             gathering.submitted.set_exception(exc)

@@ -311,3 +311,37 @@ def test_remote_a_failed_op_whose_number_could_not_be_spent_either_does_not_hold
         assert "loss" in client.fwd_bwd(_big_batch())  # its number waited for the one spent just before it
         assert client.step()["global_step"] == 1
     assert [rule.hits for rule in faults.rules] == [1, 1]
+
+
+@pytest.mark.timeout(120)
+def test_after_a_service_restart_the_clients_next_op_fails_with_the_jobs_reason(tmp_path, caplog):
+    """It waited 30 s for POST 0 of a session the restarted service never knew (SequenceGapError), and
+    closing then logged "could not cancel job": the job's reason (resume from checkpoint ...) never came."""
+    import socket
+
+    from icefloe.protocol import ConflictError, SequenceGapError
+    from icefloe.service.app import ServerThread, create_app
+    from icefloe.service.placement import SlotPool
+    from icefloe.service.settings import ServeSettings
+
+    from .conftest import Service
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    def app():
+        return create_app(ServeSettings(data_dir=tmp_path, engines="local"), pool=SlotPool("cpu", 4))
+
+    with ServerThread(app(), port=port) as base_url:
+        client = Client(Service(base_url, None, tmp_path).config()).open()
+        client.fwd_bwd(build_batch([[3, 4]], [[5, 6]], [1.0], pad_id=0))
+        client.step()
+        client.save_checkpoint()
+    with ServerThread(app(), port=port), caplog.at_level("WARNING", logger="icefloe.client.remote"):
+        restarted = r"is failed \(service restarted; resume from checkpoint global_step1 "
+        with pytest.raises(ConflictError, match=restarted) as info:
+            client.step()
+        assert not isinstance(info.value, SequenceGapError)
+        client.shutdown()
+    assert not [r.getMessage() for r in caplog.records if "could not cancel" in r.getMessage()]

@@ -123,6 +123,55 @@ def test_translate_errors_maps_httpx_types_and_scrubs_the_pat():
     assert info.value.__cause__ is None and info.value.__suppress_context__
 
 
+def test_a_refused_connection_fails_the_first_attempt_without_retries():
+    """A remote client with no service listening retried 11 times and failed after 68 s."""
+    attempts = []
+
+    class Counting(httpx.AsyncBaseTransport):
+        def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+            self.inner = inner
+
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            attempts.append(request.url.path)
+            return await self.inner.handle_async_request(request)
+
+        async def aclose(self) -> None:
+            await self.inner.aclose()
+
+    backend = RemoteConfig(base_url=f"http://127.0.0.1:{_closed_port()}", max_retries=10, retry_initial_s=30.0)
+    http = Http(Endpoint.from_config(backend), backend, Counting)
+    try:
+        with pytest.raises(RequestFailedError, match=r"cannot connect to http://127\.0\.0\.1:\d+: .+ is the service"):
+            http.run(http.send(Call("GET", "/capabilities", "capabilities")))
+    finally:
+        http.close()
+    assert len(attempts) == 1
+
+
+@pytest.mark.timeout(20)
+def test_a_client_with_no_service_listening_fails_its_open_at_once():
+    from icefloe.client import Client
+    from icefloe.config import ClientConfig
+
+    config = ClientConfig.build(
+        model="tiny:arith",
+        backend={"type": "remote", "base_url": f"http://127.0.0.1:{_closed_port()}", "retry_initial_s": 30.0},
+    )
+    client = Client(config)
+    with pytest.raises(RequestFailedError, match=r"capabilities: cannot connect .+ is the service running"):
+        client.open()  # with retries, the 30 s before the first one alone would pass the test's timeout
+    client.shutdown()
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @pytest.mark.parametrize(
     ("env", "url", "authorized"),
     [

@@ -97,3 +97,22 @@ def test_following_a_log_ends_once_the_job_has_ended(service):
         messages = [entry["msg"] for entry in admin.read_logs(job_id, follow=True, max_wait_s=0.2)]
         assert admin.get_job(job_id)["status"] in ("cancelled", "terminated")
     assert "job is running" in messages and messages[-1].startswith("job is ")
+
+
+def test_every_op_answers_the_same_keys_on_the_local_and_remote_backends(service, tmp_path):
+    """The README's "same shapes": remote results carried the service's own keys (a sync said
+    weight_format 'vllm' with a torch sampler; a step global_steps and last_lr; a save checkpoint_tag)."""
+
+    def shapes(client: Client) -> dict[str, list[str]]:
+        batch = build_batch([[3, 4]], [[5, 6]], [1.0], pad_id=0)
+        return {
+            "fwd_bwd": sorted(client.fwd_bwd(batch)),
+            "step": sorted(client.step()),
+            "sync_weights": sorted(client.sync_weights()),
+            "generate": sorted(client.generate([[3, 4]], {"max_tokens": 2, "logprobs": True})[0]),
+            "save_checkpoint": sorted(client.save_checkpoint()),
+            "load_checkpoint": sorted(client.load_checkpoint("global_step1")),
+        }
+
+    with Client(_local(tmp_path)) as local, Client(service.config()) as remote:
+        assert shapes(remote) == shapes(local)

@@ -130,6 +130,9 @@ const icefloe = (() => {
     const names = new Set();
     for (const point of points) for (const name of Object.keys(point)) if (!NOT_CHARTED.has(name)) names.add(name);
     document.getElementById("no-metrics").hidden = names.size > 0;
+    // One x range for every chart, so step N sits at the same place in each (reward starts after a warm-up).
+    const steps = points.map((point) => point.step);
+    const range = [Math.min(...steps), Math.max(Math.max(...steps), Math.min(...steps) + 1)];
     chartOrder([...names]).forEach((name, index) => {
       const xs = [], ys = [];
       for (const point of points) if (point[name] !== undefined) { xs.push(point.step); ys.push(point[name]); }
@@ -141,20 +144,23 @@ const icefloe = (() => {
         const width = Math.max(320, Math.floor((box.clientWidth - 2 * 10 - 20) / 3) - 10);
         const options = {
           title: name, width, height: 190, legend: { show: false },
-          scales: { x: { time: false } }, cursor: { drag: { x: false, y: false } },
+          scales: { x: { time: false, range: () => chart.range } }, cursor: { drag: { x: false, y: false } },
           axes: [
             { label: "step", labelSize: 20, incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000] },
             { size: 56, values: (_, splits) => splits.map(tick) },
           ],
           series: [{}, { label: name, stroke: COLORS[index % COLORS.length], width: 1.5 }],
         };
-        chart = { node, plot: new uPlot(options, [xs, ys], node), count: -1 };
+        chart = { node, range, count: -1 };
+        chart.plot = new uPlot(options, [xs, ys], node);
         charts.set(name, chart);
-      } else if (chart.count !== xs.length) {
+      } else if (chart.count !== xs.length || chart.range.join() !== range.join()) {
+        chart.range = range;
         chart.plot.setData([xs, ys]);
       }
       chart.count = xs.length;
       chart.node.setAttribute("data-points", String(xs.length));
+      chart.node.setAttribute("data-steps", range.join("-"));
     });
   }
 
