@@ -66,8 +66,11 @@ def _memory() -> tuple[int, int]:
     return rss, pss
 
 
-async def _run(base_url: str, prompts: list[list[int]], args: argparse.Namespace, ready: asyncio.Barrier) -> int:
-    """One run: open its job, wait for the others, then do ``--rounds`` RL rounds."""
+async def _run(
+    base_url: str, prompts: list[list[int]], args: argparse.Namespace, ready: asyncio.Barrier, measured: asyncio.Event
+) -> int:
+    """One run: open its job, wait for the others, do ``--rounds`` RL rounds, and hold the job until
+    memory has been read."""
     config = ClientConfig.build(
         model=_MODEL, lora={"rank": 8, "alpha": 8}, backend={"type": "remote", "base_url": base_url}
     )
@@ -86,18 +89,20 @@ async def _run(base_url: str, prompts: list[list[int]], args: argparse.Namespace
             )  # fmt: skip
             await asyncio.gather(client.fwd_bwd(batch), client.step(1e-4))
             await client.sync_weights()
-        await ready.wait()  # memory is read while every run still holds its job
+        await ready.wait()
+        await measured.wait()  # memory is read while every run still holds its job
     return args.rounds
 
 
 async def _measure(base_url: str, runs: int, prompts: list[list[int]], args: argparse.Namespace) -> _Result:
-    ready = asyncio.Barrier(runs + 1)
-    tasks = [asyncio.create_task(_run(base_url, prompts, args, ready)) for _ in range(runs)]
+    ready, measured = asyncio.Barrier(runs + 1), asyncio.Event()
+    tasks = [asyncio.create_task(_run(base_url, prompts, args, ready, measured)) for _ in range(runs)]
     await _meet(ready, tasks)
     started = time.perf_counter()
     await _meet(ready, tasks)
     seconds = time.perf_counter() - started
     rss, pss = _memory()
+    measured.set()
     rounds = sum(await asyncio.gather(*tasks))
     return _Result(runs, seconds, rounds, rss, pss)
 

@@ -83,6 +83,7 @@ class SharedBase:
         self.device = next(base.parameters()).device
         self._kinds = _linear_kinds(base)  # before peft wraps it: its own layers are Linear too
         self.cancelled: set[str] = set()  # tags of generate calls to stop (its samplers' SamplingEngine.cancel)
+        self._active: str | None = None  # peft's active adapter
         self.model: Any = base  # the peft model once an adapter exists
         self._configs: dict[str, LoraConfig] = {}
         self._trainable: set[str] = set()
@@ -124,6 +125,7 @@ class SharedBase:
                 "of the model (e.g. ['q_proj', 'v_proj']) or use 'all-linear'"
             ) from None
         self._configs[name] = lora
+        self._active = self._active or name  # peft's first adapter is its active one
         if trainable:
             self._trainable.add(name)
         self._mark_trainable()
@@ -134,6 +136,8 @@ class SharedBase:
         if self._configs.pop(name, None) is None:
             return
         self._trainable.discard(name)
+        if self._active == name:
+            self._active = None  # peft picks another; the next plain forward names its own
         if self._configs:
             with warnings.catch_warnings():  # peft says which adapter it makes active: none is, batches name theirs
                 warnings.filterwarnings("ignore", "Adapter .* was active which is now deleted", UserWarning)
@@ -155,15 +159,18 @@ class SharedBase:
     def forward(self, adapters: list[str] | str, **kwargs: Any) -> Any:
         """The model's forward with each row through its adapter (``adapters``: one name, or one per row).
 
-        Rows that all use the only adapter there is run as a plain peft model, in whatever mode
-        :meth:`train` set; anything else names an adapter per row, which peft runs in eval mode.
+        Rows that all use one adapter run through it as peft's active adapter, in whatever mode
+        :meth:`train` set; a batch of several names an adapter per row, which peft runs in eval mode.
         """
         rows = kwargs["input_ids"].shape[0]
         names = [adapters] * rows if isinstance(adapters, str) else list(adapters)
-        if not self.mixed and len(set(names)) == 1:
-            if names[0] == BASE_ADAPTER and self._configs:
+        if len(set(names)) == 1:  # peft's plain path: no per-row gather and scatter in every LoRA layer
+            if names[0] == BASE_ADAPTER:
+                if not self._configs:
+                    return self.model(**kwargs)
                 with self.model.disable_adapter():
                     return self.model(**kwargs)
+            self._activate(names[0])
             return self.model(**kwargs)
         if self.model.training:
             self.model.train(False)
@@ -174,6 +181,13 @@ class SharedBase:
         mode = mode and not self.mixed
         if self.model.training != mode:
             self.model.train(mode)
+
+    def _activate(self, name: str) -> None:
+        """Make ``name`` peft's active adapter (the one a plain forward runs through)."""
+        if self._active != name:
+            self.model.base_model.set_adapter(name)
+            self._mark_trainable()  # peft leaves only the active adapter trainable
+            self._active = name
 
     def _mark_trainable(self) -> None:
         # peft re-marks only its active adapter trainable whenever one is added or deleted.
