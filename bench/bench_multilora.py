@@ -5,14 +5,15 @@ Every run is the public client (``AsyncClient``, remote backend) doing the same 
 forward-backward over the samples, one step, one adapter sync (LoRA rank 8). Side by side:
 
 * shared: ``--slots 1``; N = 1, 4, 16 runs at once attach to one host (one copy of the base);
-* separate: 16 runs with ``--max-adapters 1`` and 16 slots, so each has a host of its own.
+* separate: 16 runs with ``--max-adapters 1`` and 16 slots, so each has a host of its own (one
+  round: it sets the memory baseline only).
 
 ``mem_ratio`` = memory of the service and its engine processes with 16 shared runs / with 16
 separate ones (RSS, as the operator's ``top`` shows it; ``pss_ratio`` counts pages shared between
 processes once). ``throughput_ratio`` = rounds/s of 16 shared runs together / rounds/s of one run
 alone. ``max_jobs`` = LoRA jobs one slot runs at once before the next waits for a slot.
 
-    python -m bench multilora [--runs 1 4 16] [--rounds 3] [--prompts 8] [--group 4] [--max-tokens 16]
+    python -m bench multilora [--runs 1 4 16] [--rounds 5] [--prompts 8] [--group 4] [--max-tokens 16]
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def _max_jobs(base_url: str) -> int:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench multilora", description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, nargs="+", default=[1, 4, 16])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)
@@ -148,16 +149,17 @@ def main(argv: list[str]) -> None:
     most = max(args.runs)
     prompts = [[ord(ch) - 31 for ch in f"Q: {i} + {i + 3} = ?"] for i in range(args.prompts)]  # printable ids
 
-    def measure(*flags: str, runs: int) -> _Result:
+    def measure(*flags: str, runs: int, rounds: int = args.rounds) -> _Result:
         # Engine processes get torch's default threads: an operator's server uses every core it has.
         with (
             tempfile.TemporaryDirectory(prefix="bench-multilora-") as tmp,
             serve(Path(tmp), *flags, threads=None) as url,
         ):
-            return asyncio.run(_measure(url, runs, prompts, args))
+            return asyncio.run(_measure(url, runs, prompts, argparse.Namespace(**{**vars(args), "rounds": rounds})))
 
     shared = {runs: measure("--slots", "1", runs=runs) for runs in args.runs}
-    separate = measure("--slots", str(most), "--max-adapters", "1", runs=most)
+    # Hosts of their own only set the memory baseline: one round has built every optimizer state.
+    separate = measure("--slots", str(most), "--max-adapters", "1", runs=most, rounds=1)
     with tempfile.TemporaryDirectory(prefix="bench-multilora-") as tmp, serve(Path(tmp), "--slots", "1") as url:
         max_jobs = _max_jobs(url)
 

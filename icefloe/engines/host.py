@@ -93,6 +93,7 @@ class Worker:
         self.linger_s = linger_s
         self._lanes: list[Lane] = []
         self._turn = 0  # where the next search for ready work starts: lanes take turns
+        self._passed = 0  # items taken in a row ahead of a ready batchable one
         self._cond = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"icefloe-{name}", daemon=True)
@@ -171,19 +172,29 @@ class Worker:
 
     def _take(self) -> list[_Job] | None:
         """The next ready item, taking turns over the lanes (with its batch company); None: none ready.
-        Called under the lock."""
+
+        Ready items that cannot batch go first (a step or a weight sync is quick, and the batchable
+        item it holds back then joins the next batch), but a ready batchable item is passed over at
+        most once per lane before it runs. Called under the lock."""
         lanes = self._lanes
-        for offset in range(len(lanes)):
-            lane = lanes[(self._turn + offset) % len(lanes)]
-            if not lane.queue or not _is_ready(lane.queue[0]):
-                continue
-            self._turn = (self._turn + offset + 1) % len(lanes)
-            head = lane.queue.popleft()
-            lane.busy = True
-            if head.run_batch is None:
-                return [head]
-            return [head, *self._company(lane, head.key)]
-        return None
+        ready = [
+            lane
+            for lane in (lanes[(self._turn + offset) % len(lanes)] for offset in range(len(lanes)))
+            if lane.queue and _is_ready(lane.queue[0])
+        ]
+        if not ready:
+            return None
+        lane = ready[0]
+        if self._passed < len(lanes):
+            lane = next((lane for lane in ready if lane.queue[0].run_batch is None), lane)
+        batchable_waits = any(other.queue[0].run_batch is not None for other in ready if other is not lane)
+        self._passed = self._passed + 1 if batchable_waits and lane.queue[0].run_batch is None else 0
+        self._turn = (lanes.index(lane) + 1) % len(lanes)
+        head = lane.queue.popleft()
+        lane.busy = True
+        if head.run_batch is None:
+            return [head]
+        return [head, *self._company(lane, head.key)]
 
     def _company(self, first: Lane, key: Hashable) -> list[_Job]:
         """Items with ``key`` right behind the head of ``first`` and heading the other lanes (after a

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import itertools
 import json
 import warnings
 from collections.abc import Iterable
@@ -88,6 +89,9 @@ class SharedBase:
         self._configs: dict[str, LoraConfig] = {}
         self._trainable: set[str] = set()
         self._count = 0
+        self._layers: list[Any] | None = []  # peft's LoRA Linear layers, hooked for mixed batches (None: not routable)
+        self._hooked: set[int] = set()
+        self._routes: list[tuple[str, int]] | None = None  # a mixed forward's adapters and their numbers of rows
 
     @property
     def mixed(self) -> bool:
@@ -129,6 +133,7 @@ class SharedBase:
         if trainable:
             self._trainable.add(name)
         self._mark_trainable()
+        self._find_layers()
         return name
 
     def remove(self, name: str) -> None:
@@ -143,8 +148,10 @@ class SharedBase:
                 warnings.filterwarnings("ignore", "Adapter .* was active which is now deleted", UserWarning)
                 self.model.delete_adapter(name)
             self._mark_trainable()
+            self._find_layers()
         else:
             self.model = self.model.unload()
+            self._layers = []
 
     def parameters(self, name: str) -> dict[str, torch.nn.Parameter]:
         """The adapter's parameters (and, with ``bias`` set, the biases it trains), by PEFT file name."""
@@ -174,7 +181,55 @@ class SharedBase:
             return self.model(**kwargs)
         if self.model.training:
             self.model.train(False)
-        return self.model(**kwargs, adapter_names=names)
+        if self._layers is None:  # a layer kind the routing does not know: peft's own mixed path
+            return self.model(**kwargs, adapter_names=names)
+        return self._routed(names, kwargs)
+
+    def _routed(self, names: list[str], kwargs: dict[str, Any]) -> Any:
+        """A mixed forward: every LoRA layer runs the base once for all rows, then adds each adapter's
+        update to that adapter's run of consecutive rows (one split and one concatenation, where peft's
+        ``adapter_names`` path gathers and scatters rows by index lists and walks every module on each
+        call). Callers keep an adapter's rows together."""
+        runs = [(name, len(list(rows))) for name, rows in itertools.groupby(names)]
+        active = [layer._active_adapter for layer in self._layers or ()]
+        for layer in self._layers or ():
+            layer._active_adapter = []  # the base alone; _add_updates adds the adapters
+        self._routes = runs
+        try:
+            return self.model(**kwargs)
+        finally:
+            self._routes = None
+            for layer, adapters in zip(self._layers or (), active, strict=True):
+                layer._active_adapter = adapters
+
+    def _add_updates(self, layer: Any, args: tuple[Any, ...], output: Tensor) -> Tensor | None:
+        """Forward hook of a LoRA layer: in a mixed forward, add each adapter's update to its rows."""
+        if self._routes is None:
+            return None
+        updates = []
+        for (name, _), rows in zip(self._routes, args[0].split([size for _, size in self._routes]), strict=True):
+            if name in layer.lora_A:
+                lora_a = layer.lora_A[name]
+                update = layer.lora_B[name](lora_a(layer.lora_dropout[name](rows.to(lora_a.weight.dtype))))
+                updates.append((update * layer.scaling[name]).to(output.dtype))
+            else:  # the base's rows (the KL reference), or an adapter that leaves this layer alone
+                updates.append(output.new_zeros((*rows.shape[:-1], output.shape[-1])))
+        return output + torch.cat(updates)
+
+    def _find_layers(self) -> None:
+        """Hook every LoRA layer once; a layer kind with its own maths (not a plain LoRA Linear)
+        leaves mixed batches to peft."""
+        from peft.tuners.lora.layer import Linear
+
+        layers = [m for m in self.model.modules() if hasattr(m, "lora_A")]
+        if any(type(m) is not Linear or m.lora_variant or not hasattr(m, "_active_adapter") for m in layers):
+            self._layers = None
+            return
+        for layer in layers:
+            if id(layer) not in self._hooked:
+                self._hooked.add(id(layer))
+                layer.register_forward_hook(self._add_updates)
+        self._layers = layers
 
     def train(self, mode: bool) -> None:
         """Train mode only where peft allows it: never while batches mix adapters."""

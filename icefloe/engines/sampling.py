@@ -432,7 +432,7 @@ def generate_together(
     rows = [row for _, call_rows, _ in planned for row in call_rows]
     try:
         for chunk in decode_batches(rows, first.config.sampling.max_batch_size, first.token_budget):
-            first._decode(chunk)
+            first._decode(sorted(chunk, key=lambda row: row.adapter))  # an adapter's rows in a run
     finally:
         for engine, call_rows, _ in planned:
             engine._cancelled.difference_update(row.params.tag for row in call_rows)

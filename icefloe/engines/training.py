@@ -744,6 +744,8 @@ def fwd_bwd_together(calls: Sequence[tuple[TrainingEngine, Mapping[str, Any]]]) 
         if not micro.rows:
             first._idle_pass(backward=not forward_only)
             continue
+        # each call's rows of the pass in one run, so that an adapter updates a slice of rows
+        micro = MicroBatch(tuple(sorted(micro.rows, key=owner_B.__getitem__)), micro.width)
         part = cut_micro_batch(frame, micro, spans)
         kwargs, context = first._to_device(part["kwargs"]), first._to_device(part["context"])
         owners = [owner_B[row] for row in micro.rows]

@@ -221,6 +221,49 @@ def test_batchable_items_heading_several_lanes_run_as_one_batch():
     assert batches == [["r1", "r1b", "r0", "r2"]]  # the lane whose turn it is first, then the others' heads
 
 
+def test_quick_items_go_first_so_that_the_batchable_ones_behind_them_batch():
+    """Each run syncs, then generates: the syncs run first and the generates run as one batch, not
+    each alone as its run's sync frees it."""
+    worker = Worker("quick-first", linger_s=0.0)
+    lanes = [worker.lane(f"run{i}") for i in range(3)]
+    order: list[str] = []
+
+    def run_batch(items):
+        order.append("+".join(items))
+        return items
+
+    try:
+        release = _blocked(lanes[0])  # lanes[1] has the next turn, and its generate is ready
+        futures = [lanes[1].submit_batchable("generate", "g1", run_batch)]
+        for i in (2, 0):
+            lanes[i].submit(order.append, f"sync{i}")
+            futures.append(lanes[i].submit_batchable("generate", f"g{i}", run_batch))
+        release.set()
+        assert [f.result(10) for f in futures] == ["g1", "g2", "g0"]
+    finally:
+        worker.close()
+    assert order == ["sync2", "sync0", "g1+g0+g2"]  # the lane whose turn it is first, then the others in order
+
+
+def test_a_ready_batchable_item_waits_at_most_one_turn_per_lane():
+    worker = Worker("bounded", linger_s=0.0)
+    busy, other, batching = worker.lane("busy"), worker.lane("other"), worker.lane("batching")
+    order: list[str] = []
+    try:
+        release = _blocked(busy)
+        for i in range(10):
+            busy.submit(order.append, f"busy{i}")
+            other.submit(order.append, f"other{i}")
+        done = batching.submit_batchable("generate", "g", lambda items: [order.append(items[0])])
+        release.set()
+        done.result(10)
+        busy.submit(lambda: None).result(10)
+        other.submit(lambda: None).result(10)
+    finally:
+        worker.close()
+    assert order.index("g") <= 3  # passed over by one item of each lane (three lanes), then it runs
+
+
 def test_a_gate_within_one_worker_copies_between_earlier_and_later_work_of_every_lane():
     """Trainer and sampler lanes of a shared base sit on one worker: the copy waits for the sampler's
     earlier work without parking the thread it needs itself."""

@@ -77,6 +77,7 @@ def test_fwd_bwd_of_several_runs_in_shared_passes_equals_each_alone(model_dir):
         batch["processing"] = {"loss_fn": loss_fn, "config": {"return_logprobs": True}}
         batches.append(batch)
     results = fwd_bwd_together(list(zip(together, batches, strict=True)))
+    assert shared._layers, "mixed passes go by row slices (SharedBase._routed), not peft's adapter_names path"
     assert together[0].token_budget >= sum(int(b["kwargs"]["attention_mask"].sum()) for b in batches)  # one pass
     for mine, engine, solo, batch in zip(results, together, alone, batches, strict=True):
         theirs = solo.fwd_bwd(batch)

@@ -92,14 +92,10 @@ class ServiceAdmin:
                 delay_s = min(delay_s * 1.25, max_wait_s)
 
     def list_checkpoints(self, job_id: str) -> list[dict[str, Any]]:
-        """Checkpoint records of a job, also after the job ended."""
-        body = self._send(Call("GET", f"/{job_id}/checkpoints", "list checkpoints")) or {}
-        return list(body.get("checkpoints", []))
+        return self._http.run(jobs.list_checkpoints(self._http, job_id))
 
     def export_checkpoint(self, job_id: str, checkpoint_id: str) -> dict[str, Any]:
-        """Short-lived download URLs: ``{checkpoint_id, files: [{filename, url, size_bytes}], expires_at}``."""
-        call = Call("POST", f"/{job_id}/checkpoints/{checkpoint_id}:export", "export checkpoint")
-        return dict(self._send(call) or {})
+        return self._http.run(jobs.export_checkpoint(self._http, job_id, checkpoint_id))
 
     def close(self) -> None:
         self._http.close()

@@ -360,15 +360,9 @@ class Http(LoopThread):
                     )
                     bodies.append(body)
                 timeout_s = max(call.timeout_s or self._timeout_s for call, _ in batch)
-                envelope = Call(
-                    "POST",
-                    BATCH_PATH,
-                    "batch",
-                    content=pack(parts, bodies),
-                    content_type=BATCH_MEDIA_TYPE,
-                    timeout_s=timeout_s,
-                )
-                response = await self._exchange(envelope)
+                content = pack(parts, bodies)
+                response = await self._exchange(Call("POST", BATCH_PATH, "batch", content=content,
+                                                     content_type=BATCH_MEDIA_TYPE, timeout_s=timeout_s))  # fmt: skip
                 answers = [response] * len(batch)  # refused whole: each call reads the refusal
                 if response.status_code == 200:
                     answers = [

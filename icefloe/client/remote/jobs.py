@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -22,8 +23,10 @@ __all__ = [
     "MANAGED_OPS",
     "JobRef",
     "ServiceInfo",
+    "export_checkpoint",
     "job_create_body",
     "job_object",
+    "list_checkpoints",
     "probe_service",
     "sub_jobs_of",
     "wait_running",
@@ -190,3 +193,16 @@ async def wait_running(http: Http, job_id: str, *, backoff: Backoff, timeout_s: 
                 "job_ready_timeout_s to wait longer"
             )
         await asyncio.sleep(next(sleeps))
+
+
+async def list_checkpoints(http: Http, job_id: str) -> list[dict[str, Any]]:
+    """Checkpoint records of a job, also after the job ended."""
+    reply = await http.send(Call("GET", f"/{job_id}/checkpoints", "list checkpoints"))
+    return list((reply.body if isinstance(reply.body, Mapping) else {}).get("checkpoints") or [])
+
+
+async def export_checkpoint(http: Http, job_id: str, checkpoint_id: str) -> dict[str, Any]:
+    """Short-lived download URLs: ``{checkpoint_id, files: [{filename, url, size_bytes}], expires_at}``."""
+    path = f"/{job_id}/checkpoints/{checkpoint_id}:export"
+    reply = await http.send(Call("POST", path, "export checkpoint", idempotency_key=str(uuid.uuid4())))
+    return dict(reply.body or {})

@@ -51,17 +51,15 @@ class FrameResult(dict):
 
 def decode_result(result: Any, chunk_events: list[dict[str, Any]]) -> dict[str, Any]:
     """The result from result chunks, an inline envelope or plain JSON (empty: ``{}``); tensors: torch, else numpy."""
-    if not chunk_events and not (isinstance(result, Mapping) and "payload_b64" in result and "wire_format" in result):
-        if result is None or result == {}:
-            return {}
-        return dict(result) if isinstance(result, Mapping) else {"result": result}
     if chunk_events:
         decoded = wire.decode(wire.join_result_events(chunk_events))
-        if not isinstance(decoded, dict):
-            raise RequestFailedError(f"result chunks decoded to {type(decoded).__name__}, expected a dict")
-        return FrameResult(decoded)
-    decoded = wire.decode_inline_result(dict(result))
-    return FrameResult(decoded) if isinstance(decoded, dict) else decoded
+    elif isinstance(result, Mapping) and "payload_b64" in result and "wire_format" in result:
+        decoded = wire.decode_inline_result(dict(result))
+    else:
+        return dict(result) if isinstance(result, Mapping) else {} if result is None else {"result": result}
+    if not isinstance(decoded, dict):
+        raise RequestFailedError(f"the result decoded to {type(decoded).__name__}, expected a dict")
+    return FrameResult(decoded)
 
 
 async def poll_request(

@@ -495,16 +495,13 @@ class RemoteTransport(Transport):
 
     # --- checkpoints (job-level: not queued on a sub-job) ----------------------------------------
     async def _list_checkpoints(self) -> dict[str, Any]:
-        reply = await self._http.send(Call("GET", f"/{self._job_id}/checkpoints", api.OP_LIST_CHECKPOINTS))
-        body = reply.body if isinstance(reply.body, Mapping) else {}
-        return {"checkpoints": list(body.get("checkpoints") or [])}
+        return {"checkpoints": await jobs.list_checkpoints(self._http, self._job_id)}
 
     async def _get_checkpoint(self, checkpoint_id: str) -> dict[str, Any]:
-        listed = await self._list_checkpoints()
-        entry = next((c for c in listed["checkpoints"] if c.get("checkpoint_id") == checkpoint_id), {})
-        path = f"/{self._job_id}/checkpoints/{checkpoint_id}:export"
-        reply = await self._http.send(Call("POST", path, api.OP_GET_CHECKPOINT, idempotency_key=str(uuid.uuid4())))
-        return {**entry, **(reply.body or {})}  # read by ops.get_checkpoint, which names fields as every backend does
+        listed = await jobs.list_checkpoints(self._http, self._job_id)
+        entry = next((c for c in listed if c.get("checkpoint_id") == checkpoint_id), {})
+        # read by ops.get_checkpoint, which names fields as every backend does
+        return {**entry, **await jobs.export_checkpoint(self._http, self._job_id, checkpoint_id)}
 
     async def _delete_checkpoint(self, checkpoint_id: str) -> dict[str, Any]:
         path = f"/{self._job_id}/checkpoints/{checkpoint_id}"
