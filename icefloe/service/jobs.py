@@ -482,7 +482,8 @@ class JobManager:
     def _execute(self, op: str, entries: list[_Entry], run: Callable[[list], list]) -> list[None]:
         """Run the entries that may still run as one call of ``run`` and record each outcome (on its
         request, or as an event of its stream). A batch of several jobs that fails is run again one
-        entry at a time, so a failure is recorded on the request that caused it alone."""
+        entry at a time, so a failure is recorded on the request that caused it alone; so is one of
+        one job refused as invalid, which the engines check before any work."""
         live = [e for e in entries if self._may_run(e.job, e.request_id)]
         if not live:
             return [None] * len(entries)
@@ -493,7 +494,7 @@ class JobManager:
         try:
             results = run([e.item for e in live])
         except Exception as exc:  # every failure is recorded on its requests
-            if len(firsts) > 1:
+            if len(firsts) > 1 or (len(live) > 1 and isinstance(exc, InvalidRequestError)):
                 for e in live:
                     self._run_alone(op, e, run)
             else:

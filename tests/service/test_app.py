@@ -241,3 +241,20 @@ async def test_step_peak_memory_log_adds_peak_memory_to_step_results(data_dir):
         body = {"operation_type": "tail-logs", "sub_job_type": "training"}
         entries = (await api.call("POST", f"/{job_id}/operation", json=body)).json()["entries"]
         assert not [e for e in entries if "step_peak_memory_log" in e["msg"]]  # used, so not listed as unused
+
+
+async def test_an_invalid_fwd_bwd_queued_with_valid_ones_of_its_job_fails_alone(data_dir):
+    """fwd_bwds of one job queued behind a long one run as one call; the one the engine refuses as
+    invalid (before any work) fails its own request only, and the others train."""
+    app = make_app(data_dir)
+    async with asgi_client(app) as http:
+        api = Api(http)
+        job_id = await api.running()
+        long = canonical_batch([([1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11] * 6)] * 512, [1.0] * 512)
+        bad = small_batch(1)
+        bad["processing"]["config"] = {"loss_agg_mode": "x"}
+        batches = [long, small_batch(0), bad, small_batch(2)]
+        posted = [(await api.post_frame(job_id, "forward-backward", b)).json()["request_id"] for b in batches]
+        answers = [await api.poll(job_id, request_id) for request_id in posted]
+        assert [a["status"] for a in answers] == ["done", "done", "failed", "done"]
+        assert "loss_agg_mode" in answers[2]["error"]
