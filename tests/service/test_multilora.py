@@ -201,7 +201,7 @@ async def test_a_job_that_stops_while_starting_a_shared_host_leaves_it_to_the_ne
         waiting = await api.create(*lora_job(seed=2))
         assert (await api.wait_status(waiting, "placing"))["reason"].endswith("to start")
         await api.call("POST", f"/{starter}:cancel")
+        release.set()  # the start goes on, sees its job stopped, and gives up
         await api.wait_status(starter, "cancelled", "terminated")
-        release.set()
         job = await api.wait_status(waiting, "running", timeout_s=300)
         assert job["host"]["num_jobs"] == 1 and (await api.fwd_bwd(waiting))["num_tokens"] > 0
