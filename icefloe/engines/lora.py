@@ -89,9 +89,7 @@ class SharedBase:
         self._configs: dict[str, LoraConfig] = {}
         self._trainable: set[str] = set()
         self._count = 0
-        self._layers: list[Any] | None = []  # peft's LoRA Linear layers, hooked for mixed batches (None: not routable)
-        self._hooked: set[int] = set()
-        self._routes: list[tuple[str, int]] | None = None  # a mixed forward's adapters and their numbers of rows
+        self._layers: list[Any] | None = []  # peft's LoRA Linear layers, for mixed batches (None: peft's own path)
 
     @property
     def mixed(self) -> bool:
@@ -191,45 +189,39 @@ class SharedBase:
         ``adapter_names`` path gathers and scatters rows by index lists and walks every module on each
         call). Callers keep an adapter's rows together."""
         runs = [(name, len(list(rows))) for name, rows in itertools.groupby(names)]
-        active = [layer._active_adapter for layer in self._layers or ()]
-        for layer in self._layers or ():
-            layer._active_adapter = []  # the base alone; _add_updates adds the adapters
-        self._routes = runs
+        sizes = [size for _, size in runs]
+
+        def add_updates(layer: Any, args: tuple[Any, ...], output: Tensor) -> Tensor:
+            updates = []
+            for (name, _), rows in zip(runs, args[0].split(sizes), strict=True):
+                if name in layer.lora_A:
+                    lora_a = layer.lora_A[name]
+                    update = layer.lora_B[name](lora_a(layer.lora_dropout[name](rows.to(lora_a.weight.dtype))))
+                    updates.append((update * layer.scaling[name]).to(output.dtype))
+                else:  # the base's rows (the KL reference), or an adapter that leaves this layer alone
+                    updates.append(output.new_zeros((*rows.shape[:-1], output.shape[-1])))
+            return output + torch.cat(updates)
+
+        layers = self._layers or []
+        active = [layer._active_adapter for layer in layers]
+        hooks = [layer.register_forward_hook(add_updates) for layer in layers]
+        for layer in layers:
+            layer._active_adapter = []  # the base alone; add_updates adds the adapters
         try:
             return self.model(**kwargs)
         finally:
-            self._routes = None
-            for layer, adapters in zip(self._layers or (), active, strict=True):
+            for layer, adapters, hook in zip(layers, active, hooks, strict=True):
                 layer._active_adapter = adapters
-
-    def _add_updates(self, layer: Any, args: tuple[Any, ...], output: Tensor) -> Tensor | None:
-        """Forward hook of a LoRA layer: in a mixed forward, add each adapter's update to its rows."""
-        if self._routes is None:
-            return None
-        updates = []
-        for (name, _), rows in zip(self._routes, args[0].split([size for _, size in self._routes]), strict=True):
-            if name in layer.lora_A:
-                lora_a = layer.lora_A[name]
-                update = layer.lora_B[name](lora_a(layer.lora_dropout[name](rows.to(lora_a.weight.dtype))))
-                updates.append((update * layer.scaling[name]).to(output.dtype))
-            else:  # the base's rows (the KL reference), or an adapter that leaves this layer alone
-                updates.append(output.new_zeros((*rows.shape[:-1], output.shape[-1])))
-        return output + torch.cat(updates)
+                hook.remove()
 
     def _find_layers(self) -> None:
-        """Hook every LoRA layer once; a layer kind with its own maths (not a plain LoRA Linear)
-        leaves mixed batches to peft."""
+        """peft's LoRA layers; a layer kind with its own maths (not a plain LoRA Linear) leaves mixed
+        batches to peft (``None``)."""
         from peft.tuners.lora.layer import Linear
 
         layers = [m for m in self.model.modules() if hasattr(m, "lora_A")]
-        if any(type(m) is not Linear or m.lora_variant or not hasattr(m, "_active_adapter") for m in layers):
-            self._layers = None
-            return
-        for layer in layers:
-            if id(layer) not in self._hooked:
-                self._hooked.add(id(layer))
-                layer.register_forward_hook(self._add_updates)
-        self._layers = layers
+        plain = all(type(m) is Linear and not m.lora_variant and hasattr(m, "_active_adapter") for m in layers)
+        self._layers = layers if plain else None
 
     def train(self, mode: bool) -> None:
         """Train mode only where peft allows it: never while batches mix adapters."""

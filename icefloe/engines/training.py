@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import logging
 import math
@@ -753,16 +754,13 @@ def fwd_bwd_together(calls: Sequence[tuple[TrainingEngine, Mapping[str, Any]]]) 
             adapters = [prepared[owner].engine.adapter for owner in owners]
             logits_bWV = first._logits(kwargs, micro.rows, adapters=adapters)
             total: Tensor | None = None
-            for owner in dict.fromkeys(owners):  # each call's rows of the pass, in its own row order
-                mine = [i for i, o in enumerate(owners) if o == owner]
-                own_micro = MicroBatch(tuple(micro.rows[i] - offset[owner] for i in mine), micro.width)
-                if len(mine) == len(owners):  # the whole pass is this call's
-                    own, own_logits = {"kwargs": kwargs, "context": context}, logits_bWV
-                else:
-                    index = torch.tensor(mine, device=logits_bWV.device)
-                    own = {section: {k: v[index] for k, v in values.items()}
-                           for section, values in (("kwargs", kwargs), ("context", context))}  # fmt: skip
-                    own_logits = logits_bWV[index]
+            start = 0
+            for owner, rows in itertools.groupby(owners):  # each call's rows: one run of the pass (sorted above)
+                stop = start + len(list(rows))
+                own_micro = MicroBatch(tuple(row - offset[owner] for row in micro.rows[start:stop]), micro.width)
+                own = {section: {k: v[start:stop] for k, v in values.items()}
+                       for section, values in (("kwargs", kwargs), ("context", context))}  # fmt: skip
+                own_logits, start = logits_bWV[start:stop], stop
                 loss = prepared[owner].score(own_logits, own, own_micro)
                 total = loss if total is None else total + loss
             del logits_bWV
