@@ -92,7 +92,7 @@ def _submit_decoded(
         request_id = _submit_generate(manager, job, payload, op_metadata, sub_job_id)
     else:
         assert sub_job_id is not None
-        run = _engine_call(job, op, payload, sub_job_id, reference)
+        run = _engine_call(job, op, payload, frame, sub_job_id, reference)
         if isinstance(run, Training):
             request_id = submit_training(manager, job, run, op_metadata=op_metadata)
         else:
@@ -115,16 +115,21 @@ def forward_target(
     return target, False
 
 
-def _engine_call(job: LiveJob, op: str, payload: Any, sub_job_id: str, reference: bool) -> Callable[[], Any] | Training:
-    """The engine call a forward or forward-backward body asks for, validated before it is queued."""
-    from icefloe.engines.batch import validate_batch
+def _engine_call(
+    job: LiveJob, op: str, payload: Any, frame: bytes, sub_job_id: str, reference: bool
+) -> Callable[[], Any] | Training:
+    """The engine call a forward or forward-backward body asks for, validated before it is queued; an engine
+    process receives the batch as its ``frame``."""
+    from icefloe.engines.batch import FramedBatch, validate_batch
 
     if isinstance(payload, dict) and "batch" in payload and "kwargs" not in payload:
         raise InvalidRequestError(
             "a verl-style {batch, meta, processing} payload was sent; lower it to the canonical "
             "{args, kwargs, context, processing} frame first (icefloe.client.batch.to_canonical)"
         )
-    batch, host = validate_batch(payload, require_context=op == api.OP_FWD_BWD), job.engines
+    require_context = op == api.OP_FWD_BWD
+    batch = FramedBatch(validate_batch(payload, require_context=require_context), frame, require_context=require_context)
+    host = job.engines
     if op == api.OP_FORWARD:
         forward = host.forward_reference if reference else host.forward
         return lambda: forward(sub_job_id, batch)

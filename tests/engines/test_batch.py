@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 from torch.testing import assert_close
 
-from icefloe.engines.batch import shifted_token_logprobs, validate_batch
+from icefloe import wire
+from icefloe.engines.batch import FramedBatch, shifted_token_logprobs, validate_batch
 from icefloe.engines.micro_batches import MicroBatch, cut_micro_batch, row_spans
 from icefloe.protocol import InvalidRequestError
 
@@ -30,6 +33,23 @@ def test_validate_batch_normalises_aliases_dtypes_and_defaults():
     assert frame["kwargs"]["input_ids"].dtype == torch.int64
     assert frame["kwargs"]["position_ids"].tolist() == [list(range(5))] * 2
     assert frame["processing"] == {"loss_fn": "grpo", "config": {}}
+
+
+def test_a_framed_batch_reaches_another_process_as_its_frame_and_arrives_validated():
+    from icefloe.service.process_host import _dumps
+
+    raw = _batch()
+    raw["context"]["old_log_probs_shifted"] = torch.zeros(2, 5, dtype=torch.float64)  # normalised again there
+    frame = wire.encode(raw)
+    framed = FramedBatch(validate_batch(wire.decode(frame)), frame, require_context=True)
+    sent = _dumps(framed)
+    assert len(frame) < len(sent) < len(frame) + 200  # the frame's bytes, not each tensor pickled again
+    arrived = pickle.loads(sent)
+    assert type(arrived) is dict and arrived.keys() == framed.keys()
+    assert arrived["processing"] == framed["processing"] and arrived["context"].keys() == framed["context"].keys()
+    for section in ("kwargs", "context"):
+        for name, tensor in framed[section].items():
+            assert_close(arrived[section][name], tensor, rtol=0, atol=0)
 
 
 def _set(section: str, **values):
