@@ -17,8 +17,6 @@ from icefloe.protocol import JOB_TERMINAL_STATES, normalize_job_state
 
 __all__ = ["ServiceAdmin"]
 
-_ABSENT = frozenset({404})  # a route the service does not have is answered, not raised or retried
-
 
 class ServiceAdmin:
     """Blocking calls on jobs by id; ``close()`` (or ``with``) releases the connection pool."""
@@ -44,7 +42,8 @@ class ServiceAdmin:
     def job_metrics(self, job_id: str) -> list[dict[str, Any]] | None:
         """The job's per-step metrics, ``[{step, time, loss, ...}]`` oldest first; None where the service
         has no such route (the managed endpoint)."""
-        reply = self._http.run(self._http.send(Call("GET", f"/{job_id}/metrics", "job metrics", accept=_ABSENT)))
+        absent = frozenset({404})  # a route the service lacks is answered, not raised or retried
+        reply = self._http.run(self._http.send(Call("GET", f"/{job_id}/metrics", "job metrics", accept=absent)))
         if reply.status_code == 404:
             return None
         return list((reply.body or {}).get("points", []))
@@ -52,18 +51,6 @@ class ServiceAdmin:
     def cancel_job(self, job_id: str) -> None:
         """Cancel a job; repeating it while the job is cancelling is fine."""
         self._send(Call("POST", f"/{job_id}:cancel", "cancel job", retry=Retry.TRANSIENT))
-
-    def capacity(self) -> dict[str, Any]:
-        """The account's GPU slots: ``max_total_gpus``, ``in_use_gpus``, ``available_gpus``."""
-        return dict(self._send(Call("GET", "/capacity", "capacity")) or {})
-
-    def tail_logs(
-        self, job_id: str, *, sub_job_type: str = "training", cursor: str | None = None, max_lines: int = 200
-    ) -> dict[str, Any]:
-        """One page of a sub-job's log: ``{entries, next_cursor, eof}`` (empty cursor = from the start)."""
-        payload = {"max_lines": max_lines, **({"cursor": cursor} if cursor else {})}
-        body = {"operation_type": "tail-logs", "sub_job_type": sub_job_type, "payload": payload}
-        return dict(self._send(Call("POST", f"/{job_id}/operation", "tail-logs", json=body)) or {})
 
     def read_logs(
         self, job_id: str, *, sub_job_type: str = "training", follow: bool = False, max_wait_s: float = 6.0
@@ -78,7 +65,10 @@ class ServiceAdmin:
         delay_s = 0.5
         ended = False  # the job was terminal before the last read, so that read saw its every line
         while True:
-            page = self.tail_logs(job_id, sub_job_type=sub_job_type, cursor=cursor)
+            payload = {"max_lines": 200, **({"cursor": cursor} if cursor else {})}
+            body = {"operation_type": "tail-logs", "sub_job_type": sub_job_type, "payload": payload}
+            # a page of the log: {entries, next_cursor, eof}
+            page = self._send(Call("POST", f"/{job_id}/operation", "tail-logs", json=body)) or {}
             cursor = page.get("next_cursor") or cursor
             if entries := page.get("entries"):
                 yield from entries

@@ -36,17 +36,8 @@ _CODE_ERRORS: Final[dict[str, type[api.IcefloeError]]] = {
 }
 # A failed request's ``error`` starts with the class the engine raised ("InvalidRequestError: ..."),
 # as icefloe serve writes it; these classes are raised again on the client.
-_NAMED_ERRORS: Final[dict[str, type[api.IcefloeError]]] = {
-    cls.__name__: cls
-    for cls in (
-        api.InvalidRequestError,
-        api.ConfigError,
-        api.NotFoundError,
-        api.ConflictError,
-        api.UnsupportedOpError,
-        api.WireError,
-    )
-}
+_RAISED_AGAIN: Final = (api.InvalidRequestError, api.ConfigError, api.NotFoundError, api.ConflictError)
+_NAMED_ERRORS: Final = {cls.__name__: cls for cls in (*_RAISED_AGAIN, api.UnsupportedOpError, api.WireError)}
 
 
 def _embedded_json(text: str) -> Any:

@@ -90,9 +90,7 @@ class RemoteTransport(Transport):
         self._service: jobs.ServiceInfo | None = None
         self._max_post_bytes, self._long_poll_s = 0, 0.0  # the service's limits, once open
         self._job: jobs.JobRef | None = None
-        self._created = False
-        self._attached = False
-        self._closed = False
+        self._created = self._attached = self._closed = False
         self._warned: set[str] = set()  # warnings given once per client
         self._lease: asyncio.Task | None = None  # the renewing task, kept so it is not collected
         # Optimizer steps called so far: the service has no LR schedule, so the client applies
@@ -528,8 +526,8 @@ def _zero_logprobs(batch: Mapping[str, Any]) -> dict[str, Any]:
     """``[B, S]`` zeros shaped like the batch's input ids (the allow_zero_logprobs path)."""
     import torch
 
-    shape = tuple(batch["kwargs"]["input_ids"].shape)
-    return {"logprobs": torch.zeros(shape, dtype=torch.float32), "entropy": torch.zeros(shape, dtype=torch.float32)}
+    zeros = torch.zeros(batch["kwargs"]["input_ids"].shape, dtype=torch.float32)
+    return {"logprobs": zeros, "entropy": zeros.clone()}
 
 
 def _roles_of(request: api.Request) -> tuple[str, ...]:
