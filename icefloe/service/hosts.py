@@ -48,16 +48,15 @@ class HostKey:
     dtype: str
 
 
-def shared_base_key(specs: list[SubJobSpec], engines: str) -> HostKey | None:
+def shared_base_key(specs: list[SubJobSpec]) -> HostKey | None:
     """The base a job can share with other LoRA jobs, or None when it needs a host of its own.
 
     Shared: every sub-job is a LoRA trainer or a sampler on at most one slot, all of one model and
-    dtype, on engines that can hold many runs (``process`` or ``local``; a vLLM sampler keeps a host
-    of its own). A shared base runs mixed-adapter batches in eval mode, so a model or adapter with
-    dropout, or trained biases (base parameters every run would write), gets a host of its own; so
-    does a sampler that starts from full weights.
+    dtype (a vLLM sampler keeps a host of its own). A shared base runs mixed-adapter batches in eval
+    mode, so a model or adapter with dropout, or trained biases (base parameters every run would
+    write), gets a host of its own; so does a sampler that starts from full weights.
     """
-    if engines == "ray" or not specs:
+    if not specs:
         return None
     first = specs[0].config
     for spec in specs:
@@ -82,10 +81,10 @@ def shared_base_key(specs: list[SubJobSpec], engines: str) -> HostKey | None:
     return HostKey(first.model, first.seed if tiny else 0, first.dtype)
 
 
-def own_slots(specs: list[SubJobSpec], engines: str) -> int:
+def own_slots(specs: list[SubJobSpec]) -> int:
     """The slots a job holds by itself (what a tenant's ``max_slots`` counts): none for a LoRA job on a
     shared base, whose host's one slot is everyone's on it."""
-    return 0 if shared_base_key(specs, engines) is not None else sum(s.num_slots for s in specs)
+    return 0 if shared_base_key(specs) is not None else sum(s.num_slots for s in specs)
 
 
 def _has_dropout(folder: Path) -> bool:

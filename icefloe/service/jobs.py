@@ -140,7 +140,7 @@ class JobManager:
         specs = sub_job_specs(job_id, body, model_root=self.settings.model_root)
         for spec in specs:
             self._checkpoint_folder(spec)  # refuse an unknown source checkpoint now, not at load time
-        base_key = shared_base_key(specs, self.settings.engines)
+        base_key = shared_base_key(specs)
         num_slots = 1 if base_key is not None else sum(s.num_slots for s in specs)
         if num_slots > self.pool.total:
             raise InvalidRequestError(
@@ -566,7 +566,7 @@ class JobManager:
         job.log.write(f"{op} crashed the engine: {message}", level="ERROR", sub_job_id=sub_job_id)
         host = job.host
         if host is not None and host.shared and isinstance(exc, EngineProcessDied):
-            cause = f"the engine process of {host.host_id} died during {op} of job {job.job_id}: {exc}"
+            cause = f"the engines of {host.host_id} died during {op} of job {job.job_id}: {exc}"
             host.fail(cause, self.last_checkpoint)
         else:
             job.state.fail(f"{sub_job_id} crashed during {op}: {message}")

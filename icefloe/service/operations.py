@@ -128,7 +128,9 @@ def _engine_call(
             "{args, kwargs, context, processing} frame first (icefloe.client.batch.to_canonical)"
         )
     require_context = op == api.OP_FWD_BWD
-    batch = FramedBatch(validate_batch(payload, require_context=require_context), frame, require_context=require_context)
+    batch = FramedBatch(
+        validate_batch(payload, require_context=require_context), frame, require_context=require_context
+    )
     host = job.engines
     if op == api.OP_FORWARD:
         forward = host.forward_reference if reference else host.forward

@@ -32,7 +32,15 @@ from icefloe.protocol import ClientClosedError, InvalidRequestError
 from icefloe.service.runtime import BaseModel, Call, JobEngines, stop_check
 from icefloe.service.specs import SubJobSpec
 
-__all__ = ["SHARED_CHANNEL", "Channel", "EngineProcessDied", "ProcessEngineHost", "serve", "warm_forkserver"]
+__all__ = [
+    "SHARED_CHANNEL",
+    "Channel",
+    "EngineProcessDied",
+    "ProcessEngineHost",
+    "portable",
+    "serve",
+    "warm_forkserver",
+]
 
 _log = logging.getLogger("icefloe.service.process_host")
 
@@ -321,7 +329,7 @@ def serve(engines: Any, pipe: Connection) -> None:
         try:
             kind, value = "ok", getattr(engines, method)(*args)
         except BaseException as exc:  # the caller decides whether this is a user error or a crash
-            kind, value = "error", _portable(exc)
+            kind, value = "error", portable(exc)
         try:
             reply = _dumps((kind, value))
         except Exception as exc:
@@ -332,7 +340,7 @@ def serve(engines: Any, pipe: Connection) -> None:
             return
 
 
-def _portable(exc: BaseException) -> BaseException:
+def portable(exc: BaseException) -> BaseException:
     """``exc`` if it survives a pickle round trip, else a RuntimeError with its type and message."""
     if not isinstance(exc, Exception):  # an exit or interrupt inside an op must not re-raise as one in the service
         return RuntimeError(f"{type(exc).__name__}: {exc}")
@@ -379,7 +387,7 @@ def _child_main(
     try:
         host.start(lambda message: tell("progress", message), threading.Event())  # the service ends this process
     except BaseException as exc:
-        tell("failed", _portable(exc))
+        tell("failed", portable(exc))
         return
     # The engines live until this process exits: leave them out of every later collection (a full
     # one walked the model's objects each time, pausing training for ~250 ms).

@@ -2,20 +2,31 @@
 placement group (a training sub-job with ``n_gpus`` slots is ``n`` data-parallel ranks). The groups
 share the engines' method names, so every op but weight sync, a broadcast on a process group made
 the first time a pair syncs, is :class:`JobEngines`' own call.
+
+A shared base (LoRA runs of one model) is one actor holding what an engine process holds on
+``--engines process``: a :class:`LocalEngineHost` with the base and every run's adapters
+(:class:`RaySharedHost`), called the same way, one call at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import threading
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from icefloe.config import ClientConfig, RayConfig
-from icefloe.service.runtime import JobEngines, stop_check
+from icefloe.protocol import InvalidRequestError
+from icefloe.service.process_host import EngineProcessDied, portable
+from icefloe.service.runtime import BaseModel, Call, JobEngines, stop_check
 from icefloe.service.specs import SubJobSpec
 
-__all__ = ["RayEngineHost"]
+__all__ = ["RayEngineHost", "RaySharedHost"]
+
+_NAMESPACE = "icefloe-serve"
 
 _ROLE_BY_JOB_TYPE = {"training": "training", "sampling": "sampling", "log_probability": "reference"}
 
@@ -25,7 +36,7 @@ class RayEngineHost(JobEngines):
 
     def __init__(self, specs: Sequence[SubJobSpec], devices: dict[str, str], checkpoints: dict[str, Path]) -> None:
         super().__init__(specs, devices, checkpoints)
-        self._namespace = "icefloe-serve"
+        self._namespace = _NAMESPACE
         self._placements: list[Any] = []
         self._links: dict[tuple[str, str], str] = {}
 
@@ -37,13 +48,10 @@ class RayEngineHost(JobEngines):
         return spec.config.model_copy(update={"backend": backend})
 
     def start(self, on_progress: Callable[[str], None], stop: threading.Event) -> None:
-        import ray
-
         from icefloe.engines.models import resolve_model
         from icefloe.engines.ray import SamplerGroup, TrainerGroup, create_placement_group, plan_placement
 
-        if not ray.is_initialized():
-            ray.init(namespace=self._namespace, include_dashboard=False, log_to_driver=False)
+        _init_ray()
         for sub_job_id, spec in self._specs.items():
             stop_check(stop)  # each group's start blocks until its actors are up: give up between them
             config = self._config(spec)
@@ -102,3 +110,124 @@ class RayEngineHost(JobEngines):
         placements, self._placements = self._placements, []
         for placement in placements:
             ray.util.remove_placement_group(placement)
+
+
+class RaySharedHost(JobEngines):
+    """A shared base in one Ray actor (on a GPU when the host's slot is one); runs attach and detach as
+    they do on an engine process, and a dead actor fails every job on it as a dead process does."""
+
+    killable = "its Ray actor"
+
+    def __init__(self, devices: dict[str, str], *, base: BaseModel) -> None:
+        super().__init__([], devices, {}, base=base)
+        self._actor: Any = None
+
+    def start(self, on_progress: Callable[[str], None], stop: threading.Event) -> None:
+        import ray
+
+        assert self._base is not None
+        _init_ray()
+        on_gpu = self._base.device.startswith("cuda")
+        base = dataclasses.replace(self._base, device="cuda:0" if on_gpu else "cpu")  # Ray picks the GPU
+        actor_class = ray.remote(_SharedBaseActor).options(
+            name=f"icefloe-shared-base-{uuid.uuid4().hex[:12]}",  # listed beside the dedicated jobs' actors
+            namespace=_NAMESPACE,
+            num_cpus=1,
+            num_gpus=1 if on_gpu else 0,
+            max_concurrency=2,
+        )
+        on_progress(f"starting a Ray actor for the shared base {base.model!r} on {base.device}")
+        self._actor = actor_class.remote(base)
+        ready = self._actor.ready.remote()
+        while not ray.wait([ready], timeout=0.05)[0]:
+            stop_check(stop)  # a stopping job gives up; its close kills the actor
+        self._run("ready")
+        on_progress("engines ready")
+
+    def _run(self, method: str, *args: Any, what: str | None = None) -> Any:
+        import ray
+
+        if self._actor is None:
+            raise EngineProcessDied(f"the shared base's Ray actor is gone; {what or method} did not run")
+        try:
+            kind, value = ray.get(self._actor.run.remote(method, *args))
+        except ray.exceptions.RayActorError as exc:
+            raise EngineProcessDied(f"the shared base's Ray actor died during {what or method}: {exc}") from None
+        if kind == "error":
+            raise value
+        return value
+
+    def attach(self, specs: Sequence[SubJobSpec], checkpoints: dict[str, Path]) -> None:
+        self._run("attach", list(specs), checkpoints)
+
+    def detach(self, sub_job_ids: Sequence[str]) -> None:
+        self._run("detach", list(sub_job_ids))
+
+    def sync_weights(self, source_sub_job_id: str, target_sub_job_id: str, weight_format: str | None = None) -> Any:
+        return self._run("sync_weights", source_sub_job_id, target_sub_job_id, weight_format)
+
+    def fwd_bwd_many(self, calls: Sequence[tuple[str, Any]]) -> list[dict[str, Any]]:
+        return self._run("fwd_bwd_many", list(calls), what="fwd_bwd")
+
+    def generate_many(self, calls: Sequence[Call], as_json: bool) -> list[list[Any]]:
+        return self._run("generate_many", list(calls), as_json)
+
+    def call(self, sub_job_id: str, method: str, *args: Any) -> Any:
+        return self._run("call", sub_job_id, method, *args, what=method)
+
+    def cancel(self, sub_job_id: str, tags: list[str]) -> None:
+        """Beside the call the actor runs (it takes two at once), so a started generate stops at its next step."""
+        if self._actor is not None:
+            self._actor.cancel.remote(sub_job_id, tags)
+
+    def kill(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        import ray
+
+        actor, self._actor = self._actor, None
+        if actor is not None:
+            with contextlib.suppress(Exception):  # gone already
+                ray.kill(actor)
+
+
+class _SharedBaseActor:
+    """Inside the actor: the shared base and its runs' engines, called one at a time (as over an engine
+    process's pipe); an error comes back as a value, without Ray's traceback around its message."""
+
+    def __init__(self, base: BaseModel) -> None:
+        from icefloe.service.runtime import LocalEngineHost
+
+        self._lock = threading.Lock()
+        self._host = LocalEngineHost([], {}, {}, base=base)
+        self._failed: BaseException | None = None
+        try:
+            self._host.start(lambda message: None, threading.Event())
+        except Exception as exc:  # answered by the first call (ready), not as a dead actor
+            self._failed = portable(exc)
+
+    def ready(self) -> bool:
+        return True
+
+    def run(self, method: str, *args: Any) -> tuple[str, Any]:
+        with self._lock:
+            try:
+                if self._failed is not None:
+                    raise self._failed
+                if method == "ready":
+                    return "ok", None
+                return "ok", getattr(self._host, method)(*args)
+            except Exception as exc:  # the caller decides whether this is a user error or a crash
+                return "error", portable(exc)
+
+    def cancel(self, sub_job_id: str, tags: list[str]) -> None:
+        with contextlib.suppress(InvalidRequestError):  # a sub-job detached meanwhile: nothing of it runs
+            self._host.cancel(sub_job_id, tags)
+
+
+def _init_ray() -> None:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(namespace=_NAMESPACE, include_dashboard=False, log_to_driver=False)

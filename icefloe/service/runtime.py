@@ -298,7 +298,7 @@ def make_engine_host(
 
         return ProcessEngineHost(specs, devices, checkpoints, log_dir, base=base)
     if engines == "ray":
-        from icefloe.service.ray_host import RayEngineHost
+        from icefloe.service.ray_host import RayEngineHost, RaySharedHost
 
-        return RayEngineHost(specs, devices, checkpoints)
+        return RaySharedHost(devices, base=base) if base is not None else RayEngineHost(specs, devices, checkpoints)
     raise ConfigError(f"serve.engines must be 'process', 'local' or 'ray'; got {engines!r}")

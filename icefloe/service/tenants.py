@@ -71,8 +71,7 @@ class Tenancy:
                     limits.model_dump(),
                     jobs=len(held) + 1,
                     lora=sum(map(_is_lora, (row["spec"] for row in held))) + any(s.config.lora for s in specs),
-                    slots=sum(row["spec"].get("num_slots", 0) for row in held)
-                    + own_slots(specs, self.settings.engines),
+                    slots=sum(row["spec"].get("num_slots", 0) for row in held) + own_slots(specs),
                 )
             job_id = manager.create(body, database=database, schema=schema, owner=tenant)
         self._owners[job_id] = tenant

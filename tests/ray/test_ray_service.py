@@ -12,6 +12,9 @@ pytest.importorskip("transformers")
 
 from icefloe.client import Client  # noqa: E402
 from icefloe.client.batch import build_batch  # noqa: E402
+from icefloe.client.remote.admin import ServiceAdmin  # noqa: E402
+from icefloe.config import RemoteConfig  # noqa: E402
+from icefloe.protocol import IcefloeError  # noqa: E402
 from icefloe.service.app import ServerThread, create_app  # noqa: E402
 from icefloe.service.placement import SlotPool  # noqa: E402
 from icefloe.service.runtime import make_engine_host  # noqa: E402
@@ -43,6 +46,42 @@ def test_serve_with_ray_engines_trains_syncs_and_samples(ray_session, model_dir,
             serving = serving_actors(ray_session)
             assert any("-training-" in name for name in serving) and any("-sampling-" in name for name in serving)
     assert not serving_actors(ray_session)  # closing the service released the job's actors
+
+
+@pytest.mark.slow  # ~15 s: a service, one shared actor and two LoRA runs' rounds
+def test_lora_jobs_on_ray_engines_share_one_base_actor_and_one_slot(ray_session, model_dir, tmp_path):
+    settings = ServeSettings(data_dir=tmp_path / "serve", engines="ray", model_root=model_dir.parent)
+    app = create_app(settings, pool=SlotPool("cpu", 1))  # one slot: a second run waits for ever unless it shares
+    with ServerThread(app) as base_url:
+        config = {
+            "model": str(model_dir),
+            "max_seq_len": 48,
+            "lora": {"rank": 4, "alpha": 8},
+            "job_ready_timeout_s": 60,
+            "backend": {"type": "remote", "base_url": base_url},
+        }
+        batch = build_batch([[1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10]], [1.0, -1.0], pad_id=0)
+        with Client(config) as first, Client(config) as second:
+            losses = [client.fwd_bwd(batch)["loss"] for client in (first, second)]
+            assert losses[0] == pytest.approx(losses[1], abs=1e-6)  # the same seed: the same fresh adapter
+            assert first.step()["global_step"] == 1 and second.step()["global_step"] == 1
+            assert first.sync_weights()["policy_version"] == 1
+            sample = first.generate([[1, 2, 3]], {"max_tokens": 3, "logprobs": True})[0]
+            assert sample["policy_version"] == 1 and len(sample["token_ids"]) == 3
+            with ServiceAdmin(RemoteConfig(base_url=base_url)) as admin:
+                jobs = admin.list_jobs()
+            hosts = {(job.get("host") or {}).get("host_id") for job in jobs}
+            assert len(jobs) == 2 and len(hosts) == 1 and None not in hosts, jobs
+            assert jobs[0]["host"]["shared"] and jobs[0]["host"]["num_jobs"] == 2
+            serving = serving_actors(ray_session)
+            assert [name for name in serving if name.startswith("icefloe-shared-base-")] == serving, serving
+            assert len(serving) == 1
+
+            ray_session.kill(ray_session.get_actor(serving[0], namespace="icefloe-serve"))
+            for client in (first, second):  # a dead actor fails every job on it, naming the crash
+                with pytest.raises(IcefloeError, match="Ray actor died"):
+                    client.fwd_bwd(batch)
+    assert not serving_actors(ray_session)  # closing the service released the shared actor
 
 
 def serving_actors(ray) -> list[str]:
