@@ -10,7 +10,7 @@ problems, ``_G`` members of one group, ``_R`` flat rows.
 A tiny model from random weights almost never writes a correct sum, so every reward is 0 and GRPO
 has nothing to push up (alone it stalls near 0.1 over 400 steps). A short supervised warm-up
 (``warmup_steps``, the ``cross_entropy`` loss on right answers) first teaches the answer format
-and a little arithmetic, leaving the reward near 0.2; the reward reported per step is that of the
+and about half the sums, leaving the reward near 0.5; the reward reported per step is that of the
 RL steps only.
 
 Why some seeds used to stall (seeds 0-4 ended at 0.98, 0.92, 0.92, 0.80, 0.72): learning is all or
@@ -26,10 +26,15 @@ deals every problem once (8 samples each), the clip range is 0.1 (halving the op
 works as well), and a warm-up teaches the final digits before RL starts. Later seeds 3, 5 and 7
 stalled near 0.5 in turn: their warm-up, at a learning rate of 1e-2, had diverged for a few steps
 and left a model that scored 0.05 where the others scored 0.2, and RL from there lost half the
-classes. At 5e-3 the warm-up ends at the same loss on every seed and no seed stalls; seeds 0-9 end
-between 0.75 and 0.99, seven above 0.9 (``tests/recipes/golden/demo_curves.json`` holds each full
-run's end; CI checks a short run of each seed against its recorded curve). Seed 3 (0.75) learns its
-last classes too slowly for 200 steps: the recipe still owes it.
+classes. At 5e-3 the warm-up ends at the same loss on every seed, and seeds 0-9 ended between 0.75
+and 0.99, seven above 0.9: seed 3 (0.75) still lost classes early (its reward fell from 0.23 to
+0.17 in the first 40 RL steps) and relearned them too slowly for 200 steps. Three changes fixed it,
+each measured on the weak seeds first: a 60-step warm-up (from 25) leaves far fewer classes for RL
+to find (seed 3 alone: 0.99), four optimizer steps per RL step (from 8) move the shared digits
+half as far per batch of samples, and an RL rate of 1.5e-3 (from 2.5e-3) stopped seed 8 from
+losing a tenth of its classes after it had reached 0.9. Now every seed ends between 0.96 and 1.00
+(``tests/recipes/golden/demo_curves.json`` holds each full run's end; CI checks a short run of each
+seed against its recorded curve).
 
 With ``lora_rank`` > 0 RL trains LoRA adapters only. Adapters alone cannot teach this random
 model the answer format (the supervised loss stalls), so the warm-up still trains the full weights
@@ -59,7 +64,7 @@ _CLIENT_METRICS = ("reward", "response_len", "groups_with_signal")  # what only 
 
 
 class GRPOConfig(BaseModel):
-    """Everything one run reads; the defaults are the demo (seed 0: reward 0.22 → 0.95 in 200 steps)."""
+    """Everything one run reads; the defaults are the demo (seed 0: reward 0.63 → 1.00 in 200 steps)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -75,16 +80,16 @@ class GRPOConfig(BaseModel):
     group_size: int = Field(8, gt=1)  # samples per problem; advantages are relative within a group
     max_tokens: int = Field(3, gt=0)  # the longest answer (two digits) plus EOS
     temperature: float = Field(1.0, gt=0)
-    lr: float = Field(2.5e-3, gt=0)
+    lr: float = Field(1.5e-3, gt=0)
     lr_schedule: Literal["constant", "cosine"] = "cosine"  # cosine decays to min_lr_ratio·lr by the last step
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    num_minibatches: int = Field(8, gt=0)  # optimizer steps per RL step, each on a slice of the groups
+    num_minibatches: int = Field(4, gt=0)  # optimizer steps per RL step, each on a slice of the groups
     # PPO's trust region per RL step: 0.2 let the 8 optimizer steps on one step's samples wipe out a whole
     # answer class (every sum ending in 2, say) on some seeds, and a class never sampled right is never relearned.
     eps_clip: float = Field(0.1, gt=0)
     eps_clip_higher: float = Field(0.1, gt=0)  # upper clip; above eps_clip lets rare right answers rise faster
     entropy_coeff: float = Field(0.1, ge=0)  # at step 1, falling linearly to 0 at the last step
-    warmup_steps: int = Field(25, ge=0)  # supervised steps before RL; 0 = RL from the random model
+    warmup_steps: int = Field(60, ge=0)  # supervised steps before RL; 0 = RL from the random model
     # Before LoRA RL: adapters catch up fast, so a shorter warm-up leaves more of the learning to RL
     # (seed 0: the first RL step scores 0.15, the last ten 0.98).
     lora_warmup_steps: int = Field(22, ge=0)
@@ -98,7 +103,10 @@ class GRPOConfig(BaseModel):
     norm_adv_by_std: bool = True
     lora_rank: int = Field(0, ge=0)  # 0 = RL trains the full weights; > 0 = LoRA adapters of this rank
     lora_alpha: int = Field(0, ge=0)  # 0 = 4 × lora_rank
-    lora_lr_scale: float = Field(2.0, gt=0)  # RL with LoRA uses lr × this
+    # RL with LoRA: adapters start at zero and take a larger rate, and twice the optimizer steps per RL step
+    # (with the full-weight demo's 1.5e-3 and 4 steps seed 0 ended at 0.90, with 5e-3 and 8 at 0.98).
+    lora_lr: float = Field(5e-3, gt=0)
+    lora_num_minibatches: int = Field(8, gt=0)
     # The output layer too: with its (tied, frozen) embeddings this tiny model cannot make confident answers.
     lora_target_modules: list[str] | Literal["all-linear"] = [
         "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head",
@@ -149,10 +157,11 @@ async def run(config: GRPOConfig, *, on_step: Callable[[dict[str, Any]], None] |
     if config.lora_rank:
         alpha = config.lora_alpha or 4 * config.lora_rank
         lora = {"rank": config.lora_rank, "alpha": alpha, "target_modules": config.lora_target_modules}
-    lr = config.lr * (config.lora_lr_scale if lora else 1.0)  # the last lr the trainer reported
+    lr = config.lora_lr if lora else config.lr  # the last lr the trainer reported
+    minibatches = config.lora_num_minibatches if lora else config.num_minibatches
 
     def client_config(model: str, *, warm_up_only: bool = False) -> ClientConfig:
-        rl_updates = 0 if warm_up_only else config.steps * config.num_minibatches
+        rl_updates = 0 if warm_up_only else config.steps * minibatches
         checkpoints = run_dir / ("warm-up" if warm_up_only else "checkpoints")
         warm_up_here = config.supervised_steps if warm_up_only or not lora else 0
         return ClientConfig.from_env(
@@ -236,7 +245,7 @@ async def run(config: GRPOConfig, *, on_step: Callable[[dict[str, Any]], None] |
                 # Every minibatch's fwd_bwd and step are submitted as soon as it is built, before any is
                 # awaited: the trainer runs them in call order and works while the rest are built.
                 pending = []
-                for chunk_P in _split(useful_P, config.num_minibatches):
+                for chunk_P in _split(useful_P, minibatches):
                     rows_R = [(p, g) for p in chunk_P for g in range(config.group_size)]
                     batch = build_batch(
                         [prompt_ids_P[p] for p, _ in rows_R],
