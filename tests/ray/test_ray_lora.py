@@ -48,6 +48,7 @@ def _train_sync_and_compare(client: Client) -> dict:
     return synced
 
 
+@pytest.mark.slow  # ~11 s for its own actors; adapter-only syncs run in make test on the other backends
 def test_ray_transport_syncs_only_adapters(ray_session, model_dir, tmp_path):
     config = {
         "model": str(model_dir),

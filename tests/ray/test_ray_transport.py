@@ -108,6 +108,7 @@ def test_fwd_bwd_dp2_equals_dp1_loss_metrics_and_weights(dp_client, model_dir, t
         torch.testing.assert_close(weights[name], tensor, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow  # ~9 s for its own actors; FSDP's math runs in make test (test_distributed.py)
 def test_fsdp_dp2_trains_like_one_engine_and_syncs_full_weights(fsdp_client, model_dir):
     torch.set_num_threads(1)
     single = TrainingEngine(fsdp_client.config, model_dir=model_dir)

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from icefloe.protocol import ClientClosedError, InvalidRequestError, SamplingParams
+from icefloe.service import process_host
 from icefloe.service.models import JobCreate
 from icefloe.service.process_host import Channel, ProcessEngineHost, serve
 from icefloe.service.specs import sub_job_specs
@@ -278,7 +279,8 @@ def test_concurrent_calls_on_one_sub_job_run_once_each_in_order_and_user_errors_
     assert host.exit_code == 0
 
 
-def test_closing_kills_an_engine_process_that_does_not_exit():
+def test_closing_kills_an_engine_process_that_does_not_exit(monkeypatch):
+    monkeypatch.setattr(process_host, "_EXIT_TIMEOUT_S", 0.3)  # how long close waits before it kills
     host, _ = _started_host("stuck")
     stop(host.pid)  # fault: a child wedged in a driver call never exits
     host.close()
@@ -298,7 +300,7 @@ def _killed_after(pid: int) -> Iterator[None]:
 
 async def test_a_stream_on_a_stopped_engine_fails_its_job_at_the_op_deadline(data_dir):
     """A stream batch was never watched: the job stayed running, holding its slots, for good."""
-    app = make_app(data_dir, op_deadlines_s={"generate-stream": 2.0})
+    app = make_app(data_dir, op_deadlines_s={"generate-stream": 0.5})
     async with asgi_client(app) as http:
         api = Api(http)
         job_id = await api.running(TRAINING, SAMPLING)
@@ -310,7 +312,7 @@ async def test_a_stream_on_a_stopped_engine_fails_its_job_at_the_op_deadline(dat
             await api.call("POST", f"/{job_id}/generate-stream", content=body, headers=octet)
             job = await api.wait_status(job_id, "failed", timeout_s=30)
         assert job["reason"] == (
-            f"generate-stream on {job_id}:sampling:0 did not finish within its deadline of 2 s; "
+            f"generate-stream on {job_id}:sampling:0 did not finish within its deadline of 0.5 s; "
             f"killed the engine process {pid}"
         )
         assert (await api.call("GET", "/capacity")).json()["in_use_slots"] == 0
@@ -331,6 +333,7 @@ async def test_cancelling_a_job_whose_engine_process_hangs_while_starting_kills_
         return original(self, progress, *rest)
 
     monkeypatch.setattr(ProcessEngineHost, "start", start_then_hang)
+    monkeypatch.setattr(process_host, "_EXIT_TIMEOUT_S", 0.3)  # how long close waits before it kills
     async with asgi_client(make_app(data_dir)) as http:
         api = Api(http)
         job_id = await api.create(TRAINING)
@@ -356,7 +359,7 @@ async def test_a_weight_sync_deadline_counts_from_its_copy_not_from_waiting_for_
         return original(self, batch, as_json)
 
     monkeypatch.setattr(ProcessEngineHost, "generate_many", held_generate)
-    deadline_s = 1.0
+    deadline_s = 0.5
     app = make_app(data_dir, op_deadlines_s={"weight-sync": deadline_s})
     async with asgi_client(app) as http:
         api = Api(http)

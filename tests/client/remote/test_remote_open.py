@@ -54,18 +54,34 @@ def _status(service: Service, job_id: str) -> str:
 
 
 def test_an_open_interrupted_by_ctrl_c_cancels_the_job_it_created(full_service):
+    """Ctrl-C is pressed again every 0.5 s until the open ends: on a loaded CI machine one press was once
+    not acted on within the open's 30 s; only the first press raises, as a person's first Ctrl-C does."""
     placing: list[str] = []
+    ended = threading.Event()
+    interrupted: list[bool] = []
+
+    def on_ctrl_c(signum: int, frame: object) -> None:
+        if not interrupted:
+            interrupted.append(True)
+            raise KeyboardInterrupt
 
     def press_ctrl_c_once_placing() -> None:
         placing.append(_placing_job(full_service))
-        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        while not ended.is_set():
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+            ended.wait(0.5)
 
+    previous = signal.signal(signal.SIGINT, on_ctrl_c)
     client = Client(_config(full_service))
     presser = threading.Thread(target=press_ctrl_c_once_placing, daemon=True)
     presser.start()
-    with pytest.raises(KeyboardInterrupt):
-        client.open()
-    presser.join()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            client.open()
+    finally:
+        ended.set()
+        presser.join()
+        signal.signal(signal.SIGINT, previous)
     assert _status(full_service, placing[0]) in CANCELLED
     client.shutdown()
 
