@@ -135,7 +135,7 @@ def run_demo(
             trackers=list(trackers),
         )
         warm_up = (
-            f"a {config.supervised_steps}-step supervised warm-up (cross-entropy on right answers) teaches the answer "
+            f"a {config.warmup_steps}-step supervised warm-up (cross-entropy on right answers) teaches the answer "
             "format first: from random weights the model never writes a right sum, so RL alone would see reward 0"
         )
         if lora_rank:
@@ -143,7 +143,7 @@ def run_demo(
             warnings.filterwarnings("ignore", "Model has `tie_word_embeddings=True`", UserWarning)
             warm_up = (
                 f"RL trains LoRA adapters only (rank {lora_rank}, on the attention, MLP and output layers), "
-                f"after a {config.supervised_steps}-step full-weight supervised warm-up: adapters alone cannot teach "
+                f"after a {config.warmup_steps}-step full-weight supervised warm-up: adapters alone cannot teach "
                 "the random tiny model the answer format"
             )
         console.print(f"demo: {warm_up}", highlight=False, soft_wrap=True)

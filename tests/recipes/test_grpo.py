@@ -134,8 +134,8 @@ def test_demo_run_learns_addition(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_demo_run_with_lora_learns_addition(tmp_path, capsys):
-    """``icefloe demo --lora-rank 8``: RL trains adapters only; the first RL step scores <= 0.2, the last ten >= 0.95
-    (docs/lora.md: 0.15 and 0.98; before the warm-up's rate halved the docs said 0.99 and a run gave 0.956)."""
+    """``icefloe demo --lora-rank 8``: RL trains adapters only; the first RL step scores <= 0.7, the last ten >= 0.95
+    (docs/lora.md: 0.56 and 0.99)."""
     pytest.importorskip("peft")
     pytest.importorskip("matplotlib")
     from icefloe.cli import run_demo
@@ -143,7 +143,7 @@ def test_demo_run_with_lora_learns_addition(tmp_path, capsys):
     history = run_demo(seed=0, name="lora", out_dir=tmp_path, lora_rank=8)
 
     _, end = summarize(history, window=10)
-    assert history[0]["reward"] <= 0.2, f"the first RL step already scores {history[0]['reward']:.2f}"
+    assert history[0]["reward"] <= 0.7, f"the first RL step already scores {history[0]['reward']:.2f}"
     assert end >= 0.95, f"the last 10 steps score {end:.2f}; GRPO with LoRA did not learn the task"
     out = capsys.readouterr().out
     assert "RL trains LoRA adapters only (rank 8" in out and "full-weight supervised warm-up" in out
