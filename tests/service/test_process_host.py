@@ -71,6 +71,35 @@ async def test_engines_run_in_a_child_process_and_train(data_dir):
             os.kill(pid, 0)
 
 
+async def test_a_large_training_frame_reaches_the_engine_process_as_its_bytes_and_trains_alike(data_dir, monkeypatch):
+    """A frame from the threshold up (1 MiB; 16 KiB here, to keep the test quick) is sent as it came and
+    decoded once there; a smaller one as its tensors."""
+    from icefloe.engines.batch import FramedBatch
+    from icefloe.service import operations
+
+    monkeypatch.setattr(operations, "_FRAME_BYTES_SENT_AS_IS", 16 << 10)
+
+    sent: list[int] = []
+    reduce = FramedBatch.__reduce__
+    monkeypatch.setattr(FramedBatch, "__reduce__", lambda self: (sent.append(len(self.frame)), reduce(self))[1])
+    small = small_batch()
+    copies = 100  # the same four rows again and again: the same token-mean loss, a frame of ~90 KB
+    large = {
+        **small,
+        "kwargs": {name: tensor.repeat(copies, 1) for name, tensor in small["kwargs"].items()},
+        "context": {name: tensor.repeat(copies, 1) for name, tensor in small["context"].items()},
+    }
+    async with asgi_client(make_app(data_dir)) as http:
+        api = Api(http)
+        job_id = await api.running(TRAINING)
+        losses = []
+        for batch in (small, large):
+            accepted = (await api.post_frame(job_id, "forward-backward", batch)).json()
+            losses.append((await api.result(job_id, accepted["request_id"]))["loss"])
+    assert len(sent) == 1 and sent[0] >= 16 << 10, sent  # only the large frame, sent whole
+    assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+
+
 async def test_a_killed_engine_process_fails_its_job_and_the_service_keeps_serving(data_dir):
     app = make_app(data_dir)
     async with asgi_client(app) as http:
