@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from icefloe.protocol import ClientClosedError, InvalidRequestError
-from icefloe.service.runtime import BaseModel, Call, JobEngines, stop_check
+from icefloe.service.runtime import BaseModel, ForwardedEngines, stop_check
 from icefloe.service.specs import SubJobSpec
 
 __all__ = [
@@ -133,7 +133,7 @@ class Channel:
             self._pipe.close()
 
 
-class ProcessEngineHost(JobEngines):
+class ProcessEngineHost(ForwardedEngines):
     """The engines of one model host, in a child process: each op runs on the child's :class:`LocalEngineHost`.
 
     ``log_dir``: a dedicated job's log folder, where the child writes what its engines log (None: nowhere).
@@ -259,28 +259,10 @@ class ProcessEngineHost(JobEngines):
         how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
         return f"the engine process {self.pid} {how}"
 
-    def attach(self, specs: Sequence[SubJobSpec], checkpoints: dict[str, Path]) -> None:
-        self._channels[SHARED_CHANNEL].call("attach", list(specs), checkpoints)
+    def _forward(self, sub_job_id: str | None, method: str, *args: Any, what: str | None = None) -> Any:
+        return self._channel(sub_job_id).call(method, *args, what=what)
 
-    def detach(self, sub_job_ids: Sequence[str]) -> None:
-        self._channels[SHARED_CHANNEL].call("detach", list(sub_job_ids))
-
-    def sync_weights(self, source_sub_job_id: str, target_sub_job_id: str, weight_format: str | None = None) -> Any:
-        return self._channel(source_sub_job_id).call(
-            "sync_weights", source_sub_job_id, target_sub_job_id, weight_format
-        )
-
-    def fwd_bwd_many(self, calls: Sequence[tuple[str, Any]]) -> list[dict[str, Any]]:
-        return self._channel(calls[0][0]).call("fwd_bwd_many", list(calls), what="fwd_bwd")
-
-    def generate_many(self, calls: Sequence[Call], as_json: bool) -> list[list[Any]]:
-        """As JSON, encoded in the engine process: a JSON text pickles and unpickles far faster than its sample."""
-        return self._channel(calls[0][0]).call("generate_many", list(calls), as_json)
-
-    def call(self, sub_job_id: str, method: str, *args: Any) -> Any:
-        return self._channel(sub_job_id).call("call", sub_job_id, method, *args, what=method)
-
-    def _channel(self, sub_job_id: str) -> Channel:
+    def _channel(self, sub_job_id: str | None) -> Channel:
         channel = self._channels.get(SHARED_CHANNEL if self._base is not None else sub_job_id)
         if channel is None:
             raise InvalidRequestError(f"sub-job {sub_job_id!r} has no engine on this host")

@@ -21,7 +21,7 @@ from typing import Any
 from icefloe.config import ClientConfig, RayConfig
 from icefloe.protocol import InvalidRequestError
 from icefloe.service.process_host import EngineProcessDied, portable
-from icefloe.service.runtime import BaseModel, Call, JobEngines, stop_check
+from icefloe.service.runtime import BaseModel, ForwardedEngines, JobEngines, stop_check
 from icefloe.service.specs import SubJobSpec
 
 __all__ = ["RayEngineHost", "RaySharedHost"]
@@ -112,7 +112,7 @@ class RayEngineHost(JobEngines):
             ray.util.remove_placement_group(placement)
 
 
-class RaySharedHost(JobEngines):
+class RaySharedHost(ForwardedEngines):
     """A shared base in one Ray actor (on a GPU when the host's slot is one); runs attach and detach as
     they do on an engine process, and a dead actor fails every job on it as a dead process does."""
 
@@ -141,39 +141,18 @@ class RaySharedHost(JobEngines):
         ready = self._actor.ready.remote()
         while not ray.wait([ready], timeout=0.05)[0]:
             stop_check(stop)  # a stopping job gives up; its close kills the actor
-        self._run("ready")
+        _answer(ray.get(ready))  # raises what the base's load raised
         on_progress("engines ready")
 
-    def _run(self, method: str, *args: Any, what: str | None = None) -> Any:
+    def _forward(self, sub_job_id: str | None, method: str, *args: Any, what: str | None = None) -> Any:
         import ray
 
         if self._actor is None:
             raise EngineProcessDied(f"the shared base's Ray actor is gone; {what or method} did not run")
         try:
-            kind, value = ray.get(self._actor.run.remote(method, *args))
+            return _answer(ray.get(self._actor.run.remote(method, *args)))
         except ray.exceptions.RayActorError as exc:
             raise EngineProcessDied(f"the shared base's Ray actor died during {what or method}: {exc}") from None
-        if kind == "error":
-            raise value
-        return value
-
-    def attach(self, specs: Sequence[SubJobSpec], checkpoints: dict[str, Path]) -> None:
-        self._run("attach", list(specs), checkpoints)
-
-    def detach(self, sub_job_ids: Sequence[str]) -> None:
-        self._run("detach", list(sub_job_ids))
-
-    def sync_weights(self, source_sub_job_id: str, target_sub_job_id: str, weight_format: str | None = None) -> Any:
-        return self._run("sync_weights", source_sub_job_id, target_sub_job_id, weight_format)
-
-    def fwd_bwd_many(self, calls: Sequence[tuple[str, Any]]) -> list[dict[str, Any]]:
-        return self._run("fwd_bwd_many", list(calls), what="fwd_bwd")
-
-    def generate_many(self, calls: Sequence[Call], as_json: bool) -> list[list[Any]]:
-        return self._run("generate_many", list(calls), as_json)
-
-    def call(self, sub_job_id: str, method: str, *args: Any) -> Any:
-        return self._run("call", sub_job_id, method, *args, what=method)
 
     def cancel(self, sub_job_id: str, tags: list[str]) -> None:
         """Beside the call the actor runs (it takes two at once), so a started generate stops at its next step."""
@@ -201,22 +180,18 @@ class _SharedBaseActor:
 
         self._lock = threading.Lock()
         self._host = LocalEngineHost([], {}, {}, base=base)
-        self._failed: BaseException | None = None
+        self._loaded: tuple[str, Any] = ("ok", None)
         try:
             self._host.start(lambda message: None, threading.Event())
-        except Exception as exc:  # answered by the first call (ready), not as a dead actor
-            self._failed = portable(exc)
+        except Exception as exc:  # answered by ready(), not as a dead actor
+            self._loaded = ("error", portable(exc))
 
-    def ready(self) -> bool:
-        return True
+    def ready(self) -> tuple[str, Any]:
+        return self._loaded
 
     def run(self, method: str, *args: Any) -> tuple[str, Any]:
         with self._lock:
             try:
-                if self._failed is not None:
-                    raise self._failed
-                if method == "ready":
-                    return "ok", None
                 return "ok", getattr(self._host, method)(*args)
             except Exception as exc:  # the caller decides whether this is a user error or a crash
                 return "error", portable(exc)
@@ -224,6 +199,13 @@ class _SharedBaseActor:
     def cancel(self, sub_job_id: str, tags: list[str]) -> None:
         with contextlib.suppress(InvalidRequestError):  # a sub-job detached meanwhile: nothing of it runs
             self._host.cancel(sub_job_id, tags)
+
+
+def _answer(reply: tuple[str, Any]) -> Any:
+    kind, value = reply
+    if kind == "error":
+        raise value
+    return value
 
 
 def _init_ray() -> None:

@@ -152,6 +152,35 @@ class JobEngines:
             raise InvalidRequestError(f"sub-job {sub_job_id!r} has no engine on this host") from None
 
 
+class ForwardedEngines(JobEngines):
+    """Engines that another process runs on its own :class:`LocalEngineHost` (an engine process, a Ray
+    actor): each op goes there as the host method's name and arguments, through :meth:`_forward`."""
+
+    def _forward(self, sub_job_id: str | None, method: str, *args: Any, what: str | None = None) -> Any:
+        """``method(*args)`` on the far host, by way of what serves ``sub_job_id`` (None: the shared base);
+        ``what`` names the op in an error when not ``method``."""
+        raise NotImplementedError
+
+    def attach(self, specs: Sequence[SubJobSpec], checkpoints: dict[str, Path]) -> None:
+        self._forward(None, "attach", list(specs), checkpoints)
+
+    def detach(self, sub_job_ids: Sequence[str]) -> None:
+        self._forward(None, "detach", list(sub_job_ids))
+
+    def sync_weights(self, source_sub_job_id: str, target_sub_job_id: str, weight_format: str | None = None) -> Any:
+        return self._forward(source_sub_job_id, "sync_weights", source_sub_job_id, target_sub_job_id, weight_format)
+
+    def fwd_bwd_many(self, calls: Sequence[tuple[str, Any]]) -> list[dict[str, Any]]:
+        return self._forward(calls[0][0], "fwd_bwd_many", list(calls), what="fwd_bwd")
+
+    def generate_many(self, calls: Sequence[Call], as_json: bool) -> list[list[Any]]:
+        """As JSON, encoded there: a JSON text pickles and unpickles far faster than its sample."""
+        return self._forward(calls[0][0], "generate_many", list(calls), as_json)
+
+    def call(self, sub_job_id: str, method: str, *args: Any) -> Any:
+        return self._forward(sub_job_id, "call", sub_job_id, method, *args, what=method)
+
+
 class LocalEngineHost(JobEngines):
     """Engines in this process: one TrainingEngine or SamplingEngine per sub-job, on its slot's device;
     on a shared host, each a run's adapter (or the base itself) on the one base model."""
