@@ -411,7 +411,7 @@ class JobManager:
         self.renew(job_id)
         if job is None or job.status != "running":
             row = self.row(job_id)
-            reason = self.reason(row)
+            reason = (job.state.stop_reason if job is not None else None) or self.reason(row)  # the row may lag
             why = f" ({reason})" if reason else ""
             status = job.status if job is not None else row["status"]
             raise ConflictError(f"job {job_id} is {status}{why}; this call needs it running")
@@ -474,9 +474,10 @@ class JobManager:
                 for item in [batch_item] if stream is None else stream.items:
                     lane.submit_batchable(batch_key, _Entry(job, sub_job_id, request_id, item, op_metadata), execute)
         except ClientClosedError:  # a stop closed the lanes after the state check
-            self.requests.finish(request_id, status="cancelled", error=f"job {job.job_id} is stopping")
+            why = f"job {job.job_id} is stopping: {job.state.stop_reason}"
+            self.requests.finish(request_id, status="cancelled", error=why)
             self.streams.pop(request_id, None)
-            raise ConflictError(f"job {job.job_id} is stopping; this call needs it running") from None
+            raise ConflictError(f"{why}; this call needs it running") from None
         return request_id
 
     def _execute(self, op: str, entries: list[_Entry], run: Callable[[list], list]) -> list[None]:
@@ -520,7 +521,7 @@ class JobManager:
 
     def _may_run(self, job: LiveJob, request_id: str) -> bool:
         if job.stopping:
-            why = f"job {job.job_id} stopped ({job.status}) before this request ran"
+            why = f"job {job.job_id} stopped before this request ran: {job.state.stop_reason}"
             self.requests.finish(request_id, status="cancelled", error=why)
             return False
         if self.requests.start(request_id, "streaming" if request_id in self.streams else "running"):

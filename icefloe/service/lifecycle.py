@@ -45,6 +45,7 @@ class JobState:
         self.status = "pending"
         self.stop = threading.Event()  # set once: the job's thread then releases the engines
         self._outcome: tuple[str, str | None] | None = None  # (final state, reason); None = record nothing
+        self.stop_reason = ""  # why it stops, for the requests it leaves unrun
         self._db = db
         self._log = log
         self._lock = threading.Lock()
@@ -75,6 +76,7 @@ class JobState:
                 return self.status  # already stopping (a failure or shutdown under way: it keeps its outcome)
             self._move("cancelling", reason)
             self._outcome = ("cancelled", None)
+            self.stop_reason = reason or "cancelled"
             self.stop.set()
             return self.status
 
@@ -83,10 +85,12 @@ class JobState:
         with self._lock:
             if not self.stop.is_set():
                 self._outcome = ("failed", reason)
+                self.stop_reason = reason
                 self.stop.set()
 
     def shut_down(self) -> None:
         """Ask for a stop that records nothing (service shutdown): the next start fails the job."""
+        self.stop_reason = self.stop_reason or "the service is shutting down"
         self.stop.set()
 
     def finish(self) -> None:

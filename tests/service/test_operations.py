@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from icefloe.protocol import ConflictError
+from icefloe.service import lifecycle
 from icefloe.service.operations import submit_generate_stream
 from icefloe.service.runtime import LocalEngineHost
 
@@ -154,8 +155,49 @@ async def test_a_stream_sent_to_a_job_that_stopped_after_its_check_is_refused_an
         await api.call("POST", f"/{job_id}:cancel")
         await api.wait_status(job_id, "terminated")
         body = json.dumps({"prompts": [[1, 2]], "sampling_params": {"max_tokens": 2}}).encode()
-        with pytest.raises(ConflictError, match=f"job {job_id} is stopping"):
+        with pytest.raises(ConflictError, match=f"job {job_id} is stopping: cancelled on request"):
             submit_generate_stream(jobs, job, body, sub_job_id=None)
         rows = app.state.db.fetch_all("SELECT status FROM requests WHERE job_id = ? AND op != 'step'", (job_id,))
         assert [row["status"] for row in rows] == ["cancelled"]
         assert not jobs.requests.has_open(job_id) and jobs.streams == {}
+
+
+async def test_a_request_queued_behind_a_crash_is_cancelled_naming_the_crash(data_dir, monkeypatch):
+    """A request queued behind the call that crashed the job said only "stopped (running)", not why."""
+    gate, calls = threading.Event(), []
+
+    def crash_when_let_go(self, batch, as_json):  # fault: the device goes away during the first batch
+        calls.append(len(batch))
+        gate.wait(30)
+        raise RuntimeError("device lost during sampling")
+
+    monkeypatch.setattr(LocalEngineHost, "generate_many", crash_when_let_go)
+    async with asgi_client(make_app(data_dir, engines="local")) as http:
+        api = Api(http)
+        job_id = await api.running(TRAINING, SAMPLING)
+        body = {"prompts": [[1]], "sampling_params": {"max_tokens": 1}}
+        await api.post_frame(job_id, "generate", body)
+        while not calls:
+            await asyncio.sleep(0.01)
+        queued = (await api.post_frame(job_id, "generate", body)).json()["request_id"]
+        gate.set()
+        polled = await api.poll(job_id, queued)
+        assert polled["status"] == "cancelled", polled
+        assert polled["error"].endswith(
+            f"stopped before this request ran: {job_id}:sampling:0 crashed during generate: "
+            "RuntimeError: device lost during sampling"
+        ), polled["error"]
+        assert calls == [1]
+
+
+async def test_a_call_to_a_job_that_just_failed_names_the_failure_before_its_row_does(data_dir, monkeypatch):
+    """The job's status moves in memory before its row: a call in between read "is failed" with no reason."""
+    app = make_app(data_dir, engines="local")
+    async with asgi_client(app) as http:
+        job_id = await Api(http).running(TRAINING)
+        job = app.state.jobs.live(job_id)
+        monkeypatch.setattr(lifecycle.store, "update_job", lambda *args, **kwargs: None)  # the row lags
+        job.state.fail("the engines of host-1 died during step")
+        job.state.finish()
+        with pytest.raises(ConflictError, match=r"is failed \(the engines of host-1 died during step\)"):
+            app.state.jobs.live(job_id)
