@@ -4,7 +4,7 @@ recorded only once the seed's full run (200 steps) ends at or above 0.9.
 CI cannot afford ten full runs; it runs the short ones and holds each seed to its recorded curve
 (``test_every_seed_tracks_its_known_curve``), so a recipe change that slows any seed's learning
 fails there. After changing the recipe on purpose, run this again from the repository root (about
-15 minutes on 2 cores; it refuses to write while a full run ends below 0.9); seeds given as arguments
+10 minutes on 2 cores; it refuses to write while a full run ends below 0.9); seeds given as arguments
 are run alone and merged into the file, so two processes can share the work::
 
     .venv/bin/python tests/recipes/golden/make_demo_curves.py        # every seed
@@ -42,7 +42,7 @@ def main(seeds: list[int]) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be merging its seeds
         record = json.loads(target.read_text(encoding="utf-8")) if target.exists() else {}
         if record.get("steps") != SHORT_STEPS or record.get("torch") != torch.__version__:
-            record = {"steps": SHORT_STEPS, "torch": torch.__version__, "threads": torch.get_num_threads()}
+            record = {"steps": SHORT_STEPS, "torch": torch.__version__}  # the demo runs on one thread (run_demo)
         record["full_run_ends"] = {**record.get("full_run_ends", {}), **{k: round(v, 4) for k, v in ends.items()}}
         record["curves"] = {**record.get("curves", {}), **curves}
         target.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n", encoding="utf-8")
