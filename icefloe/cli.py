@@ -195,12 +195,15 @@ def _demo_backend(backend: str) -> Iterator[str | None]:
             yield None
             return
         options = {"include_dashboard": False, "log_to_driver": False, "namespace": "icefloe"}
-        try:  # a cluster RAY_ADDRESS or `ray start` names: joined as it is (it takes no num_cpus)
-            ray.init(address="auto", **options)
-            console.print(f"demo: joined the Ray cluster at {ray.get_runtime_context().gcs_address}", highlight=False)
-        except ConnectionError:
+        # Not address="auto": that joins any Ray running on the machine, another program's included.
+        try:
             ray.init(num_cpus=2, **options)
             console.print("demo: started a local Ray with 2 CPUs", highlight=False)
+        except ValueError as exc:  # RAY_ADDRESS or `ray start` names a cluster: joined as it is (no num_cpus)
+            if "existing cluster" not in str(exc):
+                raise
+            ray.init(**options)
+            console.print(f"demo: joined the Ray cluster at {ray.get_runtime_context().gcs_address}", highlight=False)
         try:
             yield None
         finally:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -177,16 +179,27 @@ def test_cli_demo_names_the_extra_when_a_tracker_library_is_missing(tmp_path, mo
 
 
 @pytest.mark.slow
-def test_demo_on_ray_logs_every_step_to_tensorboard(tmp_path):
-    """``icefloe demo --backend ray --tracker jsonl,tensorboard``: engines in Ray actors, metrics in both places."""
+def test_demo_on_ray_logs_every_step_to_tensorboard(tmp_path, capsys, monkeypatch):
+    """``icefloe demo --backend ray --tracker jsonl,tensorboard``: engines in Ray actors, metrics in both places,
+    on a Ray of its own beside another program's (it joined any Ray on the machine, and lost its actors when
+    that one stopped)."""
     pytest.importorskip("ray")
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from icefloe.cli import run_demo
 
-    history = run_demo(steps=4, name="ray", out_dir=tmp_path, backend="ray", trackers=["jsonl", "tensorboard"])
-
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    script = "import ray, sys, time; ray.init(num_cpus=1); print('up', flush=True); sys.stdin.read()"
+    with subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    ) as other:
+        try:
+            assert other.stdout is not None and other.stdout.readline().strip() == "up"
+            history = run_demo(steps=4, name="ray", out_dir=tmp_path, backend="ray", trackers=["jsonl", "tensorboard"])
+        finally:
+            other.communicate("", timeout=60)  # closing its stdin ends it
+    assert "started a local Ray with 2 CPUs" in capsys.readouterr().out
     assert [row["step"] for row in history] == [1, 2, 3, 4]
     assert history[-1]["policy_version"] > history[0]["policy_version"]
     rows = [json.loads(line) for line in (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines()]
