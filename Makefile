@@ -43,7 +43,7 @@ $(COOKBOOK): $(STAMP)
 
 # The whole-demo runs, the fault suite and the cookbook run (tens of seconds each); CI runs them after
 # `make test`. Two workers as in `make test`: the demo runs on one torch thread, so the other core
-# runs the next file (2-core machine: 564-618 s -> 393 s).
+# runs the next file (2-core machine: 564-618 s -> 317 s).
 test-slow: $(STAMP) $(COOKBOOK)
 	$(PY) -m pytest -q -m slow -n 2 --dist loadfile
 
