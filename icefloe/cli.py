@@ -147,18 +147,15 @@ def run_demo(
                 "the random tiny model the answer format"
             )
         console.print(f"demo: {warm_up}", highlight=False, soft_wrap=True)
-        with _one_torch_thread(backend == "local"):
+        with _one_torch_thread() if backend == "local" else contextlib.nullcontext():  # Ray workers set their own
             return _run_demo(config)
 
 
 @contextlib.contextmanager
-def _one_torch_thread(in_process: bool) -> Iterator[None]:
-    """The demo's engines on one torch thread: the demo model is too small to share its matmuls
-    between cores (one thread ran a full run in 47 s, two in 57 s, on 2 cores), and on one thread
-    every machine computes the same curve whatever its core count. Ray workers set their own."""
-    if not in_process:
-        yield
-        return
+def _one_torch_thread() -> Iterator[None]:
+    """The demo's in-process engines on one torch thread: the demo model is too small to share its
+    matmuls between cores (one thread ran a full run in 47 s, two in 57 s, on 2 cores), and on one
+    thread every machine computes the same curve whatever its core count."""
     import torch
 
     threads = torch.get_num_threads()
