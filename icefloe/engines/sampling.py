@@ -265,7 +265,9 @@ class SamplingEngine:
     def _decode(self, rows: list[_Row]) -> None:
         """Prefill the left-padded prompts, then decode one token per step for every unfinished row.
 
-        Finished rows leave the batch (and the KV cache), so short answers stop costing compute.
+        Rows with the same prompt and adapter (a group's ``n`` samples) share one prefill: it runs
+        once and its cache is copied to each. Finished rows leave the batch (and the KV cache), so
+        short answers stop costing compute.
         """
         from transformers import DynamicCache
 
@@ -287,12 +289,21 @@ class SamplingEngine:
         input_ids, mask_BT, uniform_BT = input_BP.to(device), mask_BP.to(device), uniform_BT.to(device)
         position_ids = (mask_BT.cumsum(-1) - 1).clamp_min(0)
         cache = DynamicCache()
+        distinct, copies = _distinct_prompts(rows)
         for step in range(max_new):
-            out = self._forward(
-                [rows[i].adapter for i in live], input_ids=input_ids, attention_mask=mask_BT,
-                position_ids=position_ids, use_cache=True, logits_to_keep=1, **{self._cache_arg: cache},
-            )  # fmt: skip
-            tokens_B, logprobs_B = sampler.sample(out.logits[:, -1].float(), uniform_BT[:, step])
+            shared_prefill = step == 0 and len(distinct) < len(rows)
+            members = distinct if shared_prefill else live
+            inputs = {"input_ids": input_ids, "attention_mask": mask_BT, "position_ids": position_ids}
+            if shared_prefill:
+                inputs = {name: t.index_select(0, torch.tensor(distinct, device=device)) for name, t in inputs.items()}
+            adapters = [rows[i].adapter for i in members]
+            out = self._forward(adapters, **inputs, use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
+            logits_BV = out.logits[:, -1].float()
+            if shared_prefill:  # each row takes its prompt's cache and next-token logits
+                copies_B = torch.tensor(copies, device=device)
+                cache.batch_select_indices(copies_B)
+                logits_BV = logits_BV.index_select(0, copies_B)
+            tokens_B, logprobs_B = sampler.sample(logits_BV, uniform_BT[:, step])
             keep = []
             cancelled = self._cancelled
             for b, (token, logprob) in enumerate(zip(tokens_B.tolist(), logprobs_B.tolist(), strict=True)):
@@ -437,6 +448,21 @@ def generate_together(
         for engine, call_rows, _ in planned:
             engine._cancelled.difference_update(row.params.tag for row in call_rows)
     return [engine._finish(call_rows, version) for engine, call_rows, version in planned]
+
+
+def _distinct_prompts(rows: list[_Row]) -> tuple[list[int], list[int]]:
+    """The first row of each distinct (adapter, prompt), in order (an adapter's rows stay together),
+    and for every row the position of its prompt among those."""
+    position: dict[tuple[str, tuple[int, ...]], int] = {}
+    distinct: list[int] = []
+    copies: list[int] = []
+    for index, row in enumerate(rows):
+        key = (row.adapter, tuple(row.prompt_ids))
+        if key not in position:
+            position[key] = len(distinct)
+            distinct.append(index)
+        copies.append(position[key])
+    return distinct, copies
 
 
 def decode_batches(rows: list[_Row], max_rows: int, max_tokens: int) -> list[list[_Row]]:

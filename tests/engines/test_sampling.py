@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from icefloe.engines import sampling
 from icefloe.engines.sampling import SamplingEngine, build_sampling_engine
 from icefloe.protocol import InvalidRequestError, SamplingParams
 
@@ -38,6 +39,27 @@ def test_generate_rows_do_not_depend_on_batch_composition(sampler):
     together = sampler.generate(PROMPTS, params)
     alone = [r for prompt, p in zip(PROMPTS, params, strict=True) for r in sampler.generate([prompt], p)]
     assert _ids(together) == _ids(alone)  # also pins the prompt-major order
+
+
+def test_a_groups_samples_share_one_prefill_and_sample_what_a_prefill_each_would(sampler, monkeypatch):
+    params = SamplingParams(max_tokens=8, seed=5, n=4, logprobs=True)
+    prompts = [*PROMPTS, PROMPTS[0]]  # a prompt asked twice shares its prefill too
+    prefill_rows: list[int] = []
+    forward = sampler._forward
+
+    def counting(adapters, **kwargs):
+        if kwargs["input_ids"].shape[1] > 1:
+            prefill_rows.append(kwargs["input_ids"].shape[0])
+        return forward(adapters, **kwargs)
+
+    monkeypatch.setattr(sampler, "_forward", counting)
+    shared = sampler.generate(prompts, params)
+    monkeypatch.setattr(sampling, "_distinct_prompts", lambda rows: (list(range(len(rows))), list(range(len(rows)))))
+    each = sampler.generate(prompts, params)
+    assert prefill_rows == [3, 16]
+    assert _ids(shared) == _ids(each)
+    for a, b in zip(shared, each, strict=True):
+        assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-5)
 
 
 def test_generate_splits_large_requests_without_changing_results(model_dir, sampler):
