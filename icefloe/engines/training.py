@@ -314,8 +314,8 @@ class TrainingEngine:
     @functools.cached_property
     def token_budget(self) -> int:
         """Positions per forward pass: ``training.micro_batch_tokens``, or when unset a share of the
-        device's free memory over the model's activation bytes per token, clamped to
-        ``[max_seq_len, 2048]`` on CPU and ``[max_seq_len, 16384]`` on CUDA (see
+        device's free memory over the model's activation bytes per token, at most 160 MiB of
+        activations on CPU and 16384 tokens on CUDA, never below ``max_seq_len`` (see
         :func:`default_token_budget`). 0 means one pass over the batch as sent, padding and all."""
         if self.config.training.micro_batch_tokens is not None:
             return self.config.training.micro_batch_tokens

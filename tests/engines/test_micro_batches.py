@@ -219,9 +219,12 @@ def test_chunked_logprobs_equal_one_chunk_values_and_gradients(monkeypatch):
 
 def test_default_budget_is_bounded_by_the_device_and_fits_the_longest_row(model_dir):
     engine = TrainingEngine(make_config(), model_dir=model_dir)
-    assert 48 <= engine.token_budget <= 2048
     per_token = training_bytes_per_token(engine.model.config, dtype_bytes=4, checkpointed=False)
+    assert 48 <= engine.token_budget <= 160 * 2**20 // per_token
     assert training_bytes_per_token(engine.model.config, dtype_bytes=4, checkpointed=True) < per_token
     assert default_token_budget(10**15, torch.device("cpu"), floor=300) == 300  # the longest row always fits
-    assert default_token_budget(1, torch.device("cpu"), floor=300) == 2048
-    assert default_token_budget(1, torch.device("cpu"), floor=3000) == 3000
+    # a CPU pass holds at most 160 MiB of activations: fewer tokens of a larger model
+    assert default_token_budget(160 * 1024, torch.device("cpu"), floor=300) == 1024
+    assert default_token_budget(16 * 1024, torch.device("cpu"), floor=300) == 10240
+    assert default_token_budget(160 * 1024, torch.device("cpu"), floor=3000) == 3000
+    assert default_token_budget(160 * 1024, torch.device("cpu"), floor=300, capped=False) > 1024
