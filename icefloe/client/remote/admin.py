@@ -42,11 +42,10 @@ class ServiceAdmin:
     def job_metrics(self, job_id: str) -> list[dict[str, Any]] | None:
         """The job's per-step metrics, ``[{step, time, loss, ...}]`` oldest first; None where the service
         has no such route (the managed endpoint)."""
-        absent = frozenset({404})  # a route the service lacks is answered, not raised or retried
-        reply = self._http.run(self._http.send(Call("GET", f"/{job_id}/metrics", "job metrics", accept=absent)))
-        if reply.status_code == 404:
-            return None
-        return list((reply.body or {}).get("points", []))
+        # a route the service lacks (404) is answered, not raised or retried
+        call = Call("GET", f"/{job_id}/metrics", "job metrics", accept=frozenset({404}))
+        reply = self._http.run(self._http.send(call))
+        return None if reply.status_code == 404 else list((reply.body or {}).get("points", []))
 
     def cancel_job(self, job_id: str) -> None:
         """Cancel a job; repeating it while the job is cancelling is fine."""

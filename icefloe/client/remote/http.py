@@ -306,13 +306,11 @@ class Http(LoopThread):
     async def _exchange(self, call: Call) -> httpx.Response:
         """One request on the pool; the answer is read whole."""
         headers, body = _wire(call)
-        query = _query(call)
+        query, timeout = _query(call), httpx.Timeout(call.timeout_s or self._timeout_s)
+        url = self.endpoint.url + call.path + (f"?{query}" if query else "")
+        headers = {**self._headers, **headers}
         request = httpx.Request(
-            call.method,
-            self.endpoint.url + call.path + (f"?{query}" if query else ""),
-            headers={**self._headers, **headers},
-            content=body,
-            extensions={"timeout": httpx.Timeout(call.timeout_s or self._timeout_s).as_dict()},
+            call.method, url, headers=headers, content=body, extensions={"timeout": timeout.as_dict()}
         )
         response = await self._transport.handle_async_request(request)
         try:

@@ -93,6 +93,7 @@ class RemoteTransport(Transport):
         self._created = self._attached = self._closed = False
         self._warned: set[str] = set()  # warnings given once per client
         self._lease: asyncio.Task | None = None  # the renewing task, kept so it is not collected
+        self._creating: asyncio.Future[None] | None = None  # the create call, which close() waits out
         # Optimizer steps called so far: the service has no LR schedule, so the client applies
         # config.training.lr_schedule by sending each step's learning_rate.
         self._steps_called = int((handle or {}).get("global_step") or 0)
@@ -143,7 +144,7 @@ class RemoteTransport(Transport):
                     self._http.run(self._attach())
                 except BaseException:  # a failed open leaves no connection or thread behind; a retry starts afresh
                     self._http.close()
-                    self._lease = None  # it ran on the closed loop
+                    self._lease = self._creating = None  # they ran on the closed loop
                     self._http = Http(self._endpoint, self._backend, self._wrap)
                     self._check_not_closed("open")  # closed while it waited: say so, not how the wait ended
                     raise
@@ -161,17 +162,8 @@ class RemoteTransport(Transport):
         batching = "batch_requests" in service.extensions and backend.batch_requests
         self._http.batch_bytes = self._max_post_bytes if batching else 0
         if self._job is None:
-            # retried fully only where the service honours idempotency keys, else only if never sent
-            retry = Retry.TRANSIENT if "idempotency_keys" in service.extensions else Retry.CONNECT_ONLY
-            body = jobs.job_create_body(self.config, self._backend.experiment_name)
-            call = Call("POST", "", "create job", json=body, idempotency_key=str(uuid.uuid4()), retry=retry)
-            answer = (await self._http.send(call)).body
-            job_id = answer.get("job_id") if isinstance(answer, Mapping) else None
-            if not job_id:
-                why = f"create job answered without a job_id: {answer!r:.200}"
-                raise api.JobFailedError("<none>", "not created", why)
-            self._job, self._created = jobs.JobRef(str(job_id)), True
-            _log.info("created job %s on %s", job_id, self._endpoint.origin)
+            self._creating = asyncio.ensure_future(self._create_job(service))  # close() waits for it, to cancel
+            await asyncio.shield(self._creating)
         if service.lease_ttl_s and self._lease is None:  # from now: reading the job while it waits renews nothing
             self._lease = asyncio.get_running_loop().create_task(self._keep_lease(service.lease_ttl_s / 3))
         timeout_s = self.config.job_ready_timeout_s
@@ -186,6 +178,18 @@ class RemoteTransport(Transport):
         known = {k: v for k, v in self._job.sub_jobs.items() if v}
         self._job = jobs.JobRef(self._job.job_id, {**jobs.sub_jobs_of(self._job.job_id, job, self.config), **known})
         self._attached = True
+
+    async def _create_job(self, service: jobs.ServiceInfo) -> None:
+        # retried fully only where the service honours idempotency keys, else only if never sent
+        retry = Retry.TRANSIENT if "idempotency_keys" in service.extensions else Retry.CONNECT_ONLY
+        body = jobs.job_create_body(self.config, self._backend.experiment_name)
+        call = Call("POST", "", "create job", json=body, idempotency_key=str(uuid.uuid4()), retry=retry)
+        answer = (await self._http.send(call)).body
+        job_id = answer.get("job_id") if isinstance(answer, Mapping) else None
+        if not job_id:
+            raise api.JobFailedError("<none>", "not created", f"create job answered without a job_id: {answer!r:.200}")
+        self._job, self._created, self._creating = jobs.JobRef(str(job_id)), True, None
+        _log.info("created job %s on %s", job_id, self._endpoint.origin)
 
     async def _keep_lease(self, period_s: float) -> None:
         """Renew the job's lease while this client is open (the service cancels a job whose lease lapses)."""
@@ -207,12 +211,18 @@ class RemoteTransport(Transport):
             return
         self._closed = True
         try:
-            if self._created and self._backend.cancel_on_shutdown:
-                self._http.run(self._cancel_job())
+            if self._backend.cancel_on_shutdown and (self._created or self._creating is not None):
+                self._http.run(self._cancel_created())
         except Exception as exc:  # closing goes on: the job's lease ends it on the service
             _log.warning("could not cancel job %s: %s", self._job and self._job.job_id, exc)
         finally:
             self._http.close()
+
+    async def _cancel_created(self) -> None:
+        if self._creating is not None:  # an open under way: its job exists once the answer is read
+            await asyncio.wait([self._creating], timeout=_CANCEL_TIMEOUT_S)
+        if self._created:
+            await self._cancel_job()
 
     async def _cancel_job(self, *, by_op: bool = False) -> dict[str, Any]:
         path = f"/{self._job_id}:cancel"
@@ -360,8 +370,7 @@ class RemoteTransport(Transport):
                     body = body if isinstance(body, Mapping) else {}
                     if not last and (not body.get("chunk_cached") or "request_id" in body):
                         raise api.RequestFailedError(
-                            f"{what}: chunk {index} of {len(bodies)} was answered with {body!r:.200}, "
-                            "expected {'chunk_cached': true}"
+                            f"{what}: chunk {index} of {len(bodies)} got {body!r:.200}, not {{'chunk_cached': true}}"
                         )
                 break
             except api.ChunkGroupRestartError:
@@ -400,10 +409,7 @@ class RemoteTransport(Transport):
                     "backend.allow_zero_logprobs=True only for on-policy, single-epoch GRPO without KL, where "
                     "zero log-probs are never read"
                 )
-            self._warn_once(
-                "the service has no 'forward' op: answering forward() with zero log-probs "
-                "(backend.allow_zero_logprobs=True)"
-            )
+            self._warn_once("the service has no 'forward' op: forward() answers zero log-probs (allow_zero_logprobs)")
             return _zero_logprobs(batch)
         # The reference is addressed by job type; on a LoRA job without that sub-job the service
         # scores it on the trainer with the adapters disabled.
@@ -473,9 +479,7 @@ class RemoteTransport(Transport):
     def _weight_sync(self, request: api.Request) -> Send:
         source, targets = self._ref.first("training"), self._ref.sub_jobs.get("sampling") or []
         if not targets:
-            raise api.InvalidRequestError(
-                "sync_weights needs a sampling role; set num_sampling_workers=1 in the config"
-            )
+            raise api.InvalidRequestError("sync_weights needs a sampling role; set num_sampling_workers=1")
         payload = {
             "source_sub_job_id": source,
             "target_sub_job_ids": list(targets),

@@ -121,3 +121,32 @@ def test_a_shutdown_from_another_thread_ends_an_open_that_waits_and_cancels_its_
         client.open()
     closer.join()
     assert _status(full_service, placing[0]) in CANCELLED
+
+
+def test_a_shutdown_while_the_create_answer_is_on_its_way_still_cancels_the_job(full_service, monkeypatch):
+    """The job exists on the service before its id reaches the client; a shutdown in that window used to
+    see no job of its own and leave it placing (a race the cancelled-open test above lost under load)."""
+    from icefloe.client.remote.http import Http
+
+    send = Http.send
+
+    async def slow_create_answer(self, call):
+        reply = await send(self, call)
+        if call.what == "create job":
+            await asyncio.sleep(1.0)  # the answer is read this much later: the window held open
+        return reply
+
+    monkeypatch.setattr(Http, "send", slow_create_answer)
+    client = Client(_config(full_service))
+    placing: list[str] = []
+
+    def shut_down_once_placing() -> None:
+        placing.append(_placing_job(full_service))
+        client.shutdown()
+
+    closer = threading.Thread(target=shut_down_once_placing, daemon=True)
+    closer.start()
+    with pytest.raises(ClientClosedError, match="shut down"):
+        client.open()
+    closer.join()
+    assert _status(full_service, placing[0]) in CANCELLED
