@@ -163,7 +163,7 @@ class RemoteTransport(Transport):
         self._http.batch_bytes = self._max_post_bytes if batching else 0
         if self._job is None:
             self._creating = asyncio.ensure_future(self._create_job(service))  # close() waits for it, to cancel
-            await asyncio.shield(self._creating)
+            await self._creating
         if service.lease_ttl_s and self._lease is None:  # from now: reading the job while it waits renews nothing
             self._lease = asyncio.get_running_loop().create_task(self._keep_lease(service.lease_ttl_s / 3))
         timeout_s = self.config.job_ready_timeout_s

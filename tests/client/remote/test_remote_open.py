@@ -106,13 +106,13 @@ def test_an_async_open_cancelled_while_its_job_places_cancels_the_job_and_shuts_
         asyncio.run(client.open())
 
 
-def test_a_shutdown_from_another_thread_ends_an_open_that_waits_and_cancels_its_job(full_service):
-    """Shutting down used to wait for the open to end (until the job ran or job_ready_timeout_s passed)."""
-    client = Client(_config(full_service))
+def _open_shut_down_once_placing(service: Service) -> str:
+    """Open a client that another thread shuts down once its job waits for slots; the job's id."""
+    client = Client(_config(service))
     placing: list[str] = []
 
     def shut_down_once_placing() -> None:
-        placing.append(_placing_job(full_service))
+        placing.append(_placing_job(service))
         client.shutdown()
 
     closer = threading.Thread(target=shut_down_once_placing, daemon=True)
@@ -120,7 +120,12 @@ def test_a_shutdown_from_another_thread_ends_an_open_that_waits_and_cancels_its_
     with pytest.raises(ClientClosedError, match="shut down"):
         client.open()
     closer.join()
-    assert _status(full_service, placing[0]) in CANCELLED
+    return placing[0]
+
+
+def test_a_shutdown_from_another_thread_ends_an_open_that_waits_and_cancels_its_job(full_service):
+    """Shutting down used to wait for the open to end (until the job ran or job_ready_timeout_s passed)."""
+    assert _status(full_service, _open_shut_down_once_placing(full_service)) in CANCELLED
 
 
 def test_a_shutdown_while_the_create_answer_is_on_its_way_still_cancels_the_job(full_service, monkeypatch):
@@ -137,16 +142,4 @@ def test_a_shutdown_while_the_create_answer_is_on_its_way_still_cancels_the_job(
         return reply
 
     monkeypatch.setattr(Http, "send", slow_create_answer)
-    client = Client(_config(full_service))
-    placing: list[str] = []
-
-    def shut_down_once_placing() -> None:
-        placing.append(_placing_job(full_service))
-        client.shutdown()
-
-    closer = threading.Thread(target=shut_down_once_placing, daemon=True)
-    closer.start()
-    with pytest.raises(ClientClosedError, match="shut down"):
-        client.open()
-    closer.join()
-    assert _status(full_service, placing[0]) in CANCELLED
+    assert _status(full_service, _open_shut_down_once_placing(full_service)) in CANCELLED
