@@ -108,13 +108,14 @@ def test_micro_batched_fwd_bwd_equals_one_pass_for_every_loss(engines, loss_fn, 
     scored_BS = _scores_a_token(batch)
     for name in ("default", "small"):
         result, grads = _run(engines[name], batch)
-        assert result["loss"] == pytest.approx(expected["loss"], abs=1e-5), name
+        # float32 sums of another order: a loss of ~100 (cispo sums its tokens) differs by ~1e-5 alone
+        assert result["loss"] == pytest.approx(expected["loss"], rel=1e-6, abs=1e-5), name
         assert result["num_tokens"] == expected["num_tokens"]
         assert result["metrics"]["padding_ratio"] <= 1.05
         assert result["metrics"].keys() == expected["metrics"].keys()
         for metric, value in expected["metrics"].items():
             if metric != "padding_ratio":
-                assert result["metrics"][metric] == pytest.approx(value, abs=1e-5), (name, metric)
+                assert result["metrics"][metric] == pytest.approx(value, rel=1e-6, abs=1e-5), (name, metric)
         assert result["logprobs"].shape == expected["logprobs"].shape  # the caller's rows, order and width
         assert_close(result["logprobs"][scored_BS], expected["logprobs"][scored_BS], **TOLERANCE)
         assert result["logprobs"][~scored_BS].eq(0).all()
