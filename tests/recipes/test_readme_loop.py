@@ -30,7 +30,11 @@ def test_the_readme_loop_is_python_that_prints_a_reward_per_step():
 
 @pytest.mark.slow
 def test_the_readme_loop_learns(tmp_path):
-    """Warm-up, then GRPO on one prompt: the reward of the last 5 steps is >= 0.8, of the first 5 <= 0.3."""
+    """Warm-up, then GRPO on one prompt: the reward of the last 5 steps is >= 0.9, of the first 5 <= 0.3.
+
+    With 16 samples a step and 20 steps it ended at 0.41: a right answer was too rare at first to
+    learn from. With 32 and 30 steps, warm-ups on seeds 0-3 all end at 0.97-1.00.
+    """
     pytest.importorskip("torch")
     script = tmp_path / "loop.py"
     script.write_text(readme_loop(), encoding="utf-8")
@@ -41,7 +45,7 @@ def test_the_readme_loop_learns(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     rewards = [float(r) for r in re.findall(r"^step \d+: reward ([0-9.]+)$", done.stdout, re.MULTILINE)]
-    assert len(rewards) == 20, done.stdout
+    assert len(rewards) == 30, done.stdout
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert first <= 0.3, f"the first steps already score {first:.2f}: the warm-up taught 12+7 itself ({rewards})"
-    assert last >= 0.8, f"the last steps score {last:.2f}: the loop did not learn to write 19 ({rewards})"
+    assert last >= 0.9, f"the last steps score {last:.2f}: the loop did not learn to write 19 ({rewards})"
