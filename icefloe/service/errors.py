@@ -87,6 +87,9 @@ def install_error_handlers(app: FastAPI) -> None:
         status, body = status_and_body(exc)
         if status == 409 and request.url.path.startswith(_TINKER_PREFIX):
             status = 400
+        settings = getattr(request.app.state, "settings", None)
+        if settings is not None:  # an engine's error may name the service's folders: named, not spelled out
+            body["message"] = settings.public_text(body["message"])
         return JSONResponse(body, status_code=status)
 
     # Exception: a bug; Starlette answers with this handler, then re-raises.

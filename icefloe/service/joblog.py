@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,11 +46,16 @@ class TokenRedactor(logging.Filter):
 
 
 class JobLog:
-    """Append and page the log files of one job's sub-jobs."""
+    """Append and page the log files of one job's sub-jobs.
 
-    def __init__(self, log_dir: Path, sub_job_ids: list[str]) -> None:
+    ``shown`` turns a line into what its reader gets (the service's folders named, not spelled out):
+    the files keep every line as written, for the operator.
+    """
+
+    def __init__(self, log_dir: Path, sub_job_ids: list[str], *, shown: Callable[[str], str] = str) -> None:
         self._dir = log_dir
         self._sub_job_ids = list(sub_job_ids)
+        self._shown = shown
         self._lock = threading.Lock()
         log_dir.mkdir(parents=True, exist_ok=True)
 
@@ -85,7 +91,7 @@ class JobLog:
                     if not raw.endswith(b"\n"):
                         break  # a line still being written; read it next time
                     offset += len(raw)
-                    entries.append(_entry(raw))
+                    entries.append(self._entry(raw))
         return {"entries": entries, "next_cursor": str(offset), "eof": offset >= size}
 
     def last(self, sub_job_id: str, *, max_lines: int, max_bytes: int = 256 * 1024) -> list[dict[str, Any]]:
@@ -99,14 +105,16 @@ class JobLog:
             lines = fh.read().split(b"\n")
         if start > 0:
             lines = lines[1:]  # the first line read may be cut
-        return [_entry(raw) for raw in lines[:-1][-max_lines:]]  # after the last newline: still being written
+        return [self._entry(raw) for raw in lines[:-1][-max_lines:]]  # after the last newline: still being written
 
-
-def _entry(raw: bytes) -> dict[str, Any]:
-    try:
-        return json.loads(raw)
-    except json.JSONDecodeError:  # a line not written by JobLog.write
-        return {"msg": raw.decode("utf-8", "replace").rstrip("\n")}
+    def _entry(self, raw: bytes) -> dict[str, Any]:
+        try:
+            entry = json.loads(raw)
+        except json.JSONDecodeError:  # a line not written by JobLog.write
+            entry = {"msg": raw.decode("utf-8", "replace").rstrip("\n")}
+        if isinstance(entry, dict) and isinstance(entry.get("msg"), str):
+            entry["msg"] = self._shown(entry["msg"])
+        return entry
 
 
 class JobLogRouter(logging.Handler):

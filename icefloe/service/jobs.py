@@ -78,6 +78,7 @@ class LiveJob:
     lease_until: float = math.inf  # time.monotonic() after which a job with nothing in flight is cancelled
     in_flight: dict[str, tuple[str, str, float]] = field(default_factory=dict)  # request id -> (sub-job, op, start)
     base_key: HostKey | None = None  # the base it can share with other LoRA jobs (None: a host of its own)
+    owner: str = SHARED_TENANT  # the tenant that created it
 
     @property
     def status(self) -> str:
@@ -162,9 +163,10 @@ class JobManager:
         if not store.insert_job(self.db, job_id=job_id, status="pending", spec=record, owner=owner):
             raise taken
         job_dir = self.settings.job_dir(job_id)
-        log = JobLog(job_dir / "logs", [s.sub_job_id for s in specs])
+        log = JobLog(job_dir / "logs", [s.sub_job_id for s in specs], shown=self.settings.public_text)
         state, chunks = JobState(job_id, self.db, log), ChunkGroups(max_bytes=self.settings.max_job_chunk_bytes)
-        job = LiveJob(job_id, {s.sub_job_id: s for s in specs}, state, log, chunks, job_dir, base_key=base_key)
+        specs_by_id = {s.sub_job_id: s for s in specs}
+        job = LiveJob(job_id, specs_by_id, state, log, chunks, job_dir, base_key=base_key, owner=owner)
         self._live[job_id] = job
         self.renew(job_id)
         log.write(f"job created with sub-jobs {[s.sub_job_id for s in specs]}")
@@ -282,8 +284,9 @@ class JobManager:
                     reason = (
                         f"{op} on {where} did not finish within its deadline of {deadline_s(op):g} s; killed {killable}"
                     )
-                    if host.shared:  # every job on the host loses its engines
-                        host.fail(f"{reason} ({host.host_id}, shared by every job on it)", self.last_checkpoint)
+                    if host.shared:  # every job on the host loses its engines; no reason names another's job
+                        reason = f"{op} on {host.host_id} did not finish within its deadline of {deadline_s(op):g} s"
+                        host.fail(f"{reason}; killed {killable}, shared by every job on it", self.last_checkpoint)
                     else:
                         job.state.fail(reason)
                     engines.kill()
@@ -330,25 +333,29 @@ class JobManager:
         answer = self._public(self.row(job_id))
         if job is not None:  # icefloe extensions: what `icefloe jobs show` prints
             answer["queue"] = self.requests.queue(job_id)
-            answer["host"] = job.host.describe() if job.host is not None else None
+            answer["host"] = self.host_of(job)
             answer["lease_expires_in_s"] = round(max(0.0, lease_left_s), 1) if math.isfinite(lease_left_s) else None
         return answer
 
     def waiting(self, job_id: str) -> str | None:
-        """Why the job waits in placing, while it does (every client shows it); else None."""
+        """Why the job waits in placing, while it does (every client shows it); else None. It counts
+        the free slots (as ``/capacity`` does), never other tenants' jobs."""
         job = self._live.get(job_id)
         if job is None or job.status != "placing":
             return None
         host = job.host
         if host is not None and host.slots:  # another job of its base took the host's slot and starts it
-            return f"waiting for {host.host_id} (shared by LoRA jobs of its base model) to start"
+            return f"waiting for its model host {host.host_id} to start"
         ahead, free = self.pool.waiting(job)
+        mine = sum(isinstance(other, LiveJob) and other.owner == job.owner for other in ahead)
         slots = f"{job.num_slots} {self.pool.kind} slot(s): {free} of {self.pool.total} free"
-        return f"waiting for {slots}, {ahead} job(s) ahead"
+        return f"waiting for {slots}, {mine} job(s) of yours ahead"
 
     def reason(self, row: dict[str, Any]) -> str | None:
-        """The reason of a job's stored ``row``: why it waits while it does, else why it ended."""
-        return self.waiting(row["job_id"]) or row["reason"]
+        """The reason of a job's stored ``row``: why it waits while it does, else why it ended (the
+        service's folders named, not spelled out)."""
+        reason = self.waiting(row["job_id"]) or row["reason"]
+        return self.settings.public_text(reason) if reason else reason
 
     def list_public(self, status: str | None, *, owner: str | None = None) -> list[dict[str, Any]]:
         """Jobs in ``status`` (any: None) owned by ``owner`` (anyone: None)."""
@@ -359,8 +366,19 @@ class JobManager:
         for answer in answers:
             job = self._live.get(answer["job_id"])
             if job is not None and job.host is not None:
-                answer["host"] = job.host.describe()
+                answer["host"] = self.host_of(job)
         return answers
+
+    def host_of(self, job: LiveJob) -> dict[str, Any] | None:
+        """The job's model host as its tenant may see it: the jobs of that tenant on it, and the base's
+        folder named, not spelled out."""
+        if job.host is None:
+            return None
+        host = job.host.describe()
+        host["num_jobs"] = sum(member.owner == job.owner for member in list(job.host.members.values()))
+        if host["base_model"] is not None:
+            host["base_model"] = self.settings.public_text(host["base_model"])
+        return host
 
     def _public(self, row: dict[str, Any]) -> dict[str, Any]:
         spec, status = row["spec"], row["status"]
@@ -436,7 +454,9 @@ class JobManager:
     def job_log(self, job_id: str) -> JobLog:
         """The job's log, to read; also of a job an earlier process ran."""
         job = self._live.get(job_id)
-        return job.log if job is not None else JobLog(self.settings.job_dir(job_id) / "logs", [])
+        if job is not None:
+            return job.log
+        return JobLog(self.settings.job_dir(job_id) / "logs", [], shown=self.settings.public_text)
 
     # --- requests -----------------------------------------------------------------------------
     def submit(
@@ -567,7 +587,7 @@ class JobManager:
         job.log.write(f"{op} crashed the engine: {message}", level="ERROR", sub_job_id=sub_job_id)
         host = job.host
         if host is not None and host.shared and isinstance(exc, EngineProcessDied):
-            cause = f"the engines of {host.host_id} died during {op} of job {job.job_id}: {exc}"
+            cause = f"the engines of {host.host_id} died during {op}: {exc}"  # no job id: the host is shared
             host.fail(cause, self.last_checkpoint)
         else:
             job.state.fail(f"{sub_job_id} crashed during {op}: {message}")

@@ -26,7 +26,6 @@ from icefloe.protocol import (
     ClientClosedError,
     ConflictError,
     InvalidRequestError,
-    NotFoundError,
     SamplingParams,
     UnsupportedOpError,
 )
@@ -303,8 +302,8 @@ def submit_save(manager: JobManager, job: LiveJob, body: SaveBody, sub_job_id: s
             checkpoint_type=result["kind"],
             path=result["path"],
         )
-        path, tag = result["path"], result["checkpoint_id"]
-        return {"job_id": job.job_id, "checkpoint_path": path, "checkpoint_tag": tag, **result}
+        path, tag = manager.settings.public_path(result["path"]), result["checkpoint_id"]
+        return {"job_id": job.job_id, "checkpoint_path": path, "checkpoint_tag": tag, **result, "path": path}
 
     return manager.submit(job, sub_job_id, api.OP_SAVE, run)
 
@@ -329,13 +328,17 @@ def load_target(job: LiveJob, body: LoadBody) -> str:
     return target
 
 
-def submit_load(manager: JobManager, job: LiveJob, body: LoadBody, sub_job_id: str) -> str:
-    source_job = body.source_job_id or job.job_id
-    record = store.get_checkpoint(manager.db, job_id=source_job, checkpoint_id=body.checkpoint_id)
-    if record is None:
-        raise NotFoundError(f"checkpoint {body.checkpoint_id!r} not found in job {source_job}")
-    load = functools.partial(job.engines.load, sub_job_id, Path(record["path"]))
-    return manager.submit(job, sub_job_id, api.OP_LOAD, lambda: {"job_id": job.job_id, **load()})
+def submit_load(manager: JobManager, job: LiveJob, checkpoint: dict[str, Any], sub_job_id: str) -> str:
+    """Queue a load of ``checkpoint`` (its record, as :meth:`Tenancy.checkpoint` found it for the caller)."""
+    load = functools.partial(job.engines.load, sub_job_id, Path(checkpoint["path"]))
+
+    def run() -> dict[str, Any]:
+        result = load()
+        if "path" in result:  # the answer names no server folder
+            result["path"] = manager.settings.public_path(result["path"])
+        return {"job_id": job.job_id, **result}
+
+    return manager.submit(job, sub_job_id, api.OP_LOAD, run)
 
 
 # --- weight sync -------------------------------------------------------------------------------

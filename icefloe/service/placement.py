@@ -38,10 +38,11 @@ class SlotPool:
         with self._cond:
             return self.total - len(self._free)
 
-    def waiting(self, ticket: object) -> tuple[int, int]:
-        """``(jobs ahead of ticket, free slots)`` for a job waiting in :meth:`acquire`."""
+    def waiting(self, ticket: object) -> tuple[list[object], int]:
+        """``(tickets ahead of ticket, free slots)`` for a job waiting in :meth:`acquire`."""
         with self._cond:
-            return (self._queue.index(ticket) if ticket in self._queue else 0), len(self._free)
+            ahead = list(self._queue)[: self._queue.index(ticket)] if ticket in self._queue else []
+            return ahead, len(self._free)
 
     def device(self, slot: int) -> str:
         return f"cuda:{slot}" if self.kind == "gpu" else "cpu"

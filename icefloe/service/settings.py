@@ -6,13 +6,14 @@ explicitly and never depends on the shell it runs in.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from icefloe.config import validated
 from icefloe.protocol import ConfigError
@@ -120,6 +121,19 @@ class ServeSettings(BaseModel):
             raise ValueError(f"public_url must be http(s)://host[:port][/path]; got {value!r}")
         return value.rstrip("/") if value else value
 
+    @model_validator(mode="after")
+    def _data_dir_apart_from_model_root(self) -> ServeSettings:
+        """Any folder under the model root loads as a model: a data dir there would let a tenant load
+        another's checkpoint (``model_name: jobs/<job>/checkpoints/global_step1``)."""
+        if self.model_root is not None:
+            data, root = self.data_dir.resolve(), self.model_root.resolve()
+            if data.is_relative_to(root) or root.is_relative_to(data):
+                raise ValueError(
+                    f"data_dir {str(data)!r} and model_root {str(root)!r} overlap, so every tenant could load the "
+                    "service's checkpoints as a model; keep them apart (icefloe serve --data-dir outside --model-root)"
+                )
+        return self
+
     @property
     def auth_enabled(self) -> bool:
         return bool(self.tokens) or any(self.tenant_tokens.values())
@@ -145,6 +159,31 @@ class ServeSettings(BaseModel):
 
     def job_dir(self, job_id: str) -> Path:
         return self.data_dir / "jobs" / job_id
+
+    def public_path(self, path: str | Path) -> str:
+        """A folder of the data dir as a caller may read it: relative to the data dir, so no answer
+        names where the service keeps its files."""
+        folder = Path(path)
+        if folder.is_relative_to(self.data_dir):
+            return str(folder.relative_to(self.data_dir))
+        return self.public_text(str(path))
+
+    def public_text(self, text: str) -> str:
+        """``text`` (an engine's error, a log line, a failure reason) as a caller may read it: the
+        service's own folders named (``<data dir>``, ``<model root>``, ``<model cache>``), not spelled out."""
+        pattern, names = self.own_folders
+        return pattern.sub(lambda found: names[found.group(0)], text)
+
+    @functools.cached_property
+    def own_folders(self) -> tuple[re.Pattern[str], dict[str, str]]:
+        """A pattern matching the service's folders as whole path parts, and the name each is shown by."""
+        names = {str(self.data_dir): "<data dir>", str(self.data_dir.resolve()): "<data dir>"}
+        if self.model_root is not None:
+            names |= {str(self.model_root): "<model root>", str(self.model_root.resolve()): "<model root>"}
+        names |= dict.fromkeys(_model_caches(), "<model cache>")
+        names.pop("/", None)  # a root folder would rename every slash
+        longest_first = sorted(names, key=len, reverse=True)  # a cache may lie inside another folder
+        return re.compile("|".join(map(re.escape, longest_first)) + r"(?![\w.-])"), names
 
     @classmethod
     def from_env(
@@ -172,6 +211,18 @@ class ServeSettings(BaseModel):
                     limits.setdefault(tenant or SHARED_TENANT, {}).update(tenant_limits)
         fields = {**values, "tokens": explicit + from_env, "tenant_tokens": named, "tenant_limits": limits}
         return validated(cls, fields, "serve.")
+
+
+@functools.cache
+def _model_caches() -> tuple[str, ...]:
+    """Where models the service loads on a caller's behalf may live besides the model root: icefloe's own
+    cache and the Hugging Face hub cache (a hub id's snapshot)."""
+    caches = [str(Path.home() / ".cache" / "icefloe")]
+    try:
+        from huggingface_hub import constants
+    except ImportError:  # no hub: no hub cache to name
+        return tuple(caches)
+    return (*caches, str(Path(constants.HF_HUB_CACHE)), str(Path(constants.HF_HUB_CACHE).resolve()))
 
 
 def _read_token_file(path: Path) -> list[tuple[str | None, str, dict[str, str]]]:

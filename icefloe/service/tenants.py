@@ -4,8 +4,10 @@ A token names its tenant (``--token-file`` lines ``name: token``; a bare token i
 A tenant sees and touches only the jobs it created, and through them their requests, checkpoints,
 logs, metrics and download links, in both APIs: another tenant's job answers exactly as a job
 that does not exist (404), so nobody learns what others run. The ``admin`` tenant sees every job.
-Each tenant's limits (concurrent jobs, LoRA jobs, slots) are checked when a job is created, under
-one lock, against the jobs it holds then.
+A request that names a checkpoint (a ``{job_id}`` route, a ``source_job_id``, a create-time source)
+reads it through :meth:`Tenancy.checkpoint` and nothing else. A job id a tenant chooses lives in its
+own namespace, so creating one never tells of another tenant's job. Each tenant's limits (concurrent
+jobs, LoRA jobs, slots) are checked when a job is created, under one lock, against the jobs it holds then.
 """
 
 from __future__ import annotations
@@ -53,6 +55,16 @@ class Tenancy:
         if not self.sees(tenant, self.owner(job_id)):
             raise NotFoundError(f"job {job_id} not found")
 
+    def checkpoint(self, tenant: str, *, job_id: str, checkpoint_id: str, where: str = "") -> dict[str, Any]:
+        """The record of ``checkpoint_id`` in ``job_id``, if ``tenant`` may see that job; else a 404 worded
+        alike for an unknown job, another tenant's job and a checkpoint the job does not have."""
+        record = None
+        if self.sees(tenant, self.owner(job_id)):
+            record = store.get_checkpoint(self.db, job_id=job_id, checkpoint_id=checkpoint_id)
+        if record is None:
+            raise NotFoundError(f"{where}checkpoint {checkpoint_id!r} not found in job {job_id}")
+        return record
+
     def owner_filter(self, tenant: str) -> str | None:
         """The owner a listing for ``tenant`` is limited to (None: every owner, for the admin)."""
         return None if tenant == ADMIN_TENANT else tenant
@@ -60,7 +72,7 @@ class Tenancy:
     def create(self, manager: JobManager, body: JobCreate, *, tenant: str, database: str, schema: str) -> str:
         """Create a job owned by ``tenant`` if its limits leave room; a source checkpoint must be the
         tenant's own. Raises :class:`ConflictError` naming the limit reached."""
-        body = self._own_sources(tenant, body)
+        body = self._own_sources(tenant, self._own_job_id(tenant, body))
         with self._admitting:  # the count and the insert, as one step: two creates cannot both take the last place
             limits = self.settings.tenant_limits.get(tenant)
             if limits is not None:
@@ -77,6 +89,14 @@ class Tenancy:
         self._owners[job_id] = tenant
         return job_id
 
+    def _own_job_id(self, tenant: str, body: JobCreate) -> JobCreate:
+        """``body`` with the job id it chooses in ``tenant``'s namespace (``<job_id>@<tenant>``) on a service
+        with named tenants: two tenants choosing one id each get a job, so "already exists" only ever
+        means a job of the caller's own. Chosen ids cannot hold ``@``; generated ones are UUIDs."""
+        if body.job_id is None or not self.settings.tenant_tokens:
+            return body
+        return body.model_copy(update={"job_id": f"{body.job_id}@{tenant}"})
+
     def _own_sources(self, tenant: str, body: JobCreate) -> JobCreate:
         """``body`` with each source checkpoint pinned to a job of ``tenant`` (404 if it has none by that id)."""
         changed = False
@@ -86,22 +106,17 @@ class Tenancy:
             if info is None:
                 configs.append(sub)
                 continue
-            where = f"source_checkpoint_info of sub_job_configs.{position}"
+            where = f"sub_job_configs.{position}.source_checkpoint_info: "
             if info.source_job_id is not None:
-                if not self.sees(tenant, self.owner(info.source_job_id)):
-                    missing = f"checkpoint {info.checkpoint_id!r} not found in job {info.source_job_id}"
-                    raise NotFoundError(f"{where}: {missing}")
+                self.checkpoint(tenant, job_id=info.source_job_id, checkpoint_id=info.checkpoint_id, where=where)
                 configs.append(sub)
                 continue
             found = store.find_checkpoints(self.db, checkpoint_id=info.checkpoint_id)
             mine = [record["job_id"] for record in found if self.sees(tenant, self.owner(record["job_id"]))]
-            if not mine and found:  # another tenant's: answered as one that does not exist
-                raise NotFoundError(f"{where}: checkpoint {info.checkpoint_id!r} not found")
+            if not mine:  # none, or only other tenants' (answered alike)
+                raise NotFoundError(f"{where}checkpoint {info.checkpoint_id!r} not found")
             if len(mine) > 1:
-                raise InvalidRequestError(f"{where}: {info.checkpoint_id!r} exists in several jobs; set source_job_id")
-            if not mine:  # the create reports it not found
-                configs.append(sub)
-                continue
+                raise InvalidRequestError(f"{where}{info.checkpoint_id!r} exists in several jobs; set source_job_id")
             pinned = info.model_copy(update={"source_job_id": mine[0]})
             configs.append(sub.model_copy(update={"source_checkpoint_info": pinned}))
             changed = True

@@ -29,8 +29,9 @@ def short_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory):
-    settings = ServeSettings(data_dir=tmp_path_factory.mktemp("serve"), engines="local", model_root=Path("/"))
+def service(tmp_path_factory, short_model):
+    serve = tmp_path_factory.mktemp("serve")
+    settings = ServeSettings(data_dir=serve, engines="local", model_root=short_model.parent)
     with ServerThread(create_app(settings, pool=SlotPool("cpu", 4))) as base_url:
         yield base_url
 

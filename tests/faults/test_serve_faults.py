@@ -137,7 +137,7 @@ def test_a_client_that_gives_up_waiting_for_slots_says_why_and_cancels_its_job(t
                 client.open()
         finally:
             client.shutdown()
-        why = "waiting for 1 cpu slot(s): 0 of 2 free, 0 job(s) ahead"
+        why = "waiting for 1 cpu slot(s): 0 of 2 free, 0 job(s) of yours ahead"
         assert f"is still placing after 3 s ({why})" in str(waited.value)
         assert why in caplog.text
         given_up = next(j for j in serve.call("GET", "/")["jobs"] if j["job_id"] != holder)

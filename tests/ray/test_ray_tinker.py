@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 @pytest.mark.slow  # a service, its Ray actors and an SDK round trip
 def test_tinker_forward_backward_and_optim_step_on_ray_engines(ray_session, tmp_path):
     """The Ray trainer group dropped the per-row log-probs and refused the Adam parameters."""
-    model = str(tmp_path / "tiny-chat")
+    model = str(tmp_path / "models" / "tiny-chat")  # the data dir must not lie under the model root
     assert CliRunner().invoke(app, ["models", "export", "tiny:chat", model]).exit_code == 0
     service_app = make_app(
         tmp_path / "serve", slots=2, engines="ray", tokens=["tml-icefloe-test"], model_root=Path(model).parent

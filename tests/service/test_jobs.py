@@ -62,7 +62,7 @@ async def test_job_waits_in_placing_until_slots_are_free(data_dir):
         second = await api.create(TRAINING)
         await api.wait_status(second, "placing", timeout_s=30)
         # Why it waits, in every read of it: GET (the remote client), the list (`icefloe jobs list`), /ui.
-        why = "waiting for 1 cpu slot(s): 0 of 2 free, 0 job(s) ahead"
+        why = "waiting for 1 cpu slot(s): 0 of 2 free, 0 job(s) of yours ahead"
         assert (await api.job(second))["reason"] == why
         listed = (await api.call("GET", "")).json()["jobs"]
         assert [job["reason"] for job in listed if job["job_id"] == second] == [why]

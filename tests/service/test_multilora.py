@@ -43,7 +43,7 @@ def lora_job(seed: int, rank: int = 4) -> list[dict]:
     ]  # fmt: skip
 
 
-async def _run(api: Api, job_id: str, index: int, steps: int) -> dict:
+async def _run(api: Api, job_id: str, index: int, steps: int, data_dir: Path) -> dict:
     """A run's fixed schedule: steps of forward-backward + step, then a forward, a sync, a generate and a save."""
     losses = []
     for step in range(steps):
@@ -56,7 +56,7 @@ async def _run(api: Api, job_id: str, index: int, steps: int) -> dict:
     body = {"prompts": [[1, 11, 2]], "sampling_params": {"max_tokens": 5, "n": 3, "seed": 7, "logprobs": True}}
     samples = await api.result(job_id, (await api.post_frame(job_id, "generate", body)).json()["request_id"])
     saved = await api.run(job_id, "POST", "save", json={"checkpoint_type": "weights-only"})
-    adapter = load_file(str(Path(saved["path"]) / "adapter_model.safetensors"))
+    adapter = load_file(str(data_dir / saved["path"] / "adapter_model.safetensors"))  # a path in the data dir
     return {"losses": losses, "logprobs": logprobs, "samples": samples["results"], "adapter": adapter}
 
 
@@ -65,7 +65,8 @@ async def _four_runs(app, steps: int) -> tuple[list[dict], list[dict]]:
         api = Api(http)
         job_ids = [await api.create(*lora_job(seed=i + 1, rank=RANKS[i])) for i in range(4)]
         jobs = [await api.wait_status(job_id, "running") for job_id in job_ids]
-        results = await asyncio.gather(*(_run(api, job_id, i, steps) for i, job_id in enumerate(job_ids)))
+        data_dir = app.state.settings.data_dir
+        results = await asyncio.gather(*(_run(api, job_id, i, steps, data_dir) for i, job_id in enumerate(job_ids)))
         return jobs, list(results)
 
 

@@ -85,3 +85,72 @@ async def test_a_job_over_its_tenants_limit_is_refused_naming_the_limit(data_dir
             "finish or cancel one of its jobs first"
         )
         assert (await http.post(PREFIX + "/", json=body, headers=_as("bob"))).status_code == 200  # bob's own limits
+
+
+def _request_schemas(spec: dict, operation: dict) -> set[str]:
+    """The component schemas an operation's request body uses, nested ones included."""
+    schemas, found, todo = spec["components"]["schemas"], set(), [operation.get("requestBody", {})]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, dict):
+            name = node.get("$ref", "").rpartition("/")[2]
+            if name and name not in found:
+                found.add(name)
+                todo.append(schemas[name])
+            todo.extend(node.values())
+        elif isinstance(node, list):
+            todo.extend(node)
+    return found
+
+
+@pytest.mark.anyio
+async def test_every_route_naming_a_job_answers_another_tenants_job_as_one_that_does_not_exist(data_dir):
+    """Walks every documented route: a route added later that forgets the tenant check fails here."""
+    app = _app(data_dir)
+    routes = [(path, method) for path, ops in app.openapi()["paths"].items() if "{job_id}" in path for method in ops]
+    assert len(routes) >= 18  # the documented ones today
+    async with asgi_client(app) as http:
+        created = await http.post(PREFIX + "/", json={"sub_job_configs": [TRAINING]}, headers=_as("alice"))
+        job_id = created.json()["job_id"]
+        for path, method in routes:
+            filled = path.format(database="DB", schema="SC", endpoint="cortex-training", job_id="{job_id}",
+                                 checkpoint_id="global_step1", request_id="r")  # fmt: skip
+            hidden = await http.request(method, filled.format(job_id=job_id), headers=_as("bob"), json={})
+            unknown = await http.request(method, filled.format(job_id="no-such-job"), headers=_as("bob"), json={})
+            assert unknown.status_code == hidden.status_code == 404, (method, path, hidden.text)
+            assert hidden.json()["message"] == unknown.json()["message"].replace("no-such-job", job_id)
+
+
+# Every request field that names a job or a sub-job, and what keeps it within the caller's tenant.
+_JOB_FIELDS = {
+    ("JobCreate", "job_id"): "a job id the tenant chooses lives in its namespace (Tenancy._own_job_id)",
+    ("SourceCheckpointInfo", "source_job_id"): "Tenancy.checkpoint, at create",
+    ("LoadBody", "source_job_id"): "Tenancy.checkpoint, in the load route",
+    ("LoadBody", "target_sub_job_id"): "a sub-job of the path's job (operations.load_target)",
+    ("OperationBody", "sub_job_id"): "a sub-job of the path's job (JobManager.resolve_sub_job)",
+    ("query", "sub_job_id"): "a sub-job of the path's job (JobManager.resolve_sub_job)",
+    ("TrainingConfigSpec", "multiplex_job_id"): "recorded in the job's warnings, never read",
+    ("InferenceConfig", "multiplex_job_id"): "recorded in the job's warnings, never read",
+}
+
+
+def test_every_request_field_naming_a_job_is_one_the_tenancy_checks(data_dir):
+    """A field naming another job (``source_job_id`` on load) was read without the tenant check: a new
+    field naming a job fails here until it is checked and listed in _JOB_FIELDS."""
+    spec = _app(data_dir).openapi()
+    schemas, found = spec["components"]["schemas"], set()
+    for ops in spec["paths"].values():
+        for operation in ops.values():
+            for name in _request_schemas(spec, operation):
+                found |= {(name, f) for f in schemas[name].get("properties", {}) if f.endswith(("job_id", "job_ids"))}
+            found |= {("query", p["name"]) for p in operation.get("parameters", ()) if p["in"] == "query"
+                      and p["name"].endswith("job_id")}  # fmt: skip
+    assert found == set(_JOB_FIELDS)
+
+
+@pytest.mark.parametrize(("data", "root"), [("models/serve", "models"), ("serve", "serve/models"), ("same", "same")])
+def test_a_data_dir_the_model_root_reaches_is_refused(tmp_path, data, root):
+    """A data dir under the model root let a tenant load another's checkpoint as a model."""
+    with pytest.raises(ConfigError, match="overlap, so every tenant could load the service's checkpoints as a model"):
+        ServeSettings.from_env({}, data_dir=tmp_path / data, model_root=tmp_path / root)
+    ServeSettings.from_env({}, data_dir=tmp_path / "serve", model_root=tmp_path / "models")  # apart: fine

@@ -317,7 +317,7 @@ def test_a_sampler_waiting_for_a_slot_tells_the_sdk_user_why_within_one_poll(tmp
         ):
             sampler = service.create_sampling_client(base_model=model).result()
             future = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 1, types.SamplingParams(max_tokens=2))
-            told = "Reason: waiting for 1 cpu slot(s): 0 of 1 free, 0 job(s) ahead"
+            told = "Reason: waiting for 1 cpu slot(s): 0 of 1 free, 0 job(s) of yours ahead"
             while not any(told in record.getMessage() for record in caplog.records):
                 assert time.monotonic() < deadline, [record.getMessage() for record in caplog.records]
                 time.sleep(0.05)

@@ -24,10 +24,10 @@ from tests.service.service_harness import make_app  # noqa: E402
 
 
 def test_math_rl_arithmetic_trains_against_icefloe_serve(tmp_path):
-    model = tmp_path / "tiny-chat"
+    model = tmp_path / "models" / "tiny-chat"  # the data dir must not lie under the model root
     subprocess.run([sys.executable, "-m", "icefloe.cli", "models", "export", "tiny:chat", str(model)], check=True)
     log_path = tmp_path / "run"
-    with ServerThread(make_app(tmp_path / "serve", engines="local", model_root=tmp_path)) as base_url:
+    with ServerThread(make_app(tmp_path / "serve", engines="local", model_root=model.parent)) as base_url:
         recipe = subprocess.run(
             [
                 sys.executable, "-m", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic",
@@ -56,11 +56,11 @@ def test_weights_download_fetches_a_training_checkpoint_as_a_peft_folder(tmp_pat
     from safetensors.torch import load_file
     from tinker_cookbook import weights
 
-    model = tmp_path / "tiny-chat"
+    model = tmp_path / "models" / "tiny-chat"  # the data dir must not lie under the model root
     subprocess.run([sys.executable, "-m", "icefloe.cli", "models", "export", "tiny:chat", str(model)], check=True)
     monkeypatch.setenv("TINKER_API_KEY", "tml-cookbook")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with ServerThread(make_app(tmp_path / "serve", engines="local", model_root=tmp_path)) as base_url:
+    with ServerThread(make_app(tmp_path / "serve", engines="local", model_root=model.parent)) as base_url:
         with tinker.ServiceClient(base_url=base_url) as service:
             training = service.create_lora_training_client(base_model=str(model), rank=4).result()
             state_path = training.save_state("to-download").result().path

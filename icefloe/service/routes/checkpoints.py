@@ -18,21 +18,13 @@ from fastapi.responses import FileResponse
 from icefloe.protocol import ExpiredError, NotFoundError
 from icefloe.service import store
 from icefloe.service.models import CheckpointExport, CheckpointList
-from icefloe.service.routes import JobsDep, SettingsDep, StoreDep, api_router
+from icefloe.service.routes import JobsDep, SettingsDep, StoreDep, TenancyDep, TenantDep, api_router
 from icefloe.service.settings import ServeSettings
 
 __all__ = ["download_links", "files_router", "router"]
 
 router = api_router("checkpoints")
 files_router = APIRouter(tags=["files"])  # no bearer token: the link's secret is the credential
-
-
-def _checkpoint(db: store.Database, jobs, job_id: str, checkpoint_id: str) -> dict:
-    jobs.public(job_id)  # 404 for an unknown job
-    record = store.get_checkpoint(db, job_id=job_id, checkpoint_id=checkpoint_id)
-    if record is None:
-        raise NotFoundError(f"checkpoint {checkpoint_id} not found in job {job_id}")
-    return record
 
 
 @router.get("/{job_id}/checkpoints", response_model=CheckpointList)
@@ -43,9 +35,15 @@ async def list_checkpoints(job_id: str, jobs: JobsDep, db: StoreDep) -> dict:
 
 @router.post("/{job_id}/checkpoints/{checkpoint_id}:export", response_model=CheckpointExport)
 async def export_checkpoint(
-    job_id: str, checkpoint_id: str, request: Request, jobs: JobsDep, db: StoreDep, settings: SettingsDep
+    job_id: str,
+    checkpoint_id: str,
+    request: Request,
+    db: StoreDep,
+    settings: SettingsDep,
+    tenancy: TenancyDep,
+    tenant: TenantDep,
 ) -> dict:
-    record = _checkpoint(db, jobs, job_id, checkpoint_id)
+    record = tenancy.checkpoint(tenant, job_id=job_id, checkpoint_id=checkpoint_id)
     folder = Path(record["path"])
     if not folder.is_dir():
         raise NotFoundError(f"checkpoint {checkpoint_id} of job {job_id} has no files on disk any more")
@@ -75,8 +73,10 @@ def download_links(
 
 
 @router.delete("/{job_id}/checkpoints/{checkpoint_id}", status_code=204)
-async def delete_checkpoint(job_id: str, checkpoint_id: str, jobs: JobsDep, db: StoreDep) -> Response:
-    record = _checkpoint(db, jobs, job_id, checkpoint_id)
+async def delete_checkpoint(
+    job_id: str, checkpoint_id: str, db: StoreDep, tenancy: TenancyDep, tenant: TenantDep
+) -> Response:
+    record = tenancy.checkpoint(tenant, job_id=job_id, checkpoint_id=checkpoint_id)
     store.delete_checkpoint(db, job_id=job_id, checkpoint_id=checkpoint_id)
     shutil.rmtree(record["path"], ignore_errors=True)
     return Response(status_code=204)

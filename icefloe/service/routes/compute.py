@@ -35,7 +35,7 @@ from icefloe.service.operations import (
     submit_save,
     submit_step,
 )
-from icefloe.service.routes import API_PREFIX, JobsDep, OctetBody, api_router, visible_job
+from icefloe.service.routes import API_PREFIX, JobsDep, OctetBody, TenancyDep, TenantDep, api_router, visible_job
 from icefloe.service.routes.requests import with_answer
 
 __all__ = ["STEP_ROUTES", "router"]
@@ -122,10 +122,15 @@ async def save(job_id: str, jobs: JobsDep, body: SaveBody | None = None, wait: f
 
 
 @router.post("/{job_id}/load", response_model=RequestAccepted, response_model_exclude_none=True)
-async def load(job_id: str, body: LoadBody, jobs: JobsDep, wait: float = 0.0) -> dict | Response:
+async def load(
+    job_id: str, body: LoadBody, jobs: JobsDep, tenancy: TenancyDep, tenant: TenantDep, wait: float = 0.0
+) -> dict | Response:
+    """A ``source_job_id`` of another tenant is answered as an unknown one (404), before anything is queued."""
     job = jobs.live(job_id)
     target = load_target(job, body)
-    return await with_answer(jobs, {"request_id": submit_load(jobs, job, body, target), "job_id": job_id}, wait)
+    source = body.source_job_id or job_id
+    checkpoint = tenancy.checkpoint(tenant, job_id=source, checkpoint_id=body.checkpoint_id)
+    return await with_answer(jobs, {"request_id": submit_load(jobs, job, checkpoint, target), "job_id": job_id}, wait)
 
 
 # --- the same two routes, dispatched without FastAPI ----------------------------------------------

@@ -48,6 +48,8 @@ async def answer_request(
     """The poll answer of a request, after holding up to ``wait`` seconds for it to finish."""
     jobs.renew(job_id)
     stream = jobs.streams.get(request_id)
+    if stream is not None and stream.job_id != job_id:  # another job's request: the table answers 404
+        stream = None
     if stream is not None and stream.pending_events:
         wait = 0.0  # events are ready now; a long-poll would only delay them
     row = await jobs.requests.wait(job_id, request_id, min(max(0.0, wait), jobs.settings.max_long_poll_s))
@@ -72,7 +74,7 @@ async def answer_request(
         "created_at": row["created_at"],
         "updated_at": row["updated_at"],
         "result": result,
-        "error": row["error"],
+        "error": jobs.settings.public_text(row["error"]) if row["error"] else row["error"],
         "events": events,
         "next_cursor": next_cursor,
     }

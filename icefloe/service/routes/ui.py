@@ -157,11 +157,11 @@ def _row(jobs: JobManager, row: dict[str, Any], latest: dict[str, tuple[int, flo
 
 
 def _host(jobs: JobManager, job_id: str) -> str:
-    """The model host a running job is on, and how many jobs share it."""
+    """The model host a running job is on, and how many of its tenant's jobs are on it."""
     live = jobs.live_job(job_id)
-    if live is None or live.host is None:
+    host = jobs.host_of(live) if live is not None else None
+    if host is None:
         return "–"
-    host = live.host.describe()
     return f"{host['host_id']} ({host['num_jobs']}/{host['max_jobs']})" if host["shared"] else host["host_id"]
 
 
@@ -194,7 +194,10 @@ async def job_detail(job_id: str, jobs: JobsDep, db: StoreDep, tenancy: TenancyD
             {k: r[k] for k in ("request_id", "sub_job_id", "op", "status", "created_at")}
             for r in jobs.requests.open_rows(job_id)
         ],
-        "failed": store.recent_failed_requests(db, job_id=job_id, limit=_FAILED_SHOWN),
+        "failed": [
+            {**failed, "error": jobs.settings.public_text(failed["error"] or "")}
+            for failed in store.recent_failed_requests(db, job_id=job_id, limit=_FAILED_SHOWN)
+        ],
         "checkpoints": [{k: c[k] for k in _CHECKPOINT_SHOWN} for c in store.list_checkpoints(db, job_id=job_id)],
         "log": sorted(entries.values(), key=lambda e: e.get("ts") or "")[-_LOG_LINES:],
     }

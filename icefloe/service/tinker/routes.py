@@ -690,25 +690,14 @@ async def retrieve_future(body: Body, state: State, tenant: TenantDep) -> Respon
             if row["status"] != "done":
                 # A caller's mistake fails the request and leaves the job up; an engine crash fails the job.
                 running = state.manager.public(future.job_id)["status"] == "running"
-                error = _without_paths(row["error"] or row["status"], state.manager.settings)
+                error = state.manager.settings.public_text(row["error"] or row["status"])
                 return JSONResponse({"error": error, "category": "user" if running else "server"})
             answer = state.answer(future_id, future, row)
     except Exception as exc:  # the job failed to start, or the result could not be turned into an answer
         if isinstance(exc, InvalidRequestError):
             raise
-        error = _without_paths(f"{type(exc).__name__}: {exc}", state.manager.settings)
+        error = state.manager.settings.public_text(f"{type(exc).__name__}: {exc}")
         return JSONResponse({"error": error, "category": "server"})
     if isinstance(answer, bytes):
         return Response(answer, media_type=_PROTO)
     return JSONResponse(answer)
-
-
-def _without_paths(text: str, settings: ServeSettings) -> str:
-    """An engine's error as a caller may read it: the service's own folders named, not spelled out."""
-    folders = {str(settings.data_dir): "<data dir>", str(Path.home() / ".cache" / "icefloe"): "<model cache>"}
-    if settings.model_root is not None:
-        folders[str(settings.model_root.resolve())] = "<model root>"
-        folders[str(settings.model_root)] = "<model root>"
-    for folder, name in sorted(folders.items(), key=lambda item: -len(item[0])):
-        text = text.replace(folder, name)
-    return text
