@@ -311,8 +311,25 @@ def serve(
     ] = 30.0,
     public_url: Annotated[
         str | None,
-        typer.Option(help="The service's URL as callers reach it (a proxy in front); download links are made on it."),
+        typer.Option(
+            help="The service's URL as callers reach it (a proxy in front): download links are made on it, an https "
+            "URL makes the login cookie Secure, and without tokens its host is answered beside the bound address."
+        ),
     ] = None,
+    forwarded_allow_ips: Annotated[
+        str | None,
+        typer.Option(
+            help="Comma-separated proxy addresses or networks ('*': any) whose X-Forwarded-For/-Proto are believed; "
+            "default: none, so a client's address (for the failed-token limit) is its connection's."
+        ),
+    ] = None,
+    header_timeout_s: Annotated[
+        float, typer.Option(min=0.001, help="Close a connection whose request headers take longer (408).")
+    ] = 20.0,
+    body_timeout_s: Annotated[
+        float,
+        typer.Option(min=0.001, help="Close a connection whose body takes longer, plus 1 s per 8 KiB it delivers."),
+    ] = 20.0,
     max_samples_per_request: Annotated[
         int, typer.Option(min=1, help="Tinker API: most samples one request may ask for (num_samples x prompts).")
     ] = 1024,
@@ -338,7 +355,8 @@ def serve(
             data_dir=data_dir, host=host, port=port, tokens=token or [], token_file=token_file, slots=slots,
             max_adapters=max_adapters, engines=engines, ray_address=address, model_root=model_root,
             lease_ttl_s=lease_ttl_s, op_deadline_s=op_deadline_s, metrics_public=metrics_public, public_url=public_url,
-            sequence_gap_timeout_s=sequence_gap_timeout_s,
+            sequence_gap_timeout_s=sequence_gap_timeout_s, forwarded_allow_ips=forwarded_allow_ips or (),
+            header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
             max_samples_per_request=max_samples_per_request, max_tokens_per_request=max_tokens_per_request,
         )  # fmt: skip
         if address is not None and settings.engines != "ray":

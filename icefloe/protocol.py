@@ -21,8 +21,9 @@ processes::
     ├── ConflictError (RuntimeError)              the call does not fit the job's state or an earlier call
     │   └── SequenceGapError                      a numbered POST waited too long for the one before it
     ├── UnauthenticatedError (PermissionError)    no valid bearer token
-    ├── ForbiddenError (PermissionError)          a browser's cookie sent from another site, without a CSRF token
-    ├── TooManyRequestsError (RuntimeError)       too many failed logins from one address; wait and try again
+    ├── ForbiddenError (PermissionError)          a change a browser sent from another site (cookie or no auth)
+    │   └── MisdirectedRequestError               a Host header naming no address of the service (no auth)
+    ├── TooManyRequestsError (RuntimeError)       too many failed token checks from one address; wait, try again
     ├── PayloadTooLargeError (ValueError)         a POST body over the service's cap
     ├── UnsupportedOpError (NotImplementedError)  the backend has no such op
     ├── RequestFailedError (RuntimeError)         an op failed; ``reason`` + ``category`` user|server
@@ -55,9 +56,11 @@ __all__ = [
     "CODE_FORBIDDEN",
     "CODE_INTERNAL",
     "CODE_INVALID_ARGUMENT",
+    "CODE_MISDIRECTED_REQUEST",
     "CODE_NOT_FOUND",
     "CODE_NOT_IMPLEMENTED",
     "CODE_PAYLOAD_TOO_LARGE",
+    "CODE_REQUEST_TIMEOUT",
     "CODE_SEQUENCE_GAP",
     "CODE_TOO_MANY_REQUESTS",
     "CODE_UNAUTHENTICATED",
@@ -115,6 +118,7 @@ __all__ = [
     "InvalidRequestError",
     "JobFailedError",
     "LegacyPickleError",
+    "MisdirectedRequestError",
     "NotFoundError",
     "PayloadTooLargeError",
     "Request",
@@ -308,6 +312,8 @@ CODE_NOT_FOUND: Final = "not_found"
 CODE_CONFLICT: Final = "conflict"
 CODE_UNAUTHENTICATED: Final = "unauthenticated"
 CODE_FORBIDDEN: Final = "forbidden"
+CODE_MISDIRECTED_REQUEST: Final = "misdirected_request"
+CODE_REQUEST_TIMEOUT: Final = "request_timeout"
 CODE_PAYLOAD_TOO_LARGE: Final = "payload_too_large"
 CODE_NOT_IMPLEMENTED: Final = "not_implemented"
 CODE_UNAVAILABLE: Final = "unavailable"
@@ -396,11 +402,17 @@ class UnauthenticatedError(IcefloeError, PermissionError):
 
 
 class ForbiddenError(IcefloeError, PermissionError):
-    """The caller is known but may not make this call: a cookie-authenticated change sent from another origin."""
+    """The call may not be made: a change a browser sent from another origin (through the login cookie,
+    to the login form, or to a service without tokens)."""
+
+
+class MisdirectedRequestError(ForbiddenError):
+    """With auth off, a ``Host`` header that names no address of the service: a page whose name was
+    re-pointed at it (DNS rebinding). Reach the service by its address, or set ``--public-url``."""
 
 
 class TooManyRequestsError(IcefloeError, RuntimeError):
-    """Too many attempts (failed dashboard logins) from one address; the message says how long to wait."""
+    """Too many failed token checks (logins, bearer tokens) from one address; the message says how long to wait."""
 
 
 class PayloadTooLargeError(IcefloeError, ValueError):

@@ -173,7 +173,7 @@ def test_doc_check_catches_what_does_not_exist(root, package_source):
 # reproducer, "path::test" or a bench script). Settings and limits (a default of 600 s, a 60 MiB cap)
 # are not results: the code that enforces them is their source.
 CLAIMS = [
-    ("README.md", "from about 0.1 to 1.0", "tests/recipes/test_readme_loop.py::test_the_readme_loop_learns"),
+    ("README.md", "from about 0.0 to 1.0", "tests/recipes/test_readme_loop.py::test_the_readme_loop_learns"),
     ("README.md", "the reward starts near 0.5", "tests/recipes/test_grpo.py::test_demo_run_learns_addition"),
     ("README.md", "Seeds 0-9 end between 0.96 and 1.00",
      "tests/recipes/test_grpo.py::test_every_recorded_full_run_ends_above_the_readmes_floor"),

@@ -30,6 +30,7 @@ from icefloe.service.jobs import JobManager
 from icefloe.service.lifecycle import fail_interrupted_jobs
 from icefloe.service.logins import Logins
 from icefloe.service.middleware import BodyLimit, IdempotencyKeys, JsonBodies, RequireToken
+from icefloe.service.origins import LocalOnly
 from icefloe.service.placement import SlotPool
 from icefloe.service.routes import capabilities, checkpoints, compute, jobs, metrics, operations, requests
 from icefloe.service.routes.ui import install_ui
@@ -39,7 +40,7 @@ from icefloe.service.store import Database, DataDirInUse, lock_data_dir, purge_e
 from icefloe.service.tenants import Tenancy
 from icefloe.service.tinker import install_tinker
 
-__all__ = ["ServerThread", "base_url", "create_app", "serve"]
+__all__ = ["ServerThread", "base_url", "create_app", "serve", "uvicorn_options"]
 
 _log = logging.getLogger("icefloe.service")
 _REDACTED_LOGGERS = ("", "icefloe", "icefloe.service", "uvicorn", "uvicorn.error", "uvicorn.access")
@@ -113,8 +114,10 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     app.add_middleware(IdempotencyKeys, db=db, settings=settings)
     app.add_middleware(Batches)  # each part of a batch runs through the layers above, as if it came alone
     app.add_middleware(BodyLimit, max_bytes=settings.max_post_bytes)  # refuse before buffering
-    # Outermost: nothing is read before the token (or the dashboard session) passes.
+    # Nothing is read before the token (or the dashboard session) passes.
     app.add_middleware(RequireToken, settings=settings, logins=app.state.logins)
+    if not settings.auth_enabled:  # outermost: with no token to stop them, no page of another site gets in
+        app.add_middleware(LocalOnly, public_url=settings.public_url)
     _redact(redactor, on=True)
     return app
 
@@ -143,7 +146,11 @@ class ServerThread:
     def __init__(self, app: Any, *, log_level: str = "warning", port: int = 0) -> None:
         import uvicorn
 
-        self._config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level=log_level, lifespan="on")
+        settings = getattr(getattr(app, "state", None), "settings", None)
+        connections = uvicorn_options(settings) if isinstance(settings, ServeSettings) else {}
+        self._config = uvicorn.Config(
+            app, host="127.0.0.1", port=port, log_level=log_level, lifespan="on", **connections
+        )
         self._server = uvicorn.Server(self._config)
         self._thread: threading.Thread | None = None
         self.base_url = ""
@@ -164,6 +171,17 @@ class ServerThread:
         self._server.should_exit = True
         if self._thread is not None:
             self._thread.join()
+
+
+def uvicorn_options(settings: ServeSettings) -> dict[str, Any]:
+    """How uvicorn treats the service's connections: read deadlines (:mod:`icefloe.service.connections`),
+    and ``X-Forwarded-*`` believed only from ``settings.forwarded_allow_ips`` (uvicorn's default
+    believes any loopback peer, so a client beside the service could name any address it liked)."""
+    from icefloe.service.connections import deadline_protocol
+
+    protocol = deadline_protocol(header_timeout_s=settings.header_timeout_s, body_timeout_s=settings.body_timeout_s)
+    proxies = list(settings.forwarded_allow_ips)
+    return {"http": protocol, "proxy_headers": bool(proxies), "forwarded_allow_ips": proxies or None}
 
 
 def base_url(host: str, port: int) -> str:
@@ -212,6 +230,7 @@ def serve(settings: ServeSettings, *, log_level: str = "info", sock: socket.sock
         log_level=log_level,
         log_config=log_config,
         access_log=settings.access_log,
+        **uvicorn_options(settings),
     )
     url = base_url(settings.host, settings.port)
     _log.info("icefloe serve on %s (data in %s)", url, settings.data_dir)

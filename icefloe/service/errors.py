@@ -31,6 +31,7 @@ _STATUS_AND_CODE = (
     (p.PayloadTooLargeError, 413, p.CODE_PAYLOAD_TOO_LARGE),
     (p.InvalidRequestError | p.ConfigError | p.WireError, 400, p.CODE_INVALID_ARGUMENT),
     (p.UnauthenticatedError, 401, p.CODE_UNAUTHENTICATED),
+    (p.MisdirectedRequestError, 421, p.CODE_MISDIRECTED_REQUEST),
     (p.ForbiddenError, 403, p.CODE_FORBIDDEN),
     (p.TooManyRequestsError, 429, p.CODE_TOO_MANY_REQUESTS),
     (p.ExpiredError, 410, p.CODE_NOT_FOUND),

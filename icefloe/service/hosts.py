@@ -4,7 +4,9 @@ A LoRA job attaches to a running host of its base model (same model and dtype) t
 trainer and sampler are adapters on the host's one copy of the base, and it takes no slot of its
 own. Any other job gets a dedicated host with the slots it asks for. A host takes its slots when
 its first job needs it (waiting in ``placing`` as a job would) and gives them back when its last
-job leaves.
+job leaves. A job is placed when it is created, so a tenant's ``max_slots`` counts the hosts its
+jobs start: a shared host's slot is charged to its oldest job (the one that started it, until it
+leaves), a dedicated host's to its job.
 
 A host runs its engines on :class:`~icefloe.engines.host.Worker` threads, with one lane per
 sub-job: one worker for a shared base, so every run's ops interleave fairly and generates queued at
@@ -15,11 +17,12 @@ checkpoint it can resume from; anything else one job does touches that job only.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,7 +36,7 @@ from icefloe.service.specs import SubJobSpec
 if TYPE_CHECKING:
     from icefloe.service.jobs import LiveJob
 
-__all__ = ["HostFailed", "HostKey", "HostPool", "ModelHost", "own_slots", "shared_base_key"]
+__all__ = ["HostFailed", "HostKey", "HostPool", "ModelHost", "shared_base_key"]
 
 _log = logging.getLogger("icefloe.service.hosts")
 _SHARED_WORKER = "shared"
@@ -79,12 +82,6 @@ def shared_base_key(specs: list[SubJobSpec]) -> HostKey | None:
     if not tiny and _has_dropout(Path(first.model)):
         return None
     return HostKey(first.model, first.seed if tiny else 0, first.dtype)
-
-
-def own_slots(specs: list[SubJobSpec]) -> int:
-    """The slots a job holds by itself (what a tenant's ``max_slots`` counts): none for a LoRA job on a
-    shared base, whose host's one slot is everyone's on it."""
-    return 0 if shared_base_key(specs) is not None else sum(s.num_slots for s in specs)
 
 
 def _has_dropout(folder: Path) -> bool:
@@ -264,14 +261,37 @@ class HostPool:
         self.settings = settings
         self.slots = slots
         self._hosts: list[ModelHost] = []
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered by a place() inside frozen()
         self._ids = itertools.count(1)
+
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[None]:
+        """No job is placed or released meanwhile: a tenant's admission counts the slots it holds and
+        the new job would take, and the job is placed, on the same hosts."""
+        with self._lock:
+            yield
+
+    def new_slots(self, key: HostKey | None, num_slots: int) -> int:
+        """The slots a job placed now takes from the pool: ``num_slots`` for a host of its own (``key``
+        None), one when no host of its shared base ``key`` has room (it starts one), else none."""
+        if key is None:
+            return num_slots
+        with self._lock:
+            return 0 if self._shared_with_room(key) is not None else 1
+
+    def holders(self) -> list[str]:
+        """The job charged with each shared host's slot: its oldest job, the one that started it until it leaves."""
+        with self._lock:
+            return [next(iter(h.members)) for h in self._hosts if h.shared and h.members]
+
+    def _shared_with_room(self, key: HostKey) -> ModelHost | None:
+        return next((h for h in self._hosts if h.key == key and h.has_room), None)
 
     def place(self, job: LiveJob) -> ModelHost:
         """The host ``job`` runs on: a shared host of its base with room, else a new one. Never blocks."""
         key = job.base_key
         with self._lock:
-            host = next((h for h in self._hosts if key is not None and h.key == key and h.has_room), None)
+            host = self._shared_with_room(key) if key is not None else None
             if host is None:
                 capacity = self.settings.max_adapters if key is not None else 1
                 host = ModelHost(f"host-{next(self._ids)}", key, capacity)

@@ -1,8 +1,8 @@
 """Jobs: the coordinator of their lifecycle, hosts, lanes and requests.
 
-Each job has one thread of its own, which walks it through :mod:`icefloe.service.lifecycle`: it
-places the job on a model host (:mod:`icefloe.service.hosts`), builds its engines there and takes
-them down. Each sub-job has one lane on its host's workers, so the requests to a sub-job run in
+A job is placed on a model host (:mod:`icefloe.service.hosts`) when it is created; then one thread
+of its own walks it through :mod:`icefloe.service.lifecycle`: it opens the host, builds the job's
+engines there and takes them down. Each sub-job has one lane on its host's workers, so the requests to a sub-job run in
 submission order. An engine crash asks the job (or, when the host's engines died, every job on
 the host) to stop as failed.
 """
@@ -158,7 +158,7 @@ class JobManager:
                 for s in specs
             ],
             "warnings": [warning for s in specs for warning in s.warnings],
-            "num_slots": 0 if base_key is not None else num_slots,  # what a tenant's max_slots counts (own_slots)
+            "num_slots": 0 if base_key is not None else num_slots,  # a dedicated host's, charged to its tenant
         }
         if not store.insert_job(self.db, job_id=job_id, status="pending", spec=record, owner=owner):
             raise taken
@@ -167,6 +167,7 @@ class JobManager:
         state, chunks = JobState(job_id, self.db, log), ChunkGroups(max_bytes=self.settings.max_job_chunk_bytes)
         specs_by_id = {s.sub_job_id: s for s in specs}
         job = LiveJob(job_id, specs_by_id, state, log, chunks, job_dir, base_key=base_key, owner=owner)
+        job.host = self.hosts.place(job)  # now, not on its thread: a tenant's next admission counts the host
         self._live[job_id] = job
         self.renew(job_id)
         log.write(f"job created with sub-jobs {[s.sub_job_id for s in specs]}")
@@ -198,12 +199,12 @@ class JobManager:
         return Path(record["path"])
 
     def _run(self, job: LiveJob) -> None:
-        """The job's thread: place, start, run until a stop is asked for, release, record the outcome."""
+        """The job's thread: open its host, start, run until a stop is asked for, release, record the outcome."""
         state = job.state
         try:
             if state.advance("placing"):
                 checkpoints = {sid: p for sid, s in job.specs.items() if (p := self._checkpoint_folder(s)) is not None}
-                job.host = self.hosts.place(job)
+                assert job.host is not None  # placed by create
                 placed = functools.partial(state.advance, "initializing")
                 opened = job.host.open(
                     job, pool=self.pool, settings=self.settings, placed=placed, checkpoints=checkpoints

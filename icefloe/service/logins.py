@@ -2,17 +2,23 @@
 
 The cookie holds a random session id, never a token: a stolen cookie dies with its session (on
 logout, or ``ttl_s`` after login), and the token it came from stays secret. Each session has a
-CSRF token the pages send back on every change they make. Failed logins are counted per client
-address over the last minute; past the cap the login form is refused until the oldest failure ages out.
+CSRF token the pages send back on every change they make. Failed token checks (the login form, a
+bearer token, a Tinker API key: guesses of the same secrets) are counted per client address over
+the last minute; past the cap that address is refused, before its token is looked at, until the
+oldest failure ages out. The address is the connection's peer (a proxy's client only where
+``--forwarded-allow-ips`` trusts the proxy), so rotating ``X-Forwarded-For`` gains nothing.
 """
 
 from __future__ import annotations
 
+import math
 import secrets
 import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
+
+from icefloe.protocol import TooManyRequestsError
 
 __all__ = ["SESSION_COOKIE", "Logins", "UiSession"]
 
@@ -70,6 +76,15 @@ class Logins:
             if len(failures) < self.max_failures:
                 return 0.0
             return max(0.0, failures[0] + _WINDOW_S - time.monotonic())
+
+    def check(self, address: str) -> None:
+        """Raise :class:`TooManyRequestsError`, saying how long to wait, while ``address`` must wait."""
+        wait_s = self.wait_s(address)
+        if wait_s > 0:
+            raise TooManyRequestsError(
+                f"too many failed token checks from this address; try again in {math.ceil(wait_s)} s "
+                f"(at most {self.max_failures} a minute)"
+            )
 
     def failed(self, address: str) -> None:
         with self._lock:

@@ -28,12 +28,14 @@ from icefloe.protocol import (
     ForbiddenError,
     InvalidRequestError,
     PayloadTooLargeError,
+    TooManyRequestsError,
     UnauthenticatedError,
 )
 from icefloe.service import store
 from icefloe.service.errors import send_error
 from icefloe.service.logins import SESSION_COOKIE, Logins
 from icefloe.service.models import parse_json_body
+from icefloe.service.origins import foreign_origin
 from icefloe.service.settings import SHARED_TENANT, ServeSettings
 
 __all__ = [
@@ -197,10 +199,12 @@ class RequireToken:
     redirected to the login form. A change (any method but GET / HEAD / OPTIONS) that only the
     cookie authenticates must come from the service's own origin (its ``Origin`` header) or carry the
     session's CSRF token (``X-CSRF-Token``): a page elsewhere, on another port of the same host
-    included, cannot act through the cookie. The refusal closes the connection, since the body it
-    did not read cannot be skipped. An accepted caller is recorded in the scope as a hash of its
-    token (:data:`CALLER_SCOPE_KEY`), which the later layers scope their records by, and its tenant
-    (:data:`TENANT_SCOPE_KEY`); with auth off every caller is ``''`` of the shared tenant.
+    included, cannot act through the cookie. A wrong token counts against its client address in
+    :class:`Logins`, which past its cap refuses that address (429) before looking at the token. A
+    refusal closes the connection, since the body it did not read cannot be skipped. An accepted
+    caller is recorded in the scope as a hash of its token (:data:`CALLER_SCOPE_KEY`), which the
+    later layers scope their records by, and its tenant (:data:`TENANT_SCOPE_KEY`); with auth off
+    every caller is ``''`` of the shared tenant.
     """
 
     def __init__(self, app: ASGIApp, *, settings: ServeSettings, logins: Logins) -> None:
@@ -208,14 +212,13 @@ class RequireToken:
         self.settings = settings
         self.logins = logins
         self._tokens = settings.token_tenants()
-        self._public_origin = settings.public_url.split("/", 3)[:3] if settings.public_url else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"] if scope["type"] == "http" else ""
         if scope["type"] == "http" and self.settings.auth_enabled and not self._is_open(path):
             try:
                 scope[CALLER_SCOPE_KEY], scope[TENANT_SCOPE_KEY] = self._caller(scope, path)
-            except (UnauthenticatedError, ForbiddenError) as refused:
+            except (UnauthenticatedError, ForbiddenError, TooManyRequestsError) as refused:
                 if isinstance(refused, UnauthenticatedError) and _is_page(path):
                     await RedirectResponse("/ui/login", 303)(scope, receive, send)  # a dashboard page: log in
                 else:
@@ -240,20 +243,22 @@ class RequireToken:
                     )
                 return session.caller, session.tenant
         token_type = header(scope, b"x-snowflake-authorization-token-type")
-        token, tenant = _authenticate(self._tokens, _text(authorization), _text(token_type))
+        peer = scope["client"][0] if scope.get("client") else ""
+        if authorization is not None:  # a guess: refused unread once its address made too many
+            self.logins.check(peer)
+        try:
+            token, tenant = _authenticate(self._tokens, _text(authorization), _text(token_type))
+        except UnauthenticatedError:
+            if authorization is not None:
+                self.logins.failed(peer)
+            raise
         return caller_of(token), tenant
 
     def _same_origin(self, scope: Scope, csrf_token: str) -> bool:
         sent_token = header(scope, b"x-csrf-token")
         if sent_token is not None and hmac.compare_digest(sent_token, csrf_token.encode()):
             return True
-        origin = header(scope, b"origin")
-        if origin is None:
-            return False
-        if self._public_origin is not None:
-            return origin.decode("latin-1") == "/".join(self._public_origin)
-        host = header(scope, b"host")
-        return host is not None and origin == f"{scope.get('scheme', 'http')}://".encode() + host
+        return header(scope, b"origin") is not None and foreign_origin(scope, self.settings.public_url) is None
 
     def _is_open(self, path: str) -> bool:
         return (

@@ -7,6 +7,7 @@ explicitly and never depends on the shell it runs in.
 from __future__ import annotations
 
 import functools
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -93,8 +94,16 @@ class ServeSettings(BaseModel):
     max_samples_per_request: int = Field(1024, gt=0)
     max_tokens_per_request: int = Field(1_048_576, gt=0)
     ui_session_ttl_s: float = Field(12 * 3600.0, gt=0)  # a dashboard login lasts this long
-    # Failed dashboard logins one client address may make per minute; more are answered 429.
+    # Failed token checks (dashboard logins, bearer tokens, Tinker API keys) one client address may
+    # make per minute; past it, that address is answered 429 before its token is looked at.
     max_failed_logins_per_minute: int = Field(10, gt=0)
+    # Proxies whose X-Forwarded-For / X-Forwarded-Proto are believed (addresses or networks, "*" = any).
+    # Empty: none, so a client's address (for the failure limit) is its connection's peer.
+    forwarded_allow_ips: tuple[str, ...] = ()
+    # A connection's request headers must arrive within this long; a body within body_timeout_s
+    # plus one second per 8 KiB it delivers. Slower connections get 408 and are closed.
+    header_timeout_s: float = Field(20.0, gt=0)
+    body_timeout_s: float = Field(20.0, gt=0)
 
     @field_validator("tokens", mode="before")
     @classmethod
@@ -113,6 +122,20 @@ class ServeSettings(BaseModel):
         if bad:
             raise ValueError(f"tenant names must be 1-64 of A-Z a-z 0-9 _ . -; got {bad}")
         return value
+
+    @field_validator("forwarded_allow_ips", mode="before")
+    @classmethod
+    def _proxies(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [part for part in value.split(",") if part.strip()]
+        cleaned = tuple(str(part).strip() for part in value or ())
+        for part in cleaned:
+            if part != "*":
+                try:
+                    ipaddress.ip_network(part, strict=False)
+                except ValueError:
+                    raise ValueError(f"forwarded_allow_ips takes addresses, networks or '*'; got {part!r}") from None
+        return cleaned
 
     @field_validator("public_url")
     @classmethod

@@ -7,7 +7,9 @@ that does not exist (404), so nobody learns what others run. The ``admin`` tenan
 A request that names a checkpoint (a ``{job_id}`` route, a ``source_job_id``, a create-time source)
 reads it through :meth:`Tenancy.checkpoint` and nothing else. A job id a tenant chooses lives in its
 own namespace, so creating one never tells of another tenant's job. Each tenant's limits (concurrent
-jobs, LoRA jobs, slots) are checked when a job is created, under one lock, against the jobs it holds then.
+jobs, LoRA jobs, slots) are checked when a job is created, under one lock, against the jobs it holds
+then. Slots count the hosts the tenant's jobs are charged with (:mod:`icefloe.service.hosts`): a
+LoRA job that joins a host of its base takes none, one that starts a host takes its slot.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 
 from icefloe.protocol import JOB_ACTIVE_STATES, ConflictError, InvalidRequestError, NotFoundError
 from icefloe.service import store
-from icefloe.service.hosts import own_slots
+from icefloe.service.hosts import shared_base_key
 from icefloe.service.jobs import JobManager
 from icefloe.service.models import JobCreate
 from icefloe.service.settings import ADMIN_TENANT, ServeSettings
@@ -73,17 +75,22 @@ class Tenancy:
         """Create a job owned by ``tenant`` if its limits leave room; a source checkpoint must be the
         tenant's own. Raises :class:`ConflictError` naming the limit reached."""
         body = self._own_sources(tenant, self._own_job_id(tenant, body))
-        with self._admitting:  # the count and the insert, as one step: two creates cannot both take the last place
+        # The count, the placement and the insert as one step: two creates cannot both take the last
+        # place, and a host cannot start or go between the count and the placement.
+        with self._admitting, manager.hosts.frozen():
             limits = self.settings.tenant_limits.get(tenant)
             if limits is not None:
                 specs = sub_job_specs("admission", body, model_root=self.settings.model_root)
                 held = store.active_jobs(self.db, owner=tenant, states=JOB_ACTIVE_STATES)
+                key = shared_base_key(specs)
+                starts = manager.hosts.new_slots(key, sum(s.num_slots for s in specs))
                 _admit(
                     tenant,
                     limits.model_dump(),
                     jobs=len(held) + 1,
                     lora=sum(map(_is_lora, (row["spec"] for row in held))) + any(s.config.lora for s in specs),
-                    slots=sum(row["spec"].get("num_slots", 0) for row in held) + own_slots(specs),
+                    slots=self._slots_held(tenant, manager, held) + starts,
+                    starts_shared_host=key is not None and starts > 0,
                 )
             job_id = manager.create(body, database=database, schema=schema, owner=tenant)
         self._owners[job_id] = tenant
@@ -96,6 +103,12 @@ class Tenancy:
         if body.job_id is None or not self.settings.tenant_tokens:
             return body
         return body.model_copy(update={"job_id": f"{body.job_id}@{tenant}"})
+
+    def _slots_held(self, tenant: str, manager: JobManager, held: list[dict[str, Any]]) -> int:
+        """The slots of the hosts ``tenant``'s active jobs are charged with: each dedicated host's, and the one
+        slot of each shared host whose oldest job is the tenant's."""
+        dedicated = sum(row["spec"].get("num_slots", 0) for row in held)
+        return dedicated + sum(self.owner(job_id) == tenant for job_id in manager.hosts.holders())
 
     def _own_sources(self, tenant: str, body: JobCreate) -> JobCreate:
         """``body`` with each source checkpoint pinned to a job of ``tenant`` (404 if it has none by that id)."""
@@ -127,13 +140,18 @@ def _is_lora(spec: dict[str, Any]) -> bool:
     return any(sub["config"].get("peft_config") for sub in spec.get("sub_jobs", ()))
 
 
-def _admit(tenant: str, limits: dict[str, int | None], *, jobs: int, lora: int, slots: int) -> None:
+def _admit(
+    tenant: str, limits: dict[str, int | None], *, jobs: int, lora: int, slots: int, starts_shared_host: bool
+) -> None:
     wanted = {"max_jobs": (jobs, "active jobs"), "max_lora_adapters": (lora, "LoRA jobs")}
     wanted["max_slots"] = (slots, "slots")
     for key, (count, what) in wanted.items():
         limit = limits[key]
         if limit is not None and count > limit:
+            why = ""
+            if key == "max_slots" and starts_shared_host:
+                why = " (no host of its base model, seed and dtype has room, so it would start one)"
             raise ConflictError(
                 f"tenant {tenant!r} may hold {limit} {what} at once ({key}={limit} in the token file); this job would "
-                f"make {count}: finish or cancel one of its jobs first"
+                f"make {count}{why}: finish or cancel one of its jobs first"
             )

@@ -6,6 +6,7 @@ folders. Each answer must be the one a job that does not exist would get, and na
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
 import time
@@ -139,7 +140,8 @@ def test_l3_serve_refuses_a_data_dir_inside_the_model_root(tmp_path):
     port = free_port()
     command = [sys.executable, "-m", "icefloe.cli", "serve", "--data-dir", str(root / "serve"),
                "--model-root", str(root), "--port", str(port), "--engines", "local"]  # fmt: skip
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
+    wide = {**os.environ, "COLUMNS": "1000"}  # the error box would break a long tmp path mid-word
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=wide) as process:
         deadline = time.monotonic() + 120
         while process.poll() is None:
             try:

@@ -154,3 +154,21 @@ def test_a_data_dir_the_model_root_reaches_is_refused(tmp_path, data, root):
     with pytest.raises(ConfigError, match="overlap, so every tenant could load the service's checkpoints as a model"):
         ServeSettings.from_env({}, data_dir=tmp_path / data, model_root=tmp_path / root)
     ServeSettings.from_env({}, data_dir=tmp_path / "serve", model_root=tmp_path / "models")  # apart: fine
+
+
+@pytest.mark.anyio
+async def test_a_lora_job_that_starts_a_host_is_charged_its_slot(data_dir):
+    """LoRA jobs of three seeds started three hosts for a tenant with max_slots=1: a job on a shared base
+    was charged no slot, also when it started the host."""
+    peft = {"peft_type": "Lora", "r": 4, "target_modules": ["q_proj", "v_proj"]}
+
+    def lora(seed: int) -> dict:
+        sub = {**TRAINING, "seed": seed, "training_config": {**TRAINING["training_config"], "peft_config": peft}}
+        return {"sub_job_configs": [sub]}
+
+    async with asgi_client(_app(data_dir, alice=TenantLimits(max_slots=1))) as http:
+        assert (await http.post(PREFIX + "/", json=lora(11), headers=_as("alice"))).status_code == 200
+        assert (await http.post(PREFIX + "/", json=lora(11), headers=_as("alice"))).status_code == 200  # joins it
+        refused = await http.post(PREFIX + "/", json=lora(12), headers=_as("alice"))
+        assert refused.status_code == 409 and "max_slots=1" in refused.json()["message"]
+        assert (await http.post(PREFIX + "/", json=lora(12), headers=_as("bob"))).status_code == 200

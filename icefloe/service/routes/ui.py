@@ -7,7 +7,6 @@ with a cookie that holds a server-side session id (:mod:`icefloe.service.logins`
 
 from __future__ import annotations
 
-import math
 import time
 import urllib.parse
 from pathlib import Path
@@ -17,11 +16,12 @@ from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.responses import HTMLResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
-from icefloe.protocol import TooManyRequestsError
+from icefloe.protocol import ForbiddenError
 from icefloe.service import store
 from icefloe.service.jobs import JobManager
 from icefloe.service.logins import SESSION_COOKIE, Logins
 from icefloe.service.middleware import caller_of, matching_token
+from icefloe.service.origins import foreign_origin
 from icefloe.service.routes import JobsDep, SettingsDep, StoreDep, TenancyDep, TenantDep
 
 __all__ = ["install_ui"]
@@ -75,15 +75,18 @@ async def login_form(settings: SettingsDep) -> Response:
 @router.post("/login")
 async def login(request: Request, settings: SettingsDep) -> Response:
     """A form post ``token=...``: a known token starts a session whose id is set as the cookie; an
-    unknown one shows the form again. Too many failures from one address are refused (429) unchecked."""
+    unknown one shows the form again. Too many failures from one address are refused (429) unchecked.
+    A post a page of another origin sent is refused (403): it would sign the browser in as whoever
+    that page chose, and what the user then does lands in that account."""
+    foreign = foreign_origin(request.scope, settings.public_url)
+    if foreign is not None:
+        raise ForbiddenError(
+            f"a login sent by a page of another origin ({foreign!r}) is refused; sign in on this service's own "
+            "login page"
+        )
     logins: Logins = request.app.state.logins
     address = request.client.host if request.client else ""
-    wait_s = logins.wait_s(address)
-    if wait_s > 0:
-        raise TooManyRequestsError(
-            f"too many failed logins from this address; try again in {math.ceil(wait_s)} s "
-            f"(at most {logins.max_failures} a minute)"
-        )
+    logins.check(address)
     form = urllib.parse.parse_qs((await request.body()).decode("utf-8", "replace"))
     presented = (form.get("token") or [""])[0].strip()
     matched = matching_token(settings.token_tenants(), presented) if presented else None
@@ -95,7 +98,7 @@ async def login(request: Request, settings: SettingsDep) -> Response:
     answer = RedirectResponse("/ui", status_code=303)
     answer.set_cookie(
         SESSION_COOKIE, session_id, max_age=int(logins.ttl_s), httponly=True, samesite="strict", path="/",
-        secure=request.url.scheme == "https",
+        secure=request.url.scheme == "https" or (settings.public_url or "").startswith("https://"),
     )  # fmt: skip
     return answer
 
