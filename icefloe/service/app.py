@@ -32,6 +32,7 @@ from icefloe.service.logins import Logins
 from icefloe.service.middleware import BodyLimit, IdempotencyKeys, JsonBodies, RequireToken
 from icefloe.service.origins import LocalOnly
 from icefloe.service.placement import SlotPool
+from icefloe.service.refusals import LogRefusals
 from icefloe.service.routes import capabilities, checkpoints, compute, jobs, metrics, operations, requests
 from icefloe.service.routes.ui import install_ui
 from icefloe.service.sequencing import SubmitOrder
@@ -112,12 +113,14 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     # up already (moved outside IdempotencyKeys, a demo step took 3% longer).
     app.add_middleware(SubmitOrder, gap_timeout_s=settings.sequence_gap_timeout_s, unordered=_not_running(manager))
     app.add_middleware(IdempotencyKeys, db=db, settings=settings)
+    app.add_middleware(LogRefusals, auth_enabled=settings.auth_enabled)  # each part of a batch, and each request
     app.add_middleware(Batches)  # each part of a batch runs through the layers above, as if it came alone
     app.add_middleware(BodyLimit, max_bytes=settings.max_post_bytes)  # refuse before buffering
     # Nothing is read before the token (or the dashboard session) passes.
     app.add_middleware(RequireToken, settings=settings, logins=app.state.logins)
     if not settings.auth_enabled:  # outermost: with no token to stop them, no page of another site gets in
         app.add_middleware(LocalOnly, public_url=settings.public_url)
+    app.add_middleware(LogRefusals, auth_enabled=settings.auth_enabled)  # outermost: what the layers below it refuse
     _redact(redactor, on=True)
     return app
 
