@@ -231,13 +231,25 @@ def _run_one(job: _Job) -> None:
 
 def _run_batch(jobs: list[_Job]) -> None:
     jobs = [job for job in jobs if job.future.set_running_or_notify_cancel()]
-    if not jobs:
-        return
+    if jobs:
+        _settle_batch(jobs)
+
+
+def _settle_batch(jobs: list[_Job]) -> None:
+    """Run ``jobs`` as one batch; a batch refused for a caller's input runs again job by job, so the bad
+    input fails only its own caller, with a message in that caller's terms (its own ``prompts[i]``)."""
     assert jobs[0].run_batch is not None
     try:
         results = list(jobs[0].run_batch([job.item for job in jobs]))
         if len(results) != len(jobs):
             raise RuntimeError(f"run_batch returned {len(results)} results for {len(jobs)} items")
+    except InvalidRequestError as exc:
+        if len(jobs) == 1:
+            jobs[0].future.set_exception(exc)
+        else:
+            for job in jobs:
+                _settle_batch([job])
+        return
     except BaseException as exc:
         for job in jobs:
             job.future.set_exception(exc)

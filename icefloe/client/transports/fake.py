@@ -1,4 +1,5 @@
-"""``FakeTransport``: a transport that answers with a function, for tests of everything above the seam.
+"""``FakeTransport``: a transport that answers with a function, for tests of faults above the seam that
+no real backend makes on demand (an open that fails once); the rest runs on the local transport.
 
 Like httpx's ``MockTransport``: hand it ``handler(request)`` (a function or a coroutine function)
 and every op's answer is what the handler returns, its error what the handler raises. Coroutine
