@@ -130,16 +130,25 @@ def test_a_shutdown_from_another_thread_ends_an_open_that_waits_and_cancels_its_
 
 def test_a_shutdown_while_the_create_answer_is_on_its_way_still_cancels_the_job(full_service, monkeypatch):
     """The job exists on the service before its id reaches the client; a shutdown in that window used to
-    see no job of its own and leave it placing (a race the cancelled-open test above lost under load)."""
+    see no job of its own and leave it placing (a race the cancelled-open test above lost under load).
+    The window is held open until the shutdown has begun its cancel: the create answer is read only then."""
     from icefloe.client.remote.http import Http
+    from icefloe.client.transports.remote import RemoteTransport
 
-    send = Http.send
+    send, cancel_created = Http.send, RemoteTransport._cancel_created
+    shutting_down = threading.Event()
 
-    async def slow_create_answer(self, call):
+    async def create_answer_held_until_shutdown(self, call):
         reply = await send(self, call)
-        if call.what == "create job":
-            await asyncio.sleep(1.0)  # the answer is read this much later: the window held open
+        if call.what == "create job":  # the job exists now; its answer waits for the shutdown
+            assert await asyncio.to_thread(shutting_down.wait, 60), "the shutdown never began"
         return reply
 
-    monkeypatch.setattr(Http, "send", slow_create_answer)
+    async def cancel_created_once_shutting_down(self):
+        shutting_down.set()
+        await cancel_created(self)
+
+    monkeypatch.setattr(Http, "send", create_answer_held_until_shutdown)
+    monkeypatch.setattr(RemoteTransport, "_cancel_created", cancel_created_once_shutting_down)
     assert _status(full_service, _open_shut_down_once_placing(full_service)) in CANCELLED
+    assert shutting_down.is_set()
