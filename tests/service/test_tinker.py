@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import math
 import time
 from pathlib import Path
@@ -302,6 +303,22 @@ def test_a_sampler_waiting_for_a_slot_tells_the_sdk_user_why_within_one_poll(tmp
     from tests.service.service_client import PREFIX, TRAINING
 
     monkeypatch.setattr(routes, "_POLL_S", 0.5)  # a poll answers try_again after 0.5 s, not 30
+    try_agains: list[bool] = []  # each try_again answered: did it carry a reason?
+    told_after: list[int] = []  # how many try_agains had been answered when the SDK user was told
+
+    def counted_try_again(future_id, state, job_id):
+        answer = try_again(future_id, state, job_id)
+        try_agains.append(b"queue_state_reason" in answer.body)
+        return answer
+
+    class Told(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if told in record.getMessage():
+                told_after.append(len(try_agains))
+
+    try_again = routes._try_again
+    monkeypatch.setattr(routes, "_try_again", counted_try_again)
+    told = "Reason: waiting for 1 cpu slot(s): 0 of 1 free, 0 job(s) of yours ahead"
     root = Path(model).parent
     service_app = make_app(tmp_path / "serve", slots=1, engines="local", tokens=[API_KEY], model_root=root)
     with ServerThread(service_app) as url, httpx.Client(base_url=url + PREFIX, timeout=60) as http:
@@ -311,18 +328,24 @@ def test_a_sampler_waiting_for_a_slot_tells_the_sdk_user_why_within_one_poll(tmp
         while http.get(f"/{holder}").json()["status"] != "running":
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        with (
-            caplog.at_level("WARNING", logger="tinker"),
-            tinker.ServiceClient(base_url=url, api_key=API_KEY) as service,
-        ):
-            sampler = service.create_sampling_client(base_model=model).result()
-            future = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 1, types.SamplingParams(max_tokens=2))
-            told = "Reason: waiting for 1 cpu slot(s): 0 of 1 free, 0 job(s) of yours ahead"
-            while not any(told in record.getMessage() for record in caplog.records):
-                assert time.monotonic() < deadline, [record.getMessage() for record in caplog.records]
-                time.sleep(0.05)
-            http.post(f"/{holder}:cancel")
-            assert len(future.result().sequences) == 1
+        handler = Told()
+        logging.getLogger("tinker").addHandler(handler)
+        try:
+            with (
+                caplog.at_level("WARNING", logger="tinker"),
+                tinker.ServiceClient(base_url=url, api_key=API_KEY) as service,
+            ):
+                sampler = service.create_sampling_client(base_model=model).result()
+                future = sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 1, types.SamplingParams(max_tokens=2))
+                while not told_after:
+                    assert time.monotonic() < deadline, [record.getMessage() for record in caplog.records]
+                    time.sleep(0.05)
+                http.post(f"/{holder}:cancel")
+                assert len(future.result().sequences) == 1
+        finally:
+            logging.getLogger("tinker").removeHandler(handler)
+    # Within one poll: the first try_again carried the reason, and the SDK said it before a second came.
+    assert try_agains[0] and told_after[0] == 1, (try_agains, told_after)
 
 
 def test_leaving_the_service_client_finishes_its_session(base_url, model):
