@@ -83,15 +83,20 @@ def test_health_answers_while_a_hostile_60_mb_body_is_parsed(served, alice, tmp_
                                     served.base_url)  # fmt: skip
     print(f"idle: {len(idle)} /health calls, median {statistics.median(idle):.4f} s, max {max(idle):.4f} s")
     for url, body, headers in cases:
+        started = time.perf_counter()
         process = _post_in_another_process(url, str(body), headers)
         latencies = _health_latencies_during(process, served.base_url)
         answer = json.loads(process.communicate()[0])
-        print(f"{url.rsplit('/', 1)[1]}: {len(latencies)} /health calls, median {statistics.median(latencies):.4f} s, "
-              f"max {max(latencies):.4f} s")  # fmt: skip
+        took = time.perf_counter() - started
+        print(f"{url.rsplit('/', 1)[1]}: {took:.2f} s, {len(latencies)} /health calls, "
+              f"median {statistics.median(latencies):.4f} s, max {max(latencies):.4f} s")  # fmt: skip
         assert len(latencies) >= 3  # /health was called while the body went in and was parsed
-        # Before, the loop was stalled for 7-20 s. Typical calls stay under 100 ms; on a loaded 2-core machine
-        # the slowest one may wait for a core (compare the idle line above), so its bound is looser.
-        assert statistics.median(latencies) < 0.1 and max(latencies) < 1.0
+        # Before, the loop was stalled for 7-20 s, nearly all the time the hostile request took: one /health
+        # call waited through it. Now the longest wait is under half of it (0.47 s of 1.65 s on a loaded
+        # 2-core machine: a parse holding the GIL for a moment), and a typical call is about as quick as
+        # when idle (within 20x: the upload and the parse take a core of the machine meanwhile).
+        assert max(latencies) < 0.5 * took, (max(latencies), took)
+        assert statistics.median(latencies) < 20 * statistics.median(idle), (latencies, idle)
         if url.endswith("forward_backward"):
             assert answer["status"] == 400 and "data.0.loss_fn_inputs.weights has shape [3000000, 1]" in answer["text"]
         else:
