@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import re
 import time
 
 import httpx
@@ -200,3 +201,19 @@ async def test_reading_a_job_never_renews_its_lease_and_a_heartbeat_does(data_di
         assert live.lease_until == soon
         await api.call("POST", f"/{job_id}:heartbeat")
         assert live.lease_until > soon + 60
+
+
+@anyio
+async def test_the_observability_table_lists_every_metric_the_service_exports(data_dir):
+    """`icefloe_host_jobs` and `icefloe_job_host` were exported but missing from the table."""
+    from pathlib import Path
+
+    table = (Path(__file__).resolve().parents[2] / "docs" / "observability.md").read_text()
+    documented = set(re.findall(r"^\| `(icefloe_\w+)` \|", table, re.MULTILINE))
+    async with asgi_client(make_app(data_dir)) as http:
+        page = (await http.get("/metrics")).text
+    families = [f for f in text_string_to_metric_families(page) if f.name.startswith("icefloe_")]
+    # The text format also carries each counter's and histogram's creation time as a `<name>_created` gauge.
+    names = {f"{f.name}_total" if f.type == "counter" else f.name for f in families}
+    exported = {name for name in names if not name.endswith("_created")}
+    assert exported == documented

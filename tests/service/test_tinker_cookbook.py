@@ -48,6 +48,42 @@ def test_math_rl_arithmetic_trains_against_icefloe_serve(tmp_path):
     assert final["name"] == "final" and final["state_path"].endswith("/weights/final")
 
 
+def test_a_recipe_that_looks_up_its_renderer_by_name_runs_on_a_known_name_folder_async(tmp_path):
+    """docs/tinker.md, "Running the cookbook's recipes": a folder named like a model the cookbook knows
+    (its renderer: role_colon), under the model root and run from there; a longer context from the
+    folder's config.json; asynchronous RL with cispo. With a constant reward nothing trains."""
+    import httpx
+
+    models = tmp_path / "models"
+    model = models / "Qwen" / "Qwen3-8B-Base"
+    subprocess.run([sys.executable, "-m", "icefloe.cli", "models", "export", "tiny:chat", str(model)], check=True)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 4096}))
+    log_path = tmp_path / "run"
+    with ServerThread(make_app(tmp_path / "serve", engines="local", model_root=models)) as base_url:
+        served = httpx.get(f"{base_url}/api/v1/get_server_capabilities").json()["supported_models"]
+        recipe = subprocess.run(
+            [
+                sys.executable, "-m", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic",
+                "model_name=Qwen/Qwen3-8B-Base", f"base_url={base_url}", "lora_rank=8", "groups_per_batch=4",
+                "group_size=4", "max_tokens=8", "max_steps=3", "learning_rate=1e-3", "loss_fn=cispo",
+                "max_steps_off_policy=1", f"log_path={log_path}", "behavior_if_log_dir_exists=delete",
+            ],
+            cwd=models,
+            env={**os.environ, "TINKER_API_KEY": "tml-cookbook", "HF_HUB_OFFLINE": "1"},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )  # fmt: skip
+    assert recipe.returncode == 0, recipe.stdout[-3000:] + recipe.stderr[-3000:]
+    assert json.loads((log_path / "config.json").read_text())["renderer_name"] == "role_colon"  # found by name
+    assert any(m.get("model_name") == "Qwen/Qwen3-8B-Base" and "4096" in json.dumps(m) for m in served), served
+    rows = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
+    rewards = {row["env/all/reward/total"] for row in rows if "env/all/reward/total" in row}
+    grad_norms = {row["grad_norm:mean"] for row in rows if "grad_norm:mean" in row}
+    assert len(rows) >= 3 and len(rewards) == 1 and grad_norms == {0.0}  # one reward for all: nothing trains
+
+
 def test_weights_download_fetches_a_training_checkpoint_as_a_peft_folder(tmp_path, monkeypatch):
     """The cookbook's weights.download: load the checkpoint into a new run, export it encrypted to a key it
     makes (save_weights_external), fetch and decrypt each file, delete the export. It failed on the 404
