@@ -197,7 +197,6 @@ def test_a_learning_rate_that_is_not_finite_is_refused_and_the_weights_stay_fini
 
 
 def test_lora_reference_is_the_trainer_with_adapters_off_and_sync_takes_a_weight_format(tmp_path):
-    pytest.importorskip("peft")
     config = _config(tmp_path, lora={"rank": 4, "alpha": 8}, num_log_prob_workers=0)
     with Client(config) as client:
         tok = client.tokenizer

@@ -7,8 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-pytest.importorskip("torch")
+import torch  # noqa: F401 (the dev extra installs it: fail, never skip)
 
 from icefloe.client import Client, build_batch
 from icefloe.engines.models import resolve_model

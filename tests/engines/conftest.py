@@ -5,11 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
+import transformers  # noqa: F401 (the dev extra installs it: fail, never skip)
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
-from icefloe.engines.models import resolve_model  # noqa: E402
+from icefloe.engines.models import resolve_model
 
 MODEL_SEED = 5
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import peft
 import pytest
 import torch
 from torch.testing import assert_close
@@ -17,8 +18,6 @@ from icefloe.engines.weight_sync import sync_weights_local
 from icefloe.protocol import InvalidRequestError, SamplingParams, UnsupportedOpError
 
 from .engine_batches import make_batch, make_config, random_rows
-
-peft = pytest.importorskip("peft")
 
 LORA = {"rank": 4, "alpha": 8}
 TRAINING = {"optimizer": {"lr": 2e-2}}

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
+import transformers  # noqa: F401 (the dev extra installs it: fail, never skip)
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
-from icefloe.engines.models import TINY_PRESETS, load_causal_lm, load_tokenizer, resolve_model  # noqa: E402
-from icefloe.protocol import ConfigError  # noqa: E402
+from icefloe.engines.models import TINY_PRESETS, load_causal_lm, load_tokenizer, resolve_model
+from icefloe.protocol import ConfigError
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import peft  # noqa: F401 (the dev extra installs it: fail, never skip)
 import pytest
 import torch
 from torch.testing import assert_close
@@ -14,8 +15,6 @@ from icefloe.engines.weight_sync import sync_weights_local
 from icefloe.protocol import SamplingParams
 
 from .engine_batches import make_batch, make_config, random_rows
-
-pytest.importorskip("peft")
 
 # Four runs that differ in everything a run may choose: seed, rank, scale and layers.
 RUNS = [

@@ -18,8 +18,6 @@ import pytest
 from .serve_process import PREFIX
 from .tinker_serve import PROTO, TOKENS, Tinker, dense, forward_backward, sparse, tinker_serve
 
-tinker = pytest.importorskip("tinker")
-
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real services: `make test-slow`
 
 TOKENS_OF_TEXT = [40, 41, 42, 43, 44, 45, 46, 47]  # any ids below tiny:chat's vocabulary of 98

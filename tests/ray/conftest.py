@@ -12,7 +12,8 @@ import pytest
 
 @pytest.fixture(scope="package")
 def ray_session():
-    ray = pytest.importorskip("ray")
+    import ray
+
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="icefloe-tests")
     yield ray
     ray.shutdown()
@@ -20,7 +21,6 @@ def ray_session():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    pytest.importorskip("transformers")
     from icefloe.engines.models import resolve_model
 
     return resolve_model("tiny:arith", seed=11, cache_dir=tmp_path_factory.mktemp("models"))

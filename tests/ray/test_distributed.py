@@ -12,14 +12,13 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
+import transformers  # noqa: F401 (the dev extra installs it: fail, never skip)
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
-from icefloe.client.batch import build_batch  # noqa: E402
-from icefloe.config import ClientConfig  # noqa: E402
-from icefloe.engines.batch import validate_batch  # noqa: E402
-from icefloe.engines.distributed import (  # noqa: E402
+from icefloe.client.batch import build_batch
+from icefloe.config import ClientConfig
+from icefloe.engines.batch import validate_batch
+from icefloe.engines.distributed import (
     WeightBroadcast,
     combine_fwd_bwd,
     concat_forward,
@@ -27,8 +26,8 @@ from icefloe.engines.distributed import (  # noqa: E402
     shard_rows,
     weight_layout,
 )
-from icefloe.engines.models import resolve_model  # noqa: E402
-from icefloe.engines.training import TrainingEngine  # noqa: E402
+from icefloe.engines.models import resolve_model
+from icefloe.engines.training import TrainingEngine
 
 
 def make_frame(num_rows: int, seed: int = 0) -> dict:

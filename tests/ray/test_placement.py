@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
-pytest.importorskip("ray")
-pytest.importorskip("torch")
+import ray  # noqa: F401 (the dev extra installs it: fail, never skip)
+import torch  # noqa: F401 (the dev extra installs it: fail, never skip)
 
 import icefloe.engines.ray as engines_ray
 from icefloe.config import RayConfig

@@ -7,22 +7,21 @@ import asyncio
 from pathlib import Path
 
 import httpx
+import peft  # noqa: F401 (the dev extra installs it: fail, never skip)
 import pytest
+import ray  # noqa: F401 (the dev extra installs it: fail, never skip)
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("ray")
-pytest.importorskip("peft")
+from icefloe.client import Client
+from icefloe.client.batch import build_batch
+from icefloe.config import LoraConfig
+from icefloe.engines.training import TrainingEngine
+from icefloe.protocol import InvalidRequestError
+from icefloe.service.app import ServerThread, create_app
+from icefloe.service.placement import SlotPool
+from icefloe.service.settings import ServeSettings
 
-from icefloe.client import Client  # noqa: E402
-from icefloe.client.batch import build_batch  # noqa: E402
-from icefloe.config import LoraConfig  # noqa: E402
-from icefloe.engines.training import TrainingEngine  # noqa: E402
-from icefloe.protocol import InvalidRequestError  # noqa: E402
-from icefloe.service.app import ServerThread, create_app  # noqa: E402
-from icefloe.service.placement import SlotPool  # noqa: E402
-from icefloe.service.settings import ServeSettings  # noqa: E402
-
-from ..service.service_client import Api  # noqa: E402
+from ..service.service_client import Api
 
 pytestmark = pytest.mark.integration
 

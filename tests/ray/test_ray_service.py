@@ -5,20 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import ray as _ray  # noqa: F401 (the dev extra installs it: fail, never skip)
+import transformers  # noqa: F401 (the dev extra installs it: fail, never skip)
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("ray")
-pytest.importorskip("transformers")
-
-from icefloe.client import Client  # noqa: E402
-from icefloe.client.batch import build_batch  # noqa: E402
-from icefloe.client.remote.admin import ServiceAdmin  # noqa: E402
-from icefloe.config import RemoteConfig  # noqa: E402
-from icefloe.protocol import IcefloeError  # noqa: E402
-from icefloe.service.app import ServerThread, create_app  # noqa: E402
-from icefloe.service.placement import SlotPool  # noqa: E402
-from icefloe.service.runtime import make_engine_host  # noqa: E402
-from icefloe.service.settings import ServeSettings  # noqa: E402
+from icefloe.client import Client
+from icefloe.client.batch import build_batch
+from icefloe.client.remote.admin import ServiceAdmin
+from icefloe.config import RemoteConfig
+from icefloe.protocol import IcefloeError
+from icefloe.service.app import ServerThread, create_app
+from icefloe.service.placement import SlotPool
+from icefloe.service.runtime import make_engine_host
+from icefloe.service.settings import ServeSettings
 
 pytestmark = pytest.mark.integration
 

@@ -6,17 +6,15 @@ import math
 from pathlib import Path
 
 import pytest
+import ray  # noqa: F401 (the dev extra installs it: fail, never skip)
+import tinker
+import transformers  # noqa: F401 (the dev extra installs it: fail, never skip)
+from tinker import types
+from typer.testing import CliRunner
 
-tinker = pytest.importorskip("tinker")
-pytest.importorskip("ray")
-pytest.importorskip("transformers")
-
-from tinker import types  # noqa: E402
-from typer.testing import CliRunner  # noqa: E402
-
-from icefloe.cli import app  # noqa: E402
-from icefloe.service.app import ServerThread  # noqa: E402
-from tests.service.service_harness import make_app  # noqa: E402
+from icefloe.cli import app
+from icefloe.service.app import ServerThread
+from tests.service.service_harness import make_app
 
 pytestmark = pytest.mark.integration
 

@@ -17,18 +17,16 @@ import time
 from pathlib import Path
 
 import pytest
+import ray
+import torch
+import transformers  # noqa: F401 (the dev extra installs it: fail, never skip)
+from safetensors.torch import load_file
 
-torch = pytest.importorskip("torch")
-ray = pytest.importorskip("ray")
-pytest.importorskip("transformers")
-
-from safetensors.torch import load_file  # noqa: E402
-
-from icefloe.client import AsyncClient, Client  # noqa: E402
-from icefloe.client.batch import build_batch  # noqa: E402
-from icefloe.config import ClientConfig  # noqa: E402
-from icefloe.engines.training import TrainingEngine  # noqa: E402
-from icefloe.protocol import JobFailedError  # noqa: E402
+from icefloe.client import AsyncClient, Client
+from icefloe.client.batch import build_batch
+from icefloe.config import ClientConfig
+from icefloe.engines.training import TrainingEngine
+from icefloe.protocol import JobFailedError
 
 pytestmark = pytest.mark.integration
 

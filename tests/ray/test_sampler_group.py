@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import transformers  # noqa: F401 (the dev extra installs it: fail, never skip)
 
-torch = pytest.importorskip("torch")
-ray = pytest.importorskip("ray")
-pytest.importorskip("transformers")
+from icefloe.engines.ray import SamplerGroup
+from icefloe.engines.sampling import SamplingEngine
+from icefloe.protocol import SamplingParams
 
-from icefloe.engines.ray import SamplerGroup  # noqa: E402
-from icefloe.engines.sampling import SamplingEngine  # noqa: E402
-from icefloe.protocol import SamplingParams  # noqa: E402
-
-from .conftest import two_replica_group  # noqa: E402
+from .conftest import two_replica_group
 
 pytestmark = pytest.mark.integration
 

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import pytest
+import torch
+import transformers  # noqa: F401 (the dev extra installs it: fail, never skip)
+from torch.testing import assert_close
 
-torch = pytest.importorskip("torch")
-ray = pytest.importorskip("ray")
-pytest.importorskip("transformers")
+from icefloe.engines.ray import TrainerGroup
+from icefloe.engines.training import TrainingEngine
 
-from torch.testing import assert_close  # noqa: E402
-
-from icefloe.engines.ray import TrainerGroup  # noqa: E402
-from icefloe.engines.training import TrainingEngine  # noqa: E402
-
-from .conftest import two_replica_group  # noqa: E402
+from .conftest import two_replica_group
 
 pytestmark = pytest.mark.integration
 

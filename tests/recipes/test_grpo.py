@@ -77,7 +77,6 @@ def test_every_seed_tracks_its_known_curve(tmp_path, seed):
     """Every seed of the demo learns at least as fast as its recorded curve (golden/make_demo_curves.py records
     it beside the end of the seed's full run). Ten full runs are beyond CI's time; a short run per seed catches
     a recipe change that slows one (seeds 5 and 7 stalled near 0.5 while the warm-up's rate was 1e-2)."""
-    pytest.importorskip("torch")
     from icefloe.cli import run_demo
 
     golden = json.loads(CURVES.read_text(encoding="utf-8"))
@@ -110,8 +109,6 @@ def test_demo_run_learns_addition(tmp_path, capsys):
 
     The first step, straight after the warm-up, scores about 0.5; RL already lifts the rest of the first ten.
     """
-    pytest.importorskip("torch")
-    pytest.importorskip("matplotlib")
     from icefloe.cli import run_demo
 
     history = run_demo(seed=0, name="ci", out_dir=tmp_path)
@@ -138,8 +135,6 @@ def test_demo_run_learns_addition(tmp_path, capsys):
 def test_demo_run_with_lora_learns_addition(tmp_path, capsys):
     """``icefloe demo --lora-rank 8``: RL trains adapters only; the first RL step scores <= 0.7, the last ten >= 0.95
     (docs/lora.md: 0.56 and 0.99)."""
-    pytest.importorskip("peft")
-    pytest.importorskip("matplotlib")
     from icefloe.cli import run_demo
 
     history = run_demo(seed=0, name="lora", out_dir=tmp_path, lora_rank=8)
@@ -183,8 +178,6 @@ def test_demo_on_ray_logs_every_step_to_tensorboard(tmp_path, capsys, monkeypatc
     """``icefloe demo --backend ray --tracker jsonl,tensorboard``: engines in Ray actors, metrics in both places,
     on a Ray of its own beside another program's (it joined any Ray on the machine, and lost its actors when
     that one stopped)."""
-    pytest.importorskip("ray")
-    pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from icefloe.cli import run_demo

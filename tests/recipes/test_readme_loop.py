@@ -35,7 +35,6 @@ def test_the_readme_loop_learns(tmp_path):
     With 16 samples a step and 20 steps it ended at 0.41: a right answer was too rare at first to
     learn from. With 32 and 30 steps, warm-ups on seeds 0-3 all end at 0.97-1.00.
     """
-    pytest.importorskip("torch")
     script = tmp_path / "loop.py"
     script.write_text(readme_loop(), encoding="utf-8")
     repo = str(README.parent)

@@ -41,7 +41,6 @@ def test_a_missing_library_names_the_extra_before_anything_is_written(tmp_path, 
 
 
 def test_tensorboard_event_file_reads_back(tmp_path):
-    pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     log_rows(["tensorboard"], tmp_path)
@@ -52,7 +51,6 @@ def test_tensorboard_event_file_reads_back(tmp_path):
 
 
 def test_wandb_offline_run_holds_the_history(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
     monkeypatch.delenv("WANDB_MODE", raising=False)  # offline is the default: no network, no login
     monkeypatch.setenv("WANDB_SILENT", "true")
     log_rows(["wandb"], tmp_path)
@@ -68,8 +66,6 @@ def test_wandb_offline_run_holds_the_history(tmp_path, monkeypatch):
 
 @pytest.mark.slow  # a new MLflow store runs its schema migrations first (~20 s on 2 cores)
 def test_mlflow_run_reads_back_through_its_client(tmp_path, monkeypatch):
-    pytest.importorskip("mlflow")
-    pytest.importorskip("sqlalchemy")
     from mlflow import MlflowClient
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
@@ -82,7 +78,6 @@ def test_mlflow_run_reads_back_through_its_client(tmp_path, monkeypatch):
 
 
 def test_mlflow_records_a_run_that_raised_as_failed_and_an_interrupted_one_as_killed(tmp_path, monkeypatch):
-    pytest.importorskip("mlflow")
     from mlflow import MlflowClient
 
     uri = (tmp_path / "mlruns").as_uri()

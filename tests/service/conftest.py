@@ -5,8 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-torch = pytest.importorskip("torch")
+import torch
 
 
 @pytest.fixture(scope="session", autouse=True)

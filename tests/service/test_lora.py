@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import peft  # noqa: F401 (the dev extra installs it: fail, never skip)
 import pytest
 import torch
 
@@ -12,7 +13,6 @@ from .service_batches import small_batch
 from .service_client import SAMPLING, TRAINING, Api
 from .service_harness import asgi_client, make_app
 
-pytest.importorskip("peft")
 pytestmark = pytest.mark.anyio
 
 PEFT = {"peft_type": "Lora", "r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}

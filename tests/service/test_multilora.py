@@ -8,6 +8,7 @@ import signal
 import threading
 from pathlib import Path
 
+import peft as _peft  # noqa: F401 (the dev extra installs it: fail, never skip)
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -19,7 +20,6 @@ from .service_batches import canonical_batch, small_batch
 from .service_client import TRAINING, Api
 from .service_harness import asgi_client, make_app
 
-pytest.importorskip("peft")
 pytestmark = pytest.mark.anyio
 
 MODEL = "arith"  # a folder under the model root: runs with different seeds share its weights

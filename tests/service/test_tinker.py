@@ -11,15 +11,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tinker
+from tinker import types
+from typer.testing import CliRunner
 
-tinker = pytest.importorskip("tinker")
-
-from tinker import types  # noqa: E402
-from typer.testing import CliRunner  # noqa: E402
-
-from icefloe.cli import app  # noqa: E402
-from icefloe.service.app import ServerThread  # noqa: E402
-from tests.service.service_harness import make_app  # noqa: E402
+from icefloe.cli import app
+from icefloe.service.app import ServerThread
+from tests.service.service_harness import make_app
 
 API_KEY = "tml-icefloe-test"
 

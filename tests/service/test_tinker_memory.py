@@ -13,14 +13,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+import tinker
+from tinker import types
 
-tinker = pytest.importorskip("tinker")
-
-from tinker import types  # noqa: E402
-
-from bench import descendant_pids, proc_status_kib  # noqa: E402
-from icefloe.service.app import ServerThread  # noqa: E402
-from tests.service.service_harness import make_app  # noqa: E402
+from bench import descendant_pids, proc_status_kib
+from icefloe.service.app import ServerThread
+from tests.service.service_harness import make_app
 
 API_KEY = "tml-icefloe-test"
 ROWS, LOW, HIGH = 80, 100, 1700

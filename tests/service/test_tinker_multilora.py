@@ -9,18 +9,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+import tinker
 from safetensors import safe_open
+from tinker import types
+from typer.testing import CliRunner
 
-tinker = pytest.importorskip("tinker")
-
-from tinker import types  # noqa: E402
-from typer.testing import CliRunner  # noqa: E402
-
-from icefloe.cli import app  # noqa: E402
-from icefloe.service.app import ServerThread  # noqa: E402
-from icefloe.service.settings import SHARED_TENANT  # noqa: E402
-from icefloe.service.tinker.state import CheckpointPath  # noqa: E402
-from tests.service.service_harness import make_app  # noqa: E402
+from icefloe.cli import app
+from icefloe.service.app import ServerThread
+from icefloe.service.settings import SHARED_TENANT
+from icefloe.service.tinker.state import CheckpointPath
+from tests.service.service_harness import make_app
 
 API_KEY = "tml-icefloe-multilora"
 NUM_RUNS = 16

@@ -7,15 +7,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import fastapi  # noqa: F401 (the dev extra installs it: fail, never skip)
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("fastapi")
-
-from icefloe.config import ClientConfig  # noqa: E402
-from icefloe.service.app import ServerThread, create_app  # noqa: E402
-from icefloe.service.placement import SlotPool  # noqa: E402
-from icefloe.service.settings import ServeSettings  # noqa: E402
+from icefloe.config import ClientConfig
+from icefloe.service.app import ServerThread, create_app
+from icefloe.service.placement import SlotPool
+from icefloe.service.settings import ServeSettings
 
 
 @dataclass

@@ -7,7 +7,6 @@ import pytest
 
 @pytest.mark.slow
 def test_remote_demo_runs_over_a_local_service(tmp_path, monkeypatch, capsys):
-    pytest.importorskip("matplotlib")
     for name in (
         "ICEFLOE_REMOTE_BASE_URL",
         "ICEFLOE_REMOTE_HOST",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import httpx
+import peft  # noqa: F401 (the dev extra installs it: fail, never skip)
 import pytest
 import torch
 from torch.testing import assert_close
@@ -11,8 +12,6 @@ from icefloe.client import Client, build_batch
 from icefloe.config import ClientConfig
 from icefloe.engines.training import TrainingEngine
 from icefloe.protocol import InvalidRequestError
-
-pytest.importorskip("peft")
 
 LORA = {"rank": 4, "alpha": 8}
 

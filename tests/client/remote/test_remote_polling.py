@@ -76,7 +76,8 @@ def test_decode_result_checks_chunk_digest():
 
 
 def test_decode_result_reads_inline_envelope_and_empty_success():
-    torch = pytest.importorskip("torch")
+    import torch
+
     envelope = wire.inline_result({"logprobs": torch.ones(2, 3)})
     assert decode_result(envelope, [])["logprobs"].shape == (2, 3)
     assert decode_result({}, []) == {}
