@@ -18,9 +18,10 @@ RESULTS = Path(__file__).parent / "results"  # the summary line of each bench's 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str], smoke: dict[str, Any]) -> argparse.Namespace:
     """``parser``'s arguments, plus ``--smoke``: the whole benchmark on the tiny sizes ``smoke`` names
-    (flags given explicitly still win), so CI runs every path of it in seconds. Its figures are not
-    the benchmark's: only the figures that do not depend on size (byte counts) carry over."""
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes: run end to end in seconds (CI)")
+    (flags given explicitly still win), so CI runs every path of it in a minute or so. Its figures
+    are not the benchmark's: only those that do not depend on the sizes (byte counts) carry over;
+    and ``--record``, which :func:`finish` reads."""
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: every path once, quickly (CI)")
     parser.add_argument("--record", action="store_true", help="also write the summary line to bench/results/")
     if "--smoke" in argv:
         parser.set_defaults(**smoke)
