@@ -173,8 +173,8 @@ def test_doc_check_catches_what_does_not_exist(root, package_source):
 # --- numbers -----------------------------------------------------------------------------------
 # A number a doc reports as a result (a reward, a time, a speed-up, a share of bytes) is a promise, so
 # each one is tied here to the test or bench that reproduces it: (doc, the words that state it, the
-# reproducer, "path::test" or a bench script). Settings and limits (a default of 600 s, a 60 MiB cap)
-# are not results: the code that enforces them is their source.
+# reproducer, "path::test" or a bench script, whose figure BENCH_NUMBERS then checks). Settings and
+# limits (a default of 600 s, a 60 MiB cap) are not results: the code that enforces them is their source.
 CLAIMS = [
     ("README.md", "from about 0.0 to 1.0", "tests/recipes/test_readme_loop.py::test_the_readme_loop_learns"),
     ("README.md", "the reward starts near 0.5", "tests/recipes/test_grpo.py::test_demo_run_learns_addition"),
