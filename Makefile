@@ -59,8 +59,13 @@ $(VERL_STAMP): $(STAMP)
 test-slow: $(STAMP) $(COOKBOOK) $(VERL_STAMP)
 	ICEFLOE_REQUIRE_VERL=1 $(PY) -m pytest -q -m slow -n 2 --dist loadfile
 
+# Every bench_*.py in bench/ (a new one too), then load's Tinker mode; tens of minutes on 2 cores.
+# CI runs each in its --smoke mode (tests/bench/test_benches.py).
 bench: $(STAMP)
-	for name in engine weight_sync wire service remote ray; do $(PY) -m bench $$name || exit 1; done
+	for name in $$($(PY) -c 'from bench.__main__ import available; print(*available())'); do \
+		$(PY) -m bench $$name || exit 1; \
+	done
+	$(PY) -m bench load --api tinker
 
 # Every GPU path run once on a CUDA machine (docs/gpu.md). There the Python that holds CUDA torch and
 # vLLM runs it (GPU_PY=...), not this venv, whose torch is the CPU build. DRY_RUN=1: the same checks on

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import socket
@@ -11,6 +12,42 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+RESULTS = Path(__file__).parent / "results"  # the summary line of each bench's last full run with --record
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str], smoke: dict[str, Any]) -> argparse.Namespace:
+    """``parser``'s arguments, plus ``--smoke``: the whole benchmark on the tiny sizes ``smoke`` names
+    (flags given explicitly still win), so CI runs every path of it in a minute or so. Its figures
+    are not the benchmark's: only those that do not depend on the sizes (byte counts) carry over;
+    and ``--record``, which :func:`finish` reads."""
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: every path once, quickly (CI)")
+    parser.add_argument("--record", action="store_true", help="also write the summary line to bench/results/")
+    if "--smoke" in argv:
+        parser.set_defaults(**smoke)
+    args = parser.parse_args(argv)
+    if args.smoke and args.record:
+        parser.error("--record keeps full runs only; drop --smoke")
+    return args
+
+
+def finish(args: argparse.Namespace, summary: str, record_as: str | None = None) -> None:
+    """Print the summary line ``bench=<name> ratio=... key=value ...``; with ``--record`` also write it
+    to ``bench/results/<record_as or name>.txt``, the artefact ``tests/test_docs.py`` checks the docs'
+    numbers against."""
+    print(summary)
+    if args.record:
+        name = record_as or summary.split()[0].removeprefix("bench=")
+        RESULTS.mkdir(exist_ok=True)
+        command = " ".join(["python -m bench", *sys.argv[1:]])
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+        header = f"# {command}, {when}, {os.cpu_count()} CPUs\n"
+        (RESULTS / f"{name}.txt").write_text(header + summary + "\n", encoding="utf-8")
+
+
+def summary_fields(line: str) -> dict[str, str]:
+    """The ``key=value`` pairs of a summary line."""
+    return dict(field.split("=", 1) for field in line.split() if "=" in field)
 
 
 def timed(fn: Callable[[], object], device: Any = None, iterations: int = 1) -> float:

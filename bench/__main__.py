@@ -3,7 +3,9 @@
 Convention for every ``bench_<name>.py``: expose ``main(argv: list[str]) -> None``; run the baseline
 and the candidate interleaved in one process (several repeats, report the median) so machine noise
 hits both alike; print a table; end with exactly one line
-``bench=<name> ratio=<candidate ÷ baseline> key=value ...`` that scripts can grep.
+``bench=<name> ratio=<candidate ÷ baseline> key=value ...`` that scripts can grep; parse its flags
+with :func:`bench.parse_args`, which adds ``--smoke`` (tiny sizes: ``tests/bench/test_benches.py`` runs
+every bench so in CI) and ``--record``, and print that line with :func:`bench.finish`.
 ``python -m bench`` with no name lists the benchmarks found next to this file.
 """
 

@@ -19,7 +19,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from bench import timed
+from bench import finish, parse_args, timed
 from icefloe.config import ClientConfig
 from icefloe.engines.models import load_causal_lm, resolve_model
 from icefloe.engines.training import TrainingEngine
@@ -94,7 +94,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv, smoke={"rows": 2, "width": 32, "repeats": 2})
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -130,7 +130,8 @@ def main(argv: list[str]) -> None:
     Console().print(table)
     ratio = tok_s["engine"] / tok_s["bare"]
     paired = statistics.median(b / e for e, b in zip(seconds["engine"], seconds["bare"], strict=True))
-    print(
+    finish(
+        args,
         f"bench=engine ratio={ratio:.3f} engine_tok_s={tok_s['engine']:.0f} bare_tok_s={tok_s['bare']:.0f} "
-        f"paired_ratio={paired:.3f}"
+        f"paired_ratio={paired:.3f}",
     )

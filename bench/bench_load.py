@@ -4,13 +4,14 @@ N clients (``--clients``, default 16 then 64) share one training job on an ``ice
 subprocess, spread over four client processes, and each runs cheap ops back to back for
 ``--seconds``: a ``forward`` of a one-row batch, posted with ``?wait=`` and polled until it ends.
 Every accepted request is read back at the end; ``lost`` counts those not in a final state (it
-must be 0). ``ratio`` = ops/s at the
-largest N ÷ ops/s at the smallest: how throughput holds up as clients multiply.
+must be 0). Each N runs ``--repeats`` times, the Ns interleaved (rotating order) so machine noise
+hits them alike; ops/s is the median over the repeats, p50/p99 over every op of that N. ``ratio`` =
+ops/s at the largest N ÷ ops/s at the smallest: how throughput holds up as clients multiply.
 
 ``--api tinker``: the Tinker SDK's clients instead, then a kill -9 of the service and a restart
-(:mod:`bench.tinker_load`; defaults 16 clients for 60 s).
+(:mod:`bench.tinker_load`; defaults 16 clients for 60 s; ``ratio`` = saves that load ÷ saves).
 
-    python -m bench load [--clients 16 64] [--seconds 8]
+    python -m bench load [--clients 16 64] [--seconds 8] [--repeats 3]
     python -m bench load --api tinker [--clients 16] [--seconds 60]
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from bench import serve
+from bench import finish, parse_args, serve
 from icefloe import wire
 from icefloe.client import build_batch
 
@@ -113,14 +115,17 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--api", choices=("training", "tinker"), default="training", help="which API the clients use")
     parser.add_argument("--clients", type=int, nargs="+", default=None, help="concurrent clients, one run each")
     parser.add_argument("--seconds", type=float, default=None, help="how long each run keeps its clients busy")
-    args = parser.parse_args(argv)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each client count, interleaved")
+    args = parse_args(parser, argv, smoke={"clients": [2, 4], "seconds": 1.0, "repeats": 1})
     if args.api == "tinker":
         from bench.tinker_load import run
 
         args.clients, args.seconds = args.clients or [16], args.seconds or 60.0
         run(args)
         return
-    args.clients, args.seconds = args.clients or [16, 64], args.seconds or 8.0
+    args.clients, args.seconds = sorted(set(args.clients or [16, 64])), args.seconds or 8.0
+    if args.repeats < 1:
+        parser.error(f"--repeats must be >= 1; got {args.repeats}")
 
     with (
         tempfile.TemporaryDirectory(prefix="icefloe-bench-") as tmp,
@@ -136,20 +141,29 @@ def main(argv: list[str]) -> None:
             time.sleep(0.1)
         with ProcessPoolExecutor(_PROCESSES) as pool:
             _measure(pool, base_url, job_id, _PROCESSES, 1.0)  # warm up: the processes, the engine's first calls
-            runs = [_measure(pool, base_url, job_id, n, args.seconds) for n in args.clients]
+            runs: dict[int, list[_Run]] = {n: [] for n in args.clients}
+            for repeat in range(args.repeats):
+                order = args.clients[repeat % len(args.clients) :] + args.clients[: repeat % len(args.clients)]
+                for n in order:
+                    runs[n].append(_measure(pool, base_url, job_id, n, args.seconds))
         http.post(f"/{job_id}:cancel")
 
-    print(f"{'clients':>8}{'ops':>8}{'ops/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'errors':>8}{'lost':>6}")
-    for run in runs:
-        p50, p99 = _percentile(run.latencies_ms, 50), _percentile(run.latencies_ms, 99)
+    ops_s = {n: statistics.median(run.ops_per_s for run in done) for n, done in runs.items()}
+    latencies = {n: [ms for run in done for ms in run.latencies_ms] for n, done in runs.items()}
+    header = f"{'clients':>8}{'ops':>8}{'ops/s':>10}{'p50 ms':>10}{'p99 ms':>10}{'errors':>8}{'lost':>6}"
+    print(f"{header}   ops/s: median of {args.repeats}")
+    for n, done in runs.items():
+        p50, p99 = _percentile(latencies[n], 50), _percentile(latencies[n], 99)
         print(
-            f"{run.clients:>8}{len(run.latencies_ms):>8}{run.ops_per_s:>10.1f}{p50:>10.1f}{p99:>10.1f}"
-            f"{run.errors:>8}{run.lost:>6}"
+            f"{n:>8}{len(latencies[n]):>8}{ops_s[n]:>10.1f}{p50:>10.1f}{p99:>10.1f}"
+            f"{sum(r.errors for r in done):>8}{sum(r.lost for r in done):>6}"
         )
-    first, last = runs[0], runs[-1]
-    p50, p99 = _percentile(last.latencies_ms, 50), _percentile(last.latencies_ms, 99)
-    print(
-        f"bench=load ratio={last.ops_per_s / first.ops_per_s:.2f} lost={sum(r.lost for r in runs)} "
-        f"errors={sum(r.errors for r in runs)} ops_s_{first.clients}={first.ops_per_s:.1f} "
-        f"ops_s_{last.clients}={last.ops_per_s:.1f} p50_ms_{last.clients}={p50:.1f} p99_ms_{last.clients}={p99:.1f}"
+    least, most = args.clients[0], args.clients[-1]
+    every = [run for done in runs.values() for run in done]
+    finish(
+        args,
+        f"bench=load ratio={ops_s[most] / ops_s[least]:.2f} lost={sum(r.lost for r in every)} "
+        f"errors={sum(r.errors for r in every)} ops_s_{least}={ops_s[least]:.1f} ops_s_{most}={ops_s[most]:.1f} "
+        f"p50_ms_{most}={_percentile(latencies[most], 50):.1f} p99_ms_{most}={_percentile(latencies[most], 99):.1f} "
+        f"clients={','.join(map(str, args.clients))} seconds={args.seconds:g} repeats={args.repeats}",
     )

@@ -8,9 +8,15 @@ RSS is read per step (Linux: ``VmHWM``, reset before each step through ``/proc/P
     peak_ratio    = peak RSS during the batch step ÷ peak RSS during the one-row step (target ≤ 2)
     padding_ratio = positions computed ÷ real tokens of the batch step (target ≤ 1.1)
     speedup       = one pass over the padded batch (``micro_batch_tokens=0``, the old path) ÷ the
-                    default micro-batches, the same step through the training API, side by side,
-                    in the engine process's CPU seconds (one torch thread: its wall time on an idle
-                    machine; other load on a shared machine does not inflate it); wall_speedup too
+                    default micro-batches, the same step through the training API, interleaved
+                    ``--repeats`` times (the side that goes first alternating), medians of the engine
+                    process's CPU seconds (one torch thread: its wall time on an idle machine; other
+                    load on a shared machine does not inflate it); wall_speedup too. ``ratio`` = speedup.
+
+The two peaks are read once, one row first: an engine process keeps memory it has touched, so a
+one-row step after the batch would read the batch's peak again. The speedup runs on a second
+``icefloe serve`` with ``--max-adapters 1``, so each side's job has an engine process of its own
+(LoRA jobs otherwise share their base model's host) whose CPU seconds are that side's alone.
 
 The one padded pass of all 80 rows needs about 20 GB, more than a 24 GB machine shared with
 other work can give, so the speedup runs on ``--speedup-rows`` rows of the batch (every k-th
@@ -18,7 +24,7 @@ by length, the longest included, so the padded width is the batch's); ``--speedu
 runs the whole batch where memory allows. Each step's cost grows with its rows alike in both
 paths, so the ratio carries over.
 
-    python -m bench memory [--rows 80] [--low 100] [--high 1700] [--seed 0] [--speedup-rows 16]
+    python -m bench memory [--rows 80] [--low 100] [--high 1700] [--seed 0] [--speedup-rows 16] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import argparse
 import os
 import random
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -35,7 +42,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from bench import descendant_pids, proc_cpu_seconds, proc_status_kib, serve
+from bench import descendant_pids, finish, parse_args, proc_cpu_seconds, proc_status_kib, serve
 from icefloe.client import Client, build_batch
 from icefloe.config import ClientConfig
 
@@ -45,8 +52,12 @@ _FIRST_TOKEN = 4  # ids below are the tiny tokenizer's special tokens
 
 
 def _engine_pid(before: set[int]) -> int:
-    """The engine process a job started since ``before`` (the largest new process below this one)."""
-    return max(descendant_pids(os.getpid()) - before, key=lambda pid: proc_status_kib(pid, "VmRSS"))
+    """The engine process a job started since ``before`` (the largest new process below this one): the
+    job must have a host of its own, not one a running job started."""
+    started = descendant_pids(os.getpid()) - before
+    if not started:
+        raise RuntimeError("the job started no engine process: it joined a running host")
+    return max(started, key=lambda pid: proc_status_kib(pid, "VmRSS"))
 
 
 # --- steps and batches ---------------------------------------------------------------------------
@@ -113,10 +124,17 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--high", type=int, default=1700)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--speedup-rows", type=int, default=16)
-    args = parser.parse_args(argv)
-    if not 1 <= args.low <= args.high <= 2000 or args.rows < 1 or not 1 <= args.speedup_rows <= args.rows:
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of the speedup")
+    smoke = {"rows": 4, "low": 16, "high": 64, "speedup_rows": 2, "repeats": 1}
+    args = parse_args(parser, argv, smoke=smoke)
+    if (
+        not 1 <= args.low <= args.high <= 2000
+        or args.rows < 1
+        or not 1 <= args.speedup_rows <= args.rows
+        or args.repeats < 1
+    ):
         parser.error("need 1 <= --low <= --high <= 2000 (tiny:bench has 2048 positions), --rows >= 1, "
-                     "1 <= --speedup-rows <= --rows")  # fmt: skip
+                     "1 <= --speedup-rows <= --rows, --repeats >= 1")  # fmt: skip
     if not Path("/proc/self/clear_refs").exists():
         parser.error("this benchmark reads peak RSS from /proc (Linux)")
 
@@ -152,40 +170,50 @@ def main(argv: list[str]) -> None:
             padding_ratio = outputs[-1].metrics["padding_ratio:mean"]
             service.close("success").result()
 
-            # The old path against the default, side by side on the same rows, through the training API.
-            subset = _subset(sequences, args.speedup_rows)
-            console.print(f"speedup on {len(subset)} rows: one padded pass vs micro-batches")
-            batch = _canonical(subset, args.seed)
-            clients: dict[str, Client] = {}
-            pids: dict[str, int] = {}
-            wall: dict[str, float] = {}
-            cpu: dict[str, float] = {}
+        # The old path against the default, interleaved on the same rows, through the training API.
+        subset = _subset(sequences, args.speedup_rows)
+        console.print(f"speedup on {len(subset)} rows: one padded pass vs micro-batches, {args.repeats} rounds")
+        batch = _canonical(subset, args.seed)
+        clients: dict[str, Client] = {}
+        pids: dict[str, int] = {}
+        wall: dict[str, list[float]] = {"one pass": [], "micro-batches": []}
+        cpu: dict[str, list[float]] = {"one pass": [], "micro-batches": []}
+        with serve(
+            Path(tmp) / "serve-speedup", "--model-root", str(Path(tmp) / "models"), "--max-adapters", "1"
+        ) as url:
             try:
                 for name, budget in (("micro-batches", None), ("one pass", 0)):
                     before = descendant_pids(os.getpid())
-                    clients[name] = _client(base_url, model, budget)
+                    clients[name] = _client(url, model, budget)
                     clients[name].fwd_bwd(_canonical(subset[:1], args.seed))  # the engine is up and warm
                     pids[name] = _engine_pid(before)
-                for name, client in clients.items():
-                    cpu_before, started = proc_cpu_seconds(pids[name]), time.perf_counter()
-                    client.fwd_bwd(batch)
-                    wall[name] = time.perf_counter() - started
-                    cpu[name] = proc_cpu_seconds(pids[name]) - cpu_before
+                for repeat in range(args.repeats):
+                    for name in sorted(clients, reverse=repeat % 2 == 1):  # who goes first alternates
+                        cpu_before, started = proc_cpu_seconds(pids[name]), time.perf_counter()
+                        clients[name].fwd_bwd(batch)
+                        wall[name].append(time.perf_counter() - started)
+                        cpu[name].append(proc_cpu_seconds(pids[name]) - cpu_before)
             finally:
                 for client in clients.values():
                     client.shutdown()
+    wall_s = {name: statistics.median(values) for name, values in wall.items()}
+    cpu_s = {name: statistics.median(values) for name, values in cpu.items()}
 
     table = Table("step", "rows", "seconds", "engine CPU seconds", "engine peak RSS (MB)", title="forward_backward")
     table.add_row("one row (SDK)", "1", f"{one_s:.1f}", "", f"{one_peak / 2**20:.0f}")
     table.add_row("batch (SDK)", str(args.rows), f"{batch_s:.1f}", "", f"{batch_peak / 2**20:.0f}")
     for name in ("one pass", "micro-batches"):
-        table.add_row(f"{name} (training API)", str(len(subset)), f"{wall[name]:.1f}", f"{cpu[name]:.1f}", "")
+        table.add_row(
+            f"{name} (training API, median)", str(len(subset)), f"{wall_s[name]:.1f}", f"{cpu_s[name]:.1f}", ""
+        )
     console.print(table)
-    print(
-        f"bench=memory peak_ratio={batch_peak / one_peak:.2f} padding_ratio={padding_ratio:.3f} "
-        f"speedup={cpu['one pass'] / cpu['micro-batches']:.2f} "
-        f"wall_speedup={wall['one pass'] / wall['micro-batches']:.2f} "
+    speedup = cpu_s["one pass"] / cpu_s["micro-batches"]
+    finish(
+        args,
+        f"bench=memory ratio={speedup:.2f} peak_ratio={batch_peak / one_peak:.2f} padding_ratio={padding_ratio:.3f} "
+        f"speedup={speedup:.2f} wall_speedup={wall_s['one pass'] / wall_s['micro-batches']:.2f} "
         f"rows={args.rows} real_tokens={real_tokens} batch_peak_mb={batch_peak / 2**20:.0f} "
         f"one_row_peak_mb={one_peak / 2**20:.0f} batch_step_s={batch_s:.1f} speedup_rows={len(subset)} "
-        f"one_pass_cpu_s={cpu['one pass']:.1f} micro_batches_cpu_s={cpu['micro-batches']:.1f}"
+        f"one_pass_cpu_s={cpu_s['one pass']:.1f} micro_batches_cpu_s={cpu_s['micro-batches']:.1f} "
+        f"repeats={args.repeats}",
     )

@@ -24,7 +24,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from bench import timed
+from bench import finish, parse_args, timed
 from icefloe.client import Client
 from icefloe.client.batch import build_batch
 from icefloe.config import ClientConfig
@@ -94,7 +94,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--rows", type=int, default=16, help="rows of the global training batch")
     parser.add_argument("--width", type=int, default=128, help="tokens per row")
     parser.add_argument("--sync-mb", type=int, default=512, help="size of the synced float32 state")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv, smoke={"repeats": 1, "rows": 4, "width": 32, "sync_mb": 8})
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     _register_sync_preset(args.sync_mb)
@@ -141,4 +141,8 @@ def main(argv: list[str]) -> None:
     console.print(table)
     ratio = sync_gbs / raw_gbs
     speedup = tok_s["DP=2"] / tok_s["DP=1"]
-    print(f"bench=ray ratio={ratio:.3f} dp_speedup={speedup:.3f} sync_gbs={sync_gbs:.2f} raw_gbs={raw_gbs:.2f}")
+    finish(
+        args,
+        f"bench=ray ratio={ratio:.3f} dp_speedup={speedup:.3f} sync_gbs={sync_gbs:.2f} raw_gbs={raw_gbs:.2f} "
+        f"sync_bytes={num_bytes} repeats={args.repeats}",
+    )

@@ -29,7 +29,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bench import serve
+from bench import finish, parse_args, serve
 from icefloe.client import AsyncClient, build_batch
 from icefloe.config import ClientConfig
 from icefloe.recipes.grpo import GRPOConfig, run
@@ -94,7 +94,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--pairs", type=int, default=20)
-    args = parser.parse_args(argv)
+    smoke = {"steps": 3, "warmup": 1, "repeats": 1, "concurrency": 4, "rounds": 1, "pairs": 2}
+    args = parse_args(parser, argv, smoke=smoke)
 
     import torch
 
@@ -135,7 +136,11 @@ def main(argv: list[str]) -> None:
     for name, base, cand in rows:
         table.add_row(name, f"{base:.4f}", f"{cand:.4f}", f"{cand / base:.3f}")
     Console().print(table)
-    print(
+    recipe = GRPOConfig()  # the demo's step, as the runs above did it
+    finish(
+        args,
         f"bench=remote ratio={remote_s / local_s:.3f} concurrency_ratio={rows[1][2] / rows[1][1]:.3f} "
-        f"pipeline_ratio={rows[2][2] / rows[2][1]:.3f}"
+        f"pipeline_ratio={rows[2][2] / rows[2][1]:.3f} local_step_s={local_s:.4f} remote_step_s={remote_s:.4f} "
+        f"samples_per_step={recipe.problems_per_step * recipe.group_size} "
+        f"fwd_bwd_per_step={recipe.num_minibatches} steps={args.steps} repeats={args.repeats}",
     )

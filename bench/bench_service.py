@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import finish, parse_args
+
 _PREFIX = "/api/v2/databases/BENCH/schemas/PUBLIC/cortex-training"
 
 
@@ -66,7 +68,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--iters", type=int, default=300, help="measured rounds (one call of each per round)")
     parser.add_argument("--warmup", type=int, default=30, help="unmeasured rounds first")
     parser.add_argument("--model", default="tiny:arith")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv, smoke={"iters": 10, "warmup": 2})
 
     import httpx
     import torch
@@ -114,6 +116,7 @@ def main(argv: list[str]) -> None:
     base_p50, http_p50 = _percentile(in_process_ms, 50), _percentile(http_ms, 50)
     overhead = http_p50 - base_p50
     p99_overhead = _percentile(http_ms, 99) - _percentile(in_process_ms, 99)
-    print(
-        f"bench=service ratio={http_p50 / base_p50:.2f} overhead_ms={overhead:.3f} p99_overhead_ms={p99_overhead:.3f}"
+    finish(
+        args,
+        f"bench=service ratio={http_p50 / base_p50:.2f} overhead_ms={overhead:.3f} p99_overhead_ms={p99_overhead:.3f}",
     )

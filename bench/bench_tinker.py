@@ -24,7 +24,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from bench import serve
+from bench import finish, parse_args, serve
 from icefloe.client import Client, build_batch
 from icefloe.config import ClientConfig
 
@@ -112,7 +112,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=16)
-    args = parser.parse_args(argv)
+    smoke = {"steps": 1, "warmup": 0, "prompts": 2, "group": 2, "max_tokens": 4}
+    args = parse_args(parser, argv, smoke=smoke)
     if args.steps < 1 or args.warmup < 0:
         parser.error(f"--steps must be >= 1 and --warmup >= 0; got {args.steps} and {args.warmup}")
 
@@ -144,8 +145,9 @@ def main(argv: list[str]) -> None:
         table.add_row(name, f"{median[name]:.3f}", f"{min(times):.3f}", f"{max(times):.3f}")
     Console().print(table)
     ratio = median["sdk"] / median["icefloe"]
-    print(
+    finish(
+        args,
         f"bench=tinker ratio={ratio:.2f} sdk_step_s={median['sdk']:.3f} icefloe_step_s={median['icefloe']:.3f} "
         f"prompts={args.prompts} group={args.group} max_tokens={args.max_tokens} steps={args.steps} "
-        f"warmup={args.warmup}"
+        f"warmup={args.warmup}",
     )

@@ -17,7 +17,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from bench import timed
+from bench import finish, parse_args, timed
 from icefloe.config import ClientConfig
 from icefloe.engines.models import resolve_model
 from icefloe.engines.sampling import SamplingEngine
@@ -31,7 +31,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads; 0 = torch's default")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv, smoke={"repeats": 3})
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -72,7 +72,8 @@ def main(argv: list[str]) -> None:
         table.add_row(name, f"{statistics.median(values) * 1e3:.2f}", f"{gbps[name]:.2f}")
     Console().print(table)
     ratio = gbps["sync_weights_local"] / gbps["flat copy"]
-    print(
+    finish(
+        args,
         f"bench=weight_sync ratio={ratio:.3f} sync_gbps={gbps['sync_weights_local']:.2f} "
-        f"copy_gbps={gbps['flat copy']:.2f} loop_gbps={gbps['param copy_ loop']:.2f} bytes={num_bytes}"
+        f"copy_gbps={gbps['flat copy']:.2f} loop_gbps={gbps['param copy_ loop']:.2f} bytes={num_bytes}",
     )

@@ -19,6 +19,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from bench import finish, parse_args
 from icefloe import wire
 
 _INT64_FIELDS = 4  # kwargs.input_ids, attention_mask, position_ids, context.input_ids
@@ -95,7 +96,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--mib", type=int, default=64, help="approximate tensor bytes of the frame, in MiB")
     parser.add_argument("--rows", type=int, default=64, help="batch rows B")
     parser.add_argument("--repeats", type=int, default=7, help="interleaved repeats per contender")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv, smoke={"mib": 1, "rows": 4, "repeats": 1})
 
     batch = canonical_batch(args.rows, args.mib * 1024 * 1024)
     payload_bytes = _tensor_bytes(batch)
@@ -137,7 +138,8 @@ def main(argv: list[str]) -> None:
     table.add_row("  of which encode", f"{statistics.median(encode_s) * 1e3:.1f}", "", "")
     table.add_row("  of which decode", f"{statistics.median(decode_s) * 1e3:.1f}", "", "")
     Console().print(table)
-    print(
+    finish(
+        args,
         f"bench=wire ratio={ours / torch_gbps:.3f} raw_ratio={ours / raw:.3f} ours_gbps={ours:.3f} "
-        f"torch_gbps={torch_gbps:.3f} raw_gbps={raw:.3f}"
+        f"torch_gbps={torch_gbps:.3f} raw_gbps={raw:.3f}",
     )

@@ -8,6 +8,7 @@ in-flight calls fail (not hang) and stop. Every future the service handed out is
 once: ``lost`` counts those that answer neither a result nor an error (unknown, or still pending).
 ``errors_5xx`` counts 5xx answers the clients received, at any time. Every save whose
 ``result()`` came back before the kill is loaded into a fresh model: ``loadable`` of ``saves``.
+``ratio`` = ``loadable`` ÷ ``saves`` (1 when every save outlived the kill).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from bench import finish
 
 _KEY = "tml-bench-load"
 _PROCESSES = 4
@@ -243,8 +246,11 @@ def run(args: argparse.Namespace) -> None:
           f"{statuses[200]:>8}{statuses[400]:>6}{statuses[500]:>6}")  # fmt: skip
     for error in errors[:5]:
         print(f"error before the kill: {error}")
-    print(
-        f"bench=load api=tinker clients={clients} seconds={args.seconds:g} rounds={rounds} futures={futures} "
+    finish(
+        args,
+        f"bench=load ratio={loadable / len(saves) if saves else float('nan'):.3f} api=tinker clients={clients} "
+        f"seconds={args.seconds:g} rounds={rounds} futures={futures} "
         f"saves={len(saves)} loadable={loadable} lost={lost} errors_5xx={statuses[500]} "
-        f"errors_before_kill={len(errors)} failed_after_kill={sum(t.errors_after_kill for t in tallies)}"
+        f"errors_before_kill={len(errors)} failed_after_kill={sum(t.errors_after_kill for t in tallies)}",
+        record_as="load-tinker",
     )

@@ -10,6 +10,8 @@ source.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from typing import Any
 import pytest
 import typer
 
+from bench import RESULTS, summary_fields
 from icefloe.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,8 +173,8 @@ def test_doc_check_catches_what_does_not_exist(root, package_source):
 # --- numbers -----------------------------------------------------------------------------------
 # A number a doc reports as a result (a reward, a time, a speed-up, a share of bytes) is a promise, so
 # each one is tied here to the test or bench that reproduces it: (doc, the words that state it, the
-# reproducer, "path::test" or a bench script). Settings and limits (a default of 600 s, a 60 MiB cap)
-# are not results: the code that enforces them is their source.
+# reproducer, "path::test" or a bench script, whose figure BENCH_NUMBERS then checks). Settings and
+# limits (a default of 600 s, a 60 MiB cap) are not results: the code that enforces them is their source.
 CLAIMS = [
     ("README.md", "from about 0.0 to 1.0", "tests/recipes/test_readme_loop.py::test_the_readme_loop_learns"),
     ("README.md", "the reward starts near 0.5", "tests/recipes/test_grpo.py::test_demo_run_learns_addition"),
@@ -180,10 +183,14 @@ CLAIMS = [
     ("docs/lora.md", "the first RL step scores 0.56, the last ten 0.99",
      "tests/recipes/test_grpo.py::test_demo_run_with_lora_learns_addition"),
     ("docs/lora.md", "moves 3.4% of the full weights", "bench/bench_lora.py"),
+    ("docs/lora.md", "the gradients and AdamW state take 3.4%", "bench/bench_lora.py"),
+    ("docs/architecture.md", "peaks at 1.17× the engine RSS", "bench/bench_memory.py"),
+    ("docs/architecture.md", "computes 1.007 positions", "bench/bench_memory.py"),
+    ("docs/architecture.md", "costs 3.55× the engine CPU seconds", "bench/bench_memory.py"),
     ("docs/ray.md", "(a ~0.5 GB state)", "bench/bench_ray.py"),
     ("docs/architecture.md", "under 2 GB of engine RSS",
      "tests/service/test_tinker_memory.py::test_guess_number_sized_forward_backward_keeps_the_engine_under_2_gb"),
-    ("docs/service.md", "8 ×", "bench/bench_remote.py"),
+    ("docs/service.md", "4 ×", "bench/bench_remote.py"),
     ("docs/service.md", "for 8 s", "bench/bench_load.py"),
     ("docs/tinker.md", "runs 16 SDK clients", "bench/bench_load.py"),
     ("docs/service.md", "about 2× one run's", "bench/bench_multilora.py"),
@@ -234,6 +241,100 @@ def test_each_reproducer_exists(doc, words, reproducer):
     path, _, test = reproducer.partition("::")
     assert (ROOT / path).is_file(), reproducer
     assert not test or re.search(rf"^def {test}\(", (ROOT / path).read_text(encoding="utf-8"), re.M), reproducer
+    if path.startswith("bench/"):  # a bench reproduces what it prints: the claim says which figure
+        name = Path(path).stem.removeprefix("bench_")
+        assert any(
+            (d, w) == (doc, words) and source.split()[-1].split("-")[0] == name for d, w, source, *_ in BENCH_NUMBERS
+        ), f"{doc}: {words!r} names {path} but no figure of it in BENCH_NUMBERS"
+
+
+# Each number a doc ties to a bench, reproduced from what the bench prints: ``smoke <name>``, its
+# ``--smoke`` run, where the figure does not depend on the sizes (a ratio of byte counts); else
+# ``recorded <name>``, the summary line its last full run with ``--record`` wrote to
+# ``bench/results/<name>.txt`` (committed; rerun it and commit the file when the bench changes).
+# (doc, the claim's words, the source, the key, the factor from the key's value to the words' unit):
+# the words' first number must equal the value times the factor, to the digits the words show, or
+# within a quarter of it where the words say "about" or "~".
+BENCH_NUMBERS = [
+    ("docs/lora.md", "moves 3.4% of the full weights", "smoke lora", "ratio", 100),
+    ("docs/lora.md", "the gradients and AdamW state take 3.4%", "smoke lora", "state_ratio", 100),
+    ("docs/architecture.md", "peaks at 1.17× the engine RSS", "recorded memory", "peak_ratio", 1),
+    ("docs/architecture.md", "computes 1.007 positions", "recorded memory", "padding_ratio", 1),
+    ("docs/architecture.md", "costs 3.55× the engine CPU seconds", "recorded memory", "speedup", 1),
+    ("docs/ray.md", "(a ~0.5 GB state)", "recorded ray", "sync_bytes", 1e-9),
+    ("docs/service.md", "of 800 samples", "recorded remote", "samples_per_step", 1),
+    ("docs/service.md", "4 ×", "recorded remote", "fwd_bwd_per_step", 1),
+    ("docs/service.md", "for 8 s", "recorded load", "seconds", 1),
+    ("docs/tinker.md", "runs 16 SDK clients", "recorded load-tinker", "clients", 1),
+    ("docs/service.md", "about 2× one run's", "recorded multilora", "throughput_ratio", 1),
+    ("docs/service.md", "take 0.16 of the memory", "recorded multilora", "mem_ratio", 1),
+    ("docs/service.md", "one slot takes 32 runs", "recorded multilora", "max_jobs", 1),
+]  # fmt: skip
+
+
+def bench_number_problems(words: str, fields: dict[str, str], key: str, factor: float) -> list[str]:
+    """Why the first number of ``words`` does not state ``fields[key]`` × ``factor`` (empty when it does)."""
+    if key not in fields:
+        return [f"{words!r}: the bench printed no {key}="]
+    stated_text = re.search(rf"{_NUMBER}", words)
+    assert stated_text is not None, words
+    stated, value = float(stated_text[0]), float(fields[key]) * factor
+    if re.search(r"~|\babout\b", words):
+        agrees = abs(value - stated) <= 0.25 * stated
+    else:
+        decimals = len(stated_text[0].partition(".")[2])
+        agrees = round(value, decimals) == stated
+    return [] if agrees else [f"{words!r} states {stated_text[0]}, the bench gives {key}={fields[key]} (x {factor:g})"]
+
+
+def recorded(name: str) -> dict[str, str]:
+    """The fields of ``bench/results/<name>.txt``'s summary line (its last line)."""
+    path = RESULTS / f"{name}.txt"
+    command = f"python -m bench {name.replace('-', ' --api ')} --record"  # load-tinker: load --api tinker
+    assert path.is_file(), f"no {path.relative_to(ROOT)}: run `{command}` and commit it"
+    return summary_fields(path.read_text(encoding="utf-8").strip().splitlines()[-1])
+
+
+_SMOKE_OUTPUTS: dict[str, dict[str, str]] = {}
+
+
+def smoke(name: str) -> dict[str, str]:
+    """The fields of ``python -m bench <name> --smoke``'s summary line (run once per test process)."""
+    if name not in _SMOKE_OUTPUTS:
+        command = [sys.executable, "-m", "bench", name, "--smoke"]
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-4000:]
+        _SMOKE_OUTPUTS[name] = summary_fields(result.stdout.strip().splitlines()[-1])
+    return _SMOKE_OUTPUTS[name]
+
+
+@pytest.mark.parametrize(("doc", "words", "source", "key", "factor"), BENCH_NUMBERS)
+def test_each_bench_number_a_doc_states_is_what_the_bench_prints(doc, words, source, key, factor):
+    flat = " ".join(re.sub(r"`[^`]*`", "", (ROOT / doc).read_text(encoding="utf-8")).split())
+    assert words in flat, f"{doc} no longer says {words!r}"
+    how, name = source.split()
+    fields = smoke(name.split("-")[0]) if how == "smoke" else recorded(name)
+    assert bench_number_problems(words, fields, key, factor) == []
+
+
+def test_bench_number_check_catches_a_wrong_number():
+    fields = {"ratio": "0.0512", "throughput_ratio": "1.2", "seconds": "8"}
+    assert bench_number_problems("moves 3.4% of the weights", fields, "ratio", 100) == [
+        "'moves 3.4% of the weights' states 3.4, the bench gives ratio=0.0512 (x 100)"
+    ]
+    assert bench_number_problems("about 2× one run's", fields, "throughput_ratio", 1) != []
+    assert bench_number_problems("about 1.5× one run's", fields, "throughput_ratio", 1) == []
+    assert bench_number_problems("for 8 s", fields, "seconds", 1) == []
+    assert bench_number_problems("for 8 s", fields, "clients", 1) == ["'for 8 s': the bench printed no clients="]
+
+
+def test_readme_lists_every_bench():
+    """``make bench`` runs every ``bench_*.py``; the README's row for it names each one."""
+    from bench.__main__ import available
+
+    row = next(line for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines() if "`make bench`" in line)
+    listed = set(re.search(r"\(([^)]*)\)", row)[1].replace(";", ",").replace("then", "").replace("`", "").split(", "))
+    assert set(available()) <= {name.strip() for name in listed}, row
 
 
 def test_number_check_catches_an_untied_number_and_a_stale_claim():
