@@ -58,16 +58,20 @@ _FRAME_PREFIX = struct.Struct("<Q")
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 
 
-def check_containers(raw: bytes, what: str, *, limit: int = MAX_JSON_CONTAINERS) -> None:
+def check_containers(raw: bytes, what: str, *, limit: int = MAX_JSON_CONTAINERS, nested_json: bool = False) -> None:
     """:class:`PayloadTooLargeError` when JSON ``raw`` would build more than ``limit`` objects and arrays.
 
     ``bytes.count`` bounds the count from above without building anything; only a body over the
     bound by that count (brackets inside strings count too) is counted again with its strings blanked.
+    ``nested_json``: ``raw`` holds JSON inside its strings too (a DSSST1 header's tree), so its
+    strings are counted as well.
     """
-    if raw.count(b"[") + raw.count(b"{") <= limit:
+    found = raw.count(b"[") + raw.count(b"{")
+    if found <= limit:
         return
-    outside_strings = _JSON_STRING.sub(b'""', raw)
-    found = outside_strings.count(b"[") + outside_strings.count(b"{")
+    if not nested_json:
+        outside_strings = _JSON_STRING.sub(b'""', raw)
+        found = outside_strings.count(b"[") + outside_strings.count(b"{")
     if found > limit:
         raise PayloadTooLargeError(
             f"{what} holds {found} JSON arrays and objects; at most {limit} are accepted in one request: "
@@ -94,7 +98,8 @@ def check_frame_header(frame: bytes) -> None:
     check_frame_header_length(frame[: _FRAME_PREFIX.size])
     if len(frame) >= _FRAME_PREFIX.size:
         (declared,) = _FRAME_PREFIX.unpack_from(frame)
-        check_containers(bytes(frame[_FRAME_PREFIX.size : _FRAME_PREFIX.size + declared]), "the DSSST1 frame's header")
+        header = bytes(frame[_FRAME_PREFIX.size : _FRAME_PREFIX.size + declared])
+        check_containers(header, "the DSSST1 frame's header", nested_json=True)
 
 
 def truncated(problems: Iterable[str], separator: str = "; ") -> str:
