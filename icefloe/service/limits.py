@@ -15,6 +15,7 @@ import struct
 from collections.abc import Iterable
 
 from icefloe.protocol import PayloadTooLargeError
+from icefloe.wire.frames import MAX_HEADER_BYTES, read_header
 
 __all__ = [
     "CHECK_ON_LOOP_BYTES",
@@ -80,11 +81,13 @@ def check_containers(raw: bytes, what: str, *, limit: int = MAX_JSON_CONTAINERS,
 
 
 def check_frame_header_length(prefix: bytes | memoryview, what: str = "DSSST1 frame") -> None:
-    """:class:`PayloadTooLargeError` when a frame's first 8 bytes declare a header over :data:`MAX_FRAME_HEADER_BYTES`
-    (too short a prefix is left to the frame reader, which names the problem)."""
+    """:class:`PayloadTooLargeError` when a frame's first 8 bytes declare a header over :data:`MAX_FRAME_HEADER_BYTES`;
+    the wire's own error when they declare more than any frame may (too short a prefix is left to the frame reader)."""
     if len(prefix) < _FRAME_PREFIX.size:
         return
     (declared,) = _FRAME_PREFIX.unpack_from(prefix)
+    if declared > MAX_HEADER_BYTES:  # no frame at all (pickle, random bytes): the wire names what it is
+        read_header(bytes(prefix))
     if declared > MAX_FRAME_HEADER_BYTES:
         raise PayloadTooLargeError(
             f"{what} declares a {declared}-byte header; a header is at most {MAX_FRAME_HEADER_BYTES} bytes here: "

@@ -27,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from icefloe.protocol import (
     ConflictError,
     ForbiddenError,
+    IcefloeError,
     InvalidRequestError,
     PayloadTooLargeError,
     TooManyRequestsError,
@@ -124,7 +125,7 @@ async def read_bounded(
     """The whole body, or None when the client went away; its first ``head_bytes`` bytes go to
     ``check_head`` as soon as they arrive.
 
-    A refusal (:class:`PayloadTooLargeError` past ``max_bytes``, or what ``check_head`` raises) is
+    A refusal (:class:`PayloadTooLargeError` past ``max_bytes``, or the error ``check_head`` raises) is
     raised once the rest of the body was read and dropped, never kept: the connection stays usable
     and the client reads the answer instead of a reset. The outer :class:`BodyLimit` and the body
     read timeout bound what is dropped.
@@ -146,7 +147,7 @@ async def read_bounded(
                     check_head = None
                 if max_bytes is not None and seen > max_bytes:
                     raise PayloadTooLargeError(f"request body exceeds {max_bytes} bytes; the cap is {max_bytes} here")
-            except PayloadTooLargeError as refused:
+            except IcefloeError as refused:
                 refusal, kept = refused, None  # drop what was read; read the rest only to discard it
                 continue
             kept.append(chunk)
