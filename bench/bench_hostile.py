@@ -40,7 +40,7 @@ print(json.dumps(statuses))
 """
 
 
-def _bodies(folder: Path, scale: float) -> list[dict]:
+def _bodies(folder: Path, scale: float, job_id: str) -> list[dict]:
     """The hostile cases as files; ``scale`` shrinks the large ones (--smoke)."""
     head = b"[" + b",".join([b'{"size":0,"method":"POST","path":"/x"}'] * int(1_500_000 * scale)) + b"]"
     values = b",".join([b"0"] * int(28_000_000 * scale))
@@ -52,7 +52,7 @@ def _bodies(folder: Path, scale: float) -> list[dict]:
                      {"Content-Type": "application/json"}),
         "batch_head": (f"{_PREFIX}/requests:batch", struct.pack(">I", len(head)) + head, batch),
         "deep_head": (f"{_PREFIX}/requests:batch", struct.pack(">I", len(deep)) + deep, batch),
-        "plain_values": (f"{_PREFIX}/no-such-job/forward-backward", struct.pack("<Q", len(header)) + header, octet),
+        "plain_values": (f"{_PREFIX}/{job_id}/forward-backward", struct.pack("<Q", len(header)) + header, octet),
         "sequence": ("/api/v1/telemetry", b"{}",
                      {"Content-Type": "application/json", "Icefloe-Sequence": "x:30000000"}),
     }  # fmt: skip
@@ -73,6 +73,19 @@ def _latencies_while(process: subprocess.Popen, base_url: str) -> list[float]:
             latencies.append(time.perf_counter() - started)
             time.sleep(0.005)
     return latencies
+
+
+def _running_job(base_url: str) -> str:
+    """A tiny training job, once it runs: the frame case needs a job that would take the frame."""
+    config = {"job_type": "training", "model_name": "tiny:arith", "training_config": {"max_seq_len": 64}}
+    created = httpx.post(f"{base_url}{_PREFIX}/", json={"sub_job_configs": [config]}, timeout=60)
+    created.raise_for_status()
+    job_id, deadline = created.json()["job_id"], time.monotonic() + 300
+    while (status := httpx.get(f"{base_url}{_PREFIX}/{job_id}", timeout=60).json()["status"]) != "running":
+        if status in ("failed", "cancelled", "terminated") or time.monotonic() > deadline:
+            raise RuntimeError(f"benchmark job is {status}")
+        time.sleep(0.1)
+    return job_id
 
 
 def _free_port() -> int:
@@ -114,7 +127,8 @@ def main(argv: list[str]) -> None:
                     raise RuntimeError(f"icefloe serve did not start: {(folder / 'serve.log').read_text()[-2000:]}")
                 time.sleep(0.1)
             plan = folder / "plan.jsonl"
-            plan.write_text("".join(json.dumps(case) + "\n" for case in _bodies(folder, scale)))
+            job_id = _running_job(base_url)
+            plan.write_text("".join(json.dumps(case) + "\n" for case in _bodies(folder, scale, job_id)))
             idle, hostile, statuses = [], [], []
             for _ in range(rounds):
                 idle += _latencies_while(
