@@ -133,7 +133,7 @@ def test_a_generate_stream_of_too_many_bad_prompts_names_a_few_then_counts_the_r
                   tmp_path)  # fmt: skip
     # Plain values are bounded by the JSON cap alone: 100k floats parse to ~20 MB, so memory is not asserted.
     _assert_harmless(probe, idle, len(body), status=400, memory=False)
-    assert "prompts: List should have at most 4096 items" in probe.text
+    assert "prompts: List should have at most 16384 items" in probe.text
 
 
 def test_a_generate_frame_of_bad_prompts_answers_a_small_4xx(served, job_id, idle, tmp_path):
