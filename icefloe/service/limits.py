@@ -46,8 +46,9 @@ MAX_JSON_DEPTH = 64
 # Objects plus arrays one JSON body (or a frame's header) may hold: a Tinker forward_backward of
 # 1024 datums holds about ten per datum. Each costs about 100 bytes once parsed, for 2 to 3 bytes of JSON.
 MAX_JSON_CONTAINERS = 65_536
-# A DSSST1 header lists tensors and the tree's plain values; tensors carry the bulk in the data region.
-MAX_FRAME_HEADER_BYTES = 4 * 1024 * 1024
+# A DSSST1 header lists tensors and the tree's plain values; tensors carry the bulk in the data region,
+# but a generate's token-id prompts are plain values: 1024 prompts of 2048 tokens take about 13 MB.
+MAX_FRAME_HEADER_BYTES = 16 * 1024 * 1024
 MAX_BATCH_HEAD_BYTES = 1024 * 1024  # a requests:batch head: 256 parts' methods, paths and headers
 MAX_BATCH_PARTS = 256
 MAX_PROMPTS = 16_384  # prompts in one generate or generate-stream of the training API (a rollout batch)
