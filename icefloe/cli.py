@@ -309,6 +309,12 @@ def serve(
             min=0.001, help="A numbered call (Icefloe-Sequence, Tinker seq_id) waits this long for a missing one."
         ),
     ] = 30.0,
+    sequence_window: Annotated[
+        int,
+        typer.Option(
+            min=1, help="Refuse a numbered call (Icefloe-Sequence, Tinker seq_id) this far past the next one expected."
+        ),
+    ] = 10_000,
     public_url: Annotated[
         str | None,
         typer.Option(
@@ -355,7 +361,8 @@ def serve(
             data_dir=data_dir, host=host, port=port, tokens=token or [], token_file=token_file, slots=slots,
             max_adapters=max_adapters, engines=engines, ray_address=address, model_root=model_root,
             lease_ttl_s=lease_ttl_s, op_deadline_s=op_deadline_s, metrics_public=metrics_public, public_url=public_url,
-            sequence_gap_timeout_s=sequence_gap_timeout_s, forwarded_allow_ips=forwarded_allow_ips or (),
+            sequence_gap_timeout_s=sequence_gap_timeout_s, sequence_window=sequence_window,
+            forwarded_allow_ips=forwarded_allow_ips or (),
             header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
             max_samples_per_request=max_samples_per_request, max_tokens_per_request=max_tokens_per_request,
         )  # fmt: skip

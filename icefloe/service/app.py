@@ -111,7 +111,12 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     app.add_middleware(JsonBodies)
     # Replays skip SubmitOrder, and a POST waiting for its turn has its body read and its key looked
     # up already (moved outside IdempotencyKeys, a demo step took 3% longer).
-    app.add_middleware(SubmitOrder, gap_timeout_s=settings.sequence_gap_timeout_s, unordered=_not_running(manager))
+    app.add_middleware(
+        SubmitOrder,
+        gap_timeout_s=settings.sequence_gap_timeout_s,
+        window=settings.sequence_window,
+        unordered=_not_running(manager),
+    )
     app.add_middleware(IdempotencyKeys, db=db, settings=settings)
     app.add_middleware(LogRefusals, auth_enabled=settings.auth_enabled)  # each part of a batch, and each request
     app.add_middleware(Batches)  # each part of a batch runs through the layers above, as if it came alone

@@ -7,7 +7,8 @@ service's layers (idempotency keys, submission order, body checks, routes) exact
 come alone, concurrently with the others, and the answer carries every part's status, headers and
 body once the last one is answered. The outer POST already passed the token and size checks; its
 parts inherit the caller. A part that fails answers with its own status; the others are unaffected.
-The envelope is :mod:`icefloe.wire.batch`.
+The envelope is :mod:`icefloe.wire.batch`; its head (the part list) is bounded by its declared
+length before the body is kept, and by its JSON containers before it is parsed, on a worker thread.
 """
 
 from __future__ import annotations
@@ -18,14 +19,13 @@ from typing import Any
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from icefloe.protocol import InvalidRequestError
+from icefloe.protocol import InvalidRequestError, PayloadTooLargeError
 from icefloe.service.errors import send_error
-from icefloe.service.middleware import Recorder, read_body, replaying
-from icefloe.wire.batch import BATCH_MEDIA_TYPE, BATCH_PATH, pack, unpack
+from icefloe.service.limits import CHECK_ON_LOOP_BYTES, MAX_BATCH_HEAD_BYTES, MAX_BATCH_PARTS, check_containers
+from icefloe.service.middleware import Recorder, read_bounded, replaying
+from icefloe.wire.batch import BATCH_MEDIA_TYPE, BATCH_PATH, head_size, pack, unpack
 
 __all__ = ["Batches"]
-
-_MAX_PARTS = 256
 
 
 class Batches:
@@ -36,7 +36,11 @@ class Batches:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].endswith(BATCH_PATH):
-            body = await read_body(receive)
+            try:
+                body = await read_bounded(receive, head_bytes=4, check_head=_check_head)
+            except PayloadTooLargeError as refused:
+                await send_error(scope, _open, send, refused)
+                return
             if body is not None:  # else the client went away
                 await self._answer(scope, body, send)
         else:
@@ -44,10 +48,12 @@ class Batches:
 
     async def _answer(self, scope: Scope, body: bytes, send: Send) -> None:
         try:
-            parts = unpack(body)
-            if not 0 < len(parts) <= _MAX_PARTS:
-                raise ValueError(f"a batch holds 1 to {_MAX_PARTS} parts; got {len(parts)}")
+            small = len(body) < 4 or head_size(body) <= CHECK_ON_LOOP_BYTES  # a thread hop costs more
+            parts = _unpack(body) if small else await asyncio.to_thread(_unpack, body)
             scopes = [_part_scope(scope, part) for part, _ in parts]
+        except PayloadTooLargeError as refused:
+            await send_error(scope, _open, send, refused)
+            return
         except (ValueError, TypeError, KeyError) as exc:
             await send_error(
                 scope, _open, send, InvalidRequestError(f"requests:batch: {exc}; send the {BATCH_MEDIA_TYPE} envelope")
@@ -63,6 +69,23 @@ class Batches:
         await self.app(scope, replaying(body, _open), answer)
         kept = [[k.decode("latin-1"), v.decode("latin-1")] for k, v in answer.headers if k.lower() != b"content-length"]
         return {"status": answer.status or 500, "headers": kept}, answer.body
+
+
+def _check_head(prefix: bytes) -> None:
+    if len(prefix) == 4 and head_size(prefix) > MAX_BATCH_HEAD_BYTES:
+        raise PayloadTooLargeError(
+            f"requests:batch: the envelope declares a {head_size(prefix)}-byte part list; at most "
+            f"{MAX_BATCH_HEAD_BYTES} bytes are accepted: send fewer parts, or fewer headers per part"
+        )
+
+
+def _unpack(body: bytes) -> list[tuple[dict[str, Any], bytes]]:
+    """The envelope's parts, its head bounded before it is parsed (off the loop: it may be a megabyte)."""
+    check_containers(body[4 : 4 + head_size(body[:4])] if len(body) >= 4 else b"", "requests:batch's part list")
+    parts = unpack(body)
+    if not 0 < len(parts) <= MAX_BATCH_PARTS:
+        raise ValueError(f"a batch holds 1 to {MAX_BATCH_PARTS} parts; got {len(parts)}")
+    return parts
 
 
 async def _open() -> Message:

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from icefloe import protocol as p
+from icefloe.service.limits import truncated
 
 __all__ = ["install_error_handlers", "send_error", "status_and_body"]
 
@@ -72,7 +73,7 @@ def _validation_message(exc: RequestValidationError) -> str:
             continue
         where = ".".join(str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path", "header"))
         lines.append(f"{where or 'body'}: {str(err.get('msg', 'invalid')).removeprefix('Value error, ')}")
-    return "; ".join(lines) or "invalid request body"
+    return truncated(lines) or "invalid request body"
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -17,6 +17,7 @@ import json
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import cookie_parser
@@ -26,6 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from icefloe.protocol import (
     ConflictError,
     ForbiddenError,
+    IcefloeError,
     InvalidRequestError,
     PayloadTooLargeError,
     TooManyRequestsError,
@@ -33,6 +35,7 @@ from icefloe.protocol import (
 )
 from icefloe.service import store
 from icefloe.service.errors import send_error
+from icefloe.service.limits import CHECK_ON_LOOP_BYTES, MAX_JSON_BYTES
 from icefloe.service.logins import SESSION_COOKIE, Logins
 from icefloe.service.models import parse_json_body
 from icefloe.service.origins import foreign_origin
@@ -54,6 +57,7 @@ __all__ = [
     "matching_token",
     "note_acceptance",
     "read_body",
+    "read_bounded",
     "replaying",
     "tenant_of",
 ]
@@ -68,10 +72,6 @@ CALLER_SCOPE_KEY = "icefloe.caller"  # set by RequireToken: a hash of the caller
 TENANT_SCOPE_KEY = "icefloe.tenant"  # set by RequireToken: the caller's tenant (absent: the shared one, no auth)
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-_CHECK_ON_LOOP_BYTES = 64 * 1024  # larger JSON bodies are checked on a worker thread
-# Parsing JSON holds the GIL however it is run (a 15 MB array of ints took 0.2 s), so a larger body
-# would stall every request: none of either API's JSON bodies comes near it.
-MAX_JSON_BYTES = 4 * 1024 * 1024
 
 _IDEMPOTENCY_HEADER = b"idempotency-key"
 _MAX_KEY_LENGTH = 255
@@ -113,6 +113,48 @@ async def read_body(receive: Receive, max_bytes: int | None = None) -> bytes | N
             )
         more = message.get("more_body", False)
     return b"".join(chunks)
+
+
+async def read_bounded(
+    receive: Receive,
+    *,
+    max_bytes: int | None = None,
+    head_bytes: int = 0,
+    check_head: Callable[[bytes], None] | None = None,
+) -> bytes | None:
+    """The whole body, or None when the client went away; its first ``head_bytes`` bytes go to
+    ``check_head`` as soon as they arrive.
+
+    A refusal (:class:`PayloadTooLargeError` past ``max_bytes``, or the error ``check_head`` raises) is
+    raised once the rest of the body was read and dropped, never kept: the connection stays usable
+    and the client reads the answer instead of a reset. The outer :class:`BodyLimit` and the body
+    read timeout bound what is dropped.
+    """
+    kept: list[bytes] | None = []
+    seen, head, refusal, more = 0, b"", None, True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk, more = message.get("body", b""), message.get("more_body", False)
+        seen += len(chunk)
+        if kept is not None:
+            if len(head) < head_bytes:
+                head += chunk[: head_bytes - len(head)]
+            try:
+                if check_head is not None and head and (len(head) == head_bytes or not more):
+                    check_head(head)
+                    check_head = None
+                if max_bytes is not None and seen > max_bytes:
+                    raise PayloadTooLargeError(f"request body exceeds {max_bytes} bytes; the cap is {max_bytes} here")
+            except IcefloeError as refused:
+                refusal, kept = refused, None  # drop what was read; read the rest only to discard it
+                continue
+            kept.append(chunk)
+    if refusal is not None:
+        raise refusal
+    assert kept is not None
+    return b"".join(kept)
 
 
 def replaying(body: bytes, receive: Receive) -> Receive:
@@ -420,7 +462,7 @@ class JsonBodies:
             return
         checked_by_route = scope["path"].startswith(TINKER_PREFIX)
         try:
-            if len(body) > _CHECK_ON_LOOP_BYTES and not checked_by_route:
+            if len(body) > CHECK_ON_LOOP_BYTES and not checked_by_route:
                 await asyncio.to_thread(parse_json_body, body)
             elif body and not checked_by_route:
                 parse_json_body(body)

@@ -15,16 +15,15 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from icefloe.protocol import InvalidRequestError, normalize_job_type
+from icefloe.service.limits import MAX_JSON_DEPTH, MAX_LISTED_ERRORS, MAX_PROMPTS, MAX_SUB_JOBS, check_containers
 
-# Containers nested deeper than this are refused. Real bodies nest fewer than ten; past a few
-# hundred, pydantic's encoder fails (a 500), past about a thousand the parser itself does.
-MAX_JSON_DEPTH = 64
 _CHECKED_TYPES = frozenset({dict, list, tuple, float})
-_MAX_LISTED_FIELDS = 10
 
 
 def parse_json_body(raw: bytes | str, what: str = "body") -> Any:
-    """Parse a JSON request body and :func:`check_body` it; :class:`InvalidRequestError` if either fails."""
+    """Parse a JSON request body and :func:`check_body` it; :class:`InvalidRequestError` if either fails,
+    :class:`~icefloe.protocol.PayloadTooLargeError` before parsing one that would build too many containers."""
+    check_containers(raw.encode() if isinstance(raw, str) else raw, what)
     try:
         value = json.loads(raw)
     except RecursionError:
@@ -59,7 +58,7 @@ def check_body(value: Any, what: str = "body") -> None:
         children = node.items() if type(node) is dict else enumerate(node)
         pending.extend((child, (*path, key)) for key, child in children if type(child) in _CHECKED_TYPES)
     if non_finite:
-        listed = ", ".join(sorted(non_finite)[:_MAX_LISTED_FIELDS])
+        listed = ", ".join(sorted(non_finite)[:MAX_LISTED_ERRORS])
         raise InvalidRequestError(
             f"{what} holds non-finite numbers: {listed}; send finite values (JSON has no NaN or Infinity, "
             "and a literal beyond ±1.8e308 such as 1e400 overflows to infinity)"
@@ -154,7 +153,7 @@ class SubJobConfig(_Open):
 
 
 class JobCreate(_Open):
-    sub_job_configs: list[SubJobConfig] = Field(min_length=1)
+    sub_job_configs: list[SubJobConfig] = Field(min_length=1, max_length=MAX_SUB_JOBS)
     job_id: str | None = Field(None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
     experiment_name: str | None = None
     debug: dict[str, Any] | None = None
@@ -247,7 +246,7 @@ class LoadBody(_Open):
 
 
 class GenerateBody(_Open):
-    prompts: list[str | list[int]] = Field(min_length=1)
+    prompts: list[str | list[int]] = Field(min_length=1, max_length=MAX_PROMPTS)
     sampling_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
     routing_key: str | list[str | None] | None = None
     strict: bool = False

@@ -31,6 +31,7 @@ from icefloe.protocol import (
 )
 from icefloe.service import store
 from icefloe.service.jobs import JobManager, LiveJob, job_type_named
+from icefloe.service.limits import check_frame_header, truncated
 from icefloe.service.models import (
     GenerateBody,
     LoadBody,
@@ -68,7 +69,9 @@ def submit_frame(
     """
     if op == api.OP_FORWARD and sub_job_id is not None and job.specs[sub_job_id].job_type == "sampling":
         raise InvalidRequestError(f"forward runs on a training or log_probability sub-job; {sub_job_id} is a sampler")
-    header = header or wire.read_header(body)
+    if header is None:
+        check_frame_header(body)
+        header = wire.read_header(body)
     descriptor = wire.chunk_descriptor(body, header)
     if descriptor is None:
         return _submit_decoded(manager, job, op, body, header, sub_job_id, reference)
@@ -88,7 +91,9 @@ def _submit_decoded(
     sub_job_id: str | None,
     reference: bool,
 ) -> dict[str, Any]:
-    header = header or wire.read_header(frame)
+    if header is None:  # a frame joined from request chunks
+        check_frame_header(frame)
+        header = wire.read_header(frame)
     payload = wire.decode(frame, tensors="torch", header=header)
     check_body(payload, "frame")
     op_metadata = wire.read_metadata(frame, header)
@@ -473,4 +478,4 @@ def submit_generate_stream(manager: JobManager, job: LiveJob, body: bytes, *, su
 
 def validation_text(exc: ValidationError, prefix: str = "") -> str:
     """One ``field: problem; got value`` clause per error, fields dotted from ``prefix``."""
-    return "; ".join(validation_problems(exc, prefix, whole="body"))
+    return truncated(validation_problems(exc, prefix, whole="body"))

@@ -5,7 +5,9 @@ its session has queued its request (the app calls :func:`release_turn`) or been 
 sub-job queues them in number order whatever order they arrive in. A POST answered with a status
 its client retries keeps its number; a number below the session's next passes at once. After
 ``gap_timeout_s`` without progress the lowest POST waiting gets a 409 ``sequence_gap`` and the
-session moves past its number: a lost POST fails the op waiting on it, not the session (the rule is
+session moves past its number: a lost POST fails the op waiting on it, not the session. A number
+more than ``window`` past the session's next is refused at once (400), so a session holds at most a
+window's worth of numbers; the number is decimal digits, at most 19 of them (the rule is
 :class:`~icefloe.service.turns.Turns`, which orders the Tinker API's ``seq_id`` too). Sessions
 belong to a caller (the token :class:`~icefloe.service.middleware.RequireToken` let in), and this
 layer runs only after that check: an unauthenticated POST never holds or advances a session.
@@ -15,6 +17,7 @@ docs/service.md has the contract.
 from __future__ import annotations
 
 import contextvars
+import re
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -22,6 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from icefloe.protocol import CODE_CHUNK_GROUP_RESTART_REQUIRED, SEQUENCE_HEADER, InvalidRequestError, SequenceGapError
 from icefloe.service.errors import send_error
+from icefloe.service.limits import SEQUENCE_WINDOW
 from icefloe.service.middleware import CALLER_SCOPE_KEY, Recorder, header
 from icefloe.service.turns import Turns
 
@@ -29,6 +33,7 @@ __all__ = ["SubmitOrder", "release_turn"]
 
 _HEADER_KEY = SEQUENCE_HEADER.lower().encode()
 _MAX_SESSION_LENGTH = 64
+_NUMBER = re.compile(r"[0-9]{1,19}")  # ASCII digits only: str.isdigit() also takes '²', which int() refuses
 _MAX_SESSIONS = 100_000  # the least recently used session is forgotten beyond this many
 
 _RELEASE: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
@@ -51,6 +56,7 @@ class SubmitOrder:
         app: ASGIApp,
         *,
         gap_timeout_s: float,
+        window: int = SEQUENCE_WINDOW,
         max_sessions: int = _MAX_SESSIONS,
         unordered: Callable[[Scope], bool] = lambda scope: False,
     ) -> None:
@@ -59,6 +65,7 @@ class SubmitOrder:
         self.app = app
         self.unordered = unordered
         self.gap_timeout_s = gap_timeout_s
+        self.window = window
         self.max_sessions = max_sessions
         # Least recently used first. Never expired by time: a client may stay quiet for hours (a long
         # rollout) and must find its place kept.
@@ -70,10 +77,11 @@ class SubmitOrder:
             await self.app(scope, receive, send)
             return
         session_id, _, number_text = raw.decode("latin-1").strip().rpartition(":")
-        if not (0 < len(session_id) <= _MAX_SESSION_LENGTH and ":" not in session_id and number_text.isdigit()):
+        well_formed = 0 < len(session_id) <= _MAX_SESSION_LENGTH and ":" not in session_id
+        if not (well_formed and _NUMBER.fullmatch(number_text)):
             message = (
                 f"{SEQUENCE_HEADER} must be '<session>:<n>' (session: 1-{_MAX_SESSION_LENGTH} characters "
-                f"without ':', n: a number from 0); got {raw[:80].decode('latin-1')!r}"
+                f"without ':', n: 1-19 digits 0-9); got {raw[:80].decode('latin-1')!r}"
             )
             await send_error(scope, receive, send, InvalidRequestError(message))
             return
@@ -81,6 +89,13 @@ class SubmitOrder:
             await self.app(scope, receive, send)
             return
         number, session = int(number_text), self._session((scope.get(CALLER_SCOPE_KEY, ""), session_id))
+        if session.beyond(number):  # holding it would hold every number up to it
+            message = (
+                f"{SEQUENCE_HEADER} {session_id}:{number} is more than the sequence window ({self.window}) past "
+                f"its session's next number ({session.next}); number a session's POSTs in order from 0"
+            )
+            await send_error(scope, receive, send, InvalidRequestError(message))
+            return
         if session.late(number):  # the ops after it already ran, so it must not
             message = (
                 f"{SEQUENCE_HEADER} {session_id}:{number} came after its session moved on past it (a POST "
@@ -113,7 +128,7 @@ class SubmitOrder:
         if session is not None:
             self._sessions.move_to_end(key)
             return session
-        session = self._sessions[key] = Turns(gap_timeout_s=self.gap_timeout_s)
+        session = self._sessions[key] = Turns(gap_timeout_s=self.gap_timeout_s, window=self.window)
         while len(self._sessions) > self.max_sessions:
             oldest_id, oldest = next(iter(self._sessions.items()))
             if oldest.busy:  # someone waits on it: keep it

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 from icefloe.config import validated
 from icefloe.protocol import ConfigError
+from icefloe.service.limits import SEQUENCE_WINDOW
 
 __all__ = ["ADMIN_TENANT", "SHARED_TENANT", "TOKENS_ENV_VAR", "ServeSettings", "TenantLimits"]
 
@@ -77,6 +78,9 @@ class ServeSettings(BaseModel):
     max_long_poll_s: float = Field(60.0, ge=0)  # cap on ?wait= so a proxy never sees a silent socket
     # A numbered POST (Icefloe-Sequence) waits this long for a missing predecessor, then gets 409.
     sequence_gap_timeout_s: float = Field(30.0, gt=0)
+    # A numbered call (Icefloe-Sequence, Tinker seq_id) more than this far past its stream's next number is
+    # refused (400): what a stream holds for the numbers it waits on is bounded by it.
+    sequence_window: int = Field(SEQUENCE_WINDOW, gt=0)
     idempotency_ttl_s: float = Field(86400.0, gt=0)  # an Idempotency-Key record is replayed for this long
     # Replies above this are kept as their bare {request_id, job_id} (a ?wait= answer) or not kept at all.
     idempotency_max_response_bytes: int = Field(64 * 1024, ge=1024)

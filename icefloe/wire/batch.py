@@ -11,7 +11,7 @@ import json
 import struct
 from typing import Any
 
-__all__ = ["BATCH_MEDIA_TYPE", "BATCH_PATH", "pack", "unpack"]
+__all__ = ["BATCH_MEDIA_TYPE", "BATCH_PATH", "head_size", "pack", "unpack"]
 
 BATCH_PATH = "/requests:batch"  # after the API prefix
 BATCH_MEDIA_TYPE = "application/x-icefloe-batch"
@@ -25,6 +25,11 @@ def pack(parts: list[dict[str, Any]], bodies: list[bytes]) -> bytes:
     return b"".join([_LENGTH.pack(len(head)), head, *bodies])
 
 
+def head_size(envelope: bytes) -> int:
+    """The byte length of the part list an envelope (at least its first 4 bytes) declares."""
+    return _LENGTH.unpack_from(envelope)[0]
+
+
 def unpack(envelope: bytes) -> list[tuple[dict[str, Any], bytes]]:
     """``(part, body)`` pairs of an envelope; ValueError names what is malformed."""
     if len(envelope) < _LENGTH.size:
@@ -35,6 +40,8 @@ def unpack(envelope: bytes) -> list[tuple[dict[str, Any], bytes]]:
         parts = json.loads(envelope[_LENGTH.size : start])
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"the envelope's part list is not JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError("the envelope's part list nests too deeply; send a flat list of objects") from None
     if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("size"), int) for p in parts):
         raise ValueError("the envelope's part list must be a list of objects, each with an integer 'size'")
     out = []

@@ -39,3 +39,15 @@ async def test_the_gap_timeout_restarts_whenever_the_stream_moves():
         await asyncio.sleep(0.2)
         turns.use(number)
     assert await waiting is None and not turns.busy
+
+
+async def test_a_number_past_the_window_is_beyond_and_skipped_numbers_are_kept_as_ranges():
+    """A number 30M ahead made the stream hold a set of every number it skipped (+1.7 GB)."""
+    turns = Turns(gap_timeout_s=0.05, window=1000)
+    assert turns.beyond(1001) and not turns.beyond(1000)
+    turns.use(500)  # refused ahead of its turn: used, so not skipped
+    assert await turns.wait(1000) == 0
+    assert turns._skipped == [(0, 500), (501, 1000)] and turns.next == 1001
+    assert turns.late(250) and not turns.late(250) and turns.late(999) and not turns.late(500)
+    assert turns._skipped == [(0, 250), (251, 500), (501, 999)]
+    assert not turns.beyond(2001) and turns.beyond(2002)  # the window moves with the stream

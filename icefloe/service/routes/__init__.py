@@ -15,7 +15,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 
 from icefloe.service.jobs import JobManager
-from icefloe.service.middleware import tenant_of
+from icefloe.service.limits import MAX_JSON_BYTES, check_frame_header_length
+from icefloe.service.middleware import read_bounded, tenant_of
 from icefloe.service.settings import ServeSettings
 from icefloe.service.store import Database
 from icefloe.service.tenants import Tenancy
@@ -23,12 +24,14 @@ from icefloe.service.tenants import Tenancy
 __all__ = [
     "API_PREFIX",
     "JobsDep",
+    "JsonOctetBody",
     "OctetBody",
     "SettingsDep",
     "StoreDep",
     "TenancyDep",
     "TenantDep",
     "api_router",
+    "frame_body",
     "visible_job",
 ]
 
@@ -63,8 +66,17 @@ async def _tenant(request: Request) -> str:
     return tenant_of(request.scope)
 
 
-async def _octet_body(request: Request) -> bytes:
-    return await request.body()  # the size cap is enforced while reading (see middleware.BodyLimit)
+async def frame_body(request: Request) -> bytes:
+    """A DSSST1 frame's bytes; one whose first 8 bytes declare too large a header is refused (413)
+    once it was read and dropped, never kept. The POST cap is enforced outside (middleware.BodyLimit)."""
+    body = await read_bounded(request.receive, head_bytes=8, check_head=check_frame_header_length)
+    return b"" if body is None else body
+
+
+async def _json_octet_body(request: Request) -> bytes:
+    """JSON sent as octet-stream: capped as any JSON body is, since it is parsed whole."""
+    body = await read_bounded(request.receive, max_bytes=MAX_JSON_BYTES)
+    return b"" if body is None else body
 
 
 SettingsDep = Annotated[ServeSettings, Depends(_app_state("settings"))]
@@ -72,4 +84,5 @@ JobsDep = Annotated[JobManager, Depends(_app_state("jobs"))]
 StoreDep = Annotated[Database, Depends(_app_state("db"))]
 TenancyDep = Annotated[Tenancy, Depends(_app_state("tenancy"))]
 TenantDep = Annotated[str, Depends(_tenant)]
-OctetBody = Annotated[bytes, Depends(_octet_body)]
+OctetBody = Annotated[bytes, Depends(frame_body)]
+JsonOctetBody = Annotated[bytes, Depends(_json_octet_body)]

@@ -25,6 +25,7 @@ from starlette.routing import Route
 from icefloe import wire
 from icefloe.protocol import OP_FORWARD, OP_FWD_BWD, OP_GENERATE
 from icefloe.service.jobs import JobManager, LiveJob
+from icefloe.service.limits import check_frame_header
 from icefloe.service.models import LoadBody, RequestAccepted, SaveBody, StepBody
 from icefloe.service.operations import (
     forward_target,
@@ -35,7 +36,17 @@ from icefloe.service.operations import (
     submit_save,
     submit_step,
 )
-from icefloe.service.routes import API_PREFIX, JobsDep, OctetBody, TenancyDep, TenantDep, api_router, visible_job
+from icefloe.service.routes import (
+    API_PREFIX,
+    JobsDep,
+    JsonOctetBody,
+    OctetBody,
+    TenancyDep,
+    TenantDep,
+    api_router,
+    frame_body,
+    visible_job,
+)
 from icefloe.service.routes.requests import with_answer
 
 __all__ = ["STEP_ROUTES", "router"]
@@ -54,6 +65,7 @@ async def _submit(
     submit = functools.partial(submit_frame, jobs, job, op, body, sub_job_id=sub_job_id, reference=reference)
     if len(body) > _DECODE_ON_LOOP_BYTES:
         return await run_in_threadpool(submit)
+    check_frame_header(body)
     header = wire.read_header(body)
     descriptor = wire.chunk_descriptor(body, header)
     if descriptor is not None and descriptor.get("total_chunks") != 1:
@@ -103,7 +115,7 @@ async def generate(
 
 
 @router.post("/{job_id}/generate-stream")
-async def generate_stream(job_id: str, body: OctetBody, jobs: JobsDep, sub_job_id: str | None = None) -> dict:
+async def generate_stream(job_id: str, body: JsonOctetBody, jobs: JobsDep, sub_job_id: str | None = None) -> dict:
     """UTF-8 JSON sent as octet-stream; results are drained from the request's events as they finish."""
     job = jobs.live(job_id)
     if sub_job_id is not None:
@@ -156,7 +168,7 @@ def _answer(answer: dict | Response) -> Response:
 async def _fast_forward_backward(request: Request) -> Response:
     visible_job(request)
     job_id, sub_job_id = request.path_params["job_id"], request.query_params.get("sub_job_id")
-    body, jobs = await request.body(), request.app.state.jobs
+    body, jobs = await frame_body(request), request.app.state.jobs
     return _answer(await forward_backward(job_id, body, jobs, sub_job_id=sub_job_id, wait=_wait(request)))
 
 

@@ -29,6 +29,7 @@ def install_tinker(app: FastAPI) -> None:
     from icefloe.service.tinker.state import TinkerState
 
     gap_timeout_s = app.state.settings.sequence_gap_timeout_s
-    app.state.tinker = TinkerState(app.state.jobs, app.state.tenancy, gap_timeout_s=gap_timeout_s)
+    window = app.state.settings.sequence_window
+    app.state.tinker = TinkerState(app.state.jobs, app.state.tenancy, gap_timeout_s=gap_timeout_s, window=window)
     app.include_router(routes.router)
     app.include_router(runs.router)  # its catch-all last: what no route above serves is refused by name

@@ -17,12 +17,10 @@ import orjson
 from fastapi import Request
 
 from icefloe.protocol import InvalidRequestError, PayloadTooLargeError
-from icefloe.service.middleware import MAX_JSON_BYTES
-from icefloe.service.models import MAX_JSON_DEPTH
+from icefloe.service.limits import CHECK_ON_LOOP_BYTES, MAX_JSON_BYTES, MAX_JSON_DEPTH, check_containers
 
 __all__ = ["Fields", "checkpoint_name", "json_body"]
 
-_ON_LOOP_BYTES = 64 * 1024  # larger bodies are parsed and checked on a worker thread
 _REQUIRED = object()
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -40,13 +38,14 @@ async def _read_capped(request: Request) -> bytes:
 async def json_body(request: Request) -> Fields:
     """The body's JSON object as :class:`Fields`; a large one is parsed on a worker thread."""
     raw = await _read_capped(request)
-    value = await asyncio.to_thread(_parse, raw) if len(raw) > _ON_LOOP_BYTES else _parse(raw)
+    value = await asyncio.to_thread(_parse, raw) if len(raw) > CHECK_ON_LOOP_BYTES else _parse(raw)
     if not isinstance(value, dict):
         raise InvalidRequestError(f"the body must be a JSON object; got {type(value).__name__}")
     return Fields(value, size=len(raw))
 
 
 def _parse(raw: bytes) -> Any:
+    check_containers(raw, "the body")
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError:

@@ -32,6 +32,7 @@ from typing import Any
 from icefloe.protocol import JOB_ACTIVE_STATES, ConflictError, InvalidRequestError, NotFoundError
 from icefloe.service import store
 from icefloe.service.jobs import JobManager, LiveJob
+from icefloe.service.limits import SEQUENCE_WINDOW
 from icefloe.service.models import JobCreate
 from icefloe.service.specs import sub_job_specs
 from icefloe.service.tenants import Tenancy
@@ -188,12 +189,19 @@ class TinkerState:
     """
 
     def __init__(
-        self, manager: JobManager, tenancy: Tenancy, *, gap_timeout_s: float, session_lease_s: float = 120.0
+        self,
+        manager: JobManager,
+        tenancy: Tenancy,
+        *,
+        gap_timeout_s: float,
+        window: int = SEQUENCE_WINDOW,
+        session_lease_s: float = 120.0,
     ) -> None:
         self.manager = manager
         self.tenancy = tenancy
         self.db = manager.db
         self.gap_timeout_s = gap_timeout_s
+        self.window = window
         self.session_lease_s = session_lease_s  # the SDK heartbeats every 10 s
         # Off: per sample, the SDK's retrieve_future long-poll answers when the sample is done. On,
         # it long-polls retrieve_futures once per sampling client, then still fetches each result:
@@ -360,7 +368,8 @@ class TinkerState:
     def _model(
         self, model_id: str, session_id: str, job_id: str, base_model: str, lora_rank: int | None, owner: str
     ) -> Model:
-        turns = Turns(gap_timeout_s=self.gap_timeout_s, first=1)  # the SDK numbers a model's ops from 1
+        # the SDK numbers a model's ops from 1
+        turns = Turns(gap_timeout_s=self.gap_timeout_s, window=self.window, first=1)
         return Model(model_id, session_id, job_id, base_model, lora_rank, turns, owner)
 
     def model(self, model_id: str, tenant: str) -> Model:
@@ -419,6 +428,11 @@ class TinkerState:
         """
         if seq_id is not None and seq_id in model.taken:
             return model.taken[seq_id]
+        if seq_id is not None and model.turns.beyond(seq_id):
+            raise InvalidRequestError(
+                f"seq_id {seq_id} of model {model.model_id} is more than the sequence window ({self.window}) past "
+                f"the next one expected ({model.turns.next}); number a model's ops in order from 1"
+            )
         if seq_id is not None and model.turns.late(seq_id):
             raise InvalidRequestError(
                 f"seq_id {seq_id} of model {model.model_id} came after the model moved on past it (an op behind it "

@@ -1,0 +1,118 @@
+"""How much one request may make the service hold: every bound a body meets before it is parsed.
+
+A body is refused from the cheapest evidence first: its ``Content-Length`` (or the bytes read so
+far), then a length prefix it declares (a DSSST1 frame's header, a ``requests:batch`` head), then a
+count of the JSON containers it could build, taken with ``bytes.count`` before any object exists.
+Only then is it parsed, off the event loop when it is large. Parsed Python objects cost ten to a
+hundred times their JSON bytes, so counting before parsing is what keeps a small hostile body from
+costing gigabytes. docs/service.md lists these bounds and the serve options that change them.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from collections.abc import Iterable
+
+from icefloe.protocol import PayloadTooLargeError
+from icefloe.wire.frames import MAX_HEADER_BYTES, read_header
+
+__all__ = [
+    "CHECK_ON_LOOP_BYTES",
+    "MAX_BATCH_HEAD_BYTES",
+    "MAX_BATCH_PARTS",
+    "MAX_FRAME_HEADER_BYTES",
+    "MAX_JSON_BYTES",
+    "MAX_JSON_CONTAINERS",
+    "MAX_JSON_DEPTH",
+    "MAX_LISTED_ERRORS",
+    "MAX_PROMPTS",
+    "MAX_SUB_JOBS",
+    "SEQUENCE_WINDOW",
+    "check_containers",
+    "check_frame_header",
+    "check_frame_header_length",
+    "truncated",
+]
+
+# Bodies larger than this are parsed and checked on a worker thread; smaller ones cost less than the hop.
+CHECK_ON_LOOP_BYTES = 64 * 1024
+# Parsing JSON holds the GIL however it is run (a 15 MB array of ints took 0.2 s), so a larger body
+# would stall every request: none of either API's JSON bodies comes near it.
+MAX_JSON_BYTES = 4 * 1024 * 1024
+# Containers nested deeper than this are refused. Real bodies nest fewer than ten; past a few
+# hundred, pydantic's encoder fails (a 500), past about a thousand the parser itself does.
+MAX_JSON_DEPTH = 64
+# Objects plus arrays one JSON body (or a frame's header) may hold: a Tinker forward_backward of
+# 1024 datums holds about ten per datum. Each costs about 100 bytes once parsed, for 2 to 3 bytes of JSON.
+MAX_JSON_CONTAINERS = 65_536
+# A DSSST1 header lists tensors and the tree's plain values; tensors carry the bulk in the data region,
+# but a generate's token-id prompts are plain values: 1024 prompts of 2048 tokens take about 13 MB.
+MAX_FRAME_HEADER_BYTES = 16 * 1024 * 1024
+MAX_BATCH_HEAD_BYTES = 1024 * 1024  # a requests:batch head: 256 parts' methods, paths and headers
+MAX_BATCH_PARTS = 256
+MAX_PROMPTS = 16_384  # prompts in one generate or generate-stream of the training API (a rollout batch)
+MAX_SUB_JOBS = 64  # sub-job configs in one create-job
+MAX_LISTED_ERRORS = 10  # a refusal names this many problems, then counts the rest
+SEQUENCE_WINDOW = 10_000  # default of --sequence-window: how far past the next number a call may be
+
+_FRAME_PREFIX = struct.Struct("<Q")
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+
+
+def check_containers(raw: bytes, what: str, *, limit: int = MAX_JSON_CONTAINERS, nested_json: bool = False) -> None:
+    """:class:`PayloadTooLargeError` when JSON ``raw`` would build more than ``limit`` objects and arrays.
+
+    ``bytes.count`` bounds the count from above without building anything; only a body over the
+    bound by that count (brackets inside strings count too) is counted again with its strings blanked.
+    ``nested_json``: ``raw`` holds JSON inside its strings too (a DSSST1 header's tree), so its
+    strings are counted as well.
+    """
+    found = raw.count(b"[") + raw.count(b"{")
+    if found <= limit:
+        return
+    if not nested_json:
+        outside_strings = _JSON_STRING.sub(b'""', raw)
+        found = outside_strings.count(b"[") + outside_strings.count(b"{")
+    if found > limit:
+        raise PayloadTooLargeError(
+            f"{what} holds {found} JSON arrays and objects; at most {limit} are accepted in one request: "
+            "split it into several requests, or send tensors as a DSSST1 frame"
+        )
+
+
+def check_frame_header_length(prefix: bytes | memoryview, what: str = "DSSST1 frame") -> None:
+    """:class:`PayloadTooLargeError` when a frame's first 8 bytes declare a header over :data:`MAX_FRAME_HEADER_BYTES`;
+    the wire's own error when they declare more than any frame may (too short a prefix is left to the frame reader)."""
+    if len(prefix) < _FRAME_PREFIX.size:
+        return
+    (declared,) = _FRAME_PREFIX.unpack_from(prefix)
+    if declared > MAX_HEADER_BYTES:  # no frame at all (pickle, random bytes): the wire names what it is
+        read_header(bytes(prefix))
+    if declared > MAX_FRAME_HEADER_BYTES:
+        raise PayloadTooLargeError(
+            f"{what} declares a {declared}-byte header; a header is at most {MAX_FRAME_HEADER_BYTES} bytes here: "
+            "send large values as tensors, or split the batch into several requests"
+        )
+
+
+def check_frame_header(frame: bytes) -> None:
+    """Bound a whole DSSST1 frame's header before it is parsed: its declared length, and the containers
+    its JSON (the tree's plain values included) would build."""
+    check_frame_header_length(frame[: _FRAME_PREFIX.size])
+    if len(frame) >= _FRAME_PREFIX.size:
+        (declared,) = _FRAME_PREFIX.unpack_from(frame)
+        header = bytes(frame[_FRAME_PREFIX.size : _FRAME_PREFIX.size + declared])
+        check_containers(header, "the DSSST1 frame's header", nested_json=True)
+
+
+def truncated(problems: Iterable[str], separator: str = "; ") -> str:
+    """The first :data:`MAX_LISTED_ERRORS` problems joined, then ``... and N more``: a refusal stays small
+    however many items of a body are wrong."""
+    listed, more = [], 0
+    for problem in problems:
+        if len(listed) < MAX_LISTED_ERRORS:
+            listed.append(problem)
+        else:
+            more += 1
+    return separator.join(listed) + (f"{separator}... and {more} more" if more else "")

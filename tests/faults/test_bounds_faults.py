@@ -1,0 +1,219 @@
+"""Hostile bodies against a real ``icefloe serve``: each is refused with a small 4xx while ``/health``
+keeps answering and the service's memory stays near the body's size.
+
+Each body is posted from a process of its own while this one calls ``/health`` and reads the service's
+resident memory (``/proc/<pid>/status``); both are compared with an idle baseline taken the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from icefloe import wire
+
+from .serve_process import PREFIX, TRAINING, Serve
+from .tinker_serve import TOKENS, Tinker, tinker_serve
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real services: `make test-slow`
+
+_ADMIN = {"Authorization": f"Bearer {TOKENS['admin']}"}
+_SAMPLING = {"job_type": "sampling", "model_name": "tiny:arith", "inference_config": {"max_seq_len": 64}}
+_NOISE_BYTES = 8 * 2**20  # resident memory moves this much between two idle reads of a busy service
+_SMALL_ANSWER_BYTES = 4096
+
+
+@dataclass
+class Probe:
+    status: int
+    text: str
+    latencies_s: list[float]
+    rss_growth_bytes: int
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("bounds-faults")
+    with tinker_serve(tmp_path, "--sequence-gap-timeout-s", "2") as serve:
+        yield serve
+
+
+@pytest.fixture(scope="module")
+def job_id(served):
+    job = served.create(TRAINING, _SAMPLING)
+    served.wait_job(job, "running")
+    return job
+
+
+@pytest.fixture(scope="module")
+def idle(served) -> Probe:
+    """/health and memory while nothing is sent: the baseline every hostile body is compared with."""
+    return _probe_during(served, subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2)"]))
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for process {pid}")
+
+
+def _probe_during(serve: Serve, process: subprocess.Popen) -> Probe:
+    """/health latencies and the service's peak memory growth while ``process`` runs; its JSON answer."""
+    before, peak, latencies = _rss_bytes(serve.process.pid), 0, []
+    with httpx.Client(timeout=60) as http:
+        while process.poll() is None:
+            started = time.perf_counter()
+            assert http.get(f"{serve.base_url}/health").status_code == 200
+            latencies.append(time.perf_counter() - started)
+            peak = max(peak, _rss_bytes(serve.process.pid))
+            time.sleep(0.005)
+    out = process.communicate()[0]
+    answer = json.loads(out) if out else {"status": 0, "text": ""}
+    return Probe(answer["status"], answer["text"], latencies, max(0, peak - before))
+
+
+def _post(serve: Serve, path: str, body: bytes, headers: dict[str, str], tmp_path: Path) -> Probe:
+    """POST ``body`` to ``path`` from another process while probing the service."""
+    file = tmp_path / "hostile.bin"
+    file.write_bytes(body)
+    code = (
+        "import httpx, json, sys; body = open(sys.argv[2], 'rb').read(); "
+        "answer = httpx.post(sys.argv[1], content=body, headers=json.loads(sys.argv[3]), timeout=120); "
+        "print(json.dumps({'status': answer.status_code, 'text': answer.text}))"
+    )
+    command = [sys.executable, "-c", code, serve.base_url + path, str(file), json.dumps({**_ADMIN, **headers})]
+    return _probe_during(serve, subprocess.Popen(command, stdout=subprocess.PIPE, text=True))
+
+
+def _assert_harmless(probe: Probe, idle: Probe, body_bytes: int, *, status: int, memory: bool = True) -> None:
+    """Refused with ``status`` in a small answer; /health near its idle latency; memory within 2x the body."""
+    median, idle_median = statistics.median(probe.latencies_s), statistics.median(idle.latencies_s)
+    print(
+        f"status {probe.status}, answer {len(probe.text)} B, /health median {median:.4f} s (idle {idle_median:.4f}), "
+        f"max {max(probe.latencies_s):.4f} s (idle {max(idle.latencies_s):.4f}), "
+        f"RSS +{probe.rss_growth_bytes / 2**20:.1f} MiB for a {body_bytes / 2**20:.1f} MiB body"
+    )
+    assert probe.status == status, probe.text[:2000]
+    assert len(probe.text) < _SMALL_ANSWER_BYTES, f"a {len(probe.text)}-byte answer: {probe.text[:500]}"
+    assert median <= idle_median + 0.1
+    assert max(probe.latencies_s) <= max(idle.latencies_s) + 0.5
+    if memory:
+        assert probe.rss_growth_bytes <= 2 * max(body_bytes, _NOISE_BYTES)
+
+
+def _frame_of_header(header: bytes) -> bytes:
+    return struct.pack("<Q", len(header)) + header
+
+
+# --- H2 -------------------------------------------------------------------------------------------
+def test_a_generate_stream_body_of_tiny_prompts_is_refused_before_it_is_parsed(served, job_id, idle, tmp_path):
+    """A 1.2 MB {"prompts": [[[1]], ...]} to generate-stream cost +550 MB, 4.8 s and a 22 MB answer with one
+    validation error per prompt; at 54 MB it grew the service until the kernel killed it."""
+    body = b'{"prompts": [' + b",".join([b"[[1]]"] * 200_000) + b"]}"
+    probe = _post(served, f"{PREFIX}/{job_id}/generate-stream", body, {"Content-Type": "application/octet-stream"},
+                  tmp_path)  # fmt: skip
+    _assert_harmless(probe, idle, len(body), status=413)
+    assert "at most 65536 are accepted" in probe.text
+
+
+def test_a_generate_stream_of_too_many_bad_prompts_names_a_few_then_counts_the_rest(served, job_id, idle, tmp_path):
+    """100k prompts of the wrong type answered one error per prompt: a reply many times the body."""
+    body = json.dumps({"prompts": [1.5] * 100_000}).encode()
+    probe = _post(served, f"{PREFIX}/{job_id}/generate-stream", body, {"Content-Type": "application/octet-stream"},
+                  tmp_path)  # fmt: skip
+    # Plain values are bounded by the JSON cap alone: 100k floats parse to ~20 MB, so memory is not asserted.
+    _assert_harmless(probe, idle, len(body), status=400, memory=False)
+    assert "prompts: List should have at most 16384 items" in probe.text
+
+
+def test_a_generate_frame_of_bad_prompts_answers_a_small_4xx(served, job_id, idle, tmp_path):
+    """A 2.1 MB DSSST1 frame to /generate answered a 33.7 MB error (one per prompt)."""
+    body = wire.encode({"prompts": [[[1]]] * 300_000})
+    probe = _post(served, f"{PREFIX}/{job_id}/generate", body, {"Content-Type": "application/octet-stream"}, tmp_path)
+    _assert_harmless(probe, idle, len(body), status=413)
+
+
+# --- H3 -------------------------------------------------------------------------------------------
+def test_a_sequence_number_far_ahead_is_refused_at_once_naming_the_window(served, idle, tmp_path):
+    """Icefloe-Sequence x:30000000 made the ordering rule build a set of every skipped number (+1.7 GB,
+    /health frozen 2.9 s); 10^20 would never finish; 's:²' answered 500."""
+    for number in ("3000000", "100000000000000000000"):
+        probe = _post(served, "/api/v1/telemetry", b"{}", {"Content-Type": "application/json",
+                      "Icefloe-Sequence": f"far:{number}"}, tmp_path)  # fmt: skip
+        _assert_harmless(probe, idle, 2, status=400)
+        assert "sequence window (10000)" in probe.text or "1-19 digits" in probe.text, probe.text
+    superscript = httpx.post(f"{served.base_url}/api/v1/telemetry", json={},
+                             headers={**_ADMIN, "Icefloe-Sequence": "s:²".encode()})  # fmt: skip
+    assert superscript.status_code == 400 and "1-19 digits 0-9" in superscript.json()["message"]
+    in_window = httpx.post(f"{served.base_url}{PREFIX}/", json={"sub_job_configs": []},
+                           headers={**_ADMIN, "Icefloe-Sequence": "near:0"})  # fmt: skip
+    assert in_window.status_code == 400 and "sub_job_configs" in in_window.json()["message"]  # ordered as before
+
+
+def test_a_tinker_seq_id_far_ahead_is_refused_naming_the_window(served, idle):
+    """seq_id 3,000,000 on a fresh model held the op and then skipped three million numbers (+190 MB)."""
+    alice = Tinker(served, "alice")
+    try:
+        _, model_id = alice.model()
+        far = alice.post("/optim_step", {"model_id": model_id, "seq_id": 3_000_000, "adam_params": {}})
+        assert far.status_code == 400 and "sequence window (10000)" in far.json()["message"], far.text
+        near = alice.ok("/optim_step", {"model_id": model_id, "seq_id": 1, "adam_params": {"learning_rate": 1e-3}})
+        outcome = alice.outcome(near["request_id"])  # it ran (or failed in the engine), not held for seq_id 3M
+        assert outcome.status_code == 200 and "seq_id" not in outcome.text, outcome.text
+    finally:
+        alice.close()
+
+
+# --- M1 -------------------------------------------------------------------------------------------
+def test_create_job_with_650k_sub_jobs_is_refused_before_it_is_parsed(served, idle, tmp_path):
+    """1.95 MB of empty sub-job configs stalled /health 12 s and answered 65 MB."""
+    body = b'{"sub_job_configs": [' + b",".join([b"{}"] * 650_000) + b"]}"
+    probe = _post(served, f"{PREFIX}/", body, {"Content-Type": "application/json"}, tmp_path)
+    _assert_harmless(probe, idle, len(body), status=413)
+
+
+def test_create_job_with_too_many_sub_jobs_names_the_limit(served):
+    configs = [{"job_type": "training", "model_name": "x"}] * 65
+    refused = served.http.post("/", json={"sub_job_configs": configs})
+    assert refused.status_code == 400 and "at most 64 items" in refused.json()["message"]
+
+
+def test_a_54_mib_requests_batch_head_is_refused_from_its_length(served, idle, tmp_path):
+    """A requests:batch head of 54 MiB cost 3.9 s of a frozen loop and +1 GB."""
+    head = b"[" + b",".join([b'{"size":0,"method":"POST","path":"/x"}'] * 1_500_000) + b"]"
+    body = struct.pack(">I", len(head)) + head
+    assert len(body) > 54 * 2**20
+    probe = _post(served, f"{PREFIX}/requests:batch", body, {"Content-Type": "application/x-icefloe-batch"}, tmp_path)
+    _assert_harmless(probe, idle, len(body), status=413)
+    assert "part list" in probe.text
+
+
+def test_a_deeply_nested_requests_batch_head_answers_4xx(served):
+    """A head nested thousands deep answered 500 (RecursionError)."""
+    head = b"[" * 5000 + b"]" * 5000
+    answer = served.http.post("/requests:batch", content=struct.pack(">I", len(head)) + head,
+                              headers={"Content-Type": "application/x-icefloe-batch"})  # fmt: skip
+    assert answer.status_code == 400 and "nests too deeply" in answer.json()["message"], answer.text
+
+
+def test_a_57_mib_frame_of_plain_values_is_refused_from_its_header_length(served, job_id, idle, tmp_path):
+    """A 57 MiB DSSST1 frame of 15M plain values to forward-backward was accepted after 28 s, with
+    /health stalled 4.2 s and +2.4 GB."""
+    values = b",".join([b"0"] * 28_000_000)
+    tree = b'{\\"v\\":\\"DSSST1\\",\\"tree\\":[\\"j\\",[' + values + b"]]}"
+    body = _frame_of_header(b'{"__metadata__":{"dss":"' + tree + b'"}}')
+    assert len(body) > 53 * 2**20
+    probe = _post(served, f"{PREFIX}/{job_id}/forward-backward", body, {"Content-Type": "application/octet-stream"},
+                  tmp_path)  # fmt: skip
+    _assert_harmless(probe, idle, len(body), status=413)
+    assert "header is at most" in probe.text

@@ -1,0 +1,30 @@
+"""The bounds a body meets before it is parsed (``service/limits.py``)."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+from icefloe.protocol import PayloadTooLargeError
+from icefloe.service.limits import check_containers, check_frame_header, truncated
+
+
+def test_check_containers_counts_before_parsing_and_ignores_brackets_inside_strings():
+    check_containers(b"[" + b",".join([b"[1]"] * 10) + b"]", "body", limit=11)
+    with pytest.raises(PayloadTooLargeError, match="body holds 12 JSON arrays and objects; at most 11"):
+        check_containers(b"[" + b",".join([b"[1]"] * 11) + b"]", "body", limit=11)
+    check_containers(b'["[[[[{{{{", "\\"[[[["]', "body", limit=1)  # text, not containers
+
+
+def test_a_frame_header_is_refused_from_its_declared_length_and_from_the_tree_inside_its_string():
+    with pytest.raises(PayloadTooLargeError, match="declares a 67108864-byte header"):
+        check_frame_header(struct.pack("<Q", 64 * 2**20))
+    tree = b'{"__metadata__":{"dss":"' + b"[" * 70_000 + b'"}}'
+    with pytest.raises(PayloadTooLargeError, match="the DSSST1 frame's header holds 70002"):
+        check_frame_header(struct.pack("<Q", len(tree)) + tree)
+
+
+def test_truncated_names_ten_problems_then_counts_the_rest():
+    assert truncated(f"p{i}" for i in range(3)) == "p0; p1; p2"
+    assert truncated(f"p{i}" for i in range(100_000)) == "; ".join(f"p{i}" for i in range(10)) + "; ... and 99990 more"
