@@ -1,0 +1,131 @@
+"""Sampling clients of the unmodified ``tinker`` SDK against a real ``icefloe serve`` with tenants: a
+snapshot client keeps the weights it was made on whatever is saved later (DPO's reference model), an
+inflight one follows the newest, a save repeated for one sampling session is answered as the first,
+and each tenant lists and reads only its own sessions."""
+
+from __future__ import annotations
+
+import pytest
+
+from .tinker_serve import TOKENS, Tinker, tinker_serve
+
+tinker = pytest.importorskip("tinker")
+
+from tinker import types  # noqa: E402
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real services: `make test-slow`
+
+PROMPT = [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]  # ids below tiny:chat's vocabulary of 98
+TEXT = [60, 61, 62, 63, 64, 65, 66, 67]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("tinker-sampling")
+    with tinker_serve(tmp_path) as serve:
+        serve.model = str(tmp_path / "models" / "tiny-chat")
+        yield serve
+
+
+@pytest.fixture
+def alice(served):
+    with tinker.ServiceClient(base_url=served.base_url, api_key=TOKENS["alice"]) as client:
+        yield client
+
+
+def _train(training, steps: int) -> None:
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(TEXT[:-1]),
+        loss_fn_inputs={"target_tokens": TEXT[1:], "weights": [1.0] * (len(TEXT) - 1)},
+    )
+    for _ in range(steps):
+        training.forward_backward([datum], "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+
+
+def _logprobs(sampler) -> list[float]:
+    return sampler.compute_logprobs(types.ModelInput.from_ints(PROMPT)).result()[1:]
+
+
+def test_a_snapshot_client_keeps_its_weights_while_an_inflight_one_follows(served, alice):
+    """DPO's reference (a default save_weights_and_get_sampling_client) moved with every later save, so
+    the loss snapped back to ln 2 at each eval: the one sampler it was bound to was refilled."""
+    training = alice.create_lora_training_client(base_model=served.model, rank=4).result()
+    _train(training, 1)
+    reference = training.save_weights_and_get_sampling_client().result()
+    inflight = training.save_weights_and_get_sampling_client(kind="inflight").result()
+    kept, followed = _logprobs(reference), _logprobs(inflight)
+    assert kept == followed
+    _train(training, 5)
+    newest = training.save_weights_and_get_sampling_client().result()
+    training.save_weights_and_get_sampling_client(kind="inflight").result()
+    assert _logprobs(reference) == kept  # exactly the weights it was made on
+    moved = _logprobs(inflight)
+    assert moved == _logprobs(newest)  # the newest weights
+    assert max(abs(a - b) for a, b in zip(moved, kept, strict=True)) > 0.05
+    assert _logprobs(reference) == kept  # and again, on the sampler it moved to
+
+
+def test_a_client_on_a_sampler_weights_path_keeps_them_after_the_next_save(served, alice):
+    """A client on tinker://…/sampler_weights/p1 moved by 2.08 nats once p2 was saved, while a new
+    client on p1 was right: one path meant different weights depending on when the client was made."""
+    training = alice.create_lora_training_client(base_model=served.model, rank=4).result()
+    _train(training, 1)
+    p1 = training.save_weights_for_sampler("p1").result().path
+    on_p1 = alice.create_sampling_client(model_path=p1).result()
+    before = _logprobs(on_p1)
+    _train(training, 5)
+    p2 = training.save_weights_for_sampler("p2").result().path
+    assert _logprobs(on_p1) == before
+    assert _logprobs(alice.create_sampling_client(model_path=p1).result()) == before
+    on_p2 = _logprobs(alice.create_sampling_client(model_path=p2).result())
+    assert max(abs(a - b) for a, b in zip(on_p2, before, strict=True)) > 0.05
+
+
+def test_a_second_save_for_one_sampling_session_is_answered_as_the_first(served):
+    """Twice the same sampling_session_seq_id answered 500 (IntegrityError on tinker_runs.run_id); with
+    seq_id, the future reported a server error although the checkpoint was written."""
+    client = Tinker(served, "alice")
+    try:
+        session_id, model_id = client.model(base_model="tiny-chat")
+        body = {"model_id": model_id, "sampling_session_seq_id": 7}
+        answers = []
+        for seq_id in (1, 2, None):
+            sent = client.ok("/save_weights_for_sampler", body if seq_id is None else {**body, "seq_id": seq_id})
+            answers.append(client.outcome(sent["request_id"]).json())
+        assert answers[0]["sampling_session_id"] == f"{session_id}:sample:7"
+        assert answers == [answers[0]] * 3, answers
+        assert "error" not in answers[0]
+        named = {"model_id": model_id, "sampling_session_seq_id": 8, "path": "named", "seq_id": 3}
+        first = client.outcome(client.ok("/save_weights_for_sampler", named)["request_id"]).json()
+        again = client.outcome(client.ok("/save_weights_for_sampler", {**named, "seq_id": 4})["request_id"]).json()
+        assert first == again and first["path"] == f"tinker://{model_id}/sampler_weights/named"
+        bad = client.post("/save_weights_for_sampler", {"model_id": model_id, "seq_id": 5, "kind": "later"})
+        assert bad.status_code == 400 and "kind must be one of ['snapshot', 'inflight']" in bad.text
+    finally:
+        client.close()
+
+
+def test_list_sessions_and_get_session_show_only_the_callers_own(served, alice):
+    """RestClient.list_sessions and get_session answered 404 (not served)."""
+    training = alice.create_lora_training_client(base_model=served.model, rank=4).result()
+    sampler = training.save_weights_and_get_sampling_client().result()
+    mine = alice.holder.get_session_id()
+    with tinker.ServiceClient(base_url=served.base_url, api_key=TOKENS["bob"]) as bob:
+        bob.create_sampling_client(base_model=served.model).result()
+        bobs = bob.holder.get_session_id()
+        alice_rest = tinker.RestClient(base_url=served.base_url, api_key=TOKENS["alice"])
+        listed = alice_rest.list_sessions(limit=1000).result().sessions
+        assert mine in listed and bobs not in listed
+        session = alice_rest.get_session(mine).result()
+        assert session.training_run_ids == [training.model_id]
+        assert session.sampler_ids == [sampler._sampling_session_id]
+        bob_rest = tinker.RestClient(base_url=served.base_url, api_key=TOKENS["bob"])
+        assert mine not in bob_rest.list_sessions(limit=1000).result().sessions
+        with pytest.raises(tinker.NotFoundError) as theirs:
+            bob_rest.get_session(mine).result()
+        with pytest.raises(tinker.NotFoundError) as unknown:
+            bob_rest.get_session("0" * 32).result()
+        assert str(theirs.value).replace(mine, "ID") == str(unknown.value).replace("0" * 32, "ID")
+        with pytest.raises(tinker.BadRequestError, match="access_scope must be one of"):
+            bob_rest.list_sessions(access_scope="everyone").result()
