@@ -129,3 +129,44 @@ def test_list_sessions_and_get_session_show_only_the_callers_own(served, alice):
         assert str(theirs.value).replace(mine, "ID") == str(unknown.value).replace("0" * 32, "ID")
         with pytest.raises(tinker.BadRequestError, match="access_scope must be one of"):
             bob_rest.list_sessions(access_scope="everyone").result()
+
+
+def test_two_d_target_tokens_score_the_sum_over_their_k_targets(served, alice):
+    """``target_tokens`` and ``weights`` of shape [L, K] (top-K distillation, the cookbook's soft labels)
+    were refused as "not served yet"."""
+    training = alice.create_lora_training_client(base_model=served.model, rank=4).result()
+    length, k = len(TEXT) - 1, 3
+    targets = [[(token + column * 7) % 90 for column in range(k)] for token in TEXT[1:]]
+    weights = [[1.0, 0.5, 0.25 * (position % 2)] for position in range(length)]
+    model_input = types.ModelInput.from_ints(TEXT[:-1])
+
+    def datum(targets_T, weights_T, shape: list[int], weights_shape: list[int] | None = None) -> types.Datum:
+        flat = [t for row in targets_T for t in row] if shape[1:] else targets_T
+        weights_shape = weights_shape or shape
+        flat_weights = [w for row in weights_T for w in row] if weights_shape[1:] else weights_T
+        inputs = {
+            "target_tokens": types.TensorData(data=flat, dtype="int64", shape=shape),
+            "weights": types.TensorData(data=flat_weights, dtype="float32", shape=weights_shape),
+        }
+        return types.Datum(model_input=model_input, loss_fn_inputs=inputs)
+
+    two_d = training.forward([datum(targets, weights, [length, k])], "cross_entropy").result()
+    columns = [
+        training.forward(
+            [datum([row[c] for row in targets], [row[c] for row in weights], [length])], "cross_entropy"
+        ).result()
+        for c in range(k)
+    ]
+    assert two_d.metrics["loss:sum"] == pytest.approx(sum(one.metrics["loss:sum"] for one in columns), rel=1e-5)
+    logprobs_LK = two_d.loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert logprobs_LK.shape == (length, k)
+    for c, one in enumerate(columns):
+        assert logprobs_LK[:, c].tolist() == pytest.approx(one.loss_fn_outputs[0]["logprobs"].tolist(), abs=1e-5)
+    one_d = datum(TEXT[1:], [1.0] * length, [length])
+    mixed = training.forward_backward([one_d, datum(targets, weights, [length, k]), one_d], "cross_entropy").result()
+    assert [out["logprobs"].to_numpy().shape for out in mixed.loss_fn_outputs] == [(length,), (length, k), (length,)]
+    assert mixed.metrics["loss:sum"] == pytest.approx(
+        two_d.metrics["loss:sum"] + 2 * -sum(mixed.loss_fn_outputs[0]["logprobs"].tolist()), rel=1e-5
+    )
+    with pytest.raises(tinker.BadRequestError, match=r"target_tokens and weights must both be \[L, K\]"):
+        training.forward([datum(targets, [1.0] * length, [length, k], [length])], "cross_entropy").result()

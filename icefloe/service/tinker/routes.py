@@ -186,12 +186,11 @@ async def forward_backward(request: Request, state: State, tenant: TenantDep) ->
         job = await state.live(model.job_id)
         sub_job_id = state.sub_job(job, "training")
         context_length = job.specs[sub_job_id].config.max_seq_len
-        batch, lengths = await _off_loop(len(raw), _batch, message, context_length, max_tokens)
+        batch, layout = await _off_loop(len(raw), _batch, message, context_length, max_tokens)
         op = OP_FORWARD if message.forward_only else OP_FWD_BWD
 
         def render(result: dict[str, Any]) -> dict[str, Any]:
-            rows = result.pop("logprobs")
-            result["logprobs"] = [rows[i, :n].tolist() for i, n in enumerate(lengths)]
+            result["logprobs"] = convert.datum_logprobs(result.pop("logprobs"), layout)
             return result
 
         return lambda: submit_training(state.manager, job, Training(sub_job_id, batch, render), op=op)
@@ -208,12 +207,12 @@ def _parse_request(kind: Any, raw: bytes) -> Any:
     return message
 
 
-def _batch(message: Any, context_length: int, max_tokens: int) -> tuple[dict[str, Any], list[int]]:
+def _batch(message: Any, context_length: int, max_tokens: int) -> tuple[dict[str, Any], Any]:
     from icefloe.engines.batch import validate_batch
     from icefloe.service.tinker import convert
 
-    batch, lengths = convert.batch_from_request(message, pad_id=0, context_length=context_length, max_tokens=max_tokens)
-    return validate_batch(batch, require_context=True), lengths
+    batch, layout = convert.batch_from_request(message, pad_id=0, context_length=context_length, max_tokens=max_tokens)
+    return validate_batch(batch, require_context=True), layout
 
 
 _ADAM_KEYS = ("beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
