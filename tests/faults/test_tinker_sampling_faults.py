@@ -43,6 +43,10 @@ def _train(training, steps: int) -> None:
         training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
 
 
+def _running(served) -> list[dict]:
+    return [job for job in served.http.get("/").json()["jobs"] if job["status"] == "running"]
+
+
 def _logprobs(sampler) -> list[float]:
     return sampler.compute_logprobs(types.ModelInput.from_ints(PROMPT)).result()[1:]
 
@@ -53,9 +57,15 @@ def test_a_snapshot_client_keeps_its_weights_while_an_inflight_one_follows(serve
     training = alice.create_lora_training_client(base_model=served.model, rank=4).result()
     _train(training, 1)
     reference = training.save_weights_and_get_sampling_client().result()
+    kept = _logprobs(reference)  # on the model's own sampler
     inflight = training.save_weights_and_get_sampling_client(kind="inflight").result()
-    kept, followed = _logprobs(reference), _logprobs(inflight)
-    assert kept == followed
+    assert _logprobs(inflight) == kept  # no step between the two saves
+    jobs_before = _running(served)
+    assert _logprobs(reference) == kept  # moved after the save: an adapter of its own, on the one shared base
+    jobs_after = _running(served)
+    assert len(jobs_after) == len(jobs_before) + 1
+    assert len({job["host"]["host_id"] for job in jobs_after}) == 1
+    assert served.http.get("/capacity").json()["in_use_slots"] == 1
     _train(training, 5)
     newest = training.save_weights_and_get_sampling_client().result()
     training.save_weights_and_get_sampling_client(kind="inflight").result()
@@ -63,7 +73,8 @@ def test_a_snapshot_client_keeps_its_weights_while_an_inflight_one_follows(serve
     moved = _logprobs(inflight)
     assert moved == _logprobs(newest)  # the newest weights
     assert max(abs(a - b) for a, b in zip(moved, kept, strict=True)) > 0.05
-    assert _logprobs(reference) == kept  # and again, on the sampler it moved to
+    # newest, made before the last (inflight) save, moved as well; the inflight client never does
+    assert len(_running(served)) == len(jobs_after) + 1
 
 
 def test_a_client_on_a_sampler_weights_path_keeps_them_after_the_next_save(served, alice):
