@@ -5,9 +5,10 @@ and each tenant lists and reads only its own sessions."""
 
 from __future__ import annotations
 
+import httpx
 import pytest
 
-from .tinker_serve import TOKENS, Tinker, tinker_serve
+from .tinker_serve import PROTO, TOKENS, Tinker, forward_backward, tinker_serve
 
 tinker = pytest.importorskip("tinker")
 
@@ -181,3 +182,54 @@ def test_two_d_target_tokens_score_the_sum_over_their_k_targets(served, alice):
     )
     with pytest.raises(tinker.BadRequestError, match=r"target_tokens and weights must both be \[L, K\]"):
         training.forward([datum(targets, [1.0] * length, [length, k], [length])], "cross_entropy").result()
+
+
+def _prompt_logprobs(client: Tinker, sampling_session_id: str, seq_id: int) -> list[float] | httpx.Response:
+    """The prompt's log-probs through raw ``asample`` (one token sampled), or the refusal."""
+    from tinker.proto.response_conv import deserialize_sample_response
+
+    body = {
+        "sampling_session_id": sampling_session_id, "seq_id": seq_id, "num_samples": 1, "prompt_logprobs": True,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]}, "sampling_params": {"max_tokens": 1},
+    }  # fmt: skip
+    sent = client.post("/asample", body)
+    if sent.status_code != 200:
+        return sent
+    return deserialize_sample_response(client.outcome(sent.json()["request_id"]).content).prompt_logprobs[1:]
+
+
+def _full_weight_snapshot_after_a_step(client: Tinker) -> tuple[str, list[float]]:
+    """A full-weight model's snapshot client, its log-probs, then a step and a second save."""
+    session_id = client.ok("/create_session", {})["session_id"]
+    created = client.ok("/create_model", {"session_id": session_id, "model_seq_id": 0, "base_model": "tiny-chat"})
+    client.outcome(created["request_id"])
+    model_id = created["model_id"]
+    save = {"model_id": model_id, "seq_id": 1, "sampling_session_seq_id": 1}
+    saved = client.outcome(client.ok("/save_weights_for_sampler", save)["request_id"]).json()
+    sampler_id = saved["sampling_session_id"]
+    kept = _prompt_logprobs(client, sampler_id, 0)
+    step = forward_backward(model_id, 2, TEXT)
+    client.outcome(client.ok("/forward_backward", content=step, headers=PROTO)["request_id"])
+    adam = {"model_id": model_id, "seq_id": 3, "adam_params": {"learning_rate": 5e-2}}
+    client.outcome(client.ok("/optim_step", adam)["request_id"])
+    again = {"model_id": model_id, "seq_id": 4, "sampling_session_seq_id": 2}
+    client.outcome(client.ok("/save_weights_for_sampler", again)["request_id"])
+    return sampler_id, kept
+
+
+def test_a_full_weight_snapshot_gets_a_copy_of_its_own_or_a_refusal_naming_the_limit(tmp_path):
+    """A full-weight model's snapshot cannot be an adapter on a shared base: it is kept on a sampler
+    job of its own (a slot), and where the tenant's max_slots leaves none, the call says so."""
+    with tinker_serve(tmp_path, limits={"bob": "max_slots=1"}) as serve:
+        alice, bob = Tinker(serve, "alice"), Tinker(serve, "bob")
+        try:
+            sampler_id, kept = _full_weight_snapshot_after_a_step(alice)
+            assert _prompt_logprobs(alice, sampler_id, 1) == kept
+            sampler_id, kept = _full_weight_snapshot_after_a_step(bob)
+            refused = _prompt_logprobs(bob, sampler_id, 1)
+            assert isinstance(refused, httpx.Response) and refused.status_code == 400, refused.text  # never 409:
+            assert refused.json()["code"] == "conflict"  # the SDK would retry that
+            assert "may hold 1 slots at once (max_slots=1" in refused.json()["message"]
+        finally:
+            alice.close()
+            bob.close()
