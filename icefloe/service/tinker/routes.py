@@ -341,12 +341,12 @@ async def _saver(
             request_id = submit_weight_sync(state.manager, job, WeightSyncPayload(), sub_job_id)
             model.sampler_version += 1
             model.sampler_files = files
-            if session_seq is not None:
-                sampler = _sampling_session(state, model.session_id, session_seq, model, str(path))
+            if session_seq is not None:  # an unnamed snapshot's folder has no path a caller may name
+                sampler = _sampling_session(state, model.session_id, session_seq, model, answer.get("path"))
                 if snapshot:
                     state.pin(sampler, model)
                 answer["sampling_session_id"] = sampler.sampling_session_id
-                model.sampler_saves[session_seq] = (request_id, dict(answer))
+                remember(model.sampler_saves, session_seq, (request_id, dict(answer)))
         return request_id
 
     return queue
@@ -384,7 +384,9 @@ async def load_weights(body: Body, state: State, tenant: TenantDep) -> dict[str,
 
 
 # --- sampling --------------------------------------------------------------------------------
-def _sampling_session(state: TinkerState, session_id: str, seq: int, model: Model, model_path: str) -> SamplingSession:
+def _sampling_session(
+    state: TinkerState, session_id: str, seq: int, model: Model, model_path: str | None
+) -> SamplingSession:
     """A sampling session on the model's own sampler (an ``inflight`` client, until pinned)."""
     sampling_session_id = f"{session_id}:sample:{seq}"
     return state.add_sampler(sampling_session_id, session_id, model.job_id, model.base_model, model_path)
