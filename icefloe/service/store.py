@@ -268,7 +268,8 @@ def owned_tinker_checkpoints(db: Database, *, owner: str | None, limit: int, off
     ``run_id``; a page of ``limit`` from ``offset``."""
     sql = (
         "SELECT c.*, r.run_id FROM checkpoints c JOIN tinker_runs r ON r.job_id = c.job_id AND r.kind = 'model' "
-        "JOIN jobs j ON j.job_id = c.job_id WHERE c.checkpoint_id LIKE 'tinker-%' AND (?1 IS NULL OR j.owner = ?1) "
+        "JOIN jobs j ON j.job_id = c.job_id WHERE c.checkpoint_id LIKE 'tinker-%' "
+        "AND c.checkpoint_id NOT LIKE 'tinker-snapshot-%' AND (?1 IS NULL OR j.owner = ?1) "
         "ORDER BY c.created_at DESC LIMIT ?2 OFFSET ?3"
     )
     return db.fetch_all(sql, (owner, limit, offset))
@@ -277,7 +278,8 @@ def owned_tinker_checkpoints(db: Database, *, owner: str | None, limit: int, off
 def count_tinker_checkpoints(db: Database, *, owner: str | None) -> int:
     sql = (
         "SELECT COUNT(*) AS n FROM checkpoints c JOIN tinker_runs r ON r.job_id = c.job_id AND r.kind = 'model' "
-        "JOIN jobs j ON j.job_id = c.job_id WHERE c.checkpoint_id LIKE 'tinker-%' AND (?1 IS NULL OR j.owner = ?1)"
+        "JOIN jobs j ON j.job_id = c.job_id WHERE c.checkpoint_id LIKE 'tinker-%' "
+        "AND c.checkpoint_id NOT LIKE 'tinker-snapshot-%' AND (?1 IS NULL OR j.owner = ?1)"
     )
     row = db.fetch_one(sql, (owner,))
     return row["n"] if row else 0
@@ -303,6 +305,19 @@ def finish_active_tinker_sessions(db: Database) -> int:
 
 def get_tinker_session(db: Database, *, session_id: str) -> dict[str, Any] | None:
     return db.fetch_one("SELECT * FROM tinker_sessions WHERE session_id = ?", (session_id,))
+
+
+def list_tinker_sessions(db: Database, *, owner: str | None, limit: int, offset: int) -> list[str]:
+    """A page of the owner's session ids (every owner's: None), newest first."""
+    sql = "SELECT session_id FROM tinker_sessions WHERE (?1 IS NULL OR owner = ?1) "
+    rows = db.fetch_all(sql + "ORDER BY created_at DESC, rowid DESC LIMIT ?2 OFFSET ?3", (owner, limit, offset))
+    return [row["session_id"] for row in rows]
+
+
+def session_tinker_runs(db: Database, *, session_id: str) -> list[dict[str, Any]]:
+    """The models and sampling sessions of one session, oldest first."""
+    sql = "SELECT run_id, kind FROM tinker_runs WHERE session_id = ? ORDER BY created_at, rowid"
+    return db.fetch_all(sql, (session_id,))
 
 
 def insert_tinker_run(

@@ -148,7 +148,8 @@ def test_every_refusal_names_the_field_and_uses_up_its_seq_id(served, alice):
         "weights has shape [1, 4611686018427387904]",
     )
     top_k = {"target_tokens": dense(np.arange(7, dtype=np.int64), shape=[7, 1])}
-    _refused(fwd(**top_k, weights=dense(np.ones(7, np.float32), shape=[7, 2])), "weights is 2-D [7, 2]")
+    _refused(fwd(**top_k, weights=dense(np.ones(14, np.float32), shape=[7, 2])),
+             "target_tokens and weights must both be [L, K]; got target_tokens [7], weights [7, 2]")  # fmt: skip
 
     name = "n" * 300
     _refused(alice.post("/save_weights", {"model_id": model_id, "seq_id": next(seq), "path": name}),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -108,3 +109,60 @@ def test_weights_download_fetches_a_training_checkpoint_as_a_peft_folder(tmp_pat
     assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["r"] == 4
     assert all("lora_" in key for key in load_file(tmp_path / "adapter" / "adapter_model.safetensors"))
     assert exports == []  # the temporary export was deleted
+
+
+_DPO_SCRIPT = """
+import json, sys
+from tinker_cookbook.preference import train_dpo
+from tinker_cookbook.preference.dpo_datasets import DPODatasetBuilderFromComparisons
+from tinker_cookbook.preference.preference_datasets import ComparisonBuilderFromJsonl
+from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
+
+model, pairs, log_path, base_url = sys.argv[1:]
+common = ChatDatasetBuilderCommonConfig(
+    model_name_for_tokenizer=model, renderer_name="role_colon", max_length=64, batch_size=2
+)
+comparisons = ComparisonBuilderFromJsonl(train_path=pairs, test_path=pairs)
+config = train_dpo.Config(
+    recipe_name="dpo", log_path=log_path, model_name=model, renderer_name="role_colon", base_url=base_url, lora_rank=8,
+    dataset_builder=DPODatasetBuilderFromComparisons(common_config=common, comparison_builder=comparisons),
+    learning_rate=5e-3, lr_schedule="constant", dpo_beta=1.0, num_epochs=3, eval_every=2, save_every=3,
+    infrequent_eval_every=0,
+)
+train_dpo.main(config)
+"""
+
+
+def test_dpo_keeps_its_reference_while_evals_and_checkpoints_save_new_weights(tmp_path):
+    """The cookbook's DPO keeps a save_weights_and_get_sampling_client() snapshot as its reference; each
+    eval's own snapshot and each save_every checkpoint refilled the sampler it was bound to, so the
+    reference became the policy and the loss snapped back to exactly ln 2 (margin 0) at every eval."""
+    model = tmp_path / "models" / "tiny-chat"  # the data dir must not lie under the model root
+    subprocess.run([sys.executable, "-m", "icefloe.cli", "models", "export", "tiny:chat", str(model)], check=True)
+    pairs = tmp_path / "pairs.jsonl"
+    rows = []
+    for i in range(4):
+        comparison = {
+            "prompt_conversation": [{"role": "user", "content": f"count to {i + 3}"}],
+            "completion_A": [{"role": "assistant", "content": " ".join(str(n) for n in range(i + 3))}],
+            "completion_B": [{"role": "assistant", "content": "no"}],
+        }
+        rows.append(json.dumps({"comparison": comparison, "label": "A"}))
+    pairs.write_text("\n".join(rows) + "\n")
+    log_path = tmp_path / "run"
+    with ServerThread(make_app(tmp_path / "serve", engines="local", model_root=model.parent)) as base_url:
+        recipe = subprocess.run(
+            [sys.executable, "-c", _DPO_SCRIPT, str(model), str(pairs), str(log_path), base_url],
+            env={**os.environ, "TINKER_API_KEY": "tml-cookbook", "HF_HUB_OFFLINE": "1"},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+    assert recipe.returncode == 0, recipe.stdout[-3000:] + recipe.stderr[-3000:]
+    rows = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
+    losses = [row["dpo_loss"] for row in rows if "dpo_loss" in row]
+    evals = [row for row in rows if any(key.startswith("test/") for key in row)]
+    assert len(losses) == 6 and len(evals) >= 3, rows
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-6)  # the reference is the initial policy
+    assert all(abs(loss - math.log(2)) > 1e-3 for loss in losses[1:]), losses  # and stays the initial policy
+    assert losses[-1] < losses[0]

@@ -4,6 +4,10 @@ The protobuf classes come from the ``tinker`` package (``pip install icefloe[tin
 of ``L`` tokens becomes one row of the canonical batch with explicit targets: column ``i`` scores
 ``target_tokens[i]`` (not necessarily the next input token), every column counts, and the Tinker
 losses are sums (``loss_agg_mode: token-sum``). Tensors: B rows, S positions.
+
+A ``cross_entropy`` datum may give K targets per position (``target_tokens`` and ``weights`` both
+``[L, K]``: top-K distillation, soft labels): it becomes K rows of the batch, row k scoring column k,
+so its loss is the sum over the K targets, and its log-probs come back ``[L, K]``.
 """
 
 from __future__ import annotations
@@ -16,12 +20,16 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from icefloe.protocol import InvalidRequestError
 
-__all__ = ["batch_from_request", "forward_backward_output", "pb", "sample_response", "tokens_of"]
+__all__ = ["Layout", "batch_from_request", "datum_logprobs", "forward_backward_output", "pb", "sample_response",
+           "tokens_of"]  # fmt: skip
+
+Layout = list[tuple[int, int, int | None]]  # per datum: its length, its first row, and K for [L, K] targets
 
 _NUMPY_DTYPES = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
 # Tinker input name -> canonical context name
 _CONTEXT_NAMES = {"target_tokens": "target_tokens", "weights": "weights", "advantages": "advantages",
                   "logprobs": "old_logprobs", "sequence_ratio_mask": "sequence_ratio_mask"}  # fmt: skip
+_MAX_COLUMNS = 1024  # targets per position of a [L, K] target_tokens
 _EMPTY_LOGPROB = -99999.0  # the SDK's mark of an empty top-k cell (tinker.types.topk_logprobs.MASK_LOGPROB)
 _TINKER_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
 # Losses the SDK names whose objective Tinker has not published, so they cannot be reproduced here.
@@ -49,13 +57,14 @@ def _array(tensor: pb.Tensor, where: str, length: int, name: str) -> np.ndarray:
     if dtype is None:
         raise InvalidRequestError(f"{where}: dtype {tensor.dtype} is not supported; send float32 or int64")
     shape = [int(d) for d in tensor.shape]
-    if len(shape) == 2 and shape[0] == length and shape[1] != 1 and name in ("target_tokens", "weights"):
-        raise InvalidRequestError(
-            f"{where} is 2-D {shape} (top-K targets per position), which is not served yet; send one target token "
-            "and weight per position"
-        )
-    if any(d < 0 for d in shape) or (shape and math.prod(shape) != length):
+    columns = 1
+    if len(shape) == 2 and shape[0] == length and shape[1] > 1 and name in ("target_tokens", "weights"):
+        columns = shape[1]  # top-K targets per position: [L, K]
+        if columns > _MAX_COLUMNS:
+            raise InvalidRequestError(f"{where} has {columns} targets per position; at most {_MAX_COLUMNS} are served")
+    if any(d < 0 for d in shape) or (shape and math.prod(shape) != length * columns):
         raise InvalidRequestError(f"{where} has shape {shape[:4]}; a datum of {length} tokens needs [{length}]")
+    length *= columns
     if tensor.WhichOneof("encoding") == "sparse_csr":
         array = _from_csr(tensor.sparse_csr, dtype, shape, where)
     else:
@@ -69,7 +78,7 @@ def _array(tensor: pb.Tensor, where: str, length: int, name: str) -> np.ndarray:
         raise InvalidRequestError(
             f"{where} holds {array[position]} at position {position}; every value must be a finite number"
         )
-    return array
+    return array.reshape(-1, columns) if columns > 1 else array
 
 
 def _from_csr(csr: pb.SparseCsr, dtype: type[np.generic], shape: list[int], where: str) -> np.ndarray:
@@ -137,6 +146,7 @@ def batch_from_request(
         )
     rows: list[list[int]] = []
     inputs: list[dict[str, np.ndarray]] = []
+    layout: Layout = []
     for index, datum in enumerate(request.data):
         tokens = tokens_of(datum.model_input, f"data.{index}.model_input")
         if not tokens:
@@ -157,15 +167,24 @@ def batch_from_request(
                 raise InvalidRequestError(
                     f"data.{index}.loss_fn_inputs.{name} is missing; loss {loss_fn!r} needs it in every datum"
                 )
-        rows.append(tokens)
-        inputs.append(fields)
+        columns = _columns(fields, loss_fn, f"data.{index}.loss_fn_inputs")
+        layout.append((len(tokens), len(rows), columns))
+        for column in range(columns or 1):  # K targets per position: one row per column
+            rows.append(tokens)
+            inputs.append({n: a[:, column] if a.ndim == 2 else a for n, a in fields.items()})
+    scored = sum(map(len, rows))
+    if scored > max_tokens:
+        raise InvalidRequestError(
+            f"the request scores {scored} tokens (each of a datum's K target columns is a pass over its tokens); at "
+            f"most {max_tokens} go in one request (icefloe serve --max-tokens-per-request): send fewer datums or "
+            "fewer targets per position"
+        )
     masked = ["sequence_ratio_mask" in fields for fields in inputs]
     if any(masked) and not all(masked):  # a row without one would score over no position
         raise InvalidRequestError(
             f"data.{masked.index(False)}.loss_fn_inputs.sequence_ratio_mask is missing; give it in every datum or none"
         )
-    lengths = [len(r) for r in rows]
-    num_rows, width = len(rows), max(lengths)
+    num_rows, width = len(rows), max(map(len, rows))
     input_ids = torch.full((num_rows, width), pad_id, dtype=torch.int64)
     attention = torch.zeros((num_rows, width), dtype=torch.int64)
     context = {name: torch.zeros((num_rows, width)) for name in {n for fields in inputs for n in fields}}
@@ -186,23 +205,59 @@ def batch_from_request(
                                                  "forward_only": request.forward_only}}  # fmt: skip
     batch = {"kwargs": {"input_ids": input_ids, "attention_mask": attention}, "context": context,
              "processing": processing}  # fmt: skip
-    return batch, lengths
+    return batch, layout
 
 
-def _batched(arrays: list[np.ndarray], dtype: int) -> pb.BatchedTensor:
-    offsets = np.cumsum([0, *(a.nbytes for a in arrays)]).astype(np.int64)
-    return pb.BatchedTensor(data=b"".join(a.tobytes() for a in arrays), offsets=offsets.tobytes(), dtype=dtype)
+def _columns(fields: dict[str, np.ndarray], loss_fn: str, where: str) -> int | None:
+    """K of a datum whose ``target_tokens`` and ``weights`` are both ``[L, K]``; None for one target."""
+    shapes = {name: fields[name].shape for name in ("target_tokens", "weights") if name in fields}
+    if all(len(shape) == 1 for shape in shapes.values()):
+        return None
+    if loss_fn != "cross_entropy":
+        raise InvalidRequestError(
+            f"{where}.target_tokens is [L, K] (K targets per position), which only loss 'cross_entropy' takes; "
+            f"send one target per position for {loss_fn!r}"
+        )
+    if len(set(shapes.values())) != 1 or len(shapes) != 2:
+        listed = ", ".join(f"{name} {list(shape)}" for name, shape in shapes.items())
+        raise InvalidRequestError(f"{where}: target_tokens and weights must both be [L, K]; got {listed}")
+    return int(shapes["target_tokens"][1])
+
+
+def datum_logprobs(logprobs_BS: Any, layout: Layout) -> list[list[float] | list[list[float]]]:
+    """Each datum's log-probs: ``[L]``, or ``[L, K]`` gathered from its K rows."""
+    out: list[Any] = []
+    for length, first, columns in layout:
+        if columns is None:
+            out.append(logprobs_BS[first, :length].tolist())
+        else:
+            out.append(logprobs_BS[first : first + columns, :length].T.tolist())
+    return out
 
 
 def forward_backward_output(result: dict[str, Any]) -> bytes:
-    """A stored forward(-backward) result (``loss``, ``metrics``, per-datum ``logprobs``) as protobuf."""
+    """A stored forward(-backward) result (``loss``, ``metrics``, per-datum ``logprobs``) as protobuf;
+    consecutive datums of one shape (``[L]``, or ``[L, K]`` of one K) share a record."""
     logprobs = [np.asarray(row, dtype=np.float32) for row in result["logprobs"]]
     metrics = {"loss:sum": float(result["loss"])}
     metrics |= {f"{name}:mean": float(v) for name, v in result["metrics"].items() if name != "loss"}
-    record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=len(logprobs))
-    record.fields["logprobs"].CopyFrom(_batched(logprobs, pb.DTYPE_FLOAT32))
     message = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics=metrics)
-    message.loss_fn_outputs.append(record)
+    start = 0
+    while start < len(logprobs):
+        trailing = logprobs[start].shape[1:]
+        end = start + 1
+        while end < len(logprobs) and logprobs[end].shape[1:] == trailing:
+            end += 1
+        group = logprobs[start:end]
+        record = pb.ArrayRecord(type_tag="ArrayRecord", num_datums=len(group))
+        offsets = np.cumsum([0, *(a.nbytes for a in group)]).astype(np.int64)
+        data = b"".join(a.tobytes() for a in group)
+        tensor = pb.BatchedTensor(data=data, offsets=offsets.tobytes(), dtype=pb.DTYPE_FLOAT32, trailing_shape=trailing)
+        record.fields["logprobs"].CopyFrom(tensor)
+        message.loss_fn_outputs.append(record)
+        start = end
+    if not logprobs:
+        message.loss_fn_outputs.append(pb.ArrayRecord(type_tag="ArrayRecord", num_datums=0))
     return message.SerializeToString()
 
 

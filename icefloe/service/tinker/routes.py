@@ -42,7 +42,7 @@ from icefloe.service.routes import SettingsDep, TenantDep
 from icefloe.service.settings import ServeSettings
 from icefloe.service.tinker.checks import Fields, checkpoint_name, json_body
 from icefloe.service.tinker.external import encrypt_folder, recipients_of
-from icefloe.service.tinker.state import CheckpointPath, Model, SamplingSession, TinkerState, remember
+from icefloe.service.tinker.state import CheckpointPath, Model, SamplingSession, Snapshot, TinkerState, remember
 
 __all__ = ["router", "tinker_state"]
 
@@ -52,6 +52,7 @@ _PROMPT_KEYS = ("prompt_logprobs", "topk_prompt_logprobs", "target_prompt_logpro
 _ON_LOOP_BYTES = 64 * 1024  # larger protobuf bodies are parsed and converted on a worker thread
 _MAX_SEQ_ID = 2**62
 _MAX_TOPK = 1024
+_SAMPLER_KINDS = ("snapshot", "inflight")  # the SDK's SamplingClientKind
 
 
 async def tinker_state(request: Request) -> TinkerState:
@@ -185,12 +186,11 @@ async def forward_backward(request: Request, state: State, tenant: TenantDep) ->
         job = await state.live(model.job_id)
         sub_job_id = state.sub_job(job, "training")
         context_length = job.specs[sub_job_id].config.max_seq_len
-        batch, lengths = await _off_loop(len(raw), _batch, message, context_length, max_tokens)
+        batch, layout = await _off_loop(len(raw), _batch, message, context_length, max_tokens)
         op = OP_FORWARD if message.forward_only else OP_FWD_BWD
 
         def render(result: dict[str, Any]) -> dict[str, Any]:
-            rows = result.pop("logprobs")
-            result["logprobs"] = [rows[i, :n].tolist() for i, n in enumerate(lengths)]
+            result["logprobs"] = convert.datum_logprobs(result.pop("logprobs"), layout)
             return result
 
         return lambda: submit_training(state.manager, job, Training(sub_job_id, batch, render), op=op)
@@ -207,12 +207,12 @@ def _parse_request(kind: Any, raw: bytes) -> Any:
     return message
 
 
-def _batch(message: Any, context_length: int, max_tokens: int) -> tuple[dict[str, Any], list[int]]:
+def _batch(message: Any, context_length: int, max_tokens: int) -> tuple[dict[str, Any], Any]:
     from icefloe.engines.batch import validate_batch
     from icefloe.service.tinker import convert
 
-    batch, lengths = convert.batch_from_request(message, pad_id=0, context_length=context_length, max_tokens=max_tokens)
-    return validate_batch(batch, require_context=True), lengths
+    batch, layout = convert.batch_from_request(message, pad_id=0, context_length=context_length, max_tokens=max_tokens)
+    return validate_batch(batch, require_context=True), layout
 
 
 _ADAM_KEYS = ("beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
@@ -265,11 +265,16 @@ async def save_weights_for_sampler(body: Body, state: State, tenant: TenantDep) 
 
     async def prepare() -> Callable[[], str]:
         session_seq = body.integer("sampling_session_seq_id", None, low=0, high=_MAX_SEQ_ID)
+        kind = body.value.get("kind", "snapshot")
+        if kind not in _SAMPLER_KINDS:
+            raise InvalidRequestError(f"kind must be one of {list(_SAMPLER_KINDS)}; got {kind!r:.40}")
         named = body.value.get("path") is not None
-        name = checkpoint_name(body.value.get("path") if named else f"ephemeral-{session_seq}-{seq_id}", "path")
-        path = CheckpointPath(model.model_id, "sampler_weights", name)
+        if named:
+            path = CheckpointPath(model.model_id, "sampler_weights", checkpoint_name(body.value["path"], "path"))
+        else:  # kept only for the snapshot client made with it, so never a path a caller can name
+            path = CheckpointPath(model.model_id, "snapshot", f"{session_seq}-{seq_id}-{uuid.uuid4().hex[:8]}")
         return await _saver(state, model, path, answer, kind="weights-only", sync=True, session_seq=session_seq,
-                            named=named)  # fmt: skip
+                            named=named, snapshot=kind == "snapshot")  # fmt: skip
 
     return await state.in_turn(model, seq_id, lambda _: answer, prepare)
 
@@ -297,13 +302,16 @@ async def save_weights_external(body: Body, state: State, tenant: TenantDep) -> 
 
 async def _saver(
     state: TinkerState, model: Model, path: CheckpointPath, answer: dict[str, Any], *, kind: str,
-    sync: bool = False, session_seq: int | None = None, named: bool = True, encrypt_to: list[Any] | None = None,
+    sync: bool = False, session_seq: int | None = None, named: bool = True, snapshot: bool = False,
+    encrypt_to: list[Any] | None = None,
 ) -> Callable[[], str]:  # fmt: skip
     """What queues a save of ``kind`` (and, for a sampler, a weight sync into the model's sampler),
     filling ``answer`` in when it is queued.
 
-    An unnamed sampler save (``save_weights_and_get_sampling_client``) writes no files: its
-    weights only ever live in the model's sampler, which the sync fills.
+    A sampler save writes files when named, or for a ``snapshot`` client (which moves to a sampler
+    of its own from them once a later save changes the model's sampler); an unnamed ``inflight``
+    save writes none: its weights only ever live in the model's sampler, which the sync fills. A
+    second save for one ``sampling_session_seq_id`` is the first one again: its request and answer.
     """
     job = await state.live(model.job_id)
     sub_job_id, host = state.sub_job(job, "training"), job.engines
@@ -318,15 +326,27 @@ async def _saver(
         return {key: value for key, value in result.items() if key != "path"}  # the answer names no server path
 
     def queue() -> str:
-        if named or not sync:
+        if session_seq is not None and session_seq in model.sampler_saves:
+            request_id, first = model.sampler_saves[session_seq]
+            answer.update(first)
+            return request_id
+        files = None
+        if named or snapshot or not sync:
             request_id = state.manager.submit(job, sub_job_id, OP_SAVE, run)
-            answer["path"] = str(path)
+            files = Snapshot(path, request_id)
+            if named:
+                answer["path"] = str(path)
         if sync:
+            state.flush(job.job_id)  # sample calls made before this save sample the weights before it
             request_id = submit_weight_sync(state.manager, job, WeightSyncPayload(), sub_job_id)
-            model.sampler_path = str(path)
-            if session_seq is not None:
-                sampler = _sampling_session(state, model.session_id, session_seq, model, str(path))
+            model.sampler_version += 1
+            model.sampler_files = files
+            if session_seq is not None:  # an unnamed snapshot's folder has no path a caller may name
+                sampler = _sampling_session(state, model.session_id, session_seq, model, answer.get("path"))
+                if snapshot:
+                    state.pin(sampler, model)
                 answer["sampling_session_id"] = sampler.sampling_session_id
+                remember(model.sampler_saves, session_seq, (request_id, dict(answer)))
         return request_id
 
     return queue
@@ -364,8 +384,10 @@ async def load_weights(body: Body, state: State, tenant: TenantDep) -> dict[str,
 
 
 # --- sampling --------------------------------------------------------------------------------
-def _sampling_session(state: TinkerState, session_id: str, seq: int, model: Model, model_path: str) -> SamplingSession:
-    """A sampling session on the model's own sampler."""
+def _sampling_session(
+    state: TinkerState, session_id: str, seq: int, model: Model, model_path: str | None
+) -> SamplingSession:
+    """A sampling session on the model's own sampler (an ``inflight`` client, until pinned)."""
     sampling_session_id = f"{session_id}:sample:{seq}"
     return state.add_sampler(sampling_session_id, session_id, model.job_id, model.base_model, model_path)
 
@@ -384,8 +406,9 @@ async def create_sampling_session(body: Body, state: State, tenant: TenantDep) -
     if model_path:
         path = CheckpointPath.parse(model_path)
         model = state.models.get(path.run)
-        if model is not None and state.tenancy.sees(tenant, model.owner) and model.sampler_path == str(path):
-            _sampling_session(state, session_id, seq, model, str(path))
+        held = model.sampler_files if model is not None else None
+        if model is not None and state.tenancy.sees(tenant, model.owner) and held and held.path == path:
+            state.pin(_sampling_session(state, session_id, seq, model, str(path)), model)  # moves once it changes
         else:
             base_model, rank, layers = await asyncio.to_thread(state.base_model_of, path, tenant)
             job_id = await asyncio.to_thread(
@@ -445,7 +468,8 @@ async def _queue_sample(
     prompt, params, last_n = await _off_loop(body.size, _sample_call, body, settings, tag)
     # A job still waiting for its slots takes the call now: it waits in its gathering (sent once the job
     # runs), and each poll of its future says why it waits.
-    job = state.manager.live_job(sampler.job_id) or await state.live(sampler.job_id)
+    job_id = await state.sampling_job(sampler, sampler.owner)
+    job = state.manager.live_job(job_id) or await state.live(job_id)
     sub_job_id = state.sub_job(job, "sampling")
     limit = job.specs[sub_job_id].config.max_seq_len  # the model's context length
     if len(prompt) >= limit:

@@ -1,5 +1,5 @@
 """The Tinker API's REST routes (``RestClient``): the models this server offers, training runs and their
-checkpoints (listed, copied, downloaded, deleted), each within the caller's tenant. A route the SDK
+checkpoints (listed, copied, downloaded, deleted) and sessions, each within the caller's tenant. A route the SDK
 knows that no route here or in :mod:`.routes` serves is refused by name (404), never a bare 404.
 
 Runs and checkpoints are read from the store, so they are listed after a restart too.
@@ -224,10 +224,39 @@ async def weights_info(body: Body, state: State, tenant: TenantDep) -> dict[str,
     return {"base_model": base_model, "is_lora": rank is not None, "lora_rank": rank}
 
 
+# --- sessions -----------------------------------------------------------------------------------
+_SCOPES = ("owned", "accessible")
+
+
+@router.get("/sessions")
+async def list_sessions(
+    state: State, tenant: TenantDep, limit: int = 20, offset: int = 0, access_scope: str = "owned"
+) -> dict[str, Any]:
+    """The caller's session ids, newest first; ``accessible`` lets the admin list every tenant's."""
+    _page(limit, offset)
+    if access_scope not in _SCOPES:
+        raise InvalidRequestError(f"access_scope must be one of {list(_SCOPES)}; got {access_scope[:40]!r}")
+    owner = tenant if access_scope == "owned" else state.tenancy.owner_filter(tenant)
+    ids = await asyncio.to_thread(store.list_tinker_sessions, state.db, owner=owner, limit=limit, offset=offset)
+    return {"sessions": ids}
+
+
+@router.get("/sessions/{session_id}")
+async def get_session(session_id: str, state: State, tenant: TenantDep) -> dict[str, Any]:
+    """A session's models (training runs) and sampling sessions; 404 for one that is not the caller's."""
+    await asyncio.to_thread(state.session, session_id, tenant)
+    runs = await asyncio.to_thread(store.session_tinker_runs, state.db, session_id=session_id)
+    return {
+        "training_run_ids": [run["run_id"] for run in runs if run["kind"] == "model"],
+        "sampler_ids": [run["run_id"] for run in runs if run["kind"] == "sampler"],
+        "user_metadata": None,
+    }
+
+
 # --- what is not served -------------------------------------------------------------------------
 @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
 async def not_served(path: str, request: Request) -> None:
     raise NotFoundError(
-        f"{request.method} /api/v1/{path[:200]} is not served by icefloe serve (publishing, projects, sessions, "
+        f"{request.method} /api/v1/{path[:200]} is not served by icefloe serve (publishing, projects, session search, "
         "audit logs, billing and custom losses on the server are not); docs/tinker.md lists what is"
     )

@@ -38,10 +38,10 @@ from icefloe.service.specs import sub_job_specs
 from icefloe.service.tenants import Tenancy
 from icefloe.service.turns import Turns
 
-__all__ = ["CheckpointPath", "Future", "Model", "SamplingSession", "TinkerState", "remember"]
+__all__ = ["CheckpointPath", "Future", "Model", "SamplingSession", "Snapshot", "TinkerState", "remember"]
 
 _log = logging.getLogger("icefloe.service.tinker")
-_KINDS = ("weights", "sampler_weights", "external_weights")
+_KINDS = ("weights", "sampler_weights", "external_weights")  # "snapshot" (kept for a client) is never a caller's path
 _COPY_PREFIX = "copy-"  # model ids never start so: they are <session>:train:<n>
 FUTURES_KEPT = 100_000  # futures, and answers kept per model or sampler for a resent seq_id
 _CLONE_SEQ_BLOCK = 1_000_000_000  # a sampling client's seq_ids start at its clone number times this
@@ -118,7 +118,19 @@ class Model:
     owner: str
     taken: dict[int, dict[str, Any]] = field(default_factory=dict)  # seq_id -> the answer it got
     holding: set[asyncio.Task[None]] = field(default_factory=set)  # ops waiting for their turn
-    sampler_path: str | None = None  # the saved weights the model's own sampler holds now
+    # The model's own sampler: how many syncs were queued into it, and the files (with the request
+    # that writes them) of the weights the last one carries; None when it carries no files (inflight).
+    sampler_version: int = 0
+    sampler_files: Snapshot | None = None
+    sampler_saves: dict[int, tuple[str, dict[str, Any]]] = field(default_factory=dict)  # session seq -> first save
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Saved weights a snapshot sampling client keeps: their checkpoint, and the save request writing it."""
+
+    path: CheckpointPath
+    save_request_id: str
 
 
 def remember(taken: dict[int, Any], seq_id: int, answer: Any) -> None:
@@ -150,6 +162,12 @@ class SamplingSession:
     gathering: _Gathering | None = None  # the sample calls waiting to go out as one request
     clients: int = 1  # the original client is 0; each joined clone gets the next number
     completions: dict[int, Completions] = field(default_factory=dict)  # clone number -> its futures
+    # A snapshot client on its model's own sampler: the model, the sync it was made on and its files.
+    # Once a later sync is queued there, its next call moves it to a sampler job of its own (from the files).
+    model_id: str | None = None
+    pinned: int | None = None
+    snapshot: Snapshot | None = None
+    moving: asyncio.Task[None] | None = None
 
     def track(self, seq_id: int | None, future_id: str) -> None:
         """Note a queued sample future for ``retrieve_futures`` of the client that sent ``seq_id``."""
@@ -174,6 +192,7 @@ class _Gathering:
     quiet_until: float
     deadline: float
     sender: asyncio.Task[None] | None = None
+    submit: Callable[[list[Any]], str] | None = None  # what sends its items (set with its first item)
     cancelled: set[int] = field(default_factory=set)  # items cancelled, before or after it was sent
     size: int = 0  # how many items it was sent with (cancelled ones included)
 
@@ -647,29 +666,92 @@ class TinkerState:
             gathering_id = f"{sampler.job_id}:sample:{uuid.uuid4().hex}"  # its job first: see lost_future
             gathering = _Gathering(gathering_id, [], loop.create_future(), now + GATHER_QUIET_S, now + GATHER_MAX_S)
             sampler.gathering = gathering
-            gathering.sender = loop.create_task(self._send_gathered(sampler, gathering, submit))
+            gathering.submit = submit
+            gathering.sender = loop.create_task(self._send_gathered(sampler, gathering))
         part = len(gathering.items)
         gathering.items.append(item)
         gathering.quiet_until = now + GATHER_QUIET_S
         return gathering, part
 
-    async def _send_gathered(
-        self, sampler: SamplingSession, gathering: _Gathering, submit: Callable[[list[Any]], str]
-    ) -> None:
+    async def _send_gathered(self, sampler: SamplingSession, gathering: _Gathering) -> None:
         loop = asyncio.get_running_loop()
         while (wait := min(gathering.quiet_until, gathering.deadline) - loop.time()) > 0:
             await asyncio.sleep(wait)
-        sampler.gathering = None
+        if gathering.submitted.done():
+            return  # sent early by flush
+        try:
+            await self.live(sampler.job_id)  # a job waiting for slots: sent once it runs
+        except Exception as exc:
+            self._send_now(sampler, gathering, exc)
+            return
+        if not gathering.submitted.done():
+            self._send_now(sampler, gathering)
+
+    def _send_now(self, sampler: SamplingSession, gathering: _Gathering, refused: Exception | None = None) -> None:
+        if sampler.gathering is gathering:
+            sampler.gathering = None
         items = [None if part in gathering.cancelled else item for part, item in enumerate(gathering.items)]
         gathering.items, gathering.size = [], len(items)  # the request holds them now
         try:
+            if refused is not None:
+                raise refused
             if len(gathering.cancelled) == len(items):
                 raise ConflictError("cancelled by the caller before it was sent")
-            await self.live(sampler.job_id)  # a job waiting for slots: sent once it runs
-            gathering.submitted.set_result(submit(items))
+            assert gathering.submit is not None
+            gathering.submitted.set_result(gathering.submit(items))
         except Exception as exc:  # every call of the gathering gets the refusal, through its future
             gathering.submitted.set_exception(exc)
             gathering.submitted.exception()  # read here, so no poll is needed to consume it
+
+    def flush(self, job_id: str) -> None:
+        """Send the sample calls gathering for ``job_id`` now: a weight sync queued next must not
+        overtake calls made before it (a snapshot client's calls sample the weights it was made on)."""
+        for sampler in list(self.samplers.values()):
+            gathering = sampler.gathering
+            if sampler.job_id == job_id and gathering is not None and not gathering.submitted.done():
+                self._send_now(sampler, gathering)
+
+    # --- snapshots ----------------------------------------------------------------------------
+    def pin(self, sampler: SamplingSession, model: Model) -> None:
+        """Make ``sampler`` a snapshot client of the weights its model's own sampler holds now."""
+        sampler.model_id, sampler.pinned, sampler.snapshot = model.model_id, model.sampler_version, model.sampler_files
+
+    async def sampling_job(self, sampler: SamplingSession, tenant: str) -> str:
+        """The job a sampler's next call runs on. A snapshot client still on its model's own sampler
+        stays there while that sampler holds its weights; after a later sync it moves, once, to a
+        sampler job of its own started from its files (an adapter on the shared base for LoRA)."""
+        model = self.models.get(sampler.model_id) if sampler.pinned is not None and sampler.model_id else None
+        if model is None or model.sampler_version == sampler.pinned:
+            return sampler.job_id
+        if sampler.moving is None:
+            sampler.moving = asyncio.get_running_loop().create_task(self._move(sampler, model, tenant))
+        try:
+            await asyncio.shield(sampler.moving)
+        except Exception:
+            sampler.moving = None  # the next call tries again
+            raise
+        return sampler.job_id
+
+    async def _move(self, sampler: SamplingSession, model: Model, tenant: str) -> None:
+        snapshot = sampler.snapshot
+        if snapshot is None:  # not reached: only a save with files pins a client
+            raise ConflictError(f"sampling session {sampler.sampling_session_id} has no saved weights to keep")
+        while True:  # its files are written by a save queued before the sync it was made on
+            row = await self.manager.requests.wait(model.job_id, snapshot.save_request_id, 30.0)
+            if row["status"] not in ("pending", "running"):
+                break
+        if row["status"] != "done":
+            raise ConflictError(
+                f"the weights of sampling session {sampler.sampling_session_id} were not saved "
+                f"({row['status']}); save them again with save_weights_and_get_sampling_client"
+            )
+        base_model, rank, layers = await asyncio.to_thread(self.base_model_of, snapshot.path, tenant)
+        job_id = await asyncio.to_thread(
+            self.create_job, sampler.session_id, base_model, lora_rank=rank, training=False,
+            name=sampler.sampling_session_id, tenant=tenant, source=snapshot.path, layers=layers,
+        )  # fmt: skip
+        sampler.job_id, sampler.pinned = job_id, None
+        _log.info("sampling session %s keeps its snapshot on job %s", sampler.sampling_session_id, job_id)
 
     # --- checkpoints --------------------------------------------------------------------------
     def checkpoint_job(self, path: CheckpointPath, tenant: str) -> str:
