@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from icefloe.protocol import InvalidRequestError, PayloadTooLargeError
 from icefloe.service.errors import send_error
 from icefloe.service.limits import CHECK_ON_LOOP_BYTES, MAX_BATCH_HEAD_BYTES, MAX_BATCH_PARTS, check_containers
-from icefloe.service.middleware import Recorder, read_bounded, replaying
+from icefloe.service.middleware import Recorder, read_body, replaying
 from icefloe.wire.batch import BATCH_MEDIA_TYPE, BATCH_PATH, head_size, pack, unpack
 
 __all__ = ["Batches"]
@@ -37,7 +37,7 @@ class Batches:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"].endswith(BATCH_PATH):
             try:
-                body = await read_bounded(receive, head_bytes=4, check_head=_check_head)
+                body = await read_body(receive, head_bytes=4, check_head=_check_head, drain=True)
             except PayloadTooLargeError as refused:
                 await send_error(scope, _open, send, refused)
                 return

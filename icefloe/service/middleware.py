@@ -57,7 +57,6 @@ __all__ = [
     "matching_token",
     "note_acceptance",
     "read_body",
-    "read_bounded",
     "replaying",
     "tenant_of",
 ]
@@ -97,38 +96,21 @@ def header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
-async def read_body(receive: Receive, max_bytes: int | None = None) -> bytes | None:
-    """The whole body, or None when the client went away; :class:`PayloadTooLargeError` past ``max_bytes``."""
-    chunks, seen, more = [], 0, True
-    while more:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunks.append(message.get("body", b""))
-        seen += len(chunks[-1])
-        if max_bytes is not None and seen > max_bytes:
-            raise PayloadTooLargeError(
-                f"request body exceeds {max_bytes} bytes; the cap is {max_bytes} bytes per POST: "
-                "split the frame into request chunks"
-            )
-        more = message.get("more_body", False)
-    return b"".join(chunks)
-
-
-async def read_bounded(
+async def read_body(
     receive: Receive,
-    *,
     max_bytes: int | None = None,
+    *,
     head_bytes: int = 0,
     check_head: Callable[[bytes], None] | None = None,
+    drain: bool = False,
 ) -> bytes | None:
     """The whole body, or None when the client went away; its first ``head_bytes`` bytes go to
     ``check_head`` as soon as they arrive.
 
     A refusal (:class:`PayloadTooLargeError` past ``max_bytes``, or the error ``check_head`` raises) is
-    raised once the rest of the body was read and dropped, never kept: the connection stays usable
-    and the client reads the answer instead of a reset. The outer :class:`BodyLimit` and the body
-    read timeout bound what is dropped.
+    raised at once, or with ``drain`` once the rest of the body was read and dropped, never kept: the
+    connection stays usable and the client reads the answer instead of a reset (the outer
+    :class:`BodyLimit` and the body read timeout bound what is dropped).
     """
     kept: list[bytes] | None = []
     seen, head, refusal, more = 0, b"", None, True
@@ -138,19 +120,24 @@ async def read_bounded(
             return None
         chunk, more = message.get("body", b""), message.get("more_body", False)
         seen += len(chunk)
-        if kept is not None:
-            if len(head) < head_bytes:
-                head += chunk[: head_bytes - len(head)]
-            try:
-                if check_head is not None and head and (len(head) == head_bytes or not more):
-                    check_head(head)
-                    check_head = None
-                if max_bytes is not None and seen > max_bytes:
-                    raise PayloadTooLargeError(f"request body exceeds {max_bytes} bytes; the cap is {max_bytes} here")
-            except IcefloeError as refused:
-                refusal, kept = refused, None  # drop what was read; read the rest only to discard it
-                continue
-            kept.append(chunk)
+        if kept is None:
+            continue  # refused: read on only to discard
+        if len(head) < head_bytes:
+            head += chunk[: head_bytes - len(head)]
+        try:
+            if check_head is not None and head and (len(head) == head_bytes or not more):
+                check_head(head)
+                check_head = None
+            if max_bytes is not None and seen > max_bytes:
+                raise PayloadTooLargeError(
+                    f"request body exceeds {max_bytes} bytes, the cap on this route: split it into several requests"
+                )
+        except IcefloeError as refused:
+            if not drain:
+                raise
+            refusal, kept = refused, None
+            continue
+        kept.append(chunk)
     if refusal is not None:
         raise refusal
     assert kept is not None

@@ -24,23 +24,27 @@ from icefloe.service.app import ServerThread  # noqa: E402
 from tests.service.service_harness import make_app  # noqa: E402
 
 
+def _math_rl(*overrides: str, cwd: os.PathLike[str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The cookbook's math_rl recipe on arithmetic for 3 small LoRA steps, with ``overrides`` on top."""
+    small = ["env=arithmetic", "lora_rank=8", "groups_per_batch=4", "group_size=4", "max_tokens=8", "max_steps=3",
+             "learning_rate=1e-3", "behavior_if_log_dir_exists=delete"]  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "tinker_cookbook.recipes.math_rl.train", *small, *overrides],
+        cwd=cwd,
+        env={**os.environ, "TINKER_API_KEY": "tml-cookbook", "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
 def test_math_rl_arithmetic_trains_against_icefloe_serve(tmp_path):
     model = tmp_path / "models" / "tiny-chat"  # the data dir must not lie under the model root
     subprocess.run([sys.executable, "-m", "icefloe.cli", "models", "export", "tiny:chat", str(model)], check=True)
     log_path = tmp_path / "run"
     with ServerThread(make_app(tmp_path / "serve", engines="local", model_root=model.parent)) as base_url:
-        recipe = subprocess.run(
-            [
-                sys.executable, "-m", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic",
-                f"model_name={model}", "renderer_name=role_colon", f"base_url={base_url}", "lora_rank=8",
-                "groups_per_batch=4", "group_size=4", "max_tokens=8", "max_steps=3", "learning_rate=1e-3",
-                "loss_fn=importance_sampling", f"log_path={log_path}", "behavior_if_log_dir_exists=delete",
-            ],
-            env={**os.environ, "TINKER_API_KEY": "tml-cookbook", "HF_HUB_OFFLINE": "1"},
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )  # fmt: skip
+        recipe = _math_rl(f"model_name={model}", "renderer_name=role_colon", f"base_url={base_url}",
+                          "loss_fn=importance_sampling", f"log_path={log_path}")  # fmt: skip
     assert recipe.returncode == 0, recipe.stdout[-3000:] + recipe.stderr[-3000:]
     rows = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
     kls = [row["optim/kl_sample_train_v1"] for row in rows if "optim/kl_sample_train_v1" in row]
@@ -63,19 +67,8 @@ def test_a_recipe_that_looks_up_its_renderer_by_name_runs_on_a_known_name_folder
     log_path = tmp_path / "run"
     with ServerThread(make_app(tmp_path / "serve", engines="local", model_root=models)) as base_url:
         served = httpx.get(f"{base_url}/api/v1/get_server_capabilities").json()["supported_models"]
-        recipe = subprocess.run(
-            [
-                sys.executable, "-m", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic",
-                "model_name=Qwen/Qwen3-8B-Base", f"base_url={base_url}", "lora_rank=8", "groups_per_batch=4",
-                "group_size=4", "max_tokens=8", "max_steps=3", "learning_rate=1e-3", "loss_fn=cispo",
-                "max_steps_off_policy=1", f"log_path={log_path}", "behavior_if_log_dir_exists=delete",
-            ],
-            cwd=models,
-            env={**os.environ, "TINKER_API_KEY": "tml-cookbook", "HF_HUB_OFFLINE": "1"},
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )  # fmt: skip
+        recipe = _math_rl("model_name=Qwen/Qwen3-8B-Base", f"base_url={base_url}", "loss_fn=cispo",
+                          "max_steps_off_policy=1", f"log_path={log_path}", cwd=models)  # fmt: skip
     assert recipe.returncode == 0, recipe.stdout[-3000:] + recipe.stderr[-3000:]
     assert json.loads((log_path / "config.json").read_text())["renderer_name"] == "role_colon"  # found by name
     assert any(m.get("model_name") == "Qwen/Qwen3-8B-Base" and "4096" in json.dumps(m) for m in served), served

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Depends, Request
 
 from icefloe.service.jobs import JobManager
 from icefloe.service.limits import MAX_JSON_BYTES, check_frame_header_length
-from icefloe.service.middleware import read_bounded, tenant_of
+from icefloe.service.middleware import read_body, tenant_of
 from icefloe.service.settings import ServeSettings
 from icefloe.service.store import Database
 from icefloe.service.tenants import Tenancy
@@ -69,13 +69,13 @@ async def _tenant(request: Request) -> str:
 async def frame_body(request: Request) -> bytes:
     """A DSSST1 frame's bytes; one whose first 8 bytes declare too large a header is refused (413)
     once it was read and dropped, never kept. The POST cap is enforced outside (middleware.BodyLimit)."""
-    body = await read_bounded(request.receive, head_bytes=8, check_head=check_frame_header_length)
+    body = await read_body(request.receive, head_bytes=8, check_head=check_frame_header_length, drain=True)
     return b"" if body is None else body
 
 
 async def _json_octet_body(request: Request) -> bytes:
     """JSON sent as octet-stream: capped as any JSON body is, since it is parsed whole."""
-    body = await read_bounded(request.receive, max_bytes=MAX_JSON_BYTES)
+    body = await read_body(request.receive, MAX_JSON_BYTES, drain=True)
     return b"" if body is None else body
 
 
