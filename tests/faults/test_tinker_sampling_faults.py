@@ -114,6 +114,14 @@ def test_a_second_save_for_one_sampling_session_is_answered_as_the_first(served)
         assert first == again and first["path"] == f"tinker://{model_id}/sampler_weights/named"
         bad = client.post("/save_weights_for_sampler", {"model_id": model_id, "seq_id": 5, "kind": "later"})
         assert bad.status_code == 400 and "kind must be one of ['snapshot', 'inflight']" in bad.text
+        # a number create_sampling_session took already answered 500 (the same IntegrityError), each resend too
+        client.sampler(session_id, seq=9)
+        for seq_id in (6, 7):
+            taken = client.post("/save_weights_for_sampler", {**body, "sampling_session_seq_id": 9, "seq_id": seq_id})
+            assert taken.status_code == 400 and taken.json()["code"] == "conflict", taken.text
+            assert f"sampling_session_seq_id 9 already names sampling session {session_id}:sample:9" in taken.text
+        far = client.http.get("/sessions", params={"offset": 2**63})  # was a 500: too large for SQLite
+        assert far.status_code == 400 and "offset in [0, 9223372036854775807]" in far.text, far.text
     finally:
         client.close()
 

@@ -265,6 +265,13 @@ async def save_weights_for_sampler(body: Body, state: State, tenant: TenantDep) 
 
     async def prepare() -> Callable[[], str]:
         session_seq = body.integer("sampling_session_seq_id", None, low=0, high=_MAX_SEQ_ID)
+        if session_seq is not None and session_seq not in model.sampler_saves:
+            taken = f"{model.session_id}:sample:{session_seq}"
+            if taken in state.samplers or await asyncio.to_thread(store.get_tinker_run, state.db, run_id=taken):
+                raise ConflictError(
+                    f"sampling_session_seq_id {session_seq} already names sampling session {taken}; "
+                    "give each sampling client of a session a new number"
+                )
         kind = body.value.get("kind", "snapshot")
         if kind not in _SAMPLER_KINDS:
             raise InvalidRequestError(f"kind must be one of {list(_SAMPLER_KINDS)}; got {kind!r:.40}")

@@ -29,6 +29,7 @@ __all__ = ["router"]
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
 
 _CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
+_MAX_OFFSET = 2**63 - 1  # SQLite's largest integer
 _MAX_PAGE = 1000
 _MAX_LISTED = 1000  # model folders listed per level of --model-root
 
@@ -83,8 +84,10 @@ def _context_length(config: Path) -> int | None:
 
 # --- training runs ------------------------------------------------------------------------------
 def _page(limit: int, offset: int) -> None:
-    if not 1 <= limit <= _MAX_PAGE or offset < 0:
-        raise InvalidRequestError(f"limit must be in [1, {_MAX_PAGE}] and offset at least 0; got {limit}, {offset}")
+    if not 1 <= limit <= _MAX_PAGE or not 0 <= offset <= _MAX_OFFSET:
+        raise InvalidRequestError(
+            f"limit must be in [1, {_MAX_PAGE}] and offset in [0, {_MAX_OFFSET}]; got {limit}, {offset}"
+        )
 
 
 @router.get("/training_runs")
