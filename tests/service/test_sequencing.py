@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from icefloe.service.runtime import LocalEngineHost
+from icefloe.service.hosts.seam import LocalEngineHost
 from icefloe.service.sequencing import SubmitOrder, release_turn
 
 from .service_batches import small_batch
