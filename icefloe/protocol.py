@@ -256,6 +256,7 @@ class SamplingParams(BaseModel):
     ignore_eos: bool = False  # True: only stop / stop_token_ids / max_tokens end a sample
     prompt_logprobs: bool = False  # each result also carries the prompt's log-probs (None at position 0)
     topk_prompt_logprobs: int = Field(0, ge=0)  # k > 0: and the k likeliest tokens at each prompt position
+    topk_logprobs: int = Field(0, ge=0)  # k > 0: each sampled token's k likeliest alternatives, [token, logprob]
     # [len(prompt) - 1, K] token ids whose log-probs each result carries, row i scored at prompt position
     # i + 1; -1 asks for nothing (0.0 comes back there). The torch sampler serves it.
     target_prompt_logprobs: tuple[tuple[int, ...], ...] | None = None

@@ -60,6 +60,7 @@ class _Row:
     adapter: str = BASE_ADAPTER  # the adapter the row samples with, on a shared base
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    topk_logprobs: list[list[list[float]]] = field(default_factory=list)  # per token: [token, logprob] pairs
     finish_reason: str | None = None
     text: str | None = None
 
@@ -304,12 +305,15 @@ class SamplingEngine:
                 cache.batch_select_indices(copies_B)
                 logits_BV = logits_BV.index_select(0, copies_B)
             tokens_B, logprobs_B = sampler.sample(logits_BV, uniform_BT[:, step])
+            topk_B = sampler.topk(logits_BV)
             keep = []
             cancelled = self._cancelled
             for b, (token, logprob) in enumerate(zip(tokens_B.tolist(), logprobs_B.tolist(), strict=True)):
                 row = rows[live[b]]
                 row.token_ids.append(token)
                 row.logprobs.append(logprob)
+                if row.params.topk_logprobs:
+                    row.topk_logprobs.append(topk_B[b][: row.params.topk_logprobs])
                 if cancelled and row.params.tag in cancelled:
                     row.finish_reason = "cancelled"
                 elif not self._finished(row, stops[live[b]]):
@@ -362,6 +366,8 @@ class SamplingEngine:
         }
         if row.params.logprobs:
             result["logprobs"] = row.logprobs
+        if row.params.topk_logprobs:
+            result["topk_logprobs"] = row.topk_logprobs
         return result
 
     # --- weights and memory -------------------------------------------------------------------
@@ -493,6 +499,18 @@ class _RowSampler:
         plain = [p.temperature > 0 and not f for p, f in zip(params, filtered, strict=True)]
         self.filtered_rows = torch.tensor([b for b, f in enumerate(filtered) if f], dtype=torch.long, device=device)
         self.plain_rows = torch.tensor([b for b, f in enumerate(plain) if f], dtype=torch.long, device=device)
+        self.max_topk = max(p.topk_logprobs for p in params)
+
+    def topk(self, logits_BV: Tensor) -> list[list[list[float]]]:
+        """Per row, the ``max_topk`` likeliest ``[token, logprob]`` pairs under the raw distribution
+        (empty when no row asks for them)."""
+        if not self.max_topk:
+            return [[] for _ in range(logits_BV.shape[0])]
+        values_BK, tokens_BK = F.log_softmax(logits_BV, dim=-1).topk(min(self.max_topk, logits_BV.shape[-1]), dim=-1)
+        return [
+            [[t, v] for t, v in zip(ids, values, strict=True)]
+            for ids, values in zip(tokens_BK.tolist(), values_BK.tolist(), strict=True)
+        ]
 
     def sample(self, logits_BV: Tensor, uniform_B: Tensor) -> tuple[Tensor, Tensor]:
         """Return the chosen token per row and its log-prob under the raw (temperature 1) distribution."""
@@ -571,9 +589,13 @@ class VLLMSamplingEngine:
         self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams]
     ) -> list[dict[str, Any]]:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
-        if any(p.prompt_logprobs or p.topk_prompt_logprobs or p.target_prompt_logprobs for p in per_prompt):
+        if any(
+            p.prompt_logprobs or p.topk_prompt_logprobs or p.target_prompt_logprobs or p.topk_logprobs
+            for p in per_prompt
+        ):
             raise InvalidRequestError(
-                "prompt_logprobs, topk_prompt_logprobs and target_prompt_logprobs are served by the torch sampler "
+                "prompt_logprobs, topk_prompt_logprobs, target_prompt_logprobs and topk_logprobs are served by the torch "
+                "sampler "
                 "only; sample on CPU for them"
             )
         inputs = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]

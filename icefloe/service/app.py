@@ -31,6 +31,7 @@ from icefloe.service.jobs import JobManager
 from icefloe.service.lifecycle import fail_interrupted_jobs
 from icefloe.service.logins import Logins
 from icefloe.service.middleware import BodyLimit, IdempotencyKeys, JsonBodies, RequireToken
+from icefloe.service.openai import install_openai
 from icefloe.service.origins import LocalOnly
 from icefloe.service.refusals import LogRefusals
 from icefloe.service.routes import capabilities, checkpoints, compute, jobs, metrics, operations, requests
@@ -107,6 +108,7 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     app.router.routes[:0] = compute.STEP_ROUTES  # matched first: see icefloe.service.routes.compute
     install_ui(app)  # the dashboard, /ui
     install_tinker(app)  # the Tinker API, /api/v1
+    install_openai(app)  # the OpenAI-compatible API, /oai/v1 and /v1 (after Tinker: it serves Tinker's checkpoints)
     # Listed innermost first. JsonBodies inside SubmitOrder: a body it refuses still frees its number.
     app.add_middleware(JsonBodies)
     # Replays skip SubmitOrder, and a POST waiting for its turn has its body read and its key looked

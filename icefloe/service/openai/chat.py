@@ -1,0 +1,58 @@
+"""Chat messages to prompt tokens with the model's own chat template (its tokenizer's ``chat_template``).
+
+A model without a template is refused for chat, saying so: its completions still work. Content is
+text, or a list of text parts; images, audio and files are refused by name, as are tool messages.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from icefloe.service.openai.errors import FieldError
+
+__all__ = ["prompt_tokens"]
+
+_ROLES = ("system", "developer", "user", "assistant")
+
+
+def prompt_tokens(tokenizer: Any, messages: list[dict[str, Any]], model: str) -> list[int]:
+    """The token ids of ``messages`` rendered by the template, ending with the assistant's turn opened."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise FieldError(
+            "model",
+            f"model {model!r} has no chat template (its tokenizer_config.json has no chat_template), so it cannot "
+            "chat; use /completions with a prompt in its own format, or a model that has a template",
+        )
+    rendered = [_message(index, message) for index, message in enumerate(messages)]
+    text = tokenizer.apply_chat_template(rendered, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _message(index: int, message: dict[str, Any]) -> dict[str, str]:
+    where = f"messages[{index}]"
+    role = message.get("role")
+    if role not in _ROLES:
+        why = "tool calls are not served" if role in ("tool", "function") else f"role must be one of {list(_ROLES)}"
+        raise FieldError(f"{where}.role", f"{where}.role {role!r:.40}: {why}")
+    for name in ("tool_calls", "function_call", "audio"):
+        if message.get(name):
+            raise FieldError(f"{where}.{name}", f"{where}.{name}: tool calls and audio are not served")
+    content = message.get("content")
+    if isinstance(content, list):
+        parts = []
+        for number, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise FieldError(
+                    f"{where}.content[{number}]",
+                    f"{where}.content[{number}] is a {kind!r:.40} part; only text parts are served (no images, audio "
+                    "or files)",
+                )
+            parts.append(part["text"])
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise FieldError(f"{where}.content", f"{where}.content must be a string or a list of text parts")
+    rendered = {"role": "system" if role == "developer" else role, "content": content}
+    if isinstance(message.get("name"), str):
+        rendered["name"] = message["name"]
+    return rendered

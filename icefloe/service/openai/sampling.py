@@ -1,0 +1,74 @@
+"""The one place the endpoint queues sampling, waits for it and stops it.
+
+A request's prompts go to its model's sampling job as one generate item
+(:func:`icefloe.service.operations.submit_sampling`), so they are a request of that job like any
+other: batched with the other decodes of its host, bounded by its deadline, listed on ``/ui`` and
+counted in ``/metrics``. Every row carries the request's tag, which stops it at its next decode step
+when the caller goes away (:meth:`icefloe.engines.sampling.SamplingEngine.cancel`).
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from icefloe.protocol import ConflictError, InvalidRequestError, SamplingParams
+from icefloe.service.jobs import JobManager, LiveJob
+from icefloe.service.operations import Sampling, generate_target, submit_sampling
+
+__all__ = ["Ticket", "cancel", "outcome", "progress", "sample"]
+
+_WAIT_S = 30.0  # one long-poll of the request table; a request is waited for in as many as it takes
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """A queued sampling: where it runs and the tag its rows carry."""
+
+    job_id: str
+    sub_job_id: str
+    request_id: str
+    tag: str
+
+
+def sample(manager: JobManager, job: LiveJob, prompts: list[list[int]], params: list[SamplingParams]) -> Ticket:
+    """Queue ``params[i].n`` samples of each of ``prompts`` on ``job``; samples come back prompt-major."""
+    tag = uuid.uuid4().hex
+    sub_job_id = generate_target(job, None)
+    tagged = [p.model_copy(update={"tag": tag}) for p in params]
+    item = Sampling(sub_job_id, prompts, tagged, list)
+    request_id = submit_sampling(manager, job, item, as_json=False, op_metadata={"api": "openai"})
+    return Ticket(job.job_id, sub_job_id, request_id, tag)
+
+
+async def outcome(manager: JobManager, ticket: Ticket) -> list[dict[str, Any]]:
+    """The samples once the request finished. Raises what its failure was: the caller's mistake
+    (:class:`InvalidRequestError`) while the job still runs, else :class:`ConflictError`."""
+    while True:
+        row = await manager.requests.wait(ticket.job_id, ticket.request_id, _WAIT_S)
+        if row["status"] not in ("pending", "running"):
+            break
+    if row["status"] == "done":
+        return json.loads(row["result"])
+    error = manager.settings.public_text(row["error"] or row["status"])
+    job = manager.live_job(ticket.job_id)
+    if row["status"] == "failed" and job is not None and not job.stopping:
+        raise InvalidRequestError(error.removeprefix("InvalidRequestError: "))
+    raise ConflictError(f"the sampling did not finish ({row['status']}): {error}")
+
+
+async def progress(manager: JobManager, ticket: Ticket) -> AsyncIterator[list[dict[str, Any]]]:
+    """The request's samples as they grow, each time all of them. The engine reports a sample when
+    its decode ends, so today this yields once, at the end; finer progress needs no change above it."""
+    yield await outcome(manager, ticket)
+
+
+def cancel(manager: JobManager, ticket: Ticket) -> None:
+    """Drop the request if it has not started; stop its rows at their next decode step if it runs."""
+    manager.requests.cancel(ticket.job_id, ticket.request_id, why="the client went away")
+    job = manager.live_job(ticket.job_id)
+    if job is not None and not job.stopping and job.host is not None and job.host.engines is not None:
+        job.engines.cancel(ticket.sub_job_id, [ticket.tag])

@@ -1,0 +1,296 @@
+"""The official ``openai`` SDK against ``icefloe serve`` on a real uvicorn: completions and chat, streamed
+and not, on a base model, a Tinker sampler checkpoint and a training-API checkpoint, with two tenants."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import tinker
+from tinker import types
+from typer.testing import CliRunner
+
+from icefloe.cli import app
+from icefloe.service.app import ServerThread
+
+from .service_client import Api
+from .service_harness import make_app
+
+ALICE, BOB = "tml-alice-token", "tml-bob-token"
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Path:
+    """A model root with the tiny chat model twice: without a chat template, and with one."""
+    root = tmp_path_factory.mktemp("models")
+    assert CliRunner().invoke(app, ["models", "export", "tiny:chat", str(root / "tiny-chat")]).exit_code == 0
+    shutil.copytree(root / "tiny-chat", root / "tiny-chat-template")
+    config_path = root / "tiny-chat-template" / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "chat_template": TEMPLATE}))
+    from icefloe.engines.models import load_tokenizer
+
+    load_tokenizer(root / "tiny-chat")  # imports transformers now, not in the SDK and the server at once
+    return root
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, models):
+    tenants = {"alice": (ALICE,), "bob": (BOB,)}
+    service = make_app(
+        tmp_path_factory.mktemp("serve"), slots=8, engines="local", tenant_tokens=tenants, model_root=models,
+        max_samples_per_request=64,
+    )  # fmt: skip
+    with ServerThread(service) as url:
+        yield url, service
+
+
+@pytest.fixture
+def alice(server):
+    with openai.OpenAI(base_url=f"{server[0]}/oai/v1", api_key=ALICE, max_retries=0) as client:
+        yield client
+
+
+@pytest.fixture
+def bob(server):
+    with openai.OpenAI(base_url=f"{server[0]}/v1", api_key=BOB, max_retries=0) as client:
+        yield client
+
+
+def test_completion_answers_in_openai_schema_with_n_choices_per_prompt(alice):
+    answer = alice.completions.create(model="tiny-chat", prompt=["Hello", "Bye"], n=3, max_tokens=5, seed=1)
+    assert answer.object == "text_completion" and answer.model == "tiny-chat" and answer.id.startswith("cmpl-")
+    assert [c.index for c in answer.choices] == list(range(6))
+    assert all(c.finish_reason in ("stop", "length") and c.logprobs is None for c in answer.choices)
+    assert answer.usage.prompt_tokens == len("Hello") + len("Bye")
+    assert 0 < answer.usage.completion_tokens <= 6 * 5
+    assert answer.usage.total_tokens == answer.usage.prompt_tokens + answer.usage.completion_tokens
+
+
+def test_a_seed_reproduces_the_choices_and_a_stop_string_ends_them(alice):
+    def ask(**extra):
+        answer = alice.completions.create(model="tiny-chat", prompt="x", n=4, max_tokens=40, seed=7, **extra)
+        return [c.text for c in answer.choices]
+
+    first = ask()
+    assert ask() == first and len(set(first)) > 1  # the seed fixes each choice; choices differ from each other
+    stop = next(ch for ch in first[0][3:] if ch.strip())  # a character the first choice says later
+    stopped = alice.completions.create(
+        model="tiny-chat", prompt="x", n=4, max_tokens=40, seed=7, stop=[stop], extra_body={"ignore_eos": True}
+    )
+    assert stopped.choices[0].text == first[0][: first[0].index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+    assert all(stop not in c.text for c in stopped.choices)
+
+
+def test_logprobs_and_top_logprobs_of_completions_and_chat(alice):
+    answer = alice.completions.create(model="tiny-chat", prompt="ab", max_tokens=6, logprobs=3, seed=2)
+    logprobs = answer.choices[0].logprobs
+    assert "".join(logprobs.tokens) == answer.choices[0].text
+    assert len(logprobs.token_logprobs) == len(logprobs.tokens) == len(logprobs.top_logprobs)
+    for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert len(top) == 3 and logprob <= max(top.values()) + 1e-6 and logprob <= 0
+        assert sorted(top.values(), reverse=True) == list(top.values())
+        assert token not in top or top[token] == pytest.approx(logprob, abs=1e-5)
+    assert logprobs.text_offset == [sum(map(len, logprobs.tokens[:i])) for i in range(len(logprobs.tokens))]
+
+    chat = alice.chat.completions.create(
+        model="tiny-chat-template", messages=[{"role": "user", "content": "hi"}], max_tokens=5, logprobs=True,
+        top_logprobs=2, seed=2,
+    )  # fmt: skip
+    content = chat.choices[0].logprobs.content
+    assert "".join(t.token for t in content) == chat.choices[0].message.content
+    assert all(len(t.top_logprobs) == 2 and t.bytes == list(t.token.encode()) for t in content)
+
+
+def test_echo_prompt_logprobs_equal_tinker_compute_logprobs(server, alice):
+    url, _ = server
+    with tinker.ServiceClient(base_url=url, api_key=ALICE) as service:
+        sampler = service.create_sampling_client(base_model="tiny-chat").result()
+        tokens = sampler.get_tokenizer().encode("The sum of 2 and 3 is 5.")
+        expected = sampler.compute_logprobs(types.ModelInput.from_ints(tokens)).result()
+    answer = alice.completions.create(model="tiny-chat", prompt=tokens, max_tokens=0, echo=True, logprobs=1)
+    choice = answer.choices[0]
+    assert choice.text == "The sum of 2 and 3 is 5." and answer.usage.completion_tokens == 0
+    assert choice.logprobs.token_logprobs[0] is None and expected[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected[1:], abs=1e-4)
+
+
+def test_streamed_completion_and_chat_carry_the_same_text_and_usage(alice):
+    whole = alice.completions.create(model="tiny-chat", prompt="abc", n=2, max_tokens=8, seed=4)
+    chunks = list(
+        alice.completions.create(
+            model="tiny-chat", prompt="abc", n=2, max_tokens=8, seed=4, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    texts = ["", ""]
+    for chunk in chunks[:-1]:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    assert texts == [c.text for c in whole.choices]
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
+    said = alice.chat.completions.create(model="tiny-chat-template", messages=messages, max_tokens=6, seed=5)
+    assert said.object == "chat.completion" and said.choices[0].message.role == "assistant"
+    streamed = list(
+        alice.chat.completions.create(
+            model="tiny-chat-template", messages=messages, max_tokens=6, seed=5, stream=True,
+        )
+    )  # fmt: skip
+    assert streamed[0].object == "chat.completion.chunk" and streamed[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == said.choices[0].message.content
+    assert streamed[-1].choices[0].finish_reason == said.choices[0].finish_reason
+    # the template rendered the messages: the prompt is the template's text, not the raw content
+    rendered = len("system: be brief\nuser: 2+2?\nassistant:")
+    assert said.usage.prompt_tokens == rendered
+
+
+def test_chat_with_a_model_without_a_template_is_refused_and_its_completions_work(alice):
+    with pytest.raises(openai.BadRequestError) as refused:
+        alice.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}])
+    assert "has no chat template" in refused.value.message and refused.value.body["param"] == "model"
+    assert alice.completions.create(model="tiny-chat", prompt="hi", max_tokens=2).choices
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty"),
+        ({"extra_body": {"no_such_field": 1}}, "no_such_field"),
+        ({"n": 100}, "n"),
+    ],
+)
+def test_an_unserved_field_is_a_400_naming_it(alice, extra, param):
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        alice.chat.completions.create(model="tiny-chat-template", messages=messages, max_tokens=2, **extra)
+    assert refused.value.status_code == 400 and refused.value.body["param"] == param
+    assert refused.value.body["type"] == "invalid_request_error"
+
+
+def test_images_and_an_unknown_model_are_refused_in_openai_terms(alice):
+    image = [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        alice.chat.completions.create(model="tiny-chat-template", messages=[{"role": "user", "content": image}])
+    assert refused.value.body["param"] == "messages[0].content[0]" and "image_url" in refused.value.message
+    with pytest.raises(openai.NotFoundError) as missing:
+        alice.completions.create(model="no-such-model", prompt="hi")
+    assert missing.value.body["code"] == "model_not_found"
+
+
+def test_models_lists_the_base_models_and_the_callers_own_checkpoints(server, alice, bob):
+    url, _ = server
+    with tinker.ServiceClient(base_url=url, api_key=ALICE) as service:
+        training = service.create_lora_training_client(base_model="tiny-chat", rank=4).result()
+        path = training.save_weights_for_sampler("listed").result().path
+    alices = {m.id for m in alice.models.list()}
+    assert {"tiny:chat", "tiny-chat", "tiny-chat-template", path} <= alices
+    assert path not in {m.id for m in bob.models.list()}
+    assert alice.models.retrieve(path).id == path
+
+
+def _train(service: tinker.ServiceClient) -> tinker.TrainingClient:
+    training = service.create_lora_training_client(base_model="tiny-chat", rank=4).result()
+    tokens = training.get_tokenizer().encode("aaaa aaaa aaaa aaaa")
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+    for _ in range(5):
+        training.forward_backward([datum], "cross_entropy").result()
+        training.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    return training
+
+
+def _scores(client: openai.OpenAI, model: str) -> list[float]:
+    answer = client.completions.create(model=model, prompt="aaaa aaaa", max_tokens=0, echo=True, logprobs=0)
+    return answer.choices[0].logprobs.token_logprobs[1:]
+
+
+def test_a_tinker_checkpoint_answers_unlike_its_base_and_only_to_its_tenant(server, alice, bob):
+    url, _ = server
+    with tinker.ServiceClient(base_url=url, api_key=ALICE) as service:
+        path = _train(service).save_weights_for_sampler("trained").result().path
+    base, trained = _scores(alice, "tiny-chat"), _scores(alice, path)
+    assert sum(trained) > sum(base) + 1.0  # it learned the text it was trained on
+    assert _scores(alice, f"tiny-chat;{path}") == pytest.approx(trained, abs=1e-5)
+    with pytest.raises(openai.NotFoundError) as hidden:
+        bob.completions.create(model=path, prompt="aaaa", max_tokens=1)
+    assert hidden.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        alice.completions.create(model=f"tiny-chat-template;{path}", prompt="aaaa", max_tokens=1)
+
+
+@pytest.mark.anyio
+async def test_a_training_api_checkpoint_answers_unlike_its_base(server, anyio_backend):
+    url, _ = server
+    peft = {"peft_type": "Lora", "r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    training = {
+        "job_type": "training", "model_name": "tiny-chat",
+        "training_config": {"optimizer": {"name": "AdamW", "lr": 5e-2}, "max_seq_len": 64, "peft_config": peft},
+    }  # fmt: skip
+    headers = {"authorization": f"Bearer {ALICE}"}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=60) as http:
+        api = Api(http)
+        job_id = await api.running(training)
+        for seed in range(3):
+            await api.fwd_bwd(job_id, seed)
+            await api.run(job_id, "POST", "step", json={})
+        saved = await api.run(job_id, "POST", "save", json={"checkpoint_type": "weights-only"})
+    model = f"{job_id}/{saved['checkpoint_id']}"
+    async with openai.AsyncOpenAI(base_url=f"{url}/oai/v1", api_key=ALICE, max_retries=0) as client:
+        answers = []
+        for name in ("tiny-chat", model):
+            answer = await client.completions.create(model=name, prompt=[1, 5, 9, 2], max_tokens=0, echo=True, logprobs=0)
+            answers.append(answer.choices[0].logprobs.token_logprobs[1:])
+    assert max(abs(a - b) for a, b in zip(*answers, strict=True)) > 1e-3
+    async with openai.AsyncOpenAI(base_url=f"{url}/oai/v1", api_key=BOB, max_retries=0) as client:
+        with pytest.raises(openai.NotFoundError):
+            await client.completions.create(model=model, prompt="a", max_tokens=1)
+
+
+def test_a_client_that_leaves_mid_stream_stops_the_decode(server):
+    url, service = server
+    manager = service.state.jobs
+    body = {
+        "model": "tiny-chat", "prompt": "go", "max_tokens": 500, "n": 32, "stream": True, "seed": 3,
+        "ignore_eos": True,
+    }  # fmt: skip
+    with httpx.Client(base_url=url, headers={"authorization": f"Bearer {ALICE}"}, timeout=60) as http:
+        with http.stream("POST", "/oai/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            deadline = time.monotonic() + 60
+            running = []
+            while not running and time.monotonic() < deadline:
+                running = [r for r in manager.requests.open_rows() if r["status"] == "running"]
+                time.sleep(0.005)
+            assert running, "the sampling never started"
+        # leaving the block closed the connection mid-stream
+    row = running[0]
+    deadline = time.monotonic() + 60
+    while manager.requests.is_open(row["request_id"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    samples = json.loads(manager.requests.get(row["job_id"], row["request_id"])["result"])
+    assert {s["finish_reason"] for s in samples} == {"cancelled"}
+    assert max(len(s["token_ids"]) for s in samples) < 500  # stopped at the next decode step, not at the end
+
+
+def test_requests_count_in_metrics_as_the_jobs_generates(server, alice):
+    url, _ = server
+    alice.completions.create(model="tiny-chat", prompt="m", max_tokens=1)
+    metrics = httpx.get(f"{url}/metrics", headers={"authorization": f"Bearer {ALICE}"}).text
+    assert 'op="generate"' in metrics
+
