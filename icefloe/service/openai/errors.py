@@ -11,7 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from icefloe.protocol import InvalidRequestError, NotFoundError
+from icefloe.protocol import IcefloeError, InvalidRequestError, NotFoundError
 from icefloe.service.errors import status_and_body
 
 __all__ = ["FieldError", "ModelNotFound", "error_body", "install_error_handlers"]
@@ -61,5 +61,6 @@ def install_error_handlers(app: FastAPI, public_text: Any) -> None:
         param, code = getattr(exc, "param", None), getattr(exc, "openai_code", None)
         return JSONResponse(error_body(status, public_text(body["message"]), param=param, code=code), status)
 
-    for kind in (RequestValidationError, StarletteHTTPException, Exception):
+    # Exception: a bug, answered by Starlette's outermost layer, which raises it again to the server.
+    for kind in (IcefloeError, RequestValidationError, StarletteHTTPException, Exception):
         app.add_exception_handler(kind, handle)

@@ -14,6 +14,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from icefloe.protocol import ClientClosedError, IcefloeError
@@ -48,13 +49,14 @@ async def until_done(receive: Receive, waiting: Awaitable[T], on_gone: Callable[
             await asyncio.gather(task, watcher, return_exceptions=True)
 
 
-class EventStream:
-    """An ASGI answer: the JSON events of ``events`` as server-sent events; a failure after the first
-    event is one last ``{"error": ...}`` event, as OpenAI sends it."""
+class EventStream(Response):
+    """The JSON events of ``events`` as server-sent events; a failure after the first event is one
+    last ``{"error": ...}`` event, as OpenAI sends it."""
 
     def __init__(
         self, events: AsyncIterator[dict[str, Any]], on_gone: Callable[[], None], public_text: Callable[[str], str]
     ) -> None:
+        super().__init__(status_code=200, media_type="text/event-stream")
         self.events = events
         self.on_gone = on_gone
         self.public_text = public_text
