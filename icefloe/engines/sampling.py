@@ -594,9 +594,8 @@ class VLLMSamplingEngine:
             for p in per_prompt
         ):
             raise InvalidRequestError(
-                "prompt_logprobs, topk_prompt_logprobs, target_prompt_logprobs and topk_logprobs are served by the torch "
-                "sampler "
-                "only; sample on CPU for them"
+                "prompt_logprobs, topk_prompt_logprobs, target_prompt_logprobs and topk_logprobs are served by the "
+                "torch sampler only; sample on CPU for them"
             )
         inputs = [{"prompt": p} if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompts]
         vllm_params = [self._vllm_params(p) for p in per_prompt]

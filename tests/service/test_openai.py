@@ -254,7 +254,9 @@ async def test_a_training_api_checkpoint_answers_unlike_its_base(server, anyio_b
     async with openai.AsyncOpenAI(base_url=f"{url}/oai/v1", api_key=ALICE, max_retries=0) as client:
         answers = []
         for name in ("tiny-chat", model):
-            answer = await client.completions.create(model=name, prompt=[1, 5, 9, 2], max_tokens=0, echo=True, logprobs=0)
+            answer = await client.completions.create(
+                model=name, prompt=[1, 5, 9, 2], max_tokens=0, echo=True, logprobs=0
+            )
             answers.append(answer.choices[0].logprobs.token_logprobs[1:])
     assert max(abs(a - b) for a, b in zip(*answers, strict=True)) > 1e-3
     async with openai.AsyncOpenAI(base_url=f"{url}/oai/v1", api_key=BOB, max_retries=0) as client:
@@ -269,16 +271,19 @@ def test_a_client_that_leaves_mid_stream_stops_the_decode(server):
         "model": "tiny-chat", "prompt": "go", "max_tokens": 500, "n": 32, "stream": True, "seed": 3,
         "ignore_eos": True,
     }  # fmt: skip
-    with httpx.Client(base_url=url, headers={"authorization": f"Bearer {ALICE}"}, timeout=60) as http:
-        with http.stream("POST", "/oai/v1/completions", json=body) as response:
-            assert response.status_code == 200
-            deadline = time.monotonic() + 60
-            running = []
-            while not running and time.monotonic() < deadline:
-                running = [r for r in manager.requests.open_rows() if r["status"] == "running"]
-                time.sleep(0.005)
-            assert running, "the sampling never started"
-        # leaving the block closed the connection mid-stream
+    headers = {"authorization": f"Bearer {ALICE}"}
+    with (
+        httpx.Client(base_url=url, headers=headers, timeout=60) as http,
+        http.stream("POST", "/oai/v1/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        deadline = time.monotonic() + 60
+        running = []
+        while not running and time.monotonic() < deadline:
+            running = [r for r in manager.requests.open_rows() if r["status"] == "running"]
+            time.sleep(0.005)
+        assert running, "the sampling never started"
+    # leaving the block closed the connection mid-stream
     row = running[0]
     deadline = time.monotonic() + 60
     while manager.requests.is_open(row["request_id"]) and time.monotonic() < deadline:
@@ -293,4 +298,3 @@ def test_requests_count_in_metrics_as_the_jobs_generates(server, alice):
     alice.completions.create(model="tiny-chat", prompt="m", max_tokens=1)
     metrics = httpx.get(f"{url}/metrics", headers={"authorization": f"Bearer {ADMIN}"}).text
     assert 'op="generate"' in metrics
-

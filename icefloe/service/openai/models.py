@@ -24,9 +24,9 @@ from icefloe.protocol import ConfigError, ConflictError, InvalidRequestError, No
 from icefloe.service import store
 from icefloe.service.jobs import JobManager, LiveJob
 from icefloe.service.models import JobCreate
+from icefloe.service.openai.errors import ModelNotFound
 from icefloe.service.specs import sub_job_specs
 from icefloe.service.tenants import Tenancy
-from icefloe.service.openai.errors import ModelNotFound
 
 __all__ = ["MAX_LOADED", "Base", "Loaded", "Served", "Target"]
 
@@ -118,7 +118,9 @@ class Loaded:
                 continue
             del self._served[key]
             with contextlib.suppress(ConflictError, NotFoundError):  # stopped already
-                self.manager.cancel(served.job_id, "evicted from the OpenAI endpoint's loaded models (least recently used)")
+                self.manager.cancel(
+                    served.job_id, "evicted from the OpenAI endpoint's loaded models (least recently used)"
+                )
 
     async def _running(self, job_id: str) -> LiveJob:
         loop = asyncio.get_running_loop()
@@ -180,7 +182,9 @@ class Loaded:
 
     def _tinker_checkpoint(self, name: str, tenant: str) -> Target:
         if self.tinker is None:
-            raise ModelNotFound(f"model {name!r} not found: this service has no Tinker API (pip install 'icefloe[tinker]')")
+            raise ModelNotFound(
+                f"model {name!r} not found: this service has no Tinker API (pip install 'icefloe[tinker]')"
+            )
         from icefloe.service.tinker.state import CheckpointPath
 
         path = CheckpointPath.parse(name)

@@ -97,11 +97,8 @@ async def completions(body: CompletionRequest, ctx: Ctx) -> Response:
         raise FieldError("max_tokens", "max_tokens 0 samples nothing; it is allowed only with echo (to score a prompt)")
     scoring_only = body.max_tokens == 0  # echo's prompt log-probs: one token is sampled and dropped
     max_tokens = _COMPLETION_MAX_TOKENS if body.max_tokens is None else max(body.max_tokens, 1)
-    k = body.logprobs or 0
-    params = [
-        _params(body, max_tokens=max_tokens, logprobs=body.logprobs is not None, top=k, echo=body.echo)
-        for _ in prompts
-    ]
+    k, scored = body.logprobs or 0, body.logprobs is not None
+    params = [_params(body, max_tokens=max_tokens, logprobs=scored, top=k, echo=body.echo) for _ in prompts]
     _check_limits(ctx, prompts, params, served.base)
     ticket = sampling.sample(ctx.manager, job, prompts, params)
 
@@ -109,10 +106,10 @@ async def completions(body: CompletionRequest, ctx: Ctx) -> Response:
         made = []
         for index, sample in enumerate(samples):
             prompt = prompts[index // body.n]
-            choice = _Choice() if scoring_only else _generated(tokenizer, sample, k if body.logprobs is not None else None)
+            choice = _Choice() if scoring_only else _generated(tokenizer, sample, k if scored else None)
             if body.echo:
                 choice.text = tokenizer.decode(prompt) + choice.text
-                if body.logprobs is not None:
+                if scored:
                     choice.tokens = _echoed(tokenizer, prompt, sample, k) + choice.tokens
             choice.finish_reason = "length" if scoring_only else _finish_reason(sample)
             made.append(choice)
@@ -122,7 +119,7 @@ async def completions(body: CompletionRequest, ctx: Ctx) -> Response:
         return {"index": index, "text": new.text, "logprobs": lp(new), "finish_reason": new.finish_reason}
 
     def lp(choice: _Choice) -> dict[str, Any] | None:
-        return None if body.logprobs is None else _completion_logprobs(choice)
+        return _completion_logprobs(choice) if scored else None
 
     answer = _Answer(ctx, body, ticket, "text_completion", prompts, choices, scoring_only=scoring_only)
     if body.stream:
