@@ -3,6 +3,7 @@ and not, on a base model, a Tinker sampler checkpoint and a training-API checkpo
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import time
@@ -21,6 +22,7 @@ from icefloe.service.app import ServerThread
 from .service_client import Api
 from .service_harness import make_app
 
+ROOT = Path(__file__).resolve().parents[2]
 ALICE, BOB, ADMIN = "tml-alice-token", "tml-bob-token", "tml-admin-token"
 TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -298,3 +300,11 @@ def test_requests_count_in_metrics_as_the_jobs_generates(server, alice):
     alice.completions.create(model="tiny-chat", prompt="m", max_tokens=1)
     metrics = httpx.get(f"{url}/metrics", headers={"authorization": f"Bearer {ADMIN}"}).text
     assert 'op="generate"' in metrics
+
+
+def test_the_example_evaluates_the_arithmetic_task_through_the_endpoint(server, alice):
+    spec = importlib.util.spec_from_file_location("eval_arithmetic", ROOT / "examples/openai/eval_arithmetic.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    accuracy = example.evaluate(alice, "tiny:arith")
+    assert 0.0 <= accuracy <= 1.0
