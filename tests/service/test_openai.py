@@ -308,3 +308,18 @@ def test_the_example_evaluates_the_arithmetic_task_through_the_endpoint(server, 
     spec.loader.exec_module(example)
     accuracy = example.evaluate(alice, "tiny:arith")
     assert 0.0 <= accuracy <= 1.0
+
+
+def test_past_its_cap_the_least_recently_used_idle_model_is_unloaded(server, alice):
+    _, service = server
+    loaded = next(route.app.state.loaded for route in service.routes if getattr(route, "path", "") == "/oai/v1")
+    alice.completions.create(model="tiny-chat", prompt="a", max_tokens=1)
+    first = loaded._served[("alice", "tiny-chat")].job_id
+    cap, loaded.max_loaded = loaded.max_loaded, 1
+    try:
+        alice.completions.create(model="tiny:chat", prompt="a", max_tokens=1)
+    finally:
+        loaded.max_loaded = cap
+    assert ("alice", "tiny-chat") not in loaded._served and ("alice", "tiny:chat") in loaded._served
+    assert service.state.jobs.public(first)["status"] in ("cancelling", "cancelled")
+    assert alice.completions.create(model="tiny-chat", prompt="a", max_tokens=1).choices  # loaded again

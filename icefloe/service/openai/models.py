@@ -102,25 +102,28 @@ class Loaded:
         sub_job: dict[str, Any] = {"job_type": "sampling", "model_name": target.base_model}
         sub_job |= {"inference_config": inference, "source_checkpoint_info": target.source}
         body = JobCreate.model_validate({"sub_job_configs": [sub_job], "experiment_name": f"openai {model}"[:200]})
-        await asyncio.to_thread(self._evict)
+        await asyncio.to_thread(self._cancel, self._evict())
         job_id = await asyncio.to_thread(
             self.tenancy.create, self.manager, body, tenant=tenant, database=_DATABASE, schema=_SCHEMA
         )
         served = self._served[(tenant, model)] = Served(model, tenant, job_id, base)
         return served
 
-    def _evict(self) -> None:
-        """Cancel the least recently used idle jobs until one more fits."""
+    def _evict(self) -> list[str]:
+        """Forget the least recently used idle jobs until one more fits; returns them, to cancel."""
+        victims = []
         for key, served in list(self._served.items()):
             if len(self._served) < self.max_loaded:
-                return
-            if self.manager.requests.has_open(served.job_id):
-                continue
-            del self._served[key]
+                break
+            if not self.manager.requests.has_open(served.job_id):
+                del self._served[key]
+                victims.append(served.job_id)
+        return victims
+
+    def _cancel(self, job_ids: list[str]) -> None:
+        for job_id in job_ids:
             with contextlib.suppress(ConflictError, NotFoundError):  # stopped already
-                self.manager.cancel(
-                    served.job_id, "evicted from the OpenAI endpoint's loaded models (least recently used)"
-                )
+                self.manager.cancel(job_id, "evicted from the OpenAI endpoint's loaded models (least recently used)")
 
     async def _running(self, job_id: str) -> LiveJob:
         loop = asyncio.get_running_loop()
