@@ -10,12 +10,11 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from icefloe.service.runtime import LocalEngineHost
 from icefloe.service.sequencing import SubmitOrder, release_turn
 
 from .service_batches import small_batch
 from .service_client import Api
-from .service_harness import asgi_client, make_app
+from .service_harness import asgi_client, make_app, wrap_engine_method
 
 pytestmark = pytest.mark.anyio
 
@@ -51,18 +50,17 @@ async def _watched_service(data_dir, **settings) -> AsyncIterator[tuple[Api, _Ar
 def executed(monkeypatch) -> list[tuple[str, float]]:
     """The engine calls ``(op, learning rate or 0)`` in the order they ran."""
     calls: list[tuple[str, float]] = []
-    step, fwd_bwd = LocalEngineHost.step, LocalEngineHost.fwd_bwd
 
-    def recorded_step(self, sub_job_id, learning_rate):
+    def recorded_step(run, sub_job_id, learning_rate, adam):
         calls.append(("step", learning_rate))
-        return step(self, sub_job_id, learning_rate)
+        return run()
 
-    def recorded_fwd_bwd(self, sub_job_id, batch):
+    def recorded_fwd_bwd(run, sub_job_id, batch):
         calls.append(("forward-backward", 0.0))
-        return fwd_bwd(self, sub_job_id, batch)
+        return run()
 
-    monkeypatch.setattr(LocalEngineHost, "step", recorded_step)
-    monkeypatch.setattr(LocalEngineHost, "fwd_bwd", recorded_fwd_bwd)
+    wrap_engine_method(monkeypatch, "step", recorded_step)
+    wrap_engine_method(monkeypatch, "fwd_bwd", recorded_fwd_bwd)
     return calls
 
 
