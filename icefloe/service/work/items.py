@@ -20,7 +20,6 @@ from icefloe.protocol import ENGINE_CALLS, SamplingParams
 
 if TYPE_CHECKING:
     from icefloe.engines.host import SyncGate
-    from icefloe.service.jobs import LiveJob
 
 __all__ = [
     "EngineOp",
@@ -138,15 +137,16 @@ class EngineOp:
 Item = FwdBwd | Forward | Step | Sample | Save | Load | WeightSync | EngineOp
 
 
-def run_batch(job: LiveJob, items: Sequence[FwdBwd] | Sequence[Sample]) -> list[Any]:
-    """The items of one batch key, queued together on the lanes of ``job``'s host (any jobs), as one engine call."""
+def run_batch(job: Any, items: Sequence[FwdBwd] | Sequence[Sample]) -> list[Any]:
+    """The items of one batch key, queued together on the lanes of ``job``'s host (any jobs), as one engine
+    call. ``job``: a running ``jobs.LiveJob`` (not named as a type: the job manager imports this module)."""
     engines = job.engines
     if isinstance(items[0], FwdBwd):
         return engines.fwd_bwd_many([(item.sub_job_id, item.batch) for item in items])
     return engines.generate_many([(item.sub_job_id, item.prompts, item.params, item.as_json) for item in items])
 
 
-def run_one(job: LiveJob, item: Item, db: Any) -> Any:
+def run_one(job: Any, item: Item, db: Any) -> Any:
     """One item that does not batch, on ``job``'s engines; ``db``: the store its checkpoints are recorded in."""
     engines = job.engines
     if isinstance(item, WeightSync):
@@ -167,7 +167,7 @@ _BODIES: dict[type, Any] = {
 }
 
 
-def _save(job: LiveJob, item: Save, db: Any) -> dict[str, Any]:
+def _save(job: Any, item: Save, db: Any) -> dict[str, Any]:
     from icefloe.service import store
 
     call, body = ENGINE_CALLS[api.OP_SAVE], {"folder": item.folder, "checkpoint_type": item.kind}
@@ -188,7 +188,7 @@ def _save(job: LiveJob, item: Save, db: Any) -> dict[str, Any]:
     return result
 
 
-def _weight_sync(job: LiveJob, item: WeightSync) -> dict[str, Any]:
+def _weight_sync(job: Any, item: WeightSync) -> dict[str, Any]:
     from icefloe.protocol import ClientClosedError, ConflictError
 
     assert item.gate is not None, "the door parks the targets before a weight sync is queued"
