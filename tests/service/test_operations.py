@@ -201,3 +201,18 @@ async def test_a_call_to_a_job_that_just_failed_names_the_failure_before_its_row
         job.state.finish()
         with pytest.raises(ConflictError, match=r"is failed \(the engines of host-1 died during step\)"):
             app.state.jobs.live(job_id)
+
+
+async def test_an_engine_operation_is_a_request_with_a_row_and_metrics(data_dir):
+    """The operation route queued its engine ops on the lane directly: no request row, no metrics, no deadline."""
+    app = make_app(data_dir, engines="local")
+    async with asgi_client(app) as http:
+        api = Api(http)
+        job_id = await api.running(TRAINING, SAMPLING)
+        answer = await api.call("POST", f"/{job_id}/operation", json={"operation_type": "reset-prefix-cache"})
+        page = (await http.get("/metrics")).text
+        rows = app.state.db.fetch_all("SELECT op, status, sub_job_id FROM requests WHERE job_id = ?", (job_id,))
+    assert answer.json() == {"sub_job_id": f"{job_id}:sampling:0", "status": "ok"}
+    assert rows == [{"op": "reset-prefix-cache", "status": "done", "sub_job_id": f"{job_id}:sampling:0"}]
+    assert 'icefloe_requests_total{op="reset-prefix-cache",outcome="done"} 1.0' in page
+    assert 'icefloe_engine_seconds_count{op="reset-prefix-cache"} 1.0' in page
