@@ -23,7 +23,7 @@ import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,11 +86,13 @@ class Worker:
         name: names the thread (``icefloe-<name>``) and appears in errors.
         linger_s: how long a batchable item waits for same-key company when nothing else is
             queued; 0 = never wait.
+        lingers: the linger of these batch keys, in place of ``linger_s``.
     """
 
-    def __init__(self, name: str, *, linger_s: float = 0.002) -> None:
+    def __init__(self, name: str, *, linger_s: float = 0.002, lingers: Mapping[Hashable, float] | None = None) -> None:
         self.name = name
         self.linger_s = linger_s
+        self.lingers = dict(lingers or {})
         self._lanes: list[Lane] = []
         self._turn = 0  # where the next search for ready work starts: lanes take turns
         self._passed = 0  # items taken in a row ahead of a ready batchable one
@@ -200,7 +202,7 @@ class Worker:
         """Items with ``key`` right behind the head of ``first`` and heading the other lanes (after a
         short linger when nothing else is queued). Called under the lock."""
         company: list[_Job] = []
-        deadline = time.monotonic() + self.linger_s
+        deadline = time.monotonic() + self.lingers.get(key, self.linger_s)
         while True:
             for lane in [first, *(other for other in self._lanes if other is not first)]:
                 while lane.queue and lane.queue[0].key == key and lane.queue[0].run_batch is not None:

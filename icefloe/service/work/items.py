@@ -79,6 +79,9 @@ class Sample:
     index: int = 0  # a generate-stream's prompt
     op: str = api.OP_GENERATE
     batch_key: ClassVar[tuple[str]] = (api.OP_GENERATE,)
+    # How long a sample the worker takes on an idle host waits for company: the Tinker SDK sends a
+    # group's calls one by one, a few milliseconds apart, and they should decode as one batch.
+    linger_s: ClassVar[float] = 0.008
 
 
 @dataclass(frozen=True, slots=True)
