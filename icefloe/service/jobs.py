@@ -45,7 +45,7 @@ from icefloe.service.models import JobCreate
 from icefloe.service.placement import SlotPool
 from icefloe.service.process_host import EngineProcessDied
 from icefloe.service.requests import RequestTable
-from icefloe.service.results import JsonText, ResultPages, json_text, wants_dssst1
+from icefloe.service.results import HeldResults, JsonText, ResultPages, json_text, wants_dssst1
 from icefloe.service.runtime import JobEngines
 from icefloe.service.settings import SHARED_TENANT, ServeSettings
 from icefloe.service.specs import SubJobSpec, sub_job_specs
@@ -60,6 +60,7 @@ _log = logging.getLogger("icefloe.service.jobs")
 _USER_ERRORS = (InvalidRequestError, ConfigError, WireError, UnsupportedOpError, ConflictError, ValueError, TypeError)
 _IMAGE_TAG = "icefloe-local"
 _CLOSE_TIMEOUT_S = 30.0  # service shutdown waits this long for the jobs' threads to release their engines
+_HELD_RESULTS = 10_000  # results of the Tinker API kept in memory for its polls (the oldest go first)
 _SWEEP_EVERY_S = 60.0  # at most this often (and within the result TTL) expired result files are deleted
 
 
@@ -131,6 +132,7 @@ class JobManager:
             ttl_s=settings.result_ttl_s,
         )
         self.streams: dict[str, Any] = {}  # request id -> GenerateStream of a generate-stream request
+        self.held = HeldResults(max_results=_HELD_RESULTS)  # the Tinker API's results, rendered when polled
         self.log_router = JobLogRouter()  # attached to the "icefloe" logger by the app
         self._closing = threading.Event()
 
@@ -560,6 +562,10 @@ class JobManager:
             result = answers.render(entry.api, self.settings, entry.job, entry.item, result)
             if stream is not None:
                 self._push(request_id, stream, entry.item, result=result)
+                return
+            if entry.api == answers.TINKER:  # kept as it is: rendered when its future is polled
+                self.held.put(request_id, result)
+                self.requests.finish(request_id, status="done")
                 return
             text = None if wants_dssst1(op_metadata) else json_text(result)
             if text is not None:

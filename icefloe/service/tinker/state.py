@@ -29,10 +29,8 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from icefloe import wire
 from icefloe.protocol import JOB_ACTIVE_STATES, ConflictError, InvalidRequestError, NotFoundError
 from icefloe.service import store
 from icefloe.service.jobs import JobManager, LiveJob
@@ -527,8 +525,13 @@ class TinkerState:
         return future_id
 
     def answer(self, future: Future, row: dict[str, Any]) -> dict[str, Any] | bytes:
-        """The answer of a future whose request finished (``row``), rendered now by the API that asked."""
-        return future.render(result_of(row))
+        """The answer of a future whose request finished (``row``): its result, as the engines made it,
+        rendered on the first poll; a poll sent again gets the same answer."""
+        try:
+            return self.manager.held.answer(row["request_id"], future.render)
+        except KeyError:  # the service restarted since, or the result was among the oldest held
+            why = "the result of this call was not kept (the service restarted, or it was not polled in time)"
+            return {"error": f"{why}; send it again", "category": "server"}
 
     async def request_of(self, future: Future, timeout_s: float) -> str | None:
         """The request a future reads, once it is queued (None if it is not after ``timeout_s``).
@@ -726,10 +729,3 @@ def _send(queue: Callable[[], str], submitted: asyncio.Future[str]) -> None:
     except Exception as exc:  # read through the future
         submitted.set_exception(exc)
         submitted.exception()
-
-
-def result_of(row: dict[str, Any]) -> Any:
-    """A finished request's stored result: JSON, or a DSSST1 frame (tensors come back as numpy arrays)."""
-    if row.get("result_path"):
-        return wire.decode(Path(row["result_path"]).read_bytes(), tensors="numpy")
-    return json.loads(row["result"]) if row.get("result") else None
