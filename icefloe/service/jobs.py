@@ -1,6 +1,6 @@
 """Jobs: the coordinator of their lifecycle, hosts, lanes and requests.
 
-A job is placed on a model host (:mod:`icefloe.service.hosts`) when it is created; then one thread
+A job is placed on a model host (:mod:`icefloe.service.hosts.pool`) when it is created; then one thread
 of its own walks it through :mod:`icefloe.service.lifecycle`: it opens the host, builds the job's
 engines there and takes them down. Each sub-job has one lane on its host's workers, so the requests to a sub-job run in
 submission order. An engine crash asks the job (or, when the host's engines died, every job on
@@ -37,16 +37,16 @@ from icefloe.protocol import (
 )
 from icefloe.service import store
 from icefloe.service.chunks import ChunkGroups
-from icefloe.service.hosts import HostFailed, HostKey, HostPool, ModelHost, shared_base_key
+from icefloe.service.hosts.pool import HostFailed, HostKey, HostPool, ModelHost, shared_base_key
+from icefloe.service.hosts.process import EngineProcessDied
+from icefloe.service.hosts.seam import JobEngines
+from icefloe.service.hosts.slots import SlotPool
 from icefloe.service.joblog import JobLog, JobLogRouter
 from icefloe.service.lifecycle import JobState
 from icefloe.service.metrics import ServiceMetrics
 from icefloe.service.models import JobCreate
-from icefloe.service.placement import SlotPool
-from icefloe.service.process_host import EngineProcessDied
 from icefloe.service.requests import RequestTable
 from icefloe.service.results import HeldResults, JsonText, ResultPages, json_text, wants_dssst1
-from icefloe.service.runtime import JobEngines
 from icefloe.service.settings import SHARED_TENANT, ServeSettings
 from icefloe.service.specs import SubJobSpec, sub_job_specs
 from icefloe.service.work import answers

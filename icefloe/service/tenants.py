@@ -8,7 +8,7 @@ A request that names a checkpoint (a ``{job_id}`` route, a ``source_job_id``, a 
 reads it through :meth:`Tenancy.checkpoint` and nothing else. A job id a tenant chooses lives in its
 own namespace, so creating one never tells of another tenant's job. Each tenant's limits (concurrent
 jobs, LoRA jobs, slots) are checked when a job is created, under one lock, against the jobs it holds
-then. Slots count the hosts the tenant's jobs are charged with (:mod:`icefloe.service.hosts`): a
+then. Slots count the hosts the tenant's jobs are charged with (:mod:`icefloe.service.hosts.pool`): a
 LoRA job that joins a host of its base takes none, one that starts a host takes its slot.
 """
 
@@ -19,7 +19,7 @@ from typing import Any
 
 from icefloe.protocol import JOB_ACTIVE_STATES, ConflictError, InvalidRequestError, NotFoundError
 from icefloe.service import store
-from icefloe.service.hosts import shared_base_key
+from icefloe.service.hosts.pool import shared_base_key
 from icefloe.service.jobs import JobManager
 from icefloe.service.models import JobCreate
 from icefloe.service.settings import ADMIN_TENANT, ServeSettings

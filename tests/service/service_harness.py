@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 
 from icefloe.service.app import ServerThread, create_app
-from icefloe.service.placement import SlotPool
+from icefloe.service.hosts.slots import SlotPool
 from icefloe.service.settings import ServeSettings
 
 
@@ -45,7 +45,7 @@ async def client_for(app, transport: str) -> AsyncIterator[httpx.AsyncClient]:
 def wrap_engine_method(monkeypatch, method: str, wrapper) -> None:
     """Route every engine call of ``method`` in this process through ``wrapper(run, sub_job_id, *args)``,
     where ``run()`` makes the real call: a fault or a probe on one engine method."""
-    from icefloe.service.runtime import LocalEngineHost
+    from icefloe.service.hosts.seam import LocalEngineHost
 
     original = LocalEngineHost.call
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from icefloe.service import store
-from icefloe.service.runtime import LocalEngineHost
+from icefloe.service.hosts.seam import LocalEngineHost
 
 from .service_batches import small_batch
 from .service_client import SAMPLING, TRAINING, Api

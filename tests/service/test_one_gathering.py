@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from icefloe.cli import app
 from icefloe.engines.sampling import SamplingEngine
-from icefloe.service.runtime import LocalEngineHost
+from icefloe.service.hosts.seam import LocalEngineHost
 
 from .service_client import Api
 from .service_harness import make_app, uvicorn_client

@@ -10,8 +10,8 @@ import pytest
 
 from icefloe.protocol import ConflictError
 from icefloe.service import lifecycle
+from icefloe.service.hosts.seam import LocalEngineHost
 from icefloe.service.operations import submit_generate_stream
-from icefloe.service.runtime import LocalEngineHost
 
 from .service_client import SAMPLING, TRAINING, Api
 from .service_harness import asgi_client, make_app

@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from icefloe.protocol import ClientClosedError, InvalidRequestError, SamplingParams
-from icefloe.service import process_host
+from icefloe.service.hosts import process as process_host
+from icefloe.service.hosts.process import Channel, ProcessEngineHost, serve
 from icefloe.service.models import JobCreate
-from icefloe.service.process_host import Channel, ProcessEngineHost, serve
 from icefloe.service.specs import sub_job_specs
 
 from ..faults.serve_process import stop

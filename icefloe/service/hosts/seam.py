@@ -1,7 +1,7 @@
 """Where jobs' engines live: the one seam between the service and the compute behind it.
 
 A :class:`JobEngines` builds and owns the engines of one model host and runs ops on them by
-sub-job id, called from the host's workers (:mod:`icefloe.service.hosts`), so it need not lock.
+sub-job id, called from the host's workers (:mod:`icefloe.service.hosts.pool`), so it need not lock.
 A host is dedicated (the engines of one job, built at start) or shared (one base model, on which
 the LoRA runs of many jobs attach and detach: :meth:`JobEngines.attach`). ``local`` keeps the
 engines in this process, ``process`` in a child process, ``ray`` in actors (dedicated only).
@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from icefloe.protocol import ClientClosedError, ConfigError, InvalidRequestError, SamplingParams
+from icefloe.protocol import ClientClosedError, InvalidRequestError, SamplingParams
 from icefloe.service.results import encode_json
 from icefloe.service.specs import SubJobSpec
 
-__all__ = ["BaseModel", "JobEngines", "LocalEngineHost", "make_engine_host"]
+__all__ = ["BaseModel", "ForwardedEngines", "JobEngines", "LocalEngineHost", "stop_check"]
 
 # Engines of two jobs are never built at the same time in one process: transformers' lazy imports
 # and the tiny-model cache (resolve_model) are not safe to enter from two threads at once.
@@ -289,27 +289,3 @@ def stop_check(stop: threading.Event) -> None:
     """Give up an engine start once the job is stopping."""
     if stop.is_set():
         raise ClientClosedError("the job stopped while its engines were starting")
-
-
-def make_engine_host(
-    engines: str,
-    specs: Sequence[SubJobSpec],
-    devices: dict[str, str],
-    checkpoints: dict[str, Path],
-    log_dir: Path | None,
-    *,
-    base: BaseModel | None = None,
-) -> JobEngines:
-    """Build the host ``--engines`` names: a dedicated job's sub-jobs (``log_dir``: the job's log
-    folder), or a shared ``base`` that jobs attach to later."""
-    if engines == "local":
-        return LocalEngineHost(specs, devices, checkpoints, base=base)
-    if engines == "process":
-        from icefloe.service.process_host import ProcessEngineHost
-
-        return ProcessEngineHost(specs, devices, checkpoints, log_dir, base=base)
-    if engines == "ray":
-        from icefloe.service.ray_host import RayEngineHost, RaySharedHost
-
-        return RaySharedHost(devices, base=base) if base is not None else RayEngineHost(specs, devices, checkpoints)
-    raise ConfigError(f"serve.engines must be 'process', 'local' or 'ray'; got {engines!r}")
