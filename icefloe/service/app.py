@@ -13,7 +13,6 @@ import errno
 import gc
 import logging
 import os
-import re
 import socket
 import threading
 import weakref
@@ -35,7 +34,7 @@ from icefloe.service.placement import SlotPool
 from icefloe.service.refusals import LogRefusals
 from icefloe.service.routes import capabilities, checkpoints, compute, jobs, metrics, operations, requests
 from icefloe.service.routes.ui import install_ui
-from icefloe.service.sequencing import SubmitOrder
+from icefloe.service.sequencing import Sequencing
 from icefloe.service.settings import ServeSettings
 from icefloe.service.store import Database, DataDirInUse, lock_data_dir, purge_expired
 from icefloe.service.tenants import Tenancy
@@ -92,6 +91,9 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     app.state.db = db
     app.state.jobs = manager
     app.state.tenancy = Tenancy(settings, db)
+    app.state.sequencing = Sequencing(
+        gap_timeout_s=settings.sequence_gap_timeout_s, window=settings.sequence_window, unordered=_not_running(manager)
+    )
     app.state.logins = Logins(
         ttl_s=settings.ui_session_ttl_s, max_failures_per_minute=settings.max_failed_logins_per_minute
     )
@@ -107,16 +109,8 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     app.router.routes[:0] = compute.STEP_ROUTES  # matched first: see icefloe.service.routes.compute
     install_ui(app)  # the dashboard, /ui
     install_tinker(app)  # the Tinker API, /api/v1
-    # Listed innermost first. JsonBodies inside SubmitOrder: a body it refuses still frees its number.
+    # Listed innermost first.
     app.add_middleware(JsonBodies)
-    # Replays skip SubmitOrder, and a POST waiting for its turn has its body read and its key looked
-    # up already (moved outside IdempotencyKeys, a demo step took 3% longer).
-    app.add_middleware(
-        SubmitOrder,
-        gap_timeout_s=settings.sequence_gap_timeout_s,
-        window=settings.sequence_window,
-        unordered=_not_running(manager),
-    )
     app.add_middleware(IdempotencyKeys, db=db, settings=settings)
     app.add_middleware(LogRefusals, auth_enabled=settings.auth_enabled)  # each part of a batch, and each request
     app.add_middleware(Batches)  # each part of a batch runs through the layers above, as if it came alone
@@ -130,16 +124,13 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     return app
 
 
-_JOB_PATH = re.compile(r"/api/v2/databases/[^/]+/schemas/[^/]+/[^/]+/([^/:]+)")
-
-
 def _not_running(manager: JobManager) -> Callable[[dict[str, Any]], bool]:
     """True for a request on a job this process does not run: after a restart, the job's numbered POSTs
     have no earlier number to wait for (the session was lost with the old process)."""
 
     def not_running(scope: dict[str, Any]) -> bool:
-        match = _JOB_PATH.match(scope["path"])
-        return match is not None and manager.live_job(match.group(1)) is None
+        job_id = scope.get("path_params", {}).get("job_id")
+        return job_id is not None and manager.live_job(job_id) is None
 
     return not_running
 

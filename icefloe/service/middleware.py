@@ -10,15 +10,12 @@ matters for the latency of small ops such as ``step``.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import hashlib
 import hmac
-import json
 import logging
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
 
 from starlette.requests import cookie_parser
 from starlette.responses import RedirectResponse, Response
@@ -42,6 +39,7 @@ from icefloe.service.origins import foreign_origin
 from icefloe.service.settings import SHARED_TENANT, ServeSettings
 
 __all__ = [
+    "ACCEPTED_HEADER",
     "CALLER_SCOPE_KEY",
     "OPEN_PATH",
     "OPEN_PREFIX",
@@ -55,7 +53,6 @@ __all__ = [
     "caller_of",
     "header",
     "matching_token",
-    "note_acceptance",
     "read_body",
     "replaying",
     "tenant_of",
@@ -76,17 +73,12 @@ _IDEMPOTENCY_HEADER = b"idempotency-key"
 _MAX_KEY_LENGTH = 255
 _PURGE_EVERY_S = 300.0  # at most this often, a kept reply also sweeps expired records out (off the loop)
 
+# Set by a route on an answer that carries more than it accepted (a ?wait= answer with its result): the JSON of
+# what it accepted ({request_id, job_id}), which IdempotencyKeys keeps instead of a large answer. Never sent.
+ACCEPTED_HEADER = "icefloe-accepted"
+_ACCEPTED_KEY = ACCEPTED_HEADER.encode()
+
 _log = logging.getLogger("icefloe.service")
-
-# The {request_id, job_id} a route accepted, told to IdempotencyKeys (set per request it runs).
-_ACCEPTANCE: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("icefloe_acceptance", default=None)
-
-
-def note_acceptance(accepted: dict[str, Any]) -> None:
-    """Tell the idempotency layer what this POST accepted, so a large inline answer is kept as just that."""
-    holder = _ACCEPTANCE.get()
-    if holder is not None and "request_id" in accepted:
-        holder.update(request_id=accepted["request_id"], job_id=accepted.get("job_id"))
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:
@@ -343,7 +335,8 @@ class IdempotencyKeys:
     token using the same key gets a record of its own. Records expire after ``settings.idempotency_ttl_s``. A reply
     over ``settings.idempotency_max_response_bytes`` (a ``?wait=`` answer carrying a result) is
     kept as its bare ``{request_id, job_id}``, so a replay answers as the POST without ``?wait=``
-    would and the caller polls for the result; any other reply that large is not kept, and a retry
+    would and the caller polls for the result (the route names it in :data:`ACCEPTED_HEADER`, which
+    this layer takes off every POST's answer); any other reply that large is not kept, and a retry
     with its key executes again.
     """
 
@@ -355,9 +348,12 @@ class IdempotencyKeys:
         self._next_purge = time.monotonic() + _PURGE_EVERY_S
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        raw_key = header(scope, _IDEMPOTENCY_HEADER) if scope["type"] == "http" else None
-        if raw_key is None or scope["method"] != "POST":
+        if scope["type"] != "http" or scope["method"] != "POST":
             await self.app(scope, receive, send)
+            return
+        raw_key = header(scope, _IDEMPOTENCY_HEADER)
+        if raw_key is None:
+            await self.app(scope, receive, _without_accepted(send))
             return
         key, route, caller = raw_key.decode("latin-1").strip(), f"POST {scope['path']}", scope.get(CALLER_SCOPE_KEY, "")
         if not key or len(key) > _MAX_KEY_LENGTH:
@@ -388,22 +384,20 @@ class IdempotencyKeys:
     async def _run_and_keep(
         self, scope: Scope, receive: Receive, send: Send, record: dict[str, str], digest: str
     ) -> None:
-        answer, acceptance = Recorder(send), dict[str, Any]()
-        token = _ACCEPTANCE.set(acceptance)
-        try:
-            await self.app(scope, receive, answer)
-        finally:
-            _ACCEPTANCE.reset(token)
+        answer = Recorder(_without_accepted(send))
+        await self.app(scope, receive, answer)
         if not 200 <= answer.status < 300:
             return
-        response, media_type = answer.body, dict(answer.headers).get(b"content-type", b"application/json").decode()
+        headers = dict(answer.headers)
+        response, media_type = answer.body, headers.get(b"content-type", b"application/json").decode()
         if len(response) > self.settings.idempotency_max_response_bytes:
-            if not acceptance:
+            acceptance = headers.get(_ACCEPTED_KEY)
+            if acceptance is None:
                 _log.info(
                     "%s: reply too large to keep for its Idempotency-Key; a retry executes again", record["route"]
                 )
                 return
-            response, media_type = json.dumps(acceptance).encode(), "application/json"  # what the route accepted
+            response, media_type = acceptance, "application/json"  # what the route accepted
         kept = {"body_sha256": digest, "status_code": answer.status, "response": response, "media_type": media_type}
         # REPLACE: a record still in the table past its TTL must not block the new one
         self.db.insert("idempotency", {**record, **kept, "created_at": store.now_iso()}, verb="INSERT OR REPLACE")
@@ -414,6 +408,19 @@ class IdempotencyKeys:
             return
         self._next_purge = now + min(_PURGE_EVERY_S, self.settings.idempotency_ttl_s)
         await asyncio.to_thread(store.purge_expired, self.db, idempotency_ttl_s=self.settings.idempotency_ttl_s)
+
+
+def _without_accepted(send: Send) -> Send:
+    """``send`` with :data:`ACCEPTED_HEADER` taken off the answer's headers: it is for this layer only."""
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = message.get("headers", ())
+            if any(key == _ACCEPTED_KEY for key, _ in headers):
+                message = {**message, "headers": [(k, v) for k, v in headers if k != _ACCEPTED_KEY]}
+        await send(message)
+
+    return sending
 
 
 def _text(raw: bytes | None) -> str | None:
