@@ -21,24 +21,23 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
+from starlette.routing import Mount
 
-from icefloe.service.batches import Batches
+from icefloe.service.edge import api_layers, install_edge, service_layers
 from icefloe.service.errors import install_error_handlers
 from icefloe.service.joblog import TokenRedactor
 from icefloe.service.jobs import JobManager
 from icefloe.service.lifecycle import fail_interrupted_jobs
 from icefloe.service.logins import Logins
-from icefloe.service.middleware import BodyLimit, IdempotencyKeys, JsonBodies, RequireToken
-from icefloe.service.origins import LocalOnly
+from icefloe.service.middleware import training_access
 from icefloe.service.placement import SlotPool
-from icefloe.service.refusals import LogRefusals
 from icefloe.service.routes import capabilities, checkpoints, compute, jobs, metrics, operations, requests
 from icefloe.service.routes.ui import install_ui
 from icefloe.service.sequencing import Sequencing
 from icefloe.service.settings import ServeSettings
 from icefloe.service.store import Database, DataDirInUse, lock_data_dir, purge_expired
 from icefloe.service.tenants import Tenancy
-from icefloe.service.tinker import install_tinker
+from icefloe.service.tinker import TINKER_ACCESS, TINKER_PREFIX, tinker_app
 
 __all__ = ["ServerThread", "base_url", "create_app", "serve", "uvicorn_options"]
 
@@ -108,18 +107,14 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     app.include_router(metrics.prometheus_router)  # GET /metrics
     app.router.routes[:0] = compute.STEP_ROUTES  # matched first: see icefloe.service.routes.compute
     install_ui(app)  # the dashboard, /ui
-    install_tinker(app)  # the Tinker API, /api/v1
-    # Listed innermost first.
-    app.add_middleware(JsonBodies)
-    app.add_middleware(IdempotencyKeys, db=db, settings=settings)
-    app.add_middleware(LogRefusals, auth_enabled=settings.auth_enabled)  # each part of a batch, and each request
-    app.add_middleware(Batches)  # each part of a batch runs through the layers above, as if it came alone
-    app.add_middleware(BodyLimit, max_bytes=settings.max_post_bytes)  # refuse before buffering
-    # Nothing is read before the token (or the dashboard session) passes.
-    app.add_middleware(RequireToken, settings=settings, logins=app.state.logins)
-    if not settings.auth_enabled:  # outermost: with no token to stop them, no page of another site gets in
-        app.add_middleware(LocalOnly, public_url=settings.public_url)
-    app.add_middleware(LogRefusals, auth_enabled=settings.auth_enabled)  # outermost: what the layers below it refuse
+    # The Tinker API: its own app, auth adapter, error rules and stack, in front of this app's stack.
+    edge = {"db": db, "logins": app.state.logins}
+    tinker = tinker_app(app.state)
+    install_edge(tinker, api_layers(settings, **edge, access=TINKER_ACCESS, batches=False, routes_parse_json=True))
+    mounted = [Mount(TINKER_PREFIX, tinker)]
+    access = training_access(settings)
+    layers = api_layers(settings, **edge, access=access, batches=True, routes_parse_json=False)
+    install_edge(app, [*service_layers(settings, mounted), *layers])
     _redact(redactor, on=True)
     return app
 

@@ -1,8 +1,10 @@
-"""The pure-ASGI layers in front of the routes: the bearer token (or a dashboard login) and its tenant,
+"""The pure-ASGI layers in front of an API's routes: the token (or a dashboard login) and its tenant,
 the body-size cap, ``Idempotency-Key`` replay and the JSON-body bounds.
 
 The token is checked first, from the headers alone, so an unauthenticated request never has its
-body read or parsed and never reaches a later layer (the ``Icefloe-Sequence`` order among them).
+body read or parsed and never reaches a later layer or a route (the ``Icefloe-Sequence`` order
+among them). Each API says how its callers present the token in its own :class:`Access`;
+:mod:`icefloe.service.edge` stacks the layers in order.
 Pure ASGI (not ``BaseHTTPMiddleware``) keeps the per-request cost to a few attribute reads, which
 matters for the latency of small ops such as ``step``.
 """
@@ -16,6 +18,7 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from starlette.requests import cookie_parser
 from starlette.responses import RedirectResponse, Response
@@ -45,6 +48,7 @@ __all__ = [
     "OPEN_PREFIX",
     "PAT_TOKEN_TYPE",
     "TENANT_SCOPE_KEY",
+    "Access",
     "BodyLimit",
     "IdempotencyKeys",
     "JsonBodies",
@@ -56,12 +60,12 @@ __all__ = [
     "read_body",
     "replaying",
     "tenant_of",
+    "training_access",
 ]
 
 PAT_TOKEN_TYPE = "PROGRAMMATIC_ACCESS_TOKEN"
 # Answered without a token: liveness, and checkpoint downloads (the token in their URL is the credential).
 OPEN_PATH, OPEN_PREFIX = "/health", "/files/"
-TINKER_PREFIX = "/api/v1/"  # the Tinker API: its token comes as X-API-Key
 # The dashboard's login form and its static files (no data in them) are open; its pages and data need the token.
 UI_OPEN_PATHS, UI_OPEN_PREFIX = ("/ui/login",), "/ui/static/"
 CALLER_SCOPE_KEY = "icefloe.caller"  # set by RequireToken: a hash of the caller's token (absent = '', no auth)
@@ -173,6 +177,35 @@ class Recorder:
         return b"".join(self.parts)
 
 
+def _never(path: str) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class Access:
+    """An API's auth adapter for :class:`RequireToken`: how its callers present their token, besides
+    ``Authorization: Bearer``, and which of its paths need none."""
+
+    api_key_header: bytes | None = None  # a header carrying the bare token (the Tinker SDK's x-api-key)
+    open_path: Callable[[str], bool] = _never  # answered without a token
+    dashboard_page: Callable[[str], bool] | None = None  # with a dashboard: its pages (a login cookie works)
+
+
+def training_access(settings: ServeSettings) -> Access:
+    """The training API's and the dashboard's: a bearer token or a dashboard login. Open: liveness,
+    checkpoint downloads, the login form and its static files, ``/metrics`` when public."""
+
+    def open_path(path: str) -> bool:
+        return (
+            path == OPEN_PATH
+            or path.startswith((OPEN_PREFIX, UI_OPEN_PREFIX))
+            or path in UI_OPEN_PATHS
+            or (path == "/metrics" and settings.metrics_public)
+        )
+
+    return Access(open_path=open_path, dashboard_page=_is_page)
+
+
 def caller_of(token: str) -> str:
     """How a caller is recorded: a hash of its token, never the token."""
     return hashlib.sha256(b"icefloe-caller\0" + token.encode()).hexdigest()
@@ -213,14 +246,13 @@ def matching_token(tokens: list[tuple[str, str]], presented: str) -> tuple[str, 
 class RequireToken:
     """401 from the headers alone, before any body is read, unless the request carries a configured token.
 
-    Every path needs the token but :data:`OPEN_PATH` and :data:`OPEN_PREFIX` (the API docs and their
-    assets included), the dashboard's login form and static files, and ``/metrics`` when
-    ``settings.metrics_public``. A browser that logged in to the dashboard sends the cookie of its
-    session (:mod:`icefloe.service.logins`) instead of a token; a dashboard page without one is
-    redirected to the login form. A change (any method but GET / HEAD / OPTIONS) that only the
-    cookie authenticates must come from the service's own origin (its ``Origin`` header) or carry the
-    session's CSRF token (``X-CSRF-Token``): a page elsewhere, on another port of the same host
-    included, cannot act through the cookie. A wrong token counts against its client address in
+    Every path needs the token but those the API's :class:`Access` opens. The token comes as
+    ``Authorization: Bearer`` or in the API's own header. Where the API has a dashboard, a browser that
+    logged in to it sends the cookie of its session (:mod:`icefloe.service.logins`) instead of a
+    token, and a dashboard page without one is redirected to the login form. A change (any method but
+    GET / HEAD / OPTIONS) that only the cookie authenticates must come from the service's own origin (its
+    ``Origin`` header) or carry the session's CSRF token (``X-CSRF-Token``): a page elsewhere, on another
+    port of the same host included, cannot act through the cookie. A wrong token counts against its client address in
     :class:`Logins`, which past its cap refuses that address (429) before looking at the token. A
     refusal closes the connection, since the body it did not read cannot be skipped. An accepted
     caller is recorded in the scope as a hash of its token (:data:`CALLER_SCOPE_KEY`), which the
@@ -228,32 +260,35 @@ class RequireToken:
     every caller is ``''`` of the shared tenant.
     """
 
-    def __init__(self, app: ASGIApp, *, settings: ServeSettings, logins: Logins) -> None:
+    def __init__(self, app: ASGIApp, *, settings: ServeSettings, logins: Logins, access: Access) -> None:
         self.app = app
         self.settings = settings
         self.logins = logins
+        self.access = access
         self._tokens = settings.token_tenants()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"] if scope["type"] == "http" else ""
-        if scope["type"] == "http" and self.settings.auth_enabled and not self._is_open(path):
+        if scope["type"] == "http" and self.settings.auth_enabled and not self.access.open_path(path):
             try:
-                scope[CALLER_SCOPE_KEY], scope[TENANT_SCOPE_KEY] = self._caller(scope, path)
+                scope[CALLER_SCOPE_KEY], scope[TENANT_SCOPE_KEY] = self._caller(scope)
             except (UnauthenticatedError, ForbiddenError, TooManyRequestsError) as refused:
-                if isinstance(refused, UnauthenticatedError) and _is_page(path):
+                page = self.access.dashboard_page
+                if isinstance(refused, UnauthenticatedError) and page is not None and page(path):
                     await RedirectResponse("/ui/login", 303)(scope, receive, send)  # a dashboard page: log in
                 else:
                     await send_error(scope, receive, send, refused, close=True)
                 return
         await self.app(scope, receive, send)
 
-    def _caller(self, scope: Scope, path: str) -> tuple[str, str]:
+    def _caller(self, scope: Scope) -> tuple[str, str]:
         """(caller, tenant) of the request, from its token, or else from its dashboard session."""
         authorization = header(scope, b"authorization")
-        api_key = header(scope, b"x-api-key") if path.startswith(TINKER_PREFIX) else None
-        if authorization is None and api_key is not None:  # the Tinker SDK sends its key so
+        api_key = header(scope, self.access.api_key_header) if self.access.api_key_header else None
+        if authorization is None and api_key is not None:
             authorization = b"Bearer " + api_key
-        if authorization is None and (cookies := header(scope, b"cookie")):  # a browser after the login form
+        cookies = header(scope, b"cookie") if self.access.dashboard_page is not None else None
+        if authorization is None and cookies:  # a browser after the login form
             session_id = cookie_parser(cookies.decode("latin-1")).get(SESSION_COOKIE)
             session = self.logins.get(session_id) if session_id else None
             if session is not None:
@@ -280,14 +315,6 @@ class RequireToken:
         if sent_token is not None and hmac.compare_digest(sent_token, csrf_token.encode()):
             return True
         return header(scope, b"origin") is not None and foreign_origin(scope, self.settings.public_url) is None
-
-    def _is_open(self, path: str) -> bool:
-        return (
-            path == OPEN_PATH
-            or path.startswith((OPEN_PREFIX, UI_OPEN_PREFIX))
-            or path in UI_OPEN_PATHS
-            or (path == "/metrics" and self.settings.metrics_public)
-        )
 
 
 def _is_page(path: str) -> bool:
@@ -433,12 +460,13 @@ class JsonBodies:
 
     The routes' models cannot refuse either: ``1e400`` parses as infinity, and a body nested a few
     hundred levels deep breaks the framework's own encoders (a 500). See :func:`parse_json_body`.
-    The Tinker API's routes check their bodies themselves (only the size is checked here): a refused
-    op must still use up its ``seq_id``, which only the route can read.
+    ``parse=False`` checks only the size, for an API whose routes check their bodies themselves (the
+    Tinker API's: a refused op must still use up its ``seq_id``, which only the route can read).
     """
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, *, parse: bool = True) -> None:
         self.app = app
+        self.parse = parse
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in _BODY_METHODS or not _is_json(scope):
@@ -454,11 +482,10 @@ class JsonBodies:
             return
         if body is None:
             return
-        checked_by_route = scope["path"].startswith(TINKER_PREFIX)
         try:
-            if len(body) > CHECK_ON_LOOP_BYTES and not checked_by_route:
+            if len(body) > CHECK_ON_LOOP_BYTES and self.parse:
                 await asyncio.to_thread(parse_json_body, body)
-            elif body and not checked_by_route:
+            elif body and self.parse:
                 parse_json_body(body)
         except InvalidRequestError as refused:
             await send_error(scope, receive, send, refused)

@@ -21,12 +21,13 @@ from icefloe.service import store
 from icefloe.service.routes import SettingsDep, TenantDep
 from icefloe.service.routes.checkpoints import download_links
 from icefloe.service.settings import ServeSettings
+from icefloe.service.tinker import TINKER_PREFIX
 from icefloe.service.tinker.routes import Body, State
 from icefloe.service.tinker.state import CheckpointPath, TinkerState
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/api/v1", tags=["tinker"])
+router = APIRouter(tags=["tinker"])  # mounted at TINKER_PREFIX
 
 _CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 _MAX_OFFSET = 2**63 - 1  # SQLite's largest integer
@@ -260,6 +261,6 @@ async def get_session(session_id: str, state: State, tenant: TenantDep) -> dict[
 @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
 async def not_served(path: str, request: Request) -> None:
     raise NotFoundError(
-        f"{request.method} /api/v1/{path[:200]} is not served by icefloe serve (publishing, projects, session search, "
-        "audit logs, billing and custom losses on the server are not); docs/tinker.md lists what is"
+        f"{request.method} {TINKER_PREFIX}/{path[:200]} is not served by icefloe serve (publishing, projects, "
+        "session search, audit logs, billing and custom losses on the server are not); docs/tinker.md lists what is"
     )
