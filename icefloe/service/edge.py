@@ -1,7 +1,7 @@
 """The pure-ASGI layers in front of each API the service mounts, stacked by one function in one order.
 
 Each API is an app of its own with its own auth adapter (:class:`~icefloe.service.middleware.Access`)
-and error rules: the training API with the dashboard, and the Tinker API mounted at ``/api/v1``.
+and error rules: the training API with the dashboard, and the Tinker API mounted under its own path.
 :func:`api_layers` lists one API's stack, :func:`install_edge` puts a stack on its app after checking
 it against :data:`RULES`, the orderings that keep a promise (a swap that breaks one raises at
 ``create_app``, naming the promise). The service's own outermost layers (the refusal log, the
