@@ -107,14 +107,13 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     app.include_router(metrics.prometheus_router)  # GET /metrics
     app.router.routes[:0] = compute.STEP_ROUTES  # matched first: see icefloe.service.routes.compute
     install_ui(app)  # the dashboard, /ui
-    # The Tinker API: its own app, auth adapter, error rules and stack, in front of this app's stack.
+    # Each API has a stack of its own. The Tinker API's app (its own auth adapter and error rules) is
+    # mounted in front of this app's stack: the service's outermost layers hand its requests over.
     edge = {"db": db, "logins": app.state.logins}
     tinker = tinker_app(app.state)
     install_edge(tinker, api_layers(settings, **edge, access=TINKER_ACCESS, batches=False, routes_parse_json=True))
-    mounted = [Mount(TINKER_PREFIX, tinker)]
-    access = training_access(settings)
-    layers = api_layers(settings, **edge, access=access, batches=True, routes_parse_json=False)
-    install_edge(app, [*service_layers(settings, mounted), *layers])
+    training = api_layers(settings, **edge, access=training_access(settings), batches=True, routes_parse_json=False)
+    install_edge(app, [*service_layers(settings, [Mount(TINKER_PREFIX, tinker)]), *training])
     _redact(redactor, on=True)
     return app
 
