@@ -111,8 +111,18 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     # mounted in front of this app's stack: the service's outermost layers hand its requests over.
     edge = {"db": db, "logins": app.state.logins}
     tinker = tinker_app(app.state)
-    install_edge(tinker, api_layers(settings, **edge, access=TINKER_ACCESS, batches=False, routes_parse_json=True))
-    training = api_layers(settings, **edge, access=training_access(settings), batches=True, routes_parse_json=False)
+    tinker_stack = api_layers(
+        settings, **edge, access=TINKER_ACCESS, batches=False, routes_parse_json=True, sequencing=None
+    )  # its routes order by seq_id, read from the body
+    install_edge(tinker, tinker_stack)
+    training = api_layers(
+        settings,
+        **edge,
+        access=training_access(settings),
+        batches=True,
+        routes_parse_json=False,
+        sequencing=app.state.sequencing,
+    )
     install_edge(app, [*service_layers(settings, [Mount(TINKER_PREFIX, tinker)]), *training])
     _redact(redactor, on=True)
     return app

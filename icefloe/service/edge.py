@@ -22,6 +22,7 @@ from icefloe.service.logins import Logins
 from icefloe.service.middleware import Access, BodyLimit, IdempotencyKeys, JsonBodies, RequireToken
 from icefloe.service.origins import LocalOnly
 from icefloe.service.refusals import LogRefusals
+from icefloe.service.sequencing import Sequencing
 from icefloe.service.settings import ServeSettings
 from icefloe.service.store import Database
 
@@ -63,21 +64,29 @@ RULES: tuple[tuple[type, type, str], ...] = (
 
 
 def api_layers(
-    settings: ServeSettings, *, db: Database, logins: Logins, access: Access, batches: bool, routes_parse_json: bool
+    settings: ServeSettings,
+    *,
+    db: Database,
+    logins: Logins,
+    access: Access,
+    batches: bool,
+    routes_parse_json: bool,
+    sequencing: Sequencing | None,
 ) -> list[Layer]:
     """One API's stack, outermost first: its token, the body cap, ``requests:batch`` (``batches``), the
     refusal log of each part, ``Idempotency-Key``, the JSON bounds (the size only when
-    ``routes_parse_json``: the routes check their bodies themselves)."""
+    ``routes_parse_json``: the routes check their bodies themselves). With ``sequencing`` (the API's
+    routes take ``Icefloe-Sequence`` turns), a numbered POST these layers refuse uses its number at once."""
     layers: list[Layer] = [
         (RequireToken, {"settings": settings, "logins": logins, "access": access}),
-        (BodyLimit, {"max_bytes": settings.max_post_bytes}),
+        (BodyLimit, {"max_bytes": settings.max_post_bytes, "sequencing": sequencing}),
     ]
     if batches:  # each part then runs through the layers below, and is logged, as if it came alone
         layers += [(Batches, {}), (LogRefusals, {"auth_enabled": settings.auth_enabled})]
     return [
         *layers,
-        (IdempotencyKeys, {"db": db, "settings": settings}),
-        (JsonBodies, {"parse": not routes_parse_json}),
+        (IdempotencyKeys, {"db": db, "settings": settings, "sequencing": sequencing}),
+        (JsonBodies, {"parse": not routes_parse_json, "sequencing": sequencing}),
     ]
 
 

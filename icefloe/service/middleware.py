@@ -19,6 +19,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from starlette.requests import cookie_parser
 from starlette.responses import RedirectResponse, Response
@@ -40,6 +41,9 @@ from icefloe.service.logins import SESSION_COOKIE, Logins
 from icefloe.service.models import parse_json_body
 from icefloe.service.origins import foreign_origin
 from icefloe.service.settings import SHARED_TENANT, ServeSettings
+
+if TYPE_CHECKING:  # sequencing reads the caller this module records
+    from icefloe.service.sequencing import Sequencing
 
 __all__ = [
     "ACCEPTED_HEADER",
@@ -68,7 +72,8 @@ PAT_TOKEN_TYPE = "PROGRAMMATIC_ACCESS_TOKEN"
 OPEN_PATH, OPEN_PREFIX = "/health", "/files/"
 # The dashboard's login form and its static files (no data in them) are open; its pages and data need the token.
 UI_OPEN_PATHS, UI_OPEN_PREFIX = ("/ui/login",), "/ui/static/"
-CALLER_SCOPE_KEY = "icefloe.caller"  # set by RequireToken: a hash of the caller's token (absent = '', no auth)
+# Set by RequireToken on each request it let in: a hash of the caller's token ('' with auth off; absent: an open path).
+CALLER_SCOPE_KEY = "icefloe.caller"
 TENANT_SCOPE_KEY = "icefloe.tenant"  # set by RequireToken: the caller's tenant (absent: the shared one, no auth)
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -152,6 +157,22 @@ def replaying(body: bytes, receive: Receive) -> Receive:
         return {"type": "http.request", "body": body, "more_body": False}
 
     return replay
+
+
+async def _refuse(
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    refusal: Exception,
+    sequencing: Sequencing | None,
+    *,
+    close: bool = False,
+) -> None:
+    """Answer a layer's refusal as :func:`send_error` does; with ``sequencing`` (an API whose routes take
+    ``Icefloe-Sequence`` turns), a numbered POST first uses or keeps its number as a route's refusal would."""
+    if sequencing is not None:
+        sequencing.refused(scope, refusal)
+    await send_error(scope, receive, send, refusal, close=close)
 
 
 class Recorder:
@@ -257,7 +278,7 @@ class RequireToken:
     refusal closes the connection, since the body it did not read cannot be skipped. An accepted
     caller is recorded in the scope as a hash of its token (:data:`CALLER_SCOPE_KEY`), which the
     later layers scope their records by, and its tenant (:data:`TENANT_SCOPE_KEY`); with auth off
-    every caller is ``''`` of the shared tenant.
+    every caller is ``''`` of the shared tenant. A request to an open path has no caller.
     """
 
     def __init__(self, app: ASGIApp, *, settings: ServeSettings, logins: Logins, access: Access) -> None:
@@ -269,7 +290,9 @@ class RequireToken:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"] if scope["type"] == "http" else ""
-        if scope["type"] == "http" and self.settings.auth_enabled and not self.access.open_path(path):
+        if scope["type"] == "http" and not self.settings.auth_enabled:
+            scope[CALLER_SCOPE_KEY] = ""  # every caller is the one shared caller
+        elif scope["type"] == "http" and not self.access.open_path(path):
             try:
                 scope[CALLER_SCOPE_KEY], scope[TENANT_SCOPE_KEY] = self._caller(scope)
             except (UnauthenticatedError, ForbiddenError, TooManyRequestsError) as refused:
@@ -324,9 +347,10 @@ def _is_page(path: str) -> bool:
 class BodyLimit:
     """413 before reading a body whose Content-Length exceeds the cap; stop reading one that grows past it."""
 
-    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, *, max_bytes: int, sequencing: Sequencing | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.sequencing = sequencing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
@@ -345,7 +369,7 @@ class BodyLimit:
             # No Content-Length (chunked upload): read up to the cap first, then hand the body on.
             body = await read_body(receive, self.max_bytes)
         except PayloadTooLargeError as refused:
-            await send_error(scope, receive, send, refused, close=True)
+            await _refuse(scope, receive, send, refused, self.sequencing, close=True)
             return
         if body is not None:
             await self.app(scope, replaying(body, receive), send)
@@ -367,10 +391,13 @@ class IdempotencyKeys:
     with its key executes again.
     """
 
-    def __init__(self, app: ASGIApp, *, db: store.Database, settings: ServeSettings) -> None:
+    def __init__(
+        self, app: ASGIApp, *, db: store.Database, settings: ServeSettings, sequencing: Sequencing | None = None
+    ) -> None:
         self.app = app
         self.db = db
         self.settings = settings
+        self.sequencing = sequencing
         self._locks: weakref.WeakValueDictionary[tuple[str, str, str], asyncio.Lock] = weakref.WeakValueDictionary()
         self._next_purge = time.monotonic() + _PURGE_EVERY_S
 
@@ -385,7 +412,7 @@ class IdempotencyKeys:
         key, route, caller = raw_key.decode("latin-1").strip(), f"POST {scope['path']}", scope.get(CALLER_SCOPE_KEY, "")
         if not key or len(key) > _MAX_KEY_LENGTH:
             refused = InvalidRequestError(f"Idempotency-Key must be 1-{_MAX_KEY_LENGTH} characters")
-            await send_error(scope, receive, send, refused)
+            await _refuse(scope, receive, send, refused, self.sequencing)
             return
         record = {"route": route, "caller": caller, "key": key}
         lock = self._locks.get((route, caller, key))
@@ -399,7 +426,7 @@ class IdempotencyKeys:
             saved = store.get_idempotent_response(self.db, **record, ttl_s=self.settings.idempotency_ttl_s)
             if saved is not None and saved["body_sha256"] != digest:
                 message = "Idempotency-Key was already used on this route with a different body; use a new key"
-                await send_error(scope, receive, send, ConflictError(message))
+                await _refuse(scope, receive, send, ConflictError(message), self.sequencing)
             elif saved is not None:
                 replayed = {"idempotent-replayed": "true"}
                 response = Response(bytes(saved["response"]), saved["status_code"], replayed, saved["media_type"])
@@ -464,9 +491,10 @@ class JsonBodies:
     Tinker API's: a refused op must still use up its ``seq_id``, which only the route can read).
     """
 
-    def __init__(self, app: ASGIApp, *, parse: bool = True) -> None:
+    def __init__(self, app: ASGIApp, *, parse: bool = True, sequencing: Sequencing | None = None) -> None:
         self.app = app
         self.parse = parse
+        self.sequencing = sequencing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in _BODY_METHODS or not _is_json(scope):
@@ -478,7 +506,7 @@ class JsonBodies:
             refused = PayloadTooLargeError(
                 f"a JSON body is at most {MAX_JSON_BYTES} bytes here; send tensors as binary frames (octet-stream)"
             )
-            await send_error(scope, receive, send, refused, close=True)
+            await _refuse(scope, receive, send, refused, self.sequencing, close=True)
             return
         if body is None:
             return
@@ -488,7 +516,7 @@ class JsonBodies:
             elif body and self.parse:
                 parse_json_body(body)
         except InvalidRequestError as refused:
-            await send_error(scope, receive, send, refused)
+            await _refuse(scope, receive, send, refused, self.sequencing)
             return
         await self.app(scope, replaying(body, receive), send)
 

@@ -13,8 +13,9 @@ more than ``window`` past the session's next is refused at once (400), so a sess
 window's worth of numbers; the number is decimal digits, at most 19 of them (the rule is
 :class:`~icefloe.service.turns.Turns`, which orders the Tinker API's ``seq_id`` too). Sessions belong
 to a caller (the token :class:`~icefloe.service.middleware.RequireToken` let in, before any route
-runs). A request the routes refuse before they take the turn (a body too large, malformed JSON)
-leaves its number to the gap timeout. docs/service.md has the contract.
+runs). A layer in front of the routes that refuses a POST of a caller it let in (a body too large,
+malformed JSON, an ``Idempotency-Key`` conflict) tells :meth:`Sequencing.refused`, which uses or keeps
+its number by the same rule. docs/service.md has the contract.
 """
 
 from __future__ import annotations
@@ -88,9 +89,8 @@ class Sequencing:
         if raw is None:
             yield Turn()
             return
-        session_id, _, number_text = raw.decode("latin-1").strip().rpartition(":")
-        well_formed = 0 < len(session_id) <= _MAX_SESSION_LENGTH and ":" not in session_id
-        if not (well_formed and _NUMBER.fullmatch(number_text)):
+        numbered = _parse(raw)
+        if numbered is None:
             raise InvalidRequestError(
                 f"{SEQUENCE_HEADER} must be '<session>:<n>' (session: 1-{_MAX_SESSION_LENGTH} characters "
                 f"without ':', n: 1-19 digits 0-9); got {raw[:80].decode('latin-1')!r}"
@@ -98,7 +98,8 @@ class Sequencing:
         if self.unordered(scope):
             yield Turn()
             return
-        number, session = int(number_text), self._session((scope.get(CALLER_SCOPE_KEY, ""), session_id))
+        session_id, number = numbered
+        session = self._session((scope.get(CALLER_SCOPE_KEY, ""), session_id))
         if session.beyond(number):  # holding it would hold every number up to it
             raise InvalidRequestError(
                 f"{SEQUENCE_HEADER} {session_id}:{number} is more than the sequence window ({self.window}) past "
@@ -125,6 +126,21 @@ class Sequencing:
         else:
             turn.release()  # answered without queuing (or queued, and released already)
 
+    def refused(self, scope: Scope, refusal: Exception) -> None:
+        """A layer in front of the routes refused this request: a numbered POST uses its number at once
+        (the POSTs after it need not wait for it), or keeps it when its client retries it
+        (:func:`~icefloe.service.errors.retried`). Only for a caller the token check let in (it set
+        :data:`CALLER_SCOPE_KEY`): an unauthenticated POST never touches a session."""
+        caller = scope.get(CALLER_SCOPE_KEY)
+        raw = header(scope, _HEADER_KEY) if scope.get("method") == "POST" else None
+        numbered = None if caller is None or raw is None or retried(refusal) else _parse(raw)
+        if numbered is None:  # unnumbered, not let in, retried, or a malformed header (nothing to use)
+            return
+        session_id, number = numbered
+        session = self._session((caller, session_id))
+        if not session.beyond(number):  # beyond the window: the route would never have held it
+            session.use(number)
+
     def _session(self, key: tuple[str, str]) -> Turns:
         """The session of (caller, session id), made on first use."""
         session = self._sessions.get(key)
@@ -138,3 +154,10 @@ class Sequencing:
                 break
             del self._sessions[oldest_id]
         return session
+
+
+def _parse(raw: bytes) -> tuple[str, int] | None:
+    """(session id, number) of an ``Icefloe-Sequence`` value; None when it is malformed."""
+    session_id, _, number_text = raw.decode("latin-1").strip().rpartition(":")
+    well_formed = 0 < len(session_id) <= _MAX_SESSION_LENGTH and ":" not in session_id
+    return (session_id, int(number_text)) if well_formed and _NUMBER.fullmatch(number_text) else None

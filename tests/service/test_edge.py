@@ -29,7 +29,8 @@ def _stack(tmp_path: Path, *, auth: bool) -> list:
     """The training API's stack as create_app builds it, outermost first."""
     settings = ServeSettings(data_dir=tmp_path, tokens=("t",) if auth else ())
     edge = {"db": Database(tmp_path / "db.sqlite3"), "logins": Logins(ttl_s=60, max_failures_per_minute=10)}
-    layers = api_layers(settings, **edge, access=training_access(settings), batches=True, routes_parse_json=False)
+    access = training_access(settings)
+    layers = api_layers(settings, **edge, access=access, batches=True, routes_parse_json=False, sequencing=None)
     return [*service_layers(settings, []), *layers]
 
 

@@ -18,6 +18,7 @@ from icefloe.protocol import (
     TooManyRequestsError,
 )
 from icefloe.service.errors import status_and_body
+from icefloe.service.middleware import CALLER_SCOPE_KEY
 from icefloe.service.runtime import LocalEngineHost
 from icefloe.service.sequencing import Sequencing
 
@@ -173,6 +174,47 @@ async def test_a_malformed_sequence_header_is_a_400_that_names_the_header(data_d
         assert "Icefloe-Sequence must be '<session>:<n>'" in response.json()["message"]
 
 
+_TOO_DEEP = b'{"learning_rate": 0.001, "x": ' + b"[" * 100 + b"]" * 100 + b"}"
+_PADDED = b'{"learning_rate": 0.001, "x": "%s"}'
+
+
+@pytest.mark.parametrize(
+    ("body", "settings", "status"),
+    [
+        (b'{"learning_rate": ', {}, 400),  # malformed JSON (JsonBodies)
+        (_TOO_DEEP, {}, 400),  # nested too deeply (JsonBodies)
+        (_PADDED % (b"x" * (4 * 1024 * 1024)), {}, 413),  # over the JSON cap (JsonBodies)
+        (_PADDED % (b"x" * 20_000), {"max_post_bytes": 16_384}, 413),  # over the POST cap (BodyLimit)
+    ],
+    ids=["malformed", "too-deep", "json-too-large", "post-too-large"],
+)
+async def test_a_numbered_post_whose_body_is_refused_before_its_route_lets_the_next_number_in(
+    data_dir, body, settings, status
+):
+    """Regression: a body refused in front of the routes left its number to the gap timeout, so the
+    session's next POST waited for it and was refused as a ``sequence_gap``."""
+    async with _watched_service(data_dir, sequence_gap_timeout_s=5, **settings) as (api, _):
+        job_id = await api.running()
+        await api.fwd_bwd(job_id)
+        headers = {**_numbered("s:0"), "Content-Type": "application/json"}
+        refused = await api.call("POST", f"/{job_id}/step", content=body, headers=headers, check=False)
+        assert refused.status_code == status
+        after = await _step(api, job_id, "s:1")  # would wait the 5 s gap timeout, then be a 409
+        assert after.status_code == 200 and after.json()["result"]["global_step"] == 1
+
+
+async def test_a_numbered_post_refused_for_its_idempotency_key_lets_the_next_number_in(data_dir, executed):
+    async with _watched_service(data_dir, sequence_gap_timeout_s=5) as (api, _):
+        job_id = await api.running()
+        await api.fwd_bwd(job_id)
+        assert (await _step(api, job_id, "s:0", 1e-3, **{"Idempotency-Key": "k"})).status_code == 200
+        conflict = await _step(api, job_id, "s:1", 2e-3, **{"Idempotency-Key": "k"})  # same key, another body
+        assert (conflict.status_code, conflict.json()["code"]) == (409, "conflict")
+        await api.fwd_bwd(job_id)
+        after = await _step(api, job_id, "s:2", 3e-3)
+        assert after.status_code == 200 and after.json()["result"]["global_step"] == 2
+
+
 # --- the turns alone, over a minimal route ------------------------------------------------------
 class _Route:
     """A route that takes its turn and queues its POST (``Turn.release``), or raises the error in its
@@ -249,3 +291,26 @@ async def test_the_least_recently_used_session_is_forgotten_beyond_the_cap():
         assert await route.post(sequence) == 200
     assert await route.post("a:2") == 200
     assert await route.post("b:1") == 409  # "b" starts over at 0
+
+
+def _refused_scope(sequence: str, **scope: object) -> dict:
+    return {"method": "POST", "headers": [(b"icefloe-sequence", sequence.encode())], **scope}
+
+
+async def test_a_refusal_in_front_of_the_routes_uses_its_number_for_the_caller_the_token_check_let_in():
+    route = _Route(Sequencing(gap_timeout_s=30))
+    route.sequencing.refused(_refused_scope("s:1", **{CALLER_SCOPE_KEY: ""}), InvalidRequestError("bad body"))
+    assert await route.post("s:0") == 200
+    assert await route.post("s:2") == 200  # 1 was used by its refusal
+    assert route.order == [("queued", 0), ("queued", 2)]
+
+
+@pytest.mark.parametrize(
+    ("scope", "refusal"),
+    [({}, InvalidRequestError("bad body")), ({CALLER_SCOPE_KEY: ""}, TooManyRequestsError("busy"))],
+    ids=["not-let-in", "retried"],
+)
+async def test_a_refusal_in_front_of_the_routes_of_a_caller_not_let_in_or_one_retried_leaves_the_number(scope, refusal):
+    route = _Route(Sequencing(gap_timeout_s=0.2))
+    route.sequencing.refused(_refused_scope("s:0", **scope), refusal)
+    assert await route.post("s:1") == 409  # still waited for 0: a sequence gap
