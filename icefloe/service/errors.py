@@ -41,6 +41,9 @@ _STATUS_AND_CODE = (
     (p.UnsupportedOpError, 501, p.CODE_NOT_IMPLEMENTED),
 )
 _CODE_BY_STATUS = {401: p.CODE_UNAUTHENTICATED, 404: p.CODE_NOT_FOUND}
+# The bug a handler logged for this request: Starlette re-raises it past a mounted app to the app
+# around it, whose handler meets it again and must not log it twice.
+_LOGGED_BUG_SCOPE_KEY = "icefloe.logged_bug"
 
 
 def _status_and_code(exc: BaseException) -> tuple[int, str] | None:
@@ -52,13 +55,15 @@ def _status_and_code(exc: BaseException) -> tuple[int, str] | None:
     return None
 
 
-def status_and_body(exc: Exception) -> tuple[int, dict[str, Any]]:
-    """The status and ``{code, message}`` body (plus the error's ``detail``) an exception answers with."""
+def status_and_body(exc: Exception, *, log_bug: bool = True) -> tuple[int, dict[str, Any]]:
+    """The status and ``{code, message}`` body (plus the error's ``detail``) an exception answers with;
+    a bug (500) is logged unless ``log_bug`` is False."""
     known = _status_and_code(exc)
     if known is not None:
         message = exc.reason if isinstance(exc, p.RequestFailedError) else str(exc)
         return known[0], {"code": known[1], "message": message, **getattr(exc, "detail", {})}
-    _log.error("internal error (a bug in the service)", exc_info=exc)
+    if log_bug:
+        _log.error("internal error (a bug in the service)", exc_info=exc)
     return 500, {"code": p.CODE_INTERNAL, "message": f"{type(exc).__name__}: {exc}"}
 
 
@@ -102,7 +107,10 @@ def install_error_handlers(app: FastAPI, *, conflict_status: int = 409) -> None:
             return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
         if isinstance(exc, RequestValidationError):
             return JSONResponse({"code": p.CODE_INVALID_ARGUMENT, "message": _validation_message(exc)}, status_code=400)
-        status, body = status_and_body(exc)
+        logged = request.scope.get(_LOGGED_BUG_SCOPE_KEY) is exc
+        status, body = status_and_body(exc, log_bug=not logged)
+        if status == 500:
+            request.scope[_LOGGED_BUG_SCOPE_KEY] = exc
         if status == 409:
             status = conflict_status
         settings = getattr(request.app.state, "settings", None)

@@ -102,3 +102,28 @@ def test_no_shared_layer_tests_the_tinker_apis_path():
     """errors.py and middleware.py behaved differently under /api/v1; the Tinker app now says what it needs."""
     for name in ("errors.py", "middleware.py", "refusals.py", "batches.py", "sequencing.py", "edge.py"):
         assert "/api/v1" not in (_SERVICE / name).read_text(), name
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("api", ["tinker", "training"])
+async def test_a_bug_inside_a_mounted_api_is_answered_500_and_logged_once(data_dir, monkeypatch, caplog, api):
+    """Regression: a 500 in the Tinker app was logged by its handler, then again by the service app's,
+    to which Starlette re-raises it."""
+    from icefloe.service.jobs import JobManager
+    from icefloe.service.tinker.state import TinkerState
+
+    def bug(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(TinkerState, "create_session", bug)
+    monkeypatch.setattr(JobManager, "capacity", bug)
+    app = make_app(data_dir)
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)  # as a server would, answer and go on
+    async with app.router.lifespan_context(app), httpx.AsyncClient(transport=transport, base_url="http://t") as http:
+        if api == "tinker":
+            answer = await http.post("/api/v1/create_session", json={})
+        else:
+            answer = await http.get(f"{PREFIX}/capacity")
+    assert (answer.status_code, answer.json()) == (500, {"code": "internal", "message": "RuntimeError: a bug"})
+    logged = [r for r in caplog.records if r.getMessage() == "internal error (a bug in the service)"]
+    assert len(logged) == 1
