@@ -4,7 +4,7 @@ the ``tinker`` SDK calls them; :mod:`.runs` has the REST client's routes.
 The ``tinker`` package (its protobuf classes) imports torch, so :mod:`.convert` is imported on
 first use: ``icefloe serve`` starts without torch in its own process.
 
-The ``X-API-Key`` is checked before a handler runs (``middleware.RequireToken``), which also names
+The ``X-API-Key`` is checked before a handler runs (``RequireToken`` with ``TINKER_ACCESS``), which also names
 the caller's tenant: every lookup takes it. Each handler reads its body off the event loop when it is
 large (:mod:`.checks`), checks every field, queues the work on the model's job (see
 :mod:`icefloe.service.tinker.state`) and answers the SDK's shape: a future ``{request_id}`` for ops,
@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse
 from icefloe.protocol import OP_FORWARD, OP_FWD_BWD, ConflictError, InvalidRequestError
 from icefloe.protocol import SamplingParams as EngineSamplingParams
 from icefloe.service import store
+from icefloe.service.limits import CHECK_ON_LOOP_BYTES
 from icefloe.service.models import WeightSyncPayload
 from icefloe.service.operations import submit_weight_sync
 from icefloe.service.routes import SettingsDep, TenantDep
@@ -43,7 +44,6 @@ __all__ = ["router", "tinker_state"]
 _POLL_S = 30.0  # the SDK gives retrieve_future 45 s; answer try_again well before
 _PROTO = "application/x-protobuf"
 _PROMPT_KEYS = ("prompt_logprobs", "topk_prompt_logprobs", "target_prompt_logprobs")  # per call, not per sample
-_ON_LOOP_BYTES = 64 * 1024  # larger protobuf bodies are parsed and converted on a worker thread
 _MAX_SEQ_ID = 2**62
 _MAX_TOPK = 1024
 _SAMPLER_KINDS = ("snapshot", "inflight")  # the SDK's SamplingClientKind
@@ -53,8 +53,8 @@ async def tinker_state(request: Request) -> TinkerState:
     return request.app.state.tinker
 
 
-# The X-API-Key is checked by the service's RequireToken layer, like every other token.
-router = APIRouter(prefix="/api/v1", tags=["tinker"])
+# The X-API-Key is checked by the Tinker API's own RequireToken layer (TINKER_ACCESS).
+router = APIRouter(tags=["tinker"])  # mounted at TINKER_PREFIX
 State = Annotated[TinkerState, Depends(tinker_state)]
 Body = Annotated[Fields, Depends(json_body)]
 
@@ -164,7 +164,7 @@ async def get_info(body: Body, state: State, tenant: TenantDep) -> dict[str, Any
 # --- training ops, in seq_id order -----------------------------------------------------------
 async def _off_loop(size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     call = functools.partial(fn, *args, **kwargs)
-    return await asyncio.to_thread(call) if size > _ON_LOOP_BYTES else call()
+    return await asyncio.to_thread(call) if size > CHECK_ON_LOOP_BYTES else call()
 
 
 @router.post("/forward_backward")
