@@ -13,7 +13,6 @@ import errno
 import gc
 import logging
 import os
-import re
 import socket
 import threading
 import weakref
@@ -22,25 +21,24 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
+from starlette.routing import Mount
 
-from icefloe.service.batches import Batches
+from icefloe.service.edge import api_layers, install_edge, service_layers
 from icefloe.service.errors import install_error_handlers
 from icefloe.service.hosts.slots import SlotPool
 from icefloe.service.joblog import TokenRedactor
 from icefloe.service.jobs import JobManager
 from icefloe.service.lifecycle import fail_interrupted_jobs
 from icefloe.service.logins import Logins
-from icefloe.service.middleware import BodyLimit, IdempotencyKeys, JsonBodies, RequireToken
-from icefloe.service.openai import install_openai
-from icefloe.service.origins import LocalOnly
-from icefloe.service.refusals import LogRefusals
+from icefloe.service.middleware import training_access
+from icefloe.service.openai import OPENAI_ACCESS, PREFIXES, openai_app
 from icefloe.service.routes import capabilities, checkpoints, compute, jobs, metrics, operations, requests
 from icefloe.service.routes.ui import install_ui
-from icefloe.service.sequencing import SubmitOrder
+from icefloe.service.sequencing import Sequencing
 from icefloe.service.settings import ServeSettings
 from icefloe.service.store import Database, DataDirInUse, lock_data_dir, purge_expired
 from icefloe.service.tenants import Tenancy
-from icefloe.service.tinker import install_tinker
+from icefloe.service.tinker import TINKER_ACCESS, TINKER_PREFIX, tinker_app
 
 __all__ = ["ServerThread", "base_url", "create_app", "serve", "uvicorn_options"]
 
@@ -93,6 +91,9 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     app.state.db = db
     app.state.jobs = manager
     app.state.tenancy = Tenancy(settings, db)
+    app.state.sequencing = Sequencing(
+        gap_timeout_s=settings.sequence_gap_timeout_s, window=settings.sequence_window, unordered=_not_running(manager)
+    )
     app.state.logins = Logins(
         ttl_s=settings.ui_session_ttl_s, max_failures_per_minute=settings.max_failed_logins_per_minute
     )
@@ -107,32 +108,28 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     app.include_router(metrics.prometheus_router)  # GET /metrics
     app.router.routes[:0] = compute.STEP_ROUTES  # matched first: see icefloe.service.routes.compute
     install_ui(app)  # the dashboard, /ui
-    install_tinker(app)  # the Tinker API, /api/v1
-    install_openai(app)  # the OpenAI-compatible API, /oai/v1 and /v1 (after Tinker: it serves Tinker's checkpoints)
-    # Listed innermost first. JsonBodies inside SubmitOrder: a body it refuses still frees its number.
-    app.add_middleware(JsonBodies)
-    # Replays skip SubmitOrder, and a POST waiting for its turn has its body read and its key looked
-    # up already (moved outside IdempotencyKeys, a demo step took 3% longer).
-    app.add_middleware(
-        SubmitOrder,
-        gap_timeout_s=settings.sequence_gap_timeout_s,
-        window=settings.sequence_window,
-        unordered=_not_running(manager),
+    # Each API has a stack of its own. The Tinker and OpenAI APIs' apps (each with its own auth adapter
+    # and error rules) are mounted in front of this app's stack: the service's outermost layers hand
+    # their requests over. Neither takes Icefloe-Sequence turns (Tinker orders by seq_id, from the body).
+    edge = {"db": db, "logins": app.state.logins}
+    tinker = tinker_app(app.state)
+    openai = openai_app(app.state)  # after Tinker's: it serves Tinker's checkpoints
+    for api, access in ((tinker, TINKER_ACCESS), (openai, OPENAI_ACCESS)):
+        install_edge(
+            api, api_layers(settings, **edge, access=access, batches=False, routes_parse_json=True, sequencing=None)
+        )
+    mounts = [Mount(TINKER_PREFIX, tinker), *(Mount(prefix, openai) for prefix in PREFIXES)]
+    training = api_layers(
+        settings,
+        **edge,
+        access=training_access(settings),
+        batches=True,
+        routes_parse_json=False,
+        sequencing=app.state.sequencing,
     )
-    app.add_middleware(IdempotencyKeys, db=db, settings=settings)
-    app.add_middleware(LogRefusals, auth_enabled=settings.auth_enabled)  # each part of a batch, and each request
-    app.add_middleware(Batches)  # each part of a batch runs through the layers above, as if it came alone
-    app.add_middleware(BodyLimit, max_bytes=settings.max_post_bytes)  # refuse before buffering
-    # Nothing is read before the token (or the dashboard session) passes.
-    app.add_middleware(RequireToken, settings=settings, logins=app.state.logins)
-    if not settings.auth_enabled:  # outermost: with no token to stop them, no page of another site gets in
-        app.add_middleware(LocalOnly, public_url=settings.public_url)
-    app.add_middleware(LogRefusals, auth_enabled=settings.auth_enabled)  # outermost: what the layers below it refuse
+    install_edge(app, [*service_layers(settings, mounts), *training])
     _redact(redactor, on=True)
     return app
-
-
-_JOB_PATH = re.compile(r"/api/v2/databases/[^/]+/schemas/[^/]+/[^/]+/([^/:]+)")
 
 
 def _not_running(manager: JobManager) -> Callable[[dict[str, Any]], bool]:
@@ -140,8 +137,8 @@ def _not_running(manager: JobManager) -> Callable[[dict[str, Any]], bool]:
     have no earlier number to wait for (the session was lost with the old process)."""
 
     def not_running(scope: dict[str, Any]) -> bool:
-        match = _JOB_PATH.match(scope["path"])
-        return match is not None and manager.live_job(match.group(1)) is None
+        job_id = scope.get("path_params", {}).get("job_id")
+        return job_id is not None and manager.live_job(job_id) is None
 
     return not_running
 

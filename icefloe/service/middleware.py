@@ -1,8 +1,10 @@
-"""The pure-ASGI layers in front of the routes: the bearer token (or a dashboard login) and its tenant,
+"""The pure-ASGI layers in front of an API's routes: the token (or a dashboard login) and its tenant,
 the body-size cap, ``Idempotency-Key`` replay and the JSON-body bounds.
 
 The token is checked first, from the headers alone, so an unauthenticated request never has its
-body read or parsed and never reaches a later layer (the ``Icefloe-Sequence`` order among them).
+body read or parsed and never reaches a later layer or a route (the ``Icefloe-Sequence`` order
+among them). Each API says how its callers present the token in its own :class:`Access`;
+:mod:`icefloe.service.edge` stacks the layers in order.
 Pure ASGI (not ``BaseHTTPMiddleware``) keeps the per-request cost to a few attribute reads, which
 matters for the latency of small ops such as ``step``.
 """
@@ -10,15 +12,14 @@ matters for the latency of small ops such as ``step``.
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import hashlib
 import hmac
-import json
 import logging
 import time
 import weakref
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Protocol
 
 from starlette.requests import cookie_parser
 from starlette.responses import RedirectResponse, Response
@@ -41,12 +42,22 @@ from icefloe.service.models import parse_json_body
 from icefloe.service.origins import foreign_origin
 from icefloe.service.settings import SHARED_TENANT, ServeSettings
 
+
+class Sequencing(Protocol):
+    """What a layer here tells the ``Icefloe-Sequence`` order (:class:`~icefloe.service.sequencing.Sequencing`,
+    which reads the caller this module records: so it imports this module, never the other way)."""
+
+    def refused(self, scope: Scope, refusal: Exception) -> None: ...
+
+
 __all__ = [
+    "ACCEPTED_HEADER",
     "CALLER_SCOPE_KEY",
     "OPEN_PATH",
     "OPEN_PREFIX",
     "PAT_TOKEN_TYPE",
     "TENANT_SCOPE_KEY",
+    "Access",
     "BodyLimit",
     "IdempotencyKeys",
     "JsonBodies",
@@ -55,19 +66,19 @@ __all__ = [
     "caller_of",
     "header",
     "matching_token",
-    "note_acceptance",
     "read_body",
     "replaying",
     "tenant_of",
+    "training_access",
 ]
 
 PAT_TOKEN_TYPE = "PROGRAMMATIC_ACCESS_TOKEN"
 # Answered without a token: liveness, and checkpoint downloads (the token in their URL is the credential).
 OPEN_PATH, OPEN_PREFIX = "/health", "/files/"
-TINKER_PREFIX = "/api/v1/"  # the Tinker API: its token comes as X-API-Key
 # The dashboard's login form and its static files (no data in them) are open; its pages and data need the token.
 UI_OPEN_PATHS, UI_OPEN_PREFIX = ("/ui/login",), "/ui/static/"
-CALLER_SCOPE_KEY = "icefloe.caller"  # set by RequireToken: a hash of the caller's token (absent = '', no auth)
+# Set by RequireToken on each request it let in: a hash of the caller's token ('' with auth off; absent: an open path).
+CALLER_SCOPE_KEY = "icefloe.caller"
 TENANT_SCOPE_KEY = "icefloe.tenant"  # set by RequireToken: the caller's tenant (absent: the shared one, no auth)
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
@@ -76,17 +87,12 @@ _IDEMPOTENCY_HEADER = b"idempotency-key"
 _MAX_KEY_LENGTH = 255
 _PURGE_EVERY_S = 300.0  # at most this often, a kept reply also sweeps expired records out (off the loop)
 
+# Set by a route on an answer that carries more than it accepted (a ?wait= answer with its result): the JSON of
+# what it accepted ({request_id, job_id}), which IdempotencyKeys keeps instead of a large answer. Never sent.
+ACCEPTED_HEADER = "icefloe-accepted"
+_ACCEPTED_KEY = ACCEPTED_HEADER.encode()
+
 _log = logging.getLogger("icefloe.service")
-
-# The {request_id, job_id} a route accepted, told to IdempotencyKeys (set per request it runs).
-_ACCEPTANCE: contextvars.ContextVar[dict[str, Any] | None] = contextvars.ContextVar("icefloe_acceptance", default=None)
-
-
-def note_acceptance(accepted: dict[str, Any]) -> None:
-    """Tell the idempotency layer what this POST accepted, so a large inline answer is kept as just that."""
-    holder = _ACCEPTANCE.get()
-    if holder is not None and "request_id" in accepted:
-        holder.update(request_id=accepted["request_id"], job_id=accepted.get("job_id"))
 
 
 def header(scope: Scope, name: bytes) -> bytes | None:
@@ -158,6 +164,22 @@ def replaying(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
+async def _refuse(
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    refusal: Exception,
+    sequencing: Sequencing | None,
+    *,
+    close: bool = False,
+) -> None:
+    """Answer a layer's refusal as :func:`send_error` does; with ``sequencing`` (an API whose routes take
+    ``Icefloe-Sequence`` turns), a numbered POST first uses or keeps its number as a route's refusal would."""
+    if sequencing is not None:
+        sequencing.refused(scope, refusal)
+    await send_error(scope, receive, send, refusal, close=close)
+
+
 class Recorder:
     """A ``send`` that records an app's answer (status, headers, body) and passes it on to ``send``, if given."""
 
@@ -179,6 +201,35 @@ class Recorder:
     @property
     def body(self) -> bytes:
         return b"".join(self.parts)
+
+
+def _never(path: str) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class Access:
+    """An API's auth adapter for :class:`RequireToken`: how its callers present their token, besides
+    ``Authorization: Bearer``, and which of its paths need none."""
+
+    api_key_header: bytes | None = None  # a header carrying the bare token (the Tinker SDK's x-api-key)
+    open_path: Callable[[str], bool] = _never  # answered without a token
+    dashboard_page: Callable[[str], bool] | None = None  # with a dashboard: its pages (a login cookie works)
+
+
+def training_access(settings: ServeSettings) -> Access:
+    """The training API's and the dashboard's: a bearer token or a dashboard login. Open: liveness,
+    checkpoint downloads, the login form and its static files, ``/metrics`` when public."""
+
+    def open_path(path: str) -> bool:
+        return (
+            path == OPEN_PATH
+            or path.startswith((OPEN_PREFIX, UI_OPEN_PREFIX))
+            or path in UI_OPEN_PATHS
+            or (path == "/metrics" and settings.metrics_public)
+        )
+
+    return Access(open_path=open_path, dashboard_page=_is_page)
 
 
 def caller_of(token: str) -> str:
@@ -221,47 +272,51 @@ def matching_token(tokens: list[tuple[str, str]], presented: str) -> tuple[str, 
 class RequireToken:
     """401 from the headers alone, before any body is read, unless the request carries a configured token.
 
-    Every path needs the token but :data:`OPEN_PATH` and :data:`OPEN_PREFIX` (the API docs and their
-    assets included), the dashboard's login form and static files, and ``/metrics`` when
-    ``settings.metrics_public``. A browser that logged in to the dashboard sends the cookie of its
-    session (:mod:`icefloe.service.logins`) instead of a token; a dashboard page without one is
-    redirected to the login form. A change (any method but GET / HEAD / OPTIONS) that only the
-    cookie authenticates must come from the service's own origin (its ``Origin`` header) or carry the
-    session's CSRF token (``X-CSRF-Token``): a page elsewhere, on another port of the same host
-    included, cannot act through the cookie. A wrong token counts against its client address in
+    Every path needs the token but those the API's :class:`Access` opens. The token comes as
+    ``Authorization: Bearer`` or in the API's own header. Where the API has a dashboard, a browser that
+    logged in to it sends the cookie of its session (:mod:`icefloe.service.logins`) instead of a
+    token, and a dashboard page without one is redirected to the login form. A change (any method but
+    GET / HEAD / OPTIONS) that only the cookie authenticates must come from the service's own origin (its
+    ``Origin`` header) or carry the session's CSRF token (``X-CSRF-Token``): a page elsewhere, on another
+    port of the same host included, cannot act through the cookie. A wrong token counts against its client address in
     :class:`Logins`, which past its cap refuses that address (429) before looking at the token. A
     refusal closes the connection, since the body it did not read cannot be skipped. An accepted
     caller is recorded in the scope as a hash of its token (:data:`CALLER_SCOPE_KEY`), which the
     later layers scope their records by, and its tenant (:data:`TENANT_SCOPE_KEY`); with auth off
-    every caller is ``''`` of the shared tenant.
+    every caller is ``''`` of the shared tenant. A request to an open path has no caller.
     """
 
-    def __init__(self, app: ASGIApp, *, settings: ServeSettings, logins: Logins) -> None:
+    def __init__(self, app: ASGIApp, *, settings: ServeSettings, logins: Logins, access: Access) -> None:
         self.app = app
         self.settings = settings
         self.logins = logins
+        self.access = access
         self._tokens = settings.token_tenants()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"] if scope["type"] == "http" else ""
-        if scope["type"] == "http" and self.settings.auth_enabled and not self._is_open(path):
+        if scope["type"] == "http" and not self.settings.auth_enabled:
+            scope[CALLER_SCOPE_KEY] = ""  # every caller is the one shared caller
+        elif scope["type"] == "http" and not self.access.open_path(path):
             try:
-                scope[CALLER_SCOPE_KEY], scope[TENANT_SCOPE_KEY] = self._caller(scope, path)
+                scope[CALLER_SCOPE_KEY], scope[TENANT_SCOPE_KEY] = self._caller(scope)
             except (UnauthenticatedError, ForbiddenError, TooManyRequestsError) as refused:
-                if isinstance(refused, UnauthenticatedError) and _is_page(path):
+                page = self.access.dashboard_page
+                if isinstance(refused, UnauthenticatedError) and page is not None and page(path):
                     await RedirectResponse("/ui/login", 303)(scope, receive, send)  # a dashboard page: log in
                 else:
                     await send_error(scope, receive, send, refused, close=True)
                 return
         await self.app(scope, receive, send)
 
-    def _caller(self, scope: Scope, path: str) -> tuple[str, str]:
+    def _caller(self, scope: Scope) -> tuple[str, str]:
         """(caller, tenant) of the request, from its token, or else from its dashboard session."""
         authorization = header(scope, b"authorization")
-        api_key = header(scope, b"x-api-key") if path.startswith(TINKER_PREFIX) else None
-        if authorization is None and api_key is not None:  # the Tinker SDK sends its key so
+        api_key = header(scope, self.access.api_key_header) if self.access.api_key_header else None
+        if authorization is None and api_key is not None:
             authorization = b"Bearer " + api_key
-        if authorization is None and (cookies := header(scope, b"cookie")):  # a browser after the login form
+        cookies = header(scope, b"cookie") if self.access.dashboard_page is not None else None
+        if authorization is None and cookies:  # a browser after the login form
             session_id = cookie_parser(cookies.decode("latin-1")).get(SESSION_COOKIE)
             session = self.logins.get(session_id) if session_id else None
             if session is not None:
@@ -289,14 +344,6 @@ class RequireToken:
             return True
         return header(scope, b"origin") is not None and foreign_origin(scope, self.settings.public_url) is None
 
-    def _is_open(self, path: str) -> bool:
-        return (
-            path == OPEN_PATH
-            or path.startswith((OPEN_PREFIX, UI_OPEN_PREFIX))
-            or path in UI_OPEN_PATHS
-            or (path == "/metrics" and self.settings.metrics_public)
-        )
-
 
 def _is_page(path: str) -> bool:
     return path == "/ui" or (path.startswith("/ui/") and not path.startswith("/ui/api/"))
@@ -305,9 +352,10 @@ def _is_page(path: str) -> bool:
 class BodyLimit:
     """413 before reading a body whose Content-Length exceeds the cap; stop reading one that grows past it."""
 
-    def __init__(self, app: ASGIApp, *, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, *, max_bytes: int, sequencing: Sequencing | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.sequencing = sequencing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in ("POST", "PUT", "PATCH"):
@@ -326,7 +374,7 @@ class BodyLimit:
             # No Content-Length (chunked upload): read up to the cap first, then hand the body on.
             body = await read_body(receive, self.max_bytes)
         except PayloadTooLargeError as refused:
-            await send_error(scope, receive, send, refused, close=True)
+            await _refuse(scope, receive, send, refused, self.sequencing, close=True)
             return
         if body is not None:
             await self.app(scope, replaying(body, receive), send)
@@ -343,26 +391,33 @@ class IdempotencyKeys:
     token using the same key gets a record of its own. Records expire after ``settings.idempotency_ttl_s``. A reply
     over ``settings.idempotency_max_response_bytes`` (a ``?wait=`` answer carrying a result) is
     kept as its bare ``{request_id, job_id}``, so a replay answers as the POST without ``?wait=``
-    would and the caller polls for the result; any other reply that large is not kept, and a retry
+    would and the caller polls for the result (the route names it in :data:`ACCEPTED_HEADER`, which
+    this layer takes off every POST's answer); any other reply that large is not kept, and a retry
     with its key executes again.
     """
 
-    def __init__(self, app: ASGIApp, *, db: store.Database, settings: ServeSettings) -> None:
+    def __init__(
+        self, app: ASGIApp, *, db: store.Database, settings: ServeSettings, sequencing: Sequencing | None = None
+    ) -> None:
         self.app = app
         self.db = db
         self.settings = settings
+        self.sequencing = sequencing
         self._locks: weakref.WeakValueDictionary[tuple[str, str, str], asyncio.Lock] = weakref.WeakValueDictionary()
         self._next_purge = time.monotonic() + _PURGE_EVERY_S
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        raw_key = header(scope, _IDEMPOTENCY_HEADER) if scope["type"] == "http" else None
-        if raw_key is None or scope["method"] != "POST":
+        if scope["type"] != "http" or scope["method"] != "POST":
             await self.app(scope, receive, send)
+            return
+        raw_key = header(scope, _IDEMPOTENCY_HEADER)
+        if raw_key is None:
+            await self.app(scope, receive, _without_accepted(send))
             return
         key, route, caller = raw_key.decode("latin-1").strip(), f"POST {scope['path']}", scope.get(CALLER_SCOPE_KEY, "")
         if not key or len(key) > _MAX_KEY_LENGTH:
             refused = InvalidRequestError(f"Idempotency-Key must be 1-{_MAX_KEY_LENGTH} characters")
-            await send_error(scope, receive, send, refused)
+            await _refuse(scope, receive, send, refused, self.sequencing)
             return
         record = {"route": route, "caller": caller, "key": key}
         lock = self._locks.get((route, caller, key))
@@ -376,7 +431,7 @@ class IdempotencyKeys:
             saved = store.get_idempotent_response(self.db, **record, ttl_s=self.settings.idempotency_ttl_s)
             if saved is not None and saved["body_sha256"] != digest:
                 message = "Idempotency-Key was already used on this route with a different body; use a new key"
-                await send_error(scope, receive, send, ConflictError(message))
+                await _refuse(scope, receive, send, ConflictError(message), self.sequencing)
             elif saved is not None:
                 replayed = {"idempotent-replayed": "true"}
                 response = Response(bytes(saved["response"]), saved["status_code"], replayed, saved["media_type"])
@@ -388,22 +443,20 @@ class IdempotencyKeys:
     async def _run_and_keep(
         self, scope: Scope, receive: Receive, send: Send, record: dict[str, str], digest: str
     ) -> None:
-        answer, acceptance = Recorder(send), dict[str, Any]()
-        token = _ACCEPTANCE.set(acceptance)
-        try:
-            await self.app(scope, receive, answer)
-        finally:
-            _ACCEPTANCE.reset(token)
+        answer = Recorder(_without_accepted(send))
+        await self.app(scope, receive, answer)
         if not 200 <= answer.status < 300:
             return
-        response, media_type = answer.body, dict(answer.headers).get(b"content-type", b"application/json").decode()
+        headers = dict(answer.headers)
+        response, media_type = answer.body, headers.get(b"content-type", b"application/json").decode()
         if len(response) > self.settings.idempotency_max_response_bytes:
-            if not acceptance:
+            acceptance = headers.get(_ACCEPTED_KEY)
+            if acceptance is None:
                 _log.info(
                     "%s: reply too large to keep for its Idempotency-Key; a retry executes again", record["route"]
                 )
                 return
-            response, media_type = json.dumps(acceptance).encode(), "application/json"  # what the route accepted
+            response, media_type = acceptance, "application/json"  # what the route accepted
         kept = {"body_sha256": digest, "status_code": answer.status, "response": response, "media_type": media_type}
         # REPLACE: a record still in the table past its TTL must not block the new one
         self.db.insert("idempotency", {**record, **kept, "created_at": store.now_iso()}, verb="INSERT OR REPLACE")
@@ -416,6 +469,19 @@ class IdempotencyKeys:
         await asyncio.to_thread(store.purge_expired, self.db, idempotency_ttl_s=self.settings.idempotency_ttl_s)
 
 
+def _without_accepted(send: Send) -> Send:
+    """``send`` with :data:`ACCEPTED_HEADER` taken off the answer's headers: it is for this layer only."""
+
+    async def sending(message: Message) -> None:
+        if message["type"] == "http.response.start":
+            headers = message.get("headers", ())
+            if any(key == _ACCEPTED_KEY for key, _ in headers):
+                message = {**message, "headers": [(k, v) for k, v in headers if k != _ACCEPTED_KEY]}
+        await send(message)
+
+    return sending
+
+
 def _text(raw: bytes | None) -> str | None:
     return None if raw is None else raw.decode("latin-1")
 
@@ -426,12 +492,14 @@ class JsonBodies:
 
     The routes' models cannot refuse either: ``1e400`` parses as infinity, and a body nested a few
     hundred levels deep breaks the framework's own encoders (a 500). See :func:`parse_json_body`.
-    The Tinker API's routes check their bodies themselves (only the size is checked here): a refused
-    op must still use up its ``seq_id``, which only the route can read.
+    ``parse=False`` checks only the size, for an API whose routes check their bodies themselves (the
+    Tinker API's: a refused op must still use up its ``seq_id``, which only the route can read).
     """
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, *, parse: bool = True, sequencing: Sequencing | None = None) -> None:
         self.app = app
+        self.parse = parse
+        self.sequencing = sequencing
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in _BODY_METHODS or not _is_json(scope):
@@ -443,18 +511,17 @@ class JsonBodies:
             refused = PayloadTooLargeError(
                 f"a JSON body is at most {MAX_JSON_BYTES} bytes here; send tensors as binary frames (octet-stream)"
             )
-            await send_error(scope, receive, send, refused, close=True)
+            await _refuse(scope, receive, send, refused, self.sequencing, close=True)
             return
         if body is None:
             return
-        checked_by_route = scope["path"].startswith(TINKER_PREFIX)
         try:
-            if len(body) > CHECK_ON_LOOP_BYTES and not checked_by_route:
+            if len(body) > CHECK_ON_LOOP_BYTES and self.parse:
                 await asyncio.to_thread(parse_json_body, body)
-            elif body and not checked_by_route:
+            elif body and self.parse:
                 parse_json_body(body)
         except InvalidRequestError as refused:
-            await send_error(scope, receive, send, refused)
+            await _refuse(scope, receive, send, refused, self.sequencing)
             return
         await self.app(scope, replaying(body, receive), send)
 

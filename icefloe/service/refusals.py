@@ -70,12 +70,14 @@ class LogRefusals:
 
 
 def _message(body: bytes) -> str:
-    """The message of an error body: ``message`` (icefloe's shape), ``error`` (the Tinker API's) or
-    ``detail`` (the framework's); else the start of the body as text."""
+    """The message of an error body: ``message`` (icefloe's shape), ``error`` (the Tinker API's; the
+    OpenAI API's holds its ``message``) or ``detail`` (the framework's); else the start of the body as text."""
     try:
         parsed = json.loads(body)
     except ValueError:
         parsed = None
+    if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+        parsed = parsed["error"]
     if isinstance(parsed, dict):
         for key in ("message", "error", "detail"):
             if key in parsed:

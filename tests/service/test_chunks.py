@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from icefloe import wire
-from icefloe.service.hosts.seam import LocalEngineHost
 
 from .service_batches import small_batch
 from .service_client import Api
-from .service_harness import asgi_client, make_app
+from .service_harness import asgi_client, make_app, wrap_engine_method
 
 pytestmark = pytest.mark.anyio
 
@@ -48,13 +47,12 @@ def _bigger_batch():
 
 async def test_replayed_chunk_group_executes_once_and_returns_the_original_request(data_dir, monkeypatch):
     calls = []
-    original = LocalEngineHost.fwd_bwd
 
-    def counting_fwd_bwd(self, sub_job_id, batch):
+    def counting_fwd_bwd(run, sub_job_id, batch):
         calls.append(sub_job_id)
-        return original(self, sub_job_id, batch)
+        return run()
 
-    monkeypatch.setattr(LocalEngineHost, "fwd_bwd", counting_fwd_bwd)
+    wrap_engine_method(monkeypatch, "fwd_bwd", counting_fwd_bwd)
     async with asgi_client(make_app(data_dir, engines="local")) as http:
         api = Api(http)
         job_id = await api.running()

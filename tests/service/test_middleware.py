@@ -239,6 +239,9 @@ async def test_an_oversized_wait_answer_is_replayed_as_its_bare_acceptance(data_
         assert posts[1].json() == {"request_id": posts[0].json()["request_id"], "job_id": job_id}
         rows = app.state.db.fetch_all("SELECT op FROM requests WHERE job_id = ? AND op = 'generate'", (job_id,))
         assert len(rows) == 1
+        unkeyed = await api.post_frame(job_id, "generate", body, params={"wait": 30})
+        # the route names what it accepted in a header of its own, for the idempotency layer alone
+        assert not [name for post in (*posts, unkeyed) for name in post.headers if name.startswith("icefloe-")]
 
 
 def _nested(depth: int) -> str:

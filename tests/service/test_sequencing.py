@@ -10,12 +10,20 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from icefloe.service.hosts.seam import LocalEngineHost
-from icefloe.service.sequencing import SubmitOrder, release_turn
+from icefloe.protocol import (
+    ChunkGroupRestartError,
+    ConflictError,
+    InvalidRequestError,
+    NotFoundError,
+    TooManyRequestsError,
+)
+from icefloe.service.errors import status_and_body
+from icefloe.service.middleware import CALLER_SCOPE_KEY
+from icefloe.service.sequencing import Sequencing
 
 from .service_batches import small_batch
 from .service_client import Api
-from .service_harness import asgi_client, make_app
+from .service_harness import asgi_client, make_app, wrap_engine_method
 
 pytestmark = pytest.mark.anyio
 
@@ -51,18 +59,17 @@ async def _watched_service(data_dir, **settings) -> AsyncIterator[tuple[Api, _Ar
 def executed(monkeypatch) -> list[tuple[str, float]]:
     """The engine calls ``(op, learning rate or 0)`` in the order they ran."""
     calls: list[tuple[str, float]] = []
-    step, fwd_bwd = LocalEngineHost.step, LocalEngineHost.fwd_bwd
 
-    def recorded_step(self, sub_job_id, learning_rate):
+    def recorded_step(run, sub_job_id, learning_rate, adam):
         calls.append(("step", learning_rate))
-        return step(self, sub_job_id, learning_rate)
+        return run()
 
-    def recorded_fwd_bwd(self, sub_job_id, batch):
+    def recorded_fwd_bwd(run, sub_job_id, batch):
         calls.append(("forward-backward", 0.0))
-        return fwd_bwd(self, sub_job_id, batch)
+        return run()
 
-    monkeypatch.setattr(LocalEngineHost, "step", recorded_step)
-    monkeypatch.setattr(LocalEngineHost, "fwd_bwd", recorded_fwd_bwd)
+    wrap_engine_method(monkeypatch, "step", recorded_step)
+    wrap_engine_method(monkeypatch, "fwd_bwd", recorded_fwd_bwd)
     return calls
 
 
@@ -165,84 +172,143 @@ async def test_a_malformed_sequence_header_is_a_400_that_names_the_header(data_d
         assert "Icefloe-Sequence must be '<session>:<n>'" in response.json()["message"]
 
 
-# --- the layer alone, over a minimal ASGI app ----------------------------------------------------
-class _Queue:
-    """An app that queues each POST (``release_turn``), or refuses it with the status in its path."""
+_TOO_DEEP = b'{"learning_rate": 0.001, "x": ' + b"[" * 100 + b"]" * 100 + b"}"
+_PADDED = b'{"learning_rate": 0.001, "x": "%s"}'
 
-    def __init__(self, delay_s: float = 0.0) -> None:
+
+@pytest.mark.parametrize(
+    ("body", "settings", "status"),
+    [
+        (b'{"learning_rate": ', {}, 400),  # malformed JSON (JsonBodies)
+        (_TOO_DEEP, {}, 400),  # nested too deeply (JsonBodies)
+        (_PADDED % (b"x" * (4 * 1024 * 1024)), {}, 413),  # over the JSON cap (JsonBodies)
+        (_PADDED % (b"x" * 20_000), {"max_post_bytes": 16_384}, 413),  # over the POST cap (BodyLimit)
+    ],
+    ids=["malformed", "too-deep", "json-too-large", "post-too-large"],
+)
+async def test_a_numbered_post_whose_body_is_refused_before_its_route_lets_the_next_number_in(
+    data_dir, body, settings, status
+):
+    """Regression: a body refused in front of the routes left its number to the gap timeout, so the
+    session's next POST waited for it and was refused as a ``sequence_gap``."""
+    async with _watched_service(data_dir, sequence_gap_timeout_s=5, **settings) as (api, _):
+        job_id = await api.running()
+        await api.fwd_bwd(job_id)
+        headers = {**_numbered("s:0"), "Content-Type": "application/json"}
+        refused = await api.call("POST", f"/{job_id}/step", content=body, headers=headers, check=False)
+        assert refused.status_code == status
+        after = await _step(api, job_id, "s:1")  # would wait the 5 s gap timeout, then be a 409
+        assert after.status_code == 200 and after.json()["result"]["global_step"] == 1
+
+
+async def test_a_numbered_post_refused_for_its_idempotency_key_lets_the_next_number_in(data_dir, executed):
+    async with _watched_service(data_dir, sequence_gap_timeout_s=5) as (api, _):
+        job_id = await api.running()
+        await api.fwd_bwd(job_id)
+        assert (await _step(api, job_id, "s:0", 1e-3, **{"Idempotency-Key": "k"})).status_code == 200
+        conflict = await _step(api, job_id, "s:1", 2e-3, **{"Idempotency-Key": "k"})  # same key, another body
+        assert (conflict.status_code, conflict.json()["code"]) == (409, "conflict")
+        await api.fwd_bwd(job_id)
+        after = await _step(api, job_id, "s:2", 3e-3)
+        assert after.status_code == 200 and after.json()["result"]["global_step"] == 2
+
+
+# --- the turns alone, over a minimal route ------------------------------------------------------
+class _Route:
+    """A route that takes its turn and queues its POST (``Turn.release``), or raises the error in its
+    path; it tells a test the moment each numbered POST arrived."""
+
+    def __init__(self, sequencing: Sequencing, delay_s: float = 0.0) -> None:
+        self.sequencing = sequencing
         self.order: list[tuple[str, int]] = []
         self.delay_s = delay_s
+        self.arrived: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
 
-    async def __call__(self, scope, receive, send) -> None:
-        number = int(dict(scope["headers"])[b"icefloe-sequence"].rsplit(b":", 1)[1])
-        refused = scope["path"].strip("/")
-        await asyncio.sleep(self.delay_s)  # decoding, validation: time spent inside the app
-        self.order.append((refused or "queued", number))
-        if not refused:
-            release_turn()
-        await send({"type": "http.response.start", "status": int(refused or 200), "headers": []})
-        await send({"type": "http.response.body", "body": b'{"code": "unavailable"}' if refused else b"{}"})
-
-
-async def _post(layer, sequence: str, path: str = "/") -> int:
-    answered = {}
-
-    async def receive():
-        return {"type": "http.request", "body": b"", "more_body": False}
-
-    async def send(message):
-        if message["type"] == "http.response.start":
-            answered["status"] = message["status"]
-
-    scope = {"type": "http", "method": "POST", "path": path, "headers": [(b"icefloe-sequence", sequence.encode())]}
-    await layer(scope, receive, send)
-    return answered["status"]
+    async def post(self, sequence: str, refusal: type[Exception] | None = None) -> int:
+        """The status the POST is answered with."""
+        self.arrived[sequence].set()
+        scope = {"type": "http", "method": "POST", "path": "/", "headers": [(b"icefloe-sequence", sequence.encode())]}
+        try:
+            async with self.sequencing.turn(scope) as turn:
+                await asyncio.sleep(self.delay_s)  # decoding, validation: time spent inside the route
+                self.order.append((refusal.__name__ if refusal else "queued", int(sequence.rsplit(":", 1)[1])))
+                if refusal is not None:
+                    raise refusal("refused")
+                turn.release()
+                return 200
+        except Exception as exc:
+            return status_and_body(exc)[0]
 
 
-async def test_a_post_answered_with_a_status_its_client_retries_keeps_its_place_for_the_retry():
-    app = _Queue()
-    layer = _Arrivals(SubmitOrder(app, gap_timeout_s=30))
-    assert await _post(layer, "s:0", "/503") == 503
-    later = asyncio.ensure_future(_post(layer, "s:1"))
-    await layer.arrived["s:1"].wait()
-    assert await _post(layer, "s:0") == 200  # the retry
+@pytest.mark.parametrize(
+    ("refusal", "status"), [(TooManyRequestsError, 429), (ChunkGroupRestartError, 409), (RuntimeError, 500)]
+)
+async def test_a_post_refused_with_an_error_its_client_retries_keeps_its_place_for_the_retry(refusal, status):
+    route = _Route(Sequencing(gap_timeout_s=30))
+    assert await route.post("s:0", refusal) == status
+    later = asyncio.ensure_future(route.post("s:1"))
+    await route.arrived["s:1"].wait()
+    await asyncio.sleep(0.05)
+    assert not later.done()  # 0 kept its place: 1 waits for the retry
+    assert await route.post("s:0") == 200  # the retry
     assert await later == 200
-    assert app.order == [("503", 0), ("queued", 0), ("queued", 1)]
+    assert route.order == [(refusal.__name__, 0), ("queued", 0), ("queued", 1)]
 
 
-async def test_a_post_refused_for_good_lets_the_next_one_in():
-    app = _Queue()
-    layer = SubmitOrder(app, gap_timeout_s=30)
-    assert await _post(layer, "s:0", "/400") == 400  # the caller's mistake: never sent again
-    assert await _post(layer, "s:1") == 200
-    assert app.order == [("400", 0), ("queued", 1)]
+@pytest.mark.parametrize("refusal", [InvalidRequestError, NotFoundError, ConflictError])
+async def test_a_post_refused_for_good_lets_the_next_one_in(refusal):
+    route = _Route(Sequencing(gap_timeout_s=30))
+    assert await route.post("s:0", refusal) in (400, 404, 409)  # the caller's mistake: never sent again
+    assert await route.post("s:1") == 200
+    assert route.order == [(refusal.__name__, 0), ("queued", 1)]
 
 
 async def test_past_the_gap_timeout_the_lowest_waiting_post_is_refused_and_the_session_moves_on():
     """Regression: a number that never came held every later POST of its session, each refused after the timeout."""
-    app = _Queue()
-    layer = _Arrivals(SubmitOrder(app, gap_timeout_s=0.2))
-    assert await _post(layer, "s:0") == 200
-    third = asyncio.ensure_future(_post(layer, "s:3"))  # arrives first, so its wait ends first: it waits on
-    await layer.arrived["s:3"].wait()
-    assert await _post(layer, "s:2") == 409  # 1 never came: the POST waiting on it is refused
+    route = _Route(Sequencing(gap_timeout_s=0.2))
+    assert await route.post("s:0") == 200
+    third = asyncio.ensure_future(route.post("s:3"))  # arrives first, so its wait ends first: it waits on
+    await route.arrived["s:3"].wait()
+    assert await route.post("s:2") == 409  # 1 never came: the POST waiting on it is refused
     assert await third == 200
-    assert await _post(layer, "s:4") == 200
-    assert await _post(layer, "s:1") == 409  # late: the ops after it ran, so it must not (it was skipped)
-    assert await _post(layer, "s:4") == 200  # a retry of a number that went in still passes at once
-    assert app.order == [("queued", 0), ("queued", 3), ("queued", 4), ("queued", 4)]
+    assert await route.post("s:4") == 200
+    assert await route.post("s:1") == 409  # late: the ops after it ran, so it must not (it was skipped)
+    assert await route.post("s:4") == 200  # a retry of a number that went in still passes at once
+    assert route.order == [("queued", 0), ("queued", 3), ("queued", 4), ("queued", 4)]
 
 
 async def test_the_gap_timeout_counts_from_the_sessions_last_progress_not_from_arrival():
-    app = _Queue(delay_s=0.4)
-    layer = SubmitOrder(app, gap_timeout_s=1.0)  # the whole chain takes 1.6 s or more, each link 0.4 s
-    statuses = await asyncio.gather(*(_post(layer, f"s:{n}") for n in range(4)))
-    assert statuses == [200] * 4 and app.order == [("queued", n) for n in range(4)]
+    route = _Route(Sequencing(gap_timeout_s=1.0), delay_s=0.4)  # the whole chain takes 1.6 s or more, each link 0.4 s
+    statuses = await asyncio.gather(*(route.post(f"s:{n}") for n in range(4)))
+    assert statuses == [200] * 4 and route.order == [("queued", n) for n in range(4)]
 
 
 async def test_the_least_recently_used_session_is_forgotten_beyond_the_cap():
-    layer = SubmitOrder(_Queue(), gap_timeout_s=0.2, max_sessions=2)
+    route = _Route(Sequencing(gap_timeout_s=0.2, max_sessions=2))
     for sequence in ("a:0", "b:0", "a:1", "c:0"):  # "c" makes three: "b" is the least recent
-        assert await _post(layer, sequence) == 200
-    assert await _post(layer, "a:2") == 200
-    assert await _post(layer, "b:1") == 409  # "b" starts over at 0
+        assert await route.post(sequence) == 200
+    assert await route.post("a:2") == 200
+    assert await route.post("b:1") == 409  # "b" starts over at 0
+
+
+def _refused_scope(sequence: str, **scope: object) -> dict:
+    return {"method": "POST", "headers": [(b"icefloe-sequence", sequence.encode())], **scope}
+
+
+async def test_a_refusal_in_front_of_the_routes_uses_its_number_for_the_caller_the_token_check_let_in():
+    route = _Route(Sequencing(gap_timeout_s=30))
+    route.sequencing.refused(_refused_scope("s:1", **{CALLER_SCOPE_KEY: ""}), InvalidRequestError("bad body"))
+    assert await route.post("s:0") == 200
+    assert await route.post("s:2") == 200  # 1 was used by its refusal
+    assert route.order == [("queued", 0), ("queued", 2)]
+
+
+@pytest.mark.parametrize(
+    ("scope", "refusal"),
+    [({}, InvalidRequestError("bad body")), ({CALLER_SCOPE_KEY: ""}, TooManyRequestsError("busy"))],
+    ids=["not-let-in", "retried"],
+)
+async def test_a_refusal_in_front_of_the_routes_of_a_caller_not_let_in_or_one_retried_leaves_the_number(scope, refusal):
+    route = _Route(Sequencing(gap_timeout_s=0.2))
+    route.sequencing.refused(_refused_scope("s:0", **scope), refusal)
+    assert await route.post("s:1") == 409  # still waited for 0: a sequence gap

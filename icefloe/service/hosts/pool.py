@@ -35,11 +35,14 @@ from icefloe.service.joblog import JobLog
 from icefloe.service.lifecycle import JobState
 from icefloe.service.settings import ServeSettings
 from icefloe.service.specs import SubJobSpec
+from icefloe.service.work.items import Sample
 
 __all__ = ["HostFailed", "HostKey", "HostPool", "HostedJob", "ModelHost", "make_engine_host", "shared_base_key"]
 
 _log = logging.getLogger("icefloe.service.hosts.pool")
 _SHARED_WORKER = "shared"
+# Work that arrives while an engine is busy batches up behind it; only samples wait on an idle one.
+_LINGERS = {Sample.batch_key: Sample.linger_s}
 
 
 @dataclass(frozen=True)
@@ -211,7 +214,7 @@ class ModelHost:
             base = BaseModel(self.key.model, self.key.seed, self.device)
             self.engines = make_engine_host(settings.engines, [], {}, {}, None, base=base)
             self.engines.start(job.log.write, job.state.stop)  # what it loads, in the log of the job waiting for it
-            self._workers[_SHARED_WORKER] = Worker(self.host_id, linger_s=0.0)
+            self._workers[_SHARED_WORKER] = Worker(self.host_id, linger_s=0.0, lingers=_LINGERS)
             return
         cursor = 0
         for sub_job_id, spec in job.specs.items():
@@ -225,8 +228,7 @@ class ModelHost:
         specs = list(job.specs.values())
         self.engines = make_engine_host(settings.engines, specs, devices, checkpoints, job.job_dir / "logs")
         self.engines.start(job.log.write, job.state.stop)
-        # No linger for company: requests that arrive while a sampler is busy batch up behind it anyway.
-        self._workers = {sid: Worker(sid, linger_s=0.0) for sid in job.specs}
+        self._workers = {sid: Worker(sid, linger_s=0.0, lingers=_LINGERS) for sid in job.specs}
 
     def lanes(self, job: HostedJob) -> dict[str, Lane]:
         """A lane per sub-job of ``job``, on the worker that runs its engine."""

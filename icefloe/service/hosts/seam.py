@@ -26,14 +26,6 @@ __all__ = ["BaseModel", "ForwardedEngines", "JobEngines", "LocalEngineHost", "st
 _BUILD_LOCK = threading.Lock()
 
 
-def _op(method: str) -> Callable[..., Any]:
-    def call(self: JobEngines, sub_job_id: str, *args: Any) -> Any:
-        return self.call(sub_job_id, method, *args)
-
-    call.__name__ = method
-    return call
-
-
 @dataclass(frozen=True)
 class BaseModel:
     """The base model a shared host holds: what ``resolve_model`` loads, on which device."""
@@ -43,21 +35,13 @@ class BaseModel:
     device: str
 
 
-# The service's name for an op -> the engine method it calls and that method's keyword arguments,
-# where the two differ.
-_ENGINE_METHODS: dict[str, tuple[str, dict[str, Any]]] = {
-    "save": ("save_checkpoint", {}),
-    "load": ("load_checkpoint", {}),
-    "forward_reference": ("forward", {"reference": True}),  # a LoRA trainer with its adapters disabled
-}
-
-
-Call = tuple[str, list[Any], list[SamplingParams]]  # (sub-job id, prompts, one params per prompt)
+# (sub-job id, prompts, one params per prompt, whether its samples come back as JSON text)
+Call = tuple[str, Sequence[Any], Sequence[SamplingParams], bool]
 
 
 class JobEngines:
-    """The engines of one model host, addressed by sub-job id; each op is one :meth:`call`, by
-    default the engine method of that name on ``self._engines[sid]``.
+    """The engines of one model host, addressed by sub-job id; each op is one :meth:`call` of an
+    engine method (``protocol.ENGINE_CALLS`` names it) on ``self._engines[sid]``.
 
     A subclass fills ``_engines`` in ``start`` (slow; raise with the cause when an engine cannot be
     built, and give up soon once the ``stop`` event is set) and releases them in ``close``
@@ -80,14 +64,6 @@ class JobEngines:
         self._base = base
         self._engines: dict[str, Any] = {}
 
-    fwd_bwd = _op("fwd_bwd")
-    forward = _op("forward")
-    forward_reference = _op("forward_reference")
-    step = _op("step")
-    save = _op("save")
-    load = _op("load")
-    generate = _op("generate")
-
     def sync_weights(self, source_sub_job_id: str, target_sub_job_id: str, weight_format: str | None = None) -> Any:
         """Copy the source trainer's weights (with LoRA: its adapter) into the target sampler."""
         raise NotImplementedError
@@ -103,14 +79,14 @@ class JobEngines:
     def fwd_bwd_many(self, calls: Sequence[tuple[str, Any]]) -> list[dict[str, Any]]:
         """Forward-backward ``calls`` ``(sub_job_id, batch)``, in shared passes where their runs share a
         base (each as it would run alone); one result per call."""
-        return [self.fwd_bwd(sub_job_id, batch) for sub_job_id, batch in calls]
+        return [self.call(sub_job_id, "fwd_bwd", (batch,)) for sub_job_id, batch in calls]
 
-    def generate_many(self, calls: Sequence[Call], as_json: bool) -> list[list[Any]]:
-        """Generate ``calls`` ``(sub_job_id, prompts, params)`` as one batch where their samplers
-        share a base; one list of samples per call (each encoded as JSON when ``as_json``, so an
-        answer splices it in as it is)."""
-        results = [self.generate(sub_job_id, prompts, params) for sub_job_id, prompts, params in calls]
-        return [[encode_json(s) for s in samples] for samples in results] if as_json else results
+    def generate_many(self, calls: Sequence[Call]) -> list[list[Any]]:
+        """Generate ``calls`` ``(sub_job_id, prompts, params, as_json)`` as one batch where their
+        samplers share a base; one list of samples per call (each encoded as JSON when its
+        ``as_json``, so an answer splices it in as it is)."""
+        results = [self.call(sub_job_id, "generate", (prompts, params)) for sub_job_id, prompts, params, _ in calls]
+        return _encoded(calls, results)
 
     def start(self, on_progress: Callable[[str], None], stop: threading.Event) -> None:
         raise NotImplementedError
@@ -136,14 +112,13 @@ class JobEngines:
     def close(self) -> None:
         raise NotImplementedError
 
-    def call(self, sub_job_id: str, method: str, *args: Any) -> Any:
-        """``method`` of the sub-job's engine (an op of ``protocol.ENGINE_CALLS``, or the service's name
-        for one); an actor group without a method of that name runs it on each actor."""
-        name, kwargs = _ENGINE_METHODS.get(method, (method, {}))
+    def call(self, sub_job_id: str, method: str, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        """``method(*args, **kwargs)`` of the sub-job's engine (a method ``protocol.ENGINE_CALLS`` names);
+        an actor group without a method of that name runs it on each actor."""
         engine = self._engine(sub_job_id)
-        if hasattr(engine, name):
-            return getattr(engine, name)(*args, **kwargs)
-        return engine.call(name, *args, **kwargs)
+        if hasattr(engine, method):
+            return getattr(engine, method)(*args, **(kwargs or {}))
+        return engine.call(method, *args, **(kwargs or {}))
 
     def _engine(self, sub_job_id: str) -> Any:
         try:
@@ -173,12 +148,12 @@ class ForwardedEngines(JobEngines):
     def fwd_bwd_many(self, calls: Sequence[tuple[str, Any]]) -> list[dict[str, Any]]:
         return self._forward(calls[0][0], "fwd_bwd_many", list(calls), what="fwd_bwd")
 
-    def generate_many(self, calls: Sequence[Call], as_json: bool) -> list[list[Any]]:
-        """As JSON, encoded there: a JSON text pickles and unpickles far faster than its sample."""
-        return self._forward(calls[0][0], "generate_many", list(calls), as_json)
+    def generate_many(self, calls: Sequence[Call]) -> list[list[Any]]:
+        """As JSON where asked, encoded there: a JSON text pickles and unpickles far faster than its sample."""
+        return self._forward(calls[0][0], "generate_many", list(calls))
 
-    def call(self, sub_job_id: str, method: str, *args: Any) -> Any:
-        return self._forward(sub_job_id, "call", sub_job_id, method, *args, what=method)
+    def call(self, sub_job_id: str, method: str, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        return self._forward(sub_job_id, "call", sub_job_id, method, tuple(args), kwargs, what=method)
 
 
 class LocalEngineHost(JobEngines):
@@ -268,21 +243,21 @@ class LocalEngineHost(JobEngines):
         results: list[Any] = [None] * len(calls)
         for indices in groups.values():
             if len(indices) == 1:  # nothing to share passes with
-                results[indices[0]] = self.fwd_bwd(*calls[indices[0]])
+                results[indices[0]] = self.call(calls[indices[0]][0], "fwd_bwd", (calls[indices[0]][1],))
                 continue
             together = fwd_bwd_together([(self._engine(calls[i][0]), calls[i][1]) for i in indices])
             for index, result in zip(indices, together, strict=True):
                 results[index] = result
         return results
 
-    def generate_many(self, calls: Sequence[Call], as_json: bool) -> list[list[Any]]:
+    def generate_many(self, calls: Sequence[Call]) -> list[list[Any]]:
         from icefloe.engines.sampling import SamplingEngine, generate_together
 
-        engines = [self._engine(sub_job_id) for sub_job_id, _, _ in calls]
+        engines = [self._engine(sub_job_id) for sub_job_id, *_ in calls]
         if not all(isinstance(engine, SamplingEngine) for engine in engines):  # vLLM batches by itself
-            return super().generate_many(calls, as_json)
-        results = generate_together([(engine, p, q) for engine, (_, p, q) in zip(engines, calls, strict=True)])
-        return [[encode_json(s) for s in samples] for samples in results] if as_json else results
+            return super().generate_many(calls)
+        results = generate_together([(engine, p, q) for engine, (_, p, q, _) in zip(engines, calls, strict=True)])
+        return _encoded(calls, results)
 
     def sync_weights(
         self, source_sub_job_id: str, target_sub_job_id: str, weight_format: str | None = None
@@ -301,6 +276,13 @@ class LocalEngineHost(JobEngines):
                 engine.close()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _encoded(calls: Sequence[Call], results: list[list[Any]]) -> list[list[Any]]:
+    """Each call's samples, as JSON text where the call asked for it."""
+    return [
+        [encode_json(s) for s in samples] if call[3] else samples for call, samples in zip(calls, results, strict=True)
+    ]
 
 
 def stop_check(stop: threading.Event) -> None:

@@ -50,7 +50,7 @@ class _Context:
 
 
 async def _context(request: Request) -> _Context:
-    return _Context(request.app.state.loaded, request)
+    return _Context(request.app.state.openai, request)
 
 
 Ctx = Annotated[_Context, Depends(_context)]
@@ -100,7 +100,7 @@ async def completions(body: CompletionRequest, ctx: Ctx) -> Response:
     k, scored = body.logprobs or 0, body.logprobs is not None
     params = [_params(body, max_tokens=max_tokens, logprobs=scored, top=k, echo=body.echo) for _ in prompts]
     _check_limits(ctx, prompts, params, served.base)
-    ticket = sampling.sample(ctx.manager, job, prompts, params)
+    ticket = sampling.sample(ctx.manager, job, ctx.tenant, prompts, params)
 
     def choices(samples: list[dict[str, Any]]) -> list[_Choice]:
         made = []
@@ -180,7 +180,7 @@ async def chat_completions(body: ChatRequest, ctx: Ctx) -> Response:
     k = body.top_logprobs or 0
     params = [_params(body, max_tokens=max_tokens, logprobs=body.logprobs, top=k, echo=False)]
     _check_limits(ctx, [prompt], params, served.base)
-    ticket = sampling.sample(ctx.manager, job, [prompt], params)
+    ticket = sampling.sample(ctx.manager, job, ctx.tenant, [prompt], params)
 
     def choices(samples: list[dict[str, Any]]) -> list[_Choice]:
         return [_generated(tokenizer, sample, k if body.logprobs else None) for sample in samples]

@@ -1,15 +1,16 @@
 """The one place the endpoint queues sampling, waits for it and stops it.
 
-A request's prompts go to its model's sampling job as one generate item
-(:func:`icefloe.service.operations.submit_sampling`), so they are a request of that job like any
-other: batched with the other decodes of its host, bounded by its deadline, listed on ``/ui`` and
-counted in ``/metrics``. Every row carries the request's tag, which stops it at its next decode step
-when the caller goes away (:meth:`icefloe.engines.sampling.SamplingEngine.cancel`).
+A request's prompts enter their model's sampling job by the door
+(:func:`icefloe.service.work.door.enter`) as one :class:`~icefloe.service.work.items.Sample`, so they
+are a request of that job like any other: tenant-checked, batched with the other samples of its host
+(one-by-one requests linger together on an idle worker), bounded by its deadline, listed on ``/ui``
+and counted in ``/metrics``. The samples stay in memory as the engines made them until the route
+takes them. Every sample carries the request's tag, which stops it at its next decode step when the
+caller goes away (:meth:`icefloe.engines.sampling.SamplingEngine.cancel`).
 """
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -17,7 +18,10 @@ from typing import Any
 
 from icefloe.protocol import ConflictError, InvalidRequestError, SamplingParams
 from icefloe.service.jobs import JobManager, LiveJob
-from icefloe.service.operations import Sampling, generate_target, submit_sampling
+from icefloe.service.operations import generate_target
+from icefloe.service.work.answers import OPENAI
+from icefloe.service.work.door import enter
+from icefloe.service.work.items import Sample
 
 __all__ = ["Ticket", "cancel", "outcome", "progress", "sample"]
 
@@ -26,7 +30,7 @@ _WAIT_S = 30.0  # one long-poll of the request table; a request is waited for in
 
 @dataclass(frozen=True)
 class Ticket:
-    """A queued sampling: where it runs and the tag its rows carry."""
+    """A queued sampling: where it runs and the tag its samples carry."""
 
     job_id: str
     sub_job_id: str
@@ -34,13 +38,15 @@ class Ticket:
     tag: str
 
 
-def sample(manager: JobManager, job: LiveJob, prompts: list[list[int]], params: list[SamplingParams]) -> Ticket:
-    """Queue ``params[i].n`` samples of each of ``prompts`` on ``job``; samples come back prompt-major."""
+def sample(
+    manager: JobManager, job: LiveJob, tenant: str, prompts: list[list[int]], params: list[SamplingParams]
+) -> Ticket:
+    """Queue ``params[i].n`` samples of each of ``prompts`` on ``job`` for ``tenant``; samples come back
+    prompt-major."""
     tag = uuid.uuid4().hex
     sub_job_id = generate_target(job, None)
-    tagged = [p.model_copy(update={"tag": tag}) for p in params]
-    item = Sampling(sub_job_id, prompts, tagged, list)
-    request_id = submit_sampling(manager, job, item, as_json=False, op_metadata={"api": "openai"})
+    item = Sample(sub_job_id, prompts, [p.model_copy(update={"tag": tag}) for p in params])
+    request_id = enter(manager, job, item, api=OPENAI, tenant=tenant, op_metadata={"api": OPENAI})
     return Ticket(job.job_id, sub_job_id, request_id, tag)
 
 
@@ -52,7 +58,10 @@ async def outcome(manager: JobManager, ticket: Ticket) -> list[dict[str, Any]]:
         if row["status"] not in ("pending", "running"):
             break
     if row["status"] == "done":
-        return json.loads(row["result"])
+        try:
+            return manager.held.take(ticket.request_id)
+        except KeyError:  # among the oldest of a flood of held results
+            raise ConflictError("the samples were not kept (too many results were waiting); send it again") from None
     error = manager.settings.public_text(row["error"] or row["status"])
     job = manager.live_job(ticket.job_id)
     if row["status"] == "failed" and job is not None and not job.stopping:
@@ -67,7 +76,7 @@ async def progress(manager: JobManager, ticket: Ticket) -> AsyncIterator[list[di
 
 
 def cancel(manager: JobManager, ticket: Ticket) -> None:
-    """Drop the request if it has not started; stop its rows at their next decode step if it runs."""
+    """Drop the request if it has not started; stop its samples at their next decode step if it runs."""
     manager.requests.cancel(ticket.job_id, ticket.request_id, why="the client went away")
     job = manager.live_job(ticket.job_id)
     if job is not None and not job.stopping and job.host is not None and job.host.engines is not None:

@@ -1,6 +1,7 @@
 """One APIRouter per resource, each under the training API's path prefix, and the dependencies
-routes name in their signatures. A route of the prefix that names a ``{job_id}`` answers 404 for
-a job of another tenant before it runs (:func:`visible_job`).
+routes name in their signatures. A route of the prefix takes a numbered POST's turn first
+(:data:`TurnDep`, the ``Icefloe-Sequence`` order), then answers 404 for a ``{job_id}`` of another
+tenant before it runs (:func:`visible_job`).
 
 Every dependency is ``async def``: FastAPI runs a plain ``def`` dependency on its thread pool, and
 that hop alone cost about a millisecond per call on a loaded machine. The bearer token is checked
@@ -9,7 +10,7 @@ before any route runs, before any body is read (:class:`icefloe.service.middlewa
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -17,6 +18,7 @@ from fastapi import APIRouter, Depends, Request
 from icefloe.service.jobs import JobManager
 from icefloe.service.limits import MAX_JSON_BYTES, check_frame_header_length
 from icefloe.service.middleware import read_body, tenant_of
+from icefloe.service.sequencing import Turn
 from icefloe.service.settings import ServeSettings
 from icefloe.service.store import Database
 from icefloe.service.tenants import Tenancy
@@ -30,6 +32,7 @@ __all__ = [
     "StoreDep",
     "TenancyDep",
     "TenantDep",
+    "TurnDep",
     "api_router",
     "frame_body",
     "visible_job",
@@ -50,9 +53,22 @@ async def _visible_job(request: Request) -> None:
     visible_job(request)
 
 
+async def _turn(request: Request) -> AsyncIterator[Turn]:
+    """The request's turn in its ``Icefloe-Sequence`` session, held until the route returns or raises."""
+    async with request.app.state.sequencing.turn(request.scope) as turn:
+        yield turn
+
+
+# scope="function": the turn is given up when the route returns, before its answer is sent
+TurnDep = Annotated[Turn, Depends(_turn, scope="function")]
+
+
 def api_router(tag: str) -> APIRouter:
-    """A router under the training-API prefix; its ``{job_id}`` routes are the caller's tenant's only."""
-    return APIRouter(prefix=API_PREFIX, tags=[tag], dependencies=[Depends(_visible_job)])
+    """A router under the training-API prefix: a numbered POST waits for its turn, and the ``{job_id}``
+    routes are the caller's tenant's only."""
+    return APIRouter(
+        prefix=API_PREFIX, tags=[tag], dependencies=[Depends(_turn, scope="function"), Depends(_visible_job)]
+    )
 
 
 def _app_state(name: str) -> Callable[[Request], Awaitable[Any]]:

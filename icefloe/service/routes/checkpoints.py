@@ -67,7 +67,7 @@ def download_links(
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         token = secrets.token_urlsafe(24)
         store.insert_file_link(db, token=token, path=str(path), expires_at=expires)
-        url = base + request.app.url_path_for("download", token=token)
+        url = base + files_router.url_path_for("download", token=token)  # the Tinker API asks from its own app
         files.append({"filename": str(path.relative_to(folder)), "url": url, "size_bytes": path.stat().st_size})
     return files, expires
 

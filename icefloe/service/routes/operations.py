@@ -9,7 +9,7 @@ types this service does not run answer 501 ``not_implemented``. A polled operati
 
 from __future__ import annotations
 
-import asyncio
+import json
 
 from fastapi import APIRouter, Response
 from fastapi.concurrency import run_in_threadpool
@@ -20,21 +20,25 @@ from icefloe.protocol import (
     ENGINE_OPERATIONS,
     OP_FORWARD,
     OP_WEIGHT_SYNC,
+    ConflictError,
     InvalidRequestError,
     UnsupportedOpError,
 )
 from icefloe.service.jobs import JobManager
 from icefloe.service.models import CancelRequestPayload, OperationBody, TailLogsPayload, WeightSyncPayload
 from icefloe.service.operations import forward_target, submit_frame, submit_weight_sync, validation_text
-from icefloe.service.routes import JobsDep, api_router
+from icefloe.service.routes import JobsDep, TurnDep, api_router
 from icefloe.service.routes.capabilities import SUPPORTED_OPERATIONS
 from icefloe.service.routes.requests import with_answer
-from icefloe.service.sequencing import release_turn
+from icefloe.service.sequencing import Turn
+from icefloe.service.work.door import enter
+from icefloe.service.work.items import EngineOp
 from icefloe.wire.chunks import b64decode
 
 __all__ = ["router", "statements_router"]
 
 router = api_router("operations")
+_INLINE_WAIT_S = 30.0  # one long-poll of an inline op's request; the route waits for as many as it takes
 
 
 def _payload(model, body: OperationBody):
@@ -44,21 +48,29 @@ def _payload(model, body: OperationBody):
         raise InvalidRequestError(f"{body.operation_type}: {validation_text(exc, prefix='payload.')}") from None
 
 
-async def _engine_operation(jobs: JobManager, job_id: str, body: OperationBody, kind: str) -> dict:
-    """An op of the engine table with no route of its own, answered inline: on its sub-job's lane,
-    so it never runs in the middle of another op of that engine."""
+async def _engine_operation(jobs: JobManager, job_id: str, body: OperationBody, kind: str, turn: Turn) -> dict:
+    """An op of the engine table with no route of its own, answered inline: an item through the door
+    like every op (a request row, its deadline, metrics), on its sub-job's lane, so it never runs in
+    the middle of another op of that engine."""
     job, call = jobs.live(job_id), ENGINE_CALLS[kind]
     target = jobs.resolve_sub_job(
         job, sub_job_id=body.sub_job_id, sub_job_type=body.sub_job_type or call.role, default_type=call.role
     )
-    done = job.workers[target].submit(job.engines.call, target, call.method, *call.args(body.payload or {}))
-    release_turn()
-    result = await asyncio.wrap_future(done)
+    request_id = enter(jobs, job, EngineOp(target, kind, body.payload or {}))
+    turn.release()
+    while jobs.requests.is_open(request_id):
+        await jobs.requests.wait(job_id, request_id, _INLINE_WAIT_S)
+    row = jobs.requests.get(job_id, request_id)
+    if row["status"] != "done":
+        raise ConflictError(f"{kind} on {target} {row['status']}: {row['error']}")
+    result = json.loads(row["result"]) if row["result"] else None
     return {"sub_job_id": target, "status": "ok", **(result if isinstance(result, dict) else {})}
 
 
 @router.post("/{job_id}/operation", response_model=None)
-async def operation(job_id: str, body: OperationBody, jobs: JobsDep, wait: float = 0.0) -> dict | Response:
+async def operation(
+    job_id: str, body: OperationBody, jobs: JobsDep, turn: TurnDep, wait: float = 0.0
+) -> dict | Response:
     kind = body.operation_type.strip().lower()
     if kind == "tail-logs":
         page = _payload(TailLogsPayload, body)
@@ -80,7 +92,7 @@ async def operation(job_id: str, body: OperationBody, jobs: JobsDep, wait: float
         request_id = _payload(CancelRequestPayload, body).request_id
         return jobs.requests.cancel(job_id, request_id, why="cancelled by cancel-request")
     if kind in ENGINE_OPERATIONS:
-        return await _engine_operation(jobs, job_id, body, kind)
+        return await _engine_operation(jobs, job_id, body, kind, turn)
     if kind == OP_WEIGHT_SYNC:
         payload = _payload(WeightSyncPayload, body)
         routed = None
@@ -91,7 +103,7 @@ async def operation(job_id: str, body: OperationBody, jobs: JobsDep, wait: float
         if routed is None and payload.source_sub_job_id is None:
             routed = jobs.resolve_sub_job(job, sub_job_id=None, sub_job_type=None, default_type="training")
         accepted = {"request_id": submit_weight_sync(jobs, job, payload, routed or None), "job_id": job_id}
-        return await with_answer(jobs, accepted, wait)
+        return await with_answer(jobs, accepted, wait, turn)
     assert kind == OP_FORWARD
     target, reference = forward_target(jobs, job, sub_job_id=body.sub_job_id, sub_job_type=body.sub_job_type)
     encoded = (body.payload or {}).get("payload_b64")
@@ -99,7 +111,7 @@ async def operation(job_id: str, body: OperationBody, jobs: JobsDep, wait: float
     accepted = await run_in_threadpool(
         submit_frame, jobs, job, OP_FORWARD, frame, sub_job_id=target, reference=reference
     )
-    return await with_answer(jobs, accepted, wait)
+    return await with_answer(jobs, accepted, wait, turn)
 
 
 # The managed API downloads full logs through a SQL statement that returns S3 stage credentials;

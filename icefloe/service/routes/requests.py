@@ -16,11 +16,11 @@ from fastapi import Response
 from fastapi.concurrency import run_in_threadpool
 
 from icefloe.service.jobs import JobManager
-from icefloe.service.middleware import note_acceptance
+from icefloe.service.middleware import ACCEPTED_HEADER
 from icefloe.service.models import RequestPublic
 from icefloe.service.results import DEFAULT_MAX_EVENTS, MAX_EVENTS_CAP, JsonText
 from icefloe.service.routes import JobsDep, api_router
-from icefloe.service.sequencing import release_turn
+from icefloe.service.sequencing import Turn
 
 __all__ = ["answer_request", "answer_response", "router", "with_answer"]
 
@@ -80,19 +80,22 @@ async def answer_request(
     }
 
 
-async def with_answer(jobs: JobManager, accepted: dict[str, Any], wait: float) -> dict[str, Any] | Response:
+async def with_answer(jobs: JobManager, accepted: dict[str, Any], wait: float, turn: Turn) -> dict[str, Any] | Response:
     """``accepted`` plus the request's poll answer when the POST asked to wait (icefloe extension).
 
-    A non-final request chunk (no ``request_id``) or ``wait`` ≤ 0 answers ``accepted`` unchanged,
-    exactly as the managed endpoint does.
+    The request is queued, so ``turn`` is released first: the next numbered POST of its session may
+    go in while this one waits. A non-final request chunk (no ``request_id``) or ``wait`` ≤ 0 answers
+    ``accepted`` unchanged, exactly as the managed endpoint does. A waited answer names what was
+    accepted in :data:`ACCEPTED_HEADER`, which the idempotency layer keeps when the answer is too large.
     """
-    release_turn()  # the request is queued: the next numbered POST of this session may go in
-    note_acceptance(accepted)
+    turn.release()
     request_id = accepted.get("request_id")
     if wait <= 0 or not request_id:
         return accepted
     answer = await answer_request(jobs, accepted["job_id"], str(request_id), wait=wait)
-    return answer_response({**accepted, **answer})
+    response = answer_response({**accepted, **answer})
+    response.headers[ACCEPTED_HEADER] = orjson.dumps({"request_id": request_id, "job_id": accepted["job_id"]}).decode()
+    return response
 
 
 @router.get("/{job_id}/requests/{request_id}", response_model=RequestPublic)

@@ -26,7 +26,7 @@ from icefloe.service.tinker.state import CheckpointPath, TinkerState
 
 __all__ = ["router"]
 
-router = APIRouter(prefix="/api/v1", tags=["tinker"])
+router = APIRouter(tags=["tinker"])  # mounted at TINKER_PREFIX
 
 _CHECKPOINT_TYPES = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 _MAX_OFFSET = 2**63 - 1  # SQLite's largest integer
@@ -259,7 +259,8 @@ async def get_session(session_id: str, state: State, tenant: TenantDep) -> dict[
 # --- what is not served -------------------------------------------------------------------------
 @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False)
 async def not_served(path: str, request: Request) -> None:
+    where = f"{request.scope.get('root_path', '')}/{path[:200]}"  # the mount's prefix, then the path
     raise NotFoundError(
-        f"{request.method} /api/v1/{path[:200]} is not served by icefloe serve (publishing, projects, session search, "
+        f"{request.method} {where} is not served by icefloe serve (publishing, projects, session search, "
         "audit logs, billing and custom losses on the server are not); docs/tinker.md lists what is"
     )
