@@ -99,6 +99,7 @@ class _OpenAISide:
 
     def close(self) -> None:
         self.loop.run_until_complete(self.client.close())
+        self.loop.run_until_complete(self.loop.shutdown_asyncgens())  # the streams' generators, closed here
         self.loop.close()
 
 
