@@ -275,6 +275,15 @@ def owned_tinker_checkpoints(db: Database, *, owner: str | None, limit: int, off
     return db.fetch_all(sql, (owner, limit, offset))
 
 
+def owned_training_checkpoints(db: Database, *, owner: str | None, limit: int) -> list[dict[str, Any]]:
+    """The checkpoints of the owner's training-API jobs (every owner's: None; no Tinker run's), newest first."""
+    sql = (
+        "SELECT c.* FROM checkpoints c JOIN jobs j ON j.job_id = c.job_id WHERE (?1 IS NULL OR j.owner = ?1) "
+        "AND NOT EXISTS (SELECT 1 FROM tinker_runs r WHERE r.job_id = c.job_id) ORDER BY c.created_at DESC LIMIT ?2"
+    )
+    return db.fetch_all(sql, (owner, limit))
+
+
 def count_tinker_checkpoints(db: Database, *, owner: str | None) -> int:
     sql = (
         "SELECT COUNT(*) AS n FROM checkpoints c JOIN tinker_runs r ON r.job_id = c.job_id AND r.kind = 'model' "

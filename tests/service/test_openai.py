@@ -56,6 +56,15 @@ def server(tmp_path_factory, models):
         yield url, service
 
 
+@pytest.fixture(scope="module")
+def example():
+    """examples/openai/eval_arithmetic.py, imported."""
+    spec = importlib.util.spec_from_file_location("eval_arithmetic", ROOT / "examples/openai/eval_arithmetic.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture
 def alice(server):
     with openai.OpenAI(base_url=f"{server[0]}/oai/v1", api_key=ALICE, max_retries=0) as client:
@@ -214,15 +223,16 @@ def test_a_body_over_the_cap_is_a_413_in_openai_shape(server):
     assert answer.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_models_lists_the_base_models_and_the_callers_own_checkpoints(server, models, alice, bob):
+def test_models_lists_the_base_models_and_the_callers_own_checkpoints(server, models, alice, bob, example):
     url, _ = server
     with tinker.ServiceClient(base_url=url, api_key=ALICE) as service:
         training = service.create_lora_training_client(base_model=str(models / "tiny-chat"), rank=4).result()
         path = training.save_weights_for_sampler("listed").result().path
+    checkpoint = example.train(url, ALICE, steps=1, batch_size=2)  # a training-API checkpoint
     alices = {m.id for m in alice.models.list()}
-    assert {"tiny:chat", "tiny-chat", "tiny-chat-template", path} <= alices
-    assert path not in {m.id for m in bob.models.list()}
-    assert alice.models.retrieve(path).id == path
+    assert {"tiny:chat", "tiny-chat", "tiny-chat-template", path, checkpoint} <= alices
+    assert not {path, checkpoint} & {m.id for m in bob.models.list()}
+    assert alice.models.retrieve(path).id == path and alice.models.retrieve(checkpoint).id == checkpoint
 
 
 def _train(service: tinker.ServiceClient, base_model: str) -> tinker.TrainingClient:
@@ -324,10 +334,7 @@ def test_requests_count_in_metrics_as_the_jobs_generates(server, alice):
     assert 'op="generate"' in metrics
 
 
-def test_the_example_trains_a_checkpoint_that_beats_its_base_through_the_endpoint(server, alice):
-    spec = importlib.util.spec_from_file_location("eval_arithmetic", ROOT / "examples/openai/eval_arithmetic.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+def test_the_example_trains_a_checkpoint_that_beats_its_base_through_the_endpoint(server, alice, example):
     checkpoint = example.train(server[0], ALICE, steps=20, batch_size=32)
     base, trained = example.evaluate(alice, example.BASE_MODEL), example.evaluate(alice, checkpoint)
     assert base == 0.0 and trained >= 0.05  # the untrained model spells no sum; a few steps teach some

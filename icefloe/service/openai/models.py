@@ -18,6 +18,7 @@ import functools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from icefloe.protocol import ConfigError, ConflictError, InvalidRequestError, NotFoundError
@@ -34,6 +35,7 @@ MAX_LOADED = 16  # sampling jobs the endpoint keeps loaded at once, over all ten
 _START_POLL_S = 0.05  # how often a request waiting for its job to start looks at it
 _START_TIMEOUT_S = 600.0
 _TINKER_PREFIX = "tinker://"
+_LISTED = 1000  # checkpoints of each API GET /models lists, newest first
 _DATABASE, _SCHEMA = "openai", "v1"  # what the endpoint's jobs are listed under
 
 
@@ -224,7 +226,8 @@ class Loaded:
 
     # --- listing ----------------------------------------------------------------------------------
     def listing(self, tenant: str) -> list[dict[str, Any]]:
-        """``GET /models``: the base models the service offers, then the tenant's Tinker checkpoints."""
+        """``GET /models``: the base models the service offers, then the tenant's checkpoints (Tinker
+        sampler paths, then the training API's ``<job_id>/<checkpoint_id>``), newest first."""
         from icefloe.engines.models import TINY_PRESETS
 
         now = int(time.time())
@@ -234,12 +237,16 @@ class Loaded:
             folders = [p.parent for p in (*root.glob("*/config.json"), *root.glob("*/*/config.json"))]
             names += sorted(str(folder.relative_to(root)) for folder in folders)
         models = [{"id": name, "object": "model", "created": now, "owned_by": "icefloe"} for name in names]
+        owner, db = self.tenancy.owner_filter(tenant), self.tenancy.db
+        checkpoints: list[tuple[str, dict[str, Any]]] = []
         if self.tinker is not None:
-            owner = self.tenancy.owner_filter(tenant)
-            for record in store.owned_tinker_checkpoints(self.tenancy.db, owner=owner, limit=1000, offset=0):
-                path = _tinker_path(record)
-                if path is not None:
-                    models.append({"id": path, "object": "model", "created": now, "owned_by": tenant})
+            records = store.owned_tinker_checkpoints(db, owner=owner, limit=_LISTED, offset=0)
+            checkpoints += [(path, r) for r in records if (path := _tinker_path(r)) is not None]
+        records = store.owned_training_checkpoints(db, owner=owner, limit=_LISTED)
+        checkpoints += [(f"{r['job_id']}/{r['checkpoint_id']}", r) for r in records]
+        for name, record in checkpoints:
+            created = int(datetime.fromisoformat(record["created_at"]).timestamp())
+            models.append({"id": name, "object": "model", "created": created, "owned_by": tenant})
         return models
 
 
