@@ -343,6 +343,12 @@ def serve(
         int,
         typer.Option(min=1, help="Tinker API: most tokens one request may hold or generate (datums, or samples)."),
     ] = 1_048_576,
+    max_loaded_models: Annotated[
+        int,
+        typer.Option(
+            min=1, help="OpenAI endpoint: models kept loaded at once; past it the least recently used idle one goes."
+        ),
+    ] = 16,
 ) -> None:
     """Run the training-API service (`icefloe serve`) that remote clients point their base URL at.
 
@@ -365,6 +371,7 @@ def serve(
             forwarded_allow_ips=forwarded_allow_ips or (),
             header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
             max_samples_per_request=max_samples_per_request, max_tokens_per_request=max_tokens_per_request,
+            max_loaded_models=max_loaded_models,
         )  # fmt: skip
         if address is not None and settings.engines != "ray":
             raise ConfigError("--address names a Ray cluster; it needs --engines ray")

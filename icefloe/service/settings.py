@@ -97,6 +97,9 @@ class ServeSettings(BaseModel):
     # datums, or a sample's prompt plus what it may generate, times num_samples).
     max_samples_per_request: int = Field(1024, gt=0)
     max_tokens_per_request: int = Field(1_048_576, gt=0)
+    # Models the OpenAI endpoint keeps loaded (one sampling job each, over all tenants); past it the
+    # least recently used idle one is unloaded.
+    max_loaded_models: int = Field(16, gt=0)
     ui_session_ttl_s: float = Field(12 * 3600.0, gt=0)  # a dashboard login lasts this long
     # Failed token checks (dashboard logins, bearer tokens, Tinker API keys) one client address may
     # make per minute; past it, that address is answered 429 before its token is looked at.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
+import socket
 import time
 from pathlib import Path
 
@@ -327,6 +328,35 @@ def test_a_client_that_leaves_mid_stream_stops_the_decode(server):
     assert max(len(s["token_ids"]) for s in samples) < 500  # stopped at the next decode step, not at the end
 
 
+def test_a_client_that_leaves_before_a_whole_answer_stops_the_decode(server):
+    """An answer sent whole (no stream) watches its caller too: closing the connection stops the decode."""
+    url, service = server
+    manager = service.state.jobs
+    body = json.dumps({
+        "model": "tiny-chat", "prompt": "go", "max_tokens": 500, "n": 32, "seed": 4, "ignore_eos": True,
+    }).encode()  # fmt: skip
+    host, port = url.removeprefix("http://").split(":")
+    head = (
+        f"POST /oai/v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {ALICE}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    with socket.create_connection((host, int(port))) as connection:
+        connection.sendall(head.encode() + body)
+        deadline = time.monotonic() + 60
+        running = []
+        while not running and time.monotonic() < deadline:
+            running = [r for r in manager.requests.open_rows() if r["status"] == "running"]
+            time.sleep(0.005)
+        assert running, "the sampling never started"
+    row = running[0]
+    deadline = time.monotonic() + 60
+    while manager.requests.is_open(row["request_id"]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    samples = manager.held.take(row["request_id"])
+    assert {s["finish_reason"] for s in samples} == {"cancelled"}
+    assert max(len(s["token_ids"]) for s in samples) < 500
+
+
 def test_requests_count_in_metrics_as_the_jobs_generates(server, alice):
     url, _ = server
     alice.completions.create(model="tiny-chat", prompt="m", max_tokens=1)
@@ -340,16 +370,13 @@ def test_the_example_trains_a_checkpoint_that_beats_its_base_through_the_endpoin
     assert base == 0.0 and trained >= 0.05  # the untrained model spells no sum; a few steps teach some
 
 
-def test_past_its_cap_the_least_recently_used_idle_model_is_unloaded(server, alice):
-    _, service = server
-    loaded = service.state.openai
-    alice.completions.create(model="tiny-chat", prompt="a", max_tokens=1)
-    first = loaded._served[("alice", "tiny-chat")].job_id
-    cap, loaded.max_loaded = loaded.max_loaded, 1
-    try:
-        alice.completions.create(model="tiny:chat", prompt="a", max_tokens=1)
-    finally:
-        loaded.max_loaded = cap
-    assert ("alice", "tiny-chat") not in loaded._served and ("alice", "tiny:chat") in loaded._served
-    assert service.state.jobs.public(first)["status"] in ("cancelling", "cancelled", "terminated")
-    assert alice.completions.create(model="tiny-chat", prompt="a", max_tokens=1).choices  # loaded again
+def test_past_its_cap_the_least_recently_used_idle_model_is_unloaded(tmp_path, models):
+    service = make_app(tmp_path, slots=4, engines="local", model_root=models, max_loaded_models=1)
+    with ServerThread(service) as url, openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0) as client:
+        loaded = service.state.openai
+        client.completions.create(model="tiny-chat", prompt="a", max_tokens=1)
+        first = loaded._served[("default", "tiny-chat")].job_id
+        client.completions.create(model="tiny:chat", prompt="a", max_tokens=1)
+        assert list(loaded._served) == [("default", "tiny:chat")]  # --max-loaded-models 1
+        assert service.state.jobs.public(first)["status"] in ("cancelling", "cancelled", "terminated")
+        assert client.completions.create(model="tiny-chat", prompt="a", max_tokens=1).choices  # loaded again

@@ -29,7 +29,8 @@ def openai_app(state: State) -> FastAPI:
 
     app = FastAPI(title="icefloe serve: OpenAI-compatible API", openapi_url=None, docs_url=None, redoc_url=None)
     app.state = state
-    state.openai = Loaded(state.jobs, state.tenancy, getattr(state, "tinker", None))
+    tinker = getattr(state, "tinker", None)
+    state.openai = Loaded(state.jobs, state.tenancy, tinker, max_loaded=state.settings.max_loaded_models)
     install_error_handlers(app, state.settings.public_text)
     app.include_router(routes.router)
     return app

@@ -6,7 +6,8 @@ or ``/weights/``), a training-API checkpoint (``<job_id>/<checkpoint_id>``, full
 ``<base>;<checkpoint>`` as Tinker allows. Each is served by a sampling job of the caller's tenant, made
 on first use and kept while used: a LoRA checkpoint is an adapter on the shared host of its base model,
 full weights get a host of their own (:mod:`icefloe.service.hosts.pool` decides, as for any job). At
-most :data:`MAX_LOADED` stay loaded; past that the least recently used idle one is cancelled. A job
+most ``max_loaded_models`` (``icefloe serve --max-loaded-models``) stay loaded; past that the least
+recently used idle one is cancelled. A job
 whose lease lapsed (unused for the service's ``lease_ttl_s``) is made again on its next request.
 """
 
@@ -29,9 +30,8 @@ from icefloe.service.openai.errors import ModelNotFound
 from icefloe.service.specs import sub_job_specs
 from icefloe.service.tenants import Tenancy
 
-__all__ = ["MAX_LOADED", "Base", "Loaded", "Served", "Target"]
+__all__ = ["Base", "Loaded", "Served", "Target"]
 
-MAX_LOADED = 16  # sampling jobs the endpoint keeps loaded at once, over all tenants
 _START_POLL_S = 0.05  # how often a request waiting for its job to start looks at it
 _START_TIMEOUT_S = 600.0
 _TINKER_PREFIX = "tinker://"
@@ -69,7 +69,7 @@ class Served:
 class Loaded:
     """The sampling jobs that serve models, per (tenant, model), least recently used first."""
 
-    def __init__(self, manager: JobManager, tenancy: Tenancy, tinker: Any, *, max_loaded: int = MAX_LOADED) -> None:
+    def __init__(self, manager: JobManager, tenancy: Tenancy, tinker: Any, *, max_loaded: int) -> None:
         self.manager = manager
         self.tenancy = tenancy
         self.tinker = tinker  # the Tinker API's state (its checkpoints), or None without the tinker extra
