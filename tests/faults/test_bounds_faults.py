@@ -146,13 +146,14 @@ def test_a_generate_frame_of_bad_prompts_answers_a_small_4xx(served, job_id, idl
 # --- H3 -------------------------------------------------------------------------------------------
 def test_a_sequence_number_far_ahead_is_refused_at_once_naming_the_window(served, idle, tmp_path):
     """Icefloe-Sequence x:30000000 made the ordering rule build a set of every skipped number (+1.7 GB,
-    /health frozen 2.9 s); 10^20 would never finish; 's:²' answered 500."""
+    /health frozen 2.9 s); 10^20 would never finish; 's:²' answered 500. (The header orders the
+    training API's POSTs; the Tinker API's own order is its seq_id, below.)"""
     for number in ("3000000", "100000000000000000000"):
-        probe = _post(served, "/api/v1/telemetry", b"{}", {"Content-Type": "application/json",
+        probe = _post(served, f"{PREFIX}/", b"{}", {"Content-Type": "application/json",
                       "Icefloe-Sequence": f"far:{number}"}, tmp_path)  # fmt: skip
         _assert_harmless(probe, idle, 2, status=400)
         assert "sequence window (10000)" in probe.text or "1-19 digits" in probe.text, probe.text
-    superscript = httpx.post(f"{served.base_url}/api/v1/telemetry", json={},
+    superscript = httpx.post(f"{served.base_url}{PREFIX}/", json={},
                              headers={**_ADMIN, "Icefloe-Sequence": "s:²".encode()})  # fmt: skip
     assert superscript.status_code == 400 and "1-19 digits 0-9" in superscript.json()["message"]
     in_window = httpx.post(f"{served.base_url}{PREFIX}/", json={"sub_job_configs": []},

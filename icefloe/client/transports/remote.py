@@ -142,9 +142,16 @@ class RemoteTransport(Transport):
             if not self._attached:
                 try:
                     self._http.run(self._attach())
-                except BaseException:  # a failed open leaves no connection or thread behind; a retry starts afresh
+                except BaseException:  # a failed open leaves no job, connection or thread behind; a retry starts afresh
+                    # Interrupted here (Ctrl-C) while the loop still runs the open, perhaps before the create
+                    # answer was read: cancel the job on the loop now, before closing it cancels that read.
+                    created = self._created or self._creating is not None
+                    with contextlib.suppress(Exception):  # the lease ends the job if this fails
+                        self._http.run(self._cancel_created())
                     self._http.close()
                     self._lease = self._creating = None  # they ran on the closed loop
+                    if created:
+                        self._job, self._created = None, False  # a retried open creates a fresh one
                     self._http = Http(self._endpoint, self._backend, self._wrap)
                     self._check_not_closed("open")  # closed while it waited: say so, not how the wait ended
                     raise
@@ -219,9 +226,11 @@ class RemoteTransport(Transport):
             self._http.close()
 
     async def _cancel_created(self) -> None:
-        if self._creating is not None:  # an open under way: its job exists once the answer is read
+        """Cancel the job this client created, once it knows it (an open under way reads its create answer)."""
+        if self._creating is not None:
             await asyncio.wait([self._creating], timeout=_CANCEL_TIMEOUT_S)
         if self._created:
+            self._created = False  # once: the open's own clean-up, if it comes next, finds nothing to cancel
             await self._cancel_job()
 
     async def _cancel_job(self, *, by_op: bool = False) -> dict[str, Any]:
