@@ -44,9 +44,9 @@ from icefloe.service.hosts.slots import SlotPool
 from icefloe.service.joblog import JobLog, JobLogRouter
 from icefloe.service.lifecycle import JobState
 from icefloe.service.metrics import ServiceMetrics
-from icefloe.service.models import JobCreate
 from icefloe.service.requests import RequestTable
 from icefloe.service.results import HeldResults, JsonText, ResultPages, json_text, wants_dssst1
+from icefloe.service.schemas import JobCreate
 from icefloe.service.settings import SHARED_TENANT, ServeSettings
 from icefloe.service.specs import SubJobSpec, sub_job_specs
 from icefloe.service.work import answers

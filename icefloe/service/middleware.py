@@ -38,8 +38,8 @@ from icefloe.service import store
 from icefloe.service.errors import send_error
 from icefloe.service.limits import CHECK_ON_LOOP_BYTES, MAX_JSON_BYTES
 from icefloe.service.logins import SESSION_COOKIE, Logins
-from icefloe.service.models import parse_json_body
 from icefloe.service.origins import foreign_origin
+from icefloe.service.schemas import parse_json_body
 from icefloe.service.settings import SHARED_TENANT, ServeSettings
 
 

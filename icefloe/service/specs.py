@@ -19,7 +19,7 @@ from typing import Any
 from icefloe.config import ClientConfig, LoraConfig
 from icefloe.engines.models import cached_hub_model
 from icefloe.protocol import SEGMENT_BY_JOB_TYPE, ConfigError, InvalidRequestError
-from icefloe.service.models import InferenceConfig, JobCreate, SubJobConfig, TrainingConfigSpec
+from icefloe.service.schemas import InferenceConfig, JobCreate, SubJobConfig, TrainingConfigSpec
 
 __all__ = ["SubJobSpec", "sub_job_specs"]
 

@@ -21,7 +21,7 @@ from icefloe.protocol import JOB_ACTIVE_STATES, ConflictError, InvalidRequestErr
 from icefloe.service import store
 from icefloe.service.hosts.pool import shared_base_key
 from icefloe.service.jobs import JobManager
-from icefloe.service.models import JobCreate
+from icefloe.service.schemas import JobCreate
 from icefloe.service.settings import ADMIN_TENANT, ServeSettings
 from icefloe.service.specs import sub_job_specs
 

@@ -1,4 +1,4 @@
-"""generate-stream: per-prompt result events drained by polls (icefloe.service.operations)."""
+"""generate-stream: per-prompt result events drained by polls (icefloe.service.routes.handlers)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from icefloe.protocol import ConflictError
 from icefloe.service import lifecycle
 from icefloe.service.hosts.seam import LocalEngineHost
-from icefloe.service.operations import submit_generate_stream
+from icefloe.service.routes.handlers import submit_generate_stream
 
 from .service_client import SAMPLING, TRAINING, Api
 from .service_harness import asgi_client, make_app

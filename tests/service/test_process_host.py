@@ -25,7 +25,7 @@ import torch
 from icefloe.protocol import ClientClosedError, InvalidRequestError, SamplingParams
 from icefloe.service.hosts import process as process_host
 from icefloe.service.hosts.process import Channel, ProcessEngineHost, serve
-from icefloe.service.models import JobCreate
+from icefloe.service.schemas import JobCreate
 from icefloe.service.specs import sub_job_specs
 
 from ..faults.serve_process import stop
@@ -75,7 +75,7 @@ async def test_a_large_training_frame_reaches_the_engine_process_as_its_bytes_an
     """A frame from the threshold up (1 MiB; 16 KiB here, to keep the test quick) is sent as it came and
     decoded once there; a smaller one as its tensors."""
     from icefloe.engines.batch import FramedBatch
-    from icefloe.service import operations
+    from icefloe.service.routes import handlers as operations
 
     monkeypatch.setattr(operations, "_FRAME_BYTES_SENT_AS_IS", 16 << 10)
 

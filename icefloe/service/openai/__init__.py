@@ -14,7 +14,7 @@ from starlette.datastructures import State
 
 from icefloe.service.middleware import Access
 from icefloe.service.openai.errors import install_error_handlers
-from icefloe.service.openai.models import Loaded
+from icefloe.service.openai.served import Loaded
 
 __all__ = ["OPENAI_ACCESS", "PREFIXES", "openai_app"]
 

@@ -22,8 +22,8 @@ from icefloe.service.middleware import tenant_of
 from icefloe.service.openai import sampling
 from icefloe.service.openai.chat import prompt_tokens
 from icefloe.service.openai.errors import FieldError, ModelNotFound
-from icefloe.service.openai.models import Base, Loaded
 from icefloe.service.openai.schemas import ChatRequest, CompletionRequest
+from icefloe.service.openai.served import Base, Loaded
 from icefloe.service.openai.stream import EventStream, until_done
 
 __all__ = ["router"]

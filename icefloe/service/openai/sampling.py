@@ -18,7 +18,7 @@ from typing import Any
 
 from icefloe.protocol import ConflictError, InvalidRequestError, SamplingParams
 from icefloe.service.jobs import JobManager, LiveJob
-from icefloe.service.operations import generate_target
+from icefloe.service.routes.handlers import generate_target
 from icefloe.service.work.answers import OPENAI
 from icefloe.service.work.door import enter
 from icefloe.service.work.items import Sample

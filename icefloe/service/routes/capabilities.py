@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from icefloe import protocol as p
-from icefloe.service.models import Capabilities, Capacity
 from icefloe.service.results import MAX_EVENTS_CAP
 from icefloe.service.routes import JobsDep, SettingsDep, api_router
+from icefloe.service.schemas import Capabilities, Capacity
 
 __all__ = ["SUPPORTED_OPERATIONS", "router"]
 

@@ -17,8 +17,8 @@ from fastapi.responses import FileResponse
 
 from icefloe.protocol import ExpiredError, NotFoundError
 from icefloe.service import store
-from icefloe.service.models import CheckpointExport, CheckpointList
 from icefloe.service.routes import JobsDep, SettingsDep, StoreDep, TenancyDep, TenantDep, api_router
+from icefloe.service.schemas import CheckpointExport, CheckpointList
 from icefloe.service.settings import ServeSettings
 
 __all__ = ["download_links", "files_router", "router"]

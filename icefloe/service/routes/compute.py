@@ -26,16 +26,6 @@ from icefloe import wire
 from icefloe.protocol import OP_FORWARD, OP_FWD_BWD, OP_GENERATE
 from icefloe.service.jobs import JobManager, LiveJob
 from icefloe.service.limits import CHECK_ON_LOOP_BYTES, check_frame_header
-from icefloe.service.models import LoadBody, RequestAccepted, SaveBody, StepBody
-from icefloe.service.operations import (
-    forward_target,
-    load_target,
-    submit_frame,
-    submit_generate_stream,
-    submit_load,
-    submit_save,
-    submit_step,
-)
 from icefloe.service.routes import (
     API_PREFIX,
     JobsDep,
@@ -48,7 +38,17 @@ from icefloe.service.routes import (
     frame_body,
     visible_job,
 )
+from icefloe.service.routes.handlers import (
+    forward_target,
+    load_target,
+    submit_frame,
+    submit_generate_stream,
+    submit_load,
+    submit_save,
+    submit_step,
+)
 from icefloe.service.routes.requests import with_answer
+from icefloe.service.schemas import LoadBody, RequestAccepted, SaveBody, StepBody
 from icefloe.service.sequencing import Turn
 
 __all__ = ["STEP_ROUTES", "router"]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi.concurrency import run_in_threadpool
 
-from icefloe.service.models import ExperimentRun, JobCreate, JobCreated, JobList, JobPublic
 from icefloe.service.routes import JobsDep, TenancyDep, TenantDep, api_router
+from icefloe.service.schemas import ExperimentRun, JobCreate, JobCreated, JobList, JobPublic
 
 __all__ = ["router"]
 

@@ -25,11 +25,11 @@ from icefloe.protocol import (
     UnsupportedOpError,
 )
 from icefloe.service.jobs import JobManager
-from icefloe.service.models import CancelRequestPayload, OperationBody, TailLogsPayload, WeightSyncPayload
-from icefloe.service.operations import forward_target, submit_frame, submit_weight_sync, validation_text
 from icefloe.service.routes import JobsDep, TurnDep, api_router
 from icefloe.service.routes.capabilities import SUPPORTED_OPERATIONS
+from icefloe.service.routes.handlers import forward_target, submit_frame, submit_weight_sync, validation_text
 from icefloe.service.routes.requests import with_answer
+from icefloe.service.schemas import CancelRequestPayload, OperationBody, TailLogsPayload, WeightSyncPayload
 from icefloe.service.sequencing import Turn
 from icefloe.service.work.door import enter
 from icefloe.service.work.items import EngineOp

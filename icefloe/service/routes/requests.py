@@ -17,9 +17,9 @@ from fastapi.concurrency import run_in_threadpool
 
 from icefloe.service.jobs import JobManager
 from icefloe.service.middleware import ACCEPTED_HEADER
-from icefloe.service.models import RequestPublic
 from icefloe.service.results import DEFAULT_MAX_EVENTS, MAX_EVENTS_CAP, JsonText
 from icefloe.service.routes import JobsDep, api_router
+from icefloe.service.schemas import RequestPublic
 from icefloe.service.sequencing import Turn
 
 __all__ = ["answer_request", "answer_response", "router", "with_answer"]

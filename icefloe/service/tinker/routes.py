@@ -28,9 +28,9 @@ from icefloe.protocol import OP_FORWARD, OP_FWD_BWD, ConflictError, InvalidReque
 from icefloe.protocol import SamplingParams as EngineSamplingParams
 from icefloe.service import store
 from icefloe.service.limits import CHECK_ON_LOOP_BYTES
-from icefloe.service.models import WeightSyncPayload
-from icefloe.service.operations import submit_weight_sync
 from icefloe.service.routes import SettingsDep, TenantDep
+from icefloe.service.routes.handlers import submit_weight_sync
+from icefloe.service.schemas import WeightSyncPayload
 from icefloe.service.settings import ServeSettings
 from icefloe.service.tinker.checks import Fields, checkpoint_name, json_body
 from icefloe.service.tinker.external import recipients_of

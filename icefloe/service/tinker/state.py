@@ -35,7 +35,7 @@ from icefloe.protocol import JOB_ACTIVE_STATES, ConflictError, InvalidRequestErr
 from icefloe.service import store
 from icefloe.service.jobs import JobManager, LiveJob
 from icefloe.service.limits import SEQUENCE_WINDOW
-from icefloe.service.models import JobCreate
+from icefloe.service.schemas import JobCreate
 from icefloe.service.specs import sub_job_specs
 from icefloe.service.tenants import Tenancy
 from icefloe.service.turns import Turns

@@ -20,7 +20,7 @@ from icefloe.config import validation_problems
 from icefloe.protocol import InvalidRequestError, SamplingParams, UnsupportedOpError
 from icefloe.service.jobs import JobManager, LiveJob, job_type_named
 from icefloe.service.limits import check_frame_header, truncated
-from icefloe.service.models import (
+from icefloe.service.schemas import (
     GenerateBody,
     LoadBody,
     SaveBody,

@@ -25,8 +25,8 @@ from typing import Any
 from icefloe.protocol import ConfigError, ConflictError, InvalidRequestError, NotFoundError
 from icefloe.service import store
 from icefloe.service.jobs import JobManager, LiveJob
-from icefloe.service.models import JobCreate
 from icefloe.service.openai.errors import ModelNotFound
+from icefloe.service.schemas import JobCreate
 from icefloe.service.specs import sub_job_specs
 from icefloe.service.tenants import Tenancy
 
