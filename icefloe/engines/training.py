@@ -727,6 +727,20 @@ def fwd_bwd_together(calls: Sequence[tuple[TrainingEngine, Mapping[str, Any]]]) 
         ValueError: the calls' engines share no base, or their batches cannot share passes
             (different context keys, or forward-only mixed with training); run them one by one.
     """
+    results: dict[int, dict[str, Any]] = {}
+    for done in fwd_bwd_steps(calls):
+        results.update(done)
+    return [results[index] for index in range(len(calls))]
+
+
+def fwd_bwd_steps(calls: Sequence[tuple[TrainingEngine, Mapping[str, Any]]]) -> Iterator[dict[int, dict[str, Any]]]:
+    """:func:`fwd_bwd_together` one pass at a time: yields after each pass the results of the calls
+    whose rows have all been through, by call index (each call once). Passes of the calls with the
+    fewest positions run first, so a small call that shares passes with large ones is answered early.
+    Every call is checked before the first pass.
+
+    Closing the generator before a training call's result was yielded zeroes the gradients of its
+    run (its partial sum would otherwise add to the run's next step)."""
     first = calls[0][0]
     prepared = [_Call.of(engine, batch) for engine, batch in calls]
     if any(
@@ -739,34 +753,70 @@ def fwd_bwd_together(calls: Sequence[tuple[TrainingEngine, Mapping[str, Any]]]) 
     for call in prepared:
         call.spans = row_spans(call.frame)
     spans, passes = first._plan(frame)
-    forward_only = prepared[0].forward_only
-    first._set_train_mode(not forward_only)
+    size = [int(call.spans.length_B.sum()) for call in prepared]
+    passes.sort(key=lambda micro: min((size[owner_B[row]] for row in micro.rows), default=0))
+    passes_left = [0] * len(prepared)  # passes still to run that hold a row of the call
     for micro in passes:
-        if not micro.rows:
-            first._idle_pass(backward=not forward_only)
-            continue
-        # each call's rows of the pass in one run, so that an adapter updates a slice of rows
-        micro = MicroBatch(tuple(sorted(micro.rows, key=owner_B.__getitem__)), micro.width)
-        part = cut_micro_batch(frame, micro, spans)
-        kwargs, context = first._to_device(part["kwargs"]), first._to_device(part["context"])
-        owners = [owner_B[row] for row in micro.rows]
-        with torch.set_grad_enabled(not forward_only):
-            adapters = [prepared[owner].engine.adapter for owner in owners]
-            logits_bWV = first._logits(kwargs, micro.rows, adapters=adapters)
-            total: Tensor | None = None
-            start = 0
-            for owner, rows in itertools.groupby(owners):  # each call's rows: one run of the pass (sorted above)
-                stop = start + len(list(rows))
-                own_micro = MicroBatch(tuple(row - offset[owner] for row in micro.rows[start:stop]), micro.width)
-                own = {section: {k: v[start:stop] for k, v in values.items()}
-                       for section, values in (("kwargs", kwargs), ("context", context))}  # fmt: skip
-                own_logits, start = logits_bWV[start:stop], stop
-                loss = prepared[owner].score(own_logits, own, own_micro)
-                total = loss if total is None else total + loss
-            del logits_bWV
-        if not forward_only and total is not None:
-            total.backward()
-    return [call.result() for call in prepared]
+        for owner in {owner_B[row] for row in micro.rows}:
+            passes_left[owner] += 1
+    forward_only = prepared[0].forward_only
+    pending = set(range(len(prepared)))
+    try:
+        for micro in passes:
+            first._set_train_mode(not forward_only)  # another op may have run on the base since the last pass
+            if not micro.rows:
+                first._idle_pass(backward=not forward_only)
+                continue
+            owners = _run_pass(first, prepared, frame, spans, micro, owner_B, offset, forward_only)
+            for owner in owners:
+                passes_left[owner] -= 1
+            done = [owner for owner in pending if passes_left[owner] == 0]
+            pending.difference_update(done)
+            yield {owner: prepared[owner].result() for owner in done}
+        if pending:  # calls whose rows ran in no pass of their own (idle passes only)
+            yield {owner: prepared[owner].result() for owner in sorted(pending)}
+            pending.clear()
+    finally:
+        if not forward_only:
+            for engine in {id(prepared[owner].engine): prepared[owner].engine for owner in pending}.values():
+                for param in engine._params:
+                    param.grad = None
+
+
+def _run_pass(
+    first: TrainingEngine,
+    prepared: list[_Call],
+    frame: dict[str, Any],
+    spans: Spans,
+    micro: MicroBatch,
+    owner_B: list[int],
+    offset: list[int],
+    forward_only: bool,
+) -> set[int]:
+    """One pass of :func:`fwd_bwd_steps`, each row scored by its call, then one backward; returns
+    the calls that had rows in it."""
+    # each call's rows of the pass in one run, so that an adapter updates a slice of rows
+    micro = MicroBatch(tuple(sorted(micro.rows, key=owner_B.__getitem__)), micro.width)
+    part = cut_micro_batch(frame, micro, spans)
+    kwargs, context = first._to_device(part["kwargs"]), first._to_device(part["context"])
+    owners = [owner_B[row] for row in micro.rows]
+    with torch.set_grad_enabled(not forward_only):
+        adapters = [prepared[owner].engine.adapter for owner in owners]
+        logits_bWV = first._logits(kwargs, micro.rows, adapters=adapters)
+        total: Tensor | None = None
+        start = 0
+        for owner, rows in itertools.groupby(owners):  # each call's rows: one run of the pass (sorted above)
+            stop = start + len(list(rows))
+            own_micro = MicroBatch(tuple(row - offset[owner] for row in micro.rows[start:stop]), micro.width)
+            own = {section: {k: v[start:stop] for k, v in values.items()}
+                   for section, values in (("kwargs", kwargs), ("context", context))}  # fmt: skip
+            own_logits, start = logits_bWV[start:stop], stop
+            loss = prepared[owner].score(own_logits, own, own_micro)
+            total = loss if total is None else total + loss
+        del logits_bWV
+    if not forward_only and total is not None:
+        total.backward()
+    return set(owners)
 
 
 def _stacked(frames: list[dict[str, Any]]) -> tuple[dict[str, Any], list[int], list[int]]:

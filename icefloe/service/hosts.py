@@ -215,7 +215,7 @@ class ModelHost:
     def lanes(self, job: LiveJob) -> dict[str, Lane]:
         """A lane per sub-job of ``job``, on the worker that runs its engine."""
         if self.shared:
-            return {sid: self._workers[_SHARED_WORKER].lane(sid) for sid in job.specs}
+            return {sid: self._workers[_SHARED_WORKER].lane(sid, group=job.owner) for sid in job.specs}
         return {sid: self._workers[sid].lane(sid) for sid in job.specs}
 
     # --- leaving and failing ------------------------------------------------------------------

@@ -12,7 +12,7 @@ import json
 import math
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,9 +170,9 @@ def submit_training(
 ) -> str:
     """Queue ``item`` to run with every forward-backward queued beside it (``op``: the request's op)."""
 
-    def run_batch(items: list[Training]) -> list[Any]:
-        results = job.engines.fwd_bwd_many([(i.sub_job_id, i.batch) for i in items])
-        return [i.render(result) for i, result in zip(items, results, strict=True)]
+    def run_batch(items: list[Training]) -> Iterator[dict[int, Any]]:  # a slice per next(): see JobManager._run_slices
+        for done in job.engines.fwd_bwd_many([(i.sub_job_id, i.batch) for i in items]):
+            yield {index: items[index].render(result) for index, result in done.items()}
 
     return manager.submit(
         job, item.sub_job_id, op, run_batch, batch_key=(api.OP_FWD_BWD,), batch_item=item, op_metadata=op_metadata
@@ -244,9 +244,9 @@ def submit_sampling(
     """Queue ``item`` (or a stream's items) to be sampled in one batch with every item queued beside it.
     ``as_json``: samples reach ``render`` as JSON text (cheap to pass on) instead of dicts."""
 
-    def run_batch(items: list[Sampling]) -> list[Any]:
-        samples = job.engines.generate_many([(i.sub_job_id, i.prompts, i.params) for i in items], as_json)
-        return [i.render(part) for i, part in zip(items, samples, strict=True)]
+    def run_batch(items: list[Sampling]) -> Iterator[dict[int, Any]]:  # a slice per next(): see JobManager._run_slices
+        for done in job.engines.generate_many([(i.sub_job_id, i.prompts, i.params) for i in items], as_json):
+            yield {index: items[index].render(part) for index, part in done.items()}
 
     key = (api.OP_GENERATE, as_json)
     return manager.submit(
