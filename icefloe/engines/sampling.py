@@ -447,8 +447,8 @@ def generate_steps(
 ) -> Iterator[dict[int, list[dict[str, Any]]]]:
     """:func:`generate_together` one decode step at a time: yields after each step the results of the
     calls whose rows have all finished, by call index (each call once), so a small call that shares a
-    long decode is answered when its own rows end. Checks every call before the first step; closing
-    the generator stops the decode there and frees its cache."""
+    long decode is answered when its own rows end (its decode batch runs first). Checks every call
+    before the first step; closing the generator stops the decode there and frees its cache."""
     first = calls[0][0]
     if any(
         engine is not first and (engine.shared is None or engine.shared is not first.shared) for engine, *_ in calls
@@ -456,9 +456,14 @@ def generate_steps(
         raise ValueError("generate_together needs samplers that share one base model")
     planned = [(engine, engine._plan(prompts, params), engine.policy_version) for engine, prompts, params in calls]
     rows = [row for _, call_rows, _ in planned for row in call_rows]
+    # The decode batch holding a row of the smallest call goes first: a small call is answered early.
+    size = {id(row): sum(len(r.prompt_ids) + r.max_new for r in call_rows) for _, call_rows, _ in planned
+            for row in call_rows}  # fmt: skip
+    chunks = decode_batches(rows, first.config.sampling.max_batch_size, first.token_budget)
+    chunks.sort(key=lambda chunk: min(size[id(row)] for row in chunk))
     pending = set(range(len(planned)))
     try:
-        for chunk in decode_batches(rows, first.config.sampling.max_batch_size, first.token_budget):
+        for chunk in chunks:
             for _ in first._decode_steps(sorted(chunk, key=lambda row: row.adapter)):  # an adapter's rows in a run
                 done = [index for index in pending if all(row.finish_reason for row in planned[index][1])]
                 pending.difference_update(done)

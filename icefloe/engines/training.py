@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -197,6 +198,7 @@ class TrainingEngine:
         self._global_step = 0
         self._last_lr = config.training.optimizer.lr
         self._last_loss: float | None = None
+        self._tokens_per_s: float | None = None  # positions a fwd_bwd pass computes per second, as measured
         self._asleep = False
         self.optimizer: torch.optim.AdamW | None = None
         if role == "reference":
@@ -302,14 +304,23 @@ class TrainingEngine:
             if backward:
                 (logits.float().sum() * 0.0).backward()
 
-    def _plan(self, frame: Mapping[str, Any]) -> tuple[Spans, list[MicroBatch]]:
+    def _plan(self, frame: Mapping[str, Any], pass_s: float | None = None) -> tuple[Spans, list[MicroBatch]]:
         """Each row's span and the passes over them; a row longer than the budget is refused here,
-        before any work."""
+        before any work. ``pass_s``: also cut passes to about that many seconds each at the speed
+        passes ran so far (never below the longest row), so that other work can run between them."""
         budget = self.token_budget
         spans = row_spans(frame, whole=budget == 0)
         if budget:
             check_rows_fit(spans, budget, "training.micro_batch_tokens")
+            if pass_s is not None and self._tokens_per_s is not None:
+                longest = int(spans.length_B.max()) if len(spans.length_B) else 0
+                budget = min(budget, max(longest, int(self._tokens_per_s * pass_s)))
         return spans, plan_micro_batches(spans, budget)
+
+    def _timed_pass(self, num_positions: int, seconds: float) -> None:
+        """Fold one pass's speed into the estimate :meth:`_plan` cuts passes by."""
+        rate = num_positions / max(seconds, 1e-6)
+        self._tokens_per_s = rate if self._tokens_per_s is None else 0.7 * self._tokens_per_s + 0.3 * rate
 
     @functools.cached_property
     def token_budget(self) -> int:
@@ -733,10 +744,13 @@ def fwd_bwd_together(calls: Sequence[tuple[TrainingEngine, Mapping[str, Any]]]) 
     return [results[index] for index in range(len(calls))]
 
 
-def fwd_bwd_steps(calls: Sequence[tuple[TrainingEngine, Mapping[str, Any]]]) -> Iterator[dict[int, dict[str, Any]]]:
+def fwd_bwd_steps(
+    calls: Sequence[tuple[TrainingEngine, Mapping[str, Any]]], pass_s: float | None = None
+) -> Iterator[dict[int, dict[str, Any]]]:
     """:func:`fwd_bwd_together` one pass at a time: yields after each pass the results of the calls
     whose rows have all been through, by call index (each call once). Passes of the calls with the
-    fewest positions run first, so a small call that shares passes with large ones is answered early.
+    fewest positions run first, so a small call that shares passes with large ones is answered early;
+    ``pass_s``: passes are cut to about that many seconds (see :meth:`TrainingEngine._plan`).
     Every call is checked before the first pass.
 
     Closing the generator before a training call's result was yielded zeroes the gradients of its
@@ -752,7 +766,7 @@ def fwd_bwd_steps(calls: Sequence[tuple[TrainingEngine, Mapping[str, Any]]]) -> 
     frame, owner_B, offset = _stacked([c.frame for c in prepared])
     for call in prepared:
         call.spans = row_spans(call.frame)
-    spans, passes = first._plan(frame)
+    spans, passes = first._plan(frame, pass_s)
     size = [int(call.spans.length_B.sum()) for call in prepared]
     passes.sort(key=lambda micro: min((size[owner_B[row]] for row in micro.rows), default=0))
     passes_left = [0] * len(prepared)  # passes still to run that hold a row of the call
@@ -767,7 +781,9 @@ def fwd_bwd_steps(calls: Sequence[tuple[TrainingEngine, Mapping[str, Any]]]) -> 
             if not micro.rows:
                 first._idle_pass(backward=not forward_only)
                 continue
+            started = time.perf_counter()
             owners = _run_pass(first, prepared, frame, spans, micro, owner_B, offset, forward_only)
+            first._timed_pass(micro.num_positions, time.perf_counter() - started)
             for owner in owners:
                 passes_left[owner] -= 1
             done = [owner for owner in pending if passes_left[owner] == 0]

@@ -58,9 +58,9 @@ _ENGINE_METHODS: dict[str, tuple[str, dict[str, Any]]] = {
 Call = tuple[str, list[Any], list[SamplingParams]]  # (sub-job id, prompts, one params per prompt)
 
 # How long one slice of a resumable op (fwd_bwd, generate) runs before the worker may run another
-# run's op: short enough that a small op waits little, long enough that a slice's round trip to an
-# engine process is a small share of it.
-SLICE_S = 0.05
+# run's op, and how long a fwd_bwd pass is cut to: short enough that a small op waits little, long
+# enough that a slice's round trip to an engine process is a small share of it.
+SLICE_S = 0.025
 
 
 @dataclass
@@ -356,7 +356,7 @@ class LocalEngineHost(JobEngines):
 
     def _fwd_bwd_steps(self, calls: Sequence[tuple[str, Any]]) -> Iterator[dict[int, Any]]:
         """Calls whose runs share passes (one base, the same context keys, all forward-only or none) run
-        together, a group after another."""
+        together, a group after another; passes are cut to about a slice each."""
         from icefloe.engines.training import fwd_bwd_steps
 
         groups: dict[tuple[int, bool, frozenset[str]], list[int]] = {}
@@ -366,7 +366,7 @@ class LocalEngineHost(JobEngines):
             key = (id(engine.shared or engine), forward_only, frozenset(batch["context"]))
             groups.setdefault(key, []).append(index)
         for indices in groups.values():
-            for done in fwd_bwd_steps([(self._engine(calls[i][0]), calls[i][1]) for i in indices]):
+            for done in fwd_bwd_steps([(self._engine(calls[i][0]), calls[i][1]) for i in indices], SLICE_S):
                 yield {indices[i]: result for i, result in done.items()}
 
     def _generate_steps(self, calls: Sequence[Call], as_json: bool) -> Iterator[dict[int, list[Any]]]:
