@@ -75,6 +75,8 @@ CHECKPOINT_KINDS = ("resumable", "weights-only")
 _OPTIMIZER_FILE = "optimizer.safetensors"
 _STATE_FILE = "trainer_state.json"
 _AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+# A pass cut for fair share keeps at least 1/this of the token budget: per-pass overhead stays small.
+_MIN_PASS_SHARE = 4
 
 
 def publish_folder(staging: Path, target: Path) -> None:
@@ -307,14 +309,15 @@ class TrainingEngine:
     def _plan(self, frame: Mapping[str, Any], pass_s: float | None = None) -> tuple[Spans, list[MicroBatch]]:
         """Each row's span and the passes over them; a row longer than the budget is refused here,
         before any work. ``pass_s``: also cut passes to about that many seconds each at the speed
-        passes ran so far (never below the longest row), so that other work can run between them."""
+        passes ran so far, so that other work can run between them; never below the longest row, nor
+        below a quarter of the budget (more, smaller passes would cost more than they let others in)."""
         budget = self.token_budget
         spans = row_spans(frame, whole=budget == 0)
         if budget:
             check_rows_fit(spans, budget, "training.micro_batch_tokens")
             if pass_s is not None and self._tokens_per_s is not None:
-                longest = int(spans.length_B.max()) if len(spans.length_B) else 0
-                budget = min(budget, max(longest, int(self._tokens_per_s * pass_s)))
+                floor = max(int(spans.length_B.max()) if len(spans.length_B) else 0, budget // _MIN_PASS_SHARE)
+                budget = min(budget, max(floor, int(self._tokens_per_s * pass_s)))
         return spans, plan_micro_batches(spans, budget)
 
     def _timed_pass(self, num_positions: int, seconds: float) -> None:

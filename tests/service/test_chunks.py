@@ -48,13 +48,13 @@ def _bigger_batch():
 
 async def test_replayed_chunk_group_executes_once_and_returns_the_original_request(data_dir, monkeypatch):
     calls = []
-    original = LocalEngineHost.fwd_bwd
+    original = LocalEngineHost.begin
 
-    def counting_fwd_bwd(self, sub_job_id, batch):
+    def counting_begin(self, sub_job_id, what, *args):  # where every forward-backward starts in the engines
         calls.append(sub_job_id)
-        return original(self, sub_job_id, batch)
+        return original(self, sub_job_id, what, *args)
 
-    monkeypatch.setattr(LocalEngineHost, "fwd_bwd", counting_fwd_bwd)
+    monkeypatch.setattr(LocalEngineHost, "begin", counting_begin)
     async with asgi_client(make_app(data_dir, engines="local")) as http:
         api = Api(http)
         job_id = await api.running()

@@ -51,18 +51,18 @@ async def _watched_service(data_dir, **settings) -> AsyncIterator[tuple[Api, _Ar
 def executed(monkeypatch) -> list[tuple[str, float]]:
     """The engine calls ``(op, learning rate or 0)`` in the order they ran."""
     calls: list[tuple[str, float]] = []
-    step, fwd_bwd = LocalEngineHost.step, LocalEngineHost.fwd_bwd
+    step, begin = LocalEngineHost.step, LocalEngineHost.begin
 
     def recorded_step(self, sub_job_id, learning_rate):
         calls.append(("step", learning_rate))
         return step(self, sub_job_id, learning_rate)
 
-    def recorded_fwd_bwd(self, sub_job_id, batch):
+    def recorded_begin(self, sub_job_id, what, *args):  # a forward-backward starts in the engines here
         calls.append(("forward-backward", 0.0))
-        return fwd_bwd(self, sub_job_id, batch)
+        return begin(self, sub_job_id, what, *args)
 
     monkeypatch.setattr(LocalEngineHost, "step", recorded_step)
-    monkeypatch.setattr(LocalEngineHost, "fwd_bwd", recorded_fwd_bwd)
+    monkeypatch.setattr(LocalEngineHost, "begin", recorded_begin)
     return calls
 
 
