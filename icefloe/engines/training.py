@@ -795,11 +795,12 @@ def fwd_bwd_steps(
         if pending:  # calls whose rows ran in no pass of their own (idle passes only)
             yield {owner: prepared[owner].result() for owner in sorted(pending)}
             pending.clear()
-    finally:
+    except GeneratorExit:  # dropped part-way; an error raised in a pass leaves what earlier passes added
         if not forward_only:
             for engine in {id(prepared[owner].engine): prepared[owner].engine for owner in pending}.values():
                 for param in engine._params:
                     param.grad = None
+        raise
 
 
 def _run_pass(
