@@ -78,7 +78,7 @@ def main(argv: list[str]) -> None:
     from icefloe.config import ClientConfig
     from icefloe.engines.training import TrainingEngine
     from icefloe.service.app import ServerThread, create_app
-    from icefloe.service.placement import SlotPool
+    from icefloe.service.hosts.slots import SlotPool
     from icefloe.service.settings import ServeSettings
 
     torch.set_num_threads(1)

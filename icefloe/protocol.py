@@ -172,15 +172,30 @@ class EngineCall:
     method: str
     args: Callable[[dict[str, Any]], tuple[Any, ...]] = lambda body: ()
     optional: bool = False  # the role may be absent: the op then answers {}
+    kwargs: Callable[[dict[str, Any]], dict[str, Any]] = lambda body: {}
 
 
 #: The op table: every op that is one call of an engine method (engines, Ray actor groups and the
-#: service's model hosts share the method names). The ops not here are more than one call
-#: (generates batch, a weight sync crosses roles, checkpoints name folders, cancel ends a job).
+#: service's model hosts share the method names), read by the client's engine host and by the
+#: service's work items alike. The ops not here are more than one call (generates batch, a weight
+#: sync crosses roles, listing checkpoints reads folders, cancel ends a job). A save or load body
+#: names its checkpoint ``folder``: the caller finds it (the client's checkpoint root; a service's
+#: checkpoint record, which its tenant may see).
 ENGINE_CALLS: Final[dict[str, EngineCall]] = {
     OP_FWD_BWD: EngineCall("training", "fwd_bwd", lambda body: (body["batch"],)),
-    OP_FORWARD: EngineCall("training", "forward", lambda body: (body["batch"],)),
-    OP_STEP: EngineCall("training", "step", lambda body: (body.get("learning_rate"),)),
+    OP_FORWARD: EngineCall(
+        "training",
+        "forward",
+        lambda body: (body["batch"],),
+        kwargs=lambda body: {"reference": bool(body.get("reference"))},
+    ),
+    OP_STEP: EngineCall("training", "step", lambda body: (body.get("learning_rate"), body.get("adam"))),
+    OP_SAVE: EngineCall(
+        "training", "save_checkpoint", lambda body: (body["folder"], body.get("checkpoint_type", "resumable"))
+    ),
+    OP_LOAD: EngineCall(
+        "training", "load_checkpoint", lambda body: (body["folder"], body.get("load_optimizer_states", True))
+    ),
     OP_SLEEP_TRAINING: EngineCall("training", "sleep"),
     OP_WAKE_TRAINING: EngineCall("training", "wake"),
     OP_SLEEP_INFERENCE: EngineCall("sampling", "sleep", lambda body: (body.get("level", 1),), True),
@@ -195,7 +210,7 @@ MEMORY_OPS: Final = frozenset({OP_SLEEP_TRAINING, OP_WAKE_TRAINING, OP_SLEEP_INF
 #: Engine ops a service runs through its ``{job}/operation`` route, answered inline: those with
 #: no route of their own. An op that is one engine call lands here and needs no transport or
 #: service code of its own.
-ENGINE_OPERATIONS: Final = frozenset(ENGINE_CALLS) - {OP_FWD_BWD, OP_FORWARD, OP_STEP} - MEMORY_OPS
+ENGINE_OPERATIONS: Final = frozenset(ENGINE_CALLS) - {OP_FWD_BWD, OP_FORWARD, OP_STEP, OP_SAVE, OP_LOAD} - MEMORY_OPS
 
 # Operation types the training API answers inline (no request_id to poll).
 INLINE_OPERATIONS: Final = frozenset(

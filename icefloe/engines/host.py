@@ -24,7 +24,7 @@ import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Hashable, Sequence
+from collections.abc import Callable, Generator, Hashable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,11 +121,13 @@ class Worker:
         name: names the thread (``icefloe-<name>``) and appears in errors.
         linger_s: how long a batchable item waits for same-key company when nothing else is
             queued; 0 = never wait.
+        lingers: the linger of these batch keys, in place of ``linger_s``.
     """
 
-    def __init__(self, name: str, *, linger_s: float = 0.002) -> None:
+    def __init__(self, name: str, *, linger_s: float = 0.002, lingers: Mapping[Hashable, float] | None = None) -> None:
         self.name = name
         self.linger_s = linger_s
+        self.lingers = dict(lingers or {})
         self._lanes: list[Lane] = []
         self._last_group: Hashable = None  # the group served last: the search for ready work starts after it
         self._last_lane: dict[Hashable, Lane] = {}  # per group, its lane served last
@@ -269,7 +271,7 @@ class Worker:
         """Items with ``key`` right behind the head of ``first`` and heading the other free lanes (after
         a short linger when nothing else is queued). Called under the lock."""
         company: list[_Job] = []
-        deadline = time.monotonic() + self.linger_s
+        deadline = time.monotonic() + self.lingers.get(key, self.linger_s)
         while True:
             for lane in [first, *(other for other in self._lanes if other is not first and other.held is None)]:
                 while lane.queue and lane.queue[0].key == key and lane.queue[0].run_batch is not None:
@@ -278,7 +280,8 @@ class Worker:
                     company.append(lane.queue.popleft())
                     lane.busy = True
             remaining = deadline - time.monotonic()
-            if any(lane.queue for lane in self._lanes) or self._closed or remaining <= 0:
+            waiting = any(lane.queue or lane.resume is not None for lane in self._lanes)  # no linger then
+            if waiting or self._closed or remaining <= 0:
                 return company
             self._cond.wait(remaining)
 
@@ -506,39 +509,39 @@ class EngineHost:
             worker.close()
 
     def _route(self, op: str, target: str, body: dict[str, Any]) -> Future:
+        """An op of ``protocol.ENGINE_CALLS`` runs that engine method on its role's worker; the few that
+        are not one engine call are :data:`_NOT_ONE_CALL`."""
         call = ENGINE_CALLS.get(op)
-        if call is not None:
-            role = "reference" if op == protocol.OP_FORWARD and target == protocol.TARGET_REFERENCE else call.role
-            if role == "reference" and role not in self.engines and self._lora_reference:
-                trainer = self.engines["training"]
-                return self.workers["training"].submit(trainer.forward, *call.args(body), reference=True)
-            if role not in self.engines and call.optional:
-                return _done({})
-            engine = self._engine(role, op)
-            method = getattr(engine, call.method, None) or functools.partial(engine.call, call.method)
-            return self.workers[role].submit(method, *call.args(body))
-        if op == protocol.OP_GENERATE:
-            self._engine("sampling", op)
-            prompts, params = body["prompts"], body["sampling_params"]
-            item = (prompts, params if isinstance(params, list) else [params] * len(prompts))
-            return self.workers["sampling"].submit_batchable(op, item, self._generate)
-        if op == protocol.OP_WEIGHT_SYNC:
-            self._engine("sampling", "sync_weights")
-            return self._sync_weights(body)
-        if op == protocol.OP_SAVE:
-            save, kind = self.engines["training"].save_checkpoint, body.get("checkpoint_type", "resumable")
-            return self.workers["training"].submit(save, self.checkpoint_root, kind=kind)
-        if op == protocol.OP_LOAD:
-            return self.workers["training"].submit(self._load, body["checkpoint_id"])
-        if op == protocol.OP_DELETE_CHECKPOINT:
-            return self.workers["training"].submit(self._delete, body["checkpoint_id"])
-        if op == protocol.OP_LIST_CHECKPOINTS:
-            return _done({"checkpoints": self._list()})
-        if op == protocol.OP_GET_CHECKPOINT:
-            return _done(self._get(body["checkpoint_id"]))
-        if op == protocol.OP_CANCEL:
+        if call is None:
+            return _NOT_ONE_CALL[op](self, body)
+        role = call.role
+        if op == protocol.OP_FORWARD and target == protocol.TARGET_REFERENCE:
+            role = "reference"
+            if role not in self.engines and self._lora_reference:  # the trainer with its adapters disabled
+                role, body = "training", {**body, "reference": True}
+        if role not in self.engines and call.optional:
             return _done({})
-        raise AssertionError(f"unreachable: op {op!r} is in OPS but not routed")
+        if op in (protocol.OP_SAVE, protocol.OP_LOAD):  # a checkpoint is a folder under checkpoint_root
+            body = {
+                **body,
+                "folder": self.checkpoint_root if op == protocol.OP_SAVE else self._folder(body["checkpoint_id"]),
+            }
+        engine = self._engine(role, op)
+        method = getattr(engine, call.method, None) or functools.partial(engine.call, call.method)
+        return self.workers[role].submit(method, *call.args(body), **call.kwargs(body))
+
+    def _submit_generate(self, body: dict[str, Any]) -> Future:
+        self._engine("sampling", protocol.OP_GENERATE)
+        prompts, params = body["prompts"], body["sampling_params"]
+        item = (prompts, params if isinstance(params, list) else [params] * len(prompts))
+        return self.workers["sampling"].submit_batchable(protocol.OP_GENERATE, item, self._generate)
+
+    def _submit_weight_sync(self, body: dict[str, Any]) -> Future:
+        self._engine("sampling", "sync_weights")
+        return self._sync_weights(body)
+
+    def _submit_delete(self, body: dict[str, Any]) -> Future:
+        return self.workers["training"].submit(self._delete, body["checkpoint_id"])
 
     def _engine(self, role: str, op: str) -> Any:
         engine = self.engines.get(role)
@@ -551,12 +554,7 @@ class EngineHost:
         samples = self.engines["sampling"].generate(
             [prompt for prompts, _ in items for prompt in prompts], [p for _, params in items for p in params]
         )
-        out, start = [], 0
-        for _, params in items:
-            count = sum(p.n for p in params)
-            out.append(samples[start : start + count])
-            start += count
-        return out
+        return split_by_n(samples, [params for _, params in items])
 
     def _sync_in_memory(self, body: dict[str, Any]) -> Future:
         from icefloe.engines.weight_sync import sync_weights_local
@@ -575,9 +573,6 @@ class EngineHost:
             known = [c["checkpoint_id"] for c in self._list()]
             raise NotFoundError(f"checkpoint {checkpoint_id!r} does not exist; saved checkpoints: {known}")
         return path
-
-    def _load(self, checkpoint_id: str) -> dict[str, Any]:
-        return self.engines["training"].load_checkpoint(self._folder(checkpoint_id))
 
     def _delete(self, checkpoint_id: str) -> dict[str, Any]:
         shutil.rmtree(self._folder(checkpoint_id))
@@ -598,6 +593,28 @@ class EngineHost:
             if f.is_file()
         ]
         return {**_describe(path), "files": files}
+
+
+# The ops that are not one engine call, each with what submits it.
+_NOT_ONE_CALL: dict[str, Callable[[EngineHost, dict[str, Any]], Future]] = {
+    protocol.OP_GENERATE: EngineHost._submit_generate,
+    protocol.OP_WEIGHT_SYNC: EngineHost._submit_weight_sync,
+    protocol.OP_DELETE_CHECKPOINT: EngineHost._submit_delete,
+    protocol.OP_LIST_CHECKPOINTS: lambda host, body: _done({"checkpoints": host._list()}),
+    protocol.OP_GET_CHECKPOINT: lambda host, body: _done(host._get(body["checkpoint_id"])),
+    protocol.OP_CANCEL: lambda host, body: _done({}),
+}
+
+
+def split_by_n(samples: Sequence[Any], calls: Sequence[Sequence[Any]]) -> list[list[Any]]:
+    """Samples of several generate calls run as one batch (prompt major, ``n`` per prompt), back to
+    each call (``calls``: each call's sampling params, one per prompt)."""
+    out, start = [], 0
+    for params in calls:
+        count = sum(p.n for p in params)
+        out.append(list(samples[start : start + count]))
+        start += count
+    return out
 
 
 def _describe(path: Path) -> dict[str, Any]:

@@ -25,13 +25,13 @@ from fastapi_offline import FastAPIOffline
 
 from icefloe.service.batches import Batches
 from icefloe.service.errors import install_error_handlers
+from icefloe.service.hosts.slots import SlotPool
 from icefloe.service.joblog import TokenRedactor
 from icefloe.service.jobs import JobManager
 from icefloe.service.lifecycle import fail_interrupted_jobs
 from icefloe.service.logins import Logins
 from icefloe.service.middleware import BodyLimit, IdempotencyKeys, JsonBodies, RequireToken
 from icefloe.service.origins import LocalOnly
-from icefloe.service.placement import SlotPool
 from icefloe.service.refusals import LogRefusals
 from icefloe.service.routes import capabilities, checkpoints, compute, jobs, metrics, operations, requests
 from icefloe.service.routes.ui import install_ui
@@ -75,7 +75,7 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
         engine_logs = logging.getLogger("icefloe")
         engine_logs.addHandler(manager.log_router)
         if settings.engines == "process":  # import torch in the forkserver now, not when the first job comes
-            from icefloe.service.process_host import warm_forkserver
+            from icefloe.service.hosts.process import warm_forkserver
 
             threading.Thread(target=warm_forkserver, name="icefloe-forkserver-warmup", daemon=True).start()
         try:

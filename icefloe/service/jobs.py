@@ -1,6 +1,6 @@
 """Jobs: the coordinator of their lifecycle, hosts, lanes and requests.
 
-A job is placed on a model host (:mod:`icefloe.service.hosts`) when it is created; then one thread
+A job is placed on a model host (:mod:`icefloe.service.hosts.pool`) when it is created; then one thread
 of its own walks it through :mod:`icefloe.service.lifecycle`: it opens the host, builds the job's
 engines there and takes them down. Each sub-job has one lane on its host's workers, so the requests to a sub-job run in
 submission order. An engine crash asks the job (or, when the host's engines died, every job on
@@ -37,18 +37,20 @@ from icefloe.protocol import (
 )
 from icefloe.service import store
 from icefloe.service.chunks import ChunkGroups
-from icefloe.service.hosts import HostFailed, HostKey, HostPool, ModelHost, shared_base_key
+from icefloe.service.hosts.pool import HostFailed, HostKey, HostPool, ModelHost, shared_base_key
+from icefloe.service.hosts.process import EngineProcessDied
+from icefloe.service.hosts.seam import JobEngines
+from icefloe.service.hosts.slots import SlotPool
 from icefloe.service.joblog import JobLog, JobLogRouter
 from icefloe.service.lifecycle import JobState
 from icefloe.service.metrics import ServiceMetrics
 from icefloe.service.models import JobCreate
-from icefloe.service.placement import SlotPool
-from icefloe.service.process_host import EngineProcessDied
 from icefloe.service.requests import RequestTable
-from icefloe.service.results import JsonText, ResultPages, json_text, wants_dssst1
-from icefloe.service.runtime import JobEngines
+from icefloe.service.results import HeldResults, JsonText, ResultPages, json_text, wants_dssst1
 from icefloe.service.settings import SHARED_TENANT, ServeSettings
 from icefloe.service.specs import SubJobSpec, sub_job_specs
+from icefloe.service.work import answers
+from icefloe.service.work.items import Item, run_batch, run_one
 
 __all__ = ["JobManager", "LiveJob", "job_type_named"]
 
@@ -61,6 +63,7 @@ _CLOSE_TIMEOUT_S = 30.0  # service shutdown waits this long for the jobs' thread
 # An op past its deadline that has not stopped this much later is killed with its engines (and with
 # a shared host's, every job on it fails): it did not reach a pass or decode step boundary.
 _DEADLINE_GRACE_S = 5.0
+_HELD_RESULTS = 10_000  # results of the Tinker API kept in memory for its polls (the oldest go first)
 _SWEEP_EVERY_S = 60.0  # at most this often (and within the result TTL) expired result files are deleted
 
 
@@ -132,6 +135,7 @@ class JobManager:
             ttl_s=settings.result_ttl_s,
         )
         self.streams: dict[str, Any] = {}  # request id -> GenerateStream of a generate-stream request
+        self.held = HeldResults(max_results=_HELD_RESULTS)  # the Tinker API's results, rendered when polled
         self.log_router = JobLogRouter()  # attached to the "icefloe" logger by the app
         self._closing = threading.Event()
 
@@ -472,37 +476,38 @@ class JobManager:
     def submit(
         self,
         job: LiveJob,
-        sub_job_id: str,
-        op: str,
-        fn: Callable[..., Any],
+        item: Item,
         *,
-        batch_key: Any = None,
-        batch_item: Any = None,
+        api: str,
         op_metadata: dict | None = None,
         stream: Any = None,
         ready: Callable[[], bool] | None = None,
     ) -> str:
-        """Record a request and queue ``fn()`` on the sub-job's lane; returns the request id.
+        """Record a request for ``item`` and queue it on its sub-job's lane; returns the request id.
+        Only the door (:func:`icefloe.service.work.door.enter`) calls this, after its checks.
 
-        With ``batch_key``, ``fn(items)`` runs once for ``batch_item`` and the items of the same key
-        queued beside it, on any lane of the host (so ``fn`` must serve every such item, whatever job
-        it belongs to). ``stream``: a GenerateStream, in place of ``batch_item``: each of its
-        ``items`` is queued so, and its outcome pushed to the stream as an event. ``ready``: the
-        request starts only once this holds (a weight sync waits for its gate).
+        An item with a ``batch_key`` runs with the items of that key queued beside it, on any lane of
+        the host (whatever job each belongs to). ``stream``: a GenerateStream, whose ``items`` are queued
+        in place of ``item`` and whose outcomes are pushed to it as events. ``ready``: the request
+        starts only once this holds (a weight sync waits for its gate). ``api`` renders the result.
         """
         op_metadata = op_metadata or {}
-        request_id = self.requests.add(job.job_id, sub_job_id, op, op_metadata)
+        request_id = self.requests.add(job.job_id, item.sub_job_id, item.op, op_metadata)
         if stream is not None:
             self.streams[request_id] = stream
-        lane = job.workers[sub_job_id]
+        lane = job.workers[item.sub_job_id]
+        batch_key = getattr(item, "batch_key", None)
         try:
             if batch_key is None:
-                entry = _Entry(job, sub_job_id, request_id, None, op_metadata)
-                lane.submit_when(ready or _always, self._execute, op, [entry], lambda _: [fn()])
+                entry = _Entry(job, item.sub_job_id, request_id, item, op_metadata, api)
+                run = functools.partial(_run_one, job, self.db)
+                lane.submit_when(ready or _always, self._execute, item.op, [entry], run)
             else:  # run with the entries of one batch
-                execute = functools.partial(self._execute, op, run=fn)
-                for item in [batch_item] if stream is None else stream.items:
-                    lane.submit_batchable(batch_key, _Entry(job, sub_job_id, request_id, item, op_metadata), execute)
+                execute = functools.partial(self._execute, item.op, run=functools.partial(run_batch, job))
+                for one in [item] if stream is None else stream.items:
+                    lane.submit_batchable(
+                        batch_key, _Entry(job, item.sub_job_id, request_id, one, op_metadata, api), execute
+                    )
         except ClientClosedError:  # a stop closed the lanes after the state check
             why = f"job {job.job_id} is stopping: {job.state.stop_reason}"
             self.requests.finish(request_id, status="cancelled", error=why)
@@ -605,10 +610,15 @@ class JobManager:
     def _record_result(self, entry: _Entry, result: Any) -> None:
         request_id, op_metadata = entry.request_id, entry.op_metadata
         stream = self.streams.get(request_id)
-        if stream is not None:
-            self._push(request_id, stream, entry.item, result=result)
-            return
         try:
+            result = answers.render(entry.api, self.settings, entry.job, entry.item, result)
+            if stream is not None:
+                self._push(request_id, stream, entry.item, result=result)
+                return
+            if entry.api == answers.TINKER:  # kept as it is: rendered when its future is polled
+                self.held.put(request_id, result)
+                self.requests.finish(request_id, status="done")
+                return
             text = None if wants_dssst1(op_metadata) else json_text(result)
             if text is not None:
                 self.requests.finish(request_id, status="done", result_json=text)
@@ -656,6 +666,11 @@ def _always() -> bool:
     return True
 
 
+def _run_one(job: LiveJob, db: store.Database, items: list[Item]) -> list[Any]:
+    (item,) = items
+    return [run_one(job, item, db)]
+
+
 @dataclass(frozen=True, slots=True)
 class _Entry:
     """One queued request (or one item of a stream) as its lane holds it."""
@@ -663,8 +678,9 @@ class _Entry:
     job: LiveJob
     sub_job_id: str
     request_id: str
-    item: Any
+    item: Item
     op_metadata: dict[str, Any]
+    api: str  # the API that asked, which renders the result (work.answers)
 
 
 def _pick_sub_job(

@@ -1,4 +1,4 @@
-"""What each op does on a running job: validate its body, then queue the engine call.
+"""The training API's handlers: validate an op's body, make its work item, send it through the door.
 
 Routes call these after the job and body checks; each returns the response body. Validation runs
 before anything is queued, so a bad body is a 400 and never a failed request. Functions taking an
@@ -7,14 +7,9 @@ octet body run on a thread-pool thread (decoding a 60 MiB frame must not stall t
 
 from __future__ import annotations
 
-import functools
 import json
-import math
-import time
 from collections import deque
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -22,14 +17,7 @@ from pydantic import ValidationError
 from icefloe import protocol as api
 from icefloe import wire
 from icefloe.config import validation_problems
-from icefloe.protocol import (
-    ClientClosedError,
-    ConflictError,
-    InvalidRequestError,
-    SamplingParams,
-    UnsupportedOpError,
-)
-from icefloe.service import store
+from icefloe.protocol import InvalidRequestError, SamplingParams, UnsupportedOpError
 from icefloe.service.jobs import JobManager, LiveJob, job_type_named
 from icefloe.service.limits import check_frame_header, truncated
 from icefloe.service.models import (
@@ -41,7 +29,9 @@ from icefloe.service.models import (
     check_body,
     parse_json_body,
 )
-from icefloe.service.results import JsonText
+from icefloe.service.work.answers import TRAINING
+from icefloe.service.work.door import enter
+from icefloe.service.work.items import Forward, FwdBwd, Item, Load, Sample, Save, Step, WeightSync
 
 _SAMPLING_KEYS = frozenset(SamplingParams.model_fields)
 # From this size a training frame travels to an engine process as its bytes, decoded there: pickling a 2.4 MB
@@ -98,15 +88,11 @@ def _submit_decoded(
     check_body(payload, "frame")
     op_metadata = wire.read_metadata(frame, header)
     if op == api.OP_GENERATE:
-        request_id = _submit_generate(manager, job, payload, op_metadata, sub_job_id)
+        item: Item = _generate_item(job, payload, sub_job_id)
     else:
         assert sub_job_id is not None
-        run = _engine_call(job, op, payload, frame, sub_job_id, reference)
-        if isinstance(run, Training):
-            request_id = submit_training(manager, job, run, op_metadata=op_metadata)
-        else:
-            request_id = manager.submit(job, sub_job_id, op, run, op_metadata=op_metadata)
-    return {"request_id": request_id, "job_id": job.job_id}
+        item = _training_item(job, op, payload, frame, sub_job_id, reference)
+    return {"request_id": enter(manager, job, item, op_metadata=op_metadata), "job_id": job.job_id}
 
 
 # --- forward-backward / forward ----------------------------------------------------------------
@@ -124,10 +110,10 @@ def forward_target(
     return target, False
 
 
-def _engine_call(
+def _training_item(
     job: LiveJob, op: str, payload: Any, frame: bytes, sub_job_id: str, reference: bool
-) -> Callable[[], Any] | Training:
-    """The engine call a forward or forward-backward body asks for, validated before it is queued; an engine
+) -> Forward | FwdBwd:
+    """The item a forward or forward-backward body asks for, validated before it is queued; an engine
     process receives the batch as its ``frame``."""
     from icefloe.engines.batch import FramedBatch, validate_batch
 
@@ -140,43 +126,11 @@ def _engine_call(
     batch = validate_batch(payload, require_context=require_context)
     if len(frame) >= _FRAME_BYTES_SENT_AS_IS:
         batch = FramedBatch(batch, frame, require_context=require_context)
-    host = job.engines
     if op == api.OP_FORWARD:
-        forward = host.forward_reference if reference else host.forward
-        return lambda: forward(sub_job_id, batch)
+        return Forward(sub_job_id, batch, reference)
     if not job.specs[sub_job_id].is_training:
         raise InvalidRequestError(f"forward-backward needs a training sub-job; {sub_job_id} is not one")
-
-    def render(result: dict[str, Any]) -> dict[str, Any]:
-        job.last_avg_loss[sub_job_id] = float(result["avg_loss"])
-        return {"job_id": job.job_id, **result, "post_process_outputs": {}}
-
-    return Training(sub_job_id, batch, render)
-
-
-@dataclass(frozen=True, slots=True)
-class Training:
-    """One forward-backward a lane holds: the validated batch of a training sub-job, and how its
-    result becomes the request's. Those queued at the same time on the lanes of a shared host run in
-    the same passes, each through its own run's adapter (:func:`submit_training`)."""
-
-    sub_job_id: str
-    batch: Any
-    render: Callable[[dict[str, Any]], Any]
-
-
-def submit_training(
-    manager: JobManager, job: LiveJob, item: Training, *, op: str = api.OP_FWD_BWD, op_metadata: dict | None = None
-) -> str:
-    """Queue ``item`` to run with every forward-backward queued beside it (``op``: the request's op)."""
-
-    def run_batch(items: list[Training]) -> Iterator[dict[int, Any]]:  # a slice per next(): see JobManager._run_slices
-        for done in job.engines.fwd_bwd_many([(i.sub_job_id, i.batch) for i in items]):
-            yield {index: items[index].render(result) for index, result in done.items()}
-
-    return manager.submit(
-        job, item.sub_job_id, op, run_batch, batch_key=(api.OP_FWD_BWD,), batch_item=item, op_metadata=op_metadata
-    )
+    return FwdBwd(sub_job_id, batch)
 
 
 # --- generate ----------------------------------------------------------------------------------
@@ -202,56 +156,13 @@ def _generate_body(payload: Any) -> GenerateBody:
         raise InvalidRequestError(validation_text(exc)) from None
 
 
-def _submit_generate(
-    manager: JobManager, job: LiveJob, payload: Any, op_metadata: dict[str, Any], sub_job_id: str | None
-) -> str:
+def _generate_item(job: LiveJob, payload: Any, sub_job_id: str | None) -> Sample:
     body = _generate_body(payload)
     if sub_job_id is None:
         sub_job_id = generate_target(job, body.routing_key)
     params = sampling_params_per_prompt(body, job, sub_job_id)
-
-    def render(samples: list[Any]) -> JsonText:
-        return JsonText.object({"job_id": job.job_id}, results=samples)
-
     # Each sample is encoded as JSON where it is made (an engine process), so the answer splices it in.
-    item = Sampling(sub_job_id, body.prompts, params, render)
-    return submit_sampling(manager, job, item, as_json=True, op_metadata=op_metadata)
-
-
-@dataclass(frozen=True, slots=True)
-class Sampling:
-    """One generate item a lane holds: what to sample on which sub-job, and how its samples (prompt
-    major, ``n`` per prompt) become its result. Items queued at the same time on any lane of a host
-    run as one engine batch (:func:`submit_sampling`)."""
-
-    sub_job_id: str
-    prompts: list[Any]
-    params: list[SamplingParams]
-    render: Callable[[list[Any]], Any]
-    index: int = 0  # a generate-stream's prompt
-
-
-def submit_sampling(
-    manager: JobManager,
-    job: LiveJob,
-    item: Sampling,
-    *,
-    as_json: bool,
-    op: str = api.OP_GENERATE,
-    op_metadata: dict[str, Any] | None = None,
-    stream: Any = None,
-) -> str:
-    """Queue ``item`` (or a stream's items) to be sampled in one batch with every item queued beside it.
-    ``as_json``: samples reach ``render`` as JSON text (cheap to pass on) instead of dicts."""
-
-    def run_batch(items: list[Sampling]) -> Iterator[dict[int, Any]]:  # a slice per next(): see JobManager._run_slices
-        for done in job.engines.generate_many([(i.sub_job_id, i.prompts, i.params) for i in items], as_json):
-            yield {index: items[index].render(part) for index, part in done.items()}
-
-    key = (api.OP_GENERATE, as_json)
-    return manager.submit(
-        job, item.sub_job_id, op, run_batch, batch_key=key, batch_item=item, op_metadata=op_metadata, stream=stream
-    )
+    return Sample(sub_job_id, body.prompts, params, as_json=True)
 
 
 def sampling_params_per_prompt(body: GenerateBody, job: LiveJob, sub_job_id: str) -> list[SamplingParams]:
@@ -288,29 +199,11 @@ def generate_target(job: LiveJob, routing_key: Any) -> str:
 
 # --- step / save / load ------------------------------------------------------------------------
 def submit_step(manager: JobManager, job: LiveJob, body: StepBody, sub_job_id: str) -> str:
-    def run() -> dict[str, Any]:
-        result = job.engines.step(sub_job_id, body.learning_rate)
-        return {"job_id": job.job_id, "global_steps": result["global_step"], "last_lr": result["lr"], **result}
-
-    return manager.submit(job, sub_job_id, api.OP_STEP, run)
+    return enter(manager, job, Step(sub_job_id, body.learning_rate))
 
 
 def submit_save(manager: JobManager, job: LiveJob, body: SaveBody, sub_job_id: str) -> str:
-    def run() -> dict[str, Any]:
-        result = job.engines.save(sub_job_id, job.job_dir / "checkpoints", body.checkpoint_type)
-        store.upsert_checkpoint(
-            manager.db,
-            job_id=job.job_id,
-            checkpoint_id=result["checkpoint_id"],
-            global_steps=result["global_step"],
-            avg_loss=job.last_avg_loss.get(sub_job_id),
-            checkpoint_type=result["kind"],
-            path=result["path"],
-        )
-        path, tag = manager.settings.public_path(result["path"]), result["checkpoint_id"]
-        return {"job_id": job.job_id, "checkpoint_path": path, "checkpoint_tag": tag, **result, "path": path}
-
-    return manager.submit(job, sub_job_id, api.OP_SAVE, run)
+    return enter(manager, job, Save(sub_job_id, job.job_dir / "checkpoints", body.checkpoint_type))
 
 
 def load_target(job: LiveJob, body: LoadBody) -> str:
@@ -333,22 +226,15 @@ def load_target(job: LiveJob, body: LoadBody) -> str:
     return target
 
 
-def submit_load(manager: JobManager, job: LiveJob, checkpoint: dict[str, Any], sub_job_id: str) -> str:
-    """Queue a load of ``checkpoint`` (its record, as :meth:`Tenancy.checkpoint` found it for the caller)."""
-    load = functools.partial(job.engines.load, sub_job_id, Path(checkpoint["path"]))
-
-    def run() -> dict[str, Any]:
-        result = load()
-        if "path" in result:  # the answer names no server folder
-            result["path"] = manager.settings.public_path(result["path"])
-        return {"job_id": job.job_id, **result}
-
-    return manager.submit(job, sub_job_id, api.OP_LOAD, run)
+def submit_load(manager: JobManager, job: LiveJob, body: LoadBody, sub_job_id: str, *, tenant: str) -> str:
+    """Queue a load of ``body``'s checkpoint; the door answers one of a job the caller may not see as unknown."""
+    source = body.source_job_id or job.job_id
+    return enter(manager, job, Load(sub_job_id, source, body.checkpoint_id), tenant=tenant)
 
 
 # --- weight sync -------------------------------------------------------------------------------
 def submit_weight_sync(
-    manager: JobManager, job: LiveJob, payload: WeightSyncPayload, routed_sub_job_id: str | None
+    manager: JobManager, job: LiveJob, payload: WeightSyncPayload, routed_sub_job_id: str | None, *, api: str = TRAINING
 ) -> str:
     """Queue a sync that runs after every earlier request to the source and before any later one to a
     target: each target's worker parks (so no generate reads half-copied weights) until the copy ends."""
@@ -369,52 +255,13 @@ def submit_weight_sync(
             f"payload.target_sub_job_ids must name sampling sub-jobs of job {job.job_id}; "
             f"not sampling sub-jobs: {bad or '[] (empty list)'}"
         )
-    from icefloe.engines.host import SyncGate
     from icefloe.engines.lora import check_weight_format
 
     for target in targets:  # a format either end cannot use is a 400 now, not a failed request later
         weight_format = check_weight_format(
             payload.weight_format, job.specs[source].config.lora, job.specs[target].config.lora
         )
-
-    sync_request: dict[str, str] = {}
-
-    def abandoned() -> str | None:
-        if job.stopping:
-            return f"job {job.job_id} stopped before weight-sync could run"
-        request_id = sync_request.get("id")
-        if request_id is not None and not manager.requests.is_open(request_id):
-            return "the weight-sync request was cancelled"
-        return None
-
-    gate = SyncGate.parked([job.workers[t] for t in targets], source=job.workers[source], abandoned=abandoned)
-    host = job.engines
-
-    def copy() -> dict[str, Any]:
-        job.restart_clock(source)  # the targets are parked: the deadline counts from here
-        started = time.perf_counter()
-        per_target = {t: host.sync_weights(source, t, weight_format) for t in targets}
-        return {
-            "policy_version": per_target[targets[-1]]["policy_version"],
-            "seconds": time.perf_counter() - started,
-            "bytes": sum(int(r["bytes"]) for r in per_target.values()),
-            "weight_format": weight_format,
-            "targets": per_target,
-        }
-
-    def run() -> dict[str, Any]:
-        job.restart_clock(source, at=math.inf)  # waiting for the targets' queued work (each op is watched)
-        try:
-            return gate.run(copy)
-        except ClientClosedError as exc:
-            raise ConflictError(str(exc)) from None
-
-    try:
-        sync_request["id"] = manager.submit(job, source, api.OP_WEIGHT_SYNC, run, ready=gate.may_start)
-    except BaseException:
-        gate.release()
-        raise
-    return sync_request["id"]
+    return enter(manager, job, WeightSync(source, tuple(targets), weight_format), api=api)
 
 
 # --- generate-stream ---------------------------------------------------------------------------
@@ -424,19 +271,19 @@ OP_GENERATE_STREAM = "generate-stream"
 @dataclass
 class GenerateStream:
     """Events of one ``generate-stream`` request (UTF-8 JSON with a generate's fields): each prompt
-    is a :class:`Sampling` item of ``items``, and its outcome an event the moment its batch
+    is a :class:`Sample` item of ``items``, and its outcome an event the moment its batch
     finishes. Polls drain events destructively, as the training API specifies: ``{type: "result",
     index, result}``, ``{type: "error", index, error}``, then ``{type: "done", completed, failed}``.
     Only the host's worker pushes and only polls drain, so the deque needs no lock.
     """
 
     job_id: str
-    items: list[Sampling]
+    items: list[Sample]
     completed: int = 0
     failed: int = 0
     _events: deque[dict[str, Any]] = field(default_factory=deque)
 
-    def push(self, item: Sampling, *, result: Any = None, error: str | None = None) -> str | None:
+    def push(self, item: Sample, *, result: Any = None, error: str | None = None) -> str | None:
         """Queue the event of ``item``'s prompt; after the last prompt's, ``done``, and return the
         counts (JSON) the request finishes with."""
         if error is None:
@@ -463,16 +310,12 @@ def submit_generate_stream(manager: JobManager, job: LiveJob, body: bytes, *, su
     request = _generate_body(parse_json_body(body, "generate-stream body (UTF-8 JSON, not DSSST1)"))
     target = sub_job_id or generate_target(job, request.routing_key)
     params = sampling_params_per_prompt(request, job, target)
-
-    def render(samples: list[Any]) -> dict[str, Any]:
-        return {"job_id": job.job_id, "results": samples}
-
     items = [
-        Sampling(target, [prompt], [p], render, index)
+        Sample(target, [prompt], [p], index=index, op=OP_GENERATE_STREAM)
         for index, (prompt, p) in enumerate(zip(request.prompts, params, strict=True))
     ]
     stream = GenerateStream(job.job_id, items=items)
-    request_id = submit_sampling(manager, job, items[0], as_json=False, op=OP_GENERATE_STREAM, stream=stream)
+    request_id = enter(manager, job, items[0], stream=stream)
     return {"request_id": request_id, "job_id": job.job_id, "count": len(stream.items)}
 
 

@@ -3,7 +3,9 @@
 Three forms, as the training API defines them: plain JSON (kept in the request's row); an inline
 base64 DSSST1 envelope; or ``result_chunk`` events paged by cursor (asked for, or a frame over
 ``inline_result_max_bytes``). A tensor result is one DSSST1 frame on disk, kept for ``ttl_s`` after
-it was written (a client may re-poll a page whose answer it lost), then deleted.
+it was written (a client may re-poll a page whose answer it lost), then deleted. The Tinker API's
+results never take those forms: :class:`HeldResults` keeps them as the engines made them (tensors
+and all) until the API renders each when its future is polled.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from icefloe.protocol import ExpiredError, InvalidRequestError
 __all__ = [
     "DEFAULT_MAX_EVENTS",
     "MAX_EVENTS_CAP",
+    "HeldResults",
     "JsonText",
     "ResultPages",
     "contains_tensor",
@@ -134,6 +137,39 @@ def _inline_envelope(frame: bytes) -> dict[str, Any]:
         "wire_format": "DSSST1",
         "payload_b64": base64.b64encode(frame).decode("ascii"),
     }
+
+
+class HeldResults:
+    """Results kept in memory by request id, as their op made them, for an API that renders each one
+    when it is polled and keeps that answer for a poll sent again (:meth:`answer`). The oldest go
+    once more than ``max_results`` are held: a future polled that late is answered as not kept,
+    as after a restart (its caller sends the call again)."""
+
+    def __init__(self, max_results: int) -> None:
+        self._max = max_results
+        self._held: OrderedDict[str, tuple[bool, Any]] = OrderedDict()  # id -> (rendered, value)
+        self._lock = threading.Lock()  # workers put, the event loop answers
+
+    def put(self, request_id: str, result: Any) -> None:
+        with self._lock:
+            self._held[request_id] = (False, result)
+            while len(self._held) > self._max:
+                self._held.popitem(last=False)
+
+    def held(self, request_id: str) -> bool:
+        return request_id in self._held
+
+    def answer(self, request_id: str, render: Any) -> Any:
+        """``render(result)``, rendered once: the first poll renders, a poll sent again gets the same
+        answer. Raises KeyError for a result not held (never, or no longer)."""
+        with self._lock:
+            rendered, value = self._held[request_id]
+        if not rendered:
+            value = render(value)
+            with self._lock:
+                if request_id in self._held:
+                    self._held[request_id] = (True, value)
+        return value
 
 
 class ResultPages:

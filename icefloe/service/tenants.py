@@ -8,7 +8,7 @@ A request that names a checkpoint (a ``{job_id}`` route, a ``source_job_id``, a 
 reads it through :meth:`Tenancy.checkpoint` and nothing else. A job id a tenant chooses lives in its
 own namespace, so creating one never tells of another tenant's job. Each tenant's limits (concurrent
 jobs, LoRA jobs, slots) are checked when a job is created, under one lock, against the jobs it holds
-then. Slots count the hosts the tenant's jobs are charged with (:mod:`icefloe.service.hosts`): a
+then. Slots count the hosts the tenant's jobs are charged with (:mod:`icefloe.service.hosts.pool`): a
 LoRA job that joins a host of its base takes none, one that starts a host takes its slot.
 """
 
@@ -19,13 +19,13 @@ from typing import Any
 
 from icefloe.protocol import JOB_ACTIVE_STATES, ConflictError, InvalidRequestError, NotFoundError
 from icefloe.service import store
-from icefloe.service.hosts import shared_base_key
+from icefloe.service.hosts.pool import shared_base_key
 from icefloe.service.jobs import JobManager
 from icefloe.service.models import JobCreate
 from icefloe.service.settings import ADMIN_TENANT, ServeSettings
 from icefloe.service.specs import sub_job_specs
 
-__all__ = ["Tenancy"]
+__all__ = ["Tenancy", "checkpoint", "sees"]
 
 _OWNERS_KEPT = 100_000  # job owners cached in memory (they never change)
 
@@ -40,7 +40,7 @@ class Tenancy:
         self._admitting = threading.Lock()
 
     def sees(self, tenant: str, owner: str | None) -> bool:
-        return owner is not None and tenant in (owner, ADMIN_TENANT)
+        return sees(tenant, owner)
 
     def owner(self, job_id: str) -> str | None:
         owner = self._owners.get(job_id)
@@ -58,14 +58,8 @@ class Tenancy:
             raise NotFoundError(f"job {job_id} not found")
 
     def checkpoint(self, tenant: str, *, job_id: str, checkpoint_id: str, where: str = "") -> dict[str, Any]:
-        """The record of ``checkpoint_id`` in ``job_id``, if ``tenant`` may see that job; else a 404 worded
-        alike for an unknown job, another tenant's job and a checkpoint the job does not have."""
-        record = None
-        if self.sees(tenant, self.owner(job_id)):
-            record = store.get_checkpoint(self.db, job_id=job_id, checkpoint_id=checkpoint_id)
-        if record is None:
-            raise NotFoundError(f"{where}checkpoint {checkpoint_id!r} not found in job {job_id}")
-        return record
+        """The record of ``checkpoint_id`` in ``job_id``, if ``tenant`` may see that job (see :func:`checkpoint`)."""
+        return checkpoint(self.db, tenant, self.owner(job_id), job_id=job_id, checkpoint_id=checkpoint_id, where=where)
 
     def owner_filter(self, tenant: str) -> str | None:
         """The owner a listing for ``tenant`` is limited to (None: every owner, for the admin)."""
@@ -134,6 +128,22 @@ class Tenancy:
             configs.append(sub.model_copy(update={"source_checkpoint_info": pinned}))
             changed = True
         return body.model_copy(update={"sub_job_configs": configs}) if changed else body
+
+
+def sees(tenant: str, owner: str | None) -> bool:
+    """Whether ``tenant`` may see a job of ``owner`` (None: no such job)."""
+    return owner is not None and tenant in (owner, ADMIN_TENANT)
+
+
+def checkpoint(
+    db: store.Database, tenant: str, owner: str | None, *, job_id: str, checkpoint_id: str, where: str = ""
+) -> dict[str, Any]:
+    """The record of ``checkpoint_id`` in ``job_id`` (owned by ``owner``), if ``tenant`` may see that job;
+    else a 404 worded alike for an unknown job, another tenant's job and a checkpoint the job does not have."""
+    record = store.get_checkpoint(db, job_id=job_id, checkpoint_id=checkpoint_id) if sees(tenant, owner) else None
+    if record is None:
+        raise NotFoundError(f"{where}checkpoint {checkpoint_id!r} not found in job {job_id}")
+    return record
 
 
 def _is_lora(spec: dict[str, Any]) -> bool:

@@ -13,7 +13,7 @@ from icefloe.client import Client, build_batch
 from icefloe.engines.models import resolve_model
 from icefloe.protocol import InvalidRequestError
 from icefloe.service.app import ServerThread, create_app
-from icefloe.service.placement import SlotPool
+from icefloe.service.hosts.slots import SlotPool
 from icefloe.service.settings import ServeSettings
 
 

@@ -36,7 +36,7 @@ def test_validate_batch_normalises_aliases_dtypes_and_defaults():
 
 
 def test_a_framed_batch_reaches_another_process_as_its_frame_and_arrives_validated():
-    from icefloe.service.process_host import _dumps
+    from icefloe.service.hosts.process import _dumps
 
     raw = _batch()
     raw["context"]["old_log_probs_shifted"] = torch.zeros(2, 5, dtype=torch.float64)  # normalised again there

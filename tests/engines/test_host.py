@@ -221,6 +221,28 @@ def test_batchable_items_heading_several_lanes_run_as_one_batch():
     assert batches == [["r1", "r1b", "r0", "r2"]]  # the lane whose turn it is first, then the others' heads
 
 
+def test_a_key_with_a_linger_of_its_own_waits_for_company_on_an_idle_worker():
+    """Sample calls sent one by one to an idle host decoded one at a time: the key lingers, others do not."""
+    worker = Worker("linger", linger_s=0.0, lingers={"sample": 30.0})
+    lanes = [worker.lane(f"run{i}") for i in range(2)]
+    batches: list[list[str]] = []
+
+    def run_batch(items):
+        batches.append(list(items))
+        return items
+
+    try:
+        first = lanes[0].submit_batchable("sample", "s0", run_batch)
+        second = lanes[1].submit_batchable("sample", "s1", run_batch)  # arrives while the first lingers
+        lanes[1].submit(lambda: None).result(10)  # other work queued: the linger ends at once
+        assert (first.result(10), second.result(10)) == ("s0", "s1")
+        alone = lanes[0].submit_batchable("fwd_bwd", "f0", run_batch)  # no linger of its own: runs at once
+        assert alone.result(10) == "f0"
+    finally:
+        worker.close()
+    assert batches == [["s0", "s1"], ["f0"]]
+
+
 def test_quick_items_go_first_so_that_the_batchable_ones_behind_them_batch():
     """Each run syncs, then generates: the syncs run first and the generates run as one batch, not
     each alone as its run's sync frees it."""

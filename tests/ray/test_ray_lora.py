@@ -18,7 +18,7 @@ from icefloe.config import LoraConfig
 from icefloe.engines.training import TrainingEngine
 from icefloe.protocol import InvalidRequestError
 from icefloe.service.app import ServerThread, create_app
-from icefloe.service.placement import SlotPool
+from icefloe.service.hosts.slots import SlotPool
 from icefloe.service.settings import ServeSettings
 
 from ..service.service_client import Api

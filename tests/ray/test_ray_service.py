@@ -14,15 +14,15 @@ from icefloe.client.remote.admin import ServiceAdmin
 from icefloe.config import RemoteConfig
 from icefloe.protocol import IcefloeError
 from icefloe.service.app import ServerThread, create_app
-from icefloe.service.placement import SlotPool
-from icefloe.service.runtime import make_engine_host
+from icefloe.service.hosts.pool import make_engine_host
+from icefloe.service.hosts.slots import SlotPool
 from icefloe.service.settings import ServeSettings
 
 pytestmark = pytest.mark.integration
 
 
 def test_make_engine_host_ray_names_the_choice():
-    from icefloe.service.ray_host import RayEngineHost
+    from icefloe.service.hosts.ray_hosts import RayEngineHost
 
     assert isinstance(make_engine_host("ray", [], {}, {}, Path("logs")), RayEngineHost)
 

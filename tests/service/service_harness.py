@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 
 from icefloe.service.app import ServerThread, create_app
-from icefloe.service.placement import SlotPool
+from icefloe.service.hosts.slots import SlotPool
 from icefloe.service.settings import ServeSettings
 
 
@@ -40,3 +40,18 @@ async def client_for(app, transport: str) -> AsyncIterator[httpx.AsyncClient]:
     opener = asgi_client if transport == "asgi" else uvicorn_client
     async with opener(app) as client:
         yield client
+
+
+def wrap_engine_method(monkeypatch, method: str, wrapper) -> None:
+    """Route every engine call of ``method`` in this process through ``wrapper(run, sub_job_id, *args)``,
+    where ``run()`` makes the real call: a fault or a probe on one engine method."""
+    from icefloe.service.hosts.seam import LocalEngineHost
+
+    original = LocalEngineHost.call
+
+    def call(self, sub_job_id, name, args=(), kwargs=None):
+        if name != method:
+            return original(self, sub_job_id, name, args, kwargs)
+        return wrapper(lambda: original(self, sub_job_id, name, args, kwargs), sub_job_id, *args)
+
+    monkeypatch.setattr(LocalEngineHost, "call", call)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from icefloe import wire
-from icefloe.service.runtime import LocalEngineHost
+from icefloe.service.hosts.seam import LocalEngineHost
 
 from .service_batches import small_batch
 from .service_client import Api

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from icefloe.service import store
-from icefloe.service.runtime import LocalEngineHost
+from icefloe.service.hosts.seam import LocalEngineHost
 
 from .service_batches import small_batch
 from .service_client import SAMPLING, TRAINING, Api
-from .service_harness import asgi_client, make_app
+from .service_harness import asgi_client, make_app, wrap_engine_method
 
 pytestmark = pytest.mark.anyio
 
@@ -97,10 +97,10 @@ async def test_job_needing_more_slots_than_exist_is_refused(data_dir):
 
 
 async def test_engine_crash_fails_the_job_with_its_reason(data_dir, monkeypatch):
-    def crash(self, sub_job_id, learning_rate):  # fault: the device went away mid-step
+    def crash(run, sub_job_id, learning_rate, adam):  # fault: the device went away mid-step
         raise RuntimeError("device lost during optimizer step")
 
-    monkeypatch.setattr(LocalEngineHost, "step", crash)
+    wrap_engine_method(monkeypatch, "step", crash)
     async with asgi_client(make_app(data_dir, engines="local")) as http:
         api = Api(http)
         job_id = await api.create(TRAINING)
@@ -153,11 +153,11 @@ async def test_concurrent_generates_to_one_sampler_are_coalesced(data_dir, monke
     gate, calls = threading.Event(), []
     original = LocalEngineHost.generate_many
 
-    def gated_generate(self, batch, as_json):  # fault: the first batch is slow
-        calls.append(sum(len(prompts) for _, prompts, _ in batch))
+    def gated_generate(self, batch):  # fault: the first batch is slow
+        calls.append(sum(len(prompts) for _, prompts, *_ in batch))
         if len(calls) == 1:
             gate.wait(30)
-        return original(self, batch, as_json)
+        return original(self, batch)
 
     monkeypatch.setattr(LocalEngineHost, "generate_many", gated_generate)
     async with asgi_client(make_app(data_dir, engines="local")) as http:
@@ -195,13 +195,12 @@ async def test_forward_on_a_log_probability_sub_job_matches_the_untrained_policy
 
 async def test_long_poll_answers_when_the_request_finishes(data_dir, monkeypatch):
     gate = threading.Event()
-    original = LocalEngineHost.step
 
-    def gated_step(self, sub_job_id, learning_rate):  # fault: a slow optimizer step
+    def gated_step(run, sub_job_id, learning_rate, adam):  # fault: a slow optimizer step
         gate.wait(30)
-        return original(self, sub_job_id, learning_rate)
+        return run()
 
-    monkeypatch.setattr(LocalEngineHost, "step", gated_step)
+    wrap_engine_method(monkeypatch, "step", gated_step)
     async with asgi_client(make_app(data_dir, engines="local")) as http:
         api = Api(http)
         job_id = await api.create(TRAINING)
@@ -220,13 +219,12 @@ async def test_long_poll_answers_when_the_request_finishes(data_dir, monkeypatch
 
 async def test_cancel_request_cancels_only_requests_that_have_not_started(data_dir, monkeypatch):
     gate = threading.Event()
-    original = LocalEngineHost.step
 
-    def gated_step(self, sub_job_id, learning_rate):  # fault: a slow optimizer step holds the queue
+    def gated_step(run, sub_job_id, learning_rate, adam):  # fault: a slow optimizer step holds the queue
         gate.wait(30)
-        return original(self, sub_job_id, learning_rate)
+        return run()
 
-    monkeypatch.setattr(LocalEngineHost, "step", gated_step)
+    wrap_engine_method(monkeypatch, "step", gated_step)
     async with asgi_client(make_app(data_dir, engines="local")) as http:
         api = Api(http)
         job_id = await api.create(TRAINING)
@@ -251,13 +249,12 @@ async def test_cancel_request_cancels_only_requests_that_have_not_started(data_d
 
 
 async def test_engine_warnings_land_in_the_sub_jobs_log(data_dir, monkeypatch):
-    original = LocalEngineHost.step
 
-    def warning_step(self, sub_job_id, learning_rate):  # what an engine logs on its worker thread
+    def warning_step(run, sub_job_id, learning_rate, adam):  # what an engine logs on its worker thread
         logging.getLogger("icefloe.engines.training").warning("grad norm is not finite; update skipped")
-        return original(self, sub_job_id, learning_rate)
+        return run()
 
-    monkeypatch.setattr(LocalEngineHost, "step", warning_step)
+    wrap_engine_method(monkeypatch, "step", warning_step)
     async with asgi_client(make_app(data_dir, engines="local")) as http:
         api = Api(http)
         job_id = await api.create(TRAINING, SAMPLING)

@@ -181,8 +181,8 @@ async def test_a_killed_host_fails_every_job_on_it_naming_the_crash_and_where_ea
 
 async def test_a_job_that_stops_while_starting_a_shared_host_leaves_it_to_the_next(tmp_path, model_root, monkeypatch):
     """The host of a cancelled starter was marked dead, and every job waiting for it failed."""
-    from icefloe.service.process_host import ProcessEngineHost
-    from icefloe.service.runtime import stop_check
+    from icefloe.service.hosts.process import ProcessEngineHost
+    from icefloe.service.hosts.seam import stop_check
 
     entered, release = threading.Event(), threading.Event()
     original = ProcessEngineHost.start

@@ -10,8 +10,8 @@ import pytest
 
 from icefloe.protocol import ConflictError
 from icefloe.service import lifecycle
+from icefloe.service.hosts.seam import LocalEngineHost
 from icefloe.service.operations import submit_generate_stream
-from icefloe.service.runtime import LocalEngineHost
 
 from .service_client import SAMPLING, TRAINING, Api
 from .service_harness import asgi_client, make_app
@@ -54,11 +54,11 @@ async def test_streams_generated_in_one_batch_each_get_only_their_own_events(dat
     gate, calls = threading.Event(), []
     original = LocalEngineHost.generate_many
 
-    def gated_generate(self, batch, as_json):  # fault: the first batch is slow
-        calls.append(sum(len(prompts) for _, prompts, _ in batch))
+    def gated_generate(self, batch):  # fault: the first batch is slow
+        calls.append(sum(len(prompts) for _, prompts, *_ in batch))
         if len(calls) == 1:
             gate.wait(30)
-        return original(self, batch, as_json)
+        return original(self, batch)
 
     monkeypatch.setattr(LocalEngineHost, "generate_many", gated_generate)
     async with asgi_client(make_app(data_dir, engines="local")) as http:
@@ -90,7 +90,7 @@ def _stream_body(prompts: list) -> dict:
 async def test_an_engine_crash_during_a_stream_fails_the_job_naming_the_crash(data_dir, monkeypatch):
     """A crash became error events only; the job stayed running and later ended as "client lease expired"."""
 
-    def crash(self, batch, as_json):  # fault: the device went away mid-batch
+    def crash(self, batch):  # fault: the device went away mid-batch
         raise RuntimeError("device lost during sampling")
 
     monkeypatch.setattr(LocalEngineHost, "generate_many", crash)
@@ -112,11 +112,11 @@ async def test_a_cancelled_stream_stays_cancelled_its_prompts_never_run_and_its_
     gate, calls = threading.Event(), []
     original = LocalEngineHost.generate_many
 
-    def gated_generate(self, batch, as_json):  # fault: the first batch holds the sampler
-        calls.append(sum(len(prompts) for _, prompts, _ in batch))
+    def gated_generate(self, batch):  # fault: the first batch holds the sampler
+        calls.append(sum(len(prompts) for _, prompts, *_ in batch))
         if len(calls) == 1:
             gate.wait(30)
-        return original(self, batch, as_json)
+        return original(self, batch)
 
     monkeypatch.setattr(LocalEngineHost, "generate_many", gated_generate)
     app = make_app(data_dir, engines="local")
@@ -166,7 +166,7 @@ async def test_a_request_queued_behind_a_crash_is_cancelled_naming_the_crash(dat
     """A request queued behind the call that crashed the job said only "stopped (running)", not why."""
     gate, calls = threading.Event(), []
 
-    def crash_when_let_go(self, batch, as_json):  # fault: the device goes away during the first batch
+    def crash_when_let_go(self, batch):  # fault: the device goes away during the first batch
         calls.append(len(batch))
         gate.wait(30)
         raise RuntimeError("device lost during sampling")
@@ -201,3 +201,18 @@ async def test_a_call_to_a_job_that_just_failed_names_the_failure_before_its_row
         job.state.finish()
         with pytest.raises(ConflictError, match=r"is failed \(the engines of host-1 died during step\)"):
             app.state.jobs.live(job_id)
+
+
+async def test_an_engine_operation_is_a_request_with_a_row_and_metrics(data_dir):
+    """The operation route queued its engine ops on the lane directly: no request row, no metrics, no deadline."""
+    app = make_app(data_dir, engines="local")
+    async with asgi_client(app) as http:
+        api = Api(http)
+        job_id = await api.running(TRAINING, SAMPLING)
+        answer = await api.call("POST", f"/{job_id}/operation", json={"operation_type": "reset-prefix-cache"})
+        page = (await http.get("/metrics")).text
+        rows = app.state.db.fetch_all("SELECT op, status, sub_job_id FROM requests WHERE job_id = ?", (job_id,))
+    assert answer.json() == {"sub_job_id": f"{job_id}:sampling:0", "status": "ok"}
+    assert rows == [{"op": "reset-prefix-cache", "status": "done", "sub_job_id": f"{job_id}:sampling:0"}]
+    assert 'icefloe_requests_total{op="reset-prefix-cache",outcome="done"} 1.0' in page
+    assert 'icefloe_engine_seconds_count{op="reset-prefix-cache"} 1.0' in page

@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from icefloe.protocol import ClientClosedError, InvalidRequestError, SamplingParams
-from icefloe.service import process_host
+from icefloe.service.hosts import process as process_host
+from icefloe.service.hosts.process import Channel, ProcessEngineHost, serve
 from icefloe.service.models import JobCreate
-from icefloe.service.process_host import Channel, ProcessEngineHost, serve
 from icefloe.service.specs import sub_job_specs
 
 from ..faults.serve_process import stop
@@ -263,13 +263,13 @@ def test_generate_samples_are_encoded_as_json_in_the_engine_process():
         def not_here(*args: object) -> None:
             raise AssertionError("generate ran in the service process")
 
-        host.generate = not_here  # type: ignore[method-assign]
-        (texts,) = [samples for done in host.generate_many([(sub_job_id, [[1, 2, 3]], params)], True)
+        host.call = not_here  # type: ignore[method-assign]
+        (texts,) = [samples for done in host.generate_many([(sub_job_id, [[1, 2, 3]], params, True)])
                     for samples in done.values()]  # fmt: skip
         assert [type(text) for text in texts] == [str]
         assert len(json.loads(texts[0])["token_ids"]) == 3
         with pytest.raises(InvalidRequestError, match="sub-job 'nope' has no engine on this host"):
-            list(host.generate_many([("nope", [[1, 2, 3]], params)], True))
+            list(host.generate_many([("nope", [[1, 2, 3]], params, True)]))
     finally:
         host.close()
 
@@ -288,7 +288,9 @@ def test_concurrent_calls_on_one_sub_job_run_once_each_in_order_and_user_errors_
         batches = [small_batch(seed) for seed in range(3)]
         tokens: dict[int, int] = {}
         callers = [
-            threading.Thread(target=lambda i=i: tokens.update({i: host.fwd_bwd(sub_job_id, batches[i])["num_tokens"]}))
+            threading.Thread(
+                target=lambda i=i: tokens.update({i: host.call(sub_job_id, "fwd_bwd", (batches[i],))["num_tokens"]})
+            )
             for i in range(3)
         ]
         for caller in callers:
@@ -297,13 +299,13 @@ def test_concurrent_calls_on_one_sub_job_run_once_each_in_order_and_user_errors_
             caller.join(60)
         assert tokens == {i: int(batch["context"]["loss_mask"].sum()) for i, batch in enumerate(batches)}
         with pytest.raises(InvalidRequestError, match="learning_rate must be >= 0"):
-            host.step(sub_job_id, -1.0)
-        assert host.step(sub_job_id, None)["global_step"] == 1
+            host.call(sub_job_id, "step", (-1.0,))
+        assert host.call(sub_job_id, "step", (None,))["global_step"] == 1
         with pytest.raises(InvalidRequestError, match="step\\(\\) needs a fwd_bwd since the last step"):
-            host.step(sub_job_id, None)
+            host.call(sub_job_id, "step", (None,))
         host.interrupt()
         with pytest.raises(ClientClosedError, match="the job is stopping; step was not completed"):
-            host.step(sub_job_id, None)
+            host.call(sub_job_id, "step", (None,))
     finally:
         host.close()
     assert host.exit_code == 0
@@ -383,10 +385,10 @@ async def test_a_weight_sync_deadline_counts_from_its_copy_not_from_waiting_for_
     entered, release = threading.Event(), threading.Event()
     original = ProcessEngineHost.generate_many
 
-    def held_generate(self, batch, as_json):  # a long rollout queued ahead of the sync
+    def held_generate(self, batch):  # a long rollout queued ahead of the sync
         entered.set()
         release.wait(60)
-        return original(self, batch, as_json)
+        return original(self, batch)
 
     monkeypatch.setattr(ProcessEngineHost, "generate_many", held_generate)
     deadline_s = 0.5

@@ -62,3 +62,22 @@ async def test_results_outlive_draining_and_their_job_then_expire_after_their_tt
         assert (await _expired(api, live_job, request_id))["status_code"] == 410  # swept while the service runs
         assert _result_files(data_dir) == []
         assert (await api.job(live_job))["status"] == "running"  # expiry touches results only
+
+
+def test_held_results_render_once_answer_a_resent_poll_alike_and_let_the_oldest_go():
+    from icefloe.service.results import HeldResults
+
+    held, rendered = HeldResults(max_results=2), []
+
+    def render(result):
+        rendered.append(result)
+        return f"answer to {result}"
+
+    held.put("a", 1)
+    assert held.answer("a", render) == held.answer("a", render) == "answer to 1"
+    assert rendered == [1]  # the second poll got the first answer, not a second rendering
+    held.put("b", 2)
+    held.put("c", 3)  # past max_results: the oldest goes
+    assert not held.held("a") and held.held("b") and held.held("c")
+    with pytest.raises(KeyError):
+        held.answer("a", render)

@@ -10,12 +10,12 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from icefloe.service.runtime import LocalEngineHost
+from icefloe.service.hosts.seam import LocalEngineHost
 from icefloe.service.sequencing import SubmitOrder, release_turn
 
 from .service_batches import small_batch
 from .service_client import Api
-from .service_harness import asgi_client, make_app
+from .service_harness import asgi_client, make_app, wrap_engine_method
 
 pytestmark = pytest.mark.anyio
 
@@ -51,17 +51,17 @@ async def _watched_service(data_dir, **settings) -> AsyncIterator[tuple[Api, _Ar
 def executed(monkeypatch) -> list[tuple[str, float]]:
     """The engine calls ``(op, learning rate or 0)`` in the order they ran."""
     calls: list[tuple[str, float]] = []
-    step, begin = LocalEngineHost.step, LocalEngineHost.begin
+    begin = LocalEngineHost.begin
 
-    def recorded_step(self, sub_job_id, learning_rate):
+    def recorded_step(run, sub_job_id, learning_rate, adam):
         calls.append(("step", learning_rate))
-        return step(self, sub_job_id, learning_rate)
+        return run()
 
     def recorded_begin(self, sub_job_id, what, *args):  # a forward-backward starts in the engines here
         calls.append(("forward-backward", 0.0))
         return begin(self, sub_job_id, what, *args)
 
-    monkeypatch.setattr(LocalEngineHost, "step", recorded_step)
+    wrap_engine_method(monkeypatch, "step", recorded_step)
     monkeypatch.setattr(LocalEngineHost, "begin", recorded_begin)
     return calls
 

@@ -3,6 +3,8 @@ and a tenant's limits refuse a job over them by name."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from icefloe.protocol import ConfigError
@@ -172,3 +174,34 @@ async def test_a_lora_job_that_starts_a_host_is_charged_its_slot(data_dir):
         refused = await http.post(PREFIX + "/", json=lora(12), headers=_as("alice"))
         assert refused.status_code == 409 and "max_slots=1" in refused.json()["message"]
         assert (await http.post(PREFIX + "/", json=lora(12), headers=_as("bob"))).status_code == 200
+
+
+@pytest.mark.anyio
+async def test_the_door_refuses_a_load_of_another_tenants_checkpoint_whatever_route_sends_it(data_dir):
+    """The tenant check of a load's ``source_job_id`` lived in one route: a second route that queued a load
+    had to repeat it or let one tenant load another's weights. The door checks every item, given no tenant."""
+    from icefloe.protocol import NotFoundError
+    from icefloe.service.work.door import enter
+    from icefloe.service.work.items import Load
+
+    app = _app(data_dir)
+    async with asgi_client(app) as http:
+        jobs = []
+        for tenant in ("alice", "bob"):
+            created = await http.post(PREFIX + "/", json={"sub_job_configs": [TRAINING]}, headers=_as(tenant))
+            jobs.append(created.json()["job_id"])
+        alices, bobs = jobs
+        manager = app.state.jobs
+        while any(manager.public(job_id)["status"] != "running" for job_id in jobs):
+            await asyncio.sleep(0.05)
+        saved = await http.post(f"{PREFIX}/{alices}/save", json={}, headers=_as("alice"), params={"wait": 30})
+        checkpoint_id = saved.json()["result"]["checkpoint_id"]
+        bob = manager.live(bobs)
+        with pytest.raises(NotFoundError, match=f"checkpoint {checkpoint_id!r} not found in job {alices}"):
+            enter(manager, bob, Load(f"{bobs}:training:0", alices, checkpoint_id))  # no tenant: the job's owner
+        with pytest.raises(NotFoundError):
+            enter(manager, bob, Load(f"{bobs}:training:0", alices, checkpoint_id), tenant="admin")  # bob's job
+        own = enter(manager, manager.live(alices), Load(f"{alices}:training:0", alices, checkpoint_id))
+        assert (await http.get(f"{PREFIX}/{alices}/requests/{own}", params={"wait": 30}, headers=_as("alice"))).json()[
+            "status"
+        ] == "done"

@@ -139,10 +139,8 @@ async def load(
 ) -> dict | Response:
     """A ``source_job_id`` of another tenant is answered as an unknown one (404), before anything is queued."""
     job = jobs.live(job_id)
-    target = load_target(job, body)
-    source = body.source_job_id or job_id
-    checkpoint = tenancy.checkpoint(tenant, job_id=source, checkpoint_id=body.checkpoint_id)
-    return await with_answer(jobs, {"request_id": submit_load(jobs, job, checkpoint, target), "job_id": job_id}, wait)
+    request_id = submit_load(jobs, job, body, load_target(job, body), tenant=tenant)
+    return await with_answer(jobs, {"request_id": request_id, "job_id": job_id}, wait)
 
 
 # --- the same two routes, dispatched without FastAPI ----------------------------------------------

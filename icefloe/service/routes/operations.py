@@ -9,7 +9,7 @@ types this service does not run answer 501 ``not_implemented``. A polled operati
 
 from __future__ import annotations
 
-import asyncio
+import json
 
 from fastapi import APIRouter, Response
 from fastapi.concurrency import run_in_threadpool
@@ -20,6 +20,7 @@ from icefloe.protocol import (
     ENGINE_OPERATIONS,
     OP_FORWARD,
     OP_WEIGHT_SYNC,
+    ConflictError,
     InvalidRequestError,
     UnsupportedOpError,
 )
@@ -30,11 +31,14 @@ from icefloe.service.routes import JobsDep, api_router
 from icefloe.service.routes.capabilities import SUPPORTED_OPERATIONS
 from icefloe.service.routes.requests import with_answer
 from icefloe.service.sequencing import release_turn
+from icefloe.service.work.door import enter
+from icefloe.service.work.items import EngineOp
 from icefloe.wire.chunks import b64decode
 
 __all__ = ["router", "statements_router"]
 
 router = api_router("operations")
+_INLINE_WAIT_S = 30.0  # one long-poll of an inline op's request; the route waits for as many as it takes
 
 
 def _payload(model, body: OperationBody):
@@ -45,15 +49,21 @@ def _payload(model, body: OperationBody):
 
 
 async def _engine_operation(jobs: JobManager, job_id: str, body: OperationBody, kind: str) -> dict:
-    """An op of the engine table with no route of its own, answered inline: on its sub-job's lane,
-    so it never runs in the middle of another op of that engine."""
+    """An op of the engine table with no route of its own, answered inline: an item through the door
+    like every op (a request row, its deadline, metrics), on its sub-job's lane, so it never runs in
+    the middle of another op of that engine."""
     job, call = jobs.live(job_id), ENGINE_CALLS[kind]
     target = jobs.resolve_sub_job(
         job, sub_job_id=body.sub_job_id, sub_job_type=body.sub_job_type or call.role, default_type=call.role
     )
-    done = job.workers[target].submit(job.engines.call, target, call.method, *call.args(body.payload or {}))
+    request_id = enter(jobs, job, EngineOp(target, kind, body.payload or {}))
     release_turn()
-    result = await asyncio.wrap_future(done)
+    while jobs.requests.is_open(request_id):
+        await jobs.requests.wait(job_id, request_id, _INLINE_WAIT_S)
+    row = jobs.requests.get(job_id, request_id)
+    if row["status"] != "done":
+        raise ConflictError(f"{kind} on {target} {row['status']}: {row['error']}")
+    result = json.loads(row["result"]) if row["result"] else None
     return {"sub_job_id": target, "status": "ok", **(result if isinstance(result, dict) else {})}
 
 

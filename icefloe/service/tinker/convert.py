@@ -224,21 +224,23 @@ def _columns(fields: dict[str, np.ndarray], loss_fn: str, where: str) -> int | N
     return int(shapes["target_tokens"][1])
 
 
-def datum_logprobs(logprobs_BS: Any, layout: Layout) -> list[list[float] | list[list[float]]]:
+def datum_logprobs(logprobs_BS: np.ndarray, layout: Layout) -> list[np.ndarray]:
     """Each datum's log-probs: ``[L]``, or ``[L, K]`` gathered from its K rows."""
-    out: list[Any] = []
+    out: list[np.ndarray] = []
     for length, first, columns in layout:
         if columns is None:
-            out.append(logprobs_BS[first, :length].tolist())
+            out.append(logprobs_BS[first, :length])
         else:
-            out.append(logprobs_BS[first : first + columns, :length].T.tolist())
+            out.append(logprobs_BS[first : first + columns, :length].T)
     return out
 
 
-def forward_backward_output(result: dict[str, Any]) -> bytes:
-    """A stored forward(-backward) result (``loss``, ``metrics``, per-datum ``logprobs``) as protobuf;
-    consecutive datums of one shape (``[L]``, or ``[L, K]`` of one K) share a record."""
-    logprobs = [np.asarray(row, dtype=np.float32) for row in result["logprobs"]]
+def forward_backward_output(result: dict[str, Any], layout: Layout) -> bytes:
+    """A stored forward(-backward) result (``loss``, ``metrics``, ``logprobs [B, S]`` as an array) as
+    protobuf, each datum's log-probs cut out by ``layout``; consecutive datums of one shape (``[L]``,
+    or ``[L, K]`` of one K) share a record."""
+    rows = np.asarray(result["logprobs"], dtype=np.float32)
+    logprobs = [np.ascontiguousarray(row) for row in datum_logprobs(rows, layout)]
     metrics = {"loss:sum": float(result["loss"])}
     metrics |= {f"{name}:mean": float(v) for name, v in result["metrics"].items() if name != "loss"}
     message = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics=metrics)

@@ -19,30 +19,24 @@ import asyncio
 import functools
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
-from icefloe.protocol import (
-    OP_FORWARD,
-    OP_FWD_BWD,
-    OP_LOAD,
-    OP_SAVE,
-    OP_STEP,
-    ConflictError,
-    InvalidRequestError,
-)
+from icefloe.protocol import OP_FORWARD, OP_FWD_BWD, ConflictError, InvalidRequestError
 from icefloe.protocol import SamplingParams as EngineSamplingParams
 from icefloe.service import store
 from icefloe.service.models import WeightSyncPayload
-from icefloe.service.operations import Sampling, Training, submit_sampling, submit_training, submit_weight_sync
+from icefloe.service.operations import submit_weight_sync
 from icefloe.service.routes import SettingsDep, TenantDep
 from icefloe.service.settings import ServeSettings
 from icefloe.service.tinker.checks import Fields, checkpoint_name, json_body
-from icefloe.service.tinker.external import encrypt_folder, recipients_of
+from icefloe.service.tinker.external import recipients_of
 from icefloe.service.tinker.state import CheckpointPath, Model, SamplingSession, Snapshot, TinkerState, remember
+from icefloe.service.work.answers import TINKER
+from icefloe.service.work.door import enter
+from icefloe.service.work.items import FwdBwd, Load, Sample, Save, Step
 
 __all__ = ["router", "tinker_state"]
 
@@ -181,21 +175,20 @@ async def forward_backward(request: Request, state: State, tenant: TenantDep) ->
     message = await _off_loop(len(raw), _parse_request, convert.pb.ForwardBackwardRequest, raw)
     model = state.model(message.model_id, tenant)
     max_tokens = state.manager.settings.max_tokens_per_request
+    layout_of: dict[str, Any] = {}  # how each datum's log-probs sit in the batch: rendered at poll time
 
     async def prepare() -> Callable[[], str]:
         job = await state.live(model.job_id)
         sub_job_id = state.sub_job(job, "training")
         context_length = job.specs[sub_job_id].config.max_seq_len
-        batch, layout = await _off_loop(len(raw), _batch, message, context_length, max_tokens)
-        op = OP_FORWARD if message.forward_only else OP_FWD_BWD
+        batch, layout_of["layout"] = await _off_loop(len(raw), _batch, message, context_length, max_tokens)
+        item = FwdBwd(sub_job_id, batch, OP_FORWARD if message.forward_only else OP_FWD_BWD)
+        return lambda: enter(state.manager, job, item, api=TINKER, tenant=tenant)
 
-        def render(result: dict[str, Any]) -> dict[str, Any]:
-            result["logprobs"] = convert.datum_logprobs(result.pop("logprobs"), layout)
-            return result
+    def render(result: dict[str, Any]) -> bytes:
+        return convert.forward_backward_output(result, layout_of["layout"])
 
-        return lambda: submit_training(state.manager, job, Training(sub_job_id, batch, render), op=op)
-
-    return await state.in_turn(model, message.seq_id, convert.forward_backward_output, prepare)
+    return await state.in_turn(model, message.seq_id, render, prepare)
 
 
 def _parse_request(kind: Any, raw: bytes) -> Any:
@@ -233,10 +226,8 @@ async def optim_step(body: Body, state: State, tenant: TenantDep) -> dict[str, A
         learning_rate = adam.number("learning_rate", 1e-4, low=0, null_ok=False)
         params = {key: adam.number(key, null_ok=False) for key in _ADAM_KEYS if key in adam.value}
         job = await state.live(model.job_id)
-        sub_job_id, host = state.sub_job(job, "training"), job.engines
-        return lambda: state.manager.submit(
-            job, sub_job_id, OP_STEP, lambda: host.step(sub_job_id, learning_rate, params)
-        )
+        item = Step(state.sub_job(job, "training"), learning_rate, params)
+        return lambda: enter(state.manager, job, item, api=TINKER, tenant=tenant)
 
     return await state.in_turn(model, _seq_id(body), _optim_result, prepare)
 
@@ -321,16 +312,9 @@ async def _saver(
     second save for one ``sampling_session_seq_id`` is the first one again: its request and answer.
     """
     job = await state.live(model.job_id)
-    sub_job_id, host = state.sub_job(job, "training"), job.engines
-
-    def run() -> dict[str, Any]:
-        result = host.save(sub_job_id, job.job_dir / "tinker" / path.kind / path.name, kind)
-        result["size_bytes"] = encrypt_folder(Path(result["path"]), encrypt_to)
-        store.upsert_checkpoint(
-            state.db, job_id=job.job_id, checkpoint_id=path.checkpoint_id, global_steps=result["global_step"],
-            avg_loss=None, checkpoint_type=result["kind"], path=result["path"],
-        )  # fmt: skip
-        return {key: value for key, value in result.items() if key != "path"}  # the answer names no server path
+    sub_job_id = state.sub_job(job, "training")
+    folder = job.job_dir / "tinker" / path.kind / path.name
+    save = Save(sub_job_id, folder, kind, checkpoint_id=path.checkpoint_id, encrypt_to=tuple(encrypt_to or ()))
 
     def queue() -> str:
         if session_seq is not None and session_seq in model.sampler_saves:
@@ -339,13 +323,12 @@ async def _saver(
             return request_id
         files = None
         if named or snapshot or not sync:
-            request_id = state.manager.submit(job, sub_job_id, OP_SAVE, run)
+            request_id = enter(state.manager, job, save, api=TINKER)
             files = Snapshot(path, request_id)
             if named:
                 answer["path"] = str(path)
         if sync:
-            state.flush(job.job_id)  # sample calls made before this save sample the weights before it
-            request_id = submit_weight_sync(state.manager, job, WeightSyncPayload(), sub_job_id)
+            request_id = submit_weight_sync(state.manager, job, WeightSyncPayload(), sub_job_id, api=TINKER)
             model.sampler_version += 1
             model.sampler_files = files
             if session_seq is not None:  # an unnamed snapshot's folder has no path a caller may name
@@ -383,9 +366,8 @@ async def load_weights(body: Body, state: State, tenant: TenantDep) -> dict[str,
         answer["path"] = str(path)
         record = await asyncio.to_thread(state.checkpoint_record, path, tenant)
         job = await state.live(model.job_id)
-        sub_job_id, host = state.sub_job(job, "training"), job.engines
-        folder = Path(record["path"])
-        return lambda: state.manager.submit(job, sub_job_id, OP_LOAD, lambda: host.load(sub_job_id, folder, optimizer))
+        item = Load(state.sub_job(job, "training"), record["job_id"], path.checkpoint_id, optimizer)
+        return lambda: enter(state.manager, job, item, api=TINKER, tenant=tenant)
 
     return await state.in_turn(model, _seq_id(body), lambda _: answer, prepare)
 
@@ -470,11 +452,12 @@ async def asample(body: Body, state: State, tenant: TenantDep, settings: Setting
 async def _queue_sample(
     state: TinkerState, sampler: SamplingSession, body: Fields, settings: ServeSettings
 ) -> dict[str, Any]:
-    """Check one sample call and queue it with the calls gathered beside it; the SDK's answer."""
+    """Check one sample call and queue it (it decodes in one batch with every sample queued beside it on
+    its host, of any API or run); the SDK's answer."""
     tag = uuid.uuid4().hex  # names the call to the engine, which stops it on cancel_future
     prompt, params, last_n = await _off_loop(body.size, _sample_call, body, settings, tag)
-    # A job still waiting for its slots takes the call now: it waits in its gathering (sent once the job
-    # runs), and each poll of its future says why it waits.
+    # A job still waiting for its slots takes the call now: it is queued once the job runs, and each poll
+    # of its future says why it waits.
     job_id = await state.sampling_job(sampler, sampler.owner)
     job = state.manager.live_job(job_id) or await state.live(job_id)
     sub_job_id = state.sub_job(job, "sampling")
@@ -499,35 +482,6 @@ async def _queue_sample(
             "num_samples or max_tokens"
         )
 
-    Call = tuple[list[int], EngineSamplingParams] | None  # None: cancelled before it was sent
-
-    def submit(gathered: list[Call]) -> str:
-        """One request for the calls gathered here; it samples in one batch with whatever is queued beside it."""
-        calls = [call for call in gathered if call is not None]
-
-        def render(samples: list[dict[str, Any]]) -> list[dict[str, Any] | None]:
-            rest, results = iter(samples), []
-            for call in gathered:
-                if call is None:
-                    results.append(None)
-                    continue
-                mine = [next(rest) for _ in range(call[1].n)]
-                if mine[0]["finish_reason"] == "cancelled":  # stopped by cancel_future while it ran
-                    results.append(None)
-                    continue
-                # The engine repeats the prompt's log-probs on each sample; the call keeps them once.
-                prompt = {key: mine[0].pop(key, None) for key in _PROMPT_KEYS}  # the samples are this call's own
-                for sample in mine[1:]:
-                    for key in _PROMPT_KEYS:
-                        sample.pop(key, None)
-                results.append({"samples": mine, **prompt})
-            return results
-
-        item = Sampling(sub_job_id, [p for p, _ in calls], [q for _, q in calls], render)
-        return submit_sampling(state.manager, job, item, as_json=False)
-
-    from icefloe.service.tinker import convert
-
     if last_n is not None and not (params.prompt_logprobs and last_n < len(prompt)):
         raise InvalidRequestError(
             f"prompt_logprobs_last_n must be between 1 and {len(prompt) - 1} (the prompt's scored positions), "
@@ -539,12 +493,25 @@ async def _queue_sample(
             f"target_prompt_logprobs has {len(targets)} rows; the prompt has {len(prompt)} tokens, so it needs "
             f"{len(prompt) - 1} (one per position after the first)"
         )
-    render = functools.partial(convert.sample_response, last_n=last_n)
-    gathered = state.gather(sampler, (prompt, params), submit)
-    future_id = state.future(job.job_id, render, gathered=gathered, tag=tag)
+    render = functools.partial(_sample_answer, last_n=last_n)
+    future_id = state.sample(job, Sample(sub_job_id, [prompt], [params]), render, tag=tag)
     if state.advertise_retrieve_futures:  # only a client told to poll retrieve_futures drains the queue
         sampler.track(body.value.get("seq_id"), future_id)
     return {"request_id": future_id, "sample_sequence_ids": [f"{future_id}:{i}" for i in range(params.n)]}
+
+
+def _sample_answer(samples: list[dict[str, Any]], *, last_n: int | None) -> dict[str, Any] | bytes:
+    """A sample call's stored samples as the SDK's SampleResponse (the error of one stopped by cancel_future)."""
+    from icefloe.service.tinker import convert
+
+    if samples[0]["finish_reason"] == "cancelled":
+        return {"error": "cancelled by the caller", "category": "user"}
+    # The engine repeats the prompt's log-probs on each sample; the call keeps them once.
+    prompt = {key: samples[0].pop(key, None) for key in _PROMPT_KEYS}
+    for sample in samples[1:]:
+        for key in _PROMPT_KEYS:
+            sample.pop(key, None)
+    return convert.sample_response({"samples": samples, **prompt}, last_n=last_n)
 
 
 def _chunks(body: Fields) -> list[dict[str, Any]]:
@@ -723,7 +690,7 @@ async def retrieve_future(body: Body, state: State, tenant: TenantDep) -> Respon
                 running = state.manager.public(future.job_id)["status"] == "running"
                 error = state.manager.settings.public_text(row["error"] or row["status"])
                 return JSONResponse({"error": error, "category": "user" if running else "server"})
-            answer = state.answer(future_id, future, row)
+            answer = state.answer(future, row)
     except Exception as exc:  # the job failed to start, or the result could not be turned into an answer
         if isinstance(exc, InvalidRequestError):
             raise

@@ -10,8 +10,10 @@ future it got the first time. A future is a request of the request table (or, fo
 created, the job reaching ``running``); ``retrieve_future`` long-polls it through the table's waiters.
 A trainer and a sampler take as many positions as the model has (its ``max_position_embeddings``).
 A sampling session samples with its model's sampling sub-job, or with a sampling job of its own (a
-base model, or weights saved earlier). ``retrieve_futures`` reports a sampling client's finished
-sample futures in one long-poll, in place of one ``retrieve_future`` long-poll per sample.
+base model, or weights saved earlier). Each sample call is one request, queued at once: the host's
+worker decodes the samples queued together, of any API and run, as one batch. ``retrieve_futures``
+reports a sampling client's finished sample futures in one long-poll, in place of one
+``retrieve_future`` long-poll per sample.
 Sessions and runs (models and samplers) are rows of the store as well, each session owned by the
 tenant that made it: what a finished session or a restart drops from memory is still found there.
 """
@@ -37,6 +39,9 @@ from icefloe.service.models import JobCreate
 from icefloe.service.specs import sub_job_specs
 from icefloe.service.tenants import Tenancy
 from icefloe.service.turns import Turns
+from icefloe.service.work.answers import TINKER
+from icefloe.service.work.door import enter
+from icefloe.service.work.items import Sample
 
 __all__ = ["CheckpointPath", "Future", "Model", "SamplingSession", "Snapshot", "TinkerState", "remember"]
 
@@ -46,10 +51,6 @@ _COPY_PREFIX = "copy-"  # model ids never start so: they are <session>:train:<n>
 FUTURES_KEPT = 100_000  # futures, and answers kept per model or sampler for a resent seq_id
 _CLONE_SEQ_BLOCK = 1_000_000_000  # a sampling client's seq_ids start at its clone number times this
 _START_POLL_S = 0.05  # how often a waiter looks at a starting job's state (no event exists for it)
-# The SDK sends a group's sample calls one by one (a few ms apart on a busy host): a call waits until
-# none has arrived for GATHER_QUIET_S (at most GATHER_MAX_S), so they reach the sampler as one batch.
-GATHER_QUIET_S = 0.008
-GATHER_MAX_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -91,20 +92,17 @@ class Future:
     """What ``retrieve_future`` answers for one request id.
 
     ``request_id`` set: a request of the job's table, its stored result passed through ``render``
-    (a JSON dict, or protobuf bytes); with ``part``, the result is a list and this future renders
-    its ``part``-th entry (sample calls gathered into one request). A future may exist before its
-    request does (a gathered sample call, a training op waiting for its turn): ``submitted`` gives the
+    (a JSON dict, or protobuf bytes) when polled. A future may exist before its request does (a
+    sample call on a job still starting, a training op waiting for its turn): ``submitted`` gives the
     request id once queued. None of these: the job itself, ``render(None)`` once it runs.
     """
 
     job_id: str
     render: Callable[[Any], dict[str, Any] | bytes]
     request_id: str | None = None
-    part: int | None = None
-    rendered: dict[str, Any] | bytes | None = None  # rendered with a sibling, until first read
-    gathering: _Gathering | None = None
     submitted: asyncio.Future[str] | None = None
     tag: str | None = None  # a sample call's tag, which stops it once it runs (SamplingEngine.cancel)
+    cancelled: bool = False  # by cancel_future before its request was queued: it never is
 
 
 @dataclass
@@ -159,7 +157,6 @@ class SamplingSession:
     model_path: str | None
     owner: str
     taken: dict[int, asyncio.Future[dict[str, Any]]] = field(default_factory=dict)  # seq_id -> its answer
-    gathering: _Gathering | None = None  # the sample calls waiting to go out as one request
     clients: int = 1  # the original client is 0; each joined clone gets the next number
     completions: dict[int, Completions] = field(default_factory=dict)  # clone number -> its futures
     # A snapshot client on its model's own sampler: the model, the sync it was made on and its files.
@@ -182,19 +179,6 @@ class _Session:
     owner: str
     heartbeat: float  # time.monotonic() of its last sign of life
     jobs: list[str] = field(default_factory=list)  # its models' and samplers' jobs
-
-
-@dataclass
-class _Gathering:
-    gathering_id: str  # its calls' futures are <gathering_id>.<index>
-    items: list[Any]
-    submitted: asyncio.Future[str]  # the request id the items went out under
-    quiet_until: float
-    deadline: float
-    sender: asyncio.Task[None] | None = None
-    submit: Callable[[list[Any]], str] | None = None  # what sends its items (set with its first item)
-    cancelled: set[int] = field(default_factory=set)  # items cancelled, before or after it was sent
-    size: int = 0  # how many items it was sent with (cancelled ones included)
 
 
 class TinkerState:
@@ -231,6 +215,7 @@ class TinkerState:
         self.models: dict[str, Model] = {}
         self.samplers: dict[str, SamplingSession] = {}
         self.futures: dict[str, Future] = {}
+        self._sending: set[asyncio.Task[None]] = set()  # sample calls waiting for their job to start
         store.finish_active_tinker_sessions(self.db)  # a previous process's: their jobs failed with it
 
     # --- sessions -----------------------------------------------------------------------------
@@ -501,49 +486,56 @@ class TinkerState:
         render: Callable[[Any], Any],
         request_id: str | None = None,
         *,
-        gathered: tuple[_Gathering, int] | None = None,
         submitted: asyncio.Future[str] | None = None,
         tag: str | None = None,
     ) -> str:
-        """A future for ``request_id``, for the job start (none given), for a call of a gathering
-        (``gathered``: what :meth:`gather` returned; ``tag``: its ``SamplingParams.tag``), or for a
-        request not queued yet (``submitted``)."""
-        if gathered is not None:
-            gathering, part = gathered
-            future_id = f"{gathering.gathering_id}.{part}"
-            self.futures[future_id] = Future(
-                job_id, render, part=part, gathering=gathering, submitted=gathering.submitted, tag=tag
-            )
-        elif submitted is not None:
-            future_id = f"{job_id}:op:{uuid.uuid4().hex}"
-            self.futures[future_id] = Future(job_id, render, submitted=submitted)
+        """A future for ``request_id``, for the job start (none given), or for a request not queued yet
+        (``submitted``); ``tag``: a sample call's ``SamplingParams.tag``."""
+        if submitted is not None:
+            future_id = f"{job_id}:op:{uuid.uuid4().hex}"  # its job first: see lost_future
+            self.futures[future_id] = Future(job_id, render, submitted=submitted, tag=tag)
         else:
             future_id = request_id or f"{job_id}:start:{uuid.uuid4().hex}"
-            self.futures[future_id] = Future(job_id, render, request_id)
+            self.futures[future_id] = Future(job_id, render, request_id, tag=tag)
         while len(self.futures) > FUTURES_KEPT:  # the oldest first: long retrieved by now
             del self.futures[next(iter(self.futures))]
         return future_id
 
-    def answer(self, future_id: str, future: Future, row: dict[str, Any]) -> dict[str, Any] | bytes:
-        """The answer of a future whose request finished (``row``). The first part of a gathered
-        request read renders every part, so its result is parsed once, not once per part; a part
-        read again (a resent poll) is rendered anew."""
-        if future.part is None:
-            return future.render(result_of(row))
-        if future.rendered is None:
-            prefix = future_id.rpartition(".")[0]
-            for part, result in enumerate(result_of(row)):
-                sibling = self.futures.get(f"{prefix}.{part}")
-                if sibling is not None and result is not None:  # None: cancelled before it was sent
-                    sibling.rendered = sibling.render(result)
-        answer, future.rendered = future.rendered, None
-        if answer is None:  # a part cancelled before its gathering was sent, or stopped while it ran
-            return {"error": "cancelled by the caller", "category": "user"}
-        return answer
+    def sample(self, job: LiveJob, item: Sample, render: Callable[[Any], Any], *, tag: str) -> str:
+        """A future for a sample call: queued now when its job runs, else as soon as it does."""
+        if job.status == "running":
+            return self.future(job.job_id, render, enter(self.manager, job, item, api=TINKER), tag=tag)
+        loop = asyncio.get_running_loop()
+        submitted: asyncio.Future[str] = loop.create_future()
+        future_id = self.future(job.job_id, render, submitted=submitted, tag=tag)
+
+        async def send() -> None:
+            try:
+                running = await self.live(job.job_id)
+                if (future := self.futures.get(future_id)) is not None and future.cancelled:
+                    raise ConflictError("cancelled by the caller before it was queued")
+                submitted.set_result(enter(self.manager, running, item, api=TINKER))
+            except Exception as exc:  # every poll of the future gets the refusal
+                submitted.set_exception(exc)
+                submitted.exception()
+
+        task = loop.create_task(send())
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+        return future_id
+
+    def answer(self, future: Future, row: dict[str, Any]) -> dict[str, Any] | bytes:
+        """The answer of a future whose request finished (``row``): its result, as the engines made it,
+        rendered on the first poll; a poll sent again gets the same answer."""
+        try:
+            return self.manager.held.answer(row["request_id"], future.render)
+        except KeyError:  # the service restarted since, or the result was among the oldest held
+            why = "the result of this call was not kept (the service restarted, or it was not polled in time)"
+            return {"error": f"{why}; send it again", "category": "server"}
 
     async def request_of(self, future: Future, timeout_s: float) -> str | None:
-        """The request a future reads; for a gathered call, once its gathering is sent (None if it
-        is still gathering after ``timeout_s``). Raises the refusal of a refused gathering."""
+        """The request a future reads, once it is queued (None if it is not after ``timeout_s``).
+        Raises the refusal of a call that was not queued."""
         if future.request_id is None and future.submitted is not None:
             submitted = future.submitted
             await asyncio.wait([submitted], timeout=timeout_s)
@@ -574,22 +566,22 @@ class TinkerState:
         return {"error": f"{why}; the result of this call was not kept, so send it again", "category": "server"}
 
     def cancel(self, future_id: str, tenant: str) -> None:
-        """Drop a future's request if it has not started, once every future sharing it was cancelled;
-        a sample that runs stops at its next decode step, the rest of its batch going on."""
+        """Drop a future's request if it has not started (or is not queued yet); a sample that runs stops at
+        its next decode step, the rest of its batch going on."""
         future = self.future_of(future_id, tenant)
-        request_id, gathering = future.request_id, future.gathering
-        if gathering is not None:
-            gathering.cancelled.add(future.part or 0)  # before it is sent: left out of it
-            sent = gathering.submitted
-            if not sent.done() or sent.exception() is not None:
-                return  # still gathering, or refused (nothing was queued)
-            self._stop_sample(future)
-            if len(gathering.cancelled) < gathering.size:
-                return  # wanted by another call
-            request_id = sent.result()
-        if request_id is not None:  # None: a model being created; its session's end cancels it
-            with contextlib.suppress(NotFoundError):  # long finished and forgotten
-                self.manager.requests.cancel(future.job_id, request_id, why="cancelled by the caller")
+        request_id, submitted = future.request_id, future.submitted
+        if request_id is None and submitted is not None:
+            if not submitted.done():
+                future.cancelled = True
+                return
+            if submitted.exception() is not None:
+                return  # refused: nothing was queued
+            request_id = submitted.result()
+        if request_id is None:  # a model being created; its session's end cancels it
+            return
+        self._stop_sample(future)
+        with contextlib.suppress(NotFoundError):  # long finished and forgotten
+            self.manager.requests.cancel(future.job_id, request_id, why="cancelled by the caller")
 
     def _stop_sample(self, future: Future) -> None:
         job = self.manager.live_job(future.job_id)
@@ -613,7 +605,7 @@ class TinkerState:
                 return [c for _, c in queue.reported], queue.cursor
             if queue.pending:  # futures finish in about the order they were queued
                 future = self.futures[queue.pending[0]]
-                with contextlib.suppress(Exception):  # a refused gathering: reported failed above
+                with contextlib.suppress(Exception):  # a refused call: reported failed above
                     if (request_id := await self.request_of(future, remaining)) is not None:
                         await self.manager.requests.wait(future.job_id, request_id, deadline - loop.time())
             else:
@@ -636,12 +628,12 @@ class TinkerState:
         queue.pending = still
 
     def _outcome(self, future: Future) -> str | None:
-        """``finished`` or ``failed`` once a future's request ended (a refused gathering: failed)."""
+        """``finished`` or ``failed`` once a future's request ended (a call refused before it was queued: failed)."""
         if future.request_id is None:
             submitted = future.submitted
             assert submitted is not None  # a sample future
             if not submitted.done():
-                return None  # still gathering
+                return None  # its job is still starting
             if submitted.exception() is not None:
                 return "failed"
             future.request_id = submitted.result()
@@ -649,67 +641,6 @@ class TinkerState:
             return None
         row = self.manager.requests.get(future.job_id, future.request_id)
         return "finished" if row["status"] == "done" else "failed"
-
-    def gather(self, sampler: SamplingSession, item: Any, submit: Callable[[list[Any]], str]) -> tuple[_Gathering, int]:
-        """Add ``item`` to the sampler's gathering of the sample calls arriving now.
-
-        Returns the gathering and the item's index in it. Once no call has arrived for
-        ``GATHER_QUIET_S`` (at most ``GATHER_MAX_S`` after the first), ``submit(items)`` sends them
-        as one request (which still batches with other sessions' requests on the sampler), an item
-        cancelled meanwhile as None, and ``submitted`` gets the request id. The caller answers at once
-        with a future id, so the client's polls overlap the gathering instead of following it.
-        """
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        gathering = sampler.gathering
-        if gathering is None:
-            gathering_id = f"{sampler.job_id}:sample:{uuid.uuid4().hex}"  # its job first: see lost_future
-            gathering = _Gathering(gathering_id, [], loop.create_future(), now + GATHER_QUIET_S, now + GATHER_MAX_S)
-            sampler.gathering = gathering
-            gathering.submit = submit
-            gathering.sender = loop.create_task(self._send_gathered(sampler, gathering))
-        part = len(gathering.items)
-        gathering.items.append(item)
-        gathering.quiet_until = now + GATHER_QUIET_S
-        return gathering, part
-
-    async def _send_gathered(self, sampler: SamplingSession, gathering: _Gathering) -> None:
-        loop = asyncio.get_running_loop()
-        while (wait := min(gathering.quiet_until, gathering.deadline) - loop.time()) > 0:
-            await asyncio.sleep(wait)
-        if gathering.submitted.done():
-            return  # sent early by flush
-        try:
-            await self.live(sampler.job_id)  # a job waiting for slots: sent once it runs
-        except Exception as exc:
-            self._send_now(sampler, gathering, exc)
-            return
-        if not gathering.submitted.done():
-            self._send_now(sampler, gathering)
-
-    def _send_now(self, sampler: SamplingSession, gathering: _Gathering, refused: Exception | None = None) -> None:
-        if sampler.gathering is gathering:
-            sampler.gathering = None
-        items = [None if part in gathering.cancelled else item for part, item in enumerate(gathering.items)]
-        gathering.items, gathering.size = [], len(items)  # the request holds them now
-        try:
-            if refused is not None:
-                raise refused
-            if len(gathering.cancelled) == len(items):
-                raise ConflictError("cancelled by the caller before it was sent")
-            assert gathering.submit is not None
-            gathering.submitted.set_result(gathering.submit(items))
-        except Exception as exc:  # every call of the gathering gets the refusal, through its future
-            gathering.submitted.set_exception(exc)
-            gathering.submitted.exception()  # read here, so no poll is needed to consume it
-
-    def flush(self, job_id: str) -> None:
-        """Send the sample calls gathering for ``job_id`` now: a weight sync queued next must not
-        overtake calls made before it (a snapshot client's calls sample the weights it was made on)."""
-        for sampler in list(self.samplers.values()):
-            gathering = sampler.gathering
-            if sampler.job_id == job_id and gathering is not None and not gathering.submitted.done():
-                self._send_now(sampler, gathering)
 
     # --- snapshots ----------------------------------------------------------------------------
     def pin(self, sampler: SamplingSession, model: Model) -> None:
@@ -798,7 +729,3 @@ def _send(queue: Callable[[], str], submitted: asyncio.Future[str]) -> None:
     except Exception as exc:  # read through the future
         submitted.set_exception(exc)
         submitted.exception()
-
-
-def result_of(row: dict[str, Any]) -> Any:
-    return json.loads(row["result"]) if row.get("result") else None

@@ -13,7 +13,7 @@ import torch
 
 from icefloe.config import ClientConfig
 from icefloe.service.app import ServerThread, create_app
-from icefloe.service.placement import SlotPool
+from icefloe.service.hosts.slots import SlotPool
 from icefloe.service.settings import ServeSettings
 
 

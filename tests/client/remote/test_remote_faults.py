@@ -321,7 +321,7 @@ def test_after_a_service_restart_the_clients_next_op_fails_with_the_jobs_reason(
 
     from icefloe.protocol import ConflictError, SequenceGapError
     from icefloe.service.app import ServerThread, create_app
-    from icefloe.service.placement import SlotPool
+    from icefloe.service.hosts.slots import SlotPool
     from icefloe.service.settings import ServeSettings
 
     from .conftest import Service

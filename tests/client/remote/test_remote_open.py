@@ -14,7 +14,7 @@ from icefloe.client import AsyncClient, Client
 from icefloe.config import ClientConfig
 from icefloe.protocol import ClientClosedError
 from icefloe.service.app import ServerThread, create_app
-from icefloe.service.placement import SlotPool
+from icefloe.service.hosts.slots import SlotPool
 from icefloe.service.settings import ServeSettings
 
 from .conftest import Service

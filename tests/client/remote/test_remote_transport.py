@@ -236,7 +236,7 @@ def test_remote_async_client_survives_an_event_loop_change(service):
 
 def test_remote_pat_never_reaches_repr_logs_or_errors(service, tmp_path, caplog):
     from icefloe.service.app import ServerThread, create_app
-    from icefloe.service.placement import SlotPool
+    from icefloe.service.hosts.slots import SlotPool
     from icefloe.service.settings import ServeSettings
 
     secret = "pat-TOP-SECRET-42"

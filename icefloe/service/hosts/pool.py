@@ -22,24 +22,27 @@ import itertools
 import json
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from icefloe.engines.host import Lane, Worker
-from icefloe.service.placement import SlotPool
-from icefloe.service.runtime import BaseModel, JobEngines, make_engine_host
+from icefloe.protocol import ConfigError
+from icefloe.service.hosts.seam import BaseModel, JobEngines, LocalEngineHost
+from icefloe.service.hosts.slots import SlotPool
+from icefloe.service.joblog import JobLog
+from icefloe.service.lifecycle import JobState
 from icefloe.service.settings import ServeSettings
 from icefloe.service.specs import SubJobSpec
+from icefloe.service.work.items import Sample
 
-if TYPE_CHECKING:
-    from icefloe.service.jobs import LiveJob
+__all__ = ["HostFailed", "HostKey", "HostPool", "HostedJob", "ModelHost", "make_engine_host", "shared_base_key"]
 
-__all__ = ["HostFailed", "HostKey", "HostPool", "ModelHost", "shared_base_key"]
-
-_log = logging.getLogger("icefloe.service.hosts")
+_log = logging.getLogger("icefloe.service.hosts.pool")
 _SHARED_WORKER = "shared"
+# Work that arrives while an engine is busy batches up behind it; only samples wait on an idle one.
+_LINGERS = {Sample.batch_key: Sample.linger_s}
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,22 @@ def _has_dropout(folder: Path) -> bool:
     )
 
 
+class HostedJob(Protocol):
+    """What a host needs of a job placed on it (the service's ``LiveJob`` is one)."""
+
+    job_id: str
+    specs: dict[str, SubJobSpec]
+    state: JobState
+    log: JobLog
+    job_dir: Path
+    base_key: HostKey | None
+    owner: str
+    in_flight: dict[str, tuple[str, str, float]]
+
+    @property
+    def num_slots(self) -> int: ...
+
+
 class HostFailed(RuntimeError):
     """The host a job was placed on could not start or died."""
 
@@ -113,7 +132,7 @@ class ModelHost:
         self.host_id = host_id
         self.key = key
         self.capacity = capacity
-        self.members: dict[str, LiveJob] = {}
+        self.members: dict[str, HostedJob] = {}
         self.engines: JobEngines | None = None
         self.slots: list[int] = []
         self.device = "cpu"
@@ -143,7 +162,7 @@ class ModelHost:
     # --- start --------------------------------------------------------------------------------
     def open(
         self,
-        job: LiveJob,
+        job: HostedJob,
         *,
         pool: SlotPool,
         settings: ServeSettings,
@@ -187,7 +206,7 @@ class ModelHost:
         self.engines.attach(list(job.specs.values()), checkpoints)
         return True
 
-    def _start(self, job: LiveJob, pool: SlotPool, settings: ServeSettings, checkpoints: dict[str, Path]) -> None:
+    def _start(self, job: HostedJob, pool: SlotPool, settings: ServeSettings, checkpoints: dict[str, Path]) -> None:
         devices: dict[str, str] = {}
         if self.shared:
             assert self.key is not None
@@ -195,7 +214,7 @@ class ModelHost:
             base = BaseModel(self.key.model, self.key.seed, self.device)
             self.engines = make_engine_host(settings.engines, [], {}, {}, None, base=base)
             self.engines.start(job.log.write, job.state.stop)  # what it loads, in the log of the job waiting for it
-            self._workers[_SHARED_WORKER] = Worker(self.host_id, linger_s=0.0)
+            self._workers[_SHARED_WORKER] = Worker(self.host_id, linger_s=0.0, lingers=_LINGERS)
             return
         cursor = 0
         for sub_job_id, spec in job.specs.items():
@@ -209,17 +228,16 @@ class ModelHost:
         specs = list(job.specs.values())
         self.engines = make_engine_host(settings.engines, specs, devices, checkpoints, job.job_dir / "logs")
         self.engines.start(job.log.write, job.state.stop)
-        # No linger for company: requests that arrive while a sampler is busy batch up behind it anyway.
-        self._workers = {sid: Worker(sid, linger_s=0.0) for sid in job.specs}
+        self._workers = {sid: Worker(sid, linger_s=0.0, lingers=_LINGERS) for sid in job.specs}
 
-    def lanes(self, job: LiveJob) -> dict[str, Lane]:
+    def lanes(self, job: HostedJob) -> dict[str, Lane]:
         """A lane per sub-job of ``job``, on the worker that runs its engine."""
         if self.shared:
             return {sid: self._workers[_SHARED_WORKER].lane(sid, group=job.owner) for sid in job.specs}
         return {sid: self._workers[sid].lane(sid) for sid in job.specs}
 
     # --- leaving and failing ------------------------------------------------------------------
-    def leave(self, job: LiveJob) -> None:
+    def leave(self, job: HostedJob) -> None:
         """Drop ``job``'s engines from a shared host that lives on (its lanes are drained already)."""
         if self.shared and self.dead is None and self.engines is not None and job.job_id in self.members:
             try:
@@ -287,7 +305,7 @@ class HostPool:
     def _shared_with_room(self, key: HostKey) -> ModelHost | None:
         return next((h for h in self._hosts if h.key == key and h.has_room), None)
 
-    def place(self, job: LiveJob) -> ModelHost:
+    def place(self, job: HostedJob) -> ModelHost:
         """The host ``job`` runs on: a shared host of its base with room, else a new one. Never blocks."""
         key = job.base_key
         with self._lock:
@@ -299,7 +317,7 @@ class HostPool:
             host.members[job.job_id] = job
             return host
 
-    def release(self, host: ModelHost, job: LiveJob) -> None:
+    def release(self, host: ModelHost, job: HostedJob) -> None:
         """``job`` left (its lanes are drained): drop its engines, and the host once it is empty."""
         host.leave(job)
         with self._lock:
@@ -316,3 +334,27 @@ class HostPool:
     def hosts(self) -> list[ModelHost]:
         with self._lock:
             return list(self._hosts)
+
+
+def make_engine_host(
+    engines: str,
+    specs: Sequence[SubJobSpec],
+    devices: dict[str, str],
+    checkpoints: dict[str, Path],
+    log_dir: Path | None,
+    *,
+    base: BaseModel | None = None,
+) -> JobEngines:
+    """Build the host ``--engines`` names: a dedicated job's sub-jobs (``log_dir``: the job's log
+    folder), or a shared ``base`` that jobs attach to later."""
+    if engines == "local":
+        return LocalEngineHost(specs, devices, checkpoints, base=base)
+    if engines == "process":
+        from icefloe.service.hosts.process import ProcessEngineHost
+
+        return ProcessEngineHost(specs, devices, checkpoints, log_dir, base=base)
+    if engines == "ray":
+        from icefloe.service.hosts.ray_hosts import RayEngineHost, RaySharedHost
+
+        return RaySharedHost(devices, base=base) if base is not None else RayEngineHost(specs, devices, checkpoints)
+    raise ConfigError(f"serve.engines must be 'process', 'local' or 'ray'; got {engines!r}")

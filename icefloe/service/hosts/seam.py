@@ -1,7 +1,7 @@
 """Where jobs' engines live: the one seam between the service and the compute behind it.
 
 A :class:`JobEngines` builds and owns the engines of one model host and runs ops on them by
-sub-job id, called from the host's workers (:mod:`icefloe.service.hosts`), so it need not lock.
+sub-job id, called from the host's workers (:mod:`icefloe.service.hosts.pool`), so it need not lock.
 A host is dedicated (the engines of one job, built at start) or shared (one base model, on which
 the LoRA runs of many jobs attach and detach: :meth:`JobEngines.attach`). ``local`` keeps the
 engines in this process, ``process`` in a child process, ``ray`` in actors (dedicated only).
@@ -18,23 +18,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from icefloe.protocol import ClientClosedError, ConfigError, InvalidRequestError, SamplingParams
+from icefloe.protocol import ClientClosedError, InvalidRequestError, SamplingParams
 from icefloe.service.results import encode_json
 from icefloe.service.specs import SubJobSpec
 
-__all__ = ["SLICE_S", "BaseModel", "JobEngines", "LocalEngineHost", "make_engine_host"]
+__all__ = ["SLICE_S", "BaseModel", "ForwardedEngines", "JobEngines", "LocalEngineHost", "stop_check"]
 
 # Engines of two jobs are never built at the same time in one process: transformers' lazy imports
 # and the tiny-model cache (resolve_model) are not safe to enter from two threads at once.
 _BUILD_LOCK = threading.Lock()
-
-
-def _op(method: str) -> Callable[..., Any]:
-    def call(self: JobEngines, sub_job_id: str, *args: Any) -> Any:
-        return self.call(sub_job_id, method, *args)
-
-    call.__name__ = method
-    return call
 
 
 @dataclass(frozen=True)
@@ -46,16 +38,8 @@ class BaseModel:
     device: str
 
 
-# The service's name for an op -> the engine method it calls and that method's keyword arguments,
-# where the two differ.
-_ENGINE_METHODS: dict[str, tuple[str, dict[str, Any]]] = {
-    "save": ("save_checkpoint", {}),
-    "load": ("load_checkpoint", {}),
-    "forward_reference": ("forward", {"reference": True}),  # a LoRA trainer with its adapters disabled
-}
-
-
-Call = tuple[str, list[Any], list[SamplingParams]]  # (sub-job id, prompts, one params per prompt)
+# (sub-job id, prompts, one params per prompt, whether its samples come back as JSON text)
+Call = tuple[str, Sequence[Any], Sequence[SamplingParams], bool]
 
 # How long one slice of a resumable op (fwd_bwd, generate) runs before the worker may run another
 # run's op, and how long a fwd_bwd pass is cut to: short enough that a small op waits little, long
@@ -72,8 +56,8 @@ class _Suspended:
 
 
 class JobEngines:
-    """The engines of one model host, addressed by sub-job id; each op is one :meth:`call`, by
-    default the engine method of that name on ``self._engines[sid]``.
+    """The engines of one model host, addressed by sub-job id; each op is one :meth:`call` of an
+    engine method (``protocol.ENGINE_CALLS`` names it) on ``self._engines[sid]``.
 
     A subclass fills ``_engines`` in ``start`` (slow; raise with the cause when an engine cannot be
     built, and give up soon once the ``stop`` event is set) and releases them in ``close``
@@ -96,14 +80,6 @@ class JobEngines:
         self._base = base
         self._engines: dict[str, Any] = {}
 
-    fwd_bwd = _op("fwd_bwd")
-    forward = _op("forward")
-    forward_reference = _op("forward_reference")
-    step = _op("step")
-    save = _op("save")
-    load = _op("load")
-    generate = _op("generate")
-
     def sync_weights(self, source_sub_job_id: str, target_sub_job_id: str, weight_format: str | None = None) -> Any:
         """Copy the source trainer's weights (with LoRA: its adapter) into the target sampler."""
         raise NotImplementedError
@@ -121,17 +97,17 @@ class JobEngines:
         base (each as it would run alone), a slice per ``next()``: see :meth:`slices`."""
         return self.slices(calls[0][0], "fwd_bwd", list(calls))
 
-    def generate_many(self, calls: Sequence[Call], as_json: bool) -> Iterator[dict[int, list[Any]]]:
-        """Generate ``calls`` ``(sub_job_id, prompts, params)`` as one batch where their samplers
-        share a base, a slice per ``next()`` (see :meth:`slices`); each call's samples are encoded
-        as JSON when ``as_json``, so an answer splices them in as they are."""
-        return self.slices(calls[0][0], "generate", list(calls), as_json)
+    def generate_many(self, calls: Sequence[Call]) -> Iterator[dict[int, list[Any]]]:
+        """Generate ``calls`` ``(sub_job_id, prompts, params, as_json)`` as one batch where their
+        samplers share a base, a slice per ``next()`` (see :meth:`slices`); each call's samples are
+        encoded as JSON when its ``as_json``, so an answer splices them in as they are."""
+        return self.slices(calls[0][0], "generate", list(calls))
 
-    def slices(self, sub_job_id: str, what: str, *args: Any) -> Iterator[dict[int, Any]]:
+    def slices(self, sub_job_id: str, what: str, calls: list[Any]) -> Iterator[dict[int, Any]]:
         """Run the resumable op ``what`` (``fwd_bwd`` or ``generate``) for about :data:`SLICE_S` per
         ``next()``; each yields the results of the calls that finished meanwhile, by call index, and
         every call's result comes once. Closing it early drops the op where the engines hold it."""
-        op_id, done, finished = self.begin(sub_job_id, what, SLICE_S, *args)
+        op_id, done, finished = self.begin(sub_job_id, what, SLICE_S, calls)
         try:
             yield done
             while not finished:
@@ -142,15 +118,14 @@ class JobEngines:
                 with contextlib.suppress(Exception):  # the engines died with it: nothing is left to drop
                     self.drop(sub_job_id, op_id)
 
-    def begin(self, sub_job_id: str, what: str, slice_s: float, *args: Any) -> tuple[int, dict[int, Any], bool]:
+    def begin(self, sub_job_id: str, what: str, slice_s: float, calls: list[Any]) -> tuple[int, dict[int, Any], bool]:
         """Start a resumable op and run its first slice: ``(op id, results so far, finished)``. The engines
         of a Ray actor group run it whole."""
         if what == "fwd_bwd":
-            results = [self.fwd_bwd(sid, batch) for sid, batch in args[0]]
+            results = [self.call(sid, "fwd_bwd", (batch,)) for sid, batch in calls]
         else:
-            calls, as_json = args
-            results = [self.generate(sid, prompts, params) for sid, prompts, params in calls]
-            results = [[encode_json(s) for s in samples] for samples in results] if as_json else results
+            generated = [self.call(sid, "generate", (prompts, params)) for sid, prompts, params, _ in calls]
+            results = _encoded(calls, generated)
         return 0, dict(enumerate(results)), True
 
     def advance(self, sub_job_id: str, op_id: int, slice_s: float) -> tuple[dict[int, Any], bool]:
@@ -184,14 +159,13 @@ class JobEngines:
     def close(self) -> None:
         raise NotImplementedError
 
-    def call(self, sub_job_id: str, method: str, *args: Any) -> Any:
-        """``method`` of the sub-job's engine (an op of ``protocol.ENGINE_CALLS``, or the service's name
-        for one); an actor group without a method of that name runs it on each actor."""
-        name, kwargs = _ENGINE_METHODS.get(method, (method, {}))
+    def call(self, sub_job_id: str, method: str, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        """``method(*args, **kwargs)`` of the sub-job's engine (a method ``protocol.ENGINE_CALLS`` names);
+        an actor group without a method of that name runs it on each actor."""
         engine = self._engine(sub_job_id)
-        if hasattr(engine, name):
-            return getattr(engine, name)(*args, **kwargs)
-        return engine.call(name, *args, **kwargs)
+        if hasattr(engine, method):
+            return getattr(engine, method)(*args, **(kwargs or {}))
+        return engine.call(method, *args, **(kwargs or {}))
 
     def _engine(self, sub_job_id: str) -> Any:
         try:
@@ -223,9 +197,10 @@ class ForwardedEngines(JobEngines):
     def sync_weights(self, source_sub_job_id: str, target_sub_job_id: str, weight_format: str | None = None) -> Any:
         return self._forward(source_sub_job_id, "sync_weights", source_sub_job_id, target_sub_job_id, weight_format)
 
-    def begin(self, sub_job_id: str, what: str, slice_s: float, *args: Any) -> tuple[int, dict[int, Any], bool]:
-        """A generate's samples come as JSON, encoded there: a JSON text pickles far faster than its sample."""
-        op_id, done, finished = self._forward(sub_job_id, "begin", sub_job_id, what, slice_s, *args, what=what)
+    def begin(self, sub_job_id: str, what: str, slice_s: float, calls: list[Any]) -> tuple[int, dict[int, Any], bool]:
+        """A generate's samples come as JSON where asked, encoded there: a JSON text pickles far faster
+        than its sample."""
+        op_id, done, finished = self._forward(sub_job_id, "begin", sub_job_id, what, slice_s, calls, what=what)
         if not finished:
             self._ops[op_id] = what
         return op_id, done, finished
@@ -239,8 +214,8 @@ class ForwardedEngines(JobEngines):
     def drop(self, sub_job_id: str, op_id: int) -> None:
         self._forward(sub_job_id, "drop", sub_job_id, op_id, what=self._ops.pop(op_id, None))
 
-    def call(self, sub_job_id: str, method: str, *args: Any) -> Any:
-        return self._forward(sub_job_id, "call", sub_job_id, method, *args, what=method)
+    def call(self, sub_job_id: str, method: str, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        return self._forward(sub_job_id, "call", sub_job_id, method, tuple(args), kwargs, what=method)
 
 
 class LocalEngineHost(JobEngines):
@@ -323,10 +298,10 @@ class LocalEngineHost(JobEngines):
                     on_progress(f"{sub_job_id} starts from {loaded['checkpoint_id']} ({loaded['kind']})")
             self._engines[sub_job_id] = engine
 
-    def begin(self, sub_job_id: str, what: str, slice_s: float, *args: Any) -> tuple[int, dict[int, Any], bool]:
-        steps = self._fwd_bwd_steps(*args) if what == "fwd_bwd" else self._generate_steps(*args)
+    def begin(self, sub_job_id: str, what: str, slice_s: float, calls: list[Any]) -> tuple[int, dict[int, Any], bool]:
+        steps = self._fwd_bwd_steps(calls) if what == "fwd_bwd" else self._generate_steps(calls)
         op_id = next(self._op_ids)
-        self._suspended[op_id] = _Suspended(steps, len(args[0]))
+        self._suspended[op_id] = _Suspended(steps, len(calls))
         return (op_id, *self.advance(sub_job_id, op_id, slice_s))
 
     def advance(self, sub_job_id: str, op_id: int, slice_s: float) -> tuple[dict[int, Any], bool]:
@@ -369,16 +344,16 @@ class LocalEngineHost(JobEngines):
             for done in fwd_bwd_steps([(self._engine(calls[i][0]), calls[i][1]) for i in indices], SLICE_S):
                 yield {indices[i]: result for i, result in done.items()}
 
-    def _generate_steps(self, calls: Sequence[Call], as_json: bool) -> Iterator[dict[int, list[Any]]]:
+    def _generate_steps(self, calls: Sequence[Call]) -> Iterator[dict[int, list[Any]]]:
         from icefloe.engines.sampling import SamplingEngine, generate_steps
 
-        engines = [self._engine(sub_job_id) for sub_job_id, _, _ in calls]
+        engines = [self._engine(sub_job_id) for sub_job_id, *_ in calls]
         if all(isinstance(engine, SamplingEngine) for engine in engines):
-            steps = generate_steps([(engine, p, q) for engine, (_, p, q) in zip(engines, calls, strict=True)])
+            steps = generate_steps([(engine, p, q) for engine, (_, p, q, _) in zip(engines, calls, strict=True)])
         else:  # vLLM batches by itself, a generate at a time
-            steps = iter([{i: self.generate(sid, prompts, params) for i, (sid, prompts, params) in enumerate(calls)}])
+            steps = iter([{i: self.call(call[0], "generate", call[1:3]) for i, call in enumerate(calls)}])
         for done in steps:
-            yield {i: [encode_json(s) for s in samples] for i, samples in done.items()} if as_json else done
+            yield {i: [encode_json(s) for s in samples] if calls[i][3] else samples for i, samples in done.items()}
 
     def sync_weights(
         self, source_sub_job_id: str, target_sub_job_id: str, weight_format: str | None = None
@@ -399,31 +374,14 @@ class LocalEngineHost(JobEngines):
             torch.cuda.empty_cache()
 
 
+def _encoded(calls: Sequence[Call], results: list[list[Any]]) -> list[list[Any]]:
+    """Each call's samples, as JSON text where the call asked for it."""
+    return [
+        [encode_json(s) for s in samples] if call[3] else samples for call, samples in zip(calls, results, strict=True)
+    ]
+
+
 def stop_check(stop: threading.Event) -> None:
     """Give up an engine start once the job is stopping."""
     if stop.is_set():
         raise ClientClosedError("the job stopped while its engines were starting")
-
-
-def make_engine_host(
-    engines: str,
-    specs: Sequence[SubJobSpec],
-    devices: dict[str, str],
-    checkpoints: dict[str, Path],
-    log_dir: Path | None,
-    *,
-    base: BaseModel | None = None,
-) -> JobEngines:
-    """Build the host ``--engines`` names: a dedicated job's sub-jobs (``log_dir``: the job's log
-    folder), or a shared ``base`` that jobs attach to later."""
-    if engines == "local":
-        return LocalEngineHost(specs, devices, checkpoints, base=base)
-    if engines == "process":
-        from icefloe.service.process_host import ProcessEngineHost
-
-        return ProcessEngineHost(specs, devices, checkpoints, log_dir, base=base)
-    if engines == "ray":
-        from icefloe.service.ray_host import RayEngineHost, RaySharedHost
-
-        return RaySharedHost(devices, base=base) if base is not None else RayEngineHost(specs, devices, checkpoints)
-    raise ConfigError(f"serve.engines must be 'process', 'local' or 'ray'; got {engines!r}")

@@ -20,8 +20,8 @@ from typing import Any
 
 from icefloe.config import ClientConfig, RayConfig
 from icefloe.protocol import InvalidRequestError
-from icefloe.service.process_host import EngineProcessDied, portable
-from icefloe.service.runtime import BaseModel, ForwardedEngines, JobEngines, stop_check
+from icefloe.service.hosts.process import EngineProcessDied, portable
+from icefloe.service.hosts.seam import BaseModel, ForwardedEngines, JobEngines, stop_check
 from icefloe.service.specs import SubJobSpec
 
 __all__ = ["RayEngineHost", "RaySharedHost"]
@@ -176,7 +176,7 @@ class _SharedBaseActor:
     process's pipe); an error comes back as a value, without Ray's traceback around its message."""
 
     def __init__(self, base: BaseModel) -> None:
-        from icefloe.service.runtime import LocalEngineHost
+        from icefloe.service.hosts.seam import LocalEngineHost
 
         self._lock = threading.Lock()
         self._host = LocalEngineHost([], {}, {}, base=base)

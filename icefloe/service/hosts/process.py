@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from icefloe.protocol import ClientClosedError, InvalidRequestError
-from icefloe.service.runtime import BaseModel, ForwardedEngines, stop_check
+from icefloe.service.hosts.seam import BaseModel, ForwardedEngines, stop_check
 from icefloe.service.specs import SubJobSpec
 
 __all__ = [
@@ -42,14 +42,14 @@ __all__ = [
     "warm_forkserver",
 ]
 
-_log = logging.getLogger("icefloe.service.process_host")
+_log = logging.getLogger("icefloe.service.hosts.process")
 
 # Imported once by the forkserver, so each job's child starts with them loaded: the engines, and
 # the model code of common architectures (transformers imports it lazily; Qwen3 alone took 1.7 s,
 # most of a tiny job's start). A module this transformers lacks is skipped.
 _PRELOAD = [
-    "icefloe.service.process_host",
-    "icefloe.service.runtime",
+    "icefloe.service.hosts.process",
+    "icefloe.service.hosts.seam",
     "icefloe.engines.training",
     "icefloe.engines.sampling",
     "transformers.models.qwen3.modeling_qwen3",
@@ -343,8 +343,8 @@ def _child_main(
     log_dir: Path | None,
     base: BaseModel | None,
 ) -> None:
+    from icefloe.service.hosts.seam import LocalEngineHost
     from icefloe.service.joblog import JobLog, JobLogRouter
-    from icefloe.service.runtime import LocalEngineHost
 
     # Ctrl-C reaches the whole process group: the service shuts down and closes the pipes, and
     # that (not the signal) ends this process, after any op in flight.
