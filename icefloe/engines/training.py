@@ -310,14 +310,17 @@ class TrainingEngine:
         """Each row's span and the passes over them; a row longer than the budget is refused here,
         before any work. ``pass_s``: also cut passes to about that many seconds each at the speed
         passes ran so far, so that other work can run between them; never below the longest row, nor
-        below a quarter of the budget (more, smaller passes would cost more than they let others in)."""
+        below a quarter of the budget (more, smaller passes would cost more than they let others in).
+        Before any pass was timed, passes are at that floor: the budget's passes of an engine's first
+        op would hold the host for seconds on a CPU while another run's small op waits."""
         budget = self.token_budget
         spans = row_spans(frame, whole=budget == 0)
         if budget:
             check_rows_fit(spans, budget, "training.micro_batch_tokens")
-            if pass_s is not None and self._tokens_per_s is not None:
+            if pass_s is not None:
                 floor = max(int(spans.length_B.max()) if len(spans.length_B) else 0, budget // _MIN_PASS_SHARE)
-                budget = min(budget, max(floor, int(self._tokens_per_s * pass_s)))
+                fits = floor if self._tokens_per_s is None else int(self._tokens_per_s * pass_s)
+                budget = min(budget, max(floor, fits))
         return spans, plan_micro_batches(spans, budget)
 
     def _timed_pass(self, num_positions: int, seconds: float) -> None:
