@@ -36,6 +36,10 @@ from icefloe.protocol import ENGINE_CALLS, ClientClosedError, InvalidRequestErro
 __all__ = ["EngineHost", "Lane", "SyncGate", "Worker"]
 
 _BLOCKED_TICK_S = 0.05  # how often a worker re-checks work held by a gate whose state another thread changes
+# Lanes (and groups) whose use of a worker differs by less than a turn take plain turns; one a turn
+# or more behind goes first, but counts as at most _CATCH_UP_S behind the busiest lane with work.
+_TURN_S = 0.025
+_CATCH_UP_S = 1.0
 
 
 @dataclass
@@ -76,6 +80,7 @@ class Lane:
         self.group = group
         self.queue: deque[_Job] = deque()
         self.busy = False  # an item of this lane is running
+        self.used_s = 0.0  # the worker's time this lane's work took (a batch's shared by its lanes)
         self.held: _Suspended | None = None  # a suspended item of this lane waits for its next slice
         self.resume: _Suspended | None = None  # ... and this lane's turn runs that slice
         self.closed = False
@@ -115,19 +120,36 @@ class Worker:
 
     Turns go round the lanes' groups (tenants), and within a group round its lanes (runs), so each
     gets a fair share of the thread: work that comes as slices (see :meth:`Lane.submit`) takes one
-    slice per turn, so a small item of one lane waits for about one slice of each other's.
+    slice per turn, so a small item of one lane waits for about one slice of each other's. Turns
+    count time: a group (and within it a lane) that has used a turn (:data:`_TURN_S`) less of the
+    thread than another goes first, so a run of small ops gets as much time as a run of long slices, not one op
+    per slice.
 
     Args:
         name: names the thread (``icefloe-<name>``) and appears in errors.
         linger_s: how long a batchable item waits for same-key company when nothing else is
             queued; 0 = never wait.
         lingers: the linger of these batch keys, in place of ``linger_s``.
+        anticipate_s: how long a lane whose item just finished, and which is behind in time, keeps
+            the worker waiting for its next item before others' work runs (a client that sends its
+            next op once the last is answered); 0 = never wait.
     """
 
-    def __init__(self, name: str, *, linger_s: float = 0.002, lingers: Mapping[Hashable, float] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        linger_s: float = 0.002,
+        lingers: Mapping[Hashable, float] | None = None,
+        anticipate_s: float = 0.0,
+    ) -> None:
         self.name = name
         self.linger_s = linger_s
         self.lingers = dict(lingers or {})
+        self.anticipate_s = anticipate_s
+        self._group_used: dict[Hashable, float] = {}  # the worker's time each group's work took
+        self._answered: dict[Lane, float] = {}  # lanes left empty by their last item, and when
+        self._wake_at: float | None = None  # when an anticipated lane stops holding the worker
         self._lanes: list[Lane] = []
         self._last_group: Hashable = None  # the group served last: the search for ready work starts after it
         self._last_lane: dict[Hashable, Lane] = {}  # per group, its lane served last
@@ -196,8 +218,13 @@ class Worker:
                     if self._closed and not any(lane.queue or lane.held for lane in self._lanes):
                         return  # closed and drained
                     held = any(lane.queue for lane in self._lanes)  # only work held by a gate is left
-                    self._cond.wait(_BLOCKED_TICK_S if held else None)
+                    timeout = _BLOCKED_TICK_S if held else None
+                    if self._wake_at is not None:  # an anticipated lane holds the worker until then
+                        left = max(0.0, self._wake_at - time.monotonic())
+                        timeout, self._wake_at = min(left, timeout if timeout is not None else left), None
+                    self._cond.wait(timeout)
             suspended = None
+            started = time.monotonic()
             try:
                 if isinstance(taken, _Suspended):
                     suspended = _step(taken)
@@ -211,7 +238,21 @@ class Worker:
                         lane.busy = False
                     if suspended is not None:
                         self._suspend(suspended)
+                    jobs = taken.jobs if isinstance(taken, _Suspended) else taken
+                    self._charge([job.lane for job in jobs if job.lane is not None], started)
                     self._cond.notify_all()
+
+    def _charge(self, lanes: list[Lane], started: float) -> None:
+        """Count the time since ``started`` to ``lanes`` (and their groups), in equal shares; note the ones
+        left with nothing to run. Called under the lock."""
+        lanes = list(dict.fromkeys(lanes))
+        now = time.monotonic()
+        share = (now - started) / max(1, len(lanes))
+        for lane in lanes:
+            lane.used_s += share
+            self._group_used[lane.group] = self._group_used.get(lane.group, 0.0) + share
+            if self.anticipate_s and not lane.queue and lane.held is None:
+                self._answered[lane] = now
 
     def _suspend(self, work: _Suspended) -> None:
         """Hold the lanes of ``work``'s unsettled jobs until its next slice, which the first of them runs
@@ -233,8 +274,11 @@ class Worker:
         Ready items that cannot batch go first (a step or a weight sync is quick, and the batchable
         item it holds back then joins the next batch), but a ready batchable item or a slice is passed
         over at most once per lane before it runs. Called under the lock."""
-        ready = [lane for lane in self._fair_order() if lane.resume is not None or _head_ready(lane)]
-        if not ready:
+        standing = self._standings()
+        ready = sorted(
+            (lane for lane in self._fair_order() if lane.resume is not None or _head_ready(lane)), key=standing
+        )  # stable: lanes of one standing keep their turn order
+        if not ready or self._anticipating(standing, standing(ready[0])):
             return None
         lanes = self._lanes
         lane = ready[0]
@@ -250,6 +294,32 @@ class Worker:
         if head.run_batch is None:
             return [head]
         return [head, *self._company(lane, head.key)]
+
+    def _standings(self) -> Callable[[Lane], tuple[int, int]]:
+        """How far ahead in time a lane's group, then the lane itself, is, in turns of :data:`_TURN_S`
+        (lower goes first); never more than :data:`_CATCH_UP_S` behind the busiest with work, so one
+        that idled a long time gets back a fair share, not the whole worker. Called under the lock."""
+        active = [lane for lane in self._lanes if lane.queue or lane.held is not None or lane.busy]
+        top_lane = max((lane.used_s for lane in active), default=0.0) - _CATCH_UP_S
+        top_group = max((self._group_used.get(lane.group, 0.0) for lane in active), default=0.0) - _CATCH_UP_S
+
+        def standing(lane: Lane) -> tuple[int, int]:
+            group = max(self._group_used.get(lane.group, 0.0), top_group)
+            return int(group // _TURN_S), int(max(lane.used_s, top_lane) // _TURN_S)
+
+        return standing
+
+    def _anticipating(self, standing: Callable[[Lane], tuple[int, int]], first: tuple[int, int]) -> bool:
+        """Whether a lane behind ``first`` (the standing of the work that would run) was left empty by its
+        item less than ``anticipate_s`` ago: then its next item is awaited that long. Called under the lock."""
+        now = time.monotonic()
+        for lane, at in list(self._answered.items()):
+            if now - at >= self.anticipate_s or lane.queue or lane.held is not None or lane.closed:
+                del self._answered[lane]
+            elif not self._closed and standing(lane) < first:
+                self._wake_at = at + self.anticipate_s
+                return True
+        return False
 
     def _fair_order(self) -> list[Lane]:
         """The lanes in turn order: groups round-robin from the one after the group served last, and in

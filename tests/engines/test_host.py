@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -427,6 +428,54 @@ def test_turns_go_round_tenants_then_each_tenants_lanes():
     finally:
         worker.close()
     assert [name.rstrip("0123456789") for name in order[:8]] == ["first", "other", "second", "other"] * 2
+
+
+def _slow_sliced(order: list[str], name: str, num_slices: int, slice_s: float):
+    """:func:`_sliced` with slices that take ``slice_s`` each."""
+    for index in range(num_slices):
+        order.append(f"{name}{index}")
+        time.sleep(slice_s)
+        yield
+    return name
+
+
+def test_a_run_of_small_items_gets_as_much_time_as_a_run_of_long_slices():
+    """Turns counted items, not time: each small op of one run waited for a whole slice of another's."""
+    worker = Worker("time", linger_s=0.0)
+    long, small = worker.lane("long", group="a"), worker.lane("small", group="b")
+    blocker = worker.lane("blocker", group="z")
+    order: list[str] = []
+    try:
+        release = _blocked(blocker)
+        done = long.submit(_slow_sliced, order, "long", 3, 0.1)  # slices of four turns each
+        # batchable, as a forward-backward is (a quick item would go first anyway); keys that never batch
+        answered = [small.submit_batchable(i, f"small{i}", lambda items: [order.extend(items)] * len(items))
+                    for i in range(3)]  # fmt: skip
+        release.set()
+        for future in [done, *answered]:
+            future.result(10)
+    finally:
+        worker.close()
+    assert order == ["long0", "small0", "small1", "small2", "long1", "long2"]
+
+
+def test_a_run_behind_in_time_is_awaited_a_moment_for_its_next_item():
+    """A client that sends its next small op once the last is answered found another run's slice
+    started in between, and waited for all of it, every time."""
+    worker = Worker("anticipate", linger_s=0.0, anticipate_s=5.0)
+    long, small = worker.lane("long", group="a"), worker.lane("small", group="b")
+    order: list[str] = []
+    try:
+        done = long.submit(_slow_sliced, order, "long", 20, 0.06)
+        while not order:  # the long op ran a slice: the small run is behind in time
+            time.sleep(0.005)
+        small.submit(order.append, "small0").result(10)
+        time.sleep(0.02)  # the client reads the answer, then sends its next op
+        small.submit(order.append, "small1").result(10)
+        done.result(10)
+    finally:
+        worker.close()
+    assert order.index("small1") == order.index("small0") + 1
 
 
 def test_a_gate_waits_for_a_target_lane_whose_sliced_work_is_unfinished():
