@@ -131,8 +131,8 @@ class Worker:
             queued; 0 = never wait.
         lingers: the linger of these batch keys, in place of ``linger_s``.
         anticipate_s: how long a lane whose item just finished, and which is behind in time, keeps
-            the worker waiting for its next item before others' work runs (a client that sends its
-            next op once the last is answered); 0 = never wait.
+            the worker waiting for its next item before the next slice of another's long op runs (a
+            client that sends its next op once the last is answered); 0 = never wait.
     """
 
     def __init__(
@@ -278,8 +278,8 @@ class Worker:
         ready = sorted(
             (lane for lane in self._fair_order() if lane.resume is not None or _head_ready(lane)), key=standing
         )  # stable: lanes of one standing keep their turn order
-        if not ready or self._anticipating(standing, standing(ready[0])):
-            return None
+        if not ready or (ready[0].resume is not None and self._anticipating(standing, standing(ready[0]))):
+            return None  # none ready, or a long op's next slice waits a moment for a run behind it
         lanes = self._lanes
         lane = ready[0]
         if self._passed < len(lanes):
