@@ -186,12 +186,12 @@ class DataParallelTrainingEngine(TrainingEngine):
         self._last_loss = float(loss.item())
         return result
 
-    def _plan(self, frame: Mapping[str, Any]) -> tuple[Spans, list[MicroBatch]]:
+    def _plan(self, frame: Mapping[str, Any], pass_s: float | None = None) -> tuple[Spans, list[MicroBatch]]:
         """This rank's passes, under FSDP padded with idle ones to the most any rank plans; if any rank refuses its
         shard (a row over the budget), every rank raises, so none is left waiting in a collective."""
         refusal: InvalidRequestError | None = None
         try:
-            spans, passes = super()._plan(frame)
+            spans, passes = super()._plan(frame, pass_s)
         except InvalidRequestError as exc:
             refusal, spans, passes = exc, row_spans(frame), []
         agreed = torch.tensor([len(passes), refusal is not None], dtype=torch.int64, device=self.device)

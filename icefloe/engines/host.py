@@ -18,12 +18,13 @@ engines; ``ray``: actor groups).
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import shutil
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Generator, Hashable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,10 @@ from icefloe.protocol import ENGINE_CALLS, ClientClosedError, InvalidRequestErro
 __all__ = ["EngineHost", "Lane", "SyncGate", "Worker"]
 
 _BLOCKED_TICK_S = 0.05  # how often a worker re-checks work held by a gate whose state another thread changes
+# Lanes (and groups) whose use of a worker differs by less than a turn take plain turns; one a turn
+# or more behind goes first, but counts as at most _CATCH_UP_S behind the busiest lane with work.
+_TURN_S = 0.025
+_CATCH_UP_S = 1.0
 
 
 @dataclass
@@ -45,33 +50,64 @@ class _Job:
     kwargs: dict[str, Any] = field(default_factory=dict)
     key: Hashable | None = None  # set: a batchable item
     item: Any = None
-    run_batch: Callable[[list[Any]], Sequence[Any]] | None = None
+    run_batch: Callable[[list[Any]], Sequence[Any] | Generator[Any, None, Any]] | None = None
     ready: Callable[[], bool] | None = None  # None: runnable once at the head of its lane
+    lane: Lane | None = None  # set when queued
+
+
+@dataclass
+class _Suspended:
+    """Work that returned a generator, between two of its slices: the jobs it runs and those not yet settled."""
+
+    steps: Generator[Any, None, Any]
+    jobs: list[_Job]
+    settled: set[int] = field(default_factory=set)
+    finished: bool = False
+
+    def pending_lanes(self) -> list[Lane]:
+        lanes = [job.lane for index, job in enumerate(self.jobs) if index not in self.settled]
+        return list(dict.fromkeys(lane for lane in lanes if lane is not None))
 
 
 class Lane:
-    """One ordered queue of a :class:`Worker`: its items run strictly in submission order."""
+    """One ordered queue of a :class:`Worker`: its items run strictly in submission order.
 
-    def __init__(self, worker: Worker, name: str) -> None:
+    ``group``: lanes of one group (a tenant) share one turn among the worker's groups."""
+
+    def __init__(self, worker: Worker, name: str, group: Hashable = None) -> None:
         self.worker = worker
         self.name = name
+        self.group = group
         self.queue: deque[_Job] = deque()
         self.busy = False  # an item of this lane is running
+        self.used_s = 0.0  # the worker's time this lane's work took (a batch's shared by its lanes)
+        self.held: _Suspended | None = None  # a suspended item of this lane waits for its next slice
+        self.resume: _Suspended | None = None  # ... and this lane's turn runs that slice
         self.closed = False
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
-        """Queue ``fn(*args, **kwargs)``; its result or exception lands on the returned future."""
+        """Queue ``fn(*args, **kwargs)``; its result or exception lands on the returned future.
+
+        If ``fn`` returns a generator, each ``next()`` is one slice of its work: between slices the
+        worker runs the other lanes' work (this lane's next item waits), and the generator's return
+        value is the result."""
         return self.worker._put(self, _Job(Future(), fn=fn, args=args, kwargs=kwargs))
 
     def submit_when(self, ready: Callable[[], bool], fn: Callable[..., Any], /, *args: Any) -> Future:
-        """Queue ``fn(*args)``, to start only once ``ready()`` holds when it heads the lane (other
-        lanes run meanwhile); ``ready`` is polled under the worker's lock: keep it a quick read."""
+        """Queue ``fn(*args)`` as :meth:`submit` does, to start only once ``ready()`` holds when it heads
+        the lane (other lanes run meanwhile); ``ready`` is polled under the worker's lock: keep it a quick read."""
         return self.worker._put(self, _Job(Future(), fn=fn, args=args, ready=ready))
 
-    def submit_batchable(self, key: Hashable, item: Any, run_batch: Callable[[list[Any]], Sequence[Any]]) -> Future:
+    def submit_batchable(
+        self, key: Hashable, item: Any, run_batch: Callable[[list[Any]], Sequence[Any] | Generator[Any, None, Any]]
+    ) -> Future:
         """Queue ``item``; items with the same ``key`` queued right behind it, or heading other lanes of
         the worker, run in one ``run_batch(items)`` call, which returns one result per item, in order.
-        The key must name what ``run_batch`` does: any item's ``run_batch`` may run the whole batch."""
+        The key must name what ``run_batch`` does: any item's ``run_batch`` may run the whole batch.
+
+        ``run_batch`` may instead return a generator that runs the batch a slice per ``next()``: each
+        yields ``{index: result}`` for the items that finished meanwhile (settled at once, and their
+        lanes go on), and it returns the list of all results (those not yielded are settled from it)."""
         return self.worker._put(self, _Job(Future(), key=key, item=item, run_batch=run_batch))
 
     def close(self) -> None:
@@ -82,19 +118,41 @@ class Lane:
 class Worker:
     """A daemon thread that runs the items of its lanes, each lane strictly in submission order.
 
+    Turns go round the lanes' groups (tenants), and within a group round its lanes (runs), so each
+    gets a fair share of the thread: work that comes as slices (see :meth:`Lane.submit`) takes one
+    slice per turn, so a small item of one lane waits for about one slice of each other's. Turns
+    count time: a group (and within it a lane) that has used a turn (:data:`_TURN_S`) less of the
+    thread than another goes first, so a run of small ops gets as much time as a run of long slices, not one op
+    per slice.
+
     Args:
         name: names the thread (``icefloe-<name>``) and appears in errors.
         linger_s: how long a batchable item waits for same-key company when nothing else is
             queued; 0 = never wait.
         lingers: the linger of these batch keys, in place of ``linger_s``.
+        anticipate_s: how long a lane whose item just finished, and which is behind in time, keeps
+            the worker waiting for its next item before the next slice of another's long op runs (a
+            client that sends its next op once the last is answered); 0 = never wait.
     """
 
-    def __init__(self, name: str, *, linger_s: float = 0.002, lingers: Mapping[Hashable, float] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        *,
+        linger_s: float = 0.002,
+        lingers: Mapping[Hashable, float] | None = None,
+        anticipate_s: float = 0.0,
+    ) -> None:
         self.name = name
         self.linger_s = linger_s
         self.lingers = dict(lingers or {})
+        self.anticipate_s = anticipate_s
+        self._group_used: dict[Hashable, float] = {}  # the worker's time each group's work took
+        self._answered: dict[Lane, float] = {}  # lanes left empty by their last item, and when
+        self._wake_at: float | None = None  # when an anticipated lane stops holding the worker
         self._lanes: list[Lane] = []
-        self._turn = 0  # where the next search for ready work starts: lanes take turns
+        self._last_group: Hashable = None  # the group served last: the search for ready work starts after it
+        self._last_lane: dict[Hashable, Lane] = {}  # per group, its lane served last
         self._passed = 0  # items taken in a row ahead of a ready batchable one
         self._cond = threading.Condition()
         self._closed = False
@@ -105,12 +163,12 @@ class Worker:
     def closed(self) -> bool:
         return self._closed
 
-    def lane(self, name: str) -> Lane:
-        """A new lane of this worker."""
+    def lane(self, name: str, *, group: Hashable = None) -> Lane:
+        """A new lane of this worker, in ``group`` (lanes of one group share a turn)."""
         with self._cond:
             if self._closed:
                 raise ClientClosedError(f"worker {self.name!r} is closed; no new work is accepted")
-            lane = Lane(self, name)
+            lane = Lane(self, name, group)
             self._lanes.append(lane)
             return lane
 
@@ -135,6 +193,7 @@ class Worker:
                 raise ClientClosedError(f"worker {self.name!r} is closed; no new work is accepted")
             if lane.closed:
                 raise ClientClosedError(f"lane {lane.name!r} is closed; no new work is accepted")
+            job.lane = lane
             lane.queue.append(job)
             self._cond.notify_all()
         return job.future
@@ -145,7 +204,7 @@ class Worker:
             self._cond.notify_all()
             if threading.current_thread() is self._thread:
                 return
-            while lane.queue or lane.busy:
+            while lane.queue or lane.busy or lane.held is not None:
                 if not self._thread.is_alive():
                     return
                 self._cond.wait(_BLOCKED_TICK_S)
@@ -156,62 +215,143 @@ class Worker:
         while True:
             with self._cond:
                 while (taken := self._take()) is None:
-                    if self._closed and not any(lane.queue for lane in self._lanes):
+                    if self._closed and not any(lane.queue or lane.held for lane in self._lanes):
                         return  # closed and drained
                     held = any(lane.queue for lane in self._lanes)  # only work held by a gate is left
-                    self._cond.wait(_BLOCKED_TICK_S if held else None)
-                jobs = taken
+                    timeout = _BLOCKED_TICK_S if held else None
+                    if self._wake_at is not None:  # an anticipated lane holds the worker until then
+                        left = max(0.0, self._wake_at - time.monotonic())
+                        timeout, self._wake_at = min(left, timeout if timeout is not None else left), None
+                    self._cond.wait(timeout)
+            suspended = None
+            started = time.monotonic()
             try:
-                if jobs[0].run_batch is None:
-                    _run_one(jobs[0])
+                if isinstance(taken, _Suspended):
+                    suspended = _step(taken)
+                elif taken[0].run_batch is None:
+                    suspended = _run_one(taken[0])
                 else:
-                    _run_batch(jobs)
+                    suspended = _run_batch(taken)
             finally:
                 with self._cond:
                     for lane in self._lanes:
                         lane.busy = False
+                    if suspended is not None:
+                        self._suspend(suspended)
+                    jobs = taken.jobs if isinstance(taken, _Suspended) else taken
+                    self._charge([job.lane for job in jobs if job.lane is not None], started)
                     self._cond.notify_all()
 
-    def _take(self) -> list[_Job] | None:
-        """The next ready item, taking turns over the lanes (with its batch company); None: none ready.
+    def _charge(self, lanes: list[Lane], started: float) -> None:
+        """Count the time since ``started`` to ``lanes`` (and their groups), in equal shares; note the ones
+        left with nothing to run. Called under the lock."""
+        lanes = list(dict.fromkeys(lanes))
+        now = time.monotonic()
+        share = (now - started) / max(1, len(lanes))
+        for lane in lanes:
+            lane.used_s += share
+            self._group_used[lane.group] = self._group_used.get(lane.group, 0.0) + share
+            if self.anticipate_s and not lane.queue and lane.held is None:
+                self._answered[lane] = now
+
+    def _suspend(self, work: _Suspended) -> None:
+        """Hold the lanes of ``work``'s unsettled jobs until its next slice, which the first of them runs
+        at its turn; a finished one frees them. Called under the lock."""
+        for lane in self._lanes:
+            if lane.held is work:
+                lane.held = lane.resume = None
+        if work.finished:
+            return
+        pending = work.pending_lanes()
+        for lane in pending:
+            lane.held = work
+        pending[0].resume = work
+
+    def _take(self) -> list[_Job] | _Suspended | None:
+        """The next ready work in fair turns (with its batch company), or a suspended item's next slice;
+        None: none ready.
 
         Ready items that cannot batch go first (a step or a weight sync is quick, and the batchable
-        item it holds back then joins the next batch), but a ready batchable item is passed over at
-        most once per lane before it runs. Called under the lock."""
+        item it holds back then joins the next batch), but a ready batchable item or a slice is passed
+        over at most once per lane before it runs. Called under the lock."""
+        standing = self._standings()
+        ready = sorted(
+            (lane for lane in self._fair_order() if lane.resume is not None or _head_ready(lane)), key=standing
+        )  # stable: lanes of one standing keep their turn order
+        if not ready or (ready[0].resume is not None and self._anticipating(standing, standing(ready[0]))):
+            return None  # none ready, or a long op's next slice waits a moment for a run behind it
         lanes = self._lanes
-        ready = [
-            lane
-            for lane in (lanes[(self._turn + offset) % len(lanes)] for offset in range(len(lanes)))
-            if lane.queue and _is_ready(lane.queue[0])
-        ]
-        if not ready:
-            return None
         lane = ready[0]
         if self._passed < len(lanes):
-            lane = next((lane for lane in ready if lane.queue[0].run_batch is None), lane)
-        batchable_waits = any(other.queue[0].run_batch is not None for other in ready if other is not lane)
-        self._passed = self._passed + 1 if batchable_waits and lane.queue[0].run_batch is None else 0
-        self._turn = (lanes.index(lane) + 1) % len(lanes)
-        head = lane.queue.popleft()
+            lane = next((lane for lane in ready if _quick(lane)), lane)
+        others_wait = any(not _quick(other) for other in ready if other is not lane)
+        self._passed = self._passed + 1 if others_wait and _quick(lane) else 0
+        self._last_group, self._last_lane[lane.group] = lane.group, lane
         lane.busy = True
+        if lane.resume is not None:
+            return lane.resume
+        head = lane.queue.popleft()
         if head.run_batch is None:
             return [head]
         return [head, *self._company(lane, head.key)]
 
+    def _standings(self) -> Callable[[Lane], tuple[int, int]]:
+        """How far ahead in time a lane's group, then the lane itself, is, in turns of :data:`_TURN_S`
+        (lower goes first); never more than :data:`_CATCH_UP_S` behind the busiest with work, so one
+        that idled a long time gets back a fair share, not the whole worker. Called under the lock."""
+        active = [lane for lane in self._lanes if lane.queue or lane.held is not None or lane.busy]
+        top_lane = max((lane.used_s for lane in active), default=0.0) - _CATCH_UP_S
+        top_group = max((self._group_used.get(lane.group, 0.0) for lane in active), default=0.0) - _CATCH_UP_S
+
+        def standing(lane: Lane) -> tuple[int, int]:
+            group = max(self._group_used.get(lane.group, 0.0), top_group)
+            return int(group // _TURN_S), int(max(lane.used_s, top_lane) // _TURN_S)
+
+        return standing
+
+    def _anticipating(self, standing: Callable[[Lane], tuple[int, int]], first: tuple[int, int]) -> bool:
+        """Whether a lane behind ``first`` (the standing of the work that would run) was left empty by its
+        item less than ``anticipate_s`` ago: then its next item is awaited that long. Called under the lock."""
+        now = time.monotonic()
+        for lane, at in list(self._answered.items()):
+            if now - at >= self.anticipate_s or lane.queue or lane.held is not None or lane.closed:
+                del self._answered[lane]
+            elif not self._closed and standing(lane) < first:
+                self._wake_at = at + self.anticipate_s
+                return True
+        return False
+
+    def _fair_order(self) -> list[Lane]:
+        """The lanes in turn order: groups round-robin from the one after the group served last, and in
+        each group its lanes from the one after its lane served last."""
+        groups: dict[Hashable, list[Lane]] = {}
+        for lane in self._lanes:
+            groups.setdefault(lane.group, []).append(lane)
+        names = list(groups)
+        first = names.index(self._last_group) + 1 if self._last_group in groups else 0
+        order: list[Lane] = []
+        for group in names[first:] + names[:first]:
+            members = groups[group]
+            last = self._last_lane.get(group)
+            start = members.index(last) + 1 if last in members else 0
+            order += members[start:] + members[:start]
+        return order
+
     def _company(self, first: Lane, key: Hashable) -> list[_Job]:
-        """Items with ``key`` right behind the head of ``first`` and heading the other lanes (after a
-        short linger when nothing else is queued). Called under the lock."""
+        """Items with ``key`` right behind the head of ``first`` and heading the other free lanes (after
+        a short linger when nothing else is queued). Called under the lock."""
         company: list[_Job] = []
         deadline = time.monotonic() + self.lingers.get(key, self.linger_s)
         while True:
-            for lane in [first, *(other for other in self._lanes if other is not first)]:
+            for lane in [first, *(other for other in self._lanes if other is not first and other.held is None)]:
                 while lane.queue and lane.queue[0].key == key and lane.queue[0].run_batch is not None:
                     if not _is_ready(lane.queue[0]):
                         break
                     company.append(lane.queue.popleft())
                     lane.busy = True
             remaining = deadline - time.monotonic()
-            if any(lane.queue for lane in self._lanes) or self._closed or remaining <= 0:
+            waiting = any(lane.queue or lane.resume is not None for lane in self._lanes)  # no linger then
+            if waiting or self._closed or remaining <= 0:
                 return company
             self._cond.wait(remaining)
 
@@ -220,29 +360,44 @@ def _is_ready(job: _Job) -> bool:
     return job.ready is None or job.ready()
 
 
-def _run_one(job: _Job) -> None:
+def _head_ready(lane: Lane) -> bool:
+    return lane.held is None and bool(lane.queue) and _is_ready(lane.queue[0])
+
+
+def _quick(lane: Lane) -> bool:
+    """The lane's turn would run a fresh item that cannot batch (not a batchable one, nor a slice)."""
+    return lane.resume is None and lane.queue[0].run_batch is None
+
+
+def _run_one(job: _Job) -> _Suspended | None:
     if not job.future.set_running_or_notify_cancel():
-        return
+        return None
     try:
         result = job.fn(*job.args, **job.kwargs) if job.fn is not None else None
     except BaseException as exc:
         job.future.set_exception(exc)
-    else:
-        job.future.set_result(result)
+        return None
+    if inspect.isgenerator(result):
+        return _step(_Suspended(result, [job]))
+    job.future.set_result(result)
+    return None
 
 
-def _run_batch(jobs: list[_Job]) -> None:
+def _run_batch(jobs: list[_Job]) -> _Suspended | None:
     jobs = [job for job in jobs if job.future.set_running_or_notify_cancel()]
-    if jobs:
-        _settle_batch(jobs)
+    return _settle_batch(jobs) if jobs else None
 
 
-def _settle_batch(jobs: list[_Job]) -> None:
+def _settle_batch(jobs: list[_Job]) -> _Suspended | None:
     """Run ``jobs`` as one batch; a batch refused for a caller's input runs again job by job, so the bad
-    input fails only its own caller, with a message in that caller's terms (its own ``prompts[i]``)."""
+    input fails only its own caller, with a message in that caller's terms (its own ``prompts[i]``).
+    Returns the batch if it came as a generator and has slices left."""
     assert jobs[0].run_batch is not None
     try:
-        results = list(jobs[0].run_batch([job.item for job in jobs]))
+        outcome = jobs[0].run_batch([job.item for job in jobs])
+        if inspect.isgenerator(outcome):
+            return _step(_Suspended(outcome, jobs))
+        results = list(outcome)
         if len(results) != len(jobs):
             raise RuntimeError(f"run_batch returned {len(results)} results for {len(jobs)} items")
     except InvalidRequestError as exc:
@@ -251,13 +406,39 @@ def _settle_batch(jobs: list[_Job]) -> None:
         else:
             for job in jobs:
                 _settle_batch([job])
-        return
+        return None
     except BaseException as exc:
         for job in jobs:
             job.future.set_exception(exc)
-        return
+        return None
     for job, result in zip(jobs, results, strict=True):
         job.future.set_result(result)
+    return None
+
+
+def _step(work: _Suspended) -> _Suspended:
+    """Run one slice of ``work`` and settle the jobs it finished; a generator's error fails every job
+    it has not settled (its batch is not run again job by job: some of it has run)."""
+    batch = work.jobs[0].run_batch is not None
+    try:
+        done = next(work.steps)
+    except StopIteration as stop:
+        work.finished = True
+        results = list(stop.value) if batch else [stop.value]
+        for index, job in enumerate(work.jobs):
+            if index not in work.settled:
+                job.future.set_result(results[index] if index < len(results) else None)
+    except BaseException as exc:
+        work.finished = True
+        for index, job in enumerate(work.jobs):
+            if index not in work.settled:
+                job.future.set_exception(exc)
+    else:
+        for index, result in (done or {}).items() if batch else ():
+            if index not in work.settled:
+                work.settled.add(index)
+                work.jobs[index].future.set_result(result)
+    return work
 
 
 class SyncGate:
@@ -324,7 +505,9 @@ class SyncGate:
 
     def may_start(self) -> bool:
         """Every target on the source's worker holds its place at the head of its lane (or the job stopped)."""
-        return all(lane.queue and lane.queue[0] is marker for lane, marker in self._markers) or bool(self._abandoned())
+        return all(
+            lane.held is None and lane.queue and lane.queue[0] is marker for lane, marker in self._markers
+        ) or bool(self._abandoned())
 
     @classmethod
     def parked(

@@ -20,7 +20,7 @@ import importlib.util
 import inspect
 import shutil
 import tempfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ from icefloe.engines.models import context_limit, load_causal_lm, load_tokenizer
 from icefloe.engines.training import resolve_device
 from icefloe.protocol import InvalidRequestError, SamplingParams
 
-__all__ = ["SamplingEngine", "VLLMSamplingEngine", "build_sampling_engine", "generate_together"]
+__all__ = ["SamplingEngine", "VLLMSamplingEngine", "build_sampling_engine", "generate_steps", "generate_together"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Odd 64-bit constant for mixing (seed, sample index) into one generator seed.
@@ -263,8 +263,9 @@ class SamplingEngine:
         return [(params.seed * _SEED_MIX + index) % 2**63 for index in range(params.n)]
 
     @torch.no_grad()
-    def _decode(self, rows: list[_Row]) -> None:
-        """Prefill the left-padded prompts, then decode one token per step for every unfinished row.
+    def _decode_steps(self, rows: list[_Row]) -> Iterator[None]:
+        """Prefill the left-padded prompts, then decode one token per step for every unfinished row;
+        yields after each step, so a caller can stop between steps (closing the generator frees the cache).
 
         Rows with the same prompt and adapter (a group's ``n`` samples) share one prefill: it runs
         once and its cache is copied to each. Finished rows leave the batch (and the KV cache), so
@@ -318,6 +319,7 @@ class SamplingEngine:
                     row.finish_reason = "cancelled"
                 elif not self._finished(row, stops[live[b]]):
                     keep.append(b)
+            yield
             if not keep:
                 break
             input_ids, position_ids = tokens_B[:, None], position_ids[:, -1:] + 1
@@ -440,6 +442,19 @@ def generate_together(
     Raises:
         InvalidRequestError: a call's prompts or params are invalid (nothing is decoded then).
     """
+    results: dict[int, list[dict[str, Any]]] = {}
+    for done in generate_steps(calls):
+        results.update(done)
+    return [results[index] for index in range(len(calls))]
+
+
+def generate_steps(
+    calls: Sequence[tuple[SamplingEngine, Sequence[Sequence[int] | str], SamplingParams | Sequence[SamplingParams]]],
+) -> Iterator[dict[int, list[dict[str, Any]]]]:
+    """:func:`generate_together` one decode step at a time: yields after each step the results of the
+    calls whose rows have all finished, by call index (each call once), so a small call that shares a
+    long decode is answered when its own rows end (its decode batch runs first). Checks every call
+    before the first step; closing the generator stops the decode there and frees its cache."""
     first = calls[0][0]
     if any(
         engine is not first and (engine.shared is None or engine.shared is not first.shared) for engine, *_ in calls
@@ -447,13 +462,23 @@ def generate_together(
         raise ValueError("generate_together needs samplers that share one base model")
     planned = [(engine, engine._plan(prompts, params), engine.policy_version) for engine, prompts, params in calls]
     rows = [row for _, call_rows, _ in planned for row in call_rows]
+    # The decode batch holding a row of the smallest call goes first: a small call is answered early.
+    size = {id(row): sum(len(r.prompt_ids) + r.max_new for r in call_rows) for _, call_rows, _ in planned
+            for row in call_rows}  # fmt: skip
+    chunks = decode_batches(rows, first.config.sampling.max_batch_size, first.token_budget)
+    chunks.sort(key=lambda chunk: min(size[id(row)] for row in chunk))
+    pending = set(range(len(planned)))
     try:
-        for chunk in decode_batches(rows, first.config.sampling.max_batch_size, first.token_budget):
-            first._decode(sorted(chunk, key=lambda row: row.adapter))  # an adapter's rows in a run
+        for chunk in chunks:
+            for _ in first._decode_steps(sorted(chunk, key=lambda row: row.adapter)):  # an adapter's rows in a run
+                done = [index for index in pending if all(row.finish_reason for row in planned[index][1])]
+                pending.difference_update(done)
+                yield {index: planned[index][0]._finish(planned[index][1], planned[index][2]) for index in done}
+        if pending:  # calls with no rows to decode
+            yield {index: planned[index][0]._finish(planned[index][1], planned[index][2]) for index in pending}
     finally:
         for engine, call_rows, _ in planned:
             engine._cancelled.difference_update(row.params.tag for row in call_rows)
-    return [engine._finish(call_rows, version) for engine, call_rows, version in planned]
 
 
 def _distinct_prompts(rows: list[_Row]) -> tuple[list[int], list[int]]:

@@ -22,6 +22,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,6 +75,8 @@ CHECKPOINT_KINDS = ("resumable", "weights-only")
 _OPTIMIZER_FILE = "optimizer.safetensors"
 _STATE_FILE = "trainer_state.json"
 _AUTOCAST_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+# A pass cut for fair share keeps at least 1/this of the token budget: per-pass overhead stays small.
+_MIN_PASS_SHARE = 4
 
 
 def publish_folder(staging: Path, target: Path) -> None:
@@ -197,6 +200,7 @@ class TrainingEngine:
         self._global_step = 0
         self._last_lr = config.training.optimizer.lr
         self._last_loss: float | None = None
+        self._tokens_per_s: float | None = None  # positions a fwd_bwd pass computes per second, as measured
         self._asleep = False
         self.optimizer: torch.optim.AdamW | None = None
         if role == "reference":
@@ -302,14 +306,27 @@ class TrainingEngine:
             if backward:
                 (logits.float().sum() * 0.0).backward()
 
-    def _plan(self, frame: Mapping[str, Any]) -> tuple[Spans, list[MicroBatch]]:
+    def _plan(self, frame: Mapping[str, Any], pass_s: float | None = None) -> tuple[Spans, list[MicroBatch]]:
         """Each row's span and the passes over them; a row longer than the budget is refused here,
-        before any work."""
+        before any work. ``pass_s``: also cut passes to about that many seconds each at the speed
+        passes ran so far, so that other work can run between them; never below the longest row, nor
+        below a quarter of the budget (more, smaller passes would cost more than they let others in).
+        Before any pass was timed, passes are at that floor: the budget's passes of an engine's first
+        op would hold the host for seconds on a CPU while another run's small op waits."""
         budget = self.token_budget
         spans = row_spans(frame, whole=budget == 0)
         if budget:
             check_rows_fit(spans, budget, "training.micro_batch_tokens")
+            if pass_s is not None:
+                floor = max(int(spans.length_B.max()) if len(spans.length_B) else 0, budget // _MIN_PASS_SHARE)
+                fits = floor if self._tokens_per_s is None else int(self._tokens_per_s * pass_s)
+                budget = min(budget, max(floor, fits))
         return spans, plan_micro_batches(spans, budget)
+
+    def _timed_pass(self, num_positions: int, seconds: float) -> None:
+        """Fold one pass's speed into the estimate :meth:`_plan` cuts passes by."""
+        rate = num_positions / max(seconds, 1e-6)
+        self._tokens_per_s = rate if self._tokens_per_s is None else 0.7 * self._tokens_per_s + 0.3 * rate
 
     @functools.cached_property
     def token_budget(self) -> int:
@@ -727,6 +744,23 @@ def fwd_bwd_together(calls: Sequence[tuple[TrainingEngine, Mapping[str, Any]]]) 
         ValueError: the calls' engines share no base, or their batches cannot share passes
             (different context keys, or forward-only mixed with training); run them one by one.
     """
+    results: dict[int, dict[str, Any]] = {}
+    for done in fwd_bwd_steps(calls):
+        results.update(done)
+    return [results[index] for index in range(len(calls))]
+
+
+def fwd_bwd_steps(
+    calls: Sequence[tuple[TrainingEngine, Mapping[str, Any]]], pass_s: float | None = None
+) -> Iterator[dict[int, dict[str, Any]]]:
+    """:func:`fwd_bwd_together` one pass at a time: yields after each pass the results of the calls
+    whose rows have all been through, by call index (each call once). Passes of the calls with the
+    fewest positions run first, so a small call that shares passes with large ones is answered early;
+    ``pass_s``: passes are cut to about that many seconds (see :meth:`TrainingEngine._plan`).
+    Every call is checked before the first pass.
+
+    Closing the generator before a training call's result was yielded zeroes the gradients of its
+    run (its partial sum would otherwise add to the run's next step)."""
     first = calls[0][0]
     prepared = [_Call.of(engine, batch) for engine, batch in calls]
     if any(
@@ -738,35 +772,74 @@ def fwd_bwd_together(calls: Sequence[tuple[TrainingEngine, Mapping[str, Any]]]) 
     frame, owner_B, offset = _stacked([c.frame for c in prepared])
     for call in prepared:
         call.spans = row_spans(call.frame)
-    spans, passes = first._plan(frame)
-    forward_only = prepared[0].forward_only
-    first._set_train_mode(not forward_only)
+    spans, passes = first._plan(frame, pass_s)
+    size = [int(call.spans.length_B.sum()) for call in prepared]
+    passes.sort(key=lambda micro: min((size[owner_B[row]] for row in micro.rows), default=0))
+    passes_left = [0] * len(prepared)  # passes still to run that hold a row of the call
     for micro in passes:
-        if not micro.rows:
-            first._idle_pass(backward=not forward_only)
-            continue
-        # each call's rows of the pass in one run, so that an adapter updates a slice of rows
-        micro = MicroBatch(tuple(sorted(micro.rows, key=owner_B.__getitem__)), micro.width)
-        part = cut_micro_batch(frame, micro, spans)
-        kwargs, context = first._to_device(part["kwargs"]), first._to_device(part["context"])
-        owners = [owner_B[row] for row in micro.rows]
-        with torch.set_grad_enabled(not forward_only):
-            adapters = [prepared[owner].engine.adapter for owner in owners]
-            logits_bWV = first._logits(kwargs, micro.rows, adapters=adapters)
-            total: Tensor | None = None
-            start = 0
-            for owner, rows in itertools.groupby(owners):  # each call's rows: one run of the pass (sorted above)
-                stop = start + len(list(rows))
-                own_micro = MicroBatch(tuple(row - offset[owner] for row in micro.rows[start:stop]), micro.width)
-                own = {section: {k: v[start:stop] for k, v in values.items()}
-                       for section, values in (("kwargs", kwargs), ("context", context))}  # fmt: skip
-                own_logits, start = logits_bWV[start:stop], stop
-                loss = prepared[owner].score(own_logits, own, own_micro)
-                total = loss if total is None else total + loss
-            del logits_bWV
-        if not forward_only and total is not None:
-            total.backward()
-    return [call.result() for call in prepared]
+        for owner in {owner_B[row] for row in micro.rows}:
+            passes_left[owner] += 1
+    forward_only = prepared[0].forward_only
+    pending = set(range(len(prepared)))
+    try:
+        for micro in passes:
+            first._set_train_mode(not forward_only)  # another op may have run on the base since the last pass
+            if not micro.rows:
+                first._idle_pass(backward=not forward_only)
+                continue
+            started = time.perf_counter()
+            owners = _run_pass(first, prepared, frame, spans, micro, owner_B, offset, forward_only)
+            first._timed_pass(micro.num_positions, time.perf_counter() - started)
+            for owner in owners:
+                passes_left[owner] -= 1
+            done = [owner for owner in pending if passes_left[owner] == 0]
+            pending.difference_update(done)
+            yield {owner: prepared[owner].result() for owner in done}
+        if pending:  # calls whose rows ran in no pass of their own (idle passes only)
+            yield {owner: prepared[owner].result() for owner in sorted(pending)}
+            pending.clear()
+    except GeneratorExit:  # dropped part-way; an error raised in a pass leaves what earlier passes added
+        if not forward_only:
+            for engine in {id(prepared[owner].engine): prepared[owner].engine for owner in pending}.values():
+                for param in engine._params:
+                    param.grad = None
+        raise
+
+
+def _run_pass(
+    first: TrainingEngine,
+    prepared: list[_Call],
+    frame: dict[str, Any],
+    spans: Spans,
+    micro: MicroBatch,
+    owner_B: list[int],
+    offset: list[int],
+    forward_only: bool,
+) -> set[int]:
+    """One pass of :func:`fwd_bwd_steps`, each row scored by its call, then one backward; returns
+    the calls that had rows in it."""
+    # each call's rows of the pass in one run, so that an adapter updates a slice of rows
+    micro = MicroBatch(tuple(sorted(micro.rows, key=owner_B.__getitem__)), micro.width)
+    part = cut_micro_batch(frame, micro, spans)
+    kwargs, context = first._to_device(part["kwargs"]), first._to_device(part["context"])
+    owners = [owner_B[row] for row in micro.rows]
+    with torch.set_grad_enabled(not forward_only):
+        adapters = [prepared[owner].engine.adapter for owner in owners]
+        logits_bWV = first._logits(kwargs, micro.rows, adapters=adapters)
+        total: Tensor | None = None
+        start = 0
+        for owner, rows in itertools.groupby(owners):  # each call's rows: one run of the pass (sorted above)
+            stop = start + len(list(rows))
+            own_micro = MicroBatch(tuple(row - offset[owner] for row in micro.rows[start:stop]), micro.width)
+            own = {section: {k: v[start:stop] for k, v in values.items()}
+                   for section, values in (("kwargs", kwargs), ("context", context))}  # fmt: skip
+            own_logits, start = logits_bWV[start:stop], stop
+            loss = prepared[owner].score(own_logits, own, own_micro)
+            total = loss if total is None else total + loss
+        del logits_bWV
+    if not forward_only and total is not None:
+        total.backward()
+    return set(owners)
 
 
 def _stacked(frames: list[dict[str, Any]]) -> tuple[dict[str, Any], list[int], list[int]]:

@@ -16,7 +16,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,9 @@ _log = logging.getLogger("icefloe.service.jobs")
 _USER_ERRORS = (InvalidRequestError, ConfigError, WireError, UnsupportedOpError, ConflictError, ValueError, TypeError)
 _IMAGE_TAG = "icefloe-local"
 _CLOSE_TIMEOUT_S = 30.0  # service shutdown waits this long for the jobs' threads to release their engines
+# An op past its deadline that has not stopped this much later is killed with its engines (and with
+# a shared host's, every job on it fails): it did not reach a pass or decode step boundary.
+_DEADLINE_GRACE_S = 5.0
 _HELD_RESULTS = 10_000  # results of the Tinker and OpenAI APIs kept in memory until asked for (the oldest go first)
 _SWEEP_EVERY_S = 60.0  # at most this often (and within the result TTL) expired result files are deleted
 
@@ -258,9 +261,9 @@ class JobManager:
         return {"job_id": job_id, "status": status, "lease_ttl_s": self.settings.lease_ttl_s}
 
     def watch(self) -> None:
-        """Start the thread that fails a job whose op passed its deadline (killing its engines) and the
-        jobs of a host whose engines died, cancels a job whose lease lapsed with nothing pending or
-        running, and deletes expired result files."""
+        """Start the thread that kills the engines of an op that did not stop at its deadline (failing
+        its job, or every job of a shared host), fails the jobs of a host whose engines died, cancels a
+        job whose lease lapsed with nothing pending or running, and deletes expired result files."""
         settings = self.settings
         shortest = min(
             settings.lease_ttl_s or 10, settings.op_deadline_s, settings.result_ttl_s, *settings.op_deadlines_s.values()
@@ -280,7 +283,13 @@ class JobManager:
                 if why is not None:
                     host.fail(f"{why} ({host.host_id})", self.last_checkpoint)
             for job in [job for job in self._live.values() if not job.stopping]:
-                late = [(where, op) for where, op, at in list(job.in_flight.values()) if now - at > deadline_s(op)]
+                # A resumable op stops itself at its first slice boundary past the deadline; one still
+                # running a grace later is stuck in one pass (or is one long engine call): kill it.
+                late = [
+                    (where, op)
+                    for where, op, at in list(job.in_flight.values())
+                    if now - at > deadline_s(op) + _DEADLINE_GRACE_S
+                ]
                 host = job.host
                 engines = host.engines if host is not None else None
                 killable = engines.killable if engines is not None else None  # None: engines in this process
@@ -506,9 +515,10 @@ class JobManager:
             raise ConflictError(f"{why}; this call needs it running") from None
         return request_id
 
-    def _execute(self, op: str, entries: list[_Entry], run: Callable[[list], list]) -> list[None]:
+    def _execute(self, op: str, entries: list[_Entry], run: Callable[[list], Any]) -> Generator[None, None, list[None]]:
         """Run the entries that may still run as one call of ``run`` and record each outcome (on its
-        request, or as an event of its stream). A batch of several jobs that fails is run again one
+        request, or as an event of its stream), a slice per ``next()`` when ``run`` gives slices; the
+        worker runs other lanes' work between them. A batch of several jobs that fails is run again one
         entry at a time, so a failure is recorded on the request that caused it alone; so is one of
         one job refused as invalid, which the engines check before any work."""
         live = [e for e in entries if self._may_run(e.job, e.request_id)]
@@ -519,31 +529,73 @@ class JobManager:
         for e in firsts.values():
             e.job.in_flight[e.request_id] = (e.sub_job_id, op, started)
         try:
-            results = run([e.item for e in live])
-        except Exception as exc:  # every failure is recorded on its requests
-            if len(firsts) > 1 or (len(live) > 1 and isinstance(exc, InvalidRequestError)):
-                for e in live:
-                    self._run_alone(op, e, run)
-            else:
-                self._record_failure(live, op, exc)
-        else:
-            for e, result in zip(live, results, strict=True):
-                self.metrics.engine_ran(e.job.job_id, e.sub_job_id, op, started, [result])
-                self._record_result(e, result)
+            yield from self._run_slices(op, live, run, started)
         finally:
             for e in firsts.values():
                 e.job.in_flight.pop(e.request_id, None)
         return [None] * len(entries)
 
-    def _run_alone(self, op: str, entry: _Entry, run: Callable[[list], list]) -> None:
-        started = time.monotonic()
+    def _run_slices(self, op: str, live: list[_Entry], run: Callable[[list], Any], started: float) -> Generator:
+        """Record each entry's result as soon as ``run`` gives it. ``run(items)`` returns one result per
+        item, or an iterator that runs them a slice per ``next()`` and yields ``{index: result}`` for the
+        items finished meanwhile. Between slices, an op past its deadline (or whose jobs all stopped)
+        is stopped there: closing the iterator drops it in the engines."""
+        pending = dict(enumerate(live))  # index -> entry whose result is not recorded yet
         try:
-            (result,) = run([entry.item])
-        except Exception as exc:
-            self._record_failure([entry], op, exc)
-        else:
-            self.metrics.engine_ran(entry.job.job_id, entry.sub_job_id, op, started, [result])
-            self._record_result(entry, result)
+            outcome = run([e.item for e in live])
+            slices = iter([dict(enumerate(outcome))]) if isinstance(outcome, list) else outcome
+            for done in slices:
+                for index, result in done.items():
+                    entry = pending.pop(index)
+                    self.metrics.engine_ran(entry.job.job_id, entry.sub_job_id, op, started, [result])
+                    self._record_result(entry, result)
+                if not pending:
+                    break
+                yield  # the worker's other lanes take their turn
+                if self._stopped_between_slices(op, list(pending.values()), started):
+                    getattr(slices, "close", lambda: None)()
+                    return
+            if pending:
+                raise RuntimeError(f"{op} ended without a result for {len(pending)} of its {len(live)} requests")
+        except Exception as exc:  # every failure is recorded on its requests
+            rest = list(pending.values())
+            if len({e.job.job_id for e in rest}) > 1 or (len(rest) > 1 and isinstance(exc, InvalidRequestError)):
+                for e in rest:
+                    yield from self._run_slices(op, [e], run, time.monotonic())
+            else:
+                self._record_failure(rest, op, exc)
+
+    def _stopped_between_slices(self, op: str, pending: list[_Entry], started: float) -> bool:
+        """Stop an op at a slice boundary when its jobs all stopped (its requests are cancelled) or when
+        it passed its deadline: then its requests fail and so does each job they belong to, naming
+        its own sub-job only (the op may share its passes with other jobs' requests)."""
+        if all(e.job.stopping for e in pending):
+            for e in pending:
+                why = f"job {e.job.job_id} stopped: {e.job.state.stop_reason}"
+                self.requests.finish(e.request_id, status="cancelled", error=why)
+                self.streams.pop(e.request_id, None)
+            return True
+        deadline_s = self.settings.deadline_s(op)
+        if time.monotonic() - started <= deadline_s:
+            return False
+        reasons: dict[str, str] = {}
+        for e in pending:
+            reason = reasons.setdefault(
+                e.job.job_id,
+                f"{op} on {e.sub_job_id} did not finish within its deadline of {deadline_s:g} s; "
+                "stopped at its next pass or decode step",
+            )
+            stream = self.streams.get(e.request_id)
+            if stream is not None:
+                self._push(e.request_id, stream, e.item, error=reason)
+            else:
+                self.requests.finish(e.request_id, status="failed", error=reason)
+        for e in {e.job.job_id: e for e in pending}.values():
+            e.job.log.write(reasons[e.job.job_id], level="ERROR", sub_job_id=e.sub_job_id)
+            checkpoint = self.last_checkpoint(e.job.job_id)
+            resume = f"resume from checkpoint {checkpoint}" if checkpoint else "no checkpoint was saved"
+            e.job.state.fail(f"{reasons[e.job.job_id]}; {resume}")
+        return True
 
     def _may_run(self, job: LiveJob, request_id: str) -> bool:
         if job.stopping:

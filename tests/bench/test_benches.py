@@ -22,7 +22,7 @@ from bench.__main__ import available
 
 _REPO = Path(__file__).resolve().parents[2]
 # Smoke runs of a few seconds each on the 2-core CI machine; every other bench is slow by default.
-FAST = {"engine", "lora", "service", "weight_sync", "wire"}
+FAST = {"engine", "fairness", "lora", "service", "weight_sync", "wire"}
 # A bench with another mode runs once per mode.
 VARIANTS = {"load": [[], ["--api", "tinker", "--seconds", "3"]]}
 _SUMMARY = re.compile(r"bench=(?P<name>\w+) ratio=(?P<ratio>\S+)(?: [\w.-]+=\S+)*")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -322,3 +323,174 @@ def test_closing_a_lane_waits_for_its_work_and_leaves_the_worker_running():
         assert second.submit(lambda: "still running").result(10) == "still running"
     finally:
         worker.close()
+
+
+def _sliced(order: list[str], name: str, num_slices: int):
+    """Work in ``num_slices`` slices, each noted in ``order``; returns ``name``."""
+    for index in range(num_slices):
+        order.append(f"{name}{index}")
+        yield
+    return name
+
+
+def test_work_in_slices_lets_another_lanes_item_run_after_one_slice():
+    """A long op held the worker to its end: a small op of another run waited for all of it."""
+    worker = Worker("slices", linger_s=0.0)
+    long, small = worker.lane("long"), worker.lane("small")
+    order: list[str] = []
+    try:
+        release = _blocked(small)  # the long lane has the next turn
+        done = long.submit(_sliced, order, "long", 5)
+        answered = small.submit(order.append, "small")
+        release.set()
+        assert done.result(10) == "long" and answered.result(10) is None
+    finally:
+        worker.close()
+    assert order == ["long0", "small", "long1", "long2", "long3", "long4"]
+
+
+def test_a_lanes_next_item_waits_for_its_sliced_item_to_finish():
+    worker = Worker("order", linger_s=0.0)
+    lane = worker.lane("run")
+    order: list[str] = []
+    try:
+        release = _blocked(lane)
+        first = lane.submit(_sliced, order, "first", 3)
+        second = lane.submit(order.append, "second")
+        release.set()
+        assert first.result(10) == "first" and second.result(10) is None
+    finally:
+        worker.close()
+    assert order == ["first0", "first1", "first2", "second"]
+
+
+def test_a_batch_in_slices_answers_each_item_when_it_finishes_and_frees_its_lane():
+    """A small sample that joined a long decode batch was answered, and its run went on, only at the batch's end."""
+    worker = Worker("batch-slices", linger_s=0.0)
+    big, small = worker.lane("big"), worker.lane("small")
+    order: list[str] = []
+
+    def run_batch(items):
+        assert sorted(items) == ["big", "small"]  # the small lane leads: the batch is its to resume first
+        order.append("slice0")
+        yield {items.index("small"): "SMALL"}  # the small item's rows end in the first slice
+        for index in range(1, 4):
+            order.append(f"slice{index}")
+            yield None
+        return [item.upper() if item == "big" else "settled already" for item in items]
+
+    try:
+        release = _blocked(big)
+        futures = [lane.submit_batchable("generate", lane.name, run_batch) for lane in (big, small)]
+        after = small.submit(order.append, "small-next")
+        release.set()
+        assert futures[1].result(10) == "SMALL" and futures[0].result(10) == "BIG"
+        after.result(10)
+    finally:
+        worker.close()
+    assert order.index("small-next") < order.index("slice3")
+
+
+def test_an_error_in_a_later_slice_fails_the_items_not_yet_answered():
+    worker = Worker("slice-error", linger_s=0.0)
+    lanes = [worker.lane(name) for name in ("a", "b")]
+
+    def run_batch(items):
+        yield {items.index("a"): "a-done"}
+        raise RuntimeError("the engine crashed")
+
+    try:
+        release = _blocked(lanes[0])
+        futures = [lane.submit_batchable("generate", lane.name, run_batch) for lane in lanes]
+        release.set()
+        assert futures[0].result(10) == "a-done"
+        with pytest.raises(RuntimeError, match="the engine crashed"):
+            futures[1].result(10)
+        assert lanes[1].submit(lambda: "goes on").result(10) == "goes on"
+    finally:
+        worker.close()
+
+
+def test_turns_go_round_tenants_then_each_tenants_lanes():
+    """One tenant with two runs gets half of the worker, the other tenant's one run the other half."""
+    worker = Worker("tenants", linger_s=0.0)
+    first = worker.lane("first", group="tenant-a")
+    second = worker.lane("second", group="tenant-a")
+    other = worker.lane("other", group="tenant-b")
+    blocker = worker.lane("blocker", group="tenant-z")
+    order: list[str] = []
+    try:
+        release = _blocked(blocker)
+        futures = [lane.submit(_sliced, order, lane.name, 4) for lane in (first, second, other)]
+        release.set()
+        for future in futures:
+            future.result(10)
+    finally:
+        worker.close()
+    assert [name.rstrip("0123456789") for name in order[:8]] == ["first", "other", "second", "other"] * 2
+
+
+def _slow_sliced(order: list[str], name: str, num_slices: int, slice_s: float):
+    """:func:`_sliced` with slices that take ``slice_s`` each."""
+    for index in range(num_slices):
+        order.append(f"{name}{index}")
+        time.sleep(slice_s)
+        yield
+    return name
+
+
+def test_a_run_of_small_items_gets_as_much_time_as_a_run_of_long_slices():
+    """Turns counted items, not time: each small op of one run waited for a whole slice of another's."""
+    worker = Worker("time", linger_s=0.0)
+    long, small = worker.lane("long", group="a"), worker.lane("small", group="b")
+    blocker = worker.lane("blocker", group="z")
+    order: list[str] = []
+    try:
+        release = _blocked(blocker)
+        done = long.submit(_slow_sliced, order, "long", 3, 0.1)  # slices of four turns each
+        # batchable, as a forward-backward is (a quick item would go first anyway); keys that never batch
+        answered = [small.submit_batchable(i, f"small{i}", lambda items: [order.extend(items)] * len(items))
+                    for i in range(3)]  # fmt: skip
+        release.set()
+        for future in [done, *answered]:
+            future.result(10)
+    finally:
+        worker.close()
+    assert order == ["long0", "small0", "small1", "small2", "long1", "long2"]
+
+
+def test_a_run_behind_in_time_is_awaited_a_moment_for_its_next_item():
+    """A client that sends its next small op once the last is answered found another run's slice
+    started in between, and waited for all of it, every time."""
+    worker = Worker("anticipate", linger_s=0.0, anticipate_s=5.0)
+    long, small = worker.lane("long", group="a"), worker.lane("small", group="b")
+    order: list[str] = []
+    try:
+        done = long.submit(_slow_sliced, order, "long", 20, 0.06)
+        while not order:  # the long op ran a slice: the small run is behind in time
+            time.sleep(0.005)
+        small.submit(order.append, "small0").result(10)
+        time.sleep(0.02)  # the client reads the answer, then sends its next op
+        small.submit(order.append, "small1").result(10)
+        done.result(10)
+    finally:
+        worker.close()
+    assert order.index("small1") == order.index("small0") + 1
+
+
+def test_a_gate_waits_for_a_target_lane_whose_sliced_work_is_unfinished():
+    """A weight copy must not land between two decode steps of a sample on its target."""
+    worker = Worker("gate-slices", linger_s=0.0)
+    train, sample = worker.lane("train"), worker.lane("sample")
+    order: list[str] = []
+    try:
+        release = _blocked(train)
+        rollout = sample.submit(_sliced, order, "decode", 4)
+        gate = SyncGate.parked([sample], source=train)
+        copied = gate.submit(lambda: order.append("copy"))
+        release.set()
+        rollout.result(10)
+        copied.result(10)
+    finally:
+        worker.close()
+    assert order == ["decode0", "decode1", "decode2", "decode3", "copy"]

@@ -73,11 +73,11 @@ def test_generate_bounds_decode_batches_by_tokens_without_changing_results(model
     params = SamplingParams(max_tokens=6, seed=3, n=5, logprobs=True)
     bounded = SamplingEngine(make_config(sampling={"max_batch_tokens": 30}), model_dir=model_dir)
     sizes: list[int] = []
-    decode = bounded._decode
-    bounded._decode = lambda rows: (
+    decode = bounded._decode_steps
+    bounded._decode_steps = lambda rows: (
         sizes.append(len(rows) * max(len(r.prompt_ids) + r.max_new for r in rows)),
         decode(rows),
-    )
+    )[1]
     assert _ids(bounded.generate(PROMPTS, params)) == _ids(sampler.generate(PROMPTS, params))
     assert len(sizes) > 2 and max(sizes) <= 30
     assert sampler.token_budget >= 48  # the default: at least max_seq_len

@@ -9,8 +9,8 @@ from torch.testing import assert_close
 
 from icefloe.engines.lora import SharedBase
 from icefloe.engines.models import load_causal_lm, load_tokenizer
-from icefloe.engines.sampling import SamplingEngine, generate_together
-from icefloe.engines.training import TrainingEngine, fwd_bwd_together
+from icefloe.engines.sampling import SamplingEngine, generate_steps, generate_together
+from icefloe.engines.training import TrainingEngine, fwd_bwd_steps, fwd_bwd_together
 from icefloe.engines.weight_sync import sync_weights_local
 from icefloe.protocol import SamplingParams
 
@@ -167,3 +167,52 @@ def test_checkpoints_of_a_shared_run_load_into_a_run_alone(model_dir, tmp_path):
         assert torch.equal(_adapter(solo)[name], tensor)
     probe = _batch(1, 5)
     assert_close(solo.forward(probe)["logprobs"], run.forward(probe)["logprobs"], atol=1e-6, rtol=0)
+
+
+def test_a_small_fwd_bwd_sharing_passes_with_a_large_one_is_answered_after_its_own_pass(model_dir):
+    """A small call stacked with a large one waited for all of the large one's passes."""
+    shared = _shared(model_dir)
+    runs = [make_config(seed=run["seed"], lora=run["lora"], training={"micro_batch_tokens": 24}) for run in RUNS[:2]]
+    large, small = (TrainingEngine(config, shared=shared) for config in runs)
+    batches = [make_batch(*random_rows(24, seed=5)), make_batch(*random_rows(1, seed=6))]
+    answered: list[list[int]] = []
+    results: dict[int, dict] = {}
+    for done in fwd_bwd_steps([(large, batches[0]), (small, batches[1])]):
+        answered.append(sorted(done))
+        results.update(done)
+    assert answered[0] == [1] and answered[-1] == [0] and len(answered) > 3
+    for index, (config, batch) in enumerate(zip(runs, batches, strict=True)):
+        solo = TrainingEngine(config, model_dir=model_dir)
+        assert results[index]["loss"] == pytest.approx(solo.fwd_bwd(batch)["loss"], abs=1e-5)
+
+
+def test_closing_fwd_bwd_steps_part_way_zeroes_the_gradients_of_the_runs_not_answered(model_dir):
+    shared = _shared(model_dir)
+    config = make_config(seed=1, lora=RUNS[0]["lora"], training={"micro_batch_tokens": 24})
+    engine = TrainingEngine(config, shared=shared)
+    steps = fwd_bwd_steps([(engine, make_batch(*random_rows(24, seed=5)))])
+    assert next(steps) == {}  # one pass ran: part of the gradient is in
+    assert any(p.grad is not None for _, p in engine.sync_parameters())
+    steps.close()
+    assert all(p.grad is None for _, p in engine.sync_parameters())
+    batch = _batch(0, 0)
+    solo = TrainingEngine(config, model_dir=model_dir)
+    assert engine.fwd_bwd(batch)["loss"] == pytest.approx(solo.fwd_bwd(batch)["loss"], abs=1e-5)
+    solo_grads = dict(solo.sync_parameters())
+    for name, param in engine.sync_parameters():
+        assert_close(param.grad, solo_grads[name].grad, atol=1e-5, rtol=0)
+
+
+def test_generate_steps_answers_a_short_call_when_its_rows_end_and_each_as_alone(model_dir):
+    shared = _shared(model_dir)
+    sampler = SamplingEngine(make_config(seed=3), shared=shared)
+    long = (sampler, [[5, 6, 7]] * 4, SamplingParams(max_tokens=30, seed=1, ignore_eos=True))
+    short = (sampler, [[8, 9]], SamplingParams(max_tokens=2, seed=2, ignore_eos=True))
+    answered: list[tuple[int, ...]] = []
+    results: dict[int, list] = {}
+    for done in generate_steps([long, short]):
+        answered.append(tuple(sorted(done)))
+        results.update(done)
+    assert answered.index((1,)) == 1 and answered[-1] == (0,)  # the short call's second step ends it
+    assert [s["token_ids"] for s in results[0]] == [s["token_ids"] for s in sampler.generate(*long[1:])]
+    assert [s["token_ids"] for s in results[1]] == [s["token_ids"] for s in sampler.generate(*short[1:])]

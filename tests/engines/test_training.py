@@ -333,3 +333,16 @@ def test_forward_and_fwd_bwd_refuse_bad_target_tokens(model_dir, targets, messag
         engine.forward(batch)
     with pytest.raises(InvalidRequestError, match=message):
         engine.fwd_bwd(batch)
+
+
+def test_an_engines_first_passes_cut_for_fair_share_are_at_the_floor(model_dir):
+    """With no pass timed yet, passes cut for fair share ran at the whole budget: on a shared CPU host a
+    run's first forward-backward held the host for seconds per pass while another run's small op waited."""
+    engine = _engine(model_dir, micro_batch_tokens=160)
+    batch = make_batch([[1, 2, 3]] * 24, [[4, 5, 6, 7]] * 24, [1.0] * 24)  # 24 rows of 7 tokens
+    _, whole = engine._plan(batch)
+    _, first = engine._plan(batch, pass_s=0.025)
+    assert [m.num_positions for m in whole] == [154, 14]  # uncut: 22 rows fill the budget
+    assert [m.num_positions for m in first] == [35] * 4 + [28]  # at the floor, a quarter of the budget: 5 rows
+    engine._timed_pass(10_000, 0.025)  # measured: at 400k positions a second a slice holds the budget
+    assert engine._plan(batch, pass_s=0.025)[1] == whole

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from icefloe import wire
+from icefloe.service.hosts.seam import LocalEngineHost
 
 from .service_batches import small_batch
 from .service_client import Api
-from .service_harness import asgi_client, make_app, wrap_engine_method
+from .service_harness import asgi_client, make_app
 
 pytestmark = pytest.mark.anyio
 
@@ -47,12 +48,13 @@ def _bigger_batch():
 
 async def test_replayed_chunk_group_executes_once_and_returns_the_original_request(data_dir, monkeypatch):
     calls = []
+    original = LocalEngineHost.begin
 
-    def counting_fwd_bwd(run, sub_job_id, batch):
+    def counting_begin(self, sub_job_id, what, *args):  # where every forward-backward starts in the engines
         calls.append(sub_job_id)
-        return run()
+        return original(self, sub_job_id, what, *args)
 
-    wrap_engine_method(monkeypatch, "fwd_bwd", counting_fwd_bwd)
+    monkeypatch.setattr(LocalEngineHost, "begin", counting_begin)
     async with asgi_client(make_app(data_dir, engines="local")) as http:
         api = Api(http)
         job_id = await api.running()

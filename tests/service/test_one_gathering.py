@@ -54,7 +54,7 @@ async def test_a_tinker_sample_and_a_training_api_generate_of_two_runs_decode_as
     batches: list[list[str]] = []  # the sub-jobs of each engine batch, in order
     decodes: list[int] = []  # decode calls per engine batch
     hold, held, release = threading.Event(), threading.Event(), threading.Event()
-    generate_many, decode = LocalEngineHost.generate_many, SamplingEngine._decode
+    generate_many, decode = LocalEngineHost.generate_many, SamplingEngine._decode_steps
 
     def observed_generate_many(self, calls):
         batches.append([sub_job_id for sub_job_id, *_ in calls])
@@ -65,12 +65,12 @@ async def test_a_tinker_sample_and_a_training_api_generate_of_two_runs_decode_as
             release.wait(30)
         return generate_many(self, calls)
 
-    def counted_decode(self, rows):
+    def counted_decode(self, rows):  # one call per decode batch, its steps one next() each
         decodes[-1] += 1
         return decode(self, rows)
 
     monkeypatch.setattr(LocalEngineHost, "generate_many", observed_generate_many)
-    monkeypatch.setattr(SamplingEngine, "_decode", counted_decode)
+    monkeypatch.setattr(SamplingEngine, "_decode_steps", counted_decode)
     service_app = make_app(
         tmp_path / "serve", slots=1, engines="local", tokens=[API_KEY], model_root=tmp_path / "models"
     )

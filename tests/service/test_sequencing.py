@@ -18,6 +18,7 @@ from icefloe.protocol import (
     TooManyRequestsError,
 )
 from icefloe.service.errors import status_and_body
+from icefloe.service.hosts.seam import LocalEngineHost
 from icefloe.service.middleware import CALLER_SCOPE_KEY
 from icefloe.service.sequencing import Sequencing
 
@@ -59,17 +60,18 @@ async def _watched_service(data_dir, **settings) -> AsyncIterator[tuple[Api, _Ar
 def executed(monkeypatch) -> list[tuple[str, float]]:
     """The engine calls ``(op, learning rate or 0)`` in the order they ran."""
     calls: list[tuple[str, float]] = []
+    begin = LocalEngineHost.begin
 
     def recorded_step(run, sub_job_id, learning_rate, adam):
         calls.append(("step", learning_rate))
         return run()
 
-    def recorded_fwd_bwd(run, sub_job_id, batch):
+    def recorded_begin(self, sub_job_id, what, *args):  # a forward-backward starts in the engines here
         calls.append(("forward-backward", 0.0))
-        return run()
+        return begin(self, sub_job_id, what, *args)
 
     wrap_engine_method(monkeypatch, "step", recorded_step)
-    wrap_engine_method(monkeypatch, "fwd_bwd", recorded_fwd_bwd)
+    monkeypatch.setattr(LocalEngineHost, "begin", recorded_begin)
     return calls
 
 

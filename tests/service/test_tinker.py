@@ -182,6 +182,38 @@ def test_a_cancelled_sample_that_has_not_started_never_runs(base_url, model):
         http.post(f"/sessions/{session_id}/finish", json={"reason": {"type": "success"}})
 
 
+def test_a_sample_cancelled_while_its_job_is_still_starting_answers_as_a_user_error(tmp_path, model):
+    """Since samples went through the one door, a sample cancelled before its job ran answered as a server
+    error (its refusal reached the poll as an exception); before, it was a user error, as it is once queued."""
+    import httpx
+
+    from tests.service.service_client import PREFIX, TRAINING
+
+    root = Path(model).parent
+    service_app = make_app(tmp_path / "serve", slots=1, engines="local", tokens=[API_KEY], model_root=root)
+    with ServerThread(service_app) as url, httpx.Client(base_url=url, timeout=60) as http:
+        http.headers["Authorization"] = f"Bearer {API_KEY}"
+        holder = http.post(PREFIX + "/", json={"sub_job_configs": [TRAINING]}).json()["job_id"]  # the one slot
+        deadline = time.monotonic() + 60
+        while http.get(f"{PREFIX}/{holder}").json()["status"] != "running":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        session_id = http.post("/api/v1/create_session", json={}).json()["session_id"]
+        body = {"session_id": session_id, "sampling_session_seq_id": 0, "base_model": model}
+        sampler = http.post("/api/v1/create_sampling_session", json=body).json()["sampling_session_id"]
+        body = {"sampling_session_id": sampler, "seq_id": 1, "num_samples": 1,
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [5, 6, 7]}]},
+                "sampling_params": {"max_tokens": 2}}  # fmt: skip
+        future_id = http.post("/api/v1/asample", json=body).json()["request_id"]  # its job waits for the slot
+        assert http.post("/api/v1/cancel_future", json={"request_id": future_id}).status_code == 200
+        http.post(f"{PREFIX}/{holder}:cancel")  # the sampler's job starts now; the cancelled call never runs
+        while (answer := http.post("/api/v1/retrieve_future", json={"request_id": future_id}).json()).get(
+            "type"
+        ) == "try_again":
+            assert time.monotonic() < deadline
+        assert answer == {"error": "cancelled by the caller", "category": "user"}
+
+
 def test_a_sample_call_resent_while_the_first_copy_is_queued_gets_the_same_future(base_url, model):
     import concurrent.futures
 

@@ -43,6 +43,9 @@ _log = logging.getLogger("icefloe.service.hosts.pool")
 _SHARED_WORKER = "shared"
 # Work that arrives while an engine is busy batches up behind it; only samples wait on an idle one.
 _LINGERS = {Sample.batch_key: Sample.linger_s}
+# On a shared host, a run behind in time whose op was just answered keeps the worker this long for its
+# next op (a client sends it once the last is answered), instead of waiting behind another run's slice.
+_ANTICIPATE_S = 0.02
 
 
 @dataclass(frozen=True)
@@ -214,7 +217,9 @@ class ModelHost:
             base = BaseModel(self.key.model, self.key.seed, self.device)
             self.engines = make_engine_host(settings.engines, [], {}, {}, None, base=base)
             self.engines.start(job.log.write, job.state.stop)  # what it loads, in the log of the job waiting for it
-            self._workers[_SHARED_WORKER] = Worker(self.host_id, linger_s=0.0, lingers=_LINGERS)
+            self._workers[_SHARED_WORKER] = Worker(
+                self.host_id, linger_s=0.0, lingers=_LINGERS, anticipate_s=_ANTICIPATE_S
+            )
             return
         cursor = 0
         for sub_job_id, spec in job.specs.items():
@@ -233,7 +238,7 @@ class ModelHost:
     def lanes(self, job: HostedJob) -> dict[str, Lane]:
         """A lane per sub-job of ``job``, on the worker that runs its engine."""
         if self.shared:
-            return {sid: self._workers[_SHARED_WORKER].lane(sid) for sid in job.specs}
+            return {sid: self._workers[_SHARED_WORKER].lane(sid, group=job.owner) for sid in job.specs}
         return {sid: self._workers[sid].lane(sid) for sid in job.specs}
 
     # --- leaving and failing ------------------------------------------------------------------

@@ -9,8 +9,11 @@ engines in this process, ``process`` in a child process, ``ray`` in actors (dedi
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +22,7 @@ from icefloe.protocol import ClientClosedError, InvalidRequestError, SamplingPar
 from icefloe.service.results import encode_json
 from icefloe.service.specs import SubJobSpec
 
-__all__ = ["BaseModel", "ForwardedEngines", "JobEngines", "LocalEngineHost", "stop_check"]
+__all__ = ["SLICE_S", "BaseModel", "ForwardedEngines", "JobEngines", "LocalEngineHost", "stop_check"]
 
 # Engines of two jobs are never built at the same time in one process: transformers' lazy imports
 # and the tiny-model cache (resolve_model) are not safe to enter from two threads at once.
@@ -37,6 +40,19 @@ class BaseModel:
 
 # (sub-job id, prompts, one params per prompt, whether its samples come back as JSON text)
 Call = tuple[str, Sequence[Any], Sequence[SamplingParams], bool]
+
+# How long one slice of a resumable op (fwd_bwd, generate) runs before the worker may run another
+# run's op, and how long a fwd_bwd pass is cut to: short enough that a small op waits little, long
+# enough that a slice's round trip to an engine process is a small share of it.
+SLICE_S = 0.025
+
+
+@dataclass
+class _Suspended:
+    """A resumable op between slices: its steps (a pass or a decode step each) and its calls not yet answered."""
+
+    steps: Iterator[dict[int, Any]]
+    num_pending: int
 
 
 class JobEngines:
@@ -76,17 +92,48 @@ class JobEngines:
         """Drop those sub-jobs' engines (their adapters and optimizer state); the base stays."""
         raise NotImplementedError(f"{type(self).__name__} hosts one job; close it instead")
 
-    def fwd_bwd_many(self, calls: Sequence[tuple[str, Any]]) -> list[dict[str, Any]]:
+    def fwd_bwd_many(self, calls: Sequence[tuple[str, Any]]) -> Iterator[dict[int, dict[str, Any]]]:
         """Forward-backward ``calls`` ``(sub_job_id, batch)``, in shared passes where their runs share a
-        base (each as it would run alone); one result per call."""
-        return [self.call(sub_job_id, "fwd_bwd", (batch,)) for sub_job_id, batch in calls]
+        base (each as it would run alone), a slice per ``next()``: see :meth:`slices`."""
+        return self.slices(calls[0][0], "fwd_bwd", list(calls))
 
-    def generate_many(self, calls: Sequence[Call]) -> list[list[Any]]:
+    def generate_many(self, calls: Sequence[Call]) -> Iterator[dict[int, list[Any]]]:
         """Generate ``calls`` ``(sub_job_id, prompts, params, as_json)`` as one batch where their
-        samplers share a base; one list of samples per call (each encoded as JSON when its
-        ``as_json``, so an answer splices it in as it is)."""
-        results = [self.call(sub_job_id, "generate", (prompts, params)) for sub_job_id, prompts, params, _ in calls]
-        return _encoded(calls, results)
+        samplers share a base, a slice per ``next()`` (see :meth:`slices`); each call's samples are
+        encoded as JSON when its ``as_json``, so an answer splices them in as they are."""
+        return self.slices(calls[0][0], "generate", list(calls))
+
+    def slices(self, sub_job_id: str, what: str, calls: list[Any]) -> Iterator[dict[int, Any]]:
+        """Run the resumable op ``what`` (``fwd_bwd`` or ``generate``) for about :data:`SLICE_S` per
+        ``next()``; each yields the results of the calls that finished meanwhile, by call index, and
+        every call's result comes once. Closing it early drops the op where the engines hold it."""
+        op_id, done, finished = self.begin(sub_job_id, what, SLICE_S, calls)
+        try:
+            yield done
+            while not finished:
+                done, finished = self.advance(sub_job_id, op_id, SLICE_S)
+                yield done
+        finally:
+            if not finished:
+                with contextlib.suppress(Exception):  # the engines died with it: nothing is left to drop
+                    self.drop(sub_job_id, op_id)
+
+    def begin(self, sub_job_id: str, what: str, slice_s: float, calls: list[Any]) -> tuple[int, dict[int, Any], bool]:
+        """Start a resumable op and run its first slice: ``(op id, results so far, finished)``. The engines
+        of a Ray actor group run it whole."""
+        if what == "fwd_bwd":
+            results = [self.call(sid, "fwd_bwd", (batch,)) for sid, batch in calls]
+        else:
+            generated = [self.call(sid, "generate", (prompts, params)) for sid, prompts, params, _ in calls]
+            results = _encoded(calls, generated)
+        return 0, dict(enumerate(results)), True
+
+    def advance(self, sub_job_id: str, op_id: int, slice_s: float) -> tuple[dict[int, Any], bool]:
+        """Run a suspended op for about ``slice_s``: ``(results of calls that finished, finished)``."""
+        raise InvalidRequestError(f"no suspended op {op_id} on this host")
+
+    def drop(self, sub_job_id: str, op_id: int) -> None:
+        """Stop a suspended op and free what it holds (a fwd_bwd's partial gradients are zeroed)."""
 
     def start(self, on_progress: Callable[[str], None], stop: threading.Event) -> None:
         raise NotImplementedError
@@ -129,7 +176,12 @@ class JobEngines:
 
 class ForwardedEngines(JobEngines):
     """Engines that another process runs on its own :class:`LocalEngineHost` (an engine process, a Ray
-    actor): each op goes there as the host method's name and arguments, through :meth:`_forward`."""
+    actor): each op goes there as the host method's name and arguments, through :meth:`_forward`; a
+    resumable op stays there between slices."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._ops: dict[int, str] = {}  # op id -> what a suspended op there is, for an error to name
 
     def _forward(self, sub_job_id: str | None, method: str, *args: Any, what: str | None = None) -> Any:
         """``method(*args)`` on the far host, by way of what serves ``sub_job_id`` (None: the shared base);
@@ -145,12 +197,22 @@ class ForwardedEngines(JobEngines):
     def sync_weights(self, source_sub_job_id: str, target_sub_job_id: str, weight_format: str | None = None) -> Any:
         return self._forward(source_sub_job_id, "sync_weights", source_sub_job_id, target_sub_job_id, weight_format)
 
-    def fwd_bwd_many(self, calls: Sequence[tuple[str, Any]]) -> list[dict[str, Any]]:
-        return self._forward(calls[0][0], "fwd_bwd_many", list(calls), what="fwd_bwd")
+    def begin(self, sub_job_id: str, what: str, slice_s: float, calls: list[Any]) -> tuple[int, dict[int, Any], bool]:
+        """A generate's samples come as JSON where asked, encoded there: a JSON text pickles far faster
+        than its sample."""
+        op_id, done, finished = self._forward(sub_job_id, "begin", sub_job_id, what, slice_s, calls, what=what)
+        if not finished:
+            self._ops[op_id] = what
+        return op_id, done, finished
 
-    def generate_many(self, calls: Sequence[Call]) -> list[list[Any]]:
-        """As JSON where asked, encoded there: a JSON text pickles and unpickles far faster than its sample."""
-        return self._forward(calls[0][0], "generate_many", list(calls))
+    def advance(self, sub_job_id: str, op_id: int, slice_s: float) -> tuple[dict[int, Any], bool]:
+        done, finished = self._forward(sub_job_id, "advance", sub_job_id, op_id, slice_s, what=self._ops.get(op_id))
+        if finished:
+            self._ops.pop(op_id, None)
+        return done, finished
+
+    def drop(self, sub_job_id: str, op_id: int) -> None:
+        self._forward(sub_job_id, "drop", sub_job_id, op_id, what=self._ops.pop(op_id, None))
 
     def call(self, sub_job_id: str, method: str, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
         return self._forward(sub_job_id, "call", sub_job_id, method, tuple(args), kwargs, what=method)
@@ -161,6 +223,11 @@ class LocalEngineHost(JobEngines):
     on a shared host, each a run's adapter (or the base itself) on the one base model."""
 
     _shared: Any = None  # the SharedBase of a shared host, once loaded
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._op_ids = itertools.count(1)
+        self._suspended: dict[int, _Suspended] = {}  # op id -> a resumable op between slices
 
     def start(self, on_progress: Callable[[str], None], stop: threading.Event) -> None:
         with _BUILD_LOCK:
@@ -231,33 +298,62 @@ class LocalEngineHost(JobEngines):
                     on_progress(f"{sub_job_id} starts from {loaded['checkpoint_id']} ({loaded['kind']})")
             self._engines[sub_job_id] = engine
 
-    def fwd_bwd_many(self, calls: Sequence[tuple[str, Any]]) -> list[dict[str, Any]]:
-        from icefloe.engines.training import fwd_bwd_together
+    def begin(self, sub_job_id: str, what: str, slice_s: float, calls: list[Any]) -> tuple[int, dict[int, Any], bool]:
+        steps = self._fwd_bwd_steps(calls) if what == "fwd_bwd" else self._generate_steps(calls)
+        op_id = next(self._op_ids)
+        self._suspended[op_id] = _Suspended(steps, len(calls))
+        return (op_id, *self.advance(sub_job_id, op_id, slice_s))
 
-        groups: dict[tuple[int, bool, frozenset[str]], list[int]] = {}  # calls that can share passes
+    def advance(self, sub_job_id: str, op_id: int, slice_s: float) -> tuple[dict[int, Any], bool]:
+        op = self._suspended.get(op_id)
+        if op is None:
+            raise InvalidRequestError(f"no suspended op {op_id} on this host; it finished or was dropped")
+        done: dict[int, Any] = {}
+        until = time.monotonic() + slice_s
+        try:
+            while op.num_pending:  # at least one step, however long it takes
+                step = next(op.steps)
+                done.update(step)
+                op.num_pending -= len(step)
+                if time.monotonic() >= until:
+                    break
+        except BaseException:
+            self.drop(sub_job_id, op_id)
+            raise
+        if not op.num_pending:
+            self.drop(sub_job_id, op_id)
+        return done, not op.num_pending
+
+    def drop(self, sub_job_id: str, op_id: int) -> None:
+        op = self._suspended.pop(op_id, None)
+        if op is not None:
+            op.steps.close()
+
+    def _fwd_bwd_steps(self, calls: Sequence[tuple[str, Any]]) -> Iterator[dict[int, Any]]:
+        """Calls whose runs share passes (one base, the same context keys, all forward-only or none) run
+        together, a group after another; passes are cut to about a slice each."""
+        from icefloe.engines.training import fwd_bwd_steps
+
+        groups: dict[tuple[int, bool, frozenset[str]], list[int]] = {}
         for index, (sub_job_id, batch) in enumerate(calls):
             engine = self._engine(sub_job_id)
             forward_only = bool(batch["processing"]["config"].get("forward_only"))
             key = (id(engine.shared or engine), forward_only, frozenset(batch["context"]))
             groups.setdefault(key, []).append(index)
-        results: list[Any] = [None] * len(calls)
         for indices in groups.values():
-            if len(indices) == 1:  # nothing to share passes with
-                results[indices[0]] = self.call(calls[indices[0]][0], "fwd_bwd", (calls[indices[0]][1],))
-                continue
-            together = fwd_bwd_together([(self._engine(calls[i][0]), calls[i][1]) for i in indices])
-            for index, result in zip(indices, together, strict=True):
-                results[index] = result
-        return results
+            for done in fwd_bwd_steps([(self._engine(calls[i][0]), calls[i][1]) for i in indices], SLICE_S):
+                yield {indices[i]: result for i, result in done.items()}
 
-    def generate_many(self, calls: Sequence[Call]) -> list[list[Any]]:
-        from icefloe.engines.sampling import SamplingEngine, generate_together
+    def _generate_steps(self, calls: Sequence[Call]) -> Iterator[dict[int, list[Any]]]:
+        from icefloe.engines.sampling import SamplingEngine, generate_steps
 
         engines = [self._engine(sub_job_id) for sub_job_id, *_ in calls]
-        if not all(isinstance(engine, SamplingEngine) for engine in engines):  # vLLM batches by itself
-            return super().generate_many(calls)
-        results = generate_together([(engine, p, q) for engine, (_, p, q, _) in zip(engines, calls, strict=True)])
-        return _encoded(calls, results)
+        if all(isinstance(engine, SamplingEngine) for engine in engines):
+            steps = generate_steps([(engine, p, q) for engine, (_, p, q, _) in zip(engines, calls, strict=True)])
+        else:  # vLLM batches by itself, a generate at a time
+            steps = iter([{i: self.call(call[0], "generate", call[1:3]) for i, call in enumerate(calls)}])
+        for done in steps:
+            yield {i: [encode_json(s) for s in samples] if calls[i][3] else samples for i, samples in done.items()}
 
     def sync_weights(
         self, source_sub_job_id: str, target_sub_job_id: str, weight_format: str | None = None

@@ -500,12 +500,16 @@ async def _queue_sample(
     return {"request_id": future_id, "sample_sequence_ids": [f"{future_id}:{i}" for i in range(params.n)]}
 
 
+# The answer to a call cancel_future stopped, queued or not: the caller's doing, so a user error.
+_CANCELLED: dict[str, str] = {"error": "cancelled by the caller", "category": "user"}
+
+
 def _sample_answer(samples: list[dict[str, Any]], *, last_n: int | None) -> dict[str, Any] | bytes:
     """A sample call's stored samples as the SDK's SampleResponse (the error of one stopped by cancel_future)."""
     from icefloe.service.tinker import convert
 
     if samples[0]["finish_reason"] == "cancelled":
-        return {"error": "cancelled by the caller", "category": "user"}
+        return dict(_CANCELLED)
     # The engine repeats the prompt's log-probs on each sample; the call keeps them once.
     prompt = {key: samples[0].pop(key, None) for key in _PROMPT_KEYS}
     for sample in samples[1:]:
@@ -672,6 +676,8 @@ async def retrieve_future(body: Body, state: State, tenant: TenantDep) -> Respon
     if future_id not in state.futures:
         return JSONResponse(await asyncio.to_thread(state.lost_future, future_id, tenant))
     future = state.future_of(future_id, tenant)
+    if future.cancelled:  # by cancel_future before its call was queued (its job was starting): it never runs
+        return JSONResponse(dict(_CANCELLED))
     try:
         if future.request_id is None and future.submitted is None:
             job = await state.running(future.job_id, _POLL_S)

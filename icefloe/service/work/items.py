@@ -10,7 +10,7 @@ Items carry no callbacks: the API that asked renders the result (:mod:`icefloe.s
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -140,9 +140,11 @@ class EngineOp:
 Item = FwdBwd | Forward | Step | Sample | Save | Load | WeightSync | EngineOp
 
 
-def run_batch(job: Any, items: Sequence[FwdBwd] | Sequence[Sample]) -> list[Any]:
+def run_batch(job: Any, items: Sequence[FwdBwd] | Sequence[Sample]) -> Iterator[dict[int, Any]]:
     """The items of one batch key, queued together on the lanes of ``job``'s host (any jobs), as one engine
-    call. ``job``: a running ``jobs.LiveJob`` (not named as a type: the job manager imports this module)."""
+    op run a slice (passes or decode steps) per ``next()``: each yields ``{index: result}`` for the items
+    finished meanwhile, so the worker serves other runs between slices and answers a small item early.
+    ``job``: a running ``jobs.LiveJob`` (not named as a type: the job manager imports this module)."""
     engines = job.engines
     if isinstance(items[0], FwdBwd):
         return engines.fwd_bwd_many([(item.sub_job_id, item.batch) for item in items])
