@@ -561,7 +561,7 @@ class EngineHost:
         self.checkpoint_root = Path(checkpoint_root)
         # A worker per engine, so training and sampling run side by side; one lane each.
         self._threads = {role: Worker(role) for role in self.engines}
-        self.workers = {role: worker.lane(role) for role, worker in self._threads.items()}
+        self.lanes = {role: worker.lane(role) for role, worker in self._threads.items()}
         self._sync_weights = sync_weights or self._sync_in_memory
         self._abandoned = abandoned
         self._lora_reference = lora_reference
@@ -598,20 +598,20 @@ class EngineHost:
             }
         engine = self._engine(role, op)
         method = getattr(engine, call.method, None) or functools.partial(engine.call, call.method)
-        return self.workers[role].submit(method, *call.args(body), **call.kwargs(body))
+        return self.lanes[role].submit(method, *call.args(body), **call.kwargs(body))
 
     def _submit_generate(self, body: dict[str, Any]) -> Future:
         self._engine("sampling", protocol.OP_GENERATE)
         prompts, params = body["prompts"], body["sampling_params"]
         item = (prompts, params if isinstance(params, list) else [params] * len(prompts))
-        return self.workers["sampling"].submit_batchable(protocol.OP_GENERATE, item, self._generate)
+        return self.lanes["sampling"].submit_batchable(protocol.OP_GENERATE, item, self._generate)
 
     def _submit_weight_sync(self, body: dict[str, Any]) -> Future:
         self._engine("sampling", "sync_weights")
         return self._sync_weights(body)
 
     def _submit_delete(self, body: dict[str, Any]) -> Future:
-        return self.workers["training"].submit(self._delete, body["checkpoint_id"])
+        return self.lanes["training"].submit(self._delete, body["checkpoint_id"])
 
     def _engine(self, role: str, op: str) -> Any:
         engine = self.engines.get(role)
@@ -630,7 +630,7 @@ class EngineHost:
         from icefloe.engines.weight_sync import sync_weights_local
 
         training, sampling = self.engines["training"], self.engines["sampling"]
-        gate = SyncGate.parked([self.workers["sampling"]], source=self.workers["training"], abandoned=self._abandoned)
+        gate = SyncGate.parked([self.lanes["sampling"]], source=self.lanes["training"], abandoned=self._abandoned)
         weight_format = body.get("weight_format")
         return gate.submit(lambda: sync_weights_local(training, sampling, weight_format))
 

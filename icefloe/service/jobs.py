@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from icefloe.engines.host import Lane
 from icefloe.protocol import (
     JOB_STATES,
     SEGMENT_BY_JOB_TYPE,
@@ -37,7 +38,7 @@ from icefloe.protocol import (
 )
 from icefloe.service import store
 from icefloe.service.chunks import ChunkGroups
-from icefloe.service.hosts.pool import HostFailed, HostKey, HostPool, ModelHost, shared_base_key
+from icefloe.service.hosts.pool import HostFailed, HostKey, HostPool, ModelHost, fail_resumable, shared_base_key
 from icefloe.service.hosts.process import EngineProcessDied
 from icefloe.service.hosts.seam import JobEngines
 from icefloe.service.hosts.slots import SlotPool
@@ -69,7 +70,7 @@ _SWEEP_EVERY_S = 60.0  # at most this often (and within the result TTL) expired 
 
 @dataclass
 class LiveJob:
-    """The in-memory side of a job this process runs: its state, engines, workers, chunk groups, log."""
+    """The in-memory side of a job this process runs: its state, engines, lanes, chunk groups, log."""
 
     job_id: str
     specs: dict[str, SubJobSpec]
@@ -78,7 +79,7 @@ class LiveJob:
     chunks: ChunkGroups
     job_dir: Path
     host: ModelHost | None = None
-    workers: dict[str, Any] = field(default_factory=dict)  # sub-job id -> its Lane on the host
+    lanes: dict[str, Lane] = field(default_factory=dict)  # sub-job id -> its lane on the host's workers
     last_avg_loss: dict[str, float] = field(default_factory=dict)
     thread: threading.Thread | None = None
     lease_until: float = math.inf  # time.monotonic() after which a job with nothing in flight is cancelled
@@ -217,7 +218,7 @@ class JobManager:
                     job, pool=self.pool, settings=self.settings, placed=placed, checkpoints=checkpoints
                 )
                 if opened:
-                    job.workers = job.host.lanes(job)
+                    job.lanes = job.host.lanes(job)
                     state.advance("running")
             state.stop.wait()
         except Exception as exc:  # any start failure fails the job, with its cause as the reason
@@ -229,13 +230,13 @@ class JobManager:
         finally:
             self._release(job)
             state.finish()
-            self._live.pop(job.job_id, None)  # its engines, workers and chunk payloads go with it
+            self._live.pop(job.job_id, None)  # its engines, lanes and chunk payloads go with it
 
     def _release(self, job: LiveJob) -> None:
         host = job.host
         if host is not None and not host.shared and host.engines is not None:
             host.engines.interrupt()  # no lane may stay blocked on a dedicated engine process's pipes
-        for lane in job.workers.values():
+        for lane in job.lanes.values():
             lane.close()  # queued requests see the stop and are marked cancelled
         if host is not None:
             self.hosts.release(host, job)
@@ -302,7 +303,7 @@ class JobManager:
                         reason = f"{op} on {host.host_id} did not finish within its deadline of {deadline_s(op):g} s"
                         host.fail(f"{reason}; killed {killable}, shared by every job on it", self.last_checkpoint)
                     else:
-                        job.state.fail(reason)
+                        fail_resumable(job, reason, self.last_checkpoint)
                     engines.kill()
                 elif now > job.lease_until and not job.in_flight and not self.requests.has_open(job.job_id):
                     job.log.write(f"no call or heartbeat for {self.settings.lease_ttl_s:g} s", level="WARNING")
@@ -495,7 +496,7 @@ class JobManager:
         request_id = self.requests.add(job.job_id, item.sub_job_id, item.op, op_metadata)
         if stream is not None:
             self.streams[request_id] = stream
-        lane = job.workers[item.sub_job_id]
+        lane = job.lanes[item.sub_job_id]
         batch_key = getattr(item, "batch_key", None)
         try:
             if batch_key is None:
@@ -592,9 +593,7 @@ class JobManager:
                 self.requests.finish(e.request_id, status="failed", error=reason)
         for e in {e.job.job_id: e for e in pending}.values():
             e.job.log.write(reasons[e.job.job_id], level="ERROR", sub_job_id=e.sub_job_id)
-            checkpoint = self.last_checkpoint(e.job.job_id)
-            resume = f"resume from checkpoint {checkpoint}" if checkpoint else "no checkpoint was saved"
-            e.job.state.fail(f"{reasons[e.job.job_id]}; {resume}")
+            fail_resumable(e.job, reasons[e.job.job_id], self.last_checkpoint)
         return True
 
     def _may_run(self, job: LiveJob, request_id: str) -> bool:
@@ -653,7 +652,7 @@ class JobManager:
             cause = f"the engines of {host.host_id} died during {op}: {exc}"  # no job id: the host is shared
             host.fail(cause, self.last_checkpoint)
         else:
-            job.state.fail(f"{sub_job_id} crashed during {op}: {message}")
+            fail_resumable(job, f"{sub_job_id} crashed during {op}: {message}", self.last_checkpoint)
 
     def _push(self, request_id: str, stream: Any, item: Any, **outcome: Any) -> None:
         """One prompt's result or error as an event of its stream; the last prompt's finishes the request."""

@@ -100,7 +100,8 @@ async def test_an_engine_crash_during_a_stream_fails_the_job_naming_the_crash(da
         await api.call("POST", f"/{job_id}/generate-stream", **_stream_body([[1, 2], [3]]))
         job = await api.wait_status(job_id, "failed", timeout_s=30)
         assert job["reason"] == (
-            f"{job_id}:sampling:0 crashed during generate-stream: RuntimeError: device lost during sampling"
+            f"{job_id}:sampling:0 crashed during generate-stream: RuntimeError: device lost during sampling; "
+            "no checkpoint was saved"
         )
         assert (await api.call("GET", "/capacity")).json()["in_use_slots"] == 0
 
@@ -185,7 +186,7 @@ async def test_a_request_queued_behind_a_crash_is_cancelled_naming_the_crash(dat
         assert polled["status"] == "cancelled", polled
         assert polled["error"].endswith(
             f"stopped before this request ran: {job_id}:sampling:0 crashed during generate: "
-            "RuntimeError: device lost during sampling"
+            "RuntimeError: device lost during sampling; no checkpoint was saved"
         ), polled["error"]
         assert calls == [1]
 

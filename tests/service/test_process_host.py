@@ -345,7 +345,7 @@ async def test_a_stream_on_a_stopped_engine_fails_its_job_at_the_op_deadline(dat
             job = await api.wait_status(job_id, "failed", timeout_s=30)
         assert job["reason"] == (
             f"generate-stream on {job_id}:sampling:0 did not finish within its deadline of 0.5 s; "
-            f"killed the engine process {pid}"
+            f"killed the engine process {pid}; no checkpoint was saved"
         )
         assert (await api.call("GET", "/capacity")).json()["in_use_slots"] == 0
 

@@ -101,7 +101,7 @@ class RoleTransport(Transport):
 
     def _worker(self, role: str) -> Any:
         """The ordered worker of ``role``, for a subclass's ``_sync_weights``."""
-        return self.host.workers[role]
+        return self.host.lanes[role]
 
 
 def _failed(exc: BaseException) -> Future:

@@ -37,7 +37,16 @@ from icefloe.service.settings import ServeSettings
 from icefloe.service.specs import SubJobSpec
 from icefloe.service.work.items import Sample
 
-__all__ = ["HostFailed", "HostKey", "HostPool", "HostedJob", "ModelHost", "make_engine_host", "shared_base_key"]
+__all__ = [
+    "HostFailed",
+    "HostKey",
+    "HostPool",
+    "HostedJob",
+    "ModelHost",
+    "fail_resumable",
+    "make_engine_host",
+    "shared_base_key",
+]
 
 _log = logging.getLogger("icefloe.service.hosts.pool")
 _SHARED_WORKER = "shared"
@@ -272,9 +281,15 @@ class ModelHost:
             return
         self.dead = cause
         for job in list(self.members.values()):
-            checkpoint = checkpoint_of(job.job_id)
-            resume = f"resume from checkpoint {checkpoint}" if checkpoint else "no checkpoint was saved"
-            job.state.fail(f"{cause}; {resume}")
+            fail_resumable(job, cause, checkpoint_of)
+
+
+def fail_resumable(job: HostedJob, cause: str, checkpoint_of: Callable[[str], str | None]) -> None:
+    """The one way a job fails for its engines (a crash, a kill, an op stopped at its deadline): the
+    reason says why and which checkpoint it can resume from."""
+    checkpoint = checkpoint_of(job.job_id)
+    resume = f"resume from checkpoint {checkpoint}" if checkpoint else "no checkpoint was saved"
+    job.state.fail(f"{cause}; {resume}")
 
 
 class HostPool:

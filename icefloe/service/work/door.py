@@ -70,7 +70,7 @@ def _enter_weight_sync(jobs: JobManager, job: LiveJob, item: WeightSync, api: st
             return "the weight-sync request was cancelled"
         return None
 
-    gate = SyncGate.parked([job.workers[t] for t in item.targets], source=job.workers[item.source], abandoned=abandoned)
+    gate = SyncGate.parked([job.lanes[t] for t in item.targets], source=job.lanes[item.source], abandoned=abandoned)
     try:
         request["id"] = jobs.submit(job, dataclasses.replace(item, gate=gate), api=api, ready=gate.may_start)
     except BaseException:
