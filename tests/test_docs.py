@@ -343,3 +343,20 @@ def test_number_check_catches_an_untied_number_and_a_stale_claim():
         "x.md: no reproducer for: It runs in ~70 s here.",
         "x.md: the claim 'ends at 0.99' is gone from the doc",
     ]
+
+
+_FILE_NAMED = re.compile(r"`([A-Za-z0-9_./]+\.py)`")
+# Where a short name in the architecture and service pages is read from: a name is found in one of these.
+_NAMED_FROM = (
+    "", "icefloe", "icefloe/service", "icefloe/service/hosts", "icefloe/client", "icefloe/client/remote",
+    "icefloe/engines", "tests/faults",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("page", ["docs/architecture.md", "docs/service.md"])
+def test_every_file_the_layer_pages_name_exists(page):
+    """A page that names a file the code no longer has (a module renamed or merged) is out of date."""
+    root = Path(__file__).resolve().parents[1]
+    named = set(_FILE_NAMED.findall((root / page).read_text()))
+    missing = sorted(name for name in named if not any((root / base / name).is_file() for base in _NAMED_FROM))
+    assert missing == [], f"{page} names files that do not exist: {missing}"
