@@ -210,7 +210,7 @@ def test_generate_steps_answers_a_short_call_when_its_rows_end_and_each_as_alone
     short = (sampler, [[8, 9]], SamplingParams(max_tokens=2, seed=2, ignore_eos=True))
     answered: list[tuple[int, ...]] = []
     results: dict[int, list] = {}
-    for done in generate_steps([long, short]):
+    for done, _ in generate_steps([long, short]):
         answered.append(tuple(sorted(done)))
         results.update(done)
     assert answered.index((1,)) == 1 and answered[-1] == (0,)  # the short call's second step ends it
