@@ -264,12 +264,12 @@ def test_generate_samples_are_encoded_as_json_in_the_engine_process():
             raise AssertionError("generate ran in the service process")
 
         host.call = not_here  # type: ignore[method-assign]
-        (texts,) = [samples for done in host.generate_many([(sub_job_id, [[1, 2, 3]], params, True)])
+        (texts,) = [samples for done in host.generate_many([(sub_job_id, [[1, 2, 3]], params, True, False)])
                     for samples in done.values()]  # fmt: skip
         assert [type(text) for text in texts] == [str]
         assert len(json.loads(texts[0])["token_ids"]) == 3
         with pytest.raises(InvalidRequestError, match="sub-job 'nope' has no engine on this host"):
-            list(host.generate_many([("nope", [[1, 2, 3]], params, True)]))
+            list(host.generate_many([("nope", [[1, 2, 3]], params, True, False)]))
     finally:
         host.close()
 
