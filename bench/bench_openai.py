@@ -6,10 +6,12 @@ exactly that many), sent at once by each side: the Tinker SDK as one ``sample`` 
 the ``openai`` SDK as one ``/completions`` request per prompt, concurrently (as an eval harness
 sends them), or with ``--batched`` as one request holding every prompt. Rounds run ``--rounds``
 times, the side that goes first alternating, after ``--warmup`` rounds not counted; ``ratio`` =
-median endpoint round / median Tinker round. Then ``--clients`` streaming clients at once: time to
-first token (the first event with text), p50.
+median endpoint round / median Tinker round. Then ``--clients`` streaming clients at once, each
+asking for ``--stream-tokens`` tokens: time to first token (the first event with text) and to the
+whole answer, p50; text streams as it is decoded, so the first comes long before the whole.
 
-    python -m bench openai [--rounds 10] [--warmup 2] [--prompts 64] [--max-tokens 16] [--clients 8] [--batched]
+    python -m bench openai [--rounds 10] [--warmup 2] [--prompts 64] [--max-tokens 16] [--clients 8]
+                           [--stream-tokens 128] [--batched]
 """
 
 from __future__ import annotations
@@ -76,18 +78,18 @@ class _OpenAISide:
             extra_body={"ignore_eos": True},
         )  # fmt: skip
 
-    def first_tokens(self, prompts: list[list[int]]) -> list[float]:
-        """Seconds to the first event with text, for each of ``prompts`` streamed at once."""
-        return self.loop.run_until_complete(self._first_tokens(prompts))
+    def streamed(self, prompts: list[list[int]]) -> list[tuple[float, float]]:
+        """Seconds to the first event with text and to the stream's end, for each of ``prompts`` streamed at once."""
+        return self.loop.run_until_complete(self._streamed(prompts))
 
-    async def _first_tokens(self, prompts: list[list[int]]) -> list[float]:
-        return list(await asyncio.gather(*(self._first_token(p) for p in prompts)))
+    async def _streamed(self, prompts: list[list[int]]) -> list[tuple[float, float]]:
+        return list(await asyncio.gather(*(self._stream_one(p) for p in prompts)))
 
-    async def _first_token(self, prompt: list[int]) -> float:
+    async def _stream_one(self, prompt: list[int]) -> tuple[float, float]:
         started = time.perf_counter()
         first = None
         stream = await self.client.completions.create(
-            model=self.model, prompt=prompt, max_tokens=self.args.max_tokens, stream=True,
+            model=self.model, prompt=prompt, max_tokens=self.args.stream_tokens, stream=True,
             extra_body={"ignore_eos": True},
         )  # fmt: skip
         async with stream:
@@ -95,7 +97,7 @@ class _OpenAISide:
                 if first is None and any(choice.text for choice in chunk.choices):
                     first = time.perf_counter() - started
         assert first is not None
-        return first
+        return first, time.perf_counter() - started
 
     def close(self) -> None:
         self.loop.run_until_complete(self.client.close())
@@ -110,11 +112,12 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--stream-tokens", type=int, default=128, help="tokens each streaming client asks for")
     parser.add_argument("--batched", action="store_true", help="the endpoint gets all prompts in one request")
-    smoke = {"rounds": 1, "warmup": 0, "prompts": 4, "max_tokens": 4, "clients": 2}
+    smoke = {"rounds": 1, "warmup": 0, "prompts": 4, "max_tokens": 4, "clients": 2, "stream_tokens": 8}
     args = parse_args(parser, argv, smoke=smoke)
-    if args.rounds < 1 or args.warmup < 0 or args.clients < 1:
-        parser.error("--rounds and --clients must be >= 1 and --warmup >= 0")
+    if args.rounds < 1 or args.warmup < 0 or args.clients < 1 or args.stream_tokens < 1:
+        parser.error("--rounds, --clients and --stream-tokens must be >= 1 and --warmup >= 0")
 
     from icefloe.cli import _quiet_transformers
     from icefloe.engines.models import load_tokenizer, resolve_model
@@ -137,7 +140,7 @@ def main(argv: list[str]) -> None:
                             seconds[name].append(time.perf_counter() - started)
                 streaming = sides["openai"]
                 assert isinstance(streaming, _OpenAISide)
-                first_tokens = [s for _ in range(args.rounds) for s in streaming.first_tokens(prompts[: args.clients])]
+                streamed = [s for _ in range(args.rounds) for s in streaming.streamed(prompts[: args.clients])]
             finally:
                 for side in sides.values():
                     side.close()
@@ -148,12 +151,16 @@ def main(argv: list[str]) -> None:
     for name, times in seconds.items():
         table.add_row(name, f"{median[name]:.3f}", f"{min(times):.3f}", f"{max(times):.3f}")
     Console().print(table)
-    ttft = statistics.median(first_tokens)
-    print(f"{args.clients} streaming clients at once: time to first token p50 {ttft:.3f} s")
+    ttft, whole = (statistics.median(times) for times in zip(*streamed, strict=True))
+    print(
+        f"{args.clients} streaming clients at once, {args.stream_tokens} tokens each: "
+        f"time to first token p50 {ttft:.3f} s, to the whole answer p50 {whole:.3f} s"
+    )
     ratio = median["openai"] / median["tinker"]
     finish(
         args,
         f"bench=openai ratio={ratio:.2f} openai_round_s={median['openai']:.3f} tinker_round_s={median['tinker']:.3f} "
-        f"ttft_p50_s={ttft:.3f} prompts={args.prompts} max_tokens={args.max_tokens} clients={args.clients} "
+        f"ttft_p50_s={ttft:.3f} stream_whole_p50_s={whole:.3f} stream_tokens={args.stream_tokens} "
+        f"prompts={args.prompts} max_tokens={args.max_tokens} clients={args.clients} "
         f"rounds={args.rounds} warmup={args.warmup} batched={int(args.batched)}",
     )

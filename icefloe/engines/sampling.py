@@ -20,7 +20,7 @@ import importlib.util
 import inspect
 import shutil
 import tempfile
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -443,18 +443,22 @@ def generate_together(
         InvalidRequestError: a call's prompts or params are invalid (nothing is decoded then).
     """
     results: dict[int, list[dict[str, Any]]] = {}
-    for done in generate_steps(calls):
+    for done, _ in generate_steps(calls):
         results.update(done)
     return [results[index] for index in range(len(calls))]
 
 
 def generate_steps(
     calls: Sequence[tuple[SamplingEngine, Sequence[Sequence[int] | str], SamplingParams | Sequence[SamplingParams]]],
-) -> Iterator[dict[int, list[dict[str, Any]]]]:
-    """:func:`generate_together` one decode step at a time: yields after each step the results of the
-    calls whose rows have all finished, by call index (each call once), so a small call that shares a
-    long decode is answered when its own rows end (its decode batch runs first). Checks every call
-    before the first step; closing the generator stops the decode there and frees its cache."""
+    watched: Collection[int] = (),
+) -> Iterator[tuple[dict[int, list[dict[str, Any]]], dict[int, list[dict[str, Any]]]]]:
+    """:func:`generate_together` one decode step at a time: yields after each step ``(done, news)``:
+    the results of the calls whose rows have all finished, by call index (each call once), so a small
+    call that shares a long decode is answered when its own rows end (its decode batch runs first);
+    and for each ``watched`` call still running whose rows grew, per row what it decoded since the
+    last news (``token_ids``, and ``logprobs`` / ``topk_logprobs`` where its params ask), so a
+    caller can stream it. Checks every call before the first step; closing the generator stops the
+    decode there and frees its cache."""
     first = calls[0][0]
     if any(
         engine is not first and (engine.shared is None or engine.shared is not first.shared) for engine, *_ in calls
@@ -468,17 +472,39 @@ def generate_steps(
     chunks = decode_batches(rows, first.config.sampling.max_batch_size, first.token_budget)
     chunks.sort(key=lambda chunk: min(size[id(row)] for row in chunk))
     pending = set(range(len(planned)))
+    reported = {id(row): 0 for index in watched for row in planned[index][1]}  # row -> tokens sent as news
     try:
         for chunk in chunks:
             for _ in first._decode_steps(sorted(chunk, key=lambda row: row.adapter)):  # an adapter's rows in a run
                 done = [index for index in pending if all(row.finish_reason for row in planned[index][1])]
                 pending.difference_update(done)
-                yield {index: planned[index][0]._finish(planned[index][1], planned[index][2]) for index in done}
+                finished = {index: planned[index][0]._finish(planned[index][1], planned[index][2]) for index in done}
+                yield finished, _news({index: planned[index][1] for index in watched if index in pending}, reported)
         if pending:  # calls with no rows to decode
-            yield {index: planned[index][0]._finish(planned[index][1], planned[index][2]) for index in pending}
+            yield {index: planned[index][0]._finish(planned[index][1], planned[index][2]) for index in pending}, {}
     finally:
         for engine, call_rows, _ in planned:
             engine._cancelled.difference_update(row.params.tag for row in call_rows)
+
+
+def _news(calls: dict[int, list[_Row]], reported: dict[int, int]) -> dict[int, list[dict[str, Any]]]:
+    """What each call's rows decoded past ``reported`` (which this advances), for the calls whose rows grew."""
+    news: dict[int, list[dict[str, Any]]] = {}
+    for index, rows in calls.items():
+        if all(len(row.token_ids) == reported[id(row)] for row in rows):
+            continue
+        grown = []
+        for row in rows:
+            start = reported[id(row)]
+            reported[id(row)] = len(row.token_ids)
+            new: dict[str, Any] = {"token_ids": row.token_ids[start:]}
+            if row.params.logprobs:
+                new["logprobs"] = row.logprobs[start:]
+            if row.params.topk_logprobs:
+                new["topk_logprobs"] = row.topk_logprobs[start:]
+            grown.append(new)
+        news[index] = grown
+    return news
 
 
 def _distinct_prompts(rows: list[_Row]) -> tuple[list[int], list[int]]:

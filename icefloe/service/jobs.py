@@ -40,7 +40,7 @@ from icefloe.service import store
 from icefloe.service.chunks import ChunkGroups
 from icefloe.service.hosts.pool import HostFailed, HostKey, HostPool, ModelHost, fail_resumable, shared_base_key
 from icefloe.service.hosts.process import EngineProcessDied
-from icefloe.service.hosts.seam import JobEngines
+from icefloe.service.hosts.seam import JobEngines, Progress
 from icefloe.service.hosts.slots import SlotPool
 from icefloe.service.joblog import JobLog, JobLogRouter
 from icefloe.service.lifecycle import JobState
@@ -539,14 +539,18 @@ class JobManager:
     def _run_slices(self, op: str, live: list[_Entry], run: Callable[[list], Any], started: float) -> Generator:
         """Record each entry's result as soon as ``run`` gives it. ``run(items)`` returns one result per
         item, or an iterator that runs them a slice per ``next()`` and yields ``{index: result}`` for the
-        items finished meanwhile. Between slices, an op past its deadline (or whose jobs all stopped)
-        is stopped there: closing the iterator drops it in the engines."""
+        items finished meanwhile, or a :class:`Progress` for one still running, which goes to its request
+        as news (:meth:`RequestTable.report`). Between slices, an op past its deadline (or whose jobs all
+        stopped) is stopped there: closing the iterator drops it in the engines."""
         pending = dict(enumerate(live))  # index -> entry whose result is not recorded yet
         try:
             outcome = run([e.item for e in live])
             slices = iter([dict(enumerate(outcome))]) if isinstance(outcome, list) else outcome
             for done in slices:
                 for index, result in done.items():
+                    if isinstance(result, Progress):
+                        self.requests.report(pending[index].request_id, result)
+                        continue
                     entry = pending.pop(index)
                     self.metrics.engine_ran(entry.job.job_id, entry.sub_job_id, op, started, [result])
                     self._record_result(entry, result)

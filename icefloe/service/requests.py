@@ -38,6 +38,7 @@ class RequestTable:
         self._open: dict[str, dict[str, Any]] = {}
         self._finished: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self._waiting: dict[str, list[_Waiter]] = {}
+        self._news: dict[str, list[Any]] = {}  # what running requests made so far, until their pollers take it
         self.on_finish: Callable[[str, str, str], None] | None = None  # (op, outcome, created_at) of each finish
 
     def add(self, job_id: str, sub_job_id: str, op: str, op_metadata: dict[str, Any]) -> str:
@@ -95,6 +96,7 @@ class RequestTable:
             if row is None:
                 return
             self._finished[request_id] = {**row, **outcome}
+            self._news.pop(request_id, None)  # the outcome holds all of it
             while len(self._finished) > _FINISHED_ROWS_KEPT:
                 self._finished.popitem(last=False)
             waiters = self._waiting.pop(request_id, [])
@@ -104,6 +106,23 @@ class RequestTable:
         for loop, future in waiters:
             with contextlib.suppress(RuntimeError):  # the poller's loop already closed
                 loop.call_soon_threadsafe(_resolve, future)
+
+    def report(self, request_id: str, news: Any) -> None:
+        """Keep ``news`` (what a running request made since its last news) for :meth:`take_news`, and
+        wake the request's pollers; news of a request no longer open is dropped."""
+        with self._lock:
+            if request_id not in self._open:
+                return
+            self._news.setdefault(request_id, []).append(news)
+            waiters = self._waiting.pop(request_id, [])
+        for loop, future in waiters:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_resolve, future)
+
+    def take_news(self, request_id: str) -> list[Any]:
+        """The news reported for the request since the last take, oldest first."""
+        with self._lock:
+            return self._news.pop(request_id, [])
 
     def cancel(self, job_id: str, request_id: str, *, why: str) -> dict[str, Any]:
         """Cancel a request that has not started; one that runs or ran is left as it is."""
@@ -143,12 +162,12 @@ class RequestTable:
         return row
 
     async def wait(self, job_id: str, request_id: str, timeout_s: float) -> dict[str, Any]:
-        """The request's row once it finished, or after ``timeout_s`` (a long-poll)."""
+        """The request's row once it finished or has news (:meth:`report`), or after ``timeout_s`` (a long-poll)."""
         loop = asyncio.get_running_loop()
         waiter: _Waiter = (loop, loop.create_future())
         with self._lock:
             row = self._open.get(request_id)
-            waiting = timeout_s > 0 and row is not None and row["job_id"] == job_id
+            waiting = timeout_s > 0 and row is not None and row["job_id"] == job_id and request_id not in self._news
             if waiting:
                 self._waiting.setdefault(request_id, []).append(waiter)
         if waiting:

@@ -210,9 +210,27 @@ def test_generate_steps_answers_a_short_call_when_its_rows_end_and_each_as_alone
     short = (sampler, [[8, 9]], SamplingParams(max_tokens=2, seed=2, ignore_eos=True))
     answered: list[tuple[int, ...]] = []
     results: dict[int, list] = {}
-    for done in generate_steps([long, short]):
+    for done, _ in generate_steps([long, short]):
         answered.append(tuple(sorted(done)))
         results.update(done)
     assert answered.index((1,)) == 1 and answered[-1] == (0,)  # the short call's second step ends it
     assert [s["token_ids"] for s in results[0]] == [s["token_ids"] for s in sampler.generate(*long[1:])]
     assert [s["token_ids"] for s in results[1]] == [s["token_ids"] for s in sampler.generate(*short[1:])]
+
+
+def test_generate_steps_sends_a_watched_calls_new_tokens_only_and_the_others_none(model_dir):
+    shared = _shared(model_dir)
+    sampler = SamplingEngine(make_config(seed=3), shared=shared)
+    params = SamplingParams(max_tokens=12, seed=1, ignore_eos=True, logprobs=True)
+    watched = (sampler, [[5, 6, 7]], params.model_copy(update={"n": 2}))
+    other = (sampler, [[8, 9]], params)
+    grown: list[list[int]] = [[], []]
+    results: dict[int, list] = {}
+    for done, news in generate_steps([watched, other], watched=[0]):
+        assert set(news) <= {0} and not set(news) & set(done)  # news only of the watched call, while it runs
+        for row, new in zip(grown, news.get(0, []), strict=False):
+            assert len(new["logprobs"]) == len(new["token_ids"])
+            row += new["token_ids"]
+        results.update(done)
+    assert all(len(row) == 11 for row in grown)  # every step but the last, which the result carries
+    assert [s["token_ids"][:11] for s in results[0]] == grown

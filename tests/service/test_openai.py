@@ -168,6 +168,42 @@ def test_streamed_completion_and_chat_carry_the_same_text_and_usage(alice):
     assert said.usage.prompt_tokens == rendered
 
 
+def test_a_streamed_completion_arrives_as_it_is_decoded_and_equals_the_whole_answer(server, alice):
+    """The stream once carried the whole completion in one event when the decode ended."""
+    manager = server[1].state.jobs
+    ask = {"model": "tiny-chat", "prompt": "go", "n": 2, "max_tokens": 300, "seed": 11}
+    ask |= {"extra_body": {"ignore_eos": True}}
+    whole = alice.completions.create(**ask)
+    texts, num_chunks, running_at_first = ["", ""], 0, None
+    for chunk in alice.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            if choice.text and running_at_first is None:
+                running_at_first = [r["status"] for r in manager.requests.open_rows() if r["op"] == "generate"]
+            texts[choice.index] += choice.text
+            num_chunks += 1
+    assert running_at_first == ["running"]  # the first text came while its decode ran
+    assert num_chunks > 4  # in many events, not one per choice
+    assert texts == [c.text for c in whole.choices]
+
+
+def test_a_stop_string_never_shows_in_a_stream(alice):
+    """Text that could still grow into a stop string is held back until it cannot."""
+    ask = {"model": "tiny-chat", "prompt": "x", "n": 4, "max_tokens": 200, "seed": 7}
+    ask |= {"extra_body": {"ignore_eos": True}}
+    free = alice.completions.create(**ask).choices[0].text
+    stop = free[40:43]  # three characters the first choice says, late enough that text streams before them
+    whole = alice.completions.create(**ask, stop=[stop])
+    assert whole.choices[0].text == free[: free.index(stop)]
+    texts, chunks = [""] * 4, []
+    for chunk in alice.completions.create(**ask, stop=[stop], stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+            chunks.append(choice.text)
+    assert texts == [c.text for c in whole.choices]
+    assert all(stop not in text for text in texts) and all(stop not in text for text in chunks)
+    assert len(chunks) > 8
+
+
 def test_chat_with_a_model_without_a_template_is_refused_and_its_completions_work(alice):
     with pytest.raises(openai.BadRequestError) as refused:
         alice.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "hi"}])

@@ -25,6 +25,7 @@ import torch
 from icefloe.protocol import ClientClosedError, InvalidRequestError, SamplingParams
 from icefloe.service.hosts import process as process_host
 from icefloe.service.hosts.process import Channel, ProcessEngineHost, serve
+from icefloe.service.hosts.seam import Progress
 from icefloe.service.schemas import JobCreate
 from icefloe.service.specs import sub_job_specs
 
@@ -264,12 +265,33 @@ def test_generate_samples_are_encoded_as_json_in_the_engine_process():
             raise AssertionError("generate ran in the service process")
 
         host.call = not_here  # type: ignore[method-assign]
-        (texts,) = [samples for done in host.generate_many([(sub_job_id, [[1, 2, 3]], params, True)])
+        (texts,) = [samples for done in host.generate_many([(sub_job_id, [[1, 2, 3]], params, True, False)])
                     for samples in done.values()]  # fmt: skip
         assert [type(text) for text in texts] == [str]
         assert len(json.loads(texts[0])["token_ids"]) == 3
         with pytest.raises(InvalidRequestError, match="sub-job 'nope' has no engine on this host"):
-            list(host.generate_many([("nope", [[1, 2, 3]], params, True)]))
+            list(host.generate_many([("nope", [[1, 2, 3]], params, True, False)]))
+    finally:
+        host.close()
+
+
+def test_a_streamed_generate_sends_only_its_new_tokens_across_the_pipe_with_each_slice():
+    host, sub_job_id = _started_host("progress", SAMPLING)
+    try:
+        params = [SamplingParams(max_tokens=60, n=32, seed=2, ignore_eos=True)]
+        news: list[Progress] = []
+        final = None
+        for done in host.generate_many([(sub_job_id, [[1, 2, 3]], params, False, True)]):
+            for result in done.values():
+                if isinstance(result, Progress):
+                    news.append(result)
+                else:
+                    final = result
+        assert news, "no progress came before the result"
+        assert final is not None and all(len(step.samples) == 32 for step in news)
+        for row in range(32):
+            streamed = [token for step in news for token in step.samples[row]["token_ids"]]
+            assert 0 < len(streamed) < 60 and streamed == final[row]["token_ids"][: len(streamed)]
     finally:
         host.close()
 

@@ -22,7 +22,7 @@ from icefloe.protocol import ClientClosedError, InvalidRequestError, SamplingPar
 from icefloe.service.results import encode_json
 from icefloe.service.specs import SubJobSpec
 
-__all__ = ["SLICE_S", "BaseModel", "ForwardedEngines", "JobEngines", "LocalEngineHost", "stop_check"]
+__all__ = ["SLICE_S", "BaseModel", "ForwardedEngines", "JobEngines", "LocalEngineHost", "Progress", "stop_check"]
 
 # Engines of two jobs are never built at the same time in one process: transformers' lazy imports
 # and the tiny-model cache (resolve_model) are not safe to enter from two threads at once.
@@ -38,13 +38,27 @@ class BaseModel:
     device: str
 
 
-# (sub-job id, prompts, one params per prompt, whether its samples come back as JSON text)
-Call = tuple[str, Sequence[Any], Sequence[SamplingParams], bool]
+# (sub-job id, prompts, one params per prompt, whether its samples come back as JSON text, whether
+# it reports Progress at each slice while it runs)
+Call = tuple[str, Sequence[Any], Sequence[SamplingParams], bool, bool]
 
 # How long one slice of a resumable op (fwd_bwd, generate) runs before the worker may run another
 # run's op, and how long a fwd_bwd pass is cut to: short enough that a small op waits little, long
 # enough that a slice's round trip to an engine process is a small share of it.
 SLICE_S = 0.025
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """A slice's news of a generate call that asked for it and still runs: per sample (in the order
+    of its results), the tokens decoded since the last news (``token_ids``, and ``logprobs`` /
+    ``topk_logprobs`` where asked). Only what is new crosses an engine process's pipe."""
+
+    samples: list[dict[str, Any]]
+
+    def then(self, later: Progress) -> Progress:
+        """This news followed by ``later``'s, as one."""
+        return Progress([{k: a[k] + b[k] for k in a} for a, b in zip(self.samples, later.samples, strict=True)])
 
 
 @dataclass
@@ -98,9 +112,10 @@ class JobEngines:
         return self.slices(calls[0][0], "fwd_bwd", list(calls))
 
     def generate_many(self, calls: Sequence[Call]) -> Iterator[dict[int, list[Any]]]:
-        """Generate ``calls`` ``(sub_job_id, prompts, params, as_json)`` as one batch where their
+        """Generate ``calls`` ``(sub_job_id, prompts, params, as_json, progress)`` as one batch where their
         samplers share a base, a slice per ``next()`` (see :meth:`slices`); each call's samples are
-        encoded as JSON when its ``as_json``, so an answer splices them in as they are."""
+        encoded as JSON when its ``as_json``, so an answer splices them in as they are. A call with
+        ``progress`` that has not finished by a slice's end has its :class:`Progress` in that slice."""
         return self.slices(calls[0][0], "generate", list(calls))
 
     def slices(self, sub_job_id: str, what: str, calls: list[Any]) -> Iterator[dict[int, Any]]:
@@ -124,7 +139,7 @@ class JobEngines:
         if what == "fwd_bwd":
             results = [self.call(sid, "fwd_bwd", (batch,)) for sid, batch in calls]
         else:
-            generated = [self.call(sid, "generate", (prompts, params)) for sid, prompts, params, _ in calls]
+            generated = [self.call(sid, "generate", (prompts, params)) for sid, prompts, params, *_ in calls]
             results = _encoded(calls, generated)
         return 0, dict(enumerate(results)), True
 
@@ -312,9 +327,13 @@ class LocalEngineHost(JobEngines):
         until = time.monotonic() + slice_s
         try:
             while op.num_pending:  # at least one step, however long it takes
-                step = next(op.steps)
-                done.update(step)
-                op.num_pending -= len(step)
+                for index, result in next(op.steps).items():
+                    earlier = done.get(index)
+                    if isinstance(result, Progress):
+                        done[index] = earlier.then(result) if isinstance(earlier, Progress) else result
+                    else:
+                        done[index] = result
+                        op.num_pending -= 1
                 if time.monotonic() >= until:
                     break
         except BaseException:
@@ -349,11 +368,15 @@ class LocalEngineHost(JobEngines):
 
         engines = [self._engine(sub_job_id) for sub_job_id, *_ in calls]
         if all(isinstance(engine, SamplingEngine) for engine in engines):
-            steps = generate_steps([(engine, p, q) for engine, (_, p, q, _) in zip(engines, calls, strict=True)])
+            watched = [i for i, call in enumerate(calls) if call[4]]
+            together = [(engine, p, q) for engine, (_, p, q, *_) in zip(engines, calls, strict=True)]
+            steps = generate_steps(together, watched)
         else:  # vLLM batches by itself, a generate at a time
-            steps = iter([{i: self.call(call[0], "generate", call[1:3]) for i, call in enumerate(calls)}])
-        for done in steps:
-            yield {i: [encode_json(s) for s in samples] if calls[i][3] else samples for i, samples in done.items()}
+            steps = iter([({i: self.call(call[0], "generate", call[1:3]) for i, call in enumerate(calls)}, {})])
+        for done, news in steps:
+            step: dict[int, Any] = {i: Progress(samples) for i, samples in news.items()}
+            step |= {i: [encode_json(s) for s in samples] if calls[i][3] else samples for i, samples in done.items()}
+            yield step
 
     def sync_weights(
         self, source_sub_job_id: str, target_sub_job_id: str, weight_format: str | None = None

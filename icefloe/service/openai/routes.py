@@ -100,7 +100,7 @@ async def completions(body: CompletionRequest, ctx: Ctx) -> Response:
     k, scored = body.logprobs or 0, body.logprobs is not None
     params = [_params(body, max_tokens=max_tokens, logprobs=scored, top=k, echo=body.echo) for _ in prompts]
     _check_limits(ctx, prompts, params, served.base)
-    ticket = sampling.sample(ctx.manager, job, ctx.tenant, prompts, params)
+    ticket = sampling.sample(ctx.manager, job, ctx.tenant, prompts, params, streamed=body.stream)
 
     def choices(samples: list[dict[str, Any]]) -> list[_Choice]:
         made = []
@@ -121,7 +121,7 @@ async def completions(body: CompletionRequest, ctx: Ctx) -> Response:
     def lp(choice: _Choice) -> dict[str, Any] | None:
         return _completion_logprobs(choice) if scored else None
 
-    answer = _Answer(ctx, body, ticket, "text_completion", prompts, choices, scoring_only=scoring_only)
+    answer = _Answer(ctx, body, ticket, "text_completion", prompts, choices, tokenizer, scoring_only=scoring_only)
     if body.stream:
         return answer.stream(chunk)
     samples = await answer.samples()
@@ -180,7 +180,7 @@ async def chat_completions(body: ChatRequest, ctx: Ctx) -> Response:
     k = body.top_logprobs or 0
     params = [_params(body, max_tokens=max_tokens, logprobs=body.logprobs, top=k, echo=False)]
     _check_limits(ctx, [prompt], params, served.base)
-    ticket = sampling.sample(ctx.manager, job, ctx.tenant, [prompt], params)
+    ticket = sampling.sample(ctx.manager, job, ctx.tenant, [prompt], params, streamed=body.stream)
 
     def choices(samples: list[dict[str, Any]]) -> list[_Choice]:
         return [_generated(tokenizer, sample, k if body.logprobs else None) for sample in samples]
@@ -199,7 +199,7 @@ async def chat_completions(body: ChatRequest, ctx: Ctx) -> Response:
     def opening(index: int) -> dict[str, Any]:
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
 
-    answer = _Answer(ctx, body, ticket, "chat.completion", [prompt], choices)
+    answer = _Answer(ctx, body, ticket, "chat.completion", [prompt], choices, tokenizer)
     if body.stream:
         return answer.stream(chunk, opening)
     samples = await answer.samples()
@@ -283,7 +283,10 @@ def _top(tokenizer: Any, pairs: list[list[float]] | None, k: int) -> list[tuple[
     return [(tokenizer.decode([int(token)]), logprob) for token, logprob in (pairs or [])[:k]]
 
 
-def _finish_reason(sample: dict[str, Any]) -> str:
+def _finish_reason(sample: dict[str, Any]) -> str | None:
+    """How a sample ended, in OpenAI's words; None while it runs (a streamed answer's progress)."""
+    if sample["finish_reason"] is None:
+        return None
     return "length" if sample["finish_reason"] == "length" else "stop"
 
 
@@ -298,11 +301,12 @@ class _Answer:
         kind: str,
         prompts: list[list[int]],
         choices: Callable[[list[dict[str, Any]]], list[_Choice]],
+        tokenizer: Any,
         *,
         scoring_only: bool = False,
     ) -> None:
         self.ctx, self.body, self.ticket, self.kind = ctx, body, ticket, kind
-        self.prompts, self.choices, self.scoring_only = prompts, choices, scoring_only
+        self.prompts, self.choices, self.tokenizer, self.scoring_only = prompts, choices, tokenizer, scoring_only
         prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
         self.id, self.created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
 
@@ -338,7 +342,7 @@ class _Answer:
             yield {**self.envelope([opening(i) for i in range(count)], **usage), "object": kind}
         sent = [_Choice() for _ in range(count)]  # what each choice's events carried so far
         samples: list[dict[str, Any]] = []
-        async for samples in sampling.progress(self.ctx.manager, self.ticket):
+        async for samples in sampling.progress(self.ctx.manager, self.ticket, self.tokenizer):
             deltas = []
             for index, (now, before) in enumerate(zip(self.choices(samples), sent, strict=True)):
                 new = _Choice(now.text[len(before.text) :], now.tokens[len(before.tokens) :], now.finish_reason)

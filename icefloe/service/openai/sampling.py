@@ -6,7 +6,9 @@ are a request of that job like any other: tenant-checked, batched with the other
 (one-by-one requests linger together on an idle worker), bounded by its deadline, listed on ``/ui``
 and counted in ``/metrics``. The samples stay in memory as the engines made them until the route
 takes them. Every sample carries the request's tag, which stops it at its next decode step when the
-caller goes away (:meth:`icefloe.engines.sampling.SamplingEngine.cancel`).
+caller goes away (:meth:`icefloe.engines.sampling.SamplingEngine.cancel`). A request to stream
+gets the tokens decoded so far with each decode slice (:class:`~icefloe.service.hosts.seam.Progress`),
+shown as text only as far as it can no longer change.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from icefloe.protocol import ConflictError, InvalidRequestError, SamplingParams
+from icefloe.service.hosts.seam import Progress
 from icefloe.service.jobs import JobManager, LiveJob
 from icefloe.service.routes.handlers import generate_target
 from icefloe.service.work.answers import OPENAI
@@ -36,18 +39,25 @@ class Ticket:
     sub_job_id: str
     request_id: str
     tag: str
+    stops: tuple[str, ...] = ()  # the stop strings its samples end at, which its progress must not show
 
 
 def sample(
-    manager: JobManager, job: LiveJob, tenant: str, prompts: list[list[int]], params: list[SamplingParams]
+    manager: JobManager,
+    job: LiveJob,
+    tenant: str,
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    *,
+    streamed: bool = False,
 ) -> Ticket:
     """Queue ``params[i].n`` samples of each of ``prompts`` on ``job`` for ``tenant``; samples come back
-    prompt-major."""
+    prompt-major. ``streamed``: its decode reports progress (see :func:`progress`)."""
     tag = uuid.uuid4().hex
     sub_job_id = generate_target(job, None)
-    item = Sample(sub_job_id, prompts, [p.model_copy(update={"tag": tag}) for p in params])
+    item = Sample(sub_job_id, prompts, [p.model_copy(update={"tag": tag}) for p in params], progress=streamed)
     request_id = enter(manager, job, item, api=OPENAI, tenant=tenant, op_metadata={"api": OPENAI})
-    return Ticket(job.job_id, sub_job_id, request_id, tag)
+    return Ticket(job.job_id, sub_job_id, request_id, tag, tuple(s for s in params[0].stop if s))
 
 
 async def outcome(manager: JobManager, ticket: Ticket) -> list[dict[str, Any]]:
@@ -69,10 +79,37 @@ async def outcome(manager: JobManager, ticket: Ticket) -> list[dict[str, Any]]:
     raise ConflictError(f"the sampling did not finish ({row['status']}): {error}")
 
 
-async def progress(manager: JobManager, ticket: Ticket) -> AsyncIterator[list[dict[str, Any]]]:
-    """The request's samples as they grow, each time all of them. The engine reports a sample when
-    its decode ends, so today this yields once, at the end; finer progress needs no change above it."""
+async def progress(manager: JobManager, ticket: Ticket, tokenizer: Any) -> AsyncIterator[list[dict[str, Any]]]:
+    """The request's samples as they grow, each time all of them: while it runs, as decoded so far
+    (``finish_reason`` None, ``text`` as far as it is final: see :func:`_settled_text`), then as
+    finished. The request must have been queued ``streamed``, or this yields once, at the end."""
+    grown: Progress | None = None  # every token decoded so far
+    while True:
+        row = await manager.requests.wait(ticket.job_id, ticket.request_id, _WAIT_S)
+        if row["status"] not in ("pending", "running"):
+            break
+        news = manager.requests.take_news(ticket.request_id)
+        for step in news:
+            grown = step if grown is None else grown.then(step)
+        if news and grown is not None:
+            yield [
+                {**s, "text": _settled_text(tokenizer, s["token_ids"], ticket.stops), "finish_reason": None}
+                for s in grown.samples
+            ]
     yield await outcome(manager, ticket)
+
+
+def _settled_text(tokenizer: Any, token_ids: list[int], stops: tuple[str, ...]) -> str:
+    """The text of a sample's first tokens that more tokens cannot change: cut before a stop string
+    (as the engine cuts it), without a last character whose bytes are not all decoded yet, and
+    without an ending that could still grow into a stop string (which the answer never shows)."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    cuts = [text.find(stop) for stop in stops if stop in text]
+    if cuts:
+        return text[: min(cuts)]
+    text = text.rstrip("\ufffd")
+    held = max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+    return text[: len(text) - held]
 
 
 def cancel(manager: JobManager, ticket: Ticket) -> None:

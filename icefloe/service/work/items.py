@@ -70,12 +70,14 @@ class Sample:
     """Prompts to sample, one params per prompt (``n`` samples each). Samples of every API, run and the
     base model queued together on a host's lanes run as one decode batch (the key names no API);
     ``as_json``: each sample comes back as its JSON text (encoded where it was made: an engine
-    process pickles text far faster than a sample), for an answer that splices it in."""
+    process pickles text far faster than a sample), for an answer that splices it in; ``progress``:
+    the tokens decoded so far come with each slice while it runs, for an answer that streams them."""
 
     sub_job_id: str
     prompts: Sequence[Any]
     params: Sequence[SamplingParams]
     as_json: bool = False
+    progress: bool = False
     index: int = 0  # a generate-stream's prompt
     op: str = api.OP_GENERATE
     batch_key: ClassVar[tuple[str]] = (api.OP_GENERATE,)
@@ -148,7 +150,8 @@ def run_batch(job: Any, items: Sequence[FwdBwd] | Sequence[Sample]) -> Iterator[
     engines = job.engines
     if isinstance(items[0], FwdBwd):
         return engines.fwd_bwd_many([(item.sub_job_id, item.batch) for item in items])
-    return engines.generate_many([(item.sub_job_id, item.prompts, item.params, item.as_json) for item in items])
+    calls = [(item.sub_job_id, item.prompts, item.params, item.as_json, item.progress) for item in items]
+    return engines.generate_many(calls)
 
 
 def run_one(job: Any, item: Item, db: Any) -> Any:
