@@ -16,7 +16,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -669,9 +669,9 @@ def _always() -> bool:
     return True
 
 
-def _run_one(job: LiveJob, db: store.Database, items: list[Item]) -> list[Any]:
+def _run_one(job: LiveJob, db: store.Database, items: list[Item]) -> list[Any] | Iterator[dict[int, Any]]:
     (item,) = items
-    return [run_one(job, item, db)]
+    return run_one(job, item, db)
 
 
 @dataclass(frozen=True, slots=True)

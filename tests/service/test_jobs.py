@@ -318,3 +318,24 @@ async def test_a_per_prompt_routing_key_list_routes_like_its_one_key(data_dir):
         keyed = {key: await sampler_of(key) for key in ("a", "b")}
         assert keyed["a"] != keyed["b"]  # the two keys land on different samplers
         assert [await sampler_of([None, key]) for key in ("a", "b")] == [keyed["a"], keyed["b"]]
+
+
+async def test_a_forward_cut_into_slices_answers_the_log_probs_of_one_engine_call(data_dir, monkeypatch):
+    from icefloe.service.work import items
+
+    async with asgi_client(make_app(data_dir)) as http:
+        api = Api(http)
+        job_id = await api.create(TRAINING)
+        await api.wait_status(job_id, "running")
+
+        async def forward() -> dict:
+            accepted = (await api.post_frame(job_id, "forward", small_batch(3))).json()
+            return await api.result(job_id, accepted["request_id"])
+
+        whole = await forward()
+        width = whole["logprobs"].shape[1]
+        monkeypatch.setattr(items, "_FORWARD_SLICE_POSITIONS", width)  # one row per engine call (no pass size set)
+        sliced = await forward()
+        assert sliced["logprobs"].shape == whole["logprobs"].shape == (4, width)
+        torch.testing.assert_close(sliced["logprobs"], whole["logprobs"])
+        torch.testing.assert_close(sliced["entropy"], whole["entropy"])

@@ -154,21 +154,55 @@ def run_batch(job: Any, items: Sequence[FwdBwd] | Sequence[Sample]) -> Iterator[
     return engines.generate_many(calls)
 
 
-def run_one(job: Any, item: Item, db: Any) -> Any:
-    """One item that does not batch, on ``job``'s engines; ``db``: the store its checkpoints are recorded in."""
-    engines = job.engines
+def run_one(job: Any, item: Item, db: Any) -> list[Any] | Iterator[dict[int, Any]]:
+    """One item that does not batch, on ``job``'s engines, as :func:`run_batch` gives results: its one
+    result in a list, or (a forward) slices; ``db``: the store its checkpoints are recorded in."""
     if isinstance(item, WeightSync):
-        return _weight_sync(job, item)
+        return [_weight_sync(job, item)]
     if isinstance(item, Save):
-        return _save(job, item, db)
-    body = _BODIES[type(item)](item)
-    call = ENGINE_CALLS[item.op]
-    return engines.call(item.sub_job_id, call.method, call.args(body), call.kwargs(body))
+        return [_save(job, item, db)]
+    if isinstance(item, Forward):
+        return _forward_slices(job, item)
+    return [_call(job, item, _BODIES[type(item)](item))]
 
+
+def _call(job: Any, item: Item, body: Mapping[str, Any]) -> Any:
+    call = ENGINE_CALLS[item.op]
+    return job.engines.call(item.sub_job_id, call.method, call.args(body), call.kwargs(body))
+
+
+def _forward_slices(job: Any, item: Forward) -> Iterator[dict[int, Any]]:
+    """A forward as engine calls of about one pass each (the sub-job's ``micro_batch_tokens`` positions,
+    else :data:`_FORWARD_SLICE_POSITIONS`; whole rows, at least one), a slice per ``next()``: a forward
+    as one engine call could not stop at its deadline, and killing it fails every run of a shared host."""
+    import torch
+
+    batch = item.batch
+    rows, width = batch["kwargs"]["input_ids"].shape
+    positions = job.specs[item.sub_job_id].config.training.micro_batch_tokens or _FORWARD_SLICE_POSITIONS
+    per_slice = max(1, positions // max(int(width), 1))
+    if rows <= per_slice:
+        yield {0: _call(job, item, {"batch": batch, "reference": item.reference})}
+        return
+    parts = []
+    for start in range(0, rows, per_slice):
+        if parts:
+            yield {}  # the worker's other lanes take their turn; a deadline past stops the forward here
+        part = {
+            "args": (),
+            "kwargs": {name: t[start : start + per_slice].clone() for name, t in batch["kwargs"].items()},
+            "context": {name: t[start : start + per_slice].clone() for name, t in (batch.get("context") or {}).items()},
+            "processing": batch["processing"],
+        }
+        parts.append(_call(job, item, {"batch": part, "reference": item.reference}))
+    yield {0: {key: torch.cat([part[key] for part in parts]) for key in parts[0]}}
+
+
+# Positions (rows x width) per engine call of a training-API forward whose sub-job sets no pass size.
+_FORWARD_SLICE_POSITIONS = 16_384
 
 # An item's fields in the terms of its op's ENGINE_CALLS entry (the body a client sends).
 _BODIES: dict[type, Any] = {
-    Forward: lambda item: {"batch": item.batch, "reference": item.reference},
     Step: lambda item: {"learning_rate": item.learning_rate, "adam": item.adam},
     Load: lambda item: {"folder": item.folder, "load_optimizer_states": item.optimizer},
     EngineOp: lambda item: item.body,
