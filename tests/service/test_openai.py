@@ -8,6 +8,7 @@ import json
 import shutil
 import socket
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -332,6 +333,12 @@ async def test_a_training_api_checkpoint_answers_unlike_its_base(server, anyio_b
     async with openai.AsyncOpenAI(base_url=f"{url}/oai/v1", api_key=BOB, max_retries=0) as client:
         with pytest.raises(openai.NotFoundError):
             await client.completions.create(model=model, prompt="a", max_tokens=1)
+        messages = []  # alice's job and no job at all read alike: no answer tells bob that her job exists
+        for name in (f"{job_id}/global_step99", f"{uuid.uuid4()}/global_step99"):
+            with pytest.raises(openai.NotFoundError) as missing:
+                await client.completions.create(model=name, prompt="a", max_tokens=1)
+            messages.append(missing.value.body["message"].replace(name, "<model>"))
+        assert messages[0] == messages[1]
 
 
 def test_a_client_that_leaves_mid_stream_stops_the_decode(server):
@@ -404,6 +411,24 @@ def test_the_example_trains_a_checkpoint_that_beats_its_base_through_the_endpoin
     checkpoint = example.train(server[0], ALICE, steps=20, batch_size=32)
     base, trained = example.evaluate(alice, example.BASE_MODEL), example.evaluate(alice, checkpoint)
     assert base == 0.0 and trained >= 0.05  # the untrained model spells no sum; a few steps teach some
+
+
+def test_a_tenant_past_its_share_of_the_cap_unloads_its_own_models_not_anothers(tmp_path, models):
+    tenants = {"alice": (ALICE,), "bob": (BOB,)}
+    service = make_app(
+        tmp_path, slots=4, engines="local", model_root=models, max_loaded_models=2, tenant_tokens=tenants
+    )
+    with (
+        ServerThread(service) as url,
+        openai.OpenAI(base_url=f"{url}/v1", api_key=ALICE, max_retries=0) as alice,
+        openai.OpenAI(base_url=f"{url}/v1", api_key=BOB, max_retries=0) as bob,
+    ):
+        loaded = service.state.openai
+        bob.completions.create(model="tiny:chat", prompt="a", max_tokens=1)
+        alice.completions.create(model="tiny-chat", prompt="a", max_tokens=1)
+        alice.completions.create(model="tiny-chat-template", prompt="a", max_tokens=1)
+        # alice holds her share (1 of 2): her own least recently used model made room, bob's stays
+        assert list(loaded._served) == [("bob", "tiny:chat"), ("alice", "tiny-chat-template")]
 
 
 def test_past_its_cap_the_least_recently_used_idle_model_is_unloaded(tmp_path, models):

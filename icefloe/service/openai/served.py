@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from icefloe.protocol import ConfigError, ConflictError, InvalidRequestError, NotFoundError
+from icefloe.protocol import ConfigError, ConflictError, InvalidRequestError, NotFoundError, TooManyRequestsError
 from icefloe.service import store
 from icefloe.service.jobs import JobManager, LiveJob
 from icefloe.service.openai.errors import ModelNotFound
@@ -104,22 +104,42 @@ class Loaded:
         sub_job: dict[str, Any] = {"job_type": "sampling", "model_name": target.base_model}
         sub_job |= {"inference_config": inference, "source_checkpoint_info": target.source}
         body = JobCreate.model_validate({"sub_job_configs": [sub_job], "experiment_name": f"openai {model}"[:200]})
-        await asyncio.to_thread(self._cancel, self._evict())
+        await asyncio.to_thread(self._cancel, self._evict(tenant))
         job_id = await asyncio.to_thread(
             self.tenancy.create, self.manager, body, tenant=tenant, database=_DATABASE, schema=_SCHEMA
         )
         served = self._served[(tenant, model)] = Served(model, tenant, job_id, base)
         return served
 
-    def _evict(self) -> list[str]:
-        """Forget the least recently used idle jobs until one more fits; returns them, to cancel."""
+    def _evict(self, tenant: str) -> list[str]:
+        """Make room for one more of ``tenant``'s models; returns the jobs to cancel.
+
+        The cap is shared fairly: the tenant's own least recently used idle model goes first; another
+        tenant's only while ``tenant`` holds less than its share (the cap over the tenants holding
+        models), and then from the tenant holding the most. A tenant at its share with every model
+        busy is refused (429), so one tenant can neither push out another's models at will nor grow
+        past the cap by keeping its own busy."""
         victims = []
-        for key, served in list(self._served.items()):
-            if len(self._served) < self.max_loaded:
-                break
-            if not self.manager.requests.has_open(served.job_id):
-                del self._served[key]
-                victims.append(served.job_id)
+        while len(self._served) >= self.max_loaded:
+            held: dict[str, list[tuple[str, str]]] = {}
+            for key, served in self._served.items():  # least recently used first
+                held.setdefault(served.tenant, []).append(key)
+            share = max(1, self.max_loaded // len(held.keys() | {tenant}))
+            idle = [key for key, served in self._served.items() if not self.manager.requests.has_open(served.job_id)]
+            own = [key for key in idle if key[0] == tenant]
+            others = sorted((key for key in idle if key[0] != tenant), key=lambda key: -len(held[key[0]]))
+            if own:
+                key = own[0]
+            elif len(held.get(tenant, [])) < share and others:
+                key = others[0]  # sorted is stable: the most-holding tenant's least recently used
+            elif len(held.get(tenant, [])) >= share:
+                raise TooManyRequestsError(
+                    f"this tenant holds {len(held[tenant])} of the {self.max_loaded} models the endpoint keeps "
+                    f"loaded (--max-loaded-models), its share, and each is busy; send again when one is idle"
+                )
+            else:
+                break  # below its share and every model busy: load past the cap rather than refuse it
+            victims.append(self._served.pop(key).job_id)
         return victims
 
     def _cancel(self, job_ids: list[str]) -> None:
@@ -171,8 +191,8 @@ class Loaded:
         if name.startswith(_TINKER_PREFIX):
             return self._tinker_checkpoint(name, tenant)
         job_id, slash, checkpoint_id = name.partition("/")
-        if not slash or "/" in checkpoint_id or store.get_job(self.tenancy.db, job_id=job_id) is None:
-            return None  # a hub id (org/name) is a base model's name
+        if not slash or "/" in checkpoint_id or not self.tenancy.sees(tenant, self.tenancy.owner(job_id)):
+            return None  # a hub id (org/name) is a base model's name; another tenant's job is no job at all
         try:
             self.tenancy.checkpoint(tenant, job_id=job_id, checkpoint_id=checkpoint_id)
         except NotFoundError:
