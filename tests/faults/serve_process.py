@@ -169,3 +169,19 @@ def wait_for(condition: Any, timeout_s: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout_s:g} s: {what}")
         time.sleep(0.05)
+
+
+_PEFT = {"peft_type": "Lora", "r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+# A LoRA trainer that can share a host, in passes of at most 2,048 tokens: a long op runs many.
+SHARED_LORA = {
+    **TRAINING,
+    "training_config": {**TRAINING["training_config"], "peft_config": _PEFT, "mb_spec": {"max_tokens_per_mb": 2048}},
+}
+
+
+def create_shared_lora_job(serve: Serve, token: str) -> str:
+    """A job of the caller of bearer ``token`` with one :data:`SHARED_LORA` trainer."""
+    answer = httpx.post(f"{serve.base_url}{PREFIX}/", json={"sub_job_configs": [SHARED_LORA]},
+                        headers={"Authorization": f"Bearer {token}"}, timeout=60)  # fmt: skip
+    assert answer.status_code == 200, answer.text
+    return answer.json()["job_id"]

@@ -7,30 +7,16 @@ run goes on on the same engine process.
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
 
 from ..service.service_batches import canonical_batch, small_batch
-from .serve_process import PREFIX, TRAINING, Serve, gone
+from .serve_process import Serve, create_shared_lora_job, gone
 from .tinker_serve import TOKENS, token_file
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real services: `make test-slow`
 
 _DEADLINE_S = 2
-_PEFT = {"peft_type": "Lora", "r": 4, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
-# Passes of at most 2,048 tokens: the long op below runs many, each well within the deadline.
-_LORA = {
-    **TRAINING,
-    "training_config": {**TRAINING["training_config"], "peft_config": _PEFT, "mb_spec": {"max_tokens_per_mb": 2048}},
-}
-
-
-def _create(serve: Serve, tenant: str) -> str:
-    answer = httpx.post(f"{serve.base_url}{PREFIX}/", json={"sub_job_configs": [_LORA]},
-                        headers={"Authorization": f"Bearer {TOKENS[tenant]}"}, timeout=60)  # fmt: skip
-    assert answer.status_code == 200, answer.text
-    return answer.json()["job_id"]
 
 
 def _long_batch() -> dict:
@@ -45,7 +31,7 @@ def test_an_op_past_its_deadline_on_a_shared_host_fails_its_own_job_and_the_othe
     tokens = token_file(tmp_path / "tokens")
     with Serve(tmp_path / "serve", "--token-file", str(tokens), "--op-deadline-s", str(_DEADLINE_S)) as serve:
         serve.http.headers["Authorization"] = f"Bearer {TOKENS['admin']}"
-        alice, bob = _create(serve, "alice"), _create(serve, "bob")
+        alice, bob = create_shared_lora_job(serve, TOKENS["alice"]), create_shared_lora_job(serve, TOKENS["bob"])
         for job_id in (alice, bob):
             serve.wait_job(job_id, "running")
         hosts = {job["job_id"]: job["host"]["host_id"] for job in serve.call("GET", "/")["jobs"]}
