@@ -7,8 +7,10 @@ recorded curves were made with the default count, and a run on one thread takes 
 
 from __future__ import annotations
 
+import shutil
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -20,3 +22,21 @@ def _torch_threads_restored() -> Iterator[None]:
     yield
     if torch is not None and previous is not None and torch.get_num_threads() != previous:
         torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch) -> Path:
+    """A Hugging Face cache holding acme/tiny-chat as the hub lays it out (refs/main -> snapshots/<commit>)."""
+    import huggingface_hub.constants
+
+    from icefloe.engines.models import resolve_model
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--acme--tiny-chat"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(resolve_model("tiny:chat", seed=0), repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))  # what HF_HUB_CACHE sets at import
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    return repo / "snapshots" / commit

@@ -147,6 +147,15 @@ def cached_hub_model(repo_id: str) -> Path | None:
     return Path(found).parent if isinstance(found, str) else None
 
 
+def cached_hub_models() -> list[str]:
+    """The hub ids (``org/name``) :func:`cached_hub_model` finds in the local Hugging Face cache, sorted."""
+    from huggingface_hub import constants
+
+    folders = Path(constants.HF_HUB_CACHE).glob("models--*--*")  # the hub's layout: models--{org}--{name}
+    repo_ids = (folder.name.removeprefix("models--").replace("--", "/", 1) for folder in folders)
+    return sorted(repo_id for repo_id in repo_ids if cached_hub_model(repo_id) is not None)
+
+
 def context_limit(model_config: Any, max_seq_len: int) -> tuple[int, str]:
     """The positions one row may hold, and that limit in words: ``max_seq_len``, or the model's own
     context (``max_position_embeddings``) where that is smaller."""

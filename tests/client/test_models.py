@@ -55,22 +55,6 @@ def test_the_models_context_length_is_enforced_with_the_limit_named(short_model,
         assert client.fwd_bwd(build_batch([[5] * 100], [[6] * 156], [1.0], pad_id=0))["num_tokens"] > 0
 
 
-@pytest.fixture
-def hub_cache(tmp_path, monkeypatch) -> Path:
-    """A Hugging Face cache holding acme/tiny-chat as the hub lays it out (refs/main -> snapshots/<commit>)."""
-    import huggingface_hub.constants
-
-    cache = tmp_path / "hub"
-    repo = cache / "models--acme--tiny-chat"
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    shutil.copytree(resolve_model("tiny:chat", seed=0), repo / "snapshots" / commit)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))  # what HF_HUB_CACHE sets at import
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    return repo / "snapshots" / commit
-
-
 @pytest.mark.parametrize("backend", ["local", "remote"])
 def test_a_hub_id_in_the_local_hugging_face_cache_names_a_model_offline(hub_cache, service, backend):
     """Users keep their models in the Hugging Face cache, and org/name could not name one; on the remote

@@ -273,6 +273,15 @@ def test_models_lists_the_base_models_and_the_callers_own_checkpoints(server, mo
     assert alice.models.retrieve(path).id == path and alice.models.retrieve(checkpoint).id == checkpoint
 
 
+def test_models_lists_the_hub_ids_in_the_services_hugging_face_cache_and_serves_them(hub_cache, alice):
+    """A hub id in the service's cache is a base model it serves, but GET /models named none."""
+    assert "acme/tiny-chat" in {m.id for m in alice.models.list()}
+    answer = alice.completions.create(
+        model="acme/tiny-chat", prompt="hi", max_tokens=3, extra_body={"ignore_eos": True}
+    )
+    assert answer.model == "acme/tiny-chat" and answer.usage.completion_tokens == 3
+
+
 def _train(service: tinker.ServiceClient, base_model: str) -> tinker.TrainingClient:
     training = service.create_lora_training_client(base_model=base_model, rank=4).result()
     tokens = training.get_tokenizer().encode("aaaa aaaa aaaa aaaa")

@@ -246,9 +246,10 @@ class Loaded:
 
     # --- listing ----------------------------------------------------------------------------------
     def listing(self, tenant: str) -> list[dict[str, Any]]:
-        """``GET /models``: the base models the service offers, then the tenant's checkpoints (Tinker
-        sampler paths, then the training API's ``<job_id>/<checkpoint_id>``), newest first."""
-        from icefloe.engines.models import TINY_PRESETS
+        """``GET /models``: the base models the service offers (presets, folders under the model root, hub
+        ids in its Hugging Face cache), then the tenant's checkpoints (Tinker sampler paths, then the
+        training API's ``<job_id>/<checkpoint_id>``), newest first."""
+        from icefloe.engines.models import TINY_PRESETS, cached_hub_models
 
         now = int(time.time())
         names = [f"tiny:{preset}" for preset in sorted(TINY_PRESETS)]
@@ -256,6 +257,7 @@ class Loaded:
         if root is not None and root.is_dir():
             folders = [p.parent for p in (*root.glob("*/config.json"), *root.glob("*/*/config.json"))]
             names += sorted(str(folder.relative_to(root)) for folder in folders)
+        names += [repo_id for repo_id in cached_hub_models() if repo_id not in names]
         models = [{"id": name, "object": "model", "created": now, "owned_by": "icefloe"} for name in names]
         owner, db = self.tenancy.owner_filter(tenant), self.tenancy.db
         checkpoints: list[tuple[str, dict[str, Any]]] = []
