@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from icefloe.config import ClientConfig, OptimizerConfig, TrainingConfig
-from icefloe.engines.batch import shifted_token_logprobs, validate_batch
+from icefloe.engines.batch import as_frame, shifted_token_logprobs
 from icefloe.engines.lora import (
     ADAPTER_WEIGHTS_FILE,
     BASE_ADAPTER,
@@ -612,7 +612,7 @@ class TrainingEngine:
     # --- helpers ------------------------------------------------------------------------------
     def _validated(self, batch: Mapping[str, Any], *, require_context: bool) -> dict[str, Any]:
         self._require_awake()
-        frame = validate_batch(batch, require_context=require_context, vocab_size=self.vocab_size)
+        frame = as_frame(batch, require_context=require_context, vocab_size=self.vocab_size)
         width = frame["kwargs"]["input_ids"].shape[1]
         limit, named = context_limit(self.model.config, self.config.max_seq_len)
         if width > limit:

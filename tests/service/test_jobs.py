@@ -126,6 +126,17 @@ async def test_bad_batch_fails_the_request_but_not_the_job(data_dir):
         assert (await api.job(job_id))["status"] == "running"
 
 
+async def test_a_training_op_is_validated_once_on_its_way_to_a_local_engine(data_dir, validations):
+    """The route validated each batch and the engine again; now the engine takes the route's Frame."""
+    async with asgi_client(make_app(data_dir, engines="local")) as http:
+        api = Api(http)
+        job_id = await api.running(TRAINING)
+        await api.fwd_bwd(job_id)
+        accepted = (await api.post_frame(job_id, "forward", small_batch(1))).json()
+        assert (await api.result(job_id, accepted["request_id"]))["logprobs"].shape == (4, 7)
+    assert validations == [True, False]
+
+
 async def test_requests_to_one_sub_job_run_in_submission_order(data_dir):
     async with asgi_client(make_app(data_dir)) as http:
         api = Api(http)
