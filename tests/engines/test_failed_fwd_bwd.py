@@ -14,38 +14,22 @@ import peft  # noqa: F401 (the dev extra installs it: fail, never skip)
 import pytest
 import torch
 
-from icefloe.engines import losses
 from icefloe.engines.host import Worker
 from icefloe.engines.lora import SharedBase
 from icefloe.engines.models import load_causal_lm, load_tokenizer
 from icefloe.engines.training import TrainingEngine, fwd_bwd_steps, fwd_bwd_together
 from icefloe.protocol import InvalidRequestError
 
+from ..refusing_loss import REFUSING_LOSS, register_refusing_loss
 from .engine_batches import make_batch, make_config, random_rows
 
 LORAS = [{"rank": 4, "alpha": 8}, {"rank": 8, "alpha": 8}]
-REFUSING = "grpo_refusing_a_pass"
 
 
 @pytest.fixture
-def passes(monkeypatch) -> list[tuple[str, bool]]:
-    """Registers GRPO that refuses a call's pass number ``refuse_at_pass`` of its loss config (so a call
-    can fail after its earlier passes added to the gradients); returns each time it ran: the call's
-    ``tag``, whether it refused."""
-    seen: list[tuple[str, bool]] = []
-    grpo = losses.get_loss("grpo")
-
-    def refusing(logprobs_BS, *, context, config, entropy_BS):
-        config["passes_seen"] = config.get("passes_seen", 0) + 1  # the call's own copy of its loss config
-        refused = config["passes_seen"] == config.get("refuse_at_pass")
-        seen.append((config["tag"], refused))
-        if refused:
-            raise InvalidRequestError(f"{config['tag']}: this loss refuses pass {config['passes_seen']}")
-        return grpo(logprobs_BS, context=context, config=config, entropy_BS=entropy_BS)
-
-    monkeypatch.setitem(losses._LOSSES, REFUSING, refusing)
-    monkeypatch.setitem(losses._REQUIRES, REFUSING, ("advantages",))
-    return seen
+def passes(monkeypatch) -> list[tuple[str | None, bool]]:
+    """Each pass a call's loss ran, as the call's tag and whether it refused."""
+    return register_refusing_loss(monkeypatch)
 
 
 def _shared(model_dir) -> SharedBase:
@@ -66,7 +50,7 @@ def _config(run: int, micro_batch_tokens: int):
 
 def _batch(tag: str, num_rows: int, seed: int, *, refuse_at_pass: int | None = None) -> dict:
     config = {"tag": tag, "refuse_at_pass": refuse_at_pass}
-    return make_batch(*random_rows(num_rows, seed=seed), loss_fn=REFUSING, config=config)
+    return make_batch(*random_rows(num_rows, seed=seed), loss_fn=REFUSING_LOSS, config=config)
 
 
 def _grads(engine: TrainingEngine) -> dict[str, torch.Tensor | None]:
