@@ -78,7 +78,7 @@ async def test_a_large_training_frame_reaches_the_engine_process_as_one_frame_an
     from icefloe.engines.batch import FramedBatch
     from icefloe.service.routes import handlers as operations
 
-    monkeypatch.setattr(operations, "_FRAME_BYTES_SENT_AS_IS", 16 << 10)
+    monkeypatch.setattr(operations, "_BYTES_SENT_AS_ONE_FRAME", 16 << 10)
 
     sent: list[int] = []
     reduce = FramedBatch.__reduce__

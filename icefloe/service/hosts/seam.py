@@ -362,9 +362,8 @@ class LocalEngineHost(JobEngines):
             groups.setdefault(key, []).append(index)
         for indices in groups.values():
             group = [(self._engine(calls[i][0]), calls[i][1]) for i in indices]
-            with contextlib.closing(
-                fwd_bwd_steps(group, SLICE_S)
-            ) as steps:  # dropped here: its runs' gradients put back
+            # Closed with this op when it is dropped: the runs not yet answered get their gradients back.
+            with contextlib.closing(fwd_bwd_steps(group, SLICE_S)) as steps:
                 for done in steps:
                     yield {indices[i]: result for i, result in done.items()}
 

@@ -34,10 +34,10 @@ from icefloe.service.work.door import enter
 from icefloe.service.work.items import Forward, FwdBwd, Item, Load, Sample, Save, Step, WeightSync
 
 _SAMPLING_KEYS = frozenset(SamplingParams.model_fields)
-# From this size a training frame travels to an engine process as one DSSST1 frame of its validated tensors
-# (FramedBatch), which pickling each tensor would cost far more of this process's GIL. A small frame's tensors
-# pickle in microseconds, and decoding a frame there puts time on the engine's critical path per call.
-_FRAME_BYTES_SENT_AS_IS = 1 << 20
+# From this size a training batch travels to an engine process as one DSSST1 frame of its validated tensors
+# (FramedBatch): pickling each tensor costs this process's GIL far more. A small batch's tensors pickle in
+# microseconds, where decoding a frame would add to the engine's critical path per call.
+_BYTES_SENT_AS_ONE_FRAME = 1 << 20
 
 
 def submit_frame(
@@ -123,7 +123,7 @@ def _training_item(
         )
     require_context = op == api.OP_FWD_BWD
     batch = validate_batch(payload, require_context=require_context)
-    if frame_bytes >= _FRAME_BYTES_SENT_AS_IS:
+    if frame_bytes >= _BYTES_SENT_AS_ONE_FRAME:
         batch = FramedBatch(batch, training=batch.training)
     if op == api.OP_FORWARD:
         return Forward(sub_job_id, batch, reference)
