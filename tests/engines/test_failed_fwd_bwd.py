@@ -24,6 +24,7 @@ from ..refusing_loss import REFUSING_LOSS, register_refusing_loss
 from .engine_batches import make_batch, make_config, random_rows
 
 LORAS = [{"rank": 4, "alpha": 8}, {"rank": 8, "alpha": 8}]
+PASS_TOKENS = 24  # positions per pass: a call of a few rows takes several
 
 
 @pytest.fixture
@@ -37,14 +38,14 @@ def _shared(model_dir) -> SharedBase:
     return SharedBase(base, model_dir=model_dir, tokenizer=load_tokenizer(model_dir))
 
 
-def _runs(model_dir, *, micro_batch_tokens: int = 24) -> list[TrainingEngine]:
-    """Runs A and B on one base; passes of 24 positions, so that a call takes several."""
+def _runs(model_dir) -> list[TrainingEngine]:
+    """Runs A and B on one base."""
     shared = _shared(model_dir)
-    return [TrainingEngine(_config(run, micro_batch_tokens), shared=shared) for run in range(len(LORAS))]
+    return [TrainingEngine(_config(run), shared=shared) for run in range(len(LORAS))]
 
 
-def _config(run: int, micro_batch_tokens: int):
-    training = {"optimizer": {"lr": 2e-2}, "micro_batch_tokens": micro_batch_tokens}
+def _config(run: int):
+    training = {"optimizer": {"lr": 2e-2}, "micro_batch_tokens": PASS_TOKENS}
     return make_config(seed=run + 1, lora=LORAS[run], training=training)
 
 
@@ -57,9 +58,9 @@ def _grads(engine: TrainingEngine) -> dict[str, torch.Tensor | None]:
     return {name: None if p.grad is None else p.grad.clone() for name, p in engine.sync_parameters()}
 
 
-def _alone(model_dir, run: int, batches: list[dict], *, micro_batch_tokens: int = 24) -> dict:
+def _alone(model_dir, run: int, batches: list[dict]) -> dict:
     """The run's gradient after its ``batches``' fwd_bwd calls alone, one by one, on a base of its own."""
-    engine = TrainingEngine(_config(run, micro_batch_tokens), shared=_shared(model_dir))
+    engine = TrainingEngine(_config(run), shared=_shared(model_dir))
     for batch in batches:
         engine.fwd_bwd(batch)
     return _grads(engine)
@@ -163,7 +164,7 @@ def test_a_runs_calls_in_one_set_of_passes_are_answered_together(model_dir, pass
 def test_a_dedicated_runs_failed_call_leaves_its_earlier_gradient(model_dir, passes):
     """One run alone (a dedicated LoRA host): a call that fails in its third pass leaves the gradient of
     the run's earlier call as it was."""
-    engine = TrainingEngine(_config(0, 24), model_dir=model_dir)
+    engine = TrainingEngine(_config(0), model_dir=model_dir)
     earlier, failing = _batch("A", 4, seed=1), _batch("A", 8, seed=6, refuse_at_pass=3)
     engine.fwd_bwd(earlier)
     passes.clear()
@@ -175,7 +176,7 @@ def test_a_dedicated_runs_failed_call_leaves_its_earlier_gradient(model_dir, pas
 def test_a_full_weight_runs_failed_call_discards_its_gradient_and_says_so(model_dir, passes):
     """A full-weight run keeps no copy of its gradient (it would double gradient memory): a call that
     fails part-way leaves none, and its error tells so; the run's first call after a step loses nothing."""
-    config = make_config(seed=1, training={"micro_batch_tokens": 24})
+    config = make_config(seed=1, training={"micro_batch_tokens": PASS_TOKENS})
     engine = TrainingEngine(config, model_dir=model_dir)
     failing = _batch("A", 8, seed=6, refuse_at_pass=3)
     with pytest.raises(InvalidRequestError) as first:
