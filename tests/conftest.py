@@ -1,4 +1,4 @@
-"""Suite-wide: no test leaves its torch thread count behind.
+"""Suite-wide: no test leaves its torch thread count behind; ``validations`` counts batch validations.
 
 Several tests pin torch to one thread (to compare against another process bit for bit); the demo's
 recorded curves were made with the default count, and a run on one thread takes a different path
@@ -40,3 +40,22 @@ def hub_cache(tmp_path, monkeypatch) -> Path:
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))  # what HF_HUB_CACHE sets at import
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     return repo / "snapshots" / commit
+
+
+@pytest.fixture
+def validations(monkeypatch) -> list[bool]:
+    """Counts calls of ``engines.batch.validate_batch`` (each one's ``require_context``) from any module of
+    this process, also one that imported the function by name."""
+    from icefloe.engines import batch as batch_module
+
+    calls: list[bool] = []
+    real = batch_module.validate_batch
+
+    def counted(batch, *, require_context=True, vocab_size=None):
+        calls.append(require_context)
+        return real(batch, require_context=require_context, vocab_size=vocab_size)
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("icefloe") and getattr(module, "validate_batch", None) is real:
+            monkeypatch.setattr(module, "validate_batch", counted)
+    return calls

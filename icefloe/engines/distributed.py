@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from icefloe.config import ClientConfig
+from icefloe.engines.batch import Frame
 from icefloe.engines.micro_batches import MicroBatch, Spans, row_spans
 from icefloe.engines.training import (
     TrainingEngine,
@@ -61,7 +62,8 @@ def shard_rows(frame: Mapping[str, Any], world_size: int) -> tuple[list[dict[str
     takes part in collectives, which FSDP needs).
 
     Returns:
-        ``(shards, real_rows)``: one frame per rank and how many of its rows are real.
+        ``(shards, real_rows)``: one frame per rank and how many of its rows are real. The shards of
+        a :class:`~icefloe.engines.batch.Frame` are Frames, which the ranks do not validate again.
     """
     if world_size < 1:
         raise InvalidRequestError(f"world_size must be >= 1; got {world_size}")
@@ -92,6 +94,8 @@ def shard_rows(frame: Mapping[str, Any], world_size: int) -> tuple[list[dict[str
             shard = _padding_row(kwargs, context, processing)
         shards.append(shard)
         real_rows.append(stop - start)
+    if isinstance(frame, Frame):
+        shards = [Frame(shard, training=frame.training) for shard in shards]
     return shards, real_rows
 
 

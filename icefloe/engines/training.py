@@ -34,7 +34,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from icefloe.config import ClientConfig, OptimizerConfig, TrainingConfig
-from icefloe.engines.batch import shifted_token_logprobs, validate_batch
+from icefloe.engines.batch import as_frame, shifted_token_logprobs
 from icefloe.engines.lora import (
     ADAPTER_WEIGHTS_FILE,
     BASE_ADAPTER,
@@ -612,7 +612,7 @@ class TrainingEngine:
     # --- helpers ------------------------------------------------------------------------------
     def _validated(self, batch: Mapping[str, Any], *, require_context: bool) -> dict[str, Any]:
         self._require_awake()
-        frame = validate_batch(batch, require_context=require_context, vocab_size=self.vocab_size)
+        frame = as_frame(batch, require_context=require_context, vocab_size=self.vocab_size)
         width = frame["kwargs"]["input_ids"].shape[1]
         limit, named = context_limit(self.model.config, self.config.max_seq_len)
         if width > limit:
@@ -740,27 +740,33 @@ def fwd_bwd_together(calls: Sequence[tuple[TrainingEngine, Mapping[str, Any]]]) 
     :meth:`TrainingEngine.fwd_bwd` returns it.
 
     Raises:
-        InvalidRequestError: a call's batch is invalid (nothing has run then).
+        InvalidRequestError: a call's batch is invalid (nothing has run then), or a loss refused a
+            pass; then every run has the gradients it had before, as after any error it raises.
         ValueError: the calls' engines share no base, or their batches cannot share passes
             (different context keys, or forward-only mixed with training); run them one by one.
     """
     results: dict[int, dict[str, Any]] = {}
-    for done in fwd_bwd_steps(calls):
+    for done in fwd_bwd_steps(calls, answer_early=False):  # all or nothing: what it raises leaves no gradient
         results.update(done)
     return [results[index] for index in range(len(calls))]
 
 
 def fwd_bwd_steps(
-    calls: Sequence[tuple[TrainingEngine, Mapping[str, Any]]], pass_s: float | None = None
+    calls: Sequence[tuple[TrainingEngine, Mapping[str, Any]]],
+    pass_s: float | None = None,
+    *,
+    answer_early: bool = True,
 ) -> Iterator[dict[int, dict[str, Any]]]:
-    """:func:`fwd_bwd_together` one pass at a time: yields after each pass the results of the calls
-    whose rows have all been through, by call index (each call once). Passes of the calls with the
-    fewest positions run first, so a small call that shares passes with large ones is answered early;
-    ``pass_s``: passes are cut to about that many seconds (see :meth:`TrainingEngine._plan`).
-    Every call is checked before the first pass.
+    """:func:`fwd_bwd_together` one pass at a time: yields after each pass the results of the runs
+    whose calls' rows have all been through, by call index (each call once; a run's calls together, as
+    they add to one gradient). Passes of the runs with the fewest positions run first, so a small call
+    that shares passes with large ones is answered early; ``pass_s``: passes are cut to about that many
+    seconds (see :meth:`TrainingEngine._plan`); ``answer_early=False``: every result after the last
+    pass. Every call is checked before the first pass.
 
-    Closing the generator before a training call's result was yielded zeroes the gradients of its
-    run (its partial sum would otherwise add to the run's next step)."""
+    All or nothing per run: when a pass raises, or the generator is closed part-way (a deadline, a
+    cancel), each run not yet answered gets back the gradients it had before (:class:`_GradsBefore`),
+    so a call that failed leaves no gradient behind and one that was answered keeps its own."""
     first = calls[0][0]
     prepared = [_Call.of(engine, batch) for engine, batch in calls]
     if any(
@@ -770,16 +776,23 @@ def fwd_bwd_steps(
     if len({c.forward_only for c in prepared}) > 1 or len({frozenset(c.frame["context"]) for c in prepared}) > 1:
         raise ValueError("fwd_bwd_together needs calls with the same context keys, all forward-only or none")
     frame, owner_B, offset = _stacked([c.frame for c in prepared])
-    for call in prepared:
+    group_of = [id(call.engine) if answer_early else 0 for call in prepared]  # calls answered together
+    positions: dict[int, int] = {}
+    for call, group in zip(prepared, group_of, strict=True):
         call.spans = row_spans(call.frame)
+        positions[group] = positions.get(group, 0) + int(call.spans.length_B.sum())
     spans, passes = first._plan(frame, pass_s)
-    size = [int(call.spans.length_B.sum()) for call in prepared]
-    passes.sort(key=lambda micro: min((size[owner_B[row]] for row in micro.rows), default=0))
-    passes_left = [0] * len(prepared)  # passes still to run that hold a row of the call
+    passes.sort(key=lambda micro: min((positions[group_of[owner_B[row]]] for row in micro.rows), default=0))
+    passes_left = dict.fromkeys(positions, 0)  # passes still to run that hold a row of the group
     for micro in passes:
-        for owner in {owner_B[row] for row in micro.rows}:
-            passes_left[owner] += 1
+        for group in {group_of[owner_B[row]] for row in micro.rows}:
+            passes_left[group] += 1
     forward_only = prepared[0].forward_only
+    before: dict[int, _GradsBefore] = {}  # by run
+    if not forward_only:
+        for call in prepared:
+            if id(call.engine) not in before:
+                before[id(call.engine)] = _GradsBefore(call.engine)
     pending = set(range(len(prepared)))
     try:
         for micro in passes:
@@ -790,20 +803,55 @@ def fwd_bwd_steps(
             started = time.perf_counter()
             owners = _run_pass(first, prepared, frame, spans, micro, owner_B, offset, forward_only)
             first._timed_pass(micro.num_positions, time.perf_counter() - started)
-            for owner in owners:
-                passes_left[owner] -= 1
-            done = [owner for owner in pending if passes_left[owner] == 0]
-            pending.difference_update(done)
-            yield {owner: prepared[owner].result() for owner in done}
+            for group in {group_of[owner] for owner in owners}:
+                passes_left[group] -= 1
+            answered = {owner: prepared[owner].result() for owner in pending if passes_left[group_of[owner]] == 0}
+            pending.difference_update(answered)
+            for owner in answered:
+                before.pop(id(prepared[owner].engine), None)
+            yield answered
         if pending:  # calls whose rows ran in no pass of their own (idle passes only)
-            yield {owner: prepared[owner].result() for owner in sorted(pending)}
+            answered = {owner: prepared[owner].result() for owner in sorted(pending)}
             pending.clear()
-    except GeneratorExit:  # dropped part-way; an error raised in a pass leaves what earlier passes added
-        if not forward_only:
-            for engine in {id(prepared[owner].engine): prepared[owner].engine for owner in pending}.values():
-                for param in engine._params:
-                    param.grad = None
+            before.clear()
+            yield answered
+    except BaseException as exc:  # a pass raised, or the op was dropped part-way (GeneratorExit)
+        for grads in before.values():
+            grads.restore(exc)
         raise
+
+
+class _GradsBefore:
+    """A run's accumulated gradients as a fwd_bwd op found them, put back if the op fails or is dropped
+    before the run's calls are answered.
+
+    A LoRA run's are copied (an adapter's gradients are small). A full-weight run's are not: the copy
+    would double its gradient memory. Its first fwd_bwd after a step finds none, so nothing is lost;
+    a later one that fails part-way takes the gradient of the run's earlier calls since that step with
+    it, and its error says so (a note, which the service's failure message carries).
+    """
+
+    def __init__(self, engine: TrainingEngine) -> None:
+        self.engine = engine
+        grads = [param.grad for param in engine._params]
+        self.kept = engine.lora is not None or all(grad is None for grad in grads)
+        self.grads = [None if grad is None else grad.clone() for grad in grads] if self.kept else []
+
+    def restore(self, exc: BaseException) -> None:
+        engine = self.engine
+        if self.kept:
+            for param, grad in zip(engine._params, self.grads, strict=True):
+                param.grad = grad
+            return
+        for param in engine._params:
+            param.grad = None
+        lost = (
+            f"the gradient accumulated since step {engine.global_step} is discarded with this part-way fwd_bwd (a "
+            "full-weight run keeps no copy of it): run this step's earlier fwd_bwd calls again before step()"
+        )
+        log.warning("fwd_bwd stopped part-way: %s", lost)
+        if isinstance(exc, Exception):
+            exc.add_note(lost)
 
 
 def _run_pass(

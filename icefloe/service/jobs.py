@@ -520,8 +520,9 @@ class JobManager:
         """Run the entries that may still run as one call of ``run`` and record each outcome (on its
         request, or as an event of its stream), a slice per ``next()`` when ``run`` gives slices; the
         worker runs other lanes' work between them. A batch of several jobs that fails is run again one
-        entry at a time, so a failure is recorded on the request that caused it alone; so is one of
-        one job refused as invalid, which the engines check before any work."""
+        entry at a time, so a failure is recorded on the request that caused it alone (a forward-backward
+        that fails leaves no gradient behind, so each entry run again adds its own once); so is one of
+        one job refused as invalid."""
         live = [e for e in entries if self._may_run(e.job, e.request_id)]
         if not live:
             return [None] * len(entries)
@@ -640,7 +641,7 @@ class JobManager:
             for e in entries:
                 self.requests.finish(e.request_id, status="cancelled", error=f"job {job.job_id} stopped: {exc}")
             return
-        message = f"{type(exc).__name__}: {exc}"
+        message = "; ".join([f"{type(exc).__name__}: {exc}", *getattr(exc, "__notes__", ())])
         for e in entries:
             stream = self.streams.get(e.request_id)
             if stream is not None:

@@ -9,7 +9,8 @@ import torch
 from torch.testing import assert_close
 
 from icefloe import wire
-from icefloe.engines.batch import FramedBatch, shifted_token_logprobs, validate_batch
+from icefloe.engines import batch as batch_module
+from icefloe.engines.batch import Frame, FramedBatch, shifted_token_logprobs, validate_batch
 from icefloe.engines.micro_batches import MicroBatch, cut_micro_batch, row_spans
 from icefloe.protocol import InvalidRequestError
 
@@ -35,18 +36,20 @@ def test_validate_batch_normalises_aliases_dtypes_and_defaults():
     assert frame["processing"] == {"loss_fn": "grpo", "config": {}}
 
 
-def test_a_framed_batch_reaches_another_process_as_its_frame_and_arrives_validated():
+def test_a_framed_batch_reaches_another_process_as_one_frame_of_its_validated_tensors():
     from icefloe.service.hosts.process import _dumps
 
     raw = _batch()
-    raw["context"]["old_log_probs_shifted"] = torch.zeros(2, 5, dtype=torch.float64)  # normalised again there
-    frame = wire.encode(raw)
-    framed = FramedBatch(validate_batch(wire.decode(frame)), frame, require_context=True)
+    raw["context"]["old_log_probs_shifted"] = torch.zeros(2, 5, dtype=torch.float64)  # normalised here, once
+    validated = validate_batch(raw)
+    framed = FramedBatch(validated, training=validated.training)
+    frame = wire.encode(dict(validated))
     sent = _dumps(framed)
-    assert len(frame) < len(sent) < len(frame) + 200  # the frame's bytes, not each tensor pickled again
+    assert len(frame) < len(sent) < len(frame) + 200  # one frame's bytes, not each tensor pickled
     arrived = pickle.loads(sent)
-    assert type(arrived) is dict and arrived.keys() == framed.keys()
+    assert type(arrived) is Frame and arrived.training and arrived.keys() == framed.keys()
     assert arrived["processing"] == framed["processing"] and arrived["context"].keys() == framed["context"].keys()
+    assert arrived["context"]["old_logprobs"].dtype == torch.float32
     for section in ("kwargs", "context"):
         for name, tensor in framed[section].items():
             assert_close(arrived[section][name], tensor, rtol=0, atol=0)
@@ -189,3 +192,36 @@ def test_validate_batch_checks_target_tokens_against_the_vocabulary(targets, mes
     batch["context"]["target_tokens"] = targets
     with pytest.raises(InvalidRequestError, match=message):
         validate_batch(batch, require_context=require_context, vocab_size=32)
+
+
+def test_an_engine_takes_a_validated_frame_as_it_is_also_in_another_process(model_dir, validations):
+    """A batch was validated by the service's route, again by the engine, and a third time where an engine
+    process decoded it: now once, where it enters (an engine process gets a Frame, pickled either way), and
+    the engine checks it only against its vocabulary, which a route cannot know."""
+    from icefloe.engines.training import TrainingEngine
+    from icefloe.service.hosts.process import _dumps
+
+    from .engine_batches import make_config
+
+    engine = TrainingEngine(make_config(), model_dir=model_dir)
+    frame = batch_module.validate_batch(_batch())
+    for sent in (frame, FramedBatch(frame, training=True)):
+        arrived = pickle.loads(_dumps(sent))
+        engine.fwd_bwd(arrived)
+        engine.forward(arrived)
+    assert validations == [True]
+    engine.fwd_bwd(batch_module.validate_batch(_batch(), require_context=False))  # a forward's checks: not enough
+    engine.fwd_bwd(_batch())  # a plain dict
+    assert validations == [True, False, True, True]
+
+    past = batch_module.validate_batch({**_batch(), "context": None}, require_context=False)
+    past["kwargs"]["input_ids"] = past["kwargs"]["input_ids"] + engine.vocab_size
+    with pytest.raises(
+        InvalidRequestError, match=rf"kwargs\.input_ids must hold token ids in \[0, {engine.vocab_size}\)"
+    ):
+        engine.forward(past)
+    targets = batch_module.validate_batch(_batch())
+    targets["context"]["target_tokens"] = torch.full((2, 5), engine.vocab_size)
+    with pytest.raises(InvalidRequestError, match=r"context\.target_tokens holds"):
+        engine.fwd_bwd(targets)
+    assert len(validations) == 6, "refused by the vocabulary check alone"

@@ -186,7 +186,7 @@ def test_a_small_fwd_bwd_sharing_passes_with_a_large_one_is_answered_after_its_o
         assert results[index]["loss"] == pytest.approx(solo.fwd_bwd(batch)["loss"], abs=1e-5)
 
 
-def test_closing_fwd_bwd_steps_part_way_zeroes_the_gradients_of_the_runs_not_answered(model_dir):
+def test_closing_fwd_bwd_steps_part_way_leaves_a_run_that_had_no_gradient_with_none(model_dir):
     shared = _shared(model_dir)
     config = make_config(seed=1, lora=RUNS[0]["lora"], training={"micro_batch_tokens": 24})
     engine = TrainingEngine(config, shared=shared)

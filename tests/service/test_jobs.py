@@ -12,6 +12,7 @@ import torch
 from icefloe.service import store
 from icefloe.service.hosts.seam import LocalEngineHost
 
+from ..refusing_loss import REFUSING_LOSS, register_refusing_loss
 from .service_batches import small_batch
 from .service_client import SAMPLING, TRAINING, Api
 from .service_harness import asgi_client, make_app, wrap_engine_method
@@ -123,6 +124,37 @@ async def test_bad_batch_fails_the_request_but_not_the_job(data_dir):
         response = await api.post_frame(job_id, "forward-backward", batch, check=False)
         assert (response.status_code, response.json()["code"]) == (400, "invalid_argument")
         assert "kwargs.input_ids" in response.json()["message"]
+        assert (await api.job(job_id))["status"] == "running"
+
+
+async def test_a_training_op_is_validated_once_on_its_way_to_a_local_engine(data_dir, validations):
+    """The route validated each batch and the engine again; now the engine takes the route's Frame."""
+    async with asgi_client(make_app(data_dir, engines="local")) as http:
+        api = Api(http)
+        job_id = await api.running(TRAINING)
+        await api.fwd_bwd(job_id)
+        accepted = (await api.post_frame(job_id, "forward", small_batch(1))).json()
+        assert (await api.result(job_id, accepted["request_id"]))["logprobs"].shape == (4, 7)
+    assert validations == [True, False]
+
+
+async def test_a_full_weight_fwd_bwd_failing_part_way_says_the_runs_gradient_is_gone(data_dir, monkeypatch):
+    """A full-weight run keeps no copy of its accumulated gradient: a call failing part-way discards it,
+    and the request's error must say so, or the client's retry of that call alone steps on a part of it."""
+    register_refusing_loss(monkeypatch)
+    training = {**TRAINING["training_config"], "mb_spec": {"max_tokens_per_mb": 24}}
+    async with asgi_client(make_app(data_dir, engines="local")) as http:
+        api = Api(http)
+        job_id = await api.running({**TRAINING, "training_config": training})
+        await api.fwd_bwd(job_id)
+        failing = small_batch(1)
+        failing["kwargs"], failing["context"] = ({name: t.repeat(3, 1) for name, t in failing[section].items()}
+                                                 for section in ("kwargs", "context"))  # fmt: skip
+        failing["processing"] = {"loss_fn": REFUSING_LOSS, "config": {"refuse_at_pass": 3}}
+        accepted = (await api.post_frame(job_id, "forward-backward", failing)).json()
+        polled = await api.poll(job_id, accepted["request_id"])
+        assert polled["status"] == "failed" and "refuses pass 3" in polled["error"]
+        assert "the gradient accumulated since step 0 is discarded" in polled["error"]
         assert (await api.job(job_id))["status"] == "running"
 
 

@@ -16,9 +16,10 @@ from typer.testing import CliRunner
 
 from icefloe.cli import app as cli
 
+from ..refusing_loss import REFUSING_LOSS, register_refusing_loss
 from .service_batches import canonical_batch, small_batch
 from .service_client import TRAINING, Api
-from .service_harness import asgi_client, make_app
+from .service_harness import asgi_client, make_app, wrap_engine_method
 
 pytestmark = pytest.mark.anyio
 
@@ -206,3 +207,68 @@ async def test_a_job_that_stops_while_starting_a_shared_host_leaves_it_to_the_ne
         await api.wait_status(starter, "cancelled", "terminated")
         job = await api.wait_status(waiting, "running", timeout_s=300)
         assert job["host"]["num_jobs"] == 1 and (await api.fwd_bwd(waiting))["num_tokens"] > 0
+
+
+def _passes_of_24(seed: int) -> list[dict]:
+    """A LoRA trainer on tiny:arith whose passes hold 24 positions (a call of eight rows takes several)."""
+    training = {"optimizer": {"name": "AdamW", "lr": 2e-2}, "max_seq_len": 64, "mb_spec": {"max_tokens_per_mb": 24},
+                "peft_config": {"peft_type": "Lora", "r": 4, "lora_alpha": 8}}  # fmt: skip
+    return [{"job_type": "training", "model_name": "tiny:arith", "seed": seed, "training_config": training}]
+
+
+def _rows(seed: int, num_rows: int, **config) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    rows = [([1, *torch.randint(1, 15, (3,), generator=generator).tolist()],
+             torch.randint(1, 15, (4,), generator=generator).tolist()) for _ in range(num_rows)]  # fmt: skip
+    batch = canonical_batch(rows, torch.randn(num_rows, generator=generator).tolist())
+    batch["processing"] = {"loss_fn": REFUSING_LOSS, "config": config}
+    return batch
+
+
+async def test_a_fwd_bwd_failing_part_way_in_shared_passes_leaves_each_run_the_gradient_of_its_successes(
+    tmp_path, monkeypatch
+):
+    """Two runs' forward-backwards shared passes and B's failed in its third: the service ran the batch again
+    call by call, so A's gradient held A's call twice (the shared passes' part, then all of it) and B's held
+    B's passes before the failure. Each run's step must see exactly its calls that succeeded."""
+    register_refusing_loss(monkeypatch)
+    release, holding = threading.Event(), threading.Event()
+
+    def held_save(run, sub_job_id, *args):  # occupies the host's one worker while both calls queue
+        holding.set()
+        release.wait(30)
+        return run()
+
+    wrap_engine_method(monkeypatch, "save_checkpoint", held_save)
+    async with asgi_client(make_app(tmp_path, slots=1, engines="local")) as http:
+        api = Api(http)
+        run_a, run_b, alone_a, alone_b = [await api.running(*_passes_of_24(seed=3)) for _ in range(4)]
+        assert len({(await api.job(job_id))["host"]["host_id"] for job_id in (run_a, run_b)}) == 1
+
+        async def fwd_bwd(job_id: str, batch: dict) -> dict:
+            accepted = (await api.post_frame(job_id, "forward-backward", batch)).json()
+            return await api.poll(job_id, accepted["request_id"])
+
+        for job_id, batch in (
+            (run_a, _rows(1, 4)),
+            (run_b, _rows(2, 4)),
+            (alone_a, _rows(1, 4)),
+            (alone_b, _rows(2, 4)),
+        ):
+            assert (await fwd_bwd(job_id, batch))["status"] == "done"
+        saving = (await api.call("POST", f"/{run_a}/save", json={"checkpoint_type": "weights-only"})).json()
+        assert await asyncio.to_thread(holding.wait, 30)
+        queued = [(await api.post_frame(job_id, "forward-backward", batch)).json()["request_id"]
+                  for job_id, batch in ((run_a, _rows(3, 8)), (run_b, _rows(4, 8, refuse_at_pass=3)))]  # fmt: skip
+        release.set()
+        await api.result(run_a, saving["request_id"])
+        assert (await api.poll(run_a, queued[0]))["status"] == "done"
+        failed = await api.poll(run_b, queued[1])
+        assert failed["status"] == "failed" and "refuses pass 3" in failed["error"]
+        assert (await fwd_bwd(alone_a, _rows(3, 8)))["status"] == "done"
+
+        norms = {}
+        for job_id in (run_a, run_b, alone_a, alone_b):
+            norms[job_id] = (await api.run(job_id, "POST", "step", json={}))["grad_norm"]
+    assert norms[run_a] == pytest.approx(norms[alone_a], abs=1e-5)
+    assert norms[run_b] == pytest.approx(norms[alone_b], abs=1e-5)

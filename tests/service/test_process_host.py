@@ -72,17 +72,17 @@ async def test_engines_run_in_a_child_process_and_train(data_dir):
             os.kill(pid, 0)
 
 
-async def test_a_large_training_frame_reaches_the_engine_process_as_its_bytes_and_trains_alike(data_dir, monkeypatch):
-    """A frame from the threshold up (1 MiB; 16 KiB here, to keep the test quick) is sent as it came and
-    decoded once there; a smaller one as its tensors."""
+async def test_a_large_training_frame_reaches_the_engine_process_as_one_frame_and_trains_alike(data_dir, monkeypatch):
+    """A frame from the threshold up (1 MiB; 16 KiB here, to keep the test quick) is sent as one frame of its
+    validated tensors and decoded there; a smaller one as its tensors."""
     from icefloe.engines.batch import FramedBatch
     from icefloe.service.routes import handlers as operations
 
-    monkeypatch.setattr(operations, "_FRAME_BYTES_SENT_AS_IS", 16 << 10)
+    monkeypatch.setattr(operations, "_BYTES_SENT_AS_ONE_FRAME", 16 << 10)
 
     sent: list[int] = []
     reduce = FramedBatch.__reduce__
-    monkeypatch.setattr(FramedBatch, "__reduce__", lambda self: (sent.append(len(self.frame)), reduce(self))[1])
+    monkeypatch.setattr(FramedBatch, "__reduce__", lambda self: (sent.append(len(reduce(self)[1][0])), reduce(self))[1])
     small = small_batch()
     copies = 100  # the same four rows again and again: the same token-mean loss, a frame of ~90 KB
     large = {

@@ -22,7 +22,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError,
 from ray.util.placement_group import PlacementGroup
 
 from icefloe.config import ClientConfig, RayConfig
-from icefloe.engines.batch import validate_batch
+from icefloe.engines.batch import as_frame
 from icefloe.engines.distributed import combine_fwd_bwd, concat_forward, shard_rows
 from icefloe.engines.ray.actors import SamplingActor, TrainingActor
 from icefloe.engines.ray.placement import WorkerSpec, actor_options, collective_backend, worker_device
@@ -199,12 +199,12 @@ class TrainerGroup(ActorGroup):
 
     def fwd_bwd(self, frame: dict[str, Any]) -> dict[str, Any]:
         # Validated first: the shards then share the whole batch's loss mask, loss and normalisers.
-        shards, real_rows = shard_rows(validate_batch(frame), len(self.actors))
+        shards, real_rows = shard_rows(as_frame(frame), len(self.actors))
         return combine_fwd_bwd(self._each("call", [("fwd_bwd", shard) for shard in shards]), real_rows)
 
     def forward(self, frame: dict[str, Any], *, reference: bool = False) -> dict[str, Any]:
         """``reference=True``: LoRA trainers score with the adapters disabled (the base model)."""
-        shards, real_rows = shard_rows(validate_batch(frame, require_context=False), len(self.actors))
+        shards, real_rows = shard_rows(as_frame(frame, require_context=False), len(self.actors))
         calls = [
             (name, actor.call.remote("forward", shard, reference=reference))
             for (name, actor), shard in zip(self.members, shards, strict=True)

@@ -148,7 +148,8 @@ class JobEngines:
         raise InvalidRequestError(f"no suspended op {op_id} on this host")
 
     def drop(self, sub_job_id: str, op_id: int) -> None:
-        """Stop a suspended op and free what it holds (a fwd_bwd's partial gradients are zeroed)."""
+        """Stop a suspended op and free what it holds (a fwd_bwd's runs not yet answered get back the
+        gradients they had before it)."""
 
     def start(self, on_progress: Callable[[str], None], stop: threading.Event) -> None:
         raise NotImplementedError
@@ -360,8 +361,11 @@ class LocalEngineHost(JobEngines):
             key = (id(engine.shared or engine), forward_only, frozenset(batch["context"]))
             groups.setdefault(key, []).append(index)
         for indices in groups.values():
-            for done in fwd_bwd_steps([(self._engine(calls[i][0]), calls[i][1]) for i in indices], SLICE_S):
-                yield {indices[i]: result for i, result in done.items()}
+            group = [(self._engine(calls[i][0]), calls[i][1]) for i in indices]
+            # Closed with this op when it is dropped: the runs not yet answered get their gradients back.
+            with contextlib.closing(fwd_bwd_steps(group, SLICE_S)) as steps:
+                for done in steps:
+                    yield {indices[i]: result for i, result in done.items()}
 
     def _generate_steps(self, calls: Sequence[Call]) -> Iterator[dict[int, list[Any]]]:
         from icefloe.engines.sampling import SamplingEngine, generate_steps

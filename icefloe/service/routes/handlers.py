@@ -34,11 +34,10 @@ from icefloe.service.work.door import enter
 from icefloe.service.work.items import Forward, FwdBwd, Item, Load, Sample, Save, Step, WeightSync
 
 _SAMPLING_KEYS = frozenset(SamplingParams.model_fields)
-# From this size a training frame travels to an engine process as its bytes, decoded there: pickling a 2.4 MB
-# frame's tensors again took 4.3 ms of this process's GIL. A small frame's tensors pickle in microseconds, and
-# decoding and checking it again in the engine process put ~1 ms on the engine's critical path per call
-# (bench remote: ratio 1.23 with every frame sent as is, 1.10 with none).
-_FRAME_BYTES_SENT_AS_IS = 1 << 20
+# From this size a training batch travels to an engine process as one DSSST1 frame of its validated tensors
+# (FramedBatch): pickling each tensor costs this process's GIL far more. A small batch's tensors pickle in
+# microseconds, where decoding a frame would add to the engine's critical path per call.
+_BYTES_SENT_AS_ONE_FRAME = 1 << 20
 
 
 def submit_frame(
@@ -91,7 +90,7 @@ def _submit_decoded(
         item: Item = _generate_item(job, payload, sub_job_id)
     else:
         assert sub_job_id is not None
-        item = _training_item(job, op, payload, frame, sub_job_id, reference)
+        item = _training_item(job, op, payload, len(frame), sub_job_id, reference)
     return {"request_id": enter(manager, job, item, op_metadata=op_metadata), "job_id": job.job_id}
 
 
@@ -111,10 +110,10 @@ def forward_target(
 
 
 def _training_item(
-    job: LiveJob, op: str, payload: Any, frame: bytes, sub_job_id: str, reference: bool
+    job: LiveJob, op: str, payload: Any, frame_bytes: int, sub_job_id: str, reference: bool
 ) -> Forward | FwdBwd:
-    """The item a forward or forward-backward body asks for, validated before it is queued; an engine
-    process receives the batch as its ``frame``."""
+    """The item a forward or forward-backward body asks for, validated here before it is queued and
+    nowhere after (its batch is a Frame); a large one reaches an engine process as one DSSST1 frame."""
     from icefloe.engines.batch import FramedBatch, validate_batch
 
     if isinstance(payload, dict) and "batch" in payload and "kwargs" not in payload:
@@ -124,8 +123,8 @@ def _training_item(
         )
     require_context = op == api.OP_FWD_BWD
     batch = validate_batch(payload, require_context=require_context)
-    if len(frame) >= _FRAME_BYTES_SENT_AS_IS:
-        batch = FramedBatch(batch, frame, require_context=require_context)
+    if frame_bytes >= _BYTES_SENT_AS_ONE_FRAME:
+        batch = FramedBatch(batch, training=batch.training)
     if op == api.OP_FORWARD:
         return Forward(sub_job_id, batch, reference)
     if not job.specs[sub_job_id].is_training:

@@ -42,7 +42,7 @@ class FwdBwd:
     those queued together on the lanes of a host run in shared passes, each through its own adapter."""
 
     sub_job_id: str
-    batch: Any  # validated (engines.batch.validate_batch), or a FramedBatch that an engine process decodes
+    batch: Any  # an engines.batch.Frame (validated at the route; engines take it as it is)
     op: str = api.OP_FWD_BWD  # the request's op: the Tinker API's forward is OP_FORWARD
     batch_key: ClassVar[tuple[str]] = (api.OP_FWD_BWD,)
 
@@ -177,6 +177,8 @@ def _forward_slices(job: Any, item: Forward) -> Iterator[dict[int, Any]]:
     as one engine call could not stop at its deadline, and killing it fails every run of a shared host."""
     import torch
 
+    from icefloe.engines.batch import Frame
+
     batch = item.batch
     rows, width = batch["kwargs"]["input_ids"].shape
     positions = job.specs[item.sub_job_id].config.training.micro_batch_tokens or _FORWARD_SLICE_POSITIONS
@@ -188,12 +190,9 @@ def _forward_slices(job: Any, item: Forward) -> Iterator[dict[int, Any]]:
     for start in range(0, rows, per_slice):
         if parts:
             yield {}  # the worker's other lanes take their turn; a deadline past stops the forward here
-        part = {
-            "args": (),
-            "kwargs": {name: t[start : start + per_slice].clone() for name, t in batch["kwargs"].items()},
-            "context": {name: t[start : start + per_slice].clone() for name, t in (batch.get("context") or {}).items()},
-            "processing": batch["processing"],
-        }
+        rows_of = {section: {name: t[start : start + per_slice].clone() for name, t in batch[section].items()}
+                   for section in ("kwargs", "context")}  # fmt: skip
+        part = Frame({"args": (), **rows_of, "processing": batch["processing"]}, training=batch.training)
         parts.append(_call(job, item, {"batch": part, "reference": item.reference}))
     yield {0: {key: torch.cat([part[key] for part in parts]) for key in parts[0]}}
 
