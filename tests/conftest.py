@@ -1,4 +1,4 @@
-"""Suite-wide: no test leaves its torch thread count behind; ``validations`` counts batch validations.
+"""Suite-wide: no test leaves its torch thread count behind; ``hub_cache`` and ``validations`` fixtures.
 
 Several tests pin torch to one thread (to compare against another process bit for bit); the demo's
 recorded curves were made with the default count, and a run on one thread takes a different path
