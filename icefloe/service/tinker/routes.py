@@ -35,9 +35,8 @@ from icefloe.service.settings import ServeSettings
 from icefloe.service.tinker.checks import Fields, checkpoint_name, json_body
 from icefloe.service.tinker.external import recipients_of
 from icefloe.service.tinker.state import CheckpointPath, Model, SamplingSession, Snapshot, TinkerState, remember
-from icefloe.service.work.answers import TINKER
 from icefloe.service.work.door import enter
-from icefloe.service.work.items import FwdBwd, Load, Sample, Save, Step
+from icefloe.service.work.items import TINKER, FwdBwd, Load, Sample, Save, Step
 
 __all__ = ["router", "tinker_state"]
 

@@ -39,9 +39,8 @@ from icefloe.service.schemas import JobCreate
 from icefloe.service.specs import sub_job_specs
 from icefloe.service.tenants import Tenancy
 from icefloe.service.turns import Turns
-from icefloe.service.work.answers import TINKER
 from icefloe.service.work.door import enter
-from icefloe.service.work.items import Sample
+from icefloe.service.work.items import TINKER, Sample
 
 __all__ = ["CheckpointPath", "Future", "Model", "SamplingSession", "Snapshot", "TinkerState", "remember"]
 
