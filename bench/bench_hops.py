@@ -78,15 +78,15 @@ class DataPath:
         self._held: dict[int, Any] = {}
         self._kind_of: dict[int, str] = {}
         self._memory: list[tuple[int, int]] = []  # address ranges of the arrays and tensors held
-        self._births: dict[str | None, set[str]] = {}  # function -> representations it made data in
-        self._maker: str | None = None  # the function new data is attributed to now
-        self._frames: dict[int, tuple[str, set[str], bool, int]] = {}  # frame -> (function, kinds in, got data, order)
+        self._converted: dict[str, set[str]] = {}  # function -> representations it made data in, new to it
+        self._maker: _Call | None = None  # the call new data is attributed to now
+        self._frames: dict[int, _Call] = {}  # the calls of icefloe functions running now, by frame
         self._calls = 0
         self._lock = threading.Lock()
 
     def conversions(self, hop: Hop) -> set[str]:
         """The representations ``hop`` made data in that none of its data arguments had."""
-        return self._births.get(hop.where, set()) - hop.kinds_in
+        return self._converted.get(hop.where, set())
 
     # --- the data -------------------------------------------------------------------------------
     def seed(self, chunk: bytes) -> None:
@@ -129,8 +129,10 @@ class DataPath:
         if kind is None:
             return
         self._kind_of[id(value)] = kind
-        if made:
-            self._births.setdefault(self._maker, set()).add(kind)
+        maker = self._maker
+        if made and maker is not None and kind not in maker.available:  # a representation it had not
+            self._converted.setdefault(maker.where, set()).add(kind)
+            maker.available.add(kind)
         if kind == "numpy" or kind.startswith("torch"):
             start = _address(value)
             self._memory.append((start, start + max(1, _nbytes(value))))
@@ -151,7 +153,7 @@ class DataPath:
             return False
         if depth >= _MAX_DEPTH:
             return False
-        return any(self._is_data(inner, depth + 1) for inner in _inside(value, closures=depth == 0))
+        return any(self._is_data(inner, depth + 1) for inner in _inside(value, closures=True))
 
     def _kinds(self, value: Any, depth: int = 0) -> set[str]:
         """The representations of the data inside ``value``."""
@@ -160,7 +162,7 @@ class DataPath:
             return {kind}
         found: set[str] = set()
         if depth < _MAX_DEPTH + 2:
-            for inner in _inside(value, closures=depth == 0):
+            for inner in _inside(value, closures=True):
                 found |= self._kinds(inner, depth + 1)
         return found
 
@@ -186,28 +188,29 @@ class DataPath:
         given = [frame.f_locals.get(name) for name in names]
         if names and names[0] in ("self", "cls") and id(given[0]) not in self._held:
             given = given[1:]  # data reached through an object's attributes is not handed over
-        caller = frame.f_back
-        followed = caller is not None and self._followed(caller.f_code.co_filename)
-        self._maker = _where(caller.f_code, caller.f_code.co_filename, self.root) if followed else None
+        self._maker = self._frames.get(id(frame.f_back))  # data first seen as an argument: made by the caller
         data = [value for value in given if self._is_data(value)]
         kinds = set().union(*(self._kinds(value) for value in data)) if data else set()
         self._calls += 1
-        self._frames[id(frame)] = (_where(code, path, self.root), kinds, bool(data), self._calls)
+        self._frames[id(frame)] = _Call(_where(code, path, self.root), kinds, bool(data), self._calls, set(kinds))
 
     def _returned(self, frame: types.FrameType, code: types.CodeType, path: str, value: Any) -> None:
-        called = self._frames.pop(id(frame), None)
-        if called is None:
+        call = self._frames.pop(id(frame), None)
+        if call is None:
             return
-        where, kinds_in, received, order = called
-        self._maker = where
+        self._maker = call
         returns_data = value is not None and self._is_data(value)
-        if not received and not returns_data:
+        if not call.received and not returns_data:
             return
-        if received and value is not None:
+        if call.received and value is not None:
             self._track(value)
-        hop = self._record(frame, where, order)
-        hop.kinds_in |= kinds_in
-        hop.kinds_out |= self._kinds(value) if value is not None else set()
+        kinds_out = self._kinds(value) if value is not None else set()
+        caller = self._frames.get(id(frame.f_back))
+        if caller is not None:  # what an inner hop hands back is no new representation to its caller
+            caller.available |= kinds_out
+        hop = self._record(frame, call.where, call.order)
+        hop.kinds_in |= call.kinds_in
+        hop.kinds_out |= kinds_out
 
     def _record(self, frame: types.FrameType, where: str, order: int) -> Hop:
         internal = self._beneath_engine(frame, where)
@@ -227,6 +230,17 @@ class DataPath:
                 return True
             caller = caller.f_back
         return False
+
+
+@dataclasses.dataclass
+class _Call:
+    """One running call of an icefloe function, between its call and return events."""
+
+    where: str
+    kinds_in: set[str]
+    received: bool  # data among its arguments
+    order: int
+    available: set[str]  # representations it had: its arguments', and what its inner hops returned
 
 
 def _star_args(code: types.CodeType) -> int:
@@ -276,7 +290,8 @@ def _container(value: Any) -> bool:
 
 
 def _inside(value: Any, *, closures: bool = False) -> list[Any]:
-    """What ``value`` holds: elements, fields, a partial's arguments, and (``closures``) a function's cells."""
+    """What ``value`` holds: elements, fields, a partial's arguments, and (``closures``) a function's cells:
+    data handed over in a closure is handed over."""
     if isinstance(value, dict):
         return list(value.values())[:_MAX_ITEMS]
     if isinstance(value, list | tuple | set):

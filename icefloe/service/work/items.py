@@ -163,7 +163,7 @@ def run_batch(job: Any, items: Sequence[FwdBwd] | Sequence[Sample]) -> Iterator[
     ``job``: a running ``jobs.LiveJob`` (not named as a type: the job manager imports this module)."""
     engines = job.engines
     if isinstance(items[0], FwdBwd):
-        return engines.fwd_bwd_many([(item.sub_job_id, item.batch) for item in items])
+        return engines.slices(items[0].sub_job_id, "fwd_bwd", [(item.sub_job_id, item.batch) for item in items])
     calls = [(item.sub_job_id, item.prompts, item.params, item.as_json, item.progress) for item in items]
     return engines.generate_many(calls)
 
