@@ -212,18 +212,22 @@ class ResultPages:
     ) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
         """``(result, events, next_cursor)`` for one poll of a request whose result is the frame at
         ``result_path``; ``answer`` makes the frame of the answer from it (once, for paged events)."""
+        expired = ExpiredError(
+            f"the result of request {request_id} expired: a tensor result is kept for "
+            f"ServeSettings.result_ttl_s={self._ttl_s:g} s after its request finished; run the request again"
+        )
+        stored = Path(result_path)
+        if not stored.is_file():  # its pages too: they are kept only as long as the frame
+            raise expired
         with self._lock:
             events = self._events.get(request_id)
             if events is not None:
                 self._events.move_to_end(request_id)
         if events is None:
             try:
-                frame = Path(result_path).read_bytes()
+                frame = stored.read_bytes()
             except FileNotFoundError:
-                raise ExpiredError(
-                    f"the result of request {request_id} expired: a tensor result is kept for "
-                    f"ServeSettings.result_ttl_s={self._ttl_s:g} s after its request finished; run the request again"
-                ) from None
+                raise expired from None
             frame = answer(frame) if answer is not None else frame
             if not _wants_chunks(op_metadata) and len(frame) <= self._inline_max_bytes:
                 return _inline_envelope(frame), [], ""
