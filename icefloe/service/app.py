@@ -116,7 +116,16 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     openai = openai_app(app.state)  # after Tinker's: it serves Tinker's checkpoints
     for api, access in ((tinker, TINKER_ACCESS), (openai, OPENAI_ACCESS)):
         install_edge(
-            api, api_layers(settings, **edge, access=access, batches=False, routes_parse_json=True, sequencing=None)
+            api,
+            api_layers(
+                settings,
+                **edge,
+                access=access,
+                batches=False,
+                routes_parse_json=True,
+                sequencing=None,
+                waited_answers=False,
+            ),
         )
     mounts = [Mount(TINKER_PREFIX, tinker), *(Mount(prefix, openai) for prefix in PREFIXES)]
     training = api_layers(
@@ -126,6 +135,7 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
         batches=True,
         routes_parse_json=False,
         sequencing=app.state.sequencing,
+        waited_answers=True,
     )
     install_edge(app, [*service_layers(settings, mounts), *training])
     _redact(redactor, on=True)

@@ -72,11 +72,14 @@ def api_layers(
     batches: bool,
     routes_parse_json: bool,
     sequencing: Sequencing | None,
+    waited_answers: bool,
 ) -> list[Layer]:
     """One API's stack, outermost first: its token, the body cap, ``requests:batch`` (``batches``), the
     refusal log of each part, ``Idempotency-Key``, the JSON bounds (the size only when
     ``routes_parse_json``: the routes check their bodies themselves). With ``sequencing`` (the API's
-    routes take ``Icefloe-Sequence`` turns), a numbered POST these layers refuse uses its number at once."""
+    routes take ``Icefloe-Sequence`` turns), a numbered POST these layers refuse uses its number at once;
+    ``waited_answers``: its POSTs may answer with their request's poll (``?wait=``), naming what they
+    accepted in a header the idempotency layer reads and takes off."""
     layers: list[Layer] = [
         (RequireToken, {"settings": settings, "logins": logins, "access": access}),
         (BodyLimit, {"max_bytes": settings.max_post_bytes, "sequencing": sequencing}),
@@ -85,7 +88,7 @@ def api_layers(
         layers += [(Batches, {}), (LogRefusals, {"auth_enabled": settings.auth_enabled})]
     return [
         *layers,
-        (IdempotencyKeys, {"db": db, "settings": settings, "sequencing": sequencing}),
+        (IdempotencyKeys, {"db": db, "settings": settings, "sequencing": sequencing, "waited_answers": waited_answers}),
         (JsonBodies, {"parse": not routes_parse_json, "sequencing": sequencing}),
     ]
 

@@ -24,6 +24,7 @@ from typing import Any
 from icefloe.engines.host import Lane
 from icefloe.protocol import (
     JOB_STATES,
+    OP_FWD_BWD,
     SEGMENT_BY_JOB_TYPE,
     ClientClosedError,
     ConfigError,
@@ -46,12 +47,11 @@ from icefloe.service.joblog import JobLog, JobLogRouter
 from icefloe.service.lifecycle import JobState
 from icefloe.service.metrics import ServiceMetrics
 from icefloe.service.requests import RequestTable
-from icefloe.service.results import HeldResults, JsonText, ResultPages, json_text, wants_dssst1
+from icefloe.service.results import HeldResults, ResultPages, json_text, wants_dssst1
 from icefloe.service.schemas import JobCreate
 from icefloe.service.settings import SHARED_TENANT, ServeSettings
 from icefloe.service.specs import SubJobSpec, sub_job_specs
-from icefloe.service.work import answers
-from icefloe.service.work.items import Item, run_batch, run_one
+from icefloe.service.work.items import HELD, FwdBwd, Item, Sample, run_batch, run_one
 
 __all__ = ["JobManager", "LiveJob", "job_type_named"]
 
@@ -490,7 +490,8 @@ class JobManager:
         An item with a ``batch_key`` runs with the items of that key queued beside it, on any lane of
         the host (whatever job each belongs to). ``stream``: a GenerateStream, whose ``items`` are queued
         in place of ``item`` and whose outcomes are pushed to it as events. ``ready``: the request
-        starts only once this holds (a weight sync waits for its gate). ``api`` renders the result.
+        starts only once this holds (a weight sync waits for its gate). ``api``: the API that asked,
+        which reads and renders the result.
         """
         op_metadata = op_metadata or {}
         request_id = self.requests.add(job.job_id, item.sub_job_id, item.op, op_metadata)
@@ -612,22 +613,28 @@ class JobManager:
         return False
 
     def _record_result(self, entry: _Entry, result: Any) -> None:
-        request_id, op_metadata = entry.request_id, entry.op_metadata
+        """Keep ``result`` as the engine made it until the API that asked renders it, when polled: in memory
+        for a held API, else in the request's row as JSON (or a DSSST1 frame on disk, for tensors or when
+        the request asks for one), which outlives a restart."""
+        request_id, item = entry.request_id, entry.item
         stream = self.streams.get(request_id)
         try:
-            result = answers.render(entry.api, self.settings, entry.job, entry.item, result)
+            if isinstance(item, FwdBwd) and item.op == OP_FWD_BWD:  # a save records it with the checkpoint
+                entry.job.last_avg_loss[entry.sub_job_id] = float(result["avg_loss"])
             if stream is not None:
-                self._push(request_id, stream, entry.item, result=result)
+                self._push(request_id, stream, item, result=result)
                 return
-            if entry.api in answers.HELD:  # kept as it is: rendered when its API asks for it
+            if entry.api in HELD:
                 self.held.put(request_id, result)
                 self.requests.finish(request_id, status="done")
                 return
-            text = None if wants_dssst1(op_metadata) else json_text(result)
-            if text is not None:
-                self.requests.finish(request_id, status="done", result_json=text)
-                return
-            result = json.loads(result) if isinstance(result, JsonText) else result
+            as_json = isinstance(item, Sample) and item.as_json  # each sample is JSON text already
+            if not wants_dssst1(entry.op_metadata):
+                text = "[" + ",".join(result) + "]" if as_json else json_text(result)
+                if text is not None:
+                    self.requests.finish(request_id, status="done", result_json=text)
+                    return
+            result = [json.loads(sample) for sample in result] if as_json else result
             path = ResultPages.write_frame(result, entry.job.job_dir / "results" / f"{uuid.uuid4().hex}.dssst1")
             self.requests.finish(request_id, status="done", result_path=path)
         except Exception as exc:  # an unencodable result fails the request, not the job
@@ -684,7 +691,7 @@ class _Entry:
     request_id: str
     item: Item
     op_metadata: dict[str, Any]
-    api: str  # the API that asked, which renders the result (work.answers)
+    api: str  # the API that asked: where its result waits (work.items.HELD)
 
 
 def _pick_sub_job(

@@ -392,17 +392,24 @@ class IdempotencyKeys:
     over ``settings.idempotency_max_response_bytes`` (a ``?wait=`` answer carrying a result) is
     kept as its bare ``{request_id, job_id}``, so a replay answers as the POST without ``?wait=``
     would and the caller polls for the result (the route names it in :data:`ACCEPTED_HEADER`, which
-    this layer takes off every POST's answer); any other reply that large is not kept, and a retry
-    with its key executes again.
+    this layer takes off every POST's answer of an API whose routes answer so: ``waited_answers``);
+    any other reply that large is not kept, and a retry with its key executes again.
     """
 
     def __init__(
-        self, app: ASGIApp, *, db: store.Database, settings: ServeSettings, sequencing: Sequencing | None = None
+        self,
+        app: ASGIApp,
+        *,
+        db: store.Database,
+        settings: ServeSettings,
+        sequencing: Sequencing | None = None,
+        waited_answers: bool = True,
     ) -> None:
         self.app = app
         self.db = db
         self.settings = settings
         self.sequencing = sequencing
+        self._answered = _without_accepted if waited_answers else _as_it_is
         self._locks: weakref.WeakValueDictionary[tuple[str, str, str], asyncio.Lock] = weakref.WeakValueDictionary()
         self._next_purge = time.monotonic() + _PURGE_EVERY_S
 
@@ -412,7 +419,7 @@ class IdempotencyKeys:
             return
         raw_key = header(scope, _IDEMPOTENCY_HEADER)
         if raw_key is None:
-            await self.app(scope, receive, _without_accepted(send))
+            await self.app(scope, receive, self._answered(send))
             return
         key, route, caller = raw_key.decode("latin-1").strip(), f"POST {scope['path']}", scope.get(CALLER_SCOPE_KEY, "")
         if not key or len(key) > _MAX_KEY_LENGTH:
@@ -443,7 +450,7 @@ class IdempotencyKeys:
     async def _run_and_keep(
         self, scope: Scope, receive: Receive, send: Send, record: dict[str, str], digest: str
     ) -> None:
-        answer = Recorder(_without_accepted(send))
+        answer = Recorder(self._answered(send))
         await self.app(scope, receive, answer)
         if not 200 <= answer.status < 300:
             return
@@ -480,6 +487,10 @@ def _without_accepted(send: Send) -> Send:
         await send(message)
 
     return sending
+
+
+def _as_it_is(send: Send) -> Send:
+    return send
 
 
 def _text(raw: bytes | None) -> str | None:

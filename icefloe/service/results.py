@@ -17,7 +17,7 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,14 +55,7 @@ def contains_tensor(value: Any) -> bool:
 
 
 class JsonText(str):
-    """A value already encoded as JSON: kept and answered as it is."""
-
-    @classmethod
-    def object(cls, fields: dict[str, Any], **encoded: list[str]) -> JsonText:
-        """``fields`` plus list fields whose items are already encoded, as one JSON object."""
-        head = json.dumps(fields)
-        lists = "".join(f", {json.dumps(name)}: [{','.join(items)}]" for name, items in encoded.items())
-        return cls(head[:-1] + lists + "}" if fields else "{" + lists.removeprefix(", ") + "}")
+    """A value already encoded as JSON: answered as it is."""
 
 
 def encode_json(value: Any) -> str:
@@ -83,8 +76,6 @@ def json_text(value: Any) -> str | None:
     Engine results are plain Python already, so one ``dumps`` usually does it; walking a generate
     result (thousands of samples) first, to look for tensors, cost more than encoding it.
     """
-    if isinstance(value, JsonText):
-        return value
     try:  # orjson writes NaN and infinities as null, as plain_json does; ~5x faster than json.dumps
         return orjson.dumps(value).decode()
     except TypeError:  # a tensor, a torch or numpy scalar, a non-string key, an int over 64 bits
@@ -211,34 +202,43 @@ class ResultPages:
         return removed
 
     def render(
-        self, request_id: str, result_path: str, op_metadata: Mapping[str, Any], cursor: str | None, max_events: int
+        self,
+        request_id: str,
+        result_path: str,
+        op_metadata: Mapping[str, Any],
+        cursor: str | None,
+        max_events: int,
+        answer: Callable[[bytes], bytes] | None = None,
     ) -> tuple[dict[str, Any], list[dict[str, Any]], str]:
-        """``(result, events, next_cursor)`` for one poll of a request whose result is the frame at ``result_path``."""
-        try:
-            frame = Path(result_path).read_bytes()
-        except FileNotFoundError:
-            raise ExpiredError(
-                f"the result of request {request_id} expired: a tensor result is kept for "
-                f"ServeSettings.result_ttl_s={self._ttl_s:g} s after its request finished; run the request again"
-            ) from None
-        if not _wants_chunks(op_metadata) and len(frame) <= self._inline_max_bytes:
-            return _inline_envelope(frame), [], ""
-        events = self._chunk_events(request_id, frame)
+        """``(result, events, next_cursor)`` for one poll of a request whose result is the frame at
+        ``result_path``; ``answer`` makes the frame of the answer from it (once, for paged events)."""
+        expired = ExpiredError(
+            f"the result of request {request_id} expired: a tensor result is kept for "
+            f"ServeSettings.result_ttl_s={self._ttl_s:g} s after its request finished; run the request again"
+        )
+        stored = Path(result_path)
+        if not stored.is_file():  # its pages too: they are kept only as long as the frame
+            raise expired
+        with self._lock:
+            events = self._events.get(request_id)
+            if events is not None:
+                self._events.move_to_end(request_id)
+        if events is None:
+            try:
+                frame = stored.read_bytes()
+            except FileNotFoundError:
+                raise expired from None
+            frame = answer(frame) if answer is not None else frame
+            if not _wants_chunks(op_metadata) and len(frame) <= self._inline_max_bytes:
+                return _inline_envelope(frame), [], ""
+            events = wire.result_chunk_events(frame, max_bytes=self._chunk_bytes)
+            with self._lock:
+                self._events[request_id] = events
+                while len(self._events) > 4:
+                    self._events.popitem(last=False)
         start = _cursor_position(cursor, len(events))
         end = min(len(events), start + max_events)
         return {}, events[start:end], (str(end) if end < len(events) else "")
-
-    def _chunk_events(self, request_id: str, frame: bytes) -> list[dict[str, Any]]:
-        with self._lock:
-            if request_id in self._events:
-                self._events.move_to_end(request_id)
-                return self._events[request_id]
-        events = wire.result_chunk_events(frame, max_bytes=self._chunk_bytes)
-        with self._lock:
-            self._events[request_id] = events
-            while len(self._events) > 4:
-                self._events.popitem(last=False)
-        return events
 
 
 def _cursor_position(cursor: str | None, num_events: int) -> int:

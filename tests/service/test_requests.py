@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from icefloe import wire
-from icefloe.service.results import JsonText, encode_json, json_text
+from icefloe.service import store
+from icefloe.service.results import json_text
 
 from .service_batches import small_batch
 from .service_client import SAMPLING, TRAINING, Api
@@ -94,14 +96,6 @@ async def test_post_wait_of_a_failing_request_answers_failed_with_the_error(data
         assert answer["result"] == {}
 
 
-def test_json_text_objects_splice_items_already_encoded():
-    items = [encode_json({"token_ids": [1, 2], "logprob": float("nan")}), encode_json({"token_ids": []})]
-    text = JsonText.object({"job_id": "j"}, results=items)
-    assert json.loads(text) == {"job_id": "j", "results": [{"token_ids": [1, 2], "logprob": None}, {"token_ids": []}]}
-    assert json.loads(JsonText.object({}, results=[])) == {"results": []}
-    assert json_text(text) is text  # kept as it is
-
-
 async def test_a_generate_result_asked_as_dssst1_holds_the_samples_not_their_json_text(data_dir):
     async with client_for(make_app(data_dir), "asgi") as http:
         api = Api(http)
@@ -127,3 +121,54 @@ def test_json_text_writes_non_finite_floats_as_null_and_leaves_tensors_to_frames
     }
     assert json.loads(json_text({3: "key"})) == {"3": "key"}
     assert json_text({"logprobs": torch.zeros(2)}) is None
+
+
+async def test_a_request_row_holds_the_engine_result_and_only_the_answer_has_the_envelope(data_dir):
+    """No API renders on the worker: a request's row (SQLite) keeps what the engine made, and the training
+    API's envelope (job_id, global_steps, a path the caller may read) is put on when it is answered,
+    by the same service or by the next one after a restart."""
+    app = make_app(data_dir)
+    async with client_for(app, "asgi") as http:
+        api = Api(http)
+        job_id = await api.create(TRAINING)
+        await api.wait_status(job_id, "running")
+        trained = (await api.post_frame(job_id, "forward-backward", small_batch(), params={"wait": 30})).json()
+        stepped = (await api.call("POST", f"/{job_id}/step", json={}, params={"wait": 30})).json()
+        saved = (await api.call("POST", f"/{job_id}/save", json={}, params={"wait": 30})).json()
+        stored = {
+            name: json.loads(store.get_request(app.state.db, request_id=answer["request_id"])["result"])
+            for name, answer in (("fwd_bwd", trained), ("step", stepped), ("save", saved))
+        }
+        assert not any("job_id" in result for result in stored.values())
+        assert "global_steps" not in stored["step"] and "post_process_outputs" not in stored["fwd_bwd"]
+        assert stored["save"]["path"].startswith(str(data_dir))  # the engine's folder, never shown
+        folder = str(Path(stored["save"]["path"]).relative_to(data_dir))
+        step = stored["step"]
+        expected = {
+            trained["request_id"]: {"job_id": job_id, **stored["fwd_bwd"], "post_process_outputs": {}},
+            stepped["request_id"]: {"job_id": job_id, "global_steps": 1, "last_lr": step["lr"], **step},
+            saved["request_id"]: {
+                "job_id": job_id, "checkpoint_path": folder, "checkpoint_tag": stored["save"]["checkpoint_id"],
+                **stored["save"], "path": folder,
+            },
+        }  # fmt: skip
+        for answer in (trained, stepped, saved):
+            assert answer["result"] == expected[answer["request_id"]]
+    async with client_for(make_app(data_dir), "asgi") as http:
+        api = Api(http)
+        for request_id, result in expected.items():
+            assert (await api.poll(job_id, request_id))["result"] == result
+
+
+async def test_a_forward_backward_with_tensors_gets_its_envelope_in_the_answers_frame(data_dir):
+    """A result with tensors is stored as the engine's DSSST1 frame; the answer's frame has the envelope."""
+    async with client_for(make_app(data_dir), "asgi") as http:
+        api = Api(http)
+        job_id = await api.create(TRAINING)
+        await api.wait_status(job_id, "running")
+        batch = small_batch()
+        batch["processing"] = {"loss_fn": "grpo", "config": {"return_logprobs": True}}
+        accepted = (await api.post_frame(job_id, "forward-backward", batch, params={"wait": 30})).json()
+        result = wire.decode_inline_result(accepted["result"])
+        assert result["job_id"] == job_id and result["post_process_outputs"] == {}
+        assert tuple(result["logprobs"].shape) == tuple(batch["kwargs"]["input_ids"].shape)

@@ -106,11 +106,6 @@ class JobEngines:
         """Drop those sub-jobs' engines (their adapters and optimizer state); the base stays."""
         raise NotImplementedError(f"{type(self).__name__} hosts one job; close it instead")
 
-    def fwd_bwd_many(self, calls: Sequence[tuple[str, Any]]) -> Iterator[dict[int, dict[str, Any]]]:
-        """Forward-backward ``calls`` ``(sub_job_id, batch)``, in shared passes where their runs share a
-        base (each as it would run alone), a slice per ``next()``: see :meth:`slices`."""
-        return self.slices(calls[0][0], "fwd_bwd", list(calls))
-
     def generate_many(self, calls: Sequence[Call]) -> Iterator[dict[int, list[Any]]]:
         """Generate ``calls`` ``(sub_job_id, prompts, params, as_json, progress)`` as one batch where their
         samplers share a base, a slice per ``next()`` (see :meth:`slices`); each call's samples are
@@ -119,9 +114,11 @@ class JobEngines:
         return self.slices(calls[0][0], "generate", list(calls))
 
     def slices(self, sub_job_id: str, what: str, calls: list[Any]) -> Iterator[dict[int, Any]]:
-        """Run the resumable op ``what`` (``fwd_bwd`` or ``generate``) for about :data:`SLICE_S` per
-        ``next()``; each yields the results of the calls that finished meanwhile, by call index, and
-        every call's result comes once. Closing it early drops the op where the engines hold it."""
+        """Run the resumable op ``what`` for about :data:`SLICE_S` per ``next()``: ``fwd_bwd`` of calls
+        ``(sub_job_id, batch)``, in shared passes where their runs share a base (each as it would run
+        alone), or ``generate`` (see :meth:`generate_many`). Each ``next()`` yields the results of the
+        calls that finished meanwhile, by call index, and every call's result comes once. Closing it
+        early drops the op where the engines hold it."""
         op_id, done, finished = self.begin(sub_job_id, what, SLICE_S, calls)
         try:
             yield done

@@ -22,9 +22,8 @@ from icefloe.protocol import ConflictError, InvalidRequestError, SamplingParams
 from icefloe.service.hosts.seam import Progress
 from icefloe.service.jobs import JobManager, LiveJob
 from icefloe.service.routes.handlers import generate_target
-from icefloe.service.work.answers import OPENAI
 from icefloe.service.work.door import enter
-from icefloe.service.work.items import Sample
+from icefloe.service.work.items import OPENAI, Sample
 
 __all__ = ["Ticket", "cancel", "outcome", "progress", "sample"]
 

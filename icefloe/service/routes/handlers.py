@@ -29,9 +29,8 @@ from icefloe.service.schemas import (
     check_body,
     parse_json_body,
 )
-from icefloe.service.work.answers import TRAINING
 from icefloe.service.work.door import enter
-from icefloe.service.work.items import Forward, FwdBwd, Item, Load, Sample, Save, Step, WeightSync
+from icefloe.service.work.items import TRAINING, Forward, FwdBwd, Item, Load, Sample, Save, Step, WeightSync
 
 _SAMPLING_KEYS = frozenset(SamplingParams.model_fields)
 # From this size a training batch travels to an engine process as one DSSST1 frame of its validated tensors

@@ -1,13 +1,16 @@
 """Poll a request: status, then its result (JSON, inline DSSST1, or result-chunk pages).
 
 :func:`answer_request` builds the poll answer; the submitting POST routes reuse it for the
-``?wait=`` extension, so a request that finishes quickly is answered by the POST itself. A JSON
-result is stored as text and spliced into the answer as it is (:func:`answer_response`): a
-generate result holds thousands of values, and decoding then re-encoding them cost milliseconds.
+``?wait=`` extension, so a request that finishes quickly is answered by the POST itself. A request
+stores its engine's result as the engine made it; the answer puts it in the training API's envelope
+(:func:`enveloped`: its job, a step's ``global_steps``, paths a caller may read). A generate's
+samples are stored as JSON text and spliced into the answer as they are (:func:`answer_response`):
+they hold thousands of values, and decoding then re-encoding them cost milliseconds.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -15,14 +18,17 @@ import orjson
 from fastapi import Response
 from fastapi.concurrency import run_in_threadpool
 
+from icefloe import wire
+from icefloe.protocol import OP_FWD_BWD, OP_GENERATE, OP_LOAD, OP_SAVE, OP_STEP
 from icefloe.service.jobs import JobManager
 from icefloe.service.middleware import ACCEPTED_HEADER
 from icefloe.service.results import DEFAULT_MAX_EVENTS, MAX_EVENTS_CAP, JsonText
 from icefloe.service.routes import JobsDep, api_router
 from icefloe.service.schemas import RequestPublic
 from icefloe.service.sequencing import Turn
+from icefloe.service.settings import ServeSettings
 
-__all__ = ["answer_request", "answer_response", "router", "with_answer"]
+__all__ = ["answer_request", "answer_response", "enveloped", "router", "with_answer"]
 
 router = api_router("requests")
 
@@ -56,17 +62,18 @@ async def answer_request(
     result, events, next_cursor, status = {}, [], "", row["status"]
     limit = min(max(1, max_events), MAX_EVENTS_CAP)
     if stream is not None:  # generate-stream: events are drained, the request stays "streaming" until empty
-        events = stream.drain(limit)
+        events = [_event(event, job_id, jobs.settings) for event in stream.drain(limit)]
         if stream.pending_events or status != "done":
             status = "streaming" if status in ("done", "streaming") else status
         else:
             result = json.loads(row["result"]) if row["result"] else {}
             jobs.streams.pop(request_id, None)
     elif status == "done" and row["result_path"] is None:
-        result = JsonText(row["result"]) if row["result"] else {}  # JSON text, spliced in as it is
+        result = _stored_answer(row, jobs.settings) if row["result"] else {}
     elif status == "done":  # a stored frame, read off the loop
-        render = jobs.results.render
-        args = (request_id, row["result_path"], row["op_metadata"], cursor, limit)
+        render, op = jobs.results.render, row["op"]
+        envelope = None if op not in _ENVELOPED else functools.partial(_frame_answer, op, job_id, jobs.settings)
+        args = (request_id, row["result_path"], row["op_metadata"], cursor, limit, envelope)
         result, events, next_cursor = await run_in_threadpool(render, *args)
     return {
         "request_id": request_id,
@@ -78,6 +85,50 @@ async def answer_request(
         "events": events,
         "next_cursor": next_cursor,
     }
+
+
+def enveloped(op: str, job_id: str, result: Any, settings: ServeSettings) -> Any:
+    """The training API's answer to a finished ``op`` of ``job_id`` whose engine made ``result``."""
+    if op == OP_FWD_BWD:
+        return {"job_id": job_id, **result, "post_process_outputs": {}}
+    if op == OP_STEP:
+        return {"job_id": job_id, "global_steps": result["global_step"], "last_lr": result["lr"], **result}
+    if op == OP_SAVE:
+        path = settings.public_path(result["path"])
+        return {"job_id": job_id, "checkpoint_path": path, "checkpoint_tag": result["checkpoint_id"], **result,
+                "path": path}  # fmt: skip
+    if op == OP_LOAD:  # the answer names no server folder
+        public = {"path": settings.public_path(result["path"])} if "path" in result else {}
+        return {"job_id": job_id, **result, **public}
+    if op == OP_GENERATE:
+        return {"job_id": job_id, "results": result}
+    return result
+
+
+_ENVELOPED = frozenset({OP_FWD_BWD, OP_STEP, OP_SAVE, OP_LOAD, OP_GENERATE})
+
+
+def _stored_answer(row: dict[str, Any], settings: ServeSettings) -> Any:
+    """The answer to a request whose row holds its result as JSON text; a generate's samples are spliced
+    into their envelope as they are, a result needing none is answered as it is."""
+    text, op = row["result"], row["op"]
+    if op == OP_GENERATE and text.startswith("["):  # (a row an earlier version wrote holds its envelope)
+        return JsonText(f'{{"job_id": {json.dumps(row["job_id"])}, "results": {text}}}')
+    if op in _ENVELOPED and op != OP_GENERATE:
+        return enveloped(op, row["job_id"], orjson.loads(text), settings)
+    return JsonText(text)
+
+
+def _frame_answer(op: str, job_id: str, settings: ServeSettings, frame: bytes) -> bytes:
+    """A stored DSSST1 frame of the engine's result, as the frame of the answer."""
+    return wire.encode(enveloped(op, job_id, wire.decode(frame, tensors="torch"), settings))
+
+
+def _event(event: dict[str, Any], job_id: str, settings: ServeSettings) -> dict[str, Any]:
+    """A generate-stream event as the training API shows it: a prompt's samples in their envelope."""
+    if event["type"] != "result":
+        return event
+    return {**event, "result": enveloped(OP_GENERATE, job_id, event["result"], settings)}
 
 
 async def with_answer(jobs: JobManager, accepted: dict[str, Any], wait: float, turn: Turn) -> dict[str, Any] | Response:

@@ -105,22 +105,28 @@ def _from_csr(csr: pb.SparseCsr, dtype: type[np.generic], shape: list[int], wher
     return dense
 
 
-def tokens_of(chunks: Any, where: str) -> list[int]:
-    """The token ids of a model input (protobuf chunks); images and audio are refused."""
-    tokens: list[int] = []
+def tokens_of(chunks: Any, where: str) -> np.ndarray:
+    """The token ids of a model input (protobuf chunks), int32; images and audio are refused, and so is a
+    negative id."""
+    parts: list[np.ndarray] = []
     for index, chunk in enumerate(chunks):
         kind = chunk.WhichOneof("chunk") if hasattr(chunk, "WhichOneof") else None
         if kind != "encoded_text":
             raise InvalidRequestError(f"{where}.chunks.{index} is a {kind} chunk; only encoded_text is served")
-        tokens += _buffer(chunk.encoded_text.tokens, np.int32, f"{where}.chunks.{index}.encoded_text.tokens").tolist()
+        parts.append(_buffer(chunk.encoded_text.tokens, np.int32, f"{where}.chunks.{index}.encoded_text.tokens"))
+    tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+    if len(tokens) and tokens.min() < 0:
+        raise InvalidRequestError(f"{where} holds token id {tokens.min()}; token ids are integers from 0")
     return tokens
 
 
 def batch_from_request(
     request: pb.ForwardBackwardRequest, *, pad_id: int, context_length: int, max_tokens: int
-) -> tuple[dict[str, Any], list[int]]:
-    """The canonical batch of one forward(-backward) chunk, and each datum's length; a datum longer
-    than ``context_length`` (the model's positions), or more than ``max_tokens`` in all, is refused."""
+) -> tuple[dict[str, Any], Layout]:
+    """The canonical batch of one forward(-backward) chunk, and each datum's layout in it; a datum longer
+    than ``context_length`` (the model's positions), or more than ``max_tokens`` in all, is refused.
+    Every field is checked here, so the batch goes to the engine as it is (which checks the token ids
+    against its vocabulary)."""
     import torch
 
     loss_fn = request.loss_fn
@@ -144,12 +150,12 @@ def batch_from_request(
             f"the request holds {total} tokens; at most {max_tokens} go in one request (icefloe serve "
             "--max-tokens-per-request): send fewer datums per forward_backward"
         )
-    rows: list[list[int]] = []
+    rows: list[np.ndarray] = []
     inputs: list[dict[str, np.ndarray]] = []
     layout: Layout = []
     for index, datum in enumerate(request.data):
         tokens = tokens_of(datum.model_input, f"data.{index}.model_input")
-        if not tokens:
+        if not len(tokens):
             raise InvalidRequestError(f"data.{index}.model_input is empty; give at least one token")
         if len(tokens) > context_length:
             raise InvalidRequestError(
@@ -167,6 +173,12 @@ def batch_from_request(
                 raise InvalidRequestError(
                     f"data.{index}.loss_fn_inputs.{name} is missing; loss {loss_fn!r} needs it in every datum"
                 )
+        targets = fields.get("target_tokens")
+        if targets is not None and targets.min() < 0:
+            raise InvalidRequestError(
+                f"data.{index}.loss_fn_inputs.target_tokens holds {targets.min()}, not a token id; put any token "
+                "id where nothing is scored and set weights to 0 there"
+            )
         columns = _columns(fields, loss_fn, f"data.{index}.loss_fn_inputs")
         layout.append((len(tokens), len(rows), columns))
         for column in range(columns or 1):  # K targets per position: one row per column
@@ -192,7 +204,7 @@ def batch_from_request(
     if loss_fn == "cross_entropy" and "weights" not in context:
         context["weights"] = torch.zeros((num_rows, width))
     for row, (tokens, fields) in enumerate(zip(rows, inputs, strict=True)):
-        input_ids[row, : len(tokens)] = torch.tensor(tokens)
+        input_ids[row, : len(tokens)] = torch.from_numpy(tokens)
         attention[row, : len(tokens)] = 1
         if loss_fn == "cross_entropy" and "weights" not in fields:
             context["weights"][row, : len(tokens)] = 1.0

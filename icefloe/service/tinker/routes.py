@@ -34,10 +34,17 @@ from icefloe.service.schemas import WeightSyncPayload
 from icefloe.service.settings import ServeSettings
 from icefloe.service.tinker.checks import Fields, checkpoint_name, json_body
 from icefloe.service.tinker.external import recipients_of
-from icefloe.service.tinker.state import CheckpointPath, Model, SamplingSession, Snapshot, TinkerState, remember
-from icefloe.service.work.answers import TINKER
+from icefloe.service.tinker.state import (
+    CheckpointPath,
+    Model,
+    Prepared,
+    SamplingSession,
+    Snapshot,
+    TinkerState,
+    remember,
+)
 from icefloe.service.work.door import enter
-from icefloe.service.work.items import FwdBwd, Load, Sample, Save, Step
+from icefloe.service.work.items import TINKER, FwdBwd, Load, Sample, Save, Step
 
 __all__ = ["router", "tinker_state"]
 
@@ -175,20 +182,20 @@ async def forward_backward(request: Request, state: State, tenant: TenantDep) ->
     message = await _off_loop(len(raw), _parse_request, convert.pb.ForwardBackwardRequest, raw)
     model = state.model(message.model_id, tenant)
     max_tokens = state.manager.settings.max_tokens_per_request
-    layout_of: dict[str, Any] = {}  # how each datum's log-probs sit in the batch: rendered at poll time
 
-    async def prepare() -> Callable[[], str]:
+    async def prepare() -> Prepared:
         job = await state.live(model.job_id)
         sub_job_id = state.sub_job(job, "training")
-        context_length = job.specs[sub_job_id].config.max_seq_len
-        batch, layout_of["layout"] = await _off_loop(len(raw), _batch, message, context_length, max_tokens)
+        limit = job.specs[sub_job_id].config.max_seq_len
+        batch, layout = await _off_loop(
+            len(raw), convert.batch_from_request, message, pad_id=0, context_length=limit, max_tokens=max_tokens
+        )
         item = FwdBwd(sub_job_id, batch, OP_FORWARD if message.forward_only else OP_FWD_BWD)
-        return lambda: enter(state.manager, job, item, api=TINKER, tenant=tenant)
+        # Rendered when polled: each datum's log-probs cut out of the engine's tensor, as protobuf.
+        render = functools.partial(convert.forward_backward_output, layout=layout)
+        return lambda: enter(state.manager, job, item, api=TINKER, tenant=tenant), render
 
-    def render(result: dict[str, Any]) -> bytes:
-        return convert.forward_backward_output(result, layout_of["layout"])
-
-    return await state.in_turn(model, message.seq_id, render, prepare)
+    return await state.in_turn(model, message.seq_id, prepare)
 
 
 def _parse_request(kind: Any, raw: bytes) -> Any:
@@ -200,14 +207,6 @@ def _parse_request(kind: Any, raw: bytes) -> Any:
     return message
 
 
-def _batch(message: Any, context_length: int, max_tokens: int) -> tuple[dict[str, Any], Any]:
-    from icefloe.engines.batch import validate_batch
-    from icefloe.service.tinker import convert
-
-    batch, layout = convert.batch_from_request(message, pad_id=0, context_length=context_length, max_tokens=max_tokens)
-    return validate_batch(batch, require_context=True), layout
-
-
 _ADAM_KEYS = ("beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
 
 
@@ -215,7 +214,7 @@ _ADAM_KEYS = ("beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
 async def optim_step(body: Body, state: State, tenant: TenantDep) -> dict[str, Any]:
     model = state.model(body.text("model_id", max_chars=512), tenant)
 
-    async def prepare() -> Callable[[], str]:
+    async def prepare() -> Prepared:
         if body.value.get("optimizer_params") is not None:
             raise InvalidRequestError("optimizer_params (a non-Adam optimizer) is not served; send adam_params")
         adam = body.section("adam_params" if "adam_params" in body.value else "optim_params")
@@ -227,9 +226,9 @@ async def optim_step(body: Body, state: State, tenant: TenantDep) -> dict[str, A
         params = {key: adam.number(key, null_ok=False) for key in _ADAM_KEYS if key in adam.value}
         job = await state.live(model.job_id)
         item = Step(state.sub_job(job, "training"), learning_rate, params)
-        return lambda: enter(state.manager, job, item, api=TINKER, tenant=tenant)
+        return lambda: enter(state.manager, job, item, api=TINKER, tenant=tenant), _optim_result
 
-    return await state.in_turn(model, _seq_id(body), _optim_result, prepare)
+    return await state.in_turn(model, _seq_id(body), prepare)
 
 
 def _optim_result(result: dict[str, Any]) -> dict[str, Any]:
@@ -242,11 +241,12 @@ async def save_weights(body: Body, state: State, tenant: TenantDep) -> dict[str,
     model, seq_id = state.model(body.text("model_id", max_chars=512), tenant), _seq_id(body)
     answer: dict[str, Any] = {"type": "save_weights"}
 
-    async def prepare() -> Callable[[], str]:
+    async def prepare() -> Prepared:
         name = checkpoint_name(body.value.get("path") or f"seq{seq_id}", "path")
-        return await _saver(state, model, CheckpointPath(model.model_id, "weights", name), answer, kind="resumable")
+        path = CheckpointPath(model.model_id, "weights", name)
+        return await _saver(state, model, path, answer, kind="resumable"), lambda _: answer
 
-    return await state.in_turn(model, seq_id, lambda _: answer, prepare)
+    return await state.in_turn(model, seq_id, prepare)
 
 
 @router.post("/save_weights_for_sampler")
@@ -254,7 +254,7 @@ async def save_weights_for_sampler(body: Body, state: State, tenant: TenantDep) 
     model, seq_id = state.model(body.text("model_id", max_chars=512), tenant), _seq_id(body)
     answer: dict[str, Any] = {"type": "save_weights_for_sampler"}
 
-    async def prepare() -> Callable[[], str]:
+    async def prepare() -> Prepared:
         session_seq = body.integer("sampling_session_seq_id", None, low=0, high=_MAX_SEQ_ID)
         if session_seq is not None and session_seq not in model.sampler_saves:
             taken = f"{model.session_id}:sample:{session_seq}"
@@ -271,10 +271,11 @@ async def save_weights_for_sampler(body: Body, state: State, tenant: TenantDep) 
             path = CheckpointPath(model.model_id, "sampler_weights", checkpoint_name(body.value["path"], "path"))
         else:  # kept only for the snapshot client made with it, so never a path a caller can name
             path = CheckpointPath(model.model_id, "snapshot", f"{session_seq}-{seq_id}-{uuid.uuid4().hex[:8]}")
-        return await _saver(state, model, path, answer, kind="weights-only", sync=True, session_seq=session_seq,
-                            named=named, snapshot=kind == "snapshot")  # fmt: skip
+        queue = await _saver(state, model, path, answer, kind="weights-only", sync=True, session_seq=session_seq,
+                             named=named, snapshot=kind == "snapshot")  # fmt: skip
+        return queue, lambda _: answer
 
-    return await state.in_turn(model, seq_id, lambda _: answer, prepare)
+    return await state.in_turn(model, seq_id, prepare)
 
 
 @router.post("/save_weights_external")
@@ -283,19 +284,19 @@ async def save_weights_external(body: Body, state: State, tenant: TenantDep) -> 
     each file encrypted to ``age_encryption_recipients`` when given. ``ttl_seconds`` is accepted and
     changes nothing: checkpoints live until deleted."""
     model, seq_id = state.model(body.text("model_id", max_chars=512), tenant), _seq_id(body)
-    path_of: dict[str, str] = {}
 
-    async def prepare() -> Callable[[], str]:
+    async def prepare() -> Prepared:
         path = CheckpointPath(model.model_id, "external_weights", checkpoint_name(body.value.get("path"), "path"))
         body.integer("ttl_seconds", None, low=0)
         recipients = recipients_of(body.value.get("age_encryption_recipients"), "age_encryption_recipients")
-        path_of["path"] = str(path)
-        return await _saver(state, model, path, {}, kind="weights-only", encrypt_to=recipients)
+        queue = await _saver(state, model, path, {}, kind="weights-only", encrypt_to=recipients)
+        return queue, functools.partial(_external_answer, str(path))
 
-    def render(result: dict[str, Any]) -> dict[str, Any]:
-        return {"type": "save_weights_external", "path": path_of["path"], "size_bytes": result["size_bytes"]}
+    return await state.in_turn(model, seq_id, prepare)
 
-    return await state.in_turn(model, seq_id, render, prepare)
+
+def _external_answer(path: str, result: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "save_weights_external", "path": path, "size_bytes": result["size_bytes"]}
 
 
 async def _saver(
@@ -361,15 +362,15 @@ async def load_weights(body: Body, state: State, tenant: TenantDep) -> dict[str,
     model = state.model(body.text("model_id", max_chars=512), tenant)
     answer: dict[str, Any] = {"type": "load_weights", "model_id": model.model_id}
 
-    async def prepare() -> Callable[[], str]:
+    async def prepare() -> Prepared:
         path, optimizer = CheckpointPath.parse(body.text("path", max_chars=2048)), body.flag("optimizer")
         answer["path"] = str(path)
         record = await asyncio.to_thread(state.checkpoint_record, path, tenant)
         job = await state.live(model.job_id)
         item = Load(state.sub_job(job, "training"), record["job_id"], path.checkpoint_id, optimizer)
-        return lambda: enter(state.manager, job, item, api=TINKER, tenant=tenant)
+        return lambda: enter(state.manager, job, item, api=TINKER, tenant=tenant), lambda _: answer
 
-    return await state.in_turn(model, _seq_id(body), lambda _: answer, prepare)
+    return await state.in_turn(model, _seq_id(body), prepare)
 
 
 # --- sampling --------------------------------------------------------------------------------

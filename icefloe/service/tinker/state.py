@@ -39,11 +39,10 @@ from icefloe.service.schemas import JobCreate
 from icefloe.service.specs import sub_job_specs
 from icefloe.service.tenants import Tenancy
 from icefloe.service.turns import Turns
-from icefloe.service.work.answers import TINKER
 from icefloe.service.work.door import enter
-from icefloe.service.work.items import Sample
+from icefloe.service.work.items import TINKER, Sample
 
-__all__ = ["CheckpointPath", "Future", "Model", "SamplingSession", "Snapshot", "TinkerState", "remember"]
+__all__ = ["CheckpointPath", "Future", "Model", "Prepared", "SamplingSession", "Snapshot", "TinkerState", "remember"]
 
 _log = logging.getLogger("icefloe.service.tinker")
 _KINDS = ("weights", "sampler_weights", "external_weights")  # "snapshot" (kept for a client) is never a caller's path
@@ -51,6 +50,11 @@ _COPY_PREFIX = "copy-"  # model ids never start so: they are <session>:train:<n>
 FUTURES_KEPT = 100_000  # futures, and answers kept per model or sampler for a resent seq_id
 _CLONE_SEQ_BLOCK = 1_000_000_000  # a sampling client's seq_ids start at its clone number times this
 _START_POLL_S = 0.05  # how often a waiter looks at a starting job's state (no event exists for it)
+
+
+# What an ordered op's checks give, in its turn: what queues it (returning its request id), and what
+# renders the result it leaves in memory when its future is polled.
+Prepared = tuple[Callable[[], str], Callable[[Any], Any]]
 
 
 @dataclass(frozen=True)
@@ -418,17 +422,14 @@ class TinkerState:
         return sampler
 
     async def in_turn(
-        self,
-        model: Model,
-        seq_id: int | None,
-        render: Callable[[Any], Any],
-        prepare: Callable[[], Awaitable[Callable[[], str]]],
+        self, model: Model, seq_id: int | None, prepare: Callable[[], Awaitable[Prepared]]
     ) -> dict[str, Any]:
         """Answer op ``seq_id`` at once with a future; queue the op once every number before it is used
         (:class:`~icefloe.service.turns.Turns`, the rule of the training API's ``Icefloe-Sequence`` too).
 
-        ``prepare`` checks the op and returns what queues it (returning its request id); a refusal is
-        the POST's answer and uses up the number. A resent number gets the answer it got the first time.
+        ``prepare`` checks the op and returns what queues it (returning its request id) and what renders
+        its result when the future is polled; a refusal is the POST's answer and uses up the number. A
+        resent number gets the answer it got the first time.
         """
         if seq_id is not None and seq_id in model.taken:
             return model.taken[seq_id]
@@ -443,7 +444,7 @@ class TinkerState:
                 f"waited {self.gap_timeout_s:g} s for it); it did not run: call the op again"
             )
         try:
-            queue = await prepare()
+            queue, render = await prepare()
         except Exception:
             if seq_id is not None:
                 model.turns.use(seq_id)

@@ -13,8 +13,7 @@ from pathlib import Path
 from icefloe.protocol import InvalidRequestError, NotFoundError
 from icefloe.service import store, tenants
 from icefloe.service.jobs import JobManager, LiveJob
-from icefloe.service.work.answers import TRAINING
-from icefloe.service.work.items import Item, Load, WeightSync
+from icefloe.service.work.items import TRAINING, Item, Load, WeightSync
 
 __all__ = ["enter"]
 

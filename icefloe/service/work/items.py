@@ -4,7 +4,8 @@ Every op of both APIs, and the engine ops of the training API's ``operation`` ro
 these and enters the lanes through :func:`icefloe.service.work.door.enter`. :func:`run_batch` and
 :func:`run_one` are the one place that turns items into engine calls; an op that is one engine method
 call finds that method in ``protocol.ENGINE_CALLS``, the table the client's engine host reads too.
-Items carry no callbacks: the API that asked renders the result (:mod:`icefloe.service.work.answers`).
+Items carry no callbacks: a result is kept as the engine made it and rendered by the API that asked,
+when it asks (:data:`HELD`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Final
 
 from icefloe import protocol as api
 from icefloe.protocol import ENGINE_CALLS, SamplingParams
@@ -22,6 +23,10 @@ if TYPE_CHECKING:
     from icefloe.engines.host import SyncGate
 
 __all__ = [
+    "HELD",
+    "OPENAI",
+    "TINKER",
+    "TRAINING",
     "EngineOp",
     "Forward",
     "FwdBwd",
@@ -34,6 +39,15 @@ __all__ = [
     "run_batch",
     "run_one",
 ]
+
+
+# The API that queued an item. Its result waits, as the engine made it, until that API asks for it: in
+# memory for the Tinker and OpenAI APIs (JobManager.held; a restart loses it, and their clients send the
+# call again), in the request's row for the training API, whose polls outlive a restart.
+TRAINING: Final = "training"
+TINKER: Final = "tinker"
+OPENAI: Final = "openai"
+HELD: Final = frozenset({TINKER, OPENAI})
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +163,7 @@ def run_batch(job: Any, items: Sequence[FwdBwd] | Sequence[Sample]) -> Iterator[
     ``job``: a running ``jobs.LiveJob`` (not named as a type: the job manager imports this module)."""
     engines = job.engines
     if isinstance(items[0], FwdBwd):
-        return engines.fwd_bwd_many([(item.sub_job_id, item.batch) for item in items])
+        return engines.slices(items[0].sub_job_id, "fwd_bwd", [(item.sub_job_id, item.batch) for item in items])
     calls = [(item.sub_job_id, item.prompts, item.params, item.as_json, item.progress) for item in items]
     return engines.generate_many(calls)
 
