@@ -801,7 +801,11 @@ def fwd_bwd_steps(
                 first._idle_pass(backward=not forward_only)
                 continue
             started = time.perf_counter()
-            owners = _run_pass(first, prepared, frame, spans, micro, owner_B, offset, forward_only)
+            owners, loss = _run_pass(first, prepared, frame, spans, micro, owner_B, offset, forward_only)
+            if not forward_only and loss is not None:
+                for owner in owners:
+                    before[id(prepared[owner].engine)].added = True  # from here on, even if backward fails
+                loss.backward()
             first._timed_pass(micro.num_positions, time.perf_counter() - started)
             for group in {group_of[owner] for owner in owners}:
                 passes_left[group] -= 1
@@ -826,19 +830,23 @@ class _GradsBefore:
     before the run's calls are answered.
 
     A LoRA run's are copied (an adapter's gradients are small). A full-weight run's are not: the copy
-    would double its gradient memory. Its first fwd_bwd after a step finds none, so nothing is lost;
-    a later one that fails part-way takes the gradient of the run's earlier calls since that step with
-    it, and its error says so (a note, which the service's failure message carries).
+    would double its gradient memory. Its first fwd_bwd after a step finds none, and one that fails
+    before any backward of its rows (a loss refusing its first pass) added nothing, so nothing is lost;
+    a later one that fails after a backward takes the gradient of the run's earlier calls since that
+    step with it, and its error says so (a note, which the service's failure message carries).
     """
 
     def __init__(self, engine: TrainingEngine) -> None:
         self.engine = engine
+        self.added = False  # a backward of the op reached the run's gradients
         grads = [param.grad for param in engine._params]
         self.kept = engine.lora is not None or all(grad is None for grad in grads)
         self.grads = [None if grad is None else grad.clone() for grad in grads] if self.kept else []
 
     def restore(self, exc: BaseException) -> None:
         engine = self.engine
+        if not self.added:
+            return
         if self.kept:
             for param, grad in zip(engine._params, self.grads, strict=True):
                 param.grad = grad
@@ -863,9 +871,9 @@ def _run_pass(
     owner_B: list[int],
     offset: list[int],
     forward_only: bool,
-) -> set[int]:
-    """One pass of :func:`fwd_bwd_steps`, each row scored by its call, then one backward; returns
-    the calls that had rows in it."""
+) -> tuple[set[int], Tensor | None]:
+    """The forward of one pass of :func:`fwd_bwd_steps`, each row scored by its call: the calls that
+    had rows in it and their losses' sum, whose backward is the caller's."""
     # each call's rows of the pass in one run, so that an adapter updates a slice of rows
     micro = MicroBatch(tuple(sorted(micro.rows, key=owner_B.__getitem__)), micro.width)
     part = cut_micro_batch(frame, micro, spans)
@@ -885,9 +893,7 @@ def _run_pass(
             loss = prepared[owner].score(own_logits, own, own_micro)
             total = loss if total is None else total + loss
         del logits_bWV
-    if not forward_only and total is not None:
-        total.backward()
-    return set(owners)
+    return set(owners), total
 
 
 def _stacked(frames: list[dict[str, Any]]) -> tuple[dict[str, Any], list[int], list[int]]:

@@ -174,17 +174,26 @@ def test_a_dedicated_runs_failed_call_leaves_its_earlier_gradient(model_dir, pas
 
 
 def test_a_full_weight_runs_failed_call_discards_its_gradient_and_says_so(model_dir, passes):
-    """A full-weight run keeps no copy of its gradient (it would double gradient memory): a call that
-    fails part-way leaves none, and its error tells so; the run's first call after a step loses nothing."""
+    """A full-weight run keeps no copy of its gradient (it would double gradient memory): a call that fails
+    after a backward of its rows leaves none, and its error says so. One that fails before any (a loss
+    refusing its first pass) added nothing and keeps the run's earlier gradient; so does the run's first
+    call after a step, which found none."""
     config = make_config(seed=1, training={"micro_batch_tokens": PASS_TOKENS})
     engine = TrainingEngine(config, model_dir=model_dir)
-    failing = _batch("A", 8, seed=6, refuse_at_pass=3)
     with pytest.raises(InvalidRequestError) as first:
-        engine.fwd_bwd(failing)
+        engine.fwd_bwd(_batch("A", 8, seed=6, refuse_at_pass=3))
     assert not getattr(first.value, "__notes__", None), "nothing was accumulated, nothing is lost"
     assert all(p.grad is None for p in engine.model.parameters())
-    engine.fwd_bwd(_batch("A", 4, seed=1))
+
+    earlier = _batch("A", 4, seed=1)
+    engine.fwd_bwd(earlier)
+    expected = {name: p.grad.clone() for name, p in engine.model.named_parameters()}
+    with pytest.raises(InvalidRequestError) as refused_first:
+        engine.fwd_bwd(_batch("A", 8, seed=6, refuse_at_pass=1))
+    assert not getattr(refused_first.value, "__notes__", None)
+    assert all(torch.equal(p.grad, expected[name]) for name, p in engine.model.named_parameters())
+
     with pytest.raises(InvalidRequestError) as later:
-        engine.fwd_bwd(failing)
+        engine.fwd_bwd(_batch("A", 8, seed=6, refuse_at_pass=3))
     assert "gradient accumulated since step 0 is discarded" in " ".join(later.value.__notes__)
     assert all(p.grad is None for p in engine.model.parameters())
