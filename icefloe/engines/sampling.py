@@ -52,10 +52,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # A pass cut to a time (see _prompt_passes) before the engine has timed one: this many positions
 # (rows x columns), brief on any device; later passes are sized by the speed measured.
 _FIRST_PASS_POSITIONS = 1024
-# Prompts cut into passes take at most this many: each pass reads the whole cache so far, as a decode
-# step does, so more passes would cost more than they let others in (on a CPU, 16 passes cost about
-# what one does, 64 up to twice as much).
-_MAX_PASSES = 16
+# A pass cut to a time holds at least this many columns: each pass reads the whole cache so far, as a
+# decode step does, and with fewer columns of work per read, more, shorter passes would cost more than
+# they let others in.
+_MIN_PASS_COLUMNS = 64
 # Columns of padding any row of a decode batch may take (see decode_batches), however short its prompt.
 _PAD_SLACK = 64
 # Odd 64-bit constant for mixing (seed, sample index) into one generator seed.
@@ -282,15 +282,16 @@ class SamplingEngine:
 
         A caller that pauses between two passes lets the worker of a shared host run other runs' work
         there, and a deadline stop its op: one pass over the long prompts of a whole decode batch
-        could hold the host for seconds. Never more than :data:`_MAX_PASSES` passes.
+        could hold the host for seconds. A pass holds at least :data:`_MIN_PASS_COLUMNS` columns.
         """
         rows, width = prompts["input_ids"].shape
         start = 0
         while start < width:
             columns = width
             if pass_s is not None:
-                positions = _FIRST_PASS_POSITIONS if self._positions_per_s is None else self._positions_per_s * pass_s
-                columns = max(-(-width // _MAX_PASSES), int(positions) // rows)
+                known = self._positions_per_s
+                positions = _FIRST_PASS_POSITIONS if known is None else known * pass_s
+                columns = max(_MIN_PASS_COLUMNS, int(positions) // rows)
             end = min(width, start + columns)
             inputs = {name: prompts[name][:, start:end] for name in ("input_ids", "position_ids")}
             if "attention_mask" in prompts:  # the cached columns' too

@@ -223,7 +223,7 @@ def test_a_prefill_and_prompt_scoring_in_passes_of_one_column_sample_and_score_w
 ):
     """A generate's prefill was one forward over every prompt of its decode batch (and a prompt's scoring
     one over the prompt): long prompts made one step of a shared host seconds long, which no other run's
-    op could pass and no deadline could stop. Cut by time, passes here hold one column each."""
+    op could pass and no deadline could stop. Cut by time (and with no floor), passes here hold one column each."""
     engine = SamplingEngine(make_config(), model_dir=model_dir)
     prompts = ["12+7=", "3*4=", "1000-58+6=", "12+7=", "9"]  # left-padded rows, a shared prefill, a 1-token prompt
     params = SamplingParams(max_tokens=6, seed=3, n=2, logprobs=True, prompt_logprobs=True, topk_prompt_logprobs=2)
@@ -237,7 +237,8 @@ def test_a_prefill_and_prompt_scoring_in_passes_of_one_column_sample_and_score_w
         return forward(adapters, **kwargs)
 
     monkeypatch.setattr(engine, "_forward", recording)
-    monkeypatch.setattr(sampling, "_FIRST_PASS_POSITIONS", 1)  # and pass_s 1 ns: a column per pass
+    monkeypatch.setattr(sampling, "_FIRST_PASS_POSITIONS", 1)  # with these and pass_s 1 ns: a column per pass
+    monkeypatch.setattr(sampling, "_MIN_PASS_COLUMNS", 1)
     steps = list(sampling.generate_steps([(engine, prompts, params)], pass_s=1e-9))
     cut = next(done[0] for done, _ in steps if done)
 

@@ -24,8 +24,8 @@ _SAMPLER = {
     "model_name": "tiny:bench",
     "inference_config": {"max_seq_len": 2048, "peft_config": _PEFT},
 }
-# 32 prompts of 1,990 tokens: one decode batch whose prefill is many deadlines (and graces) long on a CPU.
-_ROWS, _WIDTH = 32, 1990
+# 16 prompts of 1,990 tokens: one decode batch whose prefill is many deadlines (and graces) long on a CPU.
+_ROWS, _WIDTH = 16, 1990
 
 
 def _long_prompts() -> list[list[int]]:
