@@ -18,9 +18,11 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import logging
 import shutil
 import tempfile
-from collections.abc import Collection, Iterable, Iterator, Sequence
+import time
+from collections.abc import Collection, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,7 +46,18 @@ from icefloe.protocol import InvalidRequestError, SamplingParams
 
 __all__ = ["SamplingEngine", "VLLMSamplingEngine", "build_sampling_engine", "generate_steps", "generate_together"]
 
+log = logging.getLogger(__name__)
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# A pass cut to a time (see _prompt_passes) before the engine has timed one: this many positions
+# (rows x columns), brief on any device; later passes are sized by the speed measured.
+_FIRST_PASS_POSITIONS = 1024
+# A pass cut to a time holds at least this many columns: each pass reads the whole cache so far, as a
+# decode step does, and with fewer columns of work per read, more, shorter passes would cost more than
+# they let others in.
+_MIN_PASS_COLUMNS = 64
+# Columns of padding any row of a decode batch may take (see decode_batches), however short its prompt.
+_PAD_SLACK = 64
 # Odd 64-bit constant for mixing (seed, sample index) into one generator seed.
 _SEED_MIX = 0x9E3779B97F4A7C15
 
@@ -116,6 +129,7 @@ class SamplingEngine:
         # Tags whose rows stop at their next decode step (see cancel()); the samplers of one base share
         # the set, since any of them may decode the others' rows.
         self._cancelled: set[str] = shared.cancelled if shared is not None else set()
+        self._positions_per_s: float | None = None  # prompt positions a pass got through, for cutting passes by time
         self.policy_version = 0
 
     @property
@@ -149,6 +163,14 @@ class SamplingEngine:
         if self._asleep:
             raise InvalidRequestError("the sampling engine is asleep; call wake() (wake_inference) first")
         per_prompt = self._params_per_prompt(prompts, params)
+        unknown = sorted({t for p in per_prompt for t in p.stop_token_ids if not 0 <= t < self.vocab_size})
+        if unknown:  # e.g. another tokenizer's end-of-turn id: its samples run on to max_tokens
+            log.warning(
+                "sampling_params.stop_token_ids %s are not ids of this model's vocabulary [0, %d): "
+                "no sample can stop at them",
+                unknown,
+                self.vocab_size,
+            )
         rows: list[_Row] = []
         for index, (prompt, wanted) in enumerate(zip(prompts, per_prompt, strict=True)):
             ids = self._prompt_ids(index, prompt)
@@ -161,8 +183,12 @@ class SamplingEngine:
             rows += [_Row(ids, wanted, seed, wanted.max_tokens, self.adapter) for seed in self._row_seeds(wanted)]
         return rows
 
-    def _finish(self, rows: list[_Row], version: int) -> list[dict[str, Any]]:
-        """The results of decoded rows, with the prompt log-probs their params ask for."""
+    def _finish(
+        self, rows: list[_Row], version: int, pass_s: float | None = None
+    ) -> Generator[None, None, list[dict[str, Any]]]:
+        """The results of decoded rows, with the prompt log-probs their params ask for: each distinct
+        prompt scored in passes (see :meth:`_prompt_passes`), pausing between two, so that scoring
+        many long prompts never holds a shared host in one piece."""
         results = [self._result(row, version) for row in rows]
         scored: dict[tuple[Any, ...], tuple[list[float | None], list[Any], list[list[float]] | None]] = {}
         for row, result in zip(rows, results, strict=True):
@@ -171,7 +197,9 @@ class SamplingEngine:
             if (params.prompt_logprobs or k or targets) and row.finish_reason != "cancelled":
                 key = (tuple(row.prompt_ids), k, targets)
                 if key not in scored:
-                    scored[key] = self._prompt_logprobs(row.prompt_ids, k, targets)
+                    if scored:
+                        yield
+                    scored[key] = yield from self._prompt_logprobs(row.prompt_ids, k, targets, pass_s)
                 logprobs, topk, targeted = scored[key]
                 if params.prompt_logprobs:
                     result["prompt_logprobs"] = logprobs
@@ -201,21 +229,14 @@ class SamplingEngine:
 
     @torch.no_grad()
     def _prompt_logprobs(
-        self, ids: list[int], k: int, targets: tuple[tuple[int, ...], ...] | None
-    ) -> tuple[list[float | None], list[Any], list[list[float]] | None]:
+        self, ids: list[int], k: int, targets: tuple[tuple[int, ...], ...] | None, pass_s: float | None = None
+    ) -> Generator[None, None, tuple[list[float | None], list[Any], list[list[float]] | None]]:
         """log π(prompt[i] | prompt[:i]) for every position, (k > 0) the k likeliest ``[token, logprob]``
         pairs there, likeliest first (position 0 has no context: None), and the log-probs of the
-        ``targets`` ids (row i at position i + 1; -1: 0.0)."""
-        input_1P = torch.tensor([ids], device=self.device)
-        logits_PV = self._forward(self.adapter, input_ids=input_1P, use_cache=False).logits[0, :-1].float()
-        all_PV = torch.log_softmax(logits_PV, dim=-1)
-        logprobs_P = all_PV.gather(-1, input_1P[0, 1:, None]).squeeze(-1)
-        topk: list[Any] = []
-        if k:
-            values_PK, tokens_PK = all_PV.topk(min(k, all_PV.shape[-1]), dim=-1)
-            pairs = zip(tokens_PK.tolist(), values_PK.tolist(), strict=True)
-            topk = [None, *([list(p) for p in zip(t, v, strict=True)] for t, v in pairs)]
-        targeted = None
+        ``targets`` ids (row i at position i + 1; -1: 0.0); in passes of about ``pass_s``, pausing between two."""
+        from transformers import DynamicCache
+
+        wanted_PK = None
         if targets:
             wanted_PK = torch.tensor(targets, dtype=torch.long, device=self.device)
             if wanted_PK.shape[0] != len(ids) - 1 or wanted_PK.min() < -1 or wanted_PK.max() >= self.vocab_size:
@@ -223,9 +244,70 @@ class SamplingEngine:
                     f"target_prompt_logprobs must be [{len(ids) - 1}, K] token ids in [0, {self.vocab_size}) or -1; "
                     f"got {wanted_PK.shape[0]} rows of ids from {int(wanted_PK.min())} to {int(wanted_PK.max())}"
                 )
-            scored_PK = all_PV.gather(-1, wanted_PK.clamp_min(0))
-            targeted = torch.where(wanted_PK >= 0, scored_PK, torch.zeros_like(scored_PK)).tolist()
-        return [None, *logprobs_P.tolist()], topk, targeted
+        input_1P = torch.tensor([ids], device=self.device)
+        prompt = {"input_ids": input_1P, "position_ids": torch.arange(len(ids), device=self.device)[None]}
+        logprobs: list[float | None] = [None]
+        topk: list[Any] = [None] if k else []
+        targeted: list[list[float]] | None = [] if wanted_PK is not None else None
+        for end, logits_1CV in self._prompt_passes(self.adapter, prompt, DynamicCache(), pass_s, logits_to_keep=0):
+            start = end - logits_1CV.shape[1]
+            # Position i scores token i + 1: the prompt's last position scores nothing.
+            all_CV = torch.log_softmax(logits_1CV[0, : len(ids) - 1 - start].float(), dim=-1)
+            logprobs += all_CV.gather(-1, input_1P[0, start + 1 : start + 1 + len(all_CV), None]).squeeze(-1).tolist()
+            if k:
+                values_CK, tokens_CK = all_CV.topk(min(k, all_CV.shape[-1]), dim=-1)
+                pairs = zip(tokens_CK.tolist(), values_CK.tolist(), strict=True)
+                topk += [[list(p) for p in zip(t, v, strict=True)] for t, v in pairs]
+            if wanted_PK is not None and targeted is not None:
+                wanted_CK = wanted_PK[start : start + len(all_CV)]
+                scored_CK = all_CV.gather(-1, wanted_CK.clamp_min(0))
+                targeted += torch.where(wanted_CK >= 0, scored_CK, torch.zeros_like(scored_CK)).tolist()
+            if end < len(ids):
+                yield  # between two passes: the worker may run others' work, a deadline may stop this one
+        return logprobs, topk, targeted
+
+    def _prompt_passes(
+        self,
+        adapters: list[str] | str,
+        prompts: dict[str, Tensor],
+        cache: Any,
+        pass_s: float | None,
+        *,
+        logits_to_keep: int,
+    ) -> Iterator[tuple[int, Tensor]]:
+        """The forward over ``prompts`` (``input_ids`` and ``position_ids`` ``[B, P]``, and an
+        ``attention_mask`` when rows are left-padded) that fills ``cache``, in passes over columns of
+        about ``pass_s`` seconds each at the speed passes ran so far (None: one pass); yields each pass's
+        end column and logits (``logits_to_keep`` as the model takes it).
+
+        A caller that pauses between two passes lets the worker of a shared host run other runs' work
+        there, and a deadline stop its op: one pass over the long prompts of a whole decode batch
+        could hold the host for seconds. A pass holds at least :data:`_MIN_PASS_COLUMNS` columns.
+        """
+        rows, width = prompts["input_ids"].shape
+        start = 0
+        while start < width:
+            columns = width
+            if pass_s is not None:
+                known = self._positions_per_s
+                positions = _FIRST_PASS_POSITIONS if known is None else known * pass_s
+                columns = max(_MIN_PASS_COLUMNS, int(positions) // rows)
+            end = min(width, start + columns)
+            inputs = {name: prompts[name][:, start:end] for name in ("input_ids", "position_ids")}
+            if "attention_mask" in prompts:  # the cached columns' too
+                inputs["attention_mask"] = prompts["attention_mask"][:, :end]
+            started = time.perf_counter()
+            out = self._forward(
+                adapters, **inputs, use_cache=True, logits_to_keep=logits_to_keep, **{self._cache_arg: cache}
+            )
+            if pass_s is not None:
+                if self.device.type == "cuda":  # else the time would be the launch's, not the pass's
+                    torch.cuda.synchronize(self.device)
+                rate = rows * (end - start) / max(time.perf_counter() - started, 1e-6)
+                known = self._positions_per_s
+                self._positions_per_s = rate if known is None else 0.7 * known + 0.3 * rate
+            yield end, out.logits
+            start = end
 
     def _params_per_prompt(
         self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams]
@@ -263,13 +345,14 @@ class SamplingEngine:
         return [(params.seed * _SEED_MIX + index) % 2**63 for index in range(params.n)]
 
     @torch.no_grad()
-    def _decode_steps(self, rows: list[_Row]) -> Iterator[None]:
+    def _decode_steps(self, rows: list[_Row], pass_s: float | None = None) -> Iterator[None]:
         """Prefill the left-padded prompts, then decode one token per step for every unfinished row;
         yields after each step, so a caller can stop between steps (closing the generator frees the cache).
 
         Rows with the same prompt and adapter (a group's ``n`` samples) share one prefill: it runs
-        once and its cache is copied to each. Finished rows leave the batch (and the KV cache), so
-        short answers stop costing compute.
+        once and its cache is copied to each. ``pass_s``: the prefill runs in passes of about that
+        long (see :meth:`_prompt_passes`), and yields between two. Finished rows leave the batch (and
+        the KV cache), so short answers stop costing compute.
         """
         from transformers import DynamicCache
 
@@ -292,19 +375,26 @@ class SamplingEngine:
         position_ids = (mask_BT.cumsum(-1) - 1).clamp_min(0)
         cache = DynamicCache()
         distinct, copies = _distinct_prompts(rows)
+        prompts = {"input_ids": input_ids, "attention_mask": mask_BT, "position_ids": position_ids}
+        if len(distinct) < len(rows):
+            prompts = {name: t.index_select(0, torch.tensor(distinct, device=device)) for name, t in prompts.items()}
+        adapters = [rows[i].adapter for i in distinct]
+        passes = self._prompt_passes(adapters, prompts, cache, pass_s, logits_to_keep=1)
+        end, logits_B1V = next(passes)
+        while end < width:
+            yield  # between two passes: the worker may run others' work, a deadline may stop this one
+            end, logits_B1V = next(passes)
+        logits_BV = logits_B1V[:, -1].float()
+        if len(distinct) < len(rows):  # each row takes its prompt's cache and next-token logits
+            copies_B = torch.tensor(copies, device=device)
+            cache.batch_select_indices(copies_B)
+            logits_BV = logits_BV.index_select(0, copies_B)
         for step in range(max_new):
-            shared_prefill = step == 0 and len(distinct) < len(rows)
-            members = distinct if shared_prefill else live
-            inputs = {"input_ids": input_ids, "attention_mask": mask_BT, "position_ids": position_ids}
-            if shared_prefill:
-                inputs = {name: t.index_select(0, torch.tensor(distinct, device=device)) for name, t in inputs.items()}
-            adapters = [rows[i].adapter for i in members]
-            out = self._forward(adapters, **inputs, use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
-            logits_BV = out.logits[:, -1].float()
-            if shared_prefill:  # each row takes its prompt's cache and next-token logits
-                copies_B = torch.tensor(copies, device=device)
-                cache.batch_select_indices(copies_B)
-                logits_BV = logits_BV.index_select(0, copies_B)
+            if step:
+                adapters = [rows[i].adapter for i in live]
+                inputs = {"input_ids": input_ids, "attention_mask": mask_BT, "position_ids": position_ids}
+                out = self._forward(adapters, **inputs, use_cache=True, logits_to_keep=1, **{self._cache_arg: cache})
+                logits_BV = out.logits[:, -1].float()
             tokens_B, logprobs_B = sampler.sample(logits_BV, uniform_BT[:, step])
             topk_B = sampler.topk(logits_BV)
             keep = []
@@ -451,14 +541,16 @@ def generate_together(
 def generate_steps(
     calls: Sequence[tuple[SamplingEngine, Sequence[Sequence[int] | str], SamplingParams | Sequence[SamplingParams]]],
     watched: Collection[int] = (),
+    pass_s: float | None = None,
 ) -> Iterator[tuple[dict[int, list[dict[str, Any]]], dict[int, list[dict[str, Any]]]]]:
     """:func:`generate_together` one decode step at a time: yields after each step ``(done, news)``:
     the results of the calls whose rows have all finished, by call index (each call once), so a small
     call that shares a long decode is answered when its own rows end (its decode batch runs first);
     and for each ``watched`` call still running whose rows grew, per row what it decoded since the
     last news (``token_ids``, and ``logprobs`` / ``topk_logprobs`` where its params ask), so a
-    caller can stream it. Checks every call before the first step; closing the generator stops the
-    decode there and frees its cache."""
+    caller can stream it. ``pass_s``: prompts are prefilled and scored in passes of about that long
+    (see :meth:`SamplingEngine._prompt_passes`), each pass a step of its own. Checks every call before
+    the first step; closing the generator stops the decode there and frees its cache."""
     first = calls[0][0]
     if any(
         engine is not first and (engine.shared is None or engine.shared is not first.shared) for engine, *_ in calls
@@ -475,16 +567,35 @@ def generate_steps(
     reported = {id(row): 0 for index in watched for row in planned[index][1]}  # row -> tokens sent as news
     try:
         for chunk in chunks:
-            for _ in first._decode_steps(sorted(chunk, key=lambda row: row.adapter)):  # an adapter's rows in a run
+            batch = sorted(chunk, key=lambda row: row.adapter)  # an adapter's rows in a run
+            for _ in first._decode_steps(batch, pass_s):
                 done = [index for index in pending if all(row.finish_reason for row in planned[index][1])]
                 pending.difference_update(done)
-                finished = {index: planned[index][0]._finish(planned[index][1], planned[index][2]) for index in done}
+                finished = {}
+                for index in done:
+                    engine, call_rows, version = planned[index]
+                    finished[index] = yield from _quiet(engine._finish(call_rows, version, pass_s))
                 yield finished, _news({index: planned[index][1] for index in watched if index in pending}, reported)
         if pending:  # calls with no rows to decode
-            yield {index: planned[index][0]._finish(planned[index][1], planned[index][2]) for index in pending}, {}
+            finished = {}
+            for index in sorted(pending):
+                engine, call_rows, version = planned[index]
+                finished[index] = yield from _quiet(engine._finish(call_rows, version, pass_s))
+            yield finished, {}
     finally:
         for engine, call_rows, _ in planned:
             engine._cancelled.difference_update(row.params.tag for row in call_rows)
+
+
+def _quiet(steps: Generator[None, None, Any]) -> Generator[tuple[dict, dict], None, Any]:
+    """``steps`` as steps of :func:`generate_steps` with nothing to report: ``({}, {})`` at each of its
+    pauses; returns what ``steps`` returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
+        yield {}, {}
 
 
 def _news(calls: dict[int, list[_Row]], reported: dict[int, int]) -> dict[int, list[dict[str, Any]]]:
@@ -524,17 +635,28 @@ def _distinct_prompts(rows: list[_Row]) -> tuple[list[int], list[int]]:
 
 def decode_batches(rows: list[_Row], max_rows: int, max_tokens: int) -> list[list[_Row]]:
     """Rows in batches of at most ``max_rows`` rows and ``max_tokens`` positions (rows × the longest
-    prompt plus new tokens), longest first, so that each batch's rows pad little; one row always fits."""
+    prompt plus new tokens), longest first, so that each batch's rows pad little; one row always fits.
+
+    A row joins a batch only if the batch's longest prompt pads it by at most its own length (or
+    :data:`_PAD_SLACK` columns): a short prompt never waits for a long one's prefill (the batch of a
+    small call runs first) nor pays for its columns."""
     batches: list[list[_Row]] = []
-    width = new = 0  # the current batch's longest prompt and most new tokens
+    width = new = shortest = 0  # the current batch's longest prompt, most new tokens and shortest prompt
     for row in sorted(rows, key=lambda row: -(len(row.prompt_ids) + row.max_new)):
         grown = (max(width, len(row.prompt_ids)), max(new, row.max_new))
-        if batches and len(batches[-1]) < max_rows and (len(batches[-1]) + 1) * sum(grown) <= max_tokens:
+        least = min(shortest, len(row.prompt_ids))
+        pads_little = grown[0] - least <= max(least, _PAD_SLACK)
+        if (
+            batches
+            and pads_little
+            and len(batches[-1]) < max_rows
+            and (len(batches[-1]) + 1) * sum(grown) <= max_tokens
+        ):
             batches[-1].append(row)
-            width, new = grown
+            (width, new), shortest = grown, least
             continue
         batches.append([row])
-        width, new = len(row.prompt_ids), row.max_new
+        width, new, shortest = len(row.prompt_ids), row.max_new, len(row.prompt_ids)
     return batches
 
 

@@ -72,7 +72,7 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
         fail_interrupted_jobs(db)
         manager.watch()
         engine_logs = logging.getLogger("icefloe")
-        engine_logs.addHandler(manager.log_router)
+        manager.log_router.attach(engine_logs)
         if settings.engines == "process":  # import torch in the forkserver now, not when the first job comes
             from icefloe.service.hosts.process import warm_forkserver
 
@@ -83,7 +83,7 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
             await asyncio.to_thread(manager.close)
             db.close()
             unlock()
-            engine_logs.removeHandler(manager.log_router)
+            manager.log_router.detach(engine_logs)
             _redact(redactor, on=False)
 
     app = FastAPIOffline(title="icefloe serve", version="0.1.0", lifespan=lifespan)

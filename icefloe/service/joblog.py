@@ -7,17 +7,22 @@ client that lost a response simply re-reads from the cursor it already had. Job-
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from icefloe.protocol import InvalidRequestError
 from icefloe.service.store import now_iso
 
-__all__ = ["JobLog", "JobLogRouter", "TokenRedactor"]
+__all__ = ["JobLog", "JobLogRouter", "LogTarget", "Recorder", "TokenRedactor", "relay"]
+
+# The op the current thread runs, if any: the router serving it and where its records go.
+_op = threading.local()
 
 
 class TokenRedactor(logging.Filter):
@@ -117,32 +122,107 @@ class JobLog:
         return entry
 
 
-class JobLogRouter(logging.Handler):
-    """Copy log records emitted on a job's own threads into that job's log.
+class LogTarget(Protocol):
+    """Where a router writes a record: a :class:`JobLog`, or a :class:`Recorder` that keeps it to send on."""
 
-    A job's engines run on threads named after it (``icefloe-lifecycle-<job>``, ``icefloe-<sub-job>``),
-    so the thread name says which job, and which sub-job, a warning from an engine belongs to.
+    def write(self, msg: str, *, level: str = ..., sub_job_id: str | None = ..., logger: str | None = ...) -> None: ...
+
+
+class Recorder:
+    """Keeps the records an engine process (or actor) logs while it runs one call, to send back with
+    its answer; the service's side hands them to :func:`relay`, for the logs of the jobs whose op it is."""
+
+    def __init__(self) -> None:
+        self.entries: list[dict[str, str]] = []
+
+    def write(self, msg: str, *, level: str = "INFO", sub_job_id: str | None = None, logger: str | None = None) -> None:
+        self.entries.append({"msg": msg, "level": level, "logger": logger or "icefloe"})
+
+
+class JobLogRouter(logging.Handler):
+    """Copy the warnings engines log (and ``warnings.warn``) into the logs of the jobs they are about.
+
+    A thread running an op says whose it is with :meth:`serving`: on a shared host one worker thread
+    runs every run's ops, and one op may be a batch of several jobs' calls, each of which gets the
+    record. Outside ops a thread bound by name routes its records: a job's lifecycle thread
+    (``icefloe-lifecycle-<job>``), which loads its engines. :meth:`attach` also routes warnings.
     """
 
     def __init__(self) -> None:
         super().__init__(level=logging.WARNING)
-        self._targets: dict[str, tuple[JobLog, str | None]] = {}
+        self._targets: dict[str, tuple[LogTarget, str | None]] = {}
         self._lock_targets = threading.Lock()
+        self._shown: tuple[Callable[..., Any], Callable[..., Any]] | None = None  # (before attach(), ours)
 
-    def bind(self, thread_name: str, log: JobLog, sub_job_id: str | None) -> None:
+    def bind(self, thread_name: str, log: LogTarget, sub_job_id: str | None) -> None:
         with self._lock_targets:
             self._targets[thread_name] = (log, sub_job_id)
 
-    def unbind(self, log: JobLog) -> None:
+    def unbind(self, log: LogTarget) -> None:
         with self._lock_targets:
             self._targets = {name: target for name, target in self._targets.items() if target[0] is not log}
 
-    def emit(self, record: logging.LogRecord) -> None:
-        target = self._targets.get(record.threadName or "")
-        if target is None:
-            return
-        log, sub_job_id = target
+    @contextlib.contextmanager
+    def serving(self, targets: Iterable[tuple[LogTarget, str | None]]) -> Iterator[None]:
+        """While this lasts, what this thread logs goes to ``targets`` (each a log and its sub-job)."""
+        previous = getattr(_op, "serving", None)
+        _op.serving = (self, list(targets))
         try:
-            log.write(record.getMessage(), level=record.levelname, sub_job_id=sub_job_id, logger=record.name)
-        except OSError:  # a log that cannot be written must not break the op that logged
-            self.handleError(record)
+            yield
+        finally:
+            _op.serving = previous
+
+    def attach(self, logger: logging.Logger) -> None:
+        """Route ``logger``'s records, and every ``warnings.warn`` (still shown as before, and as
+        before once per place in the code per process)."""
+        logger.addHandler(self)
+        shown = warnings.showwarning
+
+        def tee(message: Any, category: type[Warning], filename: str, lineno: int, *rest: Any) -> None:
+            self.warned(message, category, filename, lineno)
+            shown(message, category, filename, lineno, *rest)
+
+        warnings.showwarning, self._shown = tee, (shown, tee)
+
+    def detach(self, logger: logging.Logger) -> None:
+        logger.removeHandler(self)
+        if self._shown is not None and warnings.showwarning is self._shown[1]:  # else another took it over since
+            warnings.showwarning = self._shown[0]
+        self._shown = None
+
+    def warned(self, message: Any, category: type[Warning], filename: str, lineno: int) -> None:
+        """A warning, as a WARNING record of the ``py.warnings`` logger (as ``logging.captureWarnings`` makes)."""
+        if self._routes(threading.current_thread().name):
+            self.handle(
+                logging.LogRecord(
+                    "py.warnings", logging.WARNING, filename, lineno, "%s: %s", (category.__name__, message), None
+                )
+            )
+
+    def _routes(self, thread_name: str) -> Sequence[tuple[LogTarget, str | None]]:
+        serving = getattr(_op, "serving", None)
+        if serving is not None and serving[0] is self:
+            return serving[1]
+        target = self._targets.get(thread_name)
+        return [target] if target is not None else []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        for log, sub_job_id in self._routes(record.threadName or ""):
+            try:
+                log.write(record.getMessage(), level=record.levelname, sub_job_id=sub_job_id, logger=record.name)
+            except OSError:  # a log that cannot be written must not break the op that logged
+                self.handleError(record)
+
+
+def relay(entries: Iterable[dict[str, str]]) -> None:
+    """Log what a :class:`Recorder` kept, elsewhere, while it ran this thread's op into the logs of the
+    jobs the op serves (nothing outside an op)."""
+    serving = getattr(_op, "serving", None)
+    if serving is None:
+        return
+    for entry in entries:
+        level = logging.getLevelName(entry["level"])
+        record = logging.makeLogRecord(
+            {"name": entry["logger"], "msg": entry["msg"], "levelname": entry["level"], "levelno": level}
+        )
+        serving[0].handle(record)

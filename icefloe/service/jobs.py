@@ -179,9 +179,8 @@ class JobManager:
         self._live[job_id] = job
         self.renew(job_id)
         log.write(f"job created with sub-jobs {[s.sub_job_id for s in specs]}")
-        self.log_router.bind(f"icefloe-lifecycle-{job_id}", log, None)
+        self.log_router.bind(f"icefloe-lifecycle-{job_id}", log, None)  # loading its engines; ops: _run_slices
         for spec in specs:
-            self.log_router.bind(f"icefloe-{spec.sub_job_id}", log, spec.sub_job_id)
             for warning in spec.warnings:
                 log.write(warning, level="WARNING", sub_job_id=spec.sub_job_id)
         job.thread = threading.Thread(target=self._run, args=(job,), name=f"icefloe-lifecycle-{job_id}", daemon=True)
@@ -543,12 +542,19 @@ class JobManager:
         item, or an iterator that runs them a slice per ``next()`` and yields ``{index: result}`` for the
         items finished meanwhile, or a :class:`Progress` for one still running, which goes to its request
         as news (:meth:`RequestTable.report`). Between slices, an op past its deadline (or whose jobs all
-        stopped) is stopped there: closing the iterator drops it in the engines."""
+        stopped) is stopped there: closing the iterator drops it in the engines. What the engines log
+        meanwhile goes to the logs of the jobs whose requests are pending."""
         pending = dict(enumerate(live))  # index -> entry whose result is not recorded yet
+        serving = self.log_router.serving
         try:
-            outcome = run([e.item for e in live])
+            with serving((e.job.log, e.sub_job_id) for e in live):
+                outcome = run([e.item for e in live])
             slices = iter([dict(enumerate(outcome))]) if isinstance(outcome, list) else outcome
-            for done in slices:
+            while True:
+                with serving((e.job.log, e.sub_job_id) for e in pending.values()):
+                    done = next(slices, None)
+                if done is None:
+                    break
                 for index, result in done.items():
                     if isinstance(result, Progress):
                         self.requests.report(pending[index].request_id, result)

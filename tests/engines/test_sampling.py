@@ -74,9 +74,9 @@ def test_generate_bounds_decode_batches_by_tokens_without_changing_results(model
     bounded = SamplingEngine(make_config(sampling={"max_batch_tokens": 30}), model_dir=model_dir)
     sizes: list[int] = []
     decode = bounded._decode_steps
-    bounded._decode_steps = lambda rows: (
+    bounded._decode_steps = lambda rows, pass_s=None: (
         sizes.append(len(rows) * max(len(r.prompt_ids) + r.max_new for r in rows)),
-        decode(rows),
+        decode(rows, pass_s),
     )[1]
     assert _ids(bounded.generate(PROMPTS, params)) == _ids(sampler.generate(PROMPTS, params))
     assert len(sizes) > 2 and max(sizes) <= 30
@@ -216,3 +216,52 @@ def test_target_prompt_logprobs_score_the_asked_ids_at_each_prompt_position(samp
     assert all(row[2] == 0.0 for row in scored) and all(row[1] < 0 for row in scored)
     with pytest.raises(InvalidRequestError, match=r"target_prompt_logprobs must be \[6, K\]"):
         sampler.generate([ids], params.model_copy(update={"target_prompt_logprobs": targets[:2]}))
+
+
+def test_a_prefill_and_prompt_scoring_in_passes_of_one_column_sample_and_score_what_one_pass_does(
+    model_dir, monkeypatch
+):
+    """A generate's prefill was one forward over every prompt of its decode batch (and a prompt's scoring
+    one over the prompt): long prompts made one step of a shared host seconds long, which no other run's
+    op could pass and no deadline could stop. Cut by time (and with no floor), passes here hold one column each."""
+    engine = SamplingEngine(make_config(), model_dir=model_dir)
+    prompts = ["12+7=", "3*4=", "1000-58+6=", "12+7=", "9"]  # left-padded rows, a shared prefill, a 1-token prompt
+    params = SamplingParams(max_tokens=6, seed=3, n=2, logprobs=True, prompt_logprobs=True, topk_prompt_logprobs=2)
+    whole = sampling.generate_together([(engine, prompts, params)])[0]
+
+    widths: list[int] = []
+    forward = engine._forward
+
+    def recording(adapters, **kwargs):
+        widths.append(kwargs["input_ids"].shape[1])
+        return forward(adapters, **kwargs)
+
+    monkeypatch.setattr(engine, "_forward", recording)
+    monkeypatch.setattr(sampling, "_FIRST_PASS_POSITIONS", 1)  # with these and pass_s 1 ns: a column per pass
+    monkeypatch.setattr(sampling, "_MIN_PASS_COLUMNS", 1)
+    steps = list(sampling.generate_steps([(engine, prompts, params)], pass_s=1e-9))
+    cut = next(done[0] for done, _ in steps if done)
+
+    assert set(widths) == {1}  # every pass one column: the prefill's, the scoring's, then the decode's
+    longest = max(len(p) for p in prompts)
+    num_scored = sum(len(p) for p in set(prompts))
+    assert len(steps) >= longest + num_scored - len(set(prompts))  # a step between any two passes
+    assert _ids(cut) == _ids(whole)
+    for a, b in zip(cut, whole, strict=True):
+        assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-5)
+        assert a["prompt_logprobs"][0] is None and b["prompt_logprobs"][0] is None
+        assert a["prompt_logprobs"][1:] == pytest.approx(b["prompt_logprobs"][1:], abs=1e-5)
+        assert [[t for t, _ in at] for at in a["topk_prompt_logprobs"][1:]] == [
+            [t for t, _ in at] for at in b["topk_prompt_logprobs"][1:]
+        ]
+
+
+def test_a_short_prompt_decodes_apart_from_long_ones_so_it_never_waits_for_their_prefill():
+    """A 3-token prompt joined a decode batch of 2,000-token ones (it fit the token budget): it waited for
+    their whole prefill, padded to their width, and on a shared host failed with their deadline."""
+    params = SamplingParams(max_tokens=4)
+    lengths = [2000, 1200, 900, 100, 60, 3]
+    rows = [sampling._Row([5] * length, params, seed=0, max_new=4) for length in lengths]
+    batches = sampling.decode_batches(rows, max_rows=256, max_tokens=10**9)
+    # each row padded by at most its own length, or 64 columns
+    assert [[len(row.prompt_ids) for row in batch] for batch in batches] == [[2000, 1200], [900], [100, 60], [3]]

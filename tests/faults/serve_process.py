@@ -179,9 +179,9 @@ SHARED_LORA = {
 }
 
 
-def create_shared_lora_job(serve: Serve, token: str) -> str:
-    """A job of the caller of bearer ``token`` with one :data:`SHARED_LORA` trainer."""
-    answer = httpx.post(f"{serve.base_url}{PREFIX}/", json={"sub_job_configs": [SHARED_LORA]},
+def create_shared_lora_job(serve: Serve, token: str, *sub_jobs: dict[str, Any]) -> str:
+    """A job of the caller of bearer ``token`` with ``sub_jobs`` (default: one :data:`SHARED_LORA` trainer)."""
+    answer = httpx.post(f"{serve.base_url}{PREFIX}/", json={"sub_job_configs": list(sub_jobs or (SHARED_LORA,))},
                         headers={"Authorization": f"Bearer {token}"}, timeout=60)  # fmt: skip
     assert answer.status_code == 200, answer.text
     return answer.json()["job_id"]

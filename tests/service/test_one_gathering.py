@@ -65,9 +65,9 @@ async def test_a_tinker_sample_and_a_training_api_generate_of_two_runs_decode_as
             release.wait(30)
         return generate_many(self, calls)
 
-    def counted_decode(self, rows):  # one call per decode batch, its steps one next() each
+    def counted_decode(self, rows, pass_s=None):  # one call per decode batch, its steps one next() each
         decodes[-1] += 1
-        return decode(self, rows)
+        return decode(self, rows, pass_s)
 
     monkeypatch.setattr(LocalEngineHost, "generate_many", observed_generate_many)
     monkeypatch.setattr(SamplingEngine, "_decode_steps", counted_decode)

@@ -5,9 +5,10 @@ crash (a CUDA fault, the OOM killer ends one host, never the service). The child
 :class:`LocalEngineHost`; each of the host's workers talks to it over its own pipe (a
 :class:`Channel` here, :func:`serve` on a thread there): one per sub-job on a dedicated host, one
 for a shared base and every run on it. Calls are pickled by hand (multiprocessing's pickler would
-move each tensor through a shared-memory segment). The child writes what a dedicated job's engines
-log into the job's log itself. Children fork from a forkserver that imported torch once, so a tiny
-host starts in about 0.2 s.
+move each tensor through a shared-memory segment). What the engines log (and warn) while they run a
+call crosses the pipe with its answer, to the logs of the jobs whose op it is; what a dedicated
+job's engines log while loading, the child writes into the job's log itself. Children fork from a
+forkserver that imported torch once, so a tiny host starts in about 0.2 s.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 
 from icefloe.protocol import ClientClosedError, InvalidRequestError
 from icefloe.service.hosts.seam import BaseModel, ForwardedEngines, stop_check
+from icefloe.service.joblog import JobLogRouter, Recorder, relay
 from icefloe.service.specs import SubJobSpec
 
 __all__ = [
@@ -101,7 +103,8 @@ class Channel:
 
     def call(self, method: str, *args: Any, what: str | None = None) -> Any:
         """``method(*args)`` on the engines at the other end; blocks for its result or raises its error
-        (``what``: the op to name when the pipe breaks, if not ``method``)."""
+        (``what``: the op to name when the pipe breaks, if not ``method``). What the engines logged
+        meanwhile goes to :func:`~icefloe.service.joblog.relay` on this thread."""
         data = _dumps((method, args))
         with self._lock:
             try:
@@ -110,9 +113,10 @@ class Channel:
             except (EOFError, OSError):
                 raise self._lost(what or method) from None
         try:
-            kind, value = pickle.loads(reply)
+            kind, value, logged = pickle.loads(reply)
         except Exception as exc:  # a reply this side cannot unpickle fails its call only
             raise RuntimeError(f"the reply to {what or method} could not be read: {exc}") from None
+        relay(logged)
         if kind == "error":
             raise value
         return value
@@ -296,26 +300,29 @@ def _dumps(value: Any) -> bytes:
     return buffer.getvalue()
 
 
-def serve(engines: Any, pipe: Connection) -> None:
+def serve(engines: Any, pipe: Connection, router: JobLogRouter | None = None) -> None:
     """Answer the calls a :class:`Channel` writes to ``pipe``, one at a time, until EOF.
 
     A call ``(method, args)`` runs ``engines.<method>(*args)``; its reply carries the result or
-    the error (one that does not pickle as a RuntimeError naming it). A result that cannot be
-    sent fails its call, never this loop.
+    the error (one that does not pickle as a RuntimeError naming it), and what ``router`` routed
+    from this thread meanwhile. A result that cannot be sent fails its call, never this loop.
     """
     while True:
         try:
             method, args = pickle.loads(pipe.recv_bytes())
         except (EOFError, OSError):
             return
+        recorder = Recorder()
+        with router.serving([(recorder, None)]) if router is not None else contextlib.nullcontext():
+            try:
+                kind, value = "ok", getattr(engines, method)(*args)
+            except BaseException as exc:  # the caller decides whether this is a user error or a crash
+                kind, value = "error", portable(exc)
         try:
-            kind, value = "ok", getattr(engines, method)(*args)
-        except BaseException as exc:  # the caller decides whether this is a user error or a crash
-            kind, value = "error", portable(exc)
-        try:
-            reply = _dumps((kind, value))
+            reply = _dumps((kind, value, recorder.entries))
         except Exception as exc:
-            reply = _dumps(("error", RuntimeError(f"{method} returned a result that cannot be sent: {exc}")))
+            failed = RuntimeError(f"{method} returned a result that cannot be sent: {exc}")
+            reply = _dumps(("error", failed, recorder.entries))
         try:
             pipe.send_bytes(reply)
         except (BrokenPipeError, OSError):
@@ -344,7 +351,7 @@ def _child_main(
     base: BaseModel | None,
 ) -> None:
     from icefloe.service.hosts.seam import LocalEngineHost
-    from icefloe.service.joblog import JobLog, JobLogRouter
+    from icefloe.service.joblog import JobLog
 
     # Ctrl-C reaches the whole process group: the service shuts down and closes the pipes, and
     # that (not the signal) ends this process, after any op in flight.
@@ -355,12 +362,10 @@ def _child_main(
         from transformers.utils import logging as transformers_logging
 
         transformers_logging.disable_progress_bar()
-    if log_dir is not None:  # what the engines log on a job's threads goes to the job's log, as in-process
-        router, log = JobLogRouter(), JobLog(log_dir, [spec.sub_job_id for spec in specs])
-        router.bind(threading.current_thread().name, log, None)  # loading: job-wide
-        for spec in specs:
-            router.bind(f"icefloe-{spec.sub_job_id}", log, spec.sub_job_id)
-        logging.getLogger("icefloe").addHandler(router)
+    router = JobLogRouter()  # what the engines log in a call goes back with its answer (see serve)
+    router.attach(logging.getLogger("icefloe"))
+    if log_dir is not None:  # what a dedicated job's engines log while loading: job-wide, in its log
+        router.bind(threading.current_thread().name, JobLog(log_dir, [spec.sub_job_id for spec in specs]), None)
     host = LocalEngineHost(specs, devices, checkpoints, base=base)
 
     def tell(kind: str, value: Any) -> None:
@@ -376,7 +381,7 @@ def _child_main(
     gc.freeze()
     tell("ready", None)
     threads = [
-        threading.Thread(target=serve, args=(host, pipe), name=f"icefloe-{group}", daemon=True)
+        threading.Thread(target=serve, args=(host, pipe, router), name=f"icefloe-{group}", daemon=True)
         for group, pipe in pipes.items()
     ]
     for thread in threads:

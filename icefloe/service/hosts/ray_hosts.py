@@ -5,13 +5,15 @@ the first time a pair syncs, is :class:`JobEngines`' own call.
 
 A shared base (LoRA runs of one model) is one actor holding what an engine process holds on
 ``--engines process``: a :class:`LocalEngineHost` with the base and every run's adapters
-(:class:`RaySharedHost`), called the same way, one call at a time.
+(:class:`RaySharedHost`), called the same way, one call at a time; what its engines log in a call
+comes back with the answer, for the logs of the jobs whose op it is.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import threading
 import uuid
 from collections.abc import Callable, Sequence
@@ -22,6 +24,7 @@ from icefloe.config import ClientConfig, RayConfig
 from icefloe.protocol import InvalidRequestError
 from icefloe.service.hosts.process import EngineProcessDied, portable
 from icefloe.service.hosts.seam import BaseModel, ForwardedEngines, JobEngines, stop_check
+from icefloe.service.joblog import JobLogRouter, Recorder, relay
 from icefloe.service.specs import SubJobSpec
 
 __all__ = ["RayEngineHost", "RaySharedHost"]
@@ -180,29 +183,34 @@ class _SharedBaseActor:
 
         self._lock = threading.Lock()
         self._host = LocalEngineHost([], {}, {}, base=base)
-        self._loaded: tuple[str, Any] = ("ok", None)
+        self._router = JobLogRouter()
+        self._router.attach(logging.getLogger("icefloe"))
+        self._loaded: tuple[str, Any, list] = ("ok", None, [])
         try:
             self._host.start(lambda message: None, threading.Event())
         except Exception as exc:  # answered by ready(), not as a dead actor
-            self._loaded = ("error", portable(exc))
+            self._loaded = ("error", portable(exc), [])
 
-    def ready(self) -> tuple[str, Any]:
+    def ready(self) -> tuple[str, Any, list]:
         return self._loaded
 
-    def run(self, method: str, *args: Any) -> tuple[str, Any]:
-        with self._lock:
+    def run(self, method: str, *args: Any) -> tuple[str, Any, list]:
+        """``(kind, value, what the engines logged meanwhile)``, as an engine process answers."""
+        recorder = Recorder()
+        with self._lock, self._router.serving([(recorder, None)]):
             try:
-                return "ok", getattr(self._host, method)(*args)
+                return "ok", getattr(self._host, method)(*args), recorder.entries
             except Exception as exc:  # the caller decides whether this is a user error or a crash
-                return "error", portable(exc)
+                return "error", portable(exc), recorder.entries
 
     def cancel(self, sub_job_id: str, tags: list[str]) -> None:
         with contextlib.suppress(InvalidRequestError):  # a sub-job detached meanwhile: nothing of it runs
             self._host.cancel(sub_job_id, tags)
 
 
-def _answer(reply: tuple[str, Any]) -> Any:
-    kind, value = reply
+def _answer(reply: tuple[str, Any, list]) -> Any:
+    kind, value, logged = reply
+    relay(logged)
     if kind == "error":
         raise value
     return value

@@ -43,8 +43,8 @@ class BaseModel:
 Call = tuple[str, Sequence[Any], Sequence[SamplingParams], bool, bool]
 
 # How long one slice of a resumable op (fwd_bwd, generate) runs before the worker may run another
-# run's op, and how long a fwd_bwd pass is cut to: short enough that a small op waits little, long
-# enough that a slice's round trip to an engine process is a small share of it.
+# run's op, and how long a fwd_bwd pass (or a generate's prefill pass) is cut to: short enough that a
+# small op waits little, long enough that a slice's round trip to an engine process is a small share of it.
 SLICE_S = 0.025
 
 
@@ -371,7 +371,7 @@ class LocalEngineHost(JobEngines):
         if all(isinstance(engine, SamplingEngine) for engine in engines):
             watched = [i for i, call in enumerate(calls) if call[4]]
             together = [(engine, p, q) for engine, (_, p, q, *_) in zip(engines, calls, strict=True)]
-            steps = generate_steps(together, watched)
+            steps = generate_steps(together, watched, SLICE_S)
         else:  # vLLM batches by itself, a generate at a time
             steps = iter([({i: self.call(call[0], "generate", call[1:3]) for i, call in enumerate(calls)}, {})])
         for done, news in steps:
