@@ -7,6 +7,7 @@ discriminated by ``type``. Environment variables are read in exactly one place,
 
 from __future__ import annotations
 
+import array
 import math
 import os
 from collections.abc import Mapping
@@ -460,7 +461,7 @@ def validation_problems(exc: ValidationError, prefix: str = "", whole: str = "co
         loc = f"{prefix}{loc}" if loc else prefix.rstrip(".") or whole
         msg = err["msg"].removeprefix("Value error, ")
         given = err.get("input")
-        if isinstance(given, Mapping | list) or loc.endswith("pat"):
+        if isinstance(given, Mapping | list | array.array) or loc.endswith("pat"):  # not repeated: it may be long
             problems.append(f"{loc}: {msg}")
         else:
             problems.append(f"{loc}: {msg}; got {given!r}")

@@ -5,7 +5,8 @@ far), then a length prefix it declares (a DSSST1 frame's header, a ``requests:ba
 count of the JSON containers it could build, taken with ``bytes.count`` before any object exists.
 Only then is it parsed, off the event loop when it is large. Parsed Python objects cost ten to a
 hundred times their JSON bytes, so counting before parsing is what keeps a small hostile body from
-costing gigabytes. docs/service.md lists these bounds and the serve options that change them.
+costing gigabytes; a large body's arrays of numbers are read as machine numbers instead
+(:mod:`icefloe.service.dense_json`). docs/service.md lists these bounds and the serve options that change them.
 """
 
 from __future__ import annotations

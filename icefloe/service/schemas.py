@@ -3,21 +3,34 @@
 Families per resource: ``*Create`` / ``*Body`` arrive, ``*Public`` leave. Configs sent by clients
 of the managed endpoint carry many passthrough keys (DeepSpeed, PrimeRL, vLLM knobs); those models
 allow extra keys, and ``service/specs.py`` honours, refuses or reports each one; typed keys are checked here.
-:func:`parse_json_body` bounds every JSON body before a model sees it.
+:func:`parse_json_body` bounds every JSON body before a model sees it. In a large body an array of numbers
+arrives as an ``array.array`` (:mod:`icefloe.service.dense_json`): a typed list field reads it as a list,
+and a generate's token prompts are kept as they are.
 """
 
 from __future__ import annotations
 
-import json
+import array
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+import numpy as np
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
 
 from icefloe.protocol import InvalidRequestError, normalize_job_type
+from icefloe.service import dense_json
 from icefloe.service.limits import MAX_JSON_DEPTH, MAX_LISTED_ERRORS, MAX_PROMPTS, MAX_SUB_JOBS, check_containers
 
-_CHECKED_TYPES = frozenset({dict, list, tuple, float})
+_CHECKED_TYPES = frozenset({dict, list, tuple, float, array.array})
 
 
 def parse_json_body(raw: bytes | str, what: str = "body") -> Any:
@@ -25,7 +38,7 @@ def parse_json_body(raw: bytes | str, what: str = "body") -> Any:
     :class:`~icefloe.protocol.PayloadTooLargeError` before parsing one that would build too many containers."""
     check_containers(raw.encode() if isinstance(raw, str) else raw, what)
     try:
-        value = json.loads(raw)
+        value = dense_json.loads(raw)
     except RecursionError:
         raise InvalidRequestError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels; flatten it") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
@@ -39,9 +52,10 @@ def check_body(value: Any, what: str = "body") -> None:
 
     ``NaN``, ``Infinity`` and ``1e400`` (read as infinity) are refused wherever they sit, passthrough
     keys included: one reaching an optimizer or a loss turns the weights into NaN. The error names
-    every offending field. Tensors of a decoded DSSST1 frame are leaves and are not looked into.
+    the first offending fields. Tensors of a decoded DSSST1 frame are leaves and are not looked into.
     """
     non_finite: list[str] = []
+    more = 0
     pending = [(value, ())] if type(value) in _CHECKED_TYPES else []
     while pending:
         node, path = pending.pop()
@@ -49,19 +63,29 @@ def check_body(value: Any, what: str = "body") -> None:
             if not math.isfinite(node):
                 non_finite.append(f"{_dotted(path) or what}={node}")
             continue
+        if type(node) is array.array:
+            bad = np.flatnonzero(~np.isfinite(node)) if node.typecode in "fd" else ()
+            non_finite += [f"{_dotted((*path, int(i)))}={node[i]}" for i in bad[:MAX_LISTED_ERRORS]]
+            more += max(0, len(bad) - MAX_LISTED_ERRORS)
+            continue
         if len(path) >= MAX_JSON_DEPTH:
             raise InvalidRequestError(
                 f"{what} nests deeper than {MAX_JSON_DEPTH} levels (at {_dotted(path[:8])}...); flatten it"
             )
         if type(node) is not dict and _CHECKED_TYPES.isdisjoint(map(type, node)):
             continue  # a list of ints or strings (token ids, prompts): nothing below to check
-        children = node.items() if type(node) is dict else enumerate(node)
-        pending.extend((child, (*path, key)) for key, child in children if type(child) in _CHECKED_TYPES)
+        for key, child in node.items() if type(node) is dict else enumerate(node):
+            if type(child) is float:  # checked here: a path for each number of a long list would cost more
+                if not math.isfinite(child):
+                    non_finite.append(f"{_dotted((*path, key))}={child}")
+            elif type(child) in _CHECKED_TYPES:
+                pending.append((child, (*path, key)))
     if non_finite:
         listed = ", ".join(sorted(non_finite)[:MAX_LISTED_ERRORS])
+        more += max(0, len(non_finite) - MAX_LISTED_ERRORS)
         raise InvalidRequestError(
-            f"{what} holds non-finite numbers: {listed}; send finite values (JSON has no NaN or Infinity, "
-            "and a literal beyond ±1.8e308 such as 1e400 overflows to infinity)"
+            f"{what} holds non-finite numbers: {listed}{f' and {more} more' if more else ''}; send finite values "
+            "(JSON has no NaN or Infinity, and a literal beyond ±1.8e308 such as 1e400 overflows to infinity)"
         )
 
 
@@ -158,6 +182,13 @@ class JobCreate(_Open):
     experiment_name: str | None = None
     debug: dict[str, Any] | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _as_sent(cls, value: Any) -> Any:
+        """A create-job body is stored, and its passthrough keys reach the engines, as sent: a large body's
+        number arrays are lists again here."""
+        return dense_json.as_lists(value)
+
 
 class JobCreated(BaseModel):
     job_id: str
@@ -245,8 +276,31 @@ class LoadBody(_Open):
     target_sub_job_id: str | None = None
 
 
+def _token_prompt(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """A token prompt that arrived as an ``array.array`` stays one (as a list, each token would cost up to
+    36 bytes); one of integral floats becomes int64, as a list's floats pass as ints."""
+    if type(value) is not array.array:
+        return handler(value)
+    if value.typecode in "bhiq":  # int8 to int64
+        return value
+    at = _first_fraction(value)
+    if at is not None:
+        raise ValueError(f"token ids are integers; got {value[at]} at position {at}")
+    return array.array("q", np.asarray(value).astype(np.int64).tobytes())
+
+
+def _first_fraction(numbers: array.array) -> int | None:
+    """Where ``numbers`` first holds a fraction, NaN or infinity (its own frame: a refusal's traceback keeps
+    no array of positions)."""
+    ids = np.asarray(numbers)
+    fractional = ~np.isfinite(ids) | (ids != np.trunc(ids))
+    return int(fractional.argmax()) if fractional.any() else None
+
+
 class GenerateBody(_Open):
-    prompts: list[str | list[int]] = Field(min_length=1, max_length=MAX_PROMPTS)
+    prompts: list[Annotated[str | list[int], WrapValidator(_token_prompt)]] = Field(
+        min_length=1, max_length=MAX_PROMPTS
+    )
     sampling_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
     routing_key: str | list[str | None] | None = None
     strict: bool = False

@@ -22,12 +22,13 @@ import pytest
 from icefloe import wire
 
 from .serve_process import PREFIX, TRAINING, Serve
-from .tinker_serve import TOKENS, Tinker, tinker_serve
+from .tinker_serve import PROTO, TOKENS, Tinker, tinker_serve
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real services: `make test-slow`
 
 _ADMIN = {"Authorization": f"Bearer {TOKENS['admin']}"}
-_SAMPLING = {"job_type": "sampling", "model_name": "tiny:arith", "inference_config": {"max_seq_len": 64}}
+# The service takes token prompts this long; its engine then refuses each past the model's 64 positions.
+_SAMPLING = {"job_type": "sampling", "model_name": "tiny:arith", "inference_config": {"max_seq_len": 4096}}
 _NOISE_BYTES = 8 * 2**20  # resident memory moves this much between two idle reads of a busy service
 _SMALL_ANSWER_BYTES = 4096
 
@@ -95,8 +96,8 @@ def _post(serve: Serve, path: str, body: bytes, headers: dict[str, str], tmp_pat
     return _probe_during(serve, subprocess.Popen(command, stdout=subprocess.PIPE, text=True))
 
 
-def _assert_harmless(probe: Probe, idle: Probe, body_bytes: int, *, status: int, memory: bool = True) -> None:
-    """Refused with ``status`` in a small answer; /health near its idle latency; memory within 2x the body."""
+def _assert_harmless(probe: Probe, idle: Probe, body_bytes: int, *, status: int) -> None:
+    """Answered ``status`` in a small answer; /health near its idle latency; memory within 2x the body."""
     median, idle_median = statistics.median(probe.latencies_s), statistics.median(idle.latencies_s)
     print(
         f"status {probe.status}, answer {len(probe.text)} B, /health median {median:.4f} s (idle {idle_median:.4f}), "
@@ -107,8 +108,7 @@ def _assert_harmless(probe: Probe, idle: Probe, body_bytes: int, *, status: int,
     assert len(probe.text) < _SMALL_ANSWER_BYTES, f"a {len(probe.text)}-byte answer: {probe.text[:500]}"
     assert median <= idle_median + 0.1
     assert max(probe.latencies_s) <= max(idle.latencies_s) + 0.5
-    if memory:
-        assert probe.rss_growth_bytes <= 2 * max(body_bytes, _NOISE_BYTES)
+    assert probe.rss_growth_bytes <= 2 * max(body_bytes, _NOISE_BYTES)
 
 
 def _frame_of_header(header: bytes) -> bytes:
@@ -131,8 +131,7 @@ def test_a_generate_stream_of_too_many_bad_prompts_names_a_few_then_counts_the_r
     body = json.dumps({"prompts": [1.5] * 100_000}).encode()
     probe = _post(served, f"{PREFIX}/{job_id}/generate-stream", body, {"Content-Type": "application/octet-stream"},
                   tmp_path)  # fmt: skip
-    # Plain values are bounded by the JSON cap alone: 100k floats parse to ~20 MB, so memory is not asserted.
-    _assert_harmless(probe, idle, len(body), status=400, memory=False)
+    _assert_harmless(probe, idle, len(body), status=400)
     assert "prompts: List should have at most 16384 items" in probe.text
 
 
@@ -141,6 +140,58 @@ def test_a_generate_frame_of_bad_prompts_answers_a_small_4xx(served, job_id, idl
     body = wire.encode({"prompts": [[[1]]] * 300_000})
     probe = _post(served, f"{PREFIX}/{job_id}/generate", body, {"Content-Type": "application/octet-stream"}, tmp_path)
     _assert_harmless(probe, idle, len(body), status=413)
+
+
+# JSON bodies of dense numbers near the 4 MiB cap: "1," (a token id, 2 bytes) and "0.5," (4 bytes) each became a
+# Python object of 32 to 36 bytes (a refused body too: checking each float cost ~150 more), +25 to +210 MiB.
+_NUMBERS = pytest.mark.parametrize("number", [b"1", b"0.5"], ids=["ints", "floats"])
+_JSON = {"Content-Type": "application/json"}
+
+
+def _dense(head: bytes, number: bytes, tail: bytes = b"}", *, size: int = 4 * 2**20 - 4096) -> bytes:
+    """``head`` + a JSON array of ``number`` repeated + ``tail``, ``size`` bytes or just under."""
+    count = (size - len(head) - len(tail) - 2) // (len(number) + 1)
+    return head + b"[" + b",".join([number] * count) + b"]" + tail
+
+
+@_NUMBERS
+def test_training_api_json_of_dense_numbers_costs_at_most_twice_its_size(served, job_id, idle, tmp_path, number):
+    """Accepted: a step with a key it does not use, a generate-stream of long token prompts (each then refused
+    by the engine); refused: the same numbers as a JSON body to forward-backward, which takes DSSST1 frames."""
+    step = _dense(b'{"learning_rate": 0.001, "unused": ', number)
+    _assert_harmless(_post(served, f"{PREFIX}/{job_id}/step", step, _JSON, tmp_path), idle, len(step), status=200)
+    prompt = _dense(b"", number, b"", size=8000)
+    prompts = b'{"prompts": [' + b",".join([prompt] * (4 * 2**20 // (len(prompt) + 1) - 1)) + b"]}"
+    probe = _post(
+        served, f"{PREFIX}/{job_id}/generate-stream", prompts, {"Content-Type": "application/octet-stream"}, tmp_path
+    )
+    _assert_harmless(probe, idle, len(prompts), status=200 if number == b"1" else 400)
+    frame = _dense(b'{"kwargs": {"input_ids": ', number, b"}}")
+    probe = _post(served, f"{PREFIX}/{job_id}/forward-backward", frame, _JSON, tmp_path)
+    _assert_harmless(probe, idle, len(frame), status=400)
+
+
+@_NUMBERS
+def test_tinker_api_json_of_dense_numbers_costs_at_most_twice_its_size(served, idle, tmp_path, number):
+    """Accepted: an optim_step with a key it does not use; refused: an asample whose prompt is past the model's
+    context (ints) or not token ids (floats), and the numbers as JSON to forward_backward, which takes protobuf."""
+    alice = Tinker(served, "alice")
+    try:
+        session_id, model_id = alice.model()
+        sampler = alice.sampler(session_id)
+        # forward_backward imports torch on first use, which holds the interpreter a moment: not in the probe
+        assert alice.post("/forward_backward", content=b"\xff", headers=PROTO).status_code == 400
+    finally:
+        alice.close()
+    key = {"X-API-Key": TOKENS["alice"], **_JSON}
+    step = _dense(b'{"model_id": "%s", "adam_params": {"learning_rate": 0.001}, "unused": ' % model_id.encode(), number)
+    _assert_harmless(_post(served, "/api/v1/optim_step", step, key, tmp_path), idle, len(step), status=200)
+    head = b'{"sampling_session_id": "%s", "prompt": {"chunks": [{"tokens": ' % sampler.encode()
+    sample = _dense(head, number, b"}]}}")
+    _assert_harmless(_post(served, "/api/v1/asample", sample, key, tmp_path), idle, len(sample), status=400)
+    fwd_bwd = _dense(b'{"model_id": "%s", "data": [{"target_tokens": ' % model_id.encode(), number, b"}]}")
+    probe = _post(served, "/api/v1/forward_backward", fwd_bwd, key, tmp_path)
+    _assert_harmless(probe, idle, len(fwd_bwd), status=400)
 
 
 # --- H3 -------------------------------------------------------------------------------------------

@@ -6,17 +6,21 @@ tenant before it runs (:func:`visible_job`).
 Every dependency is ``async def``: FastAPI runs a plain ``def`` dependency on its thread pool, and
 that hop alone cost about a millisecond per call on a loaded machine. The bearer token is checked
 before any route runs, before any body is read (:class:`icefloe.service.middleware.RequireToken`).
+A JSON body is read by :func:`icefloe.service.dense_json.loads` (:class:`DenseJsonRoute`).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.routing import APIRoute
 
+from icefloe.service import dense_json
 from icefloe.service.jobs import JobManager
-from icefloe.service.limits import MAX_JSON_BYTES, check_frame_header_length
+from icefloe.service.limits import CHECK_ON_LOOP_BYTES, MAX_JSON_BYTES, check_frame_header_length
 from icefloe.service.middleware import read_body, tenant_of
 from icefloe.service.sequencing import Turn
 from icefloe.service.settings import ServeSettings
@@ -25,6 +29,7 @@ from icefloe.service.tenants import Tenancy
 
 __all__ = [
     "API_PREFIX",
+    "DenseJsonRoute",
     "JobsDep",
     "JsonOctetBody",
     "OctetBody",
@@ -35,6 +40,7 @@ __all__ = [
     "TurnDep",
     "api_router",
     "frame_body",
+    "json_of",
     "visible_job",
 ]
 
@@ -63,11 +69,39 @@ async def _turn(request: Request) -> AsyncIterator[Turn]:
 TurnDep = Annotated[Turn, Depends(_turn, scope="function")]
 
 
+async def json_of(raw: bytes) -> Any:
+    """A JSON body as :func:`dense_json.loads` reads it, off the event loop when it is large."""
+    return await asyncio.to_thread(dense_json.loads, raw) if len(raw) > CHECK_ON_LOOP_BYTES else dense_json.loads(raw)
+
+
+class _DenseJsonRequest(Request):
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            self._json = await json_of(await self.body())
+        return self._json
+
+
+class DenseJsonRoute(APIRoute):
+    """A route whose JSON body FastAPI reads with :func:`json_of`: a large body's number arrays are
+    ``array.array`` s (a model's typed fields read them as lists), never Python numbers."""
+
+    def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+        handle = super().get_route_handler()
+
+        async def dense(request: Request) -> Response:
+            return await handle(_DenseJsonRequest(request.scope, request.receive))
+
+        return dense
+
+
 def api_router(tag: str) -> APIRouter:
     """A router under the training-API prefix: a numbered POST waits for its turn, and the ``{job_id}``
     routes are the caller's tenant's only."""
     return APIRouter(
-        prefix=API_PREFIX, tags=[tag], dependencies=[Depends(_turn, scope="function"), Depends(_visible_job)]
+        prefix=API_PREFIX,
+        tags=[tag],
+        dependencies=[Depends(_turn, scope="function"), Depends(_visible_job)],
+        route_class=DenseJsonRoute,
     )
 
 

@@ -36,6 +36,7 @@ from icefloe.service.routes import (
     TurnDep,
     api_router,
     frame_body,
+    json_of,
     visible_job,
 )
 from icefloe.service.routes.handlers import (
@@ -166,6 +167,8 @@ def _wait(request: Request) -> float:
 async def _json_body(request: Request, model: type[BaseModel]) -> Any:
     raw = await request.body()
     try:
+        if len(raw) > CHECK_ON_LOOP_BYTES:  # its number arrays read as compact arrays, as the FastAPI routes read them
+            return model.model_validate(await json_of(raw))
         return model.model_validate_json(raw) if raw else None
     except ValidationError as exc:
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]) from None

@@ -7,6 +7,7 @@ octet body run on a thread-pool thread (decoding a 60 MiB frame must not stall t
 
 from __future__ import annotations
 
+import array
 import json
 from collections import deque
 from dataclasses import dataclass, field
@@ -146,8 +147,9 @@ def _sampling_params(raw: dict[str, Any] | None, where: str, job: LiveJob, sub_j
 def _generate_body(payload: Any) -> GenerateBody:
     if not isinstance(payload, dict):
         raise InvalidRequestError(f"generate body must be a dict with 'prompts'; got {type(payload).__name__}")
-    if isinstance(payload.get("prompts"), list):  # token prompts may come as tensors
-        payload = {**payload, "prompts": [p.tolist() if hasattr(p, "tolist") else p for p in payload["prompts"]]}
+    if isinstance(payload.get("prompts"), list):  # a frame's token prompts may be tensors; a JSON body's arrays stay
+        prompts = [p.tolist() if hasattr(p, "tolist") and type(p) is not array.array else p for p in payload["prompts"]]
+        payload = {**payload, "prompts": prompts}
     try:
         return GenerateBody.model_validate(payload)
     except ValidationError as exc:
@@ -175,7 +177,7 @@ def sampling_params_per_prompt(body: GenerateBody, job: LiveJob, sub_job_id: str
         params = [_sampling_params(body.sampling_params, "sampling_params", job, sub_job_id)] * len(body.prompts)
     limit = job.specs[sub_job_id].config.max_seq_len
     for i, prompt in enumerate(body.prompts):
-        if isinstance(prompt, list) and len(prompt) >= limit:
+        if not isinstance(prompt, str) and len(prompt) >= limit:
             raise InvalidRequestError(
                 f"prompts.{i} has {len(prompt)} tokens; {sub_job_id} takes fewer than max_seq_len={limit}"
             )

@@ -2,24 +2,28 @@
 
 A field of the wrong type, a non-finite number or a value out of range is a 400 naming the field, the
 value and the fix, never a 500. The ordered routes read a body's ``model_id`` and ``seq_id`` first and
-check the rest inside their turn, so such a refusal still uses up the ``seq_id``.
+check the rest inside their turn, so such a refusal still uses up the ``seq_id``. A large body's arrays
+of numbers arrive as ``array.array`` s (:mod:`icefloe.service.dense_json`); :func:`int_array` reads
+either form.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
-import json
 import math
 import re
 from typing import Any
 
+import numpy as np
 import orjson
 from fastapi import Request
 
 from icefloe.protocol import InvalidRequestError, PayloadTooLargeError
+from icefloe.service import dense_json
 from icefloe.service.limits import CHECK_ON_LOOP_BYTES, MAX_JSON_BYTES, MAX_JSON_DEPTH, check_containers
 
-__all__ = ["Fields", "checkpoint_name", "json_body"]
+__all__ = ["Fields", "checkpoint_name", "int_array", "json_body"]
 
 _REQUIRED = object()
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -46,16 +50,29 @@ async def json_body(request: Request) -> Fields:
 
 def _parse(raw: bytes) -> Any:
     check_containers(raw, "the body")
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        pass
-    try:  # NaN / Infinity literals, which orjson refuses: read here, refused by the field that holds them
-        return json.loads(raw)
+    if len(raw) <= CHECK_ON_LOOP_BYTES:
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass
+    try:  # a large body; or NaN / Infinity literals, which orjson refuses: refused by the field that holds them
+        return dense_json.loads(raw)
     except RecursionError:
         raise InvalidRequestError(f"the body nests deeper than {MAX_JSON_DEPTH} levels; flatten it") from None
     except ValueError as exc:
         raise InvalidRequestError(f"the body is not valid JSON ({exc}); send a JSON object") from None
+
+
+def int_array(value: Any, where: str, what: str, *, low: int, high: int) -> np.ndarray:
+    """``value``, a list of integers or an ``array.array`` of them, as an integer array of values in
+    ``[low, high)``; else :class:`InvalidRequestError` saying ``where`` must be ``what``."""
+    listed = isinstance(value, list) and all(type(v) is int and low <= v < high for v in value)
+    if not (listed or (type(value) is array.array and value.typecode in "bhiq")):  # int8 to int64
+        raise InvalidRequestError(f"{where} must be {what}")
+    values = np.asarray(value, dtype=np.int64 if listed else value.typecode)  # an array.array: viewed, not copied
+    if len(values) and (values.min() < low or values.max() >= high):
+        raise InvalidRequestError(f"{where} must be {what}")
+    return values
 
 
 def checkpoint_name(value: Any, where: str) -> str:

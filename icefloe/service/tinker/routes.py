@@ -15,12 +15,14 @@ forward-backward / sample results travel as protobuf, the rest as JSON.
 
 from __future__ import annotations
 
+import array
 import asyncio
 import functools
 import uuid
 from collections.abc import Callable
 from typing import Annotated, Any
 
+import numpy as np
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 
@@ -32,7 +34,7 @@ from icefloe.service.routes import SettingsDep, TenantDep
 from icefloe.service.routes.handlers import submit_weight_sync
 from icefloe.service.schemas import WeightSyncPayload
 from icefloe.service.settings import ServeSettings
-from icefloe.service.tinker.checks import Fields, checkpoint_name, json_body
+from icefloe.service.tinker.checks import Fields, checkpoint_name, int_array, json_body
 from icefloe.service.tinker.external import recipients_of
 from icefloe.service.tinker.state import (
     CheckpointPath,
@@ -456,7 +458,7 @@ async def _queue_sample(
     """Check one sample call and queue it (it decodes in one batch with every sample queued beside it on
     its host, of any API or run); the SDK's answer."""
     tag = uuid.uuid4().hex  # names the call to the engine, which stops it on cancel_future
-    prompt, params, last_n = await _off_loop(body.size, _sample_call, body, settings, tag)
+    prompt, params, last_n, targets = await _off_loop(body.size, _sample_call, body, settings, tag)
     # A job still waiting for its slots takes the call now: it is queued once the job runs, and each poll
     # of its future says why it waits.
     job_id = await state.sampling_job(sampler, sampler.owner)
@@ -488,14 +490,15 @@ async def _queue_sample(
             f"prompt_logprobs_last_n must be between 1 and {len(prompt) - 1} (the prompt's scored positions), "
             f"with prompt_logprobs; got {last_n}"
         )
-    targets = params.target_prompt_logprobs
-    if targets is not None and len(targets) != len(prompt) - 1:
-        raise InvalidRequestError(
-            f"target_prompt_logprobs has {len(targets)} rows; the prompt has {len(prompt)} tokens, so it needs "
-            f"{len(prompt) - 1} (one per position after the first)"
-        )
+    if targets is not None:
+        if len(targets) != len(prompt) - 1:
+            raise InvalidRequestError(
+                f"target_prompt_logprobs has {len(targets)} rows; the prompt has {len(prompt)} tokens, so it needs "
+                f"{len(prompt) - 1} (one per position after the first)"
+            )  # within the context now: Python numbers for the engine cost what a prompt of it may
+        params = params.model_copy(update={"target_prompt_logprobs": tuple(map(tuple, targets.tolist()))})
     render = functools.partial(_sample_answer, last_n=last_n)
-    future_id = state.sample(job, Sample(sub_job_id, [prompt], [params]), render, tag=tag)
+    future_id = state.sample(job, Sample(sub_job_id, [prompt.tolist()], [params]), render, tag=tag)
     if state.advertise_retrieve_futures:  # only a client told to poll retrieve_futures drains the queue
         sampler.track(body.value.get("seq_id"), future_id)
     return {"request_id": future_id, "sample_sequence_ids": [f"{future_id}:{i}" for i in range(params.n)]}
@@ -526,26 +529,31 @@ def _chunks(body: Fields) -> list[dict[str, Any]]:
     return chunks
 
 
-def _sample_call(body: Fields, settings: ServeSettings, tag: str) -> tuple[list[int], EngineSamplingParams, int | None]:
-    """The prompt's tokens, the engine's sampling params and ``prompt_logprobs_last_n`` of one call."""
+def _sample_call(
+    body: Fields, settings: ServeSettings, tag: str
+) -> tuple[np.ndarray, EngineSamplingParams, int | None, np.ndarray | None]:
+    """The prompt's tokens, the engine's sampling params, ``prompt_logprobs_last_n`` and the
+    ``target_prompt_logprobs`` of one call; the tokens and targets stay arrays until the model's context
+    bounds them."""
     _refuse_unserved(body)
-    tokens: list[int] = []
+    chunks = []
     for index, chunk in enumerate(_chunks(body)):
         if chunk.get("type", "encoded_text") != "encoded_text":
             raise InvalidRequestError(
                 f"prompt.chunks.{index} is a {chunk.get('type')} chunk; only encoded_text is served"
             )
-        ids = chunk.get("tokens") or []
-        if not isinstance(ids, list) or not all(type(t) is int and 0 <= t < 2**31 for t in ids):
-            raise InvalidRequestError(f"prompt.chunks.{index}.tokens must be a list of token ids (integers from 0)")
-        tokens += ids
-    if not tokens:
+        where, what = f"prompt.chunks.{index}.tokens", "a list of token ids (integers from 0)"
+        chunks.append(int_array(chunk.get("tokens") or [], where, what, low=0, high=2**31))
+    tokens = chunks[0] if len(chunks) == 1 else np.concatenate(chunks) if chunks else np.empty(0, dtype=np.int64)
+    if not len(tokens):
         raise InvalidRequestError("prompt is empty; give at least one token")
     n = body.integer("num_samples", 1, low=1, high=settings.max_samples_per_request)
     raw = body.section("sampling_params")
     stop = raw.value.get("stop")
     if isinstance(stop, str):
         stop = [stop]
+    elif type(stop) is array.array:  # token ids of a large body
+        stop = stop.tolist()
     if stop is not None and not (
         isinstance(stop, list) and (all(type(s) is int for s in stop) or all(isinstance(s, str) for s in stop))
     ):
@@ -561,7 +569,6 @@ def _sample_call(body: Fields, settings: ServeSettings, tag: str) -> tuple[list[
         "logprobs": True,
         "prompt_logprobs": body.flag("prompt_logprobs"),
         "topk_prompt_logprobs": topk,
-        "target_prompt_logprobs": _targets(body.value.get("target_prompt_logprobs")),
         "tag": tag,
         # No stop: EOS stops. A stop list (even empty) replaces EOS.
         "ignore_eos": stop is not None,
@@ -577,46 +584,46 @@ def _sample_call(body: Fields, settings: ServeSettings, tag: str) -> tuple[list[
             f"num_samples ({n}) x the prompt ({len(tokens)} tokens) exceeds {settings.max_tokens_per_request} tokens "
             "per request (icefloe serve --max-tokens-per-request)"
         )
-    return tokens, params, body.integer("prompt_logprobs_last_n", None, low=1)
+    last_n = body.integer("prompt_logprobs_last_n", None, low=1)
+    return tokens, params, last_n, _targets(body.value.get("target_prompt_logprobs"))
 
 
-def _targets(raw: Any) -> tuple[tuple[int, ...], ...] | None:
+def _targets(raw: Any) -> np.ndarray | None:
     """``target_prompt_logprobs`` (the SDK's TensorData: int64 ``[len(prompt) - 1, K]``, dense or sparse
-    CSR whose unlisted cells ask for nothing) as rows of ids, -1 where nothing is asked."""
+    CSR whose unlisted cells ask for nothing) as ``[rows, K]`` ids, -1 where nothing is asked."""
     if raw is None:
         return None
     where = "target_prompt_logprobs"
     if not isinstance(raw, dict) or raw.get("dtype") != "int64":
         raise InvalidRequestError(f"{where} must be an int64 tensor ({{data, dtype: 'int64', shape: [rows, K]}})")
     shape, data = raw.get("shape"), raw.get("data")
+    shape = shape.tolist() if type(shape) is array.array else shape  # two numbers of a large body
     if not (isinstance(shape, list) and len(shape) == 2 and all(type(d) is int for d in shape)):
         raise InvalidRequestError(f"{where}.shape must be [len(prompt) - 1, K]; got {shape!r:.80}")
     rows, k = shape
     if not 1 <= k <= _MAX_TOPK or rows < 1:
         raise InvalidRequestError(f"{where}.shape must be [len(prompt) - 1, K] with K in [1, {_MAX_TOPK}]; got {shape}")
-    if not isinstance(data, list) or not all(type(v) is int and v >= -1 for v in data):
-        raise InvalidRequestError(f"{where}.data must be token ids (integers from 0), or -1 for none")
-    if max(data, default=-1) < 0:
+    data = int_array(data, f"{where}.data", "token ids (integers from 0), or -1 for none", low=-1, high=2**63)
+    if not len(data) or data.max() < 0:
         raise InvalidRequestError(f"{where} names no token id; ask for at least one, or leave it unset")
     crow, cols = raw.get("sparse_crow_indices"), raw.get("sparse_col_indices")
     if crow is None and cols is None:
         if len(data) != rows * k:
             raise InvalidRequestError(f"{where}.data has {len(data)} values for shape {shape}; send {rows * k}")
-        return tuple(tuple(data[i * k : (i + 1) * k]) for i in range(rows))
-    if not (isinstance(crow, list) and isinstance(cols, list) and len(crow) == rows + 1 and len(cols) == len(data)):
+        return data.reshape(rows, k)
+    offsets = f"{where}.sparse_crow_indices"
+    crow = int_array(crow, offsets, "non-decreasing offsets into data", low=0, high=len(data) + 1)
+    cols = int_array(cols, f"{where}.sparse_col_indices", f"columns in [0, {k})", low=0, high=k)
+    if len(crow) != rows + 1 or len(cols) != len(data):
         raise InvalidRequestError(
             f"{where}: sparse_crow_indices must be {rows + 1} offsets and sparse_col_indices one column per value"
         )
-    dense = [[-1] * k for _ in range(rows)]
-    for row in range(rows):
-        start, end = crow[row], crow[row + 1]
-        if not (type(start) is int and type(end) is int and 0 <= start <= end <= len(data)):
-            raise InvalidRequestError(f"{where}.sparse_crow_indices must be non-decreasing offsets into data")
-        for column, value in zip(cols[start:end], data[start:end], strict=True):
-            if type(column) is not int or not 0 <= column < k:
-                raise InvalidRequestError(f"{where}.sparse_col_indices must be in [0, {k}); got {column!r:.40}")
-            dense[row][column] = value
-    return tuple(map(tuple, dense))
+    if (np.diff(crow) < 0).any():
+        raise InvalidRequestError(f"{offsets} must be non-decreasing offsets into data")
+    dense = np.full((rows, k), -1, dtype=np.int64)
+    listed = slice(crow[0], crow[-1])
+    dense[np.repeat(np.arange(rows), np.diff(crow)), cols[listed]] = data[listed]
+    return dense
 
 
 def _refuse_unserved(body: Fields) -> None:

@@ -1,0 +1,172 @@
+"""JSON bodies whose arrays of numbers are read as machine numbers, never as Python objects.
+
+A Python float costs 32 bytes and an int up to 36 for the 2 to 4 bytes a JSON number takes, so
+:func:`json.loads` turned a 4 MiB array of numbers into 30 to 40 MiB. In a body over
+:data:`~icefloe.service.limits.CHECK_ON_LOOP_BYTES`, every array of plain JSON numbers is read, a
+slice at a time, into an :class:`array.array` of the narrowest type that holds each of its numbers
+exactly as json reads it: int8 to int64 for integers, float32 or float64 for an array with a
+fraction, an exponent, NaN or Infinity. An array with an integer that neither int64 nor (among
+fractions) a double holds stays a list. So an array takes at most twice its text, but one of mostly
+one-digit numbers with a few that need a wide type takes up to four times (about what json's list
+of cached small ints took). The rest of the document, each such array replaced by a placeholder
+string, is read by :func:`json.loads`; a smaller body by it alone.
+
+An ``array.array`` acts as a list does where code reads a body (``len``, truth, ``==``, ``in``,
+iteration yields Python numbers), where a numpy array would raise; ``numpy.asarray`` views it
+without a copy, and pickling it costs its bytes.
+"""
+
+from __future__ import annotations
+
+import array
+import bisect
+import json
+import re
+import secrets
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import orjson
+
+from icefloe.service.limits import CHECK_ON_LOOP_BYTES
+
+__all__ = ["as_lists", "loads"]
+
+# A string is passed over whole (brackets inside it are text); an array holding only the characters of
+# numbers is a candidate, whose slices the JSON parsers then check as they read them.
+_STRING_OR_NUMBERS = re.compile(
+    rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"|\[(?P<numbers>[ \t\n\r]*+[-0-9NI][-+0-9.eE,NaInfity \t\n\r]*+)\]', re.DOTALL
+)
+_FLOAT_MARKS = (b".", b"e", b"E", b"N", b"I")  # a fraction, an exponent, NaN, Infinity
+_INTEGERS = "bhiq"  # array.array's int8, int16, int32, int64
+_FLOATS = "fd"  # float32, float64
+_SLICE_BYTES = 64 * 1024  # read at a time: its Python numbers live only until they are copied
+
+
+def loads(raw: bytes | str) -> Any:
+    """:func:`json.loads`, except that in a body over ``CHECK_ON_LOOP_BYTES`` each non-empty array of
+    numbers comes back as an ``array.array``. Raises what :func:`json.loads` raises; a position in a
+    large body's error is a byte offset."""
+    if len(raw) <= CHECK_ON_LOOP_BYTES:
+        return json.loads(raw)
+    data = raw.encode() if isinstance(raw, str) else raw
+    prefix = secrets.token_hex(8) + ":"  # no client writes a string that starts so but by chance
+    arrays: list[array.array] = []
+    ends: list[int] = []  # where each placeholder ends in the text json reads
+    removed: list[int] = []  # bytes of ``data`` the placeholders up to there left out
+
+    def swap(match: re.Match[bytes]) -> bytes:
+        start, end = match.span("numbers")
+        dense = None if start < 0 else _dense(data, start, end)
+        if dense is None:
+            return match[0]
+        placeholder = f'"{prefix}{len(arrays)}"'.encode()
+        arrays.append(dense)
+        before = removed[-1] if removed else 0
+        ends.append(match.start() - before + len(placeholder))
+        removed.append(before + match.end() - match.start() - len(placeholder))
+        return placeholder
+
+    text = _STRING_OR_NUMBERS.sub(swap, data)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        at = len(exc.doc[: exc.pos].encode("utf-8", "surrogatepass"))
+        shift = bisect.bisect_right(ends, at)
+        raise _error(exc, data, at + (removed[shift - 1] if shift else 0)) from None
+    return _put_back(value, prefix, arrays) if arrays else value
+
+
+def _dense(data: bytes, start: int, end: int) -> array.array | None:
+    """The numbers of ``data[start:end]`` (an array's text between its brackets) as an ``array.array``;
+    None to leave them to json."""
+    count = data.count(b",", start, end) + 1
+    floating = any(data.find(mark, start, end) >= 0 for mark in _FLOAT_MARKS)
+    numbers, filled = None, 0
+    while start < end:
+        stop = data.find(b",", min(start + _SLICE_BYTES, end), end)
+        stop = end if stop < 0 else stop
+        block = np.array(_values(data, start, stop))
+        if block.dtype.kind not in ("if" if floating else "i") or (floating and not _exact(block, data, start, stop)):
+            return None  # an integer beyond int64, or (among fractions) a double: json keeps it exact
+        code = _narrowest(block, (_FLOATS if floating else _INTEGERS)[0] if numbers is None else numbers.typecode)
+        if numbers is None:
+            numbers = array.array(code, [0]) * count
+        elif code != numbers.typecode:  # copied into the wider type once
+            wider = array.array(code, [0]) * count
+            np.frombuffer(wider, dtype=code)[:filled] = np.frombuffer(numbers, dtype=numbers.typecode)[:filled]
+            numbers = wider
+        np.frombuffer(numbers, dtype=code)[filled : filled + len(block)] = block
+        filled, start = filled + len(block), stop + 1
+    return numbers
+
+
+def _narrowest(block: np.ndarray, code: str) -> str:
+    """The narrowest type, ``code`` or a wider one of its kind, that holds each number of ``block`` exactly."""
+    kinds = _FLOATS if code in _FLOATS else _INTEGERS
+    with np.errstate(over="ignore", invalid="ignore"):
+        for wider in kinds[kinds.index(code) : -1]:
+            if np.array_equal(block.astype(wider), block, equal_nan=kinds is _FLOATS):
+                return wider
+    return kinds[-1]
+
+
+def _exact(block: np.ndarray, data: bytes, start: int, stop: int) -> bool:
+    """Whether the doubles of a slice of a float array are the numbers json reads there: an integer from
+    2**53 on may not be (and orjson reads one beyond 64 bits as a double)."""
+    doubles = block.astype(np.float64)
+    with np.errstate(invalid="ignore"):  # NaN
+        large = np.flatnonzero(np.abs(doubles) >= 2**53)
+    if not len(large):
+        return True
+    values = json.loads(b"[" + data[start:stop] + b"]")
+    return all(type(values[i]) is not int or int(doubles[i]) == values[i] for i in large)
+
+
+def _values(data: bytes, start: int, stop: int) -> list[Any]:
+    """The numbers of one slice, read by orjson, or by json where it holds NaN or Infinity (which orjson refuses)."""
+    text = b"[" + data[start:stop] + b"]"
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _error(exc, data, start + exc.pos - 1) from None
+
+
+def _error(exc: json.JSONDecodeError, data: bytes, at: int) -> json.JSONDecodeError:
+    return json.JSONDecodeError(exc.msg, data.decode("latin-1"), at)  # latin-1: one character per byte
+
+
+def as_lists(value: Any) -> Any:
+    """``value`` (in place) with each ``array.array`` :func:`loads` made turned back into the list it was."""
+    return _replace(value, lambda leaf: leaf.tolist() if type(leaf) is array.array else leaf)
+
+
+def _put_back(value: Any, prefix: str, arrays: list[array.array]) -> Any:
+    """``value`` (in place) with each placeholder string replaced by its array."""
+
+    def array_of(leaf: Any) -> Any:
+        return arrays[int(leaf[len(prefix) :])] if type(leaf) is str and leaf.startswith(prefix) else leaf
+
+    return _replace(value, array_of)
+
+
+def _replace(value: Any, change: Callable[[Any], Any]) -> Any:
+    """``value`` with each leaf (neither dict nor list) replaced by ``change(leaf)``, in place."""
+    if type(value) not in (dict, list):
+        return change(value)
+    pending = [value]
+    while pending:
+        node = pending.pop()
+        for key, child in node.items() if type(node) is dict else enumerate(node):
+            if type(child) in (dict, list):
+                pending.append(child)
+            else:
+                changed = change(child)
+                if changed is not child:
+                    node[key] = changed
+    return value
