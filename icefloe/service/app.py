@@ -114,7 +114,10 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
     edge = {"db": db, "logins": app.state.logins}
     tinker = tinker_app(app.state)
     openai = openai_app(app.state)  # after Tinker's: it serves Tinker's checkpoints
-    for api, access in ((tinker, TINKER_ACCESS), (openai, OPENAI_ACCESS)):
+    for api, access, too_large in (
+        (tinker, TINKER_ACCESS, "split the data into smaller calls"),
+        (openai, OPENAI_ACCESS, "send fewer or shorter prompts per request"),
+    ):
         install_edge(
             api,
             api_layers(
@@ -125,6 +128,7 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
                 routes_parse_json=True,
                 sequencing=None,
                 waited_answers=False,
+                json_too_large=too_large,
             ),
         )
     mounts = [Mount(TINKER_PREFIX, tinker), *(Mount(prefix, openai) for prefix in PREFIXES)]
@@ -136,6 +140,7 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
         routes_parse_json=False,
         sequencing=app.state.sequencing,
         waited_answers=True,
+        json_too_large="send tensors as binary DSSST1 frames (application/octet-stream)",
     )
     install_edge(app, [*service_layers(settings, mounts), *training])
     _redact(redactor, on=True)

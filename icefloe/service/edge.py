@@ -73,13 +73,15 @@ def api_layers(
     routes_parse_json: bool,
     sequencing: Sequencing | None,
     waited_answers: bool,
+    json_too_large: str,
 ) -> list[Layer]:
     """One API's stack, outermost first: its token, the body cap, ``requests:batch`` (``batches``), the
     refusal log of each part, ``Idempotency-Key``, the JSON bounds (the size only when
     ``routes_parse_json``: the routes check their bodies themselves). With ``sequencing`` (the API's
     routes take ``Icefloe-Sequence`` turns), a numbered POST these layers refuse uses its number at once;
     ``waited_answers``: its POSTs may answer with their request's poll (``?wait=``), naming what they
-    accepted in a header the idempotency layer reads and takes off."""
+    accepted in a header the idempotency layer reads and takes off. ``json_too_large``: what a caller whose
+    JSON body is over the cap can send instead, in that API's terms."""
     layers: list[Layer] = [
         (RequireToken, {"settings": settings, "logins": logins, "access": access}),
         (BodyLimit, {"max_bytes": settings.max_post_bytes, "sequencing": sequencing}),
@@ -89,7 +91,7 @@ def api_layers(
     return [
         *layers,
         (IdempotencyKeys, {"db": db, "settings": settings, "sequencing": sequencing, "waited_answers": waited_answers}),
-        (JsonBodies, {"parse": not routes_parse_json, "sequencing": sequencing}),
+        (JsonBodies, {"parse": not routes_parse_json, "sequencing": sequencing, "too_large": json_too_large}),
     ]
 
 

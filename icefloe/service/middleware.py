@@ -507,10 +507,13 @@ class JsonBodies:
     Tinker API's: a refused op must still use up its ``seq_id``, which only the route can read).
     """
 
-    def __init__(self, app: ASGIApp, *, parse: bool = True, sequencing: Sequencing | None = None) -> None:
+    def __init__(
+        self, app: ASGIApp, *, parse: bool = True, sequencing: Sequencing | None = None, too_large: str = ""
+    ) -> None:
         self.app = app
         self.parse = parse
         self.sequencing = sequencing
+        self.too_large = too_large or "send a smaller body"  # what the API's caller can do instead
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] not in _BODY_METHODS or not _is_json(scope):
@@ -519,9 +522,7 @@ class JsonBodies:
         try:
             body = await read_body(receive, MAX_JSON_BYTES)
         except PayloadTooLargeError:
-            refused = PayloadTooLargeError(
-                f"a JSON body is at most {MAX_JSON_BYTES} bytes here; send tensors as binary frames (octet-stream)"
-            )
+            refused = PayloadTooLargeError(f"a JSON body is at most {MAX_JSON_BYTES} bytes here; {self.too_large}")
             await _refuse(scope, receive, send, refused, self.sequencing, close=True)
             return
         if body is None:

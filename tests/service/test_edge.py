@@ -31,8 +31,9 @@ def _stack(tmp_path: Path, *, auth: bool) -> list:
     edge = {"db": Database(tmp_path / "db.sqlite3"), "logins": Logins(ttl_s=60, max_failures_per_minute=10)}
     access = training_access(settings)
     layers = api_layers(
-        settings, **edge, access=access, batches=True, routes_parse_json=False, sequencing=None, waited_answers=True
-    )
+        settings, **edge, access=access, batches=True, routes_parse_json=False, sequencing=None, waited_answers=True,
+        json_too_large="send tensors as binary frames",
+    )  # fmt: skip
     return [*service_layers(settings, []), *layers]
 
 

@@ -261,6 +261,17 @@ def test_a_body_over_the_cap_is_a_413_in_openai_shape(server):
     assert answer.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_a_json_body_over_the_json_cap_is_told_what_an_openai_caller_can_send_instead(server):
+    """Under the body cap but over the JSON cap: the answer told an OpenAI caller to send binary frames."""
+    from icefloe.service.limits import MAX_JSON_BYTES
+
+    body = {"model": "tiny-chat", "prompt": "a" * MAX_JSON_BYTES}
+    answer = httpx.post(f"{server[0]}/oai/v1/completions", json=body, headers={"authorization": f"Bearer {ALICE}"})
+    assert answer.status_code == 413
+    message = answer.json()["error"]["message"]
+    assert "fewer or shorter prompts" in message and "binary" not in message
+
+
 def test_models_lists_the_base_models_and_the_callers_own_checkpoints(server, models, alice, bob, example):
     url, _ = server
     with tinker.ServiceClient(base_url=url, api_key=ALICE) as service:
