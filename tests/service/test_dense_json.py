@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from icefloe.protocol import InvalidRequestError
 from icefloe.service.dense_json import as_lists, loads
 from icefloe.service.limits import CHECK_ON_LOOP_BYTES
-from icefloe.service.schemas import GenerateBody, parse_json_body
+from icefloe.service.schemas import GenerateBody, JobCreate, parse_json_body
 from icefloe.service.tinker.checks import int_array
 
 _PAD = b" " * (CHECK_ON_LOOP_BYTES + 1)  # whitespace makes any document a large body
@@ -154,6 +154,15 @@ def test_generate_prompts_of_a_large_body_stay_arrays_and_integral_floats_pass_a
     assert body.prompts[2] == array.array("q", [4, 5])
     with pytest.raises(ValueError, match=r"prompts\.0\n.*token ids are integers; got 1.5 at position 1"):
         GenerateBody.model_validate({"prompts": [array.array("d", [1.0, 1.5])]})
+
+
+def test_a_large_create_job_body_keeps_its_number_arrays_as_the_lists_it_stores():
+    config = {"job_type": "training", "model_name": "tiny:arith", "capture_sizes": [1, 2, 4], "scale": [0.5, 2]}
+    body = parse_json_body(_large(json.dumps({"sub_job_configs": [config]})))
+    assert type(body["sub_job_configs"][0]["capture_sizes"]) is array.array
+    created = JobCreate.model_validate(body)
+    assert created.model_dump(mode="json")["sub_job_configs"][0]["capture_sizes"] == [1, 2, 4]
+    assert created.sub_job_configs[0].model_extra == {"capture_sizes": [1, 2, 4], "scale": [0.5, 2.0]}
 
 
 def test_tinker_token_ids_are_read_from_lists_or_arrays_and_range_checked():

@@ -6,7 +6,7 @@ tenant before it runs (:func:`visible_job`).
 Every dependency is ``async def``: FastAPI runs a plain ``def`` dependency on its thread pool, and
 that hop alone cost about a millisecond per call on a loaded machine. The bearer token is checked
 before any route runs, before any body is read (:class:`icefloe.service.middleware.RequireToken`).
-A JSON body is read by :func:`icefloe.service.dense_json.loads` (:class:`DenseJsonRoute`).
+A JSON body is read by :func:`icefloe.service.dense_json.loads` (:func:`json_of`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from icefloe.service.tenants import Tenancy
 
 __all__ = [
     "API_PREFIX",
-    "DenseJsonRoute",
     "JobsDep",
     "JsonOctetBody",
     "OctetBody",
@@ -81,7 +80,7 @@ class _DenseJsonRequest(Request):
         return self._json
 
 
-class DenseJsonRoute(APIRoute):
+class _DenseJsonRoute(APIRoute):
     """A route whose JSON body FastAPI reads with :func:`json_of`: a large body's number arrays are
     ``array.array`` s (a model's typed fields read them as lists), never Python numbers."""
 
@@ -101,7 +100,7 @@ def api_router(tag: str) -> APIRouter:
         prefix=API_PREFIX,
         tags=[tag],
         dependencies=[Depends(_turn, scope="function"), Depends(_visible_job)],
-        route_class=DenseJsonRoute,
+        route_class=_DenseJsonRoute,
     )
 
 
