@@ -56,8 +56,10 @@ _FIRST_PASS_POSITIONS = 1024
 # decode step does, and with fewer columns of work per read, more, shorter passes would cost more than
 # they let others in.
 _MIN_PASS_COLUMNS = 64
-# Columns of padding any row of a decode batch may take (see decode_batches), however short its prompt.
-_PAD_SLACK = 64
+# A row of a decode batch is padded by at most this many times its prompt's length, or _PAD_SLACK
+# columns (see decode_batches).
+_PAD_RATIO = 4
+_PAD_SLACK = 256
 # Odd 64-bit constant for mixing (seed, sample index) into one generator seed.
 _SEED_MIX = 0x9E3779B97F4A7C15
 
@@ -637,15 +639,15 @@ def decode_batches(rows: list[_Row], max_rows: int, max_tokens: int) -> list[lis
     """Rows in batches of at most ``max_rows`` rows and ``max_tokens`` positions (rows × the longest
     prompt plus new tokens), longest first, so that each batch's rows pad little; one row always fits.
 
-    A row joins a batch only if the batch's longest prompt pads it by at most its own length (or
-    :data:`_PAD_SLACK` columns): a short prompt never waits for a long one's prefill (the batch of a
-    small call runs first) nor pays for its columns."""
+    A row joins a batch only if the batch's longest prompt pads it by at most :data:`_PAD_RATIO`
+    times its own length, or :data:`_PAD_SLACK` columns: a short prompt never waits for a prompt many
+    times as long to be prefilled (the batch of a small call runs first), nor pays for its columns."""
     batches: list[list[_Row]] = []
     width = new = shortest = 0  # the current batch's longest prompt, most new tokens and shortest prompt
     for row in sorted(rows, key=lambda row: -(len(row.prompt_ids) + row.max_new)):
         grown = (max(width, len(row.prompt_ids)), max(new, row.max_new))
         least = min(shortest, len(row.prompt_ids))
-        pads_little = grown[0] - least <= max(least, _PAD_SLACK)
+        pads_little = grown[0] - least <= max(_PAD_RATIO * least, _PAD_SLACK)
         if (
             batches
             and pads_little

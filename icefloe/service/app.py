@@ -26,7 +26,7 @@ from starlette.routing import Mount
 from icefloe.service.edge import api_layers, install_edge, service_layers
 from icefloe.service.errors import install_error_handlers
 from icefloe.service.hosts.slots import SlotPool
-from icefloe.service.joblog import TokenRedactor
+from icefloe.service.joblog import ENGINE_LOGGER, TokenRedactor
 from icefloe.service.jobs import JobManager
 from icefloe.service.lifecycle import fail_interrupted_jobs
 from icefloe.service.logins import Logins
@@ -71,7 +71,7 @@ def create_app(settings: ServeSettings, *, pool: SlotPool | None = None) -> Fast
         _redact(redactor, on=True)
         fail_interrupted_jobs(db)
         manager.watch()
-        engine_logs = logging.getLogger("icefloe")
+        engine_logs = logging.getLogger(ENGINE_LOGGER)
         manager.log_router.attach(engine_logs)
         if settings.engines == "process":  # import torch in the forkserver now, not when the first job comes
             from icefloe.service.hosts.process import warm_forkserver

@@ -19,8 +19,9 @@ from typing import Any, Protocol
 from icefloe.protocol import InvalidRequestError
 from icefloe.service.store import now_iso
 
-__all__ = ["JobLog", "JobLogRouter", "LogTarget", "Recorder", "TokenRedactor", "relay"]
+__all__ = ["ENGINE_LOGGER", "JobLog", "JobLogRouter", "LogTarget", "Recorder", "TokenRedactor", "relay"]
 
+ENGINE_LOGGER = "icefloe"  # the logger whose records (every engine's) a router is attached to
 # The op the current thread runs, if any: the router serving it and where its records go.
 _op = threading.local()
 
@@ -215,14 +216,9 @@ class JobLogRouter(logging.Handler):
 
 
 def relay(entries: Iterable[dict[str, str]]) -> None:
-    """Log what a :class:`Recorder` kept, elsewhere, while it ran this thread's op into the logs of the
-    jobs the op serves (nothing outside an op)."""
-    serving = getattr(_op, "serving", None)
-    if serving is None:
-        return
+    """Log on this thread what a :class:`Recorder` kept elsewhere while it ran this thread's call: its
+    records are routed as this thread's own are (to the jobs of the op it serves, or by its name)."""
+    logger = logging.getLogger(ENGINE_LOGGER)
     for entry in entries:
-        level = logging.getLevelName(entry["level"])
-        record = logging.makeLogRecord(
-            {"name": entry["logger"], "msg": entry["msg"], "levelname": entry["level"], "levelno": level}
-        )
-        serving[0].handle(record)
+        fields = {"name": entry["logger"], "msg": entry["msg"], "levelname": entry["level"]}
+        logger.handle(logging.makeLogRecord({**fields, "levelno": logging.getLevelName(entry["level"])}))

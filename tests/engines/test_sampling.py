@@ -263,5 +263,5 @@ def test_a_short_prompt_decodes_apart_from_long_ones_so_it_never_waits_for_their
     lengths = [2000, 1200, 900, 100, 60, 3]
     rows = [sampling._Row([5] * length, params, seed=0, max_new=4) for length in lengths]
     batches = sampling.decode_batches(rows, max_rows=256, max_tokens=10**9)
-    # each row padded by at most its own length, or 64 columns
-    assert [[len(row.prompt_ids) for row in batch] for batch in batches] == [[2000, 1200], [900], [100, 60], [3]]
+    # each row padded by at most 4 times its own length, or 256 columns
+    assert [[len(row.prompt_ids) for row in batch] for batch in batches] == [[2000, 1200, 900], [100, 60, 3]]

@@ -66,6 +66,16 @@ def test_lora_jobs_on_ray_engines_share_one_base_actor_and_one_slot(ray_session,
             assert first.sync_weights()["policy_version"] == 1
             sample = first.generate([[1, 2, 3]], {"max_tokens": 3, "logprobs": True})[0]
             assert sample["policy_version"] == 1 and len(sample["token_ids"]) == 3
+            first.generate([[1, 2, 3]], {"max_tokens": 3, "stop_token_ids": [999]})  # the actor warns: not an id
+            logs = [
+                app.state.jobs.tail_logs(
+                    client.handle()["transport"]["job_id"],
+                    sub_job_id=None, sub_job_type="sampling", cursor=None, max_lines=50,
+                )["entries"]
+                for client in (first, second)
+            ]  # fmt: skip
+            warned = [[e["msg"] for e in entries if e["logger"] == "icefloe.engines.sampling"] for entries in logs]
+            assert [len(messages) for messages in warned] == [1, 0], warned  # the first run's log alone
             with ServiceAdmin(RemoteConfig(base_url=base_url)) as admin:
                 jobs = admin.list_jobs()
             hosts = {(job.get("host") or {}).get("host_id") for job in jobs}

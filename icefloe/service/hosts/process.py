@@ -31,7 +31,7 @@ from typing import Any
 
 from icefloe.protocol import ClientClosedError, InvalidRequestError
 from icefloe.service.hosts.seam import BaseModel, ForwardedEngines, stop_check
-from icefloe.service.joblog import JobLogRouter, Recorder, relay
+from icefloe.service.joblog import ENGINE_LOGGER, JobLogRouter, Recorder, relay
 from icefloe.service.specs import SubJobSpec
 
 __all__ = [
@@ -363,7 +363,7 @@ def _child_main(
 
         transformers_logging.disable_progress_bar()
     router = JobLogRouter()  # what the engines log in a call goes back with its answer (see serve)
-    router.attach(logging.getLogger("icefloe"))
+    router.attach(logging.getLogger(ENGINE_LOGGER))
     if log_dir is not None:  # what a dedicated job's engines log while loading: job-wide, in its log
         router.bind(threading.current_thread().name, JobLog(log_dir, [spec.sub_job_id for spec in specs]), None)
     host = LocalEngineHost(specs, devices, checkpoints, base=base)

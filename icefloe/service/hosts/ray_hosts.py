@@ -24,7 +24,7 @@ from icefloe.config import ClientConfig, RayConfig
 from icefloe.protocol import InvalidRequestError
 from icefloe.service.hosts.process import EngineProcessDied, portable
 from icefloe.service.hosts.seam import BaseModel, ForwardedEngines, JobEngines, stop_check
-from icefloe.service.joblog import JobLogRouter, Recorder, relay
+from icefloe.service.joblog import ENGINE_LOGGER, JobLogRouter, Recorder, relay
 from icefloe.service.specs import SubJobSpec
 
 __all__ = ["RayEngineHost", "RaySharedHost"]
@@ -184,7 +184,7 @@ class _SharedBaseActor:
         self._lock = threading.Lock()
         self._host = LocalEngineHost([], {}, {}, base=base)
         self._router = JobLogRouter()
-        self._router.attach(logging.getLogger("icefloe"))
+        self._router.attach(logging.getLogger(ENGINE_LOGGER))
         self._loaded: tuple[str, Any, list] = ("ok", None, [])
         try:
             self._host.start(lambda message: None, threading.Event())
