@@ -24,6 +24,8 @@ __all__ = ["ENGINE_LOGGER", "JobLog", "JobLogRouter", "LogTarget", "Recorder", "
 ENGINE_LOGGER = "icefloe"  # the logger whose records (every engine's) a router is attached to
 # The op the current thread runs, if any: the router serving it and where its records go.
 _op = threading.local()
+_ALWAYS = ("always", None, Warning, None, 0)  # the entry filterwarnings("always", append=True) adds
+_MAX_WARNED = 4096
 
 
 class TokenRedactor(logging.Filter):
@@ -154,6 +156,7 @@ class JobLogRouter(logging.Handler):
         self._targets: dict[str, tuple[LogTarget, str | None]] = {}
         self._lock_targets = threading.Lock()
         self._shown: tuple[Callable[..., Any], Callable[..., Any]] | None = None  # (before attach(), ours)
+        self._warned: set[tuple[Any, ...]] = set()  # places shown, and (log, sub-job, place) written
 
     def bind(self, thread_name: str, log: LogTarget, sub_job_id: str | None) -> None:
         with self._lock_targets:
@@ -174,14 +177,20 @@ class JobLogRouter(logging.Handler):
             _op.serving = previous
 
     def attach(self, logger: logging.Logger) -> None:
-        """Route ``logger``'s records, and every ``warnings.warn`` (still shown as before, and as
-        before once per place in the code per process)."""
+        """Route ``logger``'s records, and every ``warnings.warn``: shown as before, once per place in
+        the code per process, and written once per place into the log of each job whose op warned it.
+
+        Python's own once-per-place rule would keep a warning from every job after the first on a
+        shared host, so warnings are let through every time and the router keeps the rule itself."""
         logger.addHandler(self)
         shown = warnings.showwarning
+        warnings.filterwarnings("always", append=True)  # after every filter a caller or library set
 
         def tee(message: Any, category: type[Warning], filename: str, lineno: int, *rest: Any) -> None:
+            place = (str(message), category, filename, lineno)
             self.warned(message, category, filename, lineno)
-            shown(message, category, filename, lineno, *rest)
+            if self._remember(("shown", place)):
+                shown(message, category, filename, lineno, *rest)
 
         warnings.showwarning, self._shown = tee, (shown, tee)
 
@@ -189,6 +198,8 @@ class JobLogRouter(logging.Handler):
         logger.removeHandler(self)
         if self._shown is not None and warnings.showwarning is self._shown[1]:  # else another took it over since
             warnings.showwarning = self._shown[0]
+        with contextlib.suppress(ValueError):  # "always" left nothing in the registries a version bump clears
+            warnings.filters.remove(_ALWAYS)
         self._shown = None
 
     def warned(self, message: Any, category: type[Warning], filename: str, lineno: int) -> None:
@@ -200,6 +211,17 @@ class JobLogRouter(logging.Handler):
                 )
             )
 
+    def _remember(self, key: tuple[Any, ...]) -> bool:
+        """Whether ``key`` is new; the set is emptied when full, so a warning whose text keeps changing
+        costs bounded memory (and is written again, as Python would show it again)."""
+        with self._lock_targets:
+            if key in self._warned:
+                return False
+            if len(self._warned) >= _MAX_WARNED:
+                self._warned.clear()
+            self._warned.add(key)
+            return True
+
     def _routes(self, thread_name: str) -> Sequence[tuple[LogTarget, str | None]]:
         serving = getattr(_op, "serving", None)
         if serving is not None and serving[0] is self:
@@ -209,10 +231,18 @@ class JobLogRouter(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         for log, sub_job_id in self._routes(record.threadName or ""):
-            try:
-                log.write(record.getMessage(), level=record.levelname, sub_job_id=sub_job_id, logger=record.name)
-            except OSError:  # a log that cannot be written must not break the op that logged
-                self.handleError(record)
+            self._write(log, sub_job_id, record)
+
+    def _write(self, log: LogTarget, sub_job_id: str | None, record: logging.LogRecord) -> None:
+        """Write ``record`` to one log; a warning once per text per job (a :class:`Recorder` keeps every
+        one: the service's router it is relayed to keeps the rule)."""
+        once = record.name == "py.warnings" and not isinstance(log, Recorder)
+        if once and not self._remember((log, sub_job_id, record.getMessage())):
+            return
+        try:
+            log.write(record.getMessage(), level=record.levelname, sub_job_id=sub_job_id, logger=record.name)
+        except OSError:  # a log that cannot be written must not break the op that logged
+            self.handleError(record)
 
 
 def relay(entries: Iterable[dict[str, str]]) -> None:

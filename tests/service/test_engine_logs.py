@@ -143,3 +143,28 @@ def test_a_warning_warned_while_a_thread_serves_an_op_lands_in_that_ops_log(tmp_
     assert [(e["level"], e["logger"]) for e in entries] == [("WARNING", "py.warnings")]
     assert entries[0]["msg"] == "UserWarning: a library's warning"
     assert not log.tail("j:sampling:0", cursor=None, max_lines=10)["entries"]
+
+
+def test_a_warning_from_one_place_reaches_each_jobs_log_once_and_is_shown_once(tmp_path):
+    """Python shows a warning once per place per process, which kept it from every job after the
+    first on a shared host; the router lets it through and keeps the rule per job instead."""
+    alice, bob = JobLog(tmp_path / "a", ["a:sampling:0"]), JobLog(tmp_path / "b", ["b:sampling:0"])
+    router, logger = JobLogRouter(), logging.getLogger("icefloe.test-joblog-once")
+
+    def library_call() -> None:
+        warnings.warn("a library's warning", UserWarning, stacklevel=1)
+
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.resetwarnings()  # Python's own rule: "default", once per place
+        router.attach(logger)
+        try:
+            for log, sub_job in [(alice, "a:sampling:0"), (bob, "b:sampling:0"), (alice, "a:sampling:0")]:
+                with router.serving([(log, sub_job)]):
+                    library_call()
+        finally:
+            router.detach(logger)
+        assert ("always", None, Warning, None, 0) not in warnings.filters
+    assert [str(w.message) for w in shown] == ["a library's warning"]
+    for log, sub_job in [(alice, "a:sampling:0"), (bob, "b:sampling:0")]:
+        entries = log.tail(sub_job, cursor=None, max_lines=10)["entries"]
+        assert [e["msg"] for e in entries] == ["UserWarning: a library's warning"]
