@@ -21,8 +21,8 @@ from icefloe.wire.frames import MAX_HEADER_BYTES, read_header
 __all__ = [
     "CHECK_ON_LOOP_BYTES",
     "MAX_BATCH_HEAD_BYTES",
-    "MAX_CREATE_JOB_BYTES",
     "MAX_BATCH_PARTS",
+    "MAX_CREATE_JOB_BYTES",
     "MAX_FRAME_HEADER_BYTES",
     "MAX_JSON_BYTES",
     "MAX_JSON_CONTAINERS",

@@ -35,7 +35,8 @@ _CHECKED_TYPES = frozenset({dict, list, tuple, float, array.array})
 
 def parse_json_body(raw: bytes | str, what: str = "body") -> Any:
     """Parse a JSON request body and :func:`check_body` it; :class:`InvalidRequestError` if either fails,
-    :class:`~icefloe.protocol.PayloadTooLargeError` before parsing one that would build too many containers or strings."""
+    :class:`~icefloe.protocol.PayloadTooLargeError` before parsing one that would build too many containers
+    or strings."""
     check_counts(raw.encode() if isinstance(raw, str) else raw, what)
     try:
         value = dense_json.loads(raw)
