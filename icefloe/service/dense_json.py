@@ -9,7 +9,8 @@ fraction, an exponent, NaN or Infinity. An array with an integer that neither in
 fractions) a double holds stays a list. So an array takes at most twice its text, but one of mostly
 one-digit numbers with a few that need a wide type takes up to four times (about what json's list
 of cached small ints took). The rest of the document, each such array replaced by a placeholder
-string, is read by :func:`json.loads`; a smaller body by it alone.
+string, is read by :func:`json.loads` (by orjson where a character is beyond the BMP: see
+:func:`_remainder`); a smaller body by :func:`json.loads` alone.
 
 An ``array.array`` acts as a list does where code reads a body (``len``, truth, ``==``, ``in``,
 iteration yields Python numbers), where a numpy array would raise; ``numpy.asarray`` views it
@@ -41,6 +42,8 @@ _STRING_OR_NUMBERS = re.compile(
 _FLOAT_MARKS = (b".", b"e", b"E", b"N", b"I")  # a fraction, an exponent, NaN, Infinity
 _INTEGERS = "bhiq"  # array.array's int8, int16, int32, int64
 _FLOATS = "fd"  # float32, float64
+_BEYOND_BMP = re.compile(rb"[\xf0-\xf4]")  # the first byte of a 4-byte UTF-8 character
+_BEYOND_64_BITS = re.compile(rb"[0-9]{20}")  # a run of digits that may be an integer over 2**64
 _SLICE_BYTES = 64 * 1024  # read at a time: its Python numbers live only until they are copied
 
 
@@ -70,12 +73,23 @@ def loads(raw: bytes | str) -> Any:
 
     text = _STRING_OR_NUMBERS.sub(swap, data)
     try:
-        value = json.loads(text)
+        value = _remainder(text)
     except json.JSONDecodeError as exc:
         at = len(exc.doc[: exc.pos].encode("utf-8", "surrogatepass"))
         shift = bisect.bisect_right(ends, at)
         raise _error(exc, data, at + (removed[shift - 1] if shift else 0)) from None
     return _put_back(value, prefix, arrays) if arrays else value
+
+
+def _remainder(text: bytes) -> Any:
+    """The document without its dense arrays. json first decodes the whole text into one string, which
+    takes 4 bytes a character once one of them is beyond the BMP: such a text is read by orjson, which
+    builds no such string, but reads an integer beyond 64 bits as a double (so one is refused there)."""
+    if _BEYOND_BMP.search(text) is None:
+        return json.loads(text)
+    if _BEYOND_64_BITS.search(text) is not None:
+        raise ValueError("a body with a character beyond the BMP takes no integer beyond 64 bits; send it as a string")
+    return orjson.loads(text)
 
 
 def _dense(data: bytes, start: int, end: int) -> array.array | None:

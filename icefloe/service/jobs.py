@@ -17,7 +17,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Generator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -572,11 +572,20 @@ class JobManager:
                 raise RuntimeError(f"{op} ended without a result for {len(pending)} of its {len(live)} requests")
         except Exception as exc:  # every failure is recorded on its requests
             rest = list(pending.values())
+            if isinstance(exc, InvalidRequestError):  # a stream's prompts run again one by one, as they came
+                rest = [part for e in rest for part in self._prompt_by_prompt(e)]
             if len({e.job.job_id for e in rest}) > 1 or (len(rest) > 1 and isinstance(exc, InvalidRequestError)):
                 for e in rest:
                     yield from self._run_slices(op, [e], run, time.monotonic())
             else:
                 self._record_failure(rest, op, exc)
+
+    def _prompt_by_prompt(self, entry: _Entry) -> list[_Entry]:
+        """A stream's entry of several prompts as one entry per prompt; any other entry as it is."""
+        item = entry.item
+        if entry.request_id not in self.streams or not isinstance(item, Sample) or len(item.prompts) < 2:
+            return [entry]
+        return [replace(entry, item=one) for one in item.one_by_one()]
 
     def _stopped_between_slices(self, op: str, pending: list[_Entry], started: float) -> bool:
         """Stop an op at a slice boundary when its jobs all stopped (its requests are cancelled) or when

@@ -2,7 +2,7 @@
 
 A body is refused from the cheapest evidence first: its ``Content-Length`` (or the bytes read so
 far), then a length prefix it declares (a DSSST1 frame's header, a ``requests:batch`` head), then a
-count of the JSON containers it could build, taken with ``bytes.count`` before any object exists.
+count of the JSON containers and strings it could build, taken with ``bytes.count`` before any object exists.
 Only then is it parsed, off the event loop when it is large. Parsed Python objects cost ten to a
 hundred times their JSON bytes, so counting before parsing is what keeps a small hostile body from
 costing gigabytes; a large body's arrays of numbers are read as machine numbers instead
@@ -22,31 +22,43 @@ __all__ = [
     "CHECK_ON_LOOP_BYTES",
     "MAX_BATCH_HEAD_BYTES",
     "MAX_BATCH_PARTS",
+    "MAX_CREATE_JOB_BYTES",
     "MAX_FRAME_HEADER_BYTES",
     "MAX_JSON_BYTES",
     "MAX_JSON_CONTAINERS",
     "MAX_JSON_DEPTH",
+    "MAX_JSON_STRINGS",
     "MAX_LISTED_ERRORS",
     "MAX_PROMPTS",
     "MAX_SUB_JOBS",
     "SEQUENCE_WINDOW",
     "check_containers",
+    "check_counts",
     "check_frame_header",
     "check_frame_header_length",
+    "check_strings",
     "truncated",
 ]
 
 # Bodies larger than this are parsed and checked on a worker thread; smaller ones cost less than the hop.
 CHECK_ON_LOOP_BYTES = 64 * 1024
 # Parsing JSON holds the GIL however it is run (a 15 MB array of ints took 0.2 s), so a larger body
-# would stall every request: none of either API's JSON bodies comes near it.
-MAX_JSON_BYTES = 4 * 1024 * 1024
+# would stall every request. Its text may cost four times its size once parsed (a string holding one
+# character beyond the BMP takes 4 bytes a character; an array of one-digit numbers with one int64, 8 bytes
+# a number): with the body itself and the parser's copy that stays within twice the service's 8 MiB floor.
+MAX_JSON_BYTES = 2 * 1024 * 1024
+# A create-job body is kept as the lists it stores (a float costs 32 bytes for the 4 of "0.5,"): a
+# config of 64 sub-jobs takes a few tens of KiB.
+MAX_CREATE_JOB_BYTES = 256 * 1024
 # Containers nested deeper than this are refused. Real bodies nest fewer than ten; past a few
 # hundred, pydantic's encoder fails (a 500), past about a thousand the parser itself does.
 MAX_JSON_DEPTH = 64
 # Objects plus arrays one JSON body (or a frame's header) may hold: a Tinker forward_backward of
 # 1024 datums holds about ten per datum. Each costs about 100 bytes once parsed, for 2 to 3 bytes of JSON.
 MAX_JSON_CONTAINERS = 65_536
+# Strings (keys included) one JSON body may hold: 16,384 text prompts, or a Tinker forward_backward of 1024
+# datums, hold a few tens of thousands. Each costs about 57 bytes once parsed, for the 5 of "ab",.
+MAX_JSON_STRINGS = 65_536
 # A DSSST1 header lists tensors and the tree's plain values; tensors carry the bulk in the data region,
 # but a generate's token-id prompts are plain values: 1024 prompts of 2048 tokens take about 13 MB.
 MAX_FRAME_HEADER_BYTES = 16 * 1024 * 1024
@@ -61,13 +73,15 @@ _FRAME_PREFIX = struct.Struct("<Q")
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 
 
-def check_containers(raw: bytes, what: str, *, limit: int = MAX_JSON_CONTAINERS, nested_json: bool = False) -> None:
+def check_containers(
+    raw: bytes, what: str, *, limit: int = MAX_JSON_CONTAINERS, nested_json: bool = False, instead: str = ""
+) -> None:
     """:class:`PayloadTooLargeError` when JSON ``raw`` would build more than ``limit`` objects and arrays.
 
     ``bytes.count`` bounds the count from above without building anything; only a body over the
     bound by that count (brackets inside strings count too) is counted again with its strings blanked.
     ``nested_json``: ``raw`` holds JSON inside its strings too (a DSSST1 header's tree), so its
-    strings are counted as well.
+    strings are counted as well. ``instead``: what the caller may send instead.
     """
     found = raw.count(b"[") + raw.count(b"{")
     if found <= limit:
@@ -78,8 +92,31 @@ def check_containers(raw: bytes, what: str, *, limit: int = MAX_JSON_CONTAINERS,
     if found > limit:
         raise PayloadTooLargeError(
             f"{what} holds {found} JSON arrays and objects; at most {limit} are accepted in one request: "
-            "split it into several requests, or send tensors as a DSSST1 frame"
+            f"{instead or 'split it into several requests, or send tensors as a DSSST1 frame'}"
         )
+
+
+def check_strings(raw: bytes, what: str, *, limit: int = MAX_JSON_STRINGS, instead: str = "") -> None:
+    """:class:`PayloadTooLargeError` when JSON ``raw`` holds more than ``limit`` strings (keys included).
+
+    Each string takes two quotes: ``bytes.count`` bounds the count from above (an escaped quote counts
+    too), and only a body over the bound by that count is counted again, string by string.
+    """
+    if raw.count(b'"') <= 2 * limit:
+        return
+    found = _JSON_STRING.subn(b"", raw)[1]
+    if found > limit:
+        raise PayloadTooLargeError(
+            f"{what} holds {found} JSON strings; at most {limit} are accepted in one request: "
+            f"{instead or 'split it into several requests, or send tensors as a DSSST1 frame'}"
+        )
+
+
+def check_counts(raw: bytes, what: str, *, instead: str = "") -> None:
+    """Both bounds of a JSON body's count of objects: its containers and its strings. ``instead``: what
+    the caller may send instead, in its API's terms."""
+    check_containers(raw, what, instead=instead)
+    check_strings(raw, what, instead=instead)
 
 
 def check_frame_header_length(prefix: bytes | memoryview, what: str = "DSSST1 frame") -> None:

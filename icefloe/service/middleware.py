@@ -36,7 +36,7 @@ from icefloe.protocol import (
 )
 from icefloe.service import store
 from icefloe.service.errors import send_error
-from icefloe.service.limits import CHECK_ON_LOOP_BYTES, MAX_JSON_BYTES
+from icefloe.service.limits import CHECK_ON_LOOP_BYTES, MAX_JSON_BYTES, check_counts
 from icefloe.service.logins import SESSION_COOKIE, Logins
 from icefloe.service.origins import foreign_origin
 from icefloe.service.schemas import parse_json_body
@@ -503,8 +503,9 @@ class JsonBodies:
 
     The routes' models cannot refuse either: ``1e400`` parses as infinity, and a body nested a few
     hundred levels deep breaks the framework's own encoders (a 500). See :func:`parse_json_body`.
-    ``parse=False`` checks only the size, for an API whose routes check their bodies themselves (the
-    Tinker API's: a refused op must still use up its ``seq_id``, which only the route can read).
+    ``parse=False`` checks only the size and the count of containers and strings, for an API whose routes
+    parse and check their bodies themselves (the Tinker API's: a refused op must still use up its ``seq_id``,
+    which only the route can read).
     """
 
     def __init__(
@@ -528,14 +529,20 @@ class JsonBodies:
         if body is None:
             return
         try:
-            if len(body) > CHECK_ON_LOOP_BYTES and self.parse:
-                await asyncio.to_thread(parse_json_body, body)
-            elif body and self.parse:
-                parse_json_body(body)
-        except InvalidRequestError as refused:
+            if len(body) > CHECK_ON_LOOP_BYTES:
+                await asyncio.to_thread(self._check, body)
+            elif body:
+                self._check(body)
+        except (InvalidRequestError, PayloadTooLargeError) as refused:
             await _refuse(scope, receive, send, refused, self.sequencing)
             return
         await self.app(scope, replaying(body, receive), send)
+
+    def _check(self, body: bytes) -> None:
+        if self.parse:
+            parse_json_body(body)
+        else:  # the routes parse it; what it could build is bounded here, for routes that parse with json alone
+            check_counts(body, "the body", instead=self.too_large)
 
 
 def _is_json(scope: Scope) -> bool:

@@ -28,15 +28,16 @@ from pydantic import (
 
 from icefloe.protocol import InvalidRequestError, normalize_job_type
 from icefloe.service import dense_json
-from icefloe.service.limits import MAX_JSON_DEPTH, MAX_LISTED_ERRORS, MAX_PROMPTS, MAX_SUB_JOBS, check_containers
+from icefloe.service.limits import MAX_JSON_DEPTH, MAX_LISTED_ERRORS, MAX_PROMPTS, MAX_SUB_JOBS, check_counts
 
 _CHECKED_TYPES = frozenset({dict, list, tuple, float, array.array})
 
 
 def parse_json_body(raw: bytes | str, what: str = "body") -> Any:
     """Parse a JSON request body and :func:`check_body` it; :class:`InvalidRequestError` if either fails,
-    :class:`~icefloe.protocol.PayloadTooLargeError` before parsing one that would build too many containers."""
-    check_containers(raw.encode() if isinstance(raw, str) else raw, what)
+    :class:`~icefloe.protocol.PayloadTooLargeError` before parsing one that would build too many containers
+    or strings."""
+    check_counts(raw.encode() if isinstance(raw, str) else raw, what)
     try:
         value = dense_json.loads(raw)
     except RecursionError:

@@ -20,6 +20,7 @@ import httpx
 import pytest
 
 from icefloe import wire
+from icefloe.service.limits import MAX_JSON_BYTES
 
 from .serve_process import PREFIX, TRAINING, Serve
 from .tinker_serve import PROTO, TOKENS, Tinker, tinker_serve
@@ -68,8 +69,9 @@ def _rss_bytes(pid: int) -> int:
     raise AssertionError(f"no VmRSS for process {pid}")
 
 
-def _probe_during(serve: Serve, process: subprocess.Popen) -> Probe:
-    """/health latencies and the service's peak memory growth while ``process`` runs; its JSON answer."""
+def _probe_during(serve: Serve, process: subprocess.Popen, answer_file: Path | None = None) -> Probe:
+    """/health latencies and the service's peak memory growth while ``process`` runs; the JSON answer it
+    wrote to ``answer_file`` (a file, not a pipe: a pipe read only once it exits would hold a large answer)."""
     before, peak, latencies = _rss_bytes(serve.process.pid), 0, []
     with httpx.Client(timeout=60) as http:
         while process.poll() is None:
@@ -78,7 +80,7 @@ def _probe_during(serve: Serve, process: subprocess.Popen) -> Probe:
             latencies.append(time.perf_counter() - started)
             peak = max(peak, _rss_bytes(serve.process.pid))
             time.sleep(0.005)
-    out = process.communicate()[0]
+    out = answer_file.read_text() if answer_file is not None else ""
     answer = json.loads(out) if out else {"status": 0, "text": ""}
     return Probe(answer["status"], answer["text"], latencies, max(0, peak - before))
 
@@ -87,13 +89,16 @@ def _post(serve: Serve, path: str, body: bytes, headers: dict[str, str], tmp_pat
     """POST ``body`` to ``path`` from another process while probing the service."""
     file = tmp_path / "hostile.bin"
     file.write_bytes(body)
+    answer = tmp_path / "answer.json"
+    answer.unlink(missing_ok=True)  # a child that dies answers nothing, not the last post's answer
     code = (
         "import httpx, json, sys; body = open(sys.argv[2], 'rb').read(); "
         "answer = httpx.post(sys.argv[1], content=body, headers=json.loads(sys.argv[3]), timeout=120); "
-        "print(json.dumps({'status': answer.status_code, 'text': answer.text}))"
+        "open(sys.argv[4], 'w').write(json.dumps({'status': answer.status_code, 'text': answer.text}))"
     )
-    command = [sys.executable, "-c", code, serve.base_url + path, str(file), json.dumps({**_ADMIN, **headers})]
-    return _probe_during(serve, subprocess.Popen(command, stdout=subprocess.PIPE, text=True))
+    headers = json.dumps({**_ADMIN, **headers})
+    command = [sys.executable, "-c", code, serve.base_url + path, str(file), headers, str(answer)]
+    return _probe_during(serve, subprocess.Popen(command), answer)
 
 
 def _assert_harmless(probe: Probe, idle: Probe, body_bytes: int, *, status: int) -> None:
@@ -148,7 +153,7 @@ _NUMBERS = pytest.mark.parametrize("number", [b"1", b"0.5"], ids=["ints", "float
 _JSON = {"Content-Type": "application/json"}
 
 
-def _dense(head: bytes, number: bytes, tail: bytes = b"}", *, size: int = 4 * 2**20 - 4096) -> bytes:
+def _dense(head: bytes, number: bytes, tail: bytes = b"}", *, size: int = MAX_JSON_BYTES - 4096) -> bytes:
     """``head`` + a JSON array of ``number`` repeated + ``tail``, ``size`` bytes or just under."""
     count = (size - len(head) - len(tail) - 2) // (len(number) + 1)
     return head + b"[" + b",".join([number] * count) + b"]" + tail
@@ -161,7 +166,7 @@ def test_training_api_json_of_dense_numbers_costs_at_most_twice_its_size(served,
     step = _dense(b'{"learning_rate": 0.001, "unused": ', number)
     _assert_harmless(_post(served, f"{PREFIX}/{job_id}/step", step, _JSON, tmp_path), idle, len(step), status=200)
     prompt = _dense(b"", number, b"", size=8000)
-    prompts = b'{"prompts": [' + b",".join([prompt] * (4 * 2**20 // (len(prompt) + 1) - 1)) + b"]}"
+    prompts = b'{"prompts": [' + b",".join([prompt] * (MAX_JSON_BYTES // (len(prompt) + 1) - 1)) + b"]}"
     probe = _post(
         served, f"{PREFIX}/{job_id}/generate-stream", prompts, {"Content-Type": "application/octet-stream"}, tmp_path
     )
@@ -269,3 +274,84 @@ def test_a_57_mib_frame_of_plain_values_is_refused_from_its_header_length(served
                   tmp_path)  # fmt: skip
     _assert_harmless(probe, idle, len(body), status=413)
     assert "header is at most" in probe.text
+
+
+# --- bodies built to cost the most per byte -------------------------------------------------------
+_OCTET = {"Content-Type": "application/octet-stream"}
+
+
+def test_a_generate_stream_of_the_most_tiny_prompts_costs_at_most_twice_its_size(served, job_id, idle, tmp_path):
+    """16,384 one-token prompts (64 KiB) queued a future, a lock and an item per prompt: +40 MiB."""
+    body = json.dumps({"prompts": [[1]] * 16_384, "sampling_params": {"max_tokens": 1}}).encode()
+    probe = _post(served, f"{PREFIX}/{job_id}/generate-stream", body, _OCTET, tmp_path)
+    _assert_harmless(probe, idle, len(body), status=200)
+    assert json.loads(probe.text)["count"] == 16_384
+
+
+def _strings(head: bytes, tail: bytes = b"}") -> bytes:
+    """``head`` + a JSON array of the short string "ab" (about 50 bytes once parsed, for 5) up to the cap."""
+    return _dense(head, b'"ab"', tail)
+
+
+def test_json_of_short_strings_is_refused_before_it_is_parsed_on_every_api(served, job_id, idle, tmp_path):
+    """4 MiB of "ab" strings cost +22.7 MiB: each became a Python str of about 50 bytes."""
+    step = _strings(b'{"learning_rate": 0.001, "unused": ')
+    probe = _post(served, f"{PREFIX}/{job_id}/step", step, _JSON, tmp_path)
+    _assert_harmless(probe, idle, len(step), status=413)
+    assert "at most 65536 are accepted" in probe.text and "DSSST1" in probe.text, probe.text
+    key = {"X-API-Key": TOKENS["alice"], **_JSON}
+    step = _strings(b'{"model_id": "none", "adam_params": {"learning_rate": 0.001}, "unused": ')
+    probe = _post(served, "/api/v1/optim_step", step, key, tmp_path)
+    _assert_harmless(probe, idle, len(step), status=413)
+    assert "at most 65536 are accepted" in probe.text, probe.text
+    completion = _strings(b'{"model": "tiny-chat", "prompt": ')
+    probe = _post(served, "/v1/completions", completion, _JSON, tmp_path)
+    _assert_harmless(probe, idle, len(completion), status=413)
+    assert "at most 65536 are accepted" in probe.text and "fewer or shorter prompts" in probe.text, probe.text
+
+
+def test_openai_json_of_containers_or_floats_costs_at_most_twice_its_size(served, idle, tmp_path):
+    """The OpenAI API parsed its bodies with json alone: empty lists (56 bytes each for 3) and floats
+    (32 bytes for 4) were built whatever their count."""
+    containers = _dense(b'{"model": "tiny-chat", "prompt": "hi", "unused": ', b"[]")
+    probe = _post(served, "/v1/completions", containers, _JSON, tmp_path)
+    _assert_harmless(probe, idle, len(containers), status=413)
+    floats = _dense(b'{"model": "tiny-chat", "prompt": "hi", "unused": ', b"0.5")
+    probe = _post(served, "/v1/completions", floats, _JSON, tmp_path)
+    _assert_harmless(probe, idle, len(floats), status=400)
+
+
+def _with_last(array_text: bytes, last: bytes) -> bytes:
+    """A body of :func:`_dense` whose array's last number is ``last``."""
+    head, _, tail = array_text.rpartition(b",")
+    return head + b"," + last + tail[tail.index(b"]") :]
+
+
+_CRAFTED = {
+    # one-digit numbers with one that needs int64 or float64: 8 bytes each for the 2 of "1,"
+    "int64-mixed": _with_last(_dense(b'{"learning_rate": 0.001, "unused": ', b"1"), b"4611686018427387904"),
+    "float64-mixed": _with_last(_dense(b'{"learning_rate": 0.001, "unused": ', b"1"), b"0.1"),
+    # one character beyond the BMP: every character of the text it sits in takes 4 bytes
+    "emoji": b'{"learning_rate": 0.001, "unused": "' + b"a" * (MAX_JSON_BYTES - 4096) + "\U0001f600".encode() + b'"}',
+}
+
+
+@pytest.mark.parametrize("body", _CRAFTED.values(), ids=_CRAFTED.keys())
+def test_bodies_that_cost_four_times_their_text_stay_within_twice_the_body(served, job_id, idle, tmp_path, body):
+    _assert_harmless(_post(served, f"{PREFIX}/{job_id}/step", body, _JSON, tmp_path), idle, len(body), status=200)
+
+
+def test_a_tinker_body_beyond_the_bmp_stays_within_twice_its_size(served, idle, tmp_path):
+    key = {"X-API-Key": TOKENS["alice"], **_JSON}
+    body = b'{"model_id": "none", "unused": "' + b"a" * (MAX_JSON_BYTES - 4096) + "\U0001f600".encode() + b'"}'
+    _assert_harmless(_post(served, "/api/v1/optim_step", body, key, tmp_path), idle, len(body), status=404)
+
+
+@pytest.mark.parametrize("number", [b"1", b"0.5"], ids=["ints", "floats"])
+def test_a_create_job_body_of_unused_numbers_is_bounded(served, idle, tmp_path, number):
+    """A create body keeps its arrays as the lists it stores: 8 to 32 bytes per number once parsed."""
+    head = b'{"sub_job_configs": [{"job_type": "sampling", "model_name": "no-such-model"}], "unused": '
+    body = _dense(head, number)
+    probe = _post(served, f"{PREFIX}/", body, _JSON, tmp_path)
+    _assert_harmless(probe, idle, len(body), status=413)
+    assert "create-job body" in probe.text, probe.text

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from icefloe.engines.host import Lane
 from icefloe.protocol import ConflictError
 from icefloe.service import lifecycle
 from icefloe.service.hosts.seam import LocalEngineHost
@@ -217,3 +218,30 @@ async def test_an_engine_operation_is_a_request_with_a_row_and_metrics(data_dir)
     assert rows == [{"op": "reset-prefix-cache", "status": "done", "sub_job_id": f"{job_id}:sampling:0"}]
     assert 'icefloe_requests_total{op="reset-prefix-cache",outcome="done"} 1.0' in page
     assert 'icefloe_engine_seconds_count{op="reset-prefix-cache"} 1.0' in page
+
+
+async def test_a_stream_of_many_prompts_queues_few_items_and_a_refused_prompt_fails_alone(data_dir, monkeypatch):
+    """Each prompt was an item with its own future and lock (about 2.5 KB a prompt); prompts queued as one
+    item keep their own events, and a prompt the engine refuses fails only its own."""
+    queued = []
+    original = Lane.submit_batchable
+
+    def counted(self, key, item, run_batch):
+        queued.append(item)
+        return original(self, key, item, run_batch)
+
+    monkeypatch.setattr(Lane, "submit_batchable", counted)
+    async with asgi_client(make_app(data_dir, engines="local")) as http:
+        api = Api(http)
+        job_id = await api.running(TRAINING, SAMPLING)
+        too_long = [1] * 60  # under the sampler's 64 positions, but not with 8 tokens to sample
+        prompts = [[1, 2]] * 100 + [too_long] + [[3]] * 27
+        body = json.dumps({"prompts": prompts, "sampling_params": {"max_tokens": 8}}).encode()
+        accepted = (await api.call("POST", f"/{job_id}/generate-stream", content=body,
+                                   headers={"content-type": "application/octet-stream"})).json()  # fmt: skip
+        events = await _drain(api, job_id, accepted["request_id"])
+    assert accepted["count"] == 128 and len(queued) == 2
+    assert sorted(e["index"] for e in events if e["type"] == "result") == [i for i in range(128) if i != 100]
+    (error,) = [e for e in events if e["type"] == "error"]
+    assert error["index"] == 100 and "prompts[0] (60 tokens) + max_tokens (8) exceeds" in error["error"], error
+    assert events[-1] == {"type": "done", "completed": 127, "failed": 1}

@@ -268,31 +268,43 @@ def submit_weight_sync(
 OP_GENERATE_STREAM = "generate-stream"
 
 
+# A stream's prompts are queued as items of at most this many: each item queued costs a future, its lock
+# and an entry, and its prompts' events come once its last prompt finishes.
+_STREAM_PROMPTS_PER_ITEM = 64
+
+
 @dataclass
 class GenerateStream:
-    """Events of one ``generate-stream`` request (UTF-8 JSON with a generate's fields): each prompt
-    is a :class:`Sample` item of ``items``, and its outcome an event the moment its batch
-    finishes. Polls drain events destructively, as the training API specifies: ``{type: "result",
-    index, result}``, ``{type: "error", index, error}``, then ``{type: "done", completed, failed}``.
-    Only the host's worker pushes and only polls drain, so the deque needs no lock.
+    """Events of one ``generate-stream`` request (UTF-8 JSON with a generate's fields): its prompts are
+    the :class:`Sample` items of ``items`` (consecutive prompts each), and each prompt's outcome an event
+    the moment its item finishes. Polls drain events destructively, as the training API specifies:
+    ``{type: "result", index, result}``, ``{type: "error", index, error}``, then ``{type: "done",
+    completed, failed}``. Only the host's worker pushes and only polls drain, so the deque needs no lock.
     """
 
     job_id: str
     items: list[Sample]
+    count: int  # prompts
     completed: int = 0
     failed: int = 0
     _events: deque[dict[str, Any]] = field(default_factory=deque)
 
     def push(self, item: Sample, *, result: Any = None, error: str | None = None) -> str | None:
-        """Queue the event of ``item``'s prompt; after the last prompt's, ``done``, and return the
-        counts (JSON) the request finishes with."""
+        """Queue the events of ``item``'s prompts (``result``: their samples, prompt-major); after the last
+        prompt's, ``done``, and return the counts (JSON) the request finishes with."""
         if error is None:
-            self.completed += 1
-            self._events.append({"type": "result", "index": item.index, "result": result})
+            first = 0
+            for offset, params in enumerate(item.params):
+                samples = result[first : first + params.n]
+                self._events.append({"type": "result", "index": item.index + offset, "result": samples})
+                first += params.n
+            self.completed += len(item.params)
         else:
-            self.failed += 1
-            self._events.append({"type": "error", "index": item.index, "error": error})
-        if self.completed + self.failed < len(self.items):
+            self._events.extend(
+                {"type": "error", "index": item.index + offset, "error": error} for offset in range(len(item.prompts))
+            )
+            self.failed += len(item.prompts)
+        if self.completed + self.failed < self.count:
             return None
         self._events.append({"type": "done", "completed": self.completed, "failed": self.failed})
         return json.dumps({"completed": self.completed, "failed": self.failed})
@@ -310,13 +322,15 @@ def submit_generate_stream(manager: JobManager, job: LiveJob, body: bytes, *, su
     request = _generate_body(parse_json_body(body, "generate-stream body (UTF-8 JSON, not DSSST1)"))
     target = sub_job_id or generate_target(job, request.routing_key)
     params = sampling_params_per_prompt(request, job, target)
+    step = _STREAM_PROMPTS_PER_ITEM
     items = [
-        Sample(target, [prompt], [p], index=index, op=OP_GENERATE_STREAM)
-        for index, (prompt, p) in enumerate(zip(request.prompts, params, strict=True))
-    ]
-    stream = GenerateStream(job.job_id, items=items)
+        Sample(target, request.prompts[start : start + step], params[start : start + step], index=start,
+               op=OP_GENERATE_STREAM)
+        for start in range(0, len(request.prompts), step)
+    ]  # fmt: skip
+    stream = GenerateStream(job.job_id, items=items, count=len(request.prompts))
     request_id = enter(manager, job, items[0], stream=stream)
-    return {"request_id": request_id, "job_id": job.job_id, "count": len(stream.items)}
+    return {"request_id": request_id, "job_id": job.job_id, "count": stream.count}
 
 
 def validation_text(exc: ValidationError, prefix: str = "") -> str:

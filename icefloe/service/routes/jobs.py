@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from fastapi import Depends, Request
 from fastapi.concurrency import run_in_threadpool
 
+from icefloe.protocol import PayloadTooLargeError
+from icefloe.service.limits import MAX_CREATE_JOB_BYTES
 from icefloe.service.routes import JobsDep, TenancyDep, TenantDep, api_router
 from icefloe.service.schemas import ExperimentRun, JobCreate, JobCreated, JobList, JobPublic
 
@@ -12,8 +15,22 @@ __all__ = ["router"]
 router = api_router("jobs")
 
 
-@router.post("/", response_model=JobCreated, response_model_exclude_none=True)
-@router.post("", response_model=JobCreated, response_model_exclude_none=True, include_in_schema=False)
+async def _bounded_create_body(request: Request) -> None:
+    """413 for a create-job body over :data:`MAX_CREATE_JOB_BYTES`, before its model keeps its arrays as lists."""
+    size = len(await request.body())
+    if size > MAX_CREATE_JOB_BYTES:
+        raise PayloadTooLargeError(
+            f"the create-job body is {size} bytes; it is at most {MAX_CREATE_JOB_BYTES} bytes here: "
+            "send the sub-job configs without data"
+        )
+
+
+_BOUNDED = [Depends(_bounded_create_body)]
+
+
+@router.post("/", response_model=JobCreated, response_model_exclude_none=True, dependencies=_BOUNDED)
+@router.post("", response_model=JobCreated, response_model_exclude_none=True, include_in_schema=False,
+             dependencies=_BOUNDED)  # fmt: skip
 async def create_job(
     body: JobCreate, database: str, schema: str, jobs: JobsDep, tenancy: TenancyDep, tenant: TenantDep
 ) -> dict:

@@ -21,7 +21,7 @@ from fastapi import Request
 
 from icefloe.protocol import InvalidRequestError, PayloadTooLargeError
 from icefloe.service import dense_json
-from icefloe.service.limits import CHECK_ON_LOOP_BYTES, MAX_JSON_BYTES, MAX_JSON_DEPTH, check_containers
+from icefloe.service.limits import CHECK_ON_LOOP_BYTES, MAX_JSON_BYTES, MAX_JSON_DEPTH, check_counts
 
 __all__ = ["Fields", "checkpoint_name", "int_array", "json_body"]
 
@@ -49,7 +49,7 @@ async def json_body(request: Request) -> Fields:
 
 
 def _parse(raw: bytes) -> Any:
-    check_containers(raw, "the body")
+    check_counts(raw, "the body", instead="split the data into smaller calls")
     if len(raw) <= CHECK_ON_LOOP_BYTES:
         try:
             return orjson.loads(raw)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Final
 
@@ -98,6 +98,14 @@ class Sample:
     # How long a sample the worker takes on an idle host waits for company: the Tinker SDK sends a
     # group's calls one by one, a few milliseconds apart, and they should decode as one batch.
     linger_s: ClassVar[float] = 0.008
+
+    def one_by_one(self) -> list[Sample]:
+        """Each prompt as an item of its own, ``index`` counting on (a stream's prompts, when the engine
+        refused one of them: each prompt's outcome is its own)."""
+        return [
+            replace(self, prompts=[prompt], params=[params], index=self.index + offset)
+            for offset, (prompt, params) in enumerate(zip(self.prompts, self.params, strict=True))
+        ]
 
 
 @dataclass(frozen=True, slots=True)
