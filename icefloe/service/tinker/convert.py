@@ -20,8 +20,7 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from icefloe.protocol import InvalidRequestError
 
-__all__ = ["Layout", "batch_from_request", "datum_logprobs", "forward_backward_output", "pb", "sample_response",
-           "tokens_of"]  # fmt: skip
+__all__ = ["Layout", "batch_from_request", "forward_backward_output", "pb", "sample_response", "tokens_of"]
 
 Layout = list[tuple[int, int, int | None]]  # per datum: its length, its first row, and K for [L, K] targets
 
@@ -236,23 +235,17 @@ def _columns(fields: dict[str, np.ndarray], loss_fn: str, where: str) -> int | N
     return int(shapes["target_tokens"][1])
 
 
-def datum_logprobs(logprobs_BS: np.ndarray, layout: Layout) -> list[np.ndarray]:
-    """Each datum's log-probs: ``[L]``, or ``[L, K]`` gathered from its K rows."""
-    out: list[np.ndarray] = []
-    for length, first, columns in layout:
-        if columns is None:
-            out.append(logprobs_BS[first, :length])
-        else:
-            out.append(logprobs_BS[first : first + columns, :length].T)
-    return out
-
-
 def forward_backward_output(result: dict[str, Any], layout: Layout) -> bytes:
     """A stored forward(-backward) result (``loss``, ``metrics``, ``logprobs [B, S]`` as an array) as
-    protobuf, each datum's log-probs cut out by ``layout``; consecutive datums of one shape (``[L]``,
-    or ``[L, K]`` of one K) share a record."""
-    rows = np.asarray(result["logprobs"], dtype=np.float32)
-    logprobs = [np.ascontiguousarray(row) for row in datum_logprobs(rows, layout)]
+    protobuf, each datum's log-probs cut out by ``layout`` (``[L]``, or ``[L, K]`` gathered from its K
+    rows); consecutive datums of one shape (``[L]``, or ``[L, K]`` of one K) share a record."""
+    rows_BS = np.asarray(result["logprobs"], dtype=np.float32)
+    logprobs = [
+        np.ascontiguousarray(
+            rows_BS[first, :length] if columns is None else rows_BS[first : first + columns, :length].T
+        )
+        for length, first, columns in layout
+    ]
     metrics = {"loss:sum": float(result["loss"])}
     metrics |= {f"{name}:mean": float(v) for name, v in result["metrics"].items() if name != "loss"}
     message = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics=metrics)

@@ -506,6 +506,12 @@ async def _queue_sample(
 
 # The answer to a call cancel_future stopped, queued or not: the caller's doing, so a user error.
 _CANCELLED: dict[str, str] = {"error": "cancelled by the caller", "category": "user"}
+# The answer to a poll of a result no longer held (the service restarted, or it was among the oldest).
+_NOT_KEPT: dict[str, str] = {
+    "error": "the result of this call was not kept (the service restarted, or it was not polled in time); send it "
+    "again",
+    "category": "server",
+}
 
 
 def _sample_answer(samples: list[dict[str, Any]], *, last_n: int | None) -> dict[str, Any] | bytes:
@@ -704,7 +710,10 @@ async def retrieve_future(body: Body, state: State, tenant: TenantDep) -> Respon
                 running = state.manager.public(future.job_id)["status"] == "running"
                 error = state.manager.settings.public_text(row["error"] or row["status"])
                 return JSONResponse({"error": error, "category": "user" if running else "server"})
-            answer = state.answer(future, row)
+            try:  # rendered from the result as the engines made it on the first poll, the same answer after
+                answer = state.manager.held.answer(row["request_id"], future.render)
+            except KeyError:  # the service restarted since, or the result was among the oldest held
+                return JSONResponse(dict(_NOT_KEPT))
     except Exception as exc:  # the job failed to start, or the result could not be turned into an answer
         if isinstance(exc, InvalidRequestError):
             raise
