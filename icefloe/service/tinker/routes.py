@@ -181,7 +181,10 @@ async def forward_backward(request: Request, state: State, tenant: TenantDep) ->
     from icefloe.service.tinker import convert  # protobuf and torch: imported on first use
 
     raw = await request.body()
-    message = await _off_loop(len(raw), _parse_request, convert.pb.ForwardBackwardRequest, raw)
+    try:
+        message = await _off_loop(len(raw), convert.pb.ForwardBackwardRequest.FromString, raw)
+    except Exception as exc:  # protobuf raises DecodeError, a plain Exception subclass
+        raise InvalidRequestError(f"the body is not a ForwardBackwardRequest protobuf: {exc}") from None
     model = state.model(message.model_id, tenant)
     max_tokens = state.manager.settings.max_tokens_per_request
 
@@ -198,15 +201,6 @@ async def forward_backward(request: Request, state: State, tenant: TenantDep) ->
         return lambda: enter(state.manager, job, item, api=TINKER, tenant=tenant), render
 
     return await state.in_turn(model, message.seq_id, prepare)
-
-
-def _parse_request(kind: Any, raw: bytes) -> Any:
-    message = kind()
-    try:
-        message.ParseFromString(raw)
-    except Exception as exc:  # protobuf raises DecodeError, a plain Exception subclass
-        raise InvalidRequestError(f"the body is not a {kind.__name__} protobuf: {exc}") from None
-    return message
 
 
 _ADAM_KEYS = ("beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
