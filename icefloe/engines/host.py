@@ -231,13 +231,19 @@ class Worker:
                 elif taken[0].run_batch is None:
                     suspended = _run_one(taken[0])
                 else:
-                    suspended = _run_batch(taken)
+                    suspended = _settle_batch(taken)
             finally:
                 with self._cond:
                     for lane in self._lanes:
                         lane.busy = False
-                    if suspended is not None:
-                        self._suspend(suspended)
+                        if lane.held is suspended:  # its slice ran: held again below while it has more
+                            lane.held = lane.resume = None
+                    if suspended is not None and not suspended.finished:
+                        # Its unsettled jobs' lanes wait for its next slice, which the first of them runs at its turn.
+                        pending = suspended.pending_lanes()
+                        for lane in pending:
+                            lane.held = suspended
+                        pending[0].resume = suspended
                     jobs = taken.jobs if isinstance(taken, _Suspended) else taken
                     self._charge([job.lane for job in jobs if job.lane is not None], started)
                     self._cond.notify_all()
@@ -253,19 +259,6 @@ class Worker:
             self._group_used[lane.group] = self._group_used.get(lane.group, 0.0) + share
             if self.anticipate_s and not lane.queue and lane.held is None:
                 self._answered[lane] = now
-
-    def _suspend(self, work: _Suspended) -> None:
-        """Hold the lanes of ``work``'s unsettled jobs until its next slice, which the first of them runs
-        at its turn; a finished one frees them. Called under the lock."""
-        for lane in self._lanes:
-            if lane.held is work:
-                lane.held = lane.resume = None
-        if work.finished:
-            return
-        pending = work.pending_lanes()
-        for lane in pending:
-            lane.held = work
-        pending[0].resume = work
 
     def _take(self) -> list[_Job] | _Suspended | None:
         """The next ready work in fair turns (with its batch company), or a suspended item's next slice;
@@ -345,7 +338,7 @@ class Worker:
         while True:
             for lane in [first, *(other for other in self._lanes if other is not first and other.held is None)]:
                 while lane.queue and lane.queue[0].key == key and lane.queue[0].run_batch is not None:
-                    if not _is_ready(lane.queue[0]):
+                    if not _head_ready(lane):
                         break
                     company.append(lane.queue.popleft())
                     lane.busy = True
@@ -356,12 +349,9 @@ class Worker:
             self._cond.wait(remaining)
 
 
-def _is_ready(job: _Job) -> bool:
-    return job.ready is None or job.ready()
-
-
 def _head_ready(lane: Lane) -> bool:
-    return lane.held is None and bool(lane.queue) and _is_ready(lane.queue[0])
+    """The lane is not held by a suspended item, and its head may start (``ready``, where it has one, holds)."""
+    return lane.held is None and bool(lane.queue) and (lane.queue[0].ready is None or lane.queue[0].ready())
 
 
 def _quick(lane: Lane) -> bool:
@@ -383,15 +373,15 @@ def _run_one(job: _Job) -> _Suspended | None:
     return None
 
 
-def _run_batch(jobs: list[_Job]) -> _Suspended | None:
-    jobs = [job for job in jobs if job.future.set_running_or_notify_cancel()]
-    return _settle_batch(jobs) if jobs else None
-
-
 def _settle_batch(jobs: list[_Job]) -> _Suspended | None:
-    """Run ``jobs`` as one batch; a batch refused for a caller's input runs again job by job, so the bad
-    input fails only its own caller, with a message in that caller's terms (its own ``prompts[i]``).
-    Returns the batch if it came as a generator and has slices left."""
+    """Run ``jobs`` as one batch (those cancelled before they started never run); a batch refused for a
+    caller's input runs again job by job, so the bad input fails only its own caller, with a message in
+    that caller's terms (its own ``prompts[i]``). Returns the batch if it came as a generator and has
+    slices left."""
+    # A job already running is one run again alone.
+    jobs = [job for job in jobs if job.future.running() or job.future.set_running_or_notify_cancel()]
+    if not jobs:
+        return None
     assert jobs[0].run_batch is not None
     try:
         outcome = jobs[0].run_batch([job.item for job in jobs])

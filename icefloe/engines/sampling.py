@@ -284,16 +284,15 @@ class SamplingEngine:
 
         A caller that pauses between two passes lets the worker of a shared host run other runs' work
         there, and a deadline stop its op: one pass over the long prompts of a whole decode batch
-        could hold the host for seconds. A pass holds at least :data:`_MIN_PASS_COLUMNS` columns.
+        could hold the host for seconds. A pass holds at least :data:`_MIN_PASS_COLUMNS` columns; too
+        many rows for that are cut by :meth:`_prefill`.
         """
         rows, width = prompts["input_ids"].shape
         start = 0
         while start < width:
             columns = width
             if pass_s is not None:
-                known = self._positions_per_s
-                positions = _FIRST_PASS_POSITIONS if known is None else known * pass_s
-                columns = max(_MIN_PASS_COLUMNS, int(positions) // rows)
+                columns = max(_MIN_PASS_COLUMNS, self._pass_positions(pass_s) // rows)
             end = min(width, start + columns)
             inputs = {name: prompts[name][:, start:end] for name in ("input_ids", "position_ids")}
             if "attention_mask" in prompts:  # the cached columns' too
@@ -310,6 +309,43 @@ class SamplingEngine:
                 self._positions_per_s = rate if known is None else 0.7 * known + 0.3 * rate
             yield end, out.logits
             start = end
+
+    def _pass_positions(self, pass_s: float) -> int:
+        """Positions (rows x columns) a pass of about ``pass_s`` seconds holds at the speed passes ran so far."""
+        known = self._positions_per_s
+        return int(_FIRST_PASS_POSITIONS if known is None else known * pass_s)
+
+    def _prefill(
+        self, adapters: list[str], prompts: dict[str, Tensor], pass_s: float | None
+    ) -> Generator[None, None, tuple[Any, Tensor]]:
+        """The cache of ``prompts`` (as :meth:`_prompt_passes` takes them) and each row's next-token
+        logits ``[B, V]``, filled in passes of about ``pass_s`` seconds, pausing between two.
+
+        A pass of :data:`_MIN_PASS_COLUMNS` columns over hundreds of long rows is itself seconds long:
+        when the rows are too many for one pass, a group of them at a time is filled into a cache of its
+        own, and the caches are joined. A row's numbers do not depend on the group it is filled with.
+        """
+        from transformers import DynamicCache
+
+        rows, width = prompts["input_ids"].shape
+        caches: list[Any] = []
+        logits: list[Tensor] = []
+        first = 0
+        while first < rows:
+            if first:
+                yield  # between two groups' passes
+            group = rows if pass_s is None else max(1, self._pass_positions(pass_s) // _MIN_PASS_COLUMNS)
+            last = min(rows, first + group)
+            caches.append(DynamicCache())
+            part = {name: prompts[name][first:last] for name in prompts}
+            passes = self._prompt_passes(adapters[first:last], part, caches[-1], pass_s, logits_to_keep=1)
+            end, logits_G1V = next(passes)
+            while end < width:
+                yield  # between two passes: the worker may run others' work, a deadline may stop this one
+                end, logits_G1V = next(passes)
+            logits.append(logits_G1V[:, -1].float())
+            first = last
+        return _joined_caches(caches), torch.cat(logits)
 
     def _params_per_prompt(
         self, prompts: Sequence[Sequence[int] | str], params: SamplingParams | Sequence[SamplingParams]
@@ -356,8 +392,6 @@ class SamplingEngine:
         long (see :meth:`_prompt_passes`), and yields between two. Finished rows leave the batch (and
         the KV cache), so short answers stop costing compute.
         """
-        from transformers import DynamicCache
-
         device = self.device
         width = max(len(r.prompt_ids) for r in rows)
         max_new = max(r.max_new for r in rows)
@@ -375,18 +409,11 @@ class SamplingEngine:
         sampler = _RowSampler(rows, device)
         input_ids, mask_BT, uniform_BT = input_BP.to(device), mask_BP.to(device), uniform_BT.to(device)
         position_ids = (mask_BT.cumsum(-1) - 1).clamp_min(0)
-        cache = DynamicCache()
         distinct, copies = _distinct_prompts(rows)
         prompts = {"input_ids": input_ids, "attention_mask": mask_BT, "position_ids": position_ids}
         if len(distinct) < len(rows):
             prompts = {name: t.index_select(0, torch.tensor(distinct, device=device)) for name, t in prompts.items()}
-        adapters = [rows[i].adapter for i in distinct]
-        passes = self._prompt_passes(adapters, prompts, cache, pass_s, logits_to_keep=1)
-        end, logits_B1V = next(passes)
-        while end < width:
-            yield  # between two passes: the worker may run others' work, a deadline may stop this one
-            end, logits_B1V = next(passes)
-        logits_BV = logits_B1V[:, -1].float()
+        cache, logits_BV = yield from self._prefill([rows[i].adapter for i in distinct], prompts, pass_s)
         if len(distinct) < len(rows):  # each row takes its prompt's cache and next-token logits
             copies_B = torch.tensor(copies, device=device)
             cache.batch_select_indices(copies_B)
@@ -618,6 +645,22 @@ def _news(calls: dict[int, list[_Row]], reported: dict[int, int]) -> dict[int, l
             grown.append(new)
         news[index] = grown
     return news
+
+
+def _joined_caches(caches: list[Any]) -> Any:
+    """One cache holding the rows of ``caches`` (each a ``DynamicCache`` of the same columns) in order.
+    Each layer's parts are let go as soon as it is joined, so a join holds about one layer more than
+    its parts did."""
+    joined = caches[0]
+    if len(caches) == 1:
+        return joined
+    for index, layer in enumerate(joined.layers):
+        parts = [cache.layers[index] for cache in caches]
+        layer.keys = torch.cat([part.keys for part in parts])
+        layer.values = torch.cat([part.values for part in parts])
+        for part in parts[1:]:
+            part.keys = part.values = None
+    return joined
 
 
 def _distinct_prompts(rows: list[_Row]) -> tuple[list[int], list[int]]:

@@ -560,7 +560,12 @@ class JobManager:
                         self.requests.report(pending[index].request_id, result)
                         continue
                     entry = pending.pop(index)
-                    self.metrics.engine_ran(entry.job.job_id, entry.sub_job_id, op, started, [result])
+                    numbers = (  # what the metrics read of a result: its numbers, never its tensors
+                        {k: v for k, v in result.items() if isinstance(v, int | float)}
+                        if isinstance(result, dict)
+                        else None
+                    )
+                    self.metrics.engine_ran(entry.job.job_id, entry.sub_job_id, op, started, numbers)
                     self._record_result(entry, result)
                 if not pending:
                     break

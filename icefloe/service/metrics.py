@@ -102,11 +102,14 @@ class ServiceMetrics:
         self.requests.labels(op, outcome).inc()
         self.request_seconds.labels(op).observe(max(0.0, (datetime.now(UTC) - accepted).total_seconds()))
 
-    def engine_ran(self, job_id: str, sub_job_id: str, op: str, started: float, results: list[Any]) -> None:
-        """Called once the engine ran ``op``; ``started`` is its ``time.monotonic()`` start."""
+    def engine_ran(
+        self, job_id: str, sub_job_id: str, op: str, started: float, result: Mapping[str, float] | None
+    ) -> None:
+        """Called once the engine ran ``op``; ``started`` is its ``time.monotonic()`` start. ``result``: the
+        numbers of a result that is a dict (its fields that are one number; its tensors stay with the
+        request), None for another."""
         now = time.monotonic()
         self.engine_seconds.labels(op).observe(now - started)
-        result = results[0] if len(results) == 1 and isinstance(results[0], dict) else None
         if result is None:
             return
         try:
@@ -123,7 +126,7 @@ class ServiceMetrics:
         except Exception:  # a value that cannot be recorded must never fail the op that produced it
             _log.exception("job %s: recording the metrics of %s failed", job_id, op)
 
-    def _add_fwd_bwd(self, sub_job_id: str, result: dict[str, Any], started: float) -> None:
+    def _add_fwd_bwd(self, sub_job_id: str, result: Mapping[str, float], started: float) -> None:
         loss, tokens = result.get("loss"), result.get("num_tokens")
         with self._lock:
             pending = self._pending.setdefault(sub_job_id, _Pending())
@@ -133,7 +136,7 @@ class ServiceMetrics:
                 pending.loss_x_tokens += float(loss) * tokens
                 pending.tokens += tokens
 
-    def _end_step(self, job_id: str, sub_job_id: str, result: dict[str, Any], now: float) -> None:
+    def _end_step(self, job_id: str, sub_job_id: str, result: Mapping[str, float], now: float) -> None:
         with self._lock:
             pending = self._pending.pop(sub_job_id, None) or _Pending()
             began = self._last_step_end.get(sub_job_id, pending.started)

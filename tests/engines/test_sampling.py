@@ -256,6 +256,38 @@ def test_a_prefill_and_prompt_scoring_in_passes_of_one_column_sample_and_score_w
         ]
 
 
+def test_a_prefill_of_many_long_rows_is_cut_by_rows_so_no_pass_holds_more_positions_than_its_budget(
+    model_dir, monkeypatch
+):
+    """Passes were cut by columns only, at least _MIN_PASS_COLUMNS each: a decode batch of hundreds of
+    long prompts made each pass hundreds x 64 positions, seconds on a CPU whatever the time asked. Here
+    a budget of 4 rows x 64 columns prefills 12 long rows a group of four at a time, every forward
+    (prefill, scoring, decode) stays within it, and each row's numbers are those of one whole pass."""
+    engine = SamplingEngine(make_config(), model_dir=model_dir)
+    draw = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(4, engine.vocab_size, (length,), generator=draw).tolist() for length in range(20, 44, 2)]
+    params = SamplingParams(max_tokens=4, seed=5, logprobs=True, prompt_logprobs=True)
+    whole = sampling.generate_together([(engine, prompts, params)])[0]
+
+    shapes: list[tuple[int, int]] = []
+    forward = engine._forward
+
+    def recording(adapters, **kwargs):
+        shapes.append(tuple(kwargs["input_ids"].shape))
+        return forward(adapters, **kwargs)
+
+    budget = 4 * sampling._MIN_PASS_COLUMNS
+    monkeypatch.setattr(engine, "_forward", recording)
+    monkeypatch.setattr(engine, "_pass_positions", lambda pass_s: budget)
+    steps = list(sampling.generate_steps([(engine, prompts, params)], pass_s=1.0))
+    cut = next(done[0] for done, _ in steps if done)
+
+    assert max(rows * columns for rows, columns in shapes) <= budget
+    prefill = [(rows, columns) for rows, columns in shapes if rows > 1 and columns > 1]
+    assert prefill == [(4, 42)] * 3  # the 12 rows left-padded to the longest, four at a time
+    assert cut == whole
+
+
 def test_a_short_prompt_decodes_apart_from_long_ones_so_it_never_waits_for_their_prefill():
     """A 3-token prompt joined a decode batch of 2,000-token ones (it fit the token budget): it waited for
     their whole prefill, padded to their width, and on a shared host failed with their deadline."""

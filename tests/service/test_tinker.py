@@ -535,6 +535,17 @@ def test_a_resent_seq_id_gets_its_first_future_and_a_later_one_waits_its_turn(ba
         http.post(f"/sessions/{session_id}/finish", json={"reason": {"type": "success"}})
 
 
+def test_a_forward_backward_body_that_is_not_protobuf_is_refused_as_the_callers_mistake(base_url):
+    import httpx
+
+    with httpx.Client(base_url=f"{base_url}/api/v1", headers={"X-API-Key": API_KEY}, timeout=60) as http:
+        answer = http.post(
+            "/forward_backward", content=b"\xff\xff\xff", headers={"Content-Type": "application/x-protobuf"}
+        )
+    assert answer.status_code == 400
+    assert "the body is not a ForwardBackwardRequest protobuf" in answer.text
+
+
 def test_samples_complete_through_retrieve_futures_when_the_service_advertises_it(tmp_path, model):
     import httpx
 

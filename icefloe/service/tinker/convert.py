@@ -20,8 +20,7 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from icefloe.protocol import InvalidRequestError
 
-__all__ = ["Layout", "batch_from_request", "datum_logprobs", "forward_backward_output", "pb", "sample_response",
-           "tokens_of"]  # fmt: skip
+__all__ = ["Layout", "batch_from_request", "forward_backward_output", "pb", "sample_response"]
 
 Layout = list[tuple[int, int, int | None]]  # per datum: its length, its first row, and K for [L, K] targets
 
@@ -105,21 +104,6 @@ def _from_csr(csr: pb.SparseCsr, dtype: type[np.generic], shape: list[int], wher
     return dense
 
 
-def tokens_of(chunks: Any, where: str) -> np.ndarray:
-    """The token ids of a model input (protobuf chunks), int32; images and audio are refused, and so is a
-    negative id."""
-    parts: list[np.ndarray] = []
-    for index, chunk in enumerate(chunks):
-        kind = chunk.WhichOneof("chunk") if hasattr(chunk, "WhichOneof") else None
-        if kind != "encoded_text":
-            raise InvalidRequestError(f"{where}.chunks.{index} is a {kind} chunk; only encoded_text is served")
-        parts.append(_buffer(chunk.encoded_text.tokens, np.int32, f"{where}.chunks.{index}.encoded_text.tokens"))
-    tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
-    if len(tokens) and tokens.min() < 0:
-        raise InvalidRequestError(f"{where} holds token id {tokens.min()}; token ids are integers from 0")
-    return tokens
-
-
 def batch_from_request(
     request: pb.ForwardBackwardRequest, *, pad_id: int, context_length: int, max_tokens: int
 ) -> tuple[dict[str, Any], Layout]:
@@ -154,32 +138,7 @@ def batch_from_request(
     inputs: list[dict[str, np.ndarray]] = []
     layout: Layout = []
     for index, datum in enumerate(request.data):
-        tokens = tokens_of(datum.model_input, f"data.{index}.model_input")
-        if not len(tokens):
-            raise InvalidRequestError(f"data.{index}.model_input is empty; give at least one token")
-        if len(tokens) > context_length:
-            raise InvalidRequestError(
-                f"data.{index}.model_input has {len(tokens)} tokens; the model has a context of {context_length} "
-                "tokens: shorten or split the datum"
-            )
-        fields = {}
-        for name, tensor in sorted(datum.loss_fn_inputs.items()):
-            if name in _CONTEXT_NAMES:
-                where = f"data.{index}.loss_fn_inputs.{name}"
-                fields[_CONTEXT_NAMES[name]] = _array(tensor, where, len(tokens), name)
-        needed = ("target_tokens",) if loss_fn == "cross_entropy" else ("target_tokens", "advantages", "logprobs")
-        for name in needed:
-            if _CONTEXT_NAMES[name] not in fields:
-                raise InvalidRequestError(
-                    f"data.{index}.loss_fn_inputs.{name} is missing; loss {loss_fn!r} needs it in every datum"
-                )
-        targets = fields.get("target_tokens")
-        if targets is not None and targets.min() < 0:
-            raise InvalidRequestError(
-                f"data.{index}.loss_fn_inputs.target_tokens holds {targets.min()}, not a token id; put any token "
-                "id where nothing is scored and set weights to 0 there"
-            )
-        columns = _columns(fields, loss_fn, f"data.{index}.loss_fn_inputs")
+        tokens, fields, columns = _datum(datum, f"data.{index}", loss_fn, context_length)
         layout.append((len(tokens), len(rows), columns))
         for column in range(columns or 1):  # K targets per position: one row per column
             rows.append(tokens)
@@ -220,11 +179,47 @@ def batch_from_request(
     return batch, layout
 
 
-def _columns(fields: dict[str, np.ndarray], loss_fn: str, where: str) -> int | None:
-    """K of a datum whose ``target_tokens`` and ``weights`` are both ``[L, K]``; None for one target."""
+def _datum(
+    datum: Any, where: str, loss_fn: str, context_length: int
+) -> tuple[np.ndarray, dict[str, np.ndarray], int | None]:
+    """One datum's token ids (int32; text only), its loss inputs by canonical name (each checked against
+    its length by :func:`_array`), and K when its ``target_tokens`` and ``weights`` are both ``[L, K]``
+    (None for one target per position)."""
+    parts: list[np.ndarray] = []
+    for index, chunk in enumerate(datum.model_input):
+        chunk_where = f"{where}.model_input.chunks.{index}"
+        kind = chunk.WhichOneof("chunk")
+        if kind != "encoded_text":
+            raise InvalidRequestError(f"{chunk_where} is a {kind} chunk; only encoded_text is served")
+        parts.append(_buffer(chunk.encoded_text.tokens, np.int32, f"{chunk_where}.encoded_text.tokens"))
+    tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
+    if not len(tokens):
+        raise InvalidRequestError(f"{where}.model_input is empty; give at least one token")
+    if tokens.min() < 0:
+        raise InvalidRequestError(f"{where}.model_input holds token id {tokens.min()}; token ids are integers from 0")
+    if len(tokens) > context_length:
+        raise InvalidRequestError(
+            f"{where}.model_input has {len(tokens)} tokens; the model has a context of {context_length} tokens: "
+            "shorten or split the datum"
+        )
+    where = f"{where}.loss_fn_inputs"
+    fields = {
+        _CONTEXT_NAMES[name]: _array(tensor, f"{where}.{name}", len(tokens), name)
+        for name, tensor in sorted(datum.loss_fn_inputs.items())
+        if name in _CONTEXT_NAMES
+    }
+    needed = ("target_tokens",) if loss_fn == "cross_entropy" else ("target_tokens", "advantages", "logprobs")
+    for name in needed:
+        if _CONTEXT_NAMES[name] not in fields:
+            raise InvalidRequestError(f"{where}.{name} is missing; loss {loss_fn!r} needs it in every datum")
+    if fields["target_tokens"].min() < 0:
+        raise InvalidRequestError(
+            f"{where}.target_tokens holds {fields['target_tokens'].min()}, not a token id; put any token id where "
+            "nothing is scored and set weights to 0 there"
+        )
     shapes = {name: fields[name].shape for name in ("target_tokens", "weights") if name in fields}
     if all(len(shape) == 1 for shape in shapes.values()):
-        return None
+        return tokens, fields, None
     if loss_fn != "cross_entropy":
         raise InvalidRequestError(
             f"{where}.target_tokens is [L, K] (K targets per position), which only loss 'cross_entropy' takes; "
@@ -233,26 +228,20 @@ def _columns(fields: dict[str, np.ndarray], loss_fn: str, where: str) -> int | N
     if len(set(shapes.values())) != 1 or len(shapes) != 2:
         listed = ", ".join(f"{name} {list(shape)}" for name, shape in shapes.items())
         raise InvalidRequestError(f"{where}: target_tokens and weights must both be [L, K]; got {listed}")
-    return int(shapes["target_tokens"][1])
-
-
-def datum_logprobs(logprobs_BS: np.ndarray, layout: Layout) -> list[np.ndarray]:
-    """Each datum's log-probs: ``[L]``, or ``[L, K]`` gathered from its K rows."""
-    out: list[np.ndarray] = []
-    for length, first, columns in layout:
-        if columns is None:
-            out.append(logprobs_BS[first, :length])
-        else:
-            out.append(logprobs_BS[first : first + columns, :length].T)
-    return out
+    return tokens, fields, int(shapes["target_tokens"][1])
 
 
 def forward_backward_output(result: dict[str, Any], layout: Layout) -> bytes:
     """A stored forward(-backward) result (``loss``, ``metrics``, ``logprobs [B, S]`` as an array) as
-    protobuf, each datum's log-probs cut out by ``layout``; consecutive datums of one shape (``[L]``,
-    or ``[L, K]`` of one K) share a record."""
-    rows = np.asarray(result["logprobs"], dtype=np.float32)
-    logprobs = [np.ascontiguousarray(row) for row in datum_logprobs(rows, layout)]
+    protobuf, each datum's log-probs cut out by ``layout`` (``[L]``, or ``[L, K]`` gathered from its K
+    rows); consecutive datums of one shape (``[L]``, or ``[L, K]`` of one K) share a record."""
+    rows_BS = np.asarray(result["logprobs"], dtype=np.float32)
+    logprobs = [
+        np.ascontiguousarray(
+            rows_BS[first, :length] if columns is None else rows_BS[first : first + columns, :length].T
+        )
+        for length, first, columns in layout
+    ]
     metrics = {"loss:sum": float(result["loss"])}
     metrics |= {f"{name}:mean": float(v) for name, v in result["metrics"].items() if name != "loss"}
     message = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord", metrics=metrics)

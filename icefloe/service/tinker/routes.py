@@ -181,7 +181,10 @@ async def forward_backward(request: Request, state: State, tenant: TenantDep) ->
     from icefloe.service.tinker import convert  # protobuf and torch: imported on first use
 
     raw = await request.body()
-    message = await _off_loop(len(raw), _parse_request, convert.pb.ForwardBackwardRequest, raw)
+    try:
+        message = await _off_loop(len(raw), convert.pb.ForwardBackwardRequest.FromString, raw)
+    except Exception as exc:  # protobuf raises DecodeError, a plain Exception subclass
+        raise InvalidRequestError(f"the body is not a ForwardBackwardRequest protobuf: {exc}") from None
     model = state.model(message.model_id, tenant)
     max_tokens = state.manager.settings.max_tokens_per_request
 
@@ -198,15 +201,6 @@ async def forward_backward(request: Request, state: State, tenant: TenantDep) ->
         return lambda: enter(state.manager, job, item, api=TINKER, tenant=tenant), render
 
     return await state.in_turn(model, message.seq_id, prepare)
-
-
-def _parse_request(kind: Any, raw: bytes) -> Any:
-    message = kind()
-    try:
-        message.ParseFromString(raw)
-    except Exception as exc:  # protobuf raises DecodeError, a plain Exception subclass
-        raise InvalidRequestError(f"the body is not a {kind.__name__} protobuf: {exc}") from None
-    return message
 
 
 _ADAM_KEYS = ("beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
@@ -506,6 +500,12 @@ async def _queue_sample(
 
 # The answer to a call cancel_future stopped, queued or not: the caller's doing, so a user error.
 _CANCELLED: dict[str, str] = {"error": "cancelled by the caller", "category": "user"}
+# The answer to a poll of a result no longer held (the service restarted, or it was among the oldest).
+_NOT_KEPT: dict[str, str] = {
+    "error": "the result of this call was not kept (the service restarted, or it was not polled in time); send it "
+    "again",
+    "category": "server",
+}
 
 
 def _sample_answer(samples: list[dict[str, Any]], *, last_n: int | None) -> dict[str, Any] | bytes:
@@ -704,7 +704,10 @@ async def retrieve_future(body: Body, state: State, tenant: TenantDep) -> Respon
                 running = state.manager.public(future.job_id)["status"] == "running"
                 error = state.manager.settings.public_text(row["error"] or row["status"])
                 return JSONResponse({"error": error, "category": "user" if running else "server"})
-            answer = state.answer(future, row)
+            try:  # rendered from the result as the engines made it on the first poll, the same answer after
+                answer = state.manager.held.answer(row["request_id"], future.render)
+            except KeyError:  # the service restarted since, or the result was among the oldest held
+                return JSONResponse(dict(_NOT_KEPT))
     except Exception as exc:  # the job failed to start, or the result could not be turned into an answer
         if isinstance(exc, InvalidRequestError):
             raise

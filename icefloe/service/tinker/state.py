@@ -525,15 +525,6 @@ class TinkerState:
         task.add_done_callback(self._sending.discard)
         return future_id
 
-    def answer(self, future: Future, row: dict[str, Any]) -> dict[str, Any] | bytes:
-        """The answer of a future whose request finished (``row``): its result, as the engines made it,
-        rendered on the first poll; a poll sent again gets the same answer."""
-        try:
-            return self.manager.held.answer(row["request_id"], future.render)
-        except KeyError:  # the service restarted since, or the result was among the oldest held
-            why = "the result of this call was not kept (the service restarted, or it was not polled in time)"
-            return {"error": f"{why}; send it again", "category": "server"}
-
     async def request_of(self, future: Future, timeout_s: float) -> str | None:
         """The request a future reads, once it is queued (None if it is not after ``timeout_s``).
         Raises the refusal of a call that was not queued."""
