@@ -6,7 +6,7 @@ tenant before it runs (:func:`visible_job`).
 Every dependency is ``async def``: FastAPI runs a plain ``def`` dependency on its thread pool, and
 that hop alone cost about a millisecond per call on a loaded machine. The bearer token is checked
 before any route runs, before any body is read (:class:`icefloe.service.middleware.RequireToken`).
-A JSON body is read by :func:`icefloe.service.dense_json.loads` (:func:`json_of`).
+A JSON body is read by :func:`icefloe.wire.dense_json.loads` (:func:`json_of`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.routing import APIRoute
 
-from icefloe.service import dense_json
+from icefloe.wire import dense_json
 from icefloe.service.jobs import JobManager
 from icefloe.service.limits import CHECK_ON_LOOP_BYTES, MAX_JSON_BYTES, check_frame_header_length
 from icefloe.service.middleware import read_body, tenant_of
