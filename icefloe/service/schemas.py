@@ -27,8 +27,8 @@ from pydantic import (
 )
 
 from icefloe.protocol import InvalidRequestError, normalize_job_type
-from icefloe.wire import dense_json
 from icefloe.service.limits import MAX_JSON_DEPTH, MAX_LISTED_ERRORS, MAX_PROMPTS, MAX_SUB_JOBS, check_counts
+from icefloe.wire import dense_json
 
 _CHECKED_TYPES = frozenset({dict, list, tuple, float, array.array})
 

@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from icefloe.protocol import InvalidRequestError
-from icefloe.wire.dense_json import as_lists, loads
 from icefloe.service.limits import CHECK_ON_LOOP_BYTES
 from icefloe.service.schemas import GenerateBody, JobCreate, parse_json_body
 from icefloe.service.tinker.checks import int_array
+from icefloe.wire.dense_json import as_lists, loads
 
 _PAD = b" " * (CHECK_ON_LOOP_BYTES + 1)  # whitespace makes any document a large body
 

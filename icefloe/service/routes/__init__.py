@@ -18,7 +18,6 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.routing import APIRoute
 
-from icefloe.wire import dense_json
 from icefloe.service.jobs import JobManager
 from icefloe.service.limits import CHECK_ON_LOOP_BYTES, MAX_JSON_BYTES, check_frame_header_length
 from icefloe.service.middleware import read_body, tenant_of
@@ -26,6 +25,7 @@ from icefloe.service.sequencing import Turn
 from icefloe.service.settings import ServeSettings
 from icefloe.service.store import Database
 from icefloe.service.tenants import Tenancy
+from icefloe.wire import dense_json
 
 __all__ = [
     "API_PREFIX",

@@ -20,8 +20,8 @@ import orjson
 from fastapi import Request
 
 from icefloe.protocol import InvalidRequestError, PayloadTooLargeError
-from icefloe.wire import dense_json
 from icefloe.service.limits import CHECK_ON_LOOP_BYTES, MAX_JSON_BYTES, MAX_JSON_DEPTH, check_counts
+from icefloe.wire import dense_json
 
 __all__ = ["Fields", "checkpoint_name", "int_array", "json_body"]
 
