@@ -29,6 +29,7 @@ from icefloe.wire import dense_json
 
 __all__ = [
     "API_PREFIX",
+    "DenseJsonRoute",
     "JobsDep",
     "JsonOctetBody",
     "OctetBody",
@@ -80,7 +81,7 @@ class _DenseJsonRequest(Request):
         return self._json
 
 
-class _DenseJsonRoute(APIRoute):
+class DenseJsonRoute(APIRoute):
     """A route whose JSON body FastAPI reads with :func:`json_of`: a large body's number arrays are
     ``array.array`` s (a model's typed fields read them as lists), never Python numbers."""
 
@@ -100,7 +101,7 @@ def api_router(tag: str) -> APIRouter:
         prefix=API_PREFIX,
         tags=[tag],
         dependencies=[Depends(_turn, scope="function"), Depends(_visible_job)],
-        route_class=_DenseJsonRoute,
+        route_class=DenseJsonRoute,
     )
 
 
