@@ -6,7 +6,7 @@ count of the JSON containers and strings it could build, taken with ``bytes.coun
 Only then is it parsed, off the event loop when it is large. Parsed Python objects cost ten to a
 hundred times their JSON bytes, so counting before parsing is what keeps a small hostile body from
 costing gigabytes; a large body's arrays of numbers are read as machine numbers instead
-(:mod:`icefloe.service.dense_json`). docs/service.md lists these bounds and the serve options that change them.
+(:mod:`icefloe.wire.dense_json`). docs/service.md lists these bounds and the serve options that change them.
 """
 
 from __future__ import annotations
@@ -70,30 +70,24 @@ MAX_LISTED_ERRORS = 10  # a refusal names this many problems, then counts the re
 SEQUENCE_WINDOW = 10_000  # default of --sequence-window: how far past the next number a call may be
 
 _FRAME_PREFIX = struct.Struct("<Q")
+_FRAME_INSTEAD = "send the values as tensors, or split the batch into several requests"
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 
 
-def check_containers(
-    raw: bytes, what: str, *, limit: int = MAX_JSON_CONTAINERS, nested_json: bool = False, instead: str = ""
-) -> None:
+def check_containers(raw: bytes, what: str, *, limit: int = MAX_JSON_CONTAINERS, instead: str = "") -> None:
     """:class:`PayloadTooLargeError` when JSON ``raw`` would build more than ``limit`` objects and arrays.
 
     ``bytes.count`` bounds the count from above without building anything; only a body over the
     bound by that count (brackets inside strings count too) is counted again with its strings blanked.
-    ``nested_json``: ``raw`` holds JSON inside its strings too (a DSSST1 header's tree), so its
-    strings are counted as well. ``instead``: what the caller may send instead.
+    ``instead``: what the caller may send instead.
     """
     found = raw.count(b"[") + raw.count(b"{")
     if found <= limit:
         return
-    if not nested_json:
-        outside_strings = _JSON_STRING.sub(b'""', raw)
-        found = outside_strings.count(b"[") + outside_strings.count(b"{")
+    outside_strings = _JSON_STRING.sub(b'""', raw)
+    found = outside_strings.count(b"[") + outside_strings.count(b"{")
     if found > limit:
-        raise PayloadTooLargeError(
-            f"{what} holds {found} JSON arrays and objects; at most {limit} are accepted in one request: "
-            f"{instead or 'split it into several requests, or send tensors as a DSSST1 frame'}"
-        )
+        raise _too_many(found, "JSON arrays and objects", limit, what, instead)
 
 
 def check_strings(raw: bytes, what: str, *, limit: int = MAX_JSON_STRINGS, instead: str = "") -> None:
@@ -106,10 +100,14 @@ def check_strings(raw: bytes, what: str, *, limit: int = MAX_JSON_STRINGS, inste
         return
     found = _JSON_STRING.subn(b"", raw)[1]
     if found > limit:
-        raise PayloadTooLargeError(
-            f"{what} holds {found} JSON strings; at most {limit} are accepted in one request: "
-            f"{instead or 'split it into several requests, or send tensors as a DSSST1 frame'}"
-        )
+        raise _too_many(found, "JSON strings", limit, what, instead)
+
+
+def _too_many(found: int, things: str, limit: int, what: str, instead: str) -> PayloadTooLargeError:
+    return PayloadTooLargeError(
+        f"{what} holds {found} {things}; at most {limit} are accepted in one request: "
+        f"{instead or 'split it into several requests, or send tensors as a DSSST1 frame'}"
+    )
 
 
 def check_counts(raw: bytes, what: str, *, instead: str = "") -> None:
@@ -136,12 +134,20 @@ def check_frame_header_length(prefix: bytes | memoryview, what: str = "DSSST1 fr
 
 def check_frame_header(frame: bytes) -> None:
     """Bound a whole DSSST1 frame's header before it is parsed: its declared length, and the containers
-    its JSON (the tree's plain values included) would build."""
+    and strings its JSON (the tree's plain values included) would build, counted in ``frame`` itself (a
+    copy of a 16 MiB header would cost as much as its tree). Brackets and quotes escaped inside the
+    tree's strings count too, so the counts bound from above."""
     check_frame_header_length(frame[: _FRAME_PREFIX.size])
-    if len(frame) >= _FRAME_PREFIX.size:
-        (declared,) = _FRAME_PREFIX.unpack_from(frame)
-        header = bytes(frame[_FRAME_PREFIX.size : _FRAME_PREFIX.size + declared])
-        check_containers(header, "the DSSST1 frame's header", nested_json=True)
+    if len(frame) < _FRAME_PREFIX.size:
+        return
+    (declared,) = _FRAME_PREFIX.unpack_from(frame)
+    start, end, what = _FRAME_PREFIX.size, _FRAME_PREFIX.size + declared, "the DSSST1 frame's header"
+    containers = frame.count(b"[", start, end) + frame.count(b"{", start, end)
+    if containers > MAX_JSON_CONTAINERS:
+        raise _too_many(containers, "JSON arrays and objects", MAX_JSON_CONTAINERS, what, _FRAME_INSTEAD)
+    strings = frame.count(b'"', start, end) // 2
+    if strings > MAX_JSON_STRINGS:
+        raise _too_many(strings, "JSON strings", MAX_JSON_STRINGS, what, _FRAME_INSTEAD)
 
 
 def truncated(problems: Iterable[str], separator: str = "; ") -> str:

@@ -4,7 +4,7 @@ Families per resource: ``*Create`` / ``*Body`` arrive, ``*Public`` leave. Config
 of the managed endpoint carry many passthrough keys (DeepSpeed, PrimeRL, vLLM knobs); those models
 allow extra keys, and ``service/specs.py`` honours, refuses or reports each one; typed keys are checked here.
 :func:`parse_json_body` bounds every JSON body before a model sees it. In a large body an array of numbers
-arrives as an ``array.array`` (:mod:`icefloe.service.dense_json`): a typed list field reads it as a list,
+arrives as an ``array.array`` (:mod:`icefloe.wire.dense_json`): a typed list field reads it as a list,
 and a generate's token prompts are kept as they are.
 """
 
@@ -27,8 +27,8 @@ from pydantic import (
 )
 
 from icefloe.protocol import InvalidRequestError, normalize_job_type
-from icefloe.service import dense_json
 from icefloe.service.limits import MAX_JSON_DEPTH, MAX_LISTED_ERRORS, MAX_PROMPTS, MAX_SUB_JOBS, check_counts
+from icefloe.wire import dense_json
 
 _CHECKED_TYPES = frozenset({dict, list, tuple, float, array.array})
 

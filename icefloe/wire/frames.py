@@ -11,28 +11,38 @@ The reader trusts nothing: it bounds the header length before reading it, checks
 and proves the offsets tile the data region exactly (contiguous from 0, each span equal to
 shape × element size, no trailing bytes) before any tensor is built. Pickle and ``torch.save`` zip
 bytes are recognised only after a parse fails, because a valid header length can begin ``80 02``.
+A long metadata string (a DSSST1 tree of plain values) is not decoded with the header: it stays
+:class:`EscapedText`, read where it is by the reader of the JSON it holds.
 """
 
 from __future__ import annotations
 
+import array
 import json
 import math
+import re
+import secrets
 import struct
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Final
 
 from icefloe.protocol import FrameFormatError, LegacyPickleError
+from icefloe.wire import dense_json
 
 __all__ = [
     "DTYPE_SIZES",
     "MAX_HEADER_BYTES",
+    "EscapedText",
     "FrameHeader",
     "TensorSpec",
     "as_byte_view",
     "parse_strict_json",
     "read_header",
+    "strict_json_errors",
+    "unique_pairs",
     "write_frame",
 ]
 
@@ -63,6 +73,11 @@ MAX_HEADER_BYTES: Final = 64 * 1024 * 1024
 _LENGTH_PREFIX: Final = struct.Struct("<Q")
 _METADATA_KEY: Final = "__metadata__"
 _TENSOR_FIELDS: Final = frozenset({"dtype", "shape", "data_offsets"})
+_MAX_DIMS: Final = 64  # numpy's bound on a shape's length
+# A header string longer than this is kept as EscapedText: decoded with the header, a tree of plain values
+# would cost the header's copy, its text and the string before its own JSON is read.
+_LONG_STRING_BYTES: Final = 64 * 1024
+_STRING: Final = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.DOTALL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,10 +96,24 @@ class TensorSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class FrameHeader:
-    """A validated header: metadata strings and tensor specs in data-region order."""
+class EscapedText:
+    """A long metadata string as the header writes it (escaped, without its quotes): ``data[start:end]``."""
 
-    metadata: dict[str, str]
+    data: bytes | bytearray
+    start: int
+    end: int
+
+    def decoded(self) -> str:
+        """The string itself (a copy of the text, then the string)."""
+        return json.loads(b'"' + self.data[self.start : self.end] + b'"')
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHeader:
+    """A validated header: metadata strings (a long one as :class:`EscapedText`) and tensor specs in
+    data-region order."""
+
+    metadata: dict[str, str | EscapedText]
     tensors: dict[str, TensorSpec]
     data_start: int
 
@@ -152,7 +181,7 @@ def _read_header(view: memoryview) -> FrameHeader:
     data_start = _LENGTH_PREFIX.size + header_len
     if data_start > len(view):
         raise FrameFormatError(f"header length {header_len} runs past the end of a {len(view)}-byte frame")
-    raw_header = _parse_json(bytes(view[_LENGTH_PREFIX.size : data_start]), "header")
+    raw_header = _parse_header(view, data_start)
     if not isinstance(raw_header, dict):
         raise FrameFormatError(f"header must be a JSON object; got {type(raw_header).__name__}")
     metadata = _check_metadata(raw_header.pop(_METADATA_KEY, {}))
@@ -160,6 +189,49 @@ def _read_header(view: memoryview) -> FrameHeader:
     specs.sort(key=lambda spec: (spec.begin, spec.end))
     _check_tiling(specs, data_start, len(view))
     return FrameHeader(metadata=metadata, tensors={spec.name: spec for spec in specs}, data_start=data_start)
+
+
+def _parse_header(view: memoryview, data_start: int) -> Any:
+    """The header's JSON, each string longer than ``_LONG_STRING_BYTES`` in a metadata value an
+    :class:`EscapedText` of the frame's own bytes where they are ``bytes`` (no copy of the header)."""
+    data, start = view.obj, _LENGTH_PREFIX.size
+    if not isinstance(data, (bytes, bytearray)) or view.nbytes != len(data):
+        data, start = bytes(view[start:data_start]), 0
+    end = start + data_start - _LENGTH_PREFIX.size
+    if end - start <= _LONG_STRING_BYTES:
+        return _parse_json(bytes(data[start:end]), "header")
+    prefix, long = secrets.token_hex(8) + ":", {}
+    parts, at = [], start
+    for match in _STRING.finditer(data, start, end):
+        if match.end() - match.start() > _LONG_STRING_BYTES:
+            placeholder = f"{prefix}{len(long)}"
+            long[placeholder] = EscapedText(data, match.start() + 1, match.end() - 1)
+            parts += (data[at : match.start()], json.dumps(placeholder).encode())
+            at = match.end()
+    parts.append(data[at:end])
+    with strict_json_errors("header"):  # its arrays of numbers as array.array: a tensor's shape is checked as one
+        header = dense_json.loads(b"".join(parts), pairs_hook=unique_pairs)
+    return _with_long_strings(header, long)
+
+
+def _with_long_strings(header: Any, long: dict[str, EscapedText]) -> Any:
+    """``header`` with the placeholders of long strings put back: as EscapedText in a metadata value,
+    decoded in a tensor name; anywhere else a header is refused whatever the string held."""
+    if not long or not isinstance(header, dict):
+        return header
+
+    def name(key: str) -> str:
+        return long[key].decoded() if key in long else key
+
+    restored = unique_pairs([(name(key), value) for key, value in header.items()])
+    metadata = restored.get(_METADATA_KEY)
+    if isinstance(metadata, dict):
+        restored[_METADATA_KEY] = unique_pairs([(name(key), _escaped(value, long)) for key, value in metadata.items()])
+    return restored
+
+
+def _escaped(value: Any, long: dict[str, EscapedText]) -> Any:
+    return long.get(value, value) if isinstance(value, str) else value
 
 
 def _parse_json(raw: bytes, what: str) -> Any:
@@ -172,19 +244,29 @@ def _parse_json(raw: bytes, what: str) -> Any:
 
 def parse_strict_json(text: str, what: str) -> Any:
     """Parse JSON refusing duplicate object keys; every failure is a FrameFormatError naming ``what``."""
+    with strict_json_errors(what):
+        return json.loads(text, object_pairs_hook=unique_pairs)
+
+
+@contextmanager
+def strict_json_errors(what: str) -> Iterator[None]:
+    """Every failure of a strict JSON read inside as a FrameFormatError naming ``what``."""
     try:
-        return json.loads(text, object_pairs_hook=_unique_pairs)
+        yield
     except json.JSONDecodeError as error:
         raise FrameFormatError(f"{what} is not valid JSON ({error.msg} at char {error.pos})") from None
     except FrameFormatError:  # a duplicate key, found by the pairs hook
         raise
+    except UnicodeDecodeError as error:
+        raise FrameFormatError(f"{what} is not valid UTF-8 ({error.reason})") from None
     except ValueError as error:  # e.g. an integer literal past Python's 4300-digit conversion limit
         raise FrameFormatError(f"{what} is not valid JSON ({str(error)[:80]})") from None
     except RecursionError:
         raise FrameFormatError(f"{what} JSON nests too deeply") from None
 
 
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's ``object_pairs_hook`` of a strict read: a FrameFormatError on a duplicate key."""
     result: dict[str, Any] = {}
     for key, value in pairs:
         if key in result:
@@ -193,11 +275,11 @@ def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def _check_metadata(metadata: object) -> dict[str, str]:
+def _check_metadata(metadata: object) -> dict[str, str | EscapedText]:
     if not isinstance(metadata, dict):
         raise FrameFormatError(f"__metadata__ must be an object of strings; got {type(metadata).__name__}")
     for key, value in metadata.items():
-        if not isinstance(value, str):
+        if not isinstance(value, (str, EscapedText)):
             raise FrameFormatError(f"__metadata__[{key!r}] must be a string; got {type(value).__name__}")
     return metadata
 
@@ -210,12 +292,18 @@ def _check_entry(name: str, entry: object, data_start: int) -> TensorSpec:
     if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
         raise FrameFormatError(f"tensor {name!r}: unknown dtype {dtype!r}; known: {', '.join(DTYPE_SIZES)}")
     shape = entry["shape"]
-    if not isinstance(shape, list) or not all(_is_count(dim) for dim in shape):
-        raise FrameFormatError(f"tensor {name!r}: shape must be a list of non-negative ints; got {shape!r}")
+    if type(shape) is array.array and len(shape) <= _MAX_DIMS:
+        shape = shape.tolist()
+    if not isinstance(shape, list) or len(shape) > _MAX_DIMS or not all(_is_count(dim) for dim in shape):
+        raise FrameFormatError(
+            f"tensor {name!r}: shape must be a list of non-negative ints, at most {_MAX_DIMS}; got {shape!r:.200}"
+        )
     if math.prod(dim for dim in shape if dim) * DTYPE_SIZES[dtype] > sys.maxsize:
         # Even an empty tensor's extent must fit in 64 bits: torch and numpy compute strides from it.
         raise FrameFormatError(f"tensor {name!r}: shape {shape} overflows 64-bit sizes")
     offsets = entry["data_offsets"]
+    if type(offsets) is array.array and len(offsets) == 2:
+        offsets = offsets.tolist()
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
         raise FrameFormatError(f"tensor {name!r}: data_offsets must be [begin, end] ints >= 0; got {offsets!r}")
     begin, end = offsets

@@ -25,7 +25,18 @@ import json
 from typing import Any, Final
 
 from icefloe.protocol import FrameFormatError, WireError
-from icefloe.wire.frames import FrameHeader, TensorSpec, as_byte_view, parse_strict_json, read_header, write_frame
+from icefloe.wire import dense_json
+from icefloe.wire.frames import (
+    EscapedText,
+    FrameHeader,
+    TensorSpec,
+    as_byte_view,
+    parse_strict_json,
+    read_header,
+    strict_json_errors,
+    unique_pairs,
+    write_frame,
+)
 from icefloe.wire.tensors import build_tensors, check_tensor_bytes, is_tensor, resolve_kind, tensor_record
 
 __all__ = ["EMPTY_KEY", "MAX_DEPTH", "ROOT_KEY", "WIRE_VERSION", "decode", "encode", "parse_op", "read_metadata"]
@@ -60,11 +71,19 @@ def encode(obj: Any, op_metadata: dict[str, Any] | None = None) -> bytes:
     return write_frame(metadata, records)
 
 
-def decode(data: bytes | bytearray | memoryview, *, tensors: str = "torch", header: FrameHeader | None = None) -> Any:
+def decode(
+    data: bytes | bytearray | memoryview,
+    *,
+    tensors: str = "torch",
+    header: FrameHeader | None = None,
+    dense: bool = False,
+) -> Any:
     """Decode a DSSST1 frame; tensors come back as torch tensors (numpy if asked or torch is absent).
 
     Tensors view ``data`` when it is writable (bytearray), else each is copied once from it.
-    ``header``: ``read_header(data)``, when the caller has parsed it already.
+    ``header``: ``read_header(data)``, when the caller has parsed it already. ``dense``: in a tree over
+    64 KiB, each array of plain numbers is an ``array.array`` (:mod:`icefloe.wire.dense_json`), read from
+    ``data`` without a copy of the tree's text: what a service wants of a request's token ids.
 
     Raises:
         LegacyPickleError: ``data`` is pickle or a ``torch.save`` archive.
@@ -73,7 +92,7 @@ def decode(data: bytes | bytearray | memoryview, *, tensors: str = "torch", head
     kind = resolve_kind(tensors)
     view = as_byte_view(data)
     header = header or read_header(view)
-    tree = _read_tree(header.metadata)
+    tree = _read_tree(header.metadata, dense)
     referenced: dict[str, bool] = {}
     _check_node(tree, referenced, depth=0, where="tree")
     specs = _referenced_specs(header, referenced)
@@ -95,9 +114,10 @@ def read_metadata(frame: object, header: FrameHeader | None = None) -> dict[str,
     return parse_op(header.metadata.get("op"))
 
 
-def parse_op(op_text: str | None) -> dict[str, Any]:
-    """Leniently parse an ``op`` metadata string: anything but a JSON object gives ``{}``."""
-    if op_text is None:
+def parse_op(op_text: str | EscapedText | None) -> dict[str, Any]:
+    """Leniently parse an ``op`` metadata string: anything but a JSON object gives ``{}``, and so does
+    a long one (an EscapedText: no operation's metadata is that long)."""
+    if not isinstance(op_text, str):
         return {}
     try:
         op = json.loads(op_text)
@@ -168,11 +188,17 @@ def _dumps(value: Any, what: str) -> str:
 
 
 # --- decoding ----------------------------------------------------------------------------------
-def _read_tree(metadata: dict[str, str]) -> Any:
+def _read_tree(metadata: dict[str, str | EscapedText], dense: bool) -> Any:
     dss_text = metadata.get("dss")
     if dss_text is None:
         raise FrameFormatError("frame has no __metadata__['dss']; it is safetensors but not DSSST1")
-    dss = parse_strict_json(dss_text, "__metadata__['dss']")
+    if not isinstance(dss_text, EscapedText):
+        dss = parse_strict_json(dss_text, "__metadata__['dss']")
+    elif dense:
+        with strict_json_errors("__metadata__['dss']"):
+            dss = dense_json.loads_escaped(dss_text.data, dss_text.start, dss_text.end, pairs_hook=unique_pairs)
+    else:
+        dss = parse_strict_json(dss_text.decoded(), "__metadata__['dss']")
     if not isinstance(dss, dict) or set(dss) != {"v", "tree"}:
         keys = sorted(dss) if isinstance(dss, dict) else type(dss).__name__
         raise FrameFormatError(f"__metadata__['dss'] must be an object with exactly v and tree; got {keys}")

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from icefloe import wire
@@ -355,3 +356,22 @@ def test_a_create_job_body_of_unused_numbers_is_bounded(served, idle, tmp_path, 
     probe = _post(served, f"{PREFIX}/", body, _JSON, tmp_path)
     _assert_harmless(probe, idle, len(body), status=413)
     assert "create-job body" in probe.text, probe.text
+
+
+# --- DSSST1 headers -------------------------------------------------------------------------------
+_RANDOM = np.random.default_rng(38)
+
+
+def _token_prompts(count: int, length: int) -> list[list[int]]:
+    """Token ids as a tokenizer of a 50k vocabulary gives them: four and five digits."""
+    return _RANDOM.integers(1000, 50_000, size=(count, length)).tolist()
+
+
+def test_a_generate_frame_of_long_token_prompts_costs_at_most_twice_its_size(served, job_id, idle, tmp_path):
+    """A frame's plain values were parsed into Python lists: 1024 prompts of 2048 token ids (a 13 MB header)
+    became about 40 bytes an id. The frame is refused by its sampling params, after it was read and
+    decoded, so the measure is what the body costs and not what a 1024-prompt prefill does."""
+    body = wire.encode({"prompts": _token_prompts(1024, 1900), "sampling_params": {"max_tokens": -1}})
+    assert 13 * 10**6 < len(body) < 16 * 2**20
+    probe = _post(served, f"{PREFIX}/{job_id}/generate", body, _OCTET, tmp_path)
+    _assert_harmless(probe, idle, len(body), status=400)

@@ -1,4 +1,4 @@
-"""A large JSON body's arrays of numbers read as machine numbers (``service/dense_json.py``), and the
+"""A large JSON body's arrays of numbers read as machine numbers (``wire/dense_json.py``), and the
 checks that read them: non-finite numbers, generate prompts, Tinker token ids."""
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from icefloe.protocol import InvalidRequestError
-from icefloe.service.dense_json import as_lists, loads
 from icefloe.service.limits import CHECK_ON_LOOP_BYTES
 from icefloe.service.schemas import GenerateBody, JobCreate, parse_json_body
 from icefloe.service.tinker.checks import int_array
+from icefloe.wire.dense_json import as_lists, loads
 
 _PAD = b" " * (CHECK_ON_LOOP_BYTES + 1)  # whitespace makes any document a large body
 

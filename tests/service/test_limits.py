@@ -28,3 +28,10 @@ def test_a_frame_header_is_refused_from_its_declared_length_and_from_the_tree_in
 def test_truncated_names_ten_problems_then_counts_the_rest():
     assert truncated(f"p{i}" for i in range(3)) == "p0; p1; p2"
     assert truncated(f"p{i}" for i in range(100_000)) == "; ".join(f"p{i}" for i in range(10)) + "; ... and 99990 more"
+
+
+def test_a_frame_header_of_many_strings_in_its_tree_is_refused_before_it_is_parsed():
+    """16 MiB of "ab" strings in a tree's plain values became a Python str each (about 50 bytes for 8)."""
+    tree = b'{"__metadata__":{"dss":"' + b",".join([b'\\"ab\\"'] * 70_000) + b'"}}'
+    with pytest.raises(PayloadTooLargeError, match="the DSSST1 frame's header holds 70003 JSON strings; at most 65536"):
+        check_frame_header(struct.pack("<Q", len(tree)) + tree)

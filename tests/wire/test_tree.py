@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import json
 import math
 import subprocess
@@ -329,3 +330,35 @@ def test_wire_all_is_sorted_and_complete():
         "MAX_POST_BYTES", "CHUNK_OVERHEAD_BYTES", "WIRE_VERSION",
     } <= set(wire.__all__)  # fmt: skip
     assert (wire.MAX_POST_BYTES, wire.CHUNK_OVERHEAD_BYTES, wire.WIRE_VERSION) == (62_914_560, 8192, "DSSST1")
+
+
+# --- a large tree's plain values ---------------------------------------------------------------
+def _long_prompts() -> dict:
+    """Token-id prompts whose tree is over 64 KiB, beside strings that hold brackets, quotes and escapes."""
+    ids = np.random.default_rng(0).integers(1000, 50_000, size=(16, 2048))
+    return {"prompts": ids.tolist(), "a": ['a "quoted" \\ line\nand \U0001f600', "[1, 2]", "\\[3]"], "b": [0.5, 1e-3]}
+
+
+def test_decode_dense_reads_a_large_trees_arrays_of_numbers_as_machine_numbers():
+    value = _long_prompts()
+    frame = wire.encode(value)
+    decoded = wire.decode(frame, dense=True)
+    assert [type(p) for p in decoded["prompts"]] == [array.array] * 16 and decoded["prompts"][0].typecode == "i"
+    assert [p.tolist() for p in decoded["prompts"]] == value["prompts"]
+    assert decoded["a"] == value["a"] and decoded["b"] == array.array("d", value["b"])
+    assert wire.decode(frame) == value  # lists unless asked
+
+
+def test_decode_dense_keeps_the_strict_duplicate_key_check_of_a_large_tree():
+    frame = wire.encode(_long_prompts())
+    doubled = frame.replace(b'\\"b\\": [', b'\\"a\\": [', 1)
+    assert doubled != frame
+    for dense in (True, False):
+        with pytest.raises(FrameFormatError, match="duplicate JSON key 'a'"):
+            wire.decode(doubled, dense=dense)
+
+
+def test_a_large_header_keeps_its_duplicate_tensor_names_refused():
+    frame = wire.encode({"x": torch.zeros(2), "y": torch.ones(2), "prompts": _long_prompts()["prompts"]})
+    with pytest.raises(FrameFormatError, match="duplicate JSON key 'x'"):
+        wire.decode(frame.replace(b'"y":{"dtype"', b'"x":{"dtype"', 1), dense=True)

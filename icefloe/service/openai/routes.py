@@ -25,12 +25,13 @@ from icefloe.service.openai.errors import FieldError, ModelNotFound
 from icefloe.service.openai.schemas import ChatRequest, CompletionRequest
 from icefloe.service.openai.served import Base, Loaded
 from icefloe.service.openai.stream import EventStream, until_done
+from icefloe.service.routes import DenseJsonRoute
 
 __all__ = ["router"]
 
 _COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /completions; chat samples until a stop or the context's end
 
-router = APIRouter()
+router = APIRouter(route_class=DenseJsonRoute)  # a large body's number arrays: machine numbers
 
 
 @dataclass

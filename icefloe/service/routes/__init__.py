@@ -6,7 +6,7 @@ tenant before it runs (:func:`visible_job`).
 Every dependency is ``async def``: FastAPI runs a plain ``def`` dependency on its thread pool, and
 that hop alone cost about a millisecond per call on a loaded machine. The bearer token is checked
 before any route runs, before any body is read (:class:`icefloe.service.middleware.RequireToken`).
-A JSON body is read by :func:`icefloe.service.dense_json.loads` (:func:`json_of`).
+A JSON body is read by :func:`icefloe.wire.dense_json.loads` (:func:`json_of`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request, Response
 from fastapi.routing import APIRoute
 
-from icefloe.service import dense_json
 from icefloe.service.jobs import JobManager
 from icefloe.service.limits import CHECK_ON_LOOP_BYTES, MAX_JSON_BYTES, check_frame_header_length
 from icefloe.service.middleware import read_body, tenant_of
@@ -26,9 +25,11 @@ from icefloe.service.sequencing import Turn
 from icefloe.service.settings import ServeSettings
 from icefloe.service.store import Database
 from icefloe.service.tenants import Tenancy
+from icefloe.wire import dense_json
 
 __all__ = [
     "API_PREFIX",
+    "DenseJsonRoute",
     "JobsDep",
     "JsonOctetBody",
     "OctetBody",
@@ -80,7 +81,7 @@ class _DenseJsonRequest(Request):
         return self._json
 
 
-class _DenseJsonRoute(APIRoute):
+class DenseJsonRoute(APIRoute):
     """A route whose JSON body FastAPI reads with :func:`json_of`: a large body's number arrays are
     ``array.array`` s (a model's typed fields read them as lists), never Python numbers."""
 
@@ -100,7 +101,7 @@ def api_router(tag: str) -> APIRouter:
         prefix=API_PREFIX,
         tags=[tag],
         dependencies=[Depends(_turn, scope="function"), Depends(_visible_job)],
-        route_class=_DenseJsonRoute,
+        route_class=DenseJsonRoute,
     )
 
 

@@ -83,7 +83,7 @@ def _submit_decoded(
     if header is None:  # a frame joined from request chunks
         check_frame_header(frame)
         header = wire.read_header(frame)
-    payload = wire.decode(frame, tensors="torch", header=header)
+    payload = wire.decode(frame, tensors="torch", header=header, dense=True)
     check_body(payload, "frame")
     op_metadata = wire.read_metadata(frame, header)
     if op == api.OP_GENERATE:

@@ -3,7 +3,7 @@
 A field of the wrong type, a non-finite number or a value out of range is a 400 naming the field, the
 value and the fix, never a 500. The ordered routes read a body's ``model_id`` and ``seq_id`` first and
 check the rest inside their turn, so such a refusal still uses up the ``seq_id``. A large body's arrays
-of numbers arrive as ``array.array`` s (:mod:`icefloe.service.dense_json`); :func:`int_array` reads
+of numbers arrive as ``array.array`` s (:mod:`icefloe.wire.dense_json`); :func:`int_array` reads
 either form.
 """
 
@@ -20,8 +20,8 @@ import orjson
 from fastapi import Request
 
 from icefloe.protocol import InvalidRequestError, PayloadTooLargeError
-from icefloe.service import dense_json
 from icefloe.service.limits import CHECK_ON_LOOP_BYTES, MAX_JSON_BYTES, MAX_JSON_DEPTH, check_counts
+from icefloe.wire import dense_json
 
 __all__ = ["Fields", "checkpoint_name", "int_array", "json_body"]
 

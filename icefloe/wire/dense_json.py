@@ -1,16 +1,17 @@
-"""JSON bodies whose arrays of numbers are read as machine numbers, never as Python objects.
+"""JSON documents whose arrays of numbers are read as machine numbers, never as Python objects.
 
 A Python float costs 32 bytes and an int up to 36 for the 2 to 4 bytes a JSON number takes, so
-:func:`json.loads` turned a 4 MiB array of numbers into 30 to 40 MiB. In a body over
-:data:`~icefloe.service.limits.CHECK_ON_LOOP_BYTES`, every array of plain JSON numbers is read, a
+:func:`json.loads` turned a 4 MiB array of numbers into 30 to 40 MiB. The service reads its JSON bodies
+with :func:`loads`, and a DSSST1 header its structure tree (JSON written inside a JSON string) with
+:func:`loads_escaped`. In a document over :data:`DENSE_FROM_BYTES`, every array of plain JSON numbers is read, a
 slice at a time, into an :class:`array.array` of the narrowest type that holds each of its numbers
 exactly as json reads it: int8 to int64 for integers, float32 or float64 for an array with a
 fraction, an exponent, NaN or Infinity. An array with an integer that neither int64 nor (among
 fractions) a double holds stays a list. So an array takes at most twice its text, but one of mostly
 one-digit numbers with a few that need a wide type takes up to four times (about what json's list
 of cached small ints took). The rest of the document, each such array replaced by a placeholder
-string, is read by :func:`json.loads` (by orjson where a character is beyond the BMP: see
-:func:`_remainder`); a smaller body by :func:`json.loads` alone.
+string, is read by :func:`json.loads` (by orjson where a character is beyond the BMP and no duplicate
+key is to be refused: see :func:`_remainder`); a smaller document by :func:`json.loads` alone.
 
 An ``array.array`` acts as a list does where code reads a body (``len``, truth, ``==``, ``in``,
 iteration yields Python numbers), where a numpy array would raise; ``numpy.asarray`` views it
@@ -30,9 +31,10 @@ from typing import Any
 import numpy as np
 import orjson
 
-from icefloe.service.limits import CHECK_ON_LOOP_BYTES
+__all__ = ["DENSE_FROM_BYTES", "as_lists", "loads", "loads_escaped"]
 
-__all__ = ["as_lists", "loads"]
+# Smaller documents are read by json alone: their arrays cost little, and the swap would cost more.
+DENSE_FROM_BYTES = 64 * 1024
 
 # A string is passed over whole (brackets inside it are text); an array holding only the characters of
 # numbers is a candidate, whose slices the JSON parsers then check as they read them.
@@ -45,48 +47,103 @@ _FLOATS = "fd"  # float32, float64
 _BEYOND_BMP = re.compile(rb"[\xf0-\xf4]")  # the first byte of a 4-byte UTF-8 character
 _BEYOND_64_BITS = re.compile(rb"[0-9]{20}")  # a run of digits that may be an integer over 2**64
 _SLICE_BYTES = 64 * 1024  # read at a time: its Python numbers live only until they are copied
+# In the text of a JSON string holding JSON (escaped once more): a string of that JSON, or an array of
+# numbers. Only \" and \\ may be escaped there (see loads_escaped): a string's own escapes are written \\x.
+_ESCAPED_STRING_OR_NUMBERS = re.compile(
+    rb'\\"(?:[^"\\]++|\\\\(?:\\["\\]|[^"\\]))*+\\"|\[(?P<numbers>[ ]*+[-0-9NI][-+0-9.eE,NaInfity ]*+)\]'
+)
+_OTHER_ESCAPE = re.compile(rb'(?<!\\)(?:\\\\)*+\\[^"\\]')  # an escape but \" or \\ (a backslash run of odd length)
+_ESCAPE = re.compile(rb'\\(["\\])')
 
 
-def loads(raw: bytes | str) -> Any:
-    """:func:`json.loads`, except that in a body over ``CHECK_ON_LOOP_BYTES`` each non-empty array of
+PairsHook = Callable[[list[tuple[str, Any]]], dict[str, Any]]
+
+
+def loads(raw: bytes | str, *, pairs_hook: PairsHook | None = None) -> Any:
+    """:func:`json.loads`, except that in a document over ``DENSE_FROM_BYTES`` each non-empty array of
     numbers comes back as an ``array.array``. Raises what :func:`json.loads` raises; a position in a
-    large body's error is a byte offset."""
-    if len(raw) <= CHECK_ON_LOOP_BYTES:
-        return json.loads(raw)
+    large document's error is a byte offset. ``pairs_hook``: json's ``object_pairs_hook``."""
+    if len(raw) <= DENSE_FROM_BYTES:
+        return json.loads(raw, object_pairs_hook=pairs_hook)
     data = raw.encode() if isinstance(raw, str) else raw
-    prefix = secrets.token_hex(8) + ":"  # no client writes a string that starts so but by chance
-    arrays: list[array.array] = []
-    ends: list[int] = []  # where each placeholder ends in the text json reads
-    removed: list[int] = []  # bytes of ``data`` the placeholders up to there left out
+    swapped = _Swapped(data)
+    text = _swap(data, 0, len(data), _STRING_OR_NUMBERS, lambda match: swapped.numbers(match, match[0]))
+    try:
+        value = _remainder(text, pairs_hook)
+    except json.JSONDecodeError as exc:
+        raise swapped.error(exc) from None
+    return swapped.put_back(value)
 
-    def swap(match: re.Match[bytes]) -> bytes:
+
+def loads_escaped(data: bytes | bytearray, start: int, end: int, *, pairs_hook: PairsHook | None = None) -> Any:
+    """The JSON document whose text, escaped as the inside of a JSON string, is ``data[start:end]``, read as
+    :func:`loads` reads it, without a copy of the whole text: strings are unescaped one by one, and
+    arrays of numbers read from ``data`` itself (so a DSSST1 header's tree costs its arrays, not a copy).
+    Where the text escapes anything but ``"`` and ``\\`` (a writer of JSON in JSON never does), it is
+    unescaped whole first. Raises what :func:`json.loads` raises; a large document's error position is
+    one in the text without its arrays."""
+    if end - start <= DENSE_FROM_BYTES or _OTHER_ESCAPE.search(data, start, end) is not None:
+        return loads(json.loads(b'"' + data[start:end] + b'"'), pairs_hook=pairs_hook)
+    swapped = _Swapped(data)
+
+    def unescape(match: re.Match[bytes]) -> bytes:
+        if match.start("numbers") >= 0:
+            return swapped.numbers(match, match[0])
+        return _ESCAPE.sub(rb"\1", match[0])
+
+    return swapped.put_back(_remainder(_swap(data, start, end, _ESCAPED_STRING_OR_NUMBERS, unescape), pairs_hook))
+
+
+def _swap(data: bytes | bytearray, start: int, end: int, pattern: re.Pattern[bytes], replace: Any) -> bytes:
+    """``pattern.sub(replace, data[start:end])``, without copying ``data[start:end]`` first."""
+    parts, at = [], start
+    for match in pattern.finditer(data, start, end):
+        parts += (data[at : match.start()], replace(match))
+        at = match.end()
+    parts.append(data[at:end])
+    return b"".join(parts)
+
+
+class _Swapped:
+    """The arrays of numbers :func:`loads` took out of ``data``, each a placeholder string in the text json reads."""
+
+    def __init__(self, data: bytes | bytearray) -> None:
+        self.data = data
+        self.prefix = secrets.token_hex(8) + ":"  # no client writes a string that starts so but by chance
+        self.arrays: list[array.array] = []
+        self.ends: list[int] = []  # where each placeholder ends in the text json reads
+        self.removed: list[int] = []  # bytes of ``data`` the placeholders up to there left out
+
+    def numbers(self, match: re.Match[bytes], text: bytes) -> bytes:
+        """The placeholder of the array of numbers ``match`` found, or ``text`` to leave it to json."""
         start, end = match.span("numbers")
-        dense = None if start < 0 else _dense(data, start, end)
+        dense = None if start < 0 else _dense(self.data, start, end)
         if dense is None:
-            return match[0]
-        placeholder = f'"{prefix}{len(arrays)}"'.encode()
-        arrays.append(dense)
-        before = removed[-1] if removed else 0
-        ends.append(match.start() - before + len(placeholder))
-        removed.append(before + match.end() - match.start() - len(placeholder))
+            return text
+        placeholder = f'"{self.prefix}{len(self.arrays)}"'.encode()
+        self.arrays.append(dense)
+        before = self.removed[-1] if self.removed else 0
+        self.ends.append(match.start() - before + len(placeholder))
+        self.removed.append(before + match.end() - match.start() - len(placeholder))
         return placeholder
 
-    text = _STRING_OR_NUMBERS.sub(swap, data)
-    try:
-        value = _remainder(text)
-    except json.JSONDecodeError as exc:
+    def error(self, exc: json.JSONDecodeError) -> json.JSONDecodeError:
+        """``exc`` at its byte offset in ``data``."""
         at = len(exc.doc[: exc.pos].encode("utf-8", "surrogatepass"))
-        shift = bisect.bisect_right(ends, at)
-        raise _error(exc, data, at + (removed[shift - 1] if shift else 0)) from None
-    return _put_back(value, prefix, arrays) if arrays else value
+        shift = bisect.bisect_right(self.ends, at)
+        return _error(exc, self.data, at + (self.removed[shift - 1] if shift else 0))
+
+    def put_back(self, value: Any) -> Any:
+        return _put_back(value, self.prefix, self.arrays) if self.arrays else value
 
 
-def _remainder(text: bytes) -> Any:
+def _remainder(text: bytes, pairs_hook: PairsHook | None) -> Any:
     """The document without its dense arrays. json first decodes the whole text into one string, which
     takes 4 bytes a character once one of them is beyond the BMP: such a text is read by orjson, which
-    builds no such string, but reads an integer beyond 64 bits as a double (so one is refused there)."""
-    if _BEYOND_BMP.search(text) is None:
-        return json.loads(text)
+    builds no such string, but reads an integer beyond 64 bits as a double (so one is refused there) and
+    takes no ``pairs_hook`` (so a text that must refuse duplicate keys is read by json)."""
+    if pairs_hook is not None or _BEYOND_BMP.search(text) is None:
+        return json.loads(text, object_pairs_hook=pairs_hook)
     if _BEYOND_64_BITS.search(text) is not None:
         raise ValueError("a body with a character beyond the BMP takes no integer beyond 64 bits; send it as a string")
     return orjson.loads(text)
