@@ -30,7 +30,10 @@ __all__ = [
     "MAX_JSON_STRINGS",
     "MAX_LISTED_ERRORS",
     "MAX_PROMPTS",
+    "MAX_PROTO_FIELDS",
+    "MAX_PROTO_OBJECTS",
     "MAX_SUB_JOBS",
+    "MAX_TINKER_DATUMS",
     "SEQUENCE_WINDOW",
     "check_containers",
     "check_counts",
@@ -66,6 +69,15 @@ MAX_BATCH_HEAD_BYTES = 1024 * 1024  # a requests:batch head: 256 parts' methods,
 MAX_BATCH_PARTS = 256
 MAX_PROMPTS = 16_384  # prompts in one generate or generate-stream of the training API (a rollout batch)
 MAX_SUB_JOBS = 64  # sub-job configs in one create-job
+# A Tinker forward_backward's datums: the SDK sends at most 1024 in one request (its fwdbwd_max_chunk_len).
+MAX_TINKER_DATUMS = 4096
+# Messages, map entries (two each) and repeated values one protobuf body may hold, counted from its wire bytes
+# before it is parsed: each costs 30 to 75 bytes once parsed, for as little as 2. A forward_backward of 4096
+# datums with five loss inputs each holds about 94,000.
+MAX_PROTO_OBJECTS = 131_072
+# Fields of any kind in one protobuf body, each one step of the count that precedes parsing; the same
+# 4096 datums hold about 139,000.
+MAX_PROTO_FIELDS = 262_144
 MAX_LISTED_ERRORS = 10  # a refusal names this many problems, then counts the rest
 SEQUENCE_WINDOW = 10_000  # default of --sequence-window: how far past the next number a call may be
 

@@ -181,11 +181,13 @@ async def forward_backward(request: Request, state: State, tenant: TenantDep) ->
     from icefloe.service.tinker import convert  # protobuf and torch: imported on first use
 
     raw = await request.body()
+    # Counted from its wire bytes first (a step per field, so even a small body off the loop): parsing
+    # builds an object per message, and the model is looked up before anything is built.
+    model = state.model(await asyncio.to_thread(convert.model_id_of, raw), tenant)
     try:
         message = await _off_loop(len(raw), convert.pb.ForwardBackwardRequest.FromString, raw)
     except Exception as exc:  # protobuf raises DecodeError, a plain Exception subclass
         raise InvalidRequestError(f"the body is not a ForwardBackwardRequest protobuf: {exc}") from None
-    model = state.model(message.model_id, tenant)
     max_tokens = state.manager.settings.max_tokens_per_request
 
     async def prepare() -> Prepared:
