@@ -246,6 +246,20 @@ def test_create_job_with_too_many_sub_jobs_names_the_limit(served):
     assert refused.status_code == 400 and "at most 64 items" in refused.json()["message"]
 
 
+def test_create_job_reports_each_top_level_key_it_does_not_use_in_warnings(served):
+    """A source_checkpoint_info put beside sub_job_configs, not in one, was dropped without a word: the
+    job started from fresh weights."""
+    body = {"sub_job_configs": [_SAMPLING], "source_checkpoint_info": {"checkpoint_id": "global_step1"}, "colour": 1}
+    answer = served.http.post("/", json=body)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["warnings"] == [
+        "colour is recorded but not used: the create-job body has no such field",
+        "source_checkpoint_info is recorded but not used: it is a sub-job field; put it in each entry of "
+        "sub_job_configs",
+    ]
+    assert served.http.post(f"/{answer.json()['job_id']}:cancel").status_code == 200
+
+
 def test_a_54_mib_requests_batch_head_is_refused_from_its_length(served, idle, tmp_path):
     """A requests:batch head of 54 MiB cost 3.9 s of a frozen loop and +1 GB."""
     head = b"[" + b",".join([b'{"size":0,"method":"POST","path":"/x"}'] * 1_500_000) + b"]"

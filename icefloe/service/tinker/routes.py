@@ -56,6 +56,10 @@ _PROMPT_KEYS = ("prompt_logprobs", "topk_prompt_logprobs", "target_prompt_logpro
 _MAX_SEQ_ID = 2**62
 _MAX_TOPK = 1024
 _SAMPLER_KINDS = ("snapshot", "inflight")  # the SDK's SamplingClientKind
+# The fields of the SDK's CreateModelRequest and LoraConfig, which forbid any other key (extra="forbid").
+_CREATE_MODEL_KEYS = ("session_id", "model_seq_id", "base_model", "user_metadata", "lora_config",
+                      "optimizer_config", "type")  # fmt: skip
+_LORA_KEYS = ("rank", "seed", "train_unembed", "train_mlp", "train_attn")
 
 
 async def tinker_state(request: Request) -> TinkerState:
@@ -128,11 +132,13 @@ def _base_model(body: Fields) -> str:
 
 @router.post("/create_model")
 async def create_model(body: Body, state: State, tenant: TenantDep) -> dict[str, Any]:
+    body.only(_CREATE_MODEL_KEYS, "CreateModelRequest")
     session_id = body.text("session_id", max_chars=256)
     seq = body.integer("model_seq_id", 0, low=0, high=_MAX_SEQ_ID)
     model_id = f"{session_id}:train:{seq}"
     if model_id not in state.models:
         lora = body.section("lora_config")
+        lora.only(_LORA_KEYS, "LoraConfig")
         rank = lora.integer("rank", None, low=1, high=1024)
         # The SDK's defaults: every layer kind, the output layer (unembedding) included.
         layers = {key: lora.flag(key, True) for key in ("train_attn", "train_mlp", "train_unembed")}
