@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse
 from icefloe.protocol import OP_FORWARD, OP_FWD_BWD, ConflictError, InvalidRequestError
 from icefloe.protocol import SamplingParams as EngineSamplingParams
 from icefloe.service import store
-from icefloe.service.limits import CHECK_ON_LOOP_BYTES
+from icefloe.service.limits import CHECK_ON_LOOP_BYTES, MAX_STOPS
 from icefloe.service.routes import SettingsDep, TenantDep
 from icefloe.service.routes.handlers import submit_weight_sync
 from icefloe.service.schemas import WeightSyncPayload
@@ -562,6 +562,10 @@ def _sample_call(
         stop = [stop]
     elif type(stop) is array.array:  # token ids of a large body
         stop = stop.tolist()
+    if isinstance(stop, list) and len(stop) > MAX_STOPS:
+        raise InvalidRequestError(
+            f"sampling_params.stop holds {len(stop)} entries; at most {MAX_STOPS} stop strings or token ids are served"
+        )
     if stop is not None and not (
         isinstance(stop, list) and (all(type(s) is int for s in stop) or all(isinstance(s, str) for s in stop))
     ):
