@@ -182,11 +182,26 @@ async def _off_loop(size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any
     return await asyncio.to_thread(call) if size > CHECK_ON_LOOP_BYTES else call()
 
 
+async def _read_into_one_buffer(request: Request) -> bytes | bytearray:
+    """The body, written into one buffer of its ``Content-Length`` as it arrives: a list of its chunks joined
+    at the end would hold it twice (``BodyLimit`` has bounded that length)."""
+    declared = request.headers.get("content-length", "")
+    if not declared.isdigit():
+        return await request.body()
+    buffer, filled = bytearray(int(declared)), 0
+    async for chunk in request.stream():
+        if filled + len(chunk) > len(buffer):
+            raise InvalidRequestError(f"the body is longer than its Content-Length ({declared} bytes)")
+        buffer[filled : filled + len(chunk)] = chunk
+        filled += len(chunk)
+    return buffer
+
+
 @router.post("/forward_backward")
 async def forward_backward(request: Request, state: State, tenant: TenantDep) -> dict[str, Any]:
     from icefloe.service.tinker import convert  # protobuf and torch: imported on first use
 
-    raw = await request.body()
+    raw = await _read_into_one_buffer(request)
     # Counted from its wire bytes first (a step per field, so even a small body off the loop): parsing
     # builds an object per message, and the model is looked up before anything is built.
     model = state.model(await asyncio.to_thread(convert.model_id_of, raw), tenant)
