@@ -21,8 +21,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from icefloe.protocol import InvalidRequestError, PayloadTooLargeError
 from icefloe.service.errors import send_error
-from icefloe.service.limits import CHECK_ON_LOOP_BYTES, MAX_BATCH_HEAD_BYTES, MAX_BATCH_PARTS, check_containers
-from icefloe.service.middleware import Recorder, read_body, replaying
+from icefloe.service.limits import (
+    CHECK_ON_LOOP_BYTES,
+    MAX_BATCH_HEAD_BYTES,
+    MAX_BATCH_PARTS,
+    MAX_JSON_BYTES,
+    check_containers,
+)
+from icefloe.service.middleware import Recorder, is_json, read_body, replaying
 from icefloe.wire.batch import BATCH_MEDIA_TYPE, BATCH_PATH, head_size, pack, unpack
 
 __all__ = ["Batches"]
@@ -51,6 +57,7 @@ class Batches:
             small = len(body) < 4 or head_size(body) <= CHECK_ON_LOOP_BYTES  # a thread hop costs more
             parts = _unpack(body) if small else await asyncio.to_thread(_unpack, body)
             scopes = [_part_scope(scope, part) for part, _ in parts]
+            _check_json_parts(scopes, [part_body for _, part_body in parts])
         except PayloadTooLargeError as refused:
             await send_error(scope, _open, send, refused)
             return
@@ -69,6 +76,18 @@ class Batches:
         await self.app(scope, replaying(body, _open), answer)
         kept = [[k.decode("latin-1"), v.decode("latin-1")] for k, v in answer.headers if k.lower() != b"content-length"]
         return {"status": answer.status or 500, "headers": kept}, answer.body
+
+
+def _check_json_parts(scopes: list[Scope], bodies: list[bytes]) -> None:
+    """The parts run at once, so what their JSON bodies build is held at once: together they are bounded
+    as one JSON body is (28 parts of 2 MiB of numbers each cost +590 MiB, ten times the batch)."""
+    json_bytes = sum(len(body) for part, body in zip(scopes, bodies, strict=True) if is_json(part))
+    if json_bytes > MAX_JSON_BYTES:
+        raise PayloadTooLargeError(
+            f"requests:batch: its JSON parts hold {json_bytes} bytes together; the parts of a batch are read at "
+            f"once, so together they are at most {MAX_JSON_BYTES} bytes, as one JSON body is: send the rest in "
+            "another batch, and data as DSSST1 frames"
+        )
 
 
 def _check_head(prefix: bytes) -> None:

@@ -50,7 +50,7 @@ from icefloe.service.requests import RequestTable
 from icefloe.service.results import HeldResults, ResultPages, json_text, wants_dssst1
 from icefloe.service.schemas import JobCreate
 from icefloe.service.settings import SHARED_TENANT, ServeSettings
-from icefloe.service.specs import SubJobSpec, sub_job_specs
+from icefloe.service.specs import SubJobSpec, body_warnings, sub_job_specs
 from icefloe.service.work.items import HELD, FwdBwd, Item, Sample, run_batch, run_one
 
 __all__ = ["JobManager", "LiveJob", "job_type_named"]
@@ -165,7 +165,7 @@ class JobManager:
                 dict(sub_job_id=s.sub_job_id, job_type=s.job_type, model_name=s.model_name, config=s.public_config)
                 for s in specs
             ],
-            "warnings": [warning for s in specs for warning in s.warnings],
+            "warnings": body_warnings(body) + [warning for s in specs for warning in s.warnings],
             "num_slots": 0 if base_key is not None else num_slots,  # a dedicated host's, charged to its tenant
         }
         if not store.insert_job(self.db, job_id=job_id, status="pending", spec=record, owner=owner):

@@ -28,15 +28,21 @@ __all__ = [
     "MAX_JSON_CONTAINERS",
     "MAX_JSON_DEPTH",
     "MAX_JSON_STRINGS",
+    "MAX_JSON_VALUES",
     "MAX_LISTED_ERRORS",
     "MAX_PROMPTS",
+    "MAX_PROTO_FIELDS",
+    "MAX_PROTO_OBJECTS",
+    "MAX_STOPS",
     "MAX_SUB_JOBS",
+    "MAX_TINKER_DATUMS",
     "SEQUENCE_WINDOW",
     "check_containers",
     "check_counts",
     "check_frame_header",
     "check_frame_header_length",
     "check_strings",
+    "check_values",
     "truncated",
 ]
 
@@ -59,6 +65,10 @@ MAX_JSON_CONTAINERS = 65_536
 # Strings (keys included) one JSON body may hold: 16,384 text prompts, or a Tinker forward_backward of 1024
 # datums, hold a few tens of thousands. Each costs about 57 bytes once parsed, for the 5 of "ab",.
 MAX_JSON_STRINGS = 65_536
+# Values (numbers, true, false, null) one JSON body may hold outside arrays of plain numbers, which are read as
+# machine numbers: each costs 24 to 32 bytes once parsed, for the 4 of "0.5,". An array of numbers with one
+# string in it is such a list.
+MAX_JSON_VALUES = 131_072
 # A DSSST1 header lists tensors and the tree's plain values; tensors carry the bulk in the data region,
 # but a generate's token-id prompts are plain values: 1024 prompts of 2048 tokens take about 13 MB.
 MAX_FRAME_HEADER_BYTES = 16 * 1024 * 1024
@@ -66,12 +76,24 @@ MAX_BATCH_HEAD_BYTES = 1024 * 1024  # a requests:batch head: 256 parts' methods,
 MAX_BATCH_PARTS = 256
 MAX_PROMPTS = 16_384  # prompts in one generate or generate-stream of the training API (a rollout batch)
 MAX_SUB_JOBS = 64  # sub-job configs in one create-job
+# Stop strings or stop token ids of one Tinker sample: each is checked at every decode step of every sample.
+MAX_STOPS = 1024
+# A Tinker forward_backward's datums: the SDK sends at most 1024 in one request (its fwdbwd_max_chunk_len).
+MAX_TINKER_DATUMS = 4096
+# Messages, map entries (two each) and repeated values one protobuf body may hold, counted from its wire bytes
+# before it is parsed: each costs 30 to 75 bytes once parsed, for as little as 2. A forward_backward of 4096
+# datums with five loss inputs each holds about 94,000.
+MAX_PROTO_OBJECTS = 131_072
+# Fields of any kind in one protobuf body, each one step of the count that precedes parsing; the same
+# 4096 datums hold about 139,000.
+MAX_PROTO_FIELDS = 262_144
 MAX_LISTED_ERRORS = 10  # a refusal names this many problems, then counts the rest
 SEQUENCE_WINDOW = 10_000  # default of --sequence-window: how far past the next number a call may be
 
 _FRAME_PREFIX = struct.Struct("<Q")
 _FRAME_INSTEAD = "send the values as tensors, or split the batch into several requests"
 _JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
+_NUMBERS_ARRAY = re.compile(rb"\[[-+0-9.eENaInfity, \t\n\r]*\]")  # as icefloe.wire.dense_json finds them
 
 
 def check_containers(raw: bytes, what: str, *, limit: int = MAX_JSON_CONTAINERS, instead: str = "") -> None:
@@ -103,6 +125,17 @@ def check_strings(raw: bytes, what: str, *, limit: int = MAX_JSON_STRINGS, inste
         raise _too_many(found, "JSON strings", limit, what, instead)
 
 
+def check_values(raw: bytes, what: str, *, limit: int = MAX_JSON_VALUES, instead: str = "") -> None:
+    """:class:`PayloadTooLargeError` when JSON ``raw`` holds more than ``limit`` values outside arrays of plain
+    numbers. Each takes a comma but the last of its container: ``bytes.count`` bounds the count from above,
+    and only a body over the bound by that count is counted again with its strings and numeric arrays blanked."""
+    if raw.count(b",") <= limit:
+        return
+    found = _NUMBERS_ARRAY.sub(b"[]", _JSON_STRING.sub(b'""', raw)).count(b",")
+    if found > limit:
+        raise _too_many(found, "JSON values outside arrays of plain numbers", limit, what, instead)
+
+
 def _too_many(found: int, things: str, limit: int, what: str, instead: str) -> PayloadTooLargeError:
     return PayloadTooLargeError(
         f"{what} holds {found} {things}; at most {limit} are accepted in one request: "
@@ -111,10 +144,11 @@ def _too_many(found: int, things: str, limit: int, what: str, instead: str) -> P
 
 
 def check_counts(raw: bytes, what: str, *, instead: str = "") -> None:
-    """Both bounds of a JSON body's count of objects: its containers and its strings. ``instead``: what
+    """Every bound of a JSON body's count of objects: its containers, strings and values. ``instead``: what
     the caller may send instead, in its API's terms."""
     check_containers(raw, what, instead=instead)
     check_strings(raw, what, instead=instead)
+    check_values(raw, what, instead=instead)
 
 
 def check_frame_header_length(prefix: bytes | memoryview, what: str = "DSSST1 frame") -> None:

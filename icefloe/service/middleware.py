@@ -65,6 +65,7 @@ __all__ = [
     "RequireToken",
     "caller_of",
     "header",
+    "is_json",
     "matching_token",
     "read_body",
     "replaying",
@@ -517,7 +518,7 @@ class JsonBodies:
         self.too_large = too_large or "send a smaller body"  # what the API's caller can do instead
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] not in _BODY_METHODS or not _is_json(scope):
+        if scope["type"] != "http" or scope["method"] not in _BODY_METHODS or not is_json(scope):
             await self.app(scope, receive, send)
             return
         try:
@@ -545,7 +546,7 @@ class JsonBodies:
             check_counts(body, "the body", instead=self.too_large)
 
 
-def _is_json(scope: Scope) -> bool:
+def is_json(scope: Scope) -> bool:
     """True for the media types the routes parse as JSON (``application/json``, ``application/*+json``)."""
     media_type = (header(scope, b"content-type") or b"").partition(b";")[0].strip().lower()
     return media_type == b"application/json" or (

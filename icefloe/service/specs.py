@@ -19,9 +19,10 @@ from typing import Any
 from icefloe.config import ClientConfig, LoraConfig
 from icefloe.engines.models import cached_hub_model
 from icefloe.protocol import SEGMENT_BY_JOB_TYPE, ConfigError, InvalidRequestError
+from icefloe.service.limits import MAX_LISTED_ERRORS
 from icefloe.service.schemas import InferenceConfig, JobCreate, SubJobConfig, TrainingConfigSpec
 
-__all__ = ["SubJobSpec", "sub_job_specs"]
+__all__ = ["SubJobSpec", "body_warnings", "sub_job_specs"]
 
 _log = logging.getLogger("icefloe.service")
 
@@ -258,6 +259,22 @@ def _check_adapters_match(specs: list[SubJobSpec]) -> None:
                 f"{other.sub_job_id}): {'; '.join(differences)}; give the training and sampling sub-jobs the same "
                 "peft_config (r, lora_alpha, target_modules), or none to train full weights"
             )
+
+
+def body_warnings(body: JobCreate) -> list[str]:
+    """A warning for each top-level key of a create-job body that nothing reads (a misplaced sub-job field
+    among them would otherwise vanish in silence): the first :data:`MAX_LISTED_ERRORS`, then a count."""
+    sub_job_fields = {info.alias or name for name, info in SubJobConfig.model_fields.items()}
+    unknown = sorted(body.model_extra or {})
+    warnings = [
+        f"{key} is recorded but not used: "
+        + ("it is a sub-job field; put it in each entry of sub_job_configs" if key in sub_job_fields else
+           "the create-job body has no such field")
+        for key in unknown[:MAX_LISTED_ERRORS]
+    ]  # fmt: skip
+    if len(unknown) > MAX_LISTED_ERRORS:
+        warnings.append(f"... and {len(unknown) - MAX_LISTED_ERRORS} more top-level keys are recorded but not used")
+    return warnings
 
 
 def sub_job_specs(job_id: str, body: JobCreate, *, model_root: Path | None = None) -> list[SubJobSpec]:

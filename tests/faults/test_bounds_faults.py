@@ -246,6 +246,20 @@ def test_create_job_with_too_many_sub_jobs_names_the_limit(served):
     assert refused.status_code == 400 and "at most 64 items" in refused.json()["message"]
 
 
+def test_create_job_reports_each_top_level_key_it_does_not_use_in_warnings(served):
+    """A source_checkpoint_info put beside sub_job_configs, not in one, was dropped without a word: the
+    job started from fresh weights."""
+    body = {"sub_job_configs": [_SAMPLING], "source_checkpoint_info": {"checkpoint_id": "global_step1"}, "colour": 1}
+    answer = served.http.post("/", json=body)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["warnings"] == [
+        "colour is recorded but not used: the create-job body has no such field",
+        "source_checkpoint_info is recorded but not used: it is a sub-job field; put it in each entry of "
+        "sub_job_configs",
+    ]
+    assert served.http.post(f"/{answer.json()['job_id']}:cancel").status_code == 200
+
+
 def test_a_54_mib_requests_batch_head_is_refused_from_its_length(served, idle, tmp_path):
     """A requests:batch head of 54 MiB cost 3.9 s of a frozen loop and +1 GB."""
     head = b"[" + b",".join([b'{"size":0,"method":"POST","path":"/x"}'] * 1_500_000) + b"]"
@@ -375,3 +389,114 @@ def test_a_generate_frame_of_long_token_prompts_costs_at_most_twice_its_size(ser
     assert 13 * 10**6 < len(body) < 16 * 2**20
     probe = _post(served, f"{PREFIX}/{job_id}/generate", body, _OCTET, tmp_path)
     _assert_harmless(probe, idle, len(body), status=400)
+
+
+# --- Tinker protobuf bodies -----------------------------------------------------------------------
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes(out) + bytes([value])
+
+
+def _length_field(number: int, payload: bytes) -> bytes:
+    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+_MADE_UP_MODEL = _length_field(1, b"x:train:0")  # ForwardBackwardRequest.model_id: no such model
+_EMPTY_MESSAGES = {
+    # 25M empty Datum entries (data, field 3): +1,382 MiB and /health stalled 1.13 s, answered 404 after the parse
+    "datums": _MADE_UP_MODEL + b"\x1a\x00" * 25_000_000,
+    # one datum of 24M empty chunks (Datum.model_input, field 1)
+    "chunks": _MADE_UP_MODEL + _length_field(3, b"\x0a\x00" * 24_000_000),
+    # one loss input (Datum.loss_fn_inputs, field 2) whose Tensor.shape (field 4, packed) holds 40M ones
+    "shape": _MADE_UP_MODEL
+    + _length_field(3, _length_field(2, _length_field(2, _length_field(4, b"\x01" * 40_000_000)))),
+}
+
+
+@pytest.mark.parametrize("body", _EMPTY_MESSAGES.values(), ids=_EMPTY_MESSAGES.keys())
+def test_a_forward_backward_of_millions_of_empty_messages_is_refused_before_it_is_parsed(served, idle, tmp_path, body):
+    """Parsing built an object of 30 to 60 bytes for each 1 to 2 bytes of the body, before the model_id was
+    looked up: any key with a made-up model_id could cost the service 1.7 GB a request."""
+    assert len(body) > 38 * 2**20
+    key = {"X-API-Key": TOKENS["alice"], **PROTO}
+    probe = _post(served, "/api/v1/forward_backward", body, key, tmp_path)
+    _assert_harmless(probe, idle, len(body), status=413)
+    assert "at most" in probe.text and "ForwardBackwardRequest" in probe.text, probe.text
+
+
+# --- JSON that is not a dense array of numbers ----------------------------------------------------
+def _long_strings(count: int) -> bytes:
+    """A JSON array of ``count`` 26-character strings: under the count of strings, near the 2 MiB cap."""
+    return b"[" + b",".join(b'"%026d"' % index for index in range(count)) + b"]"
+
+
+def _floats_and_a_string(head: bytes) -> bytes:
+    """``head`` + an array of "0.5" up to the cap whose last item is a string: not read as machine numbers."""
+    return _dense(head, b"0.5", b',"x"]}').replace(b'],"x"]}', b',"x"]}')
+
+
+def test_tinker_json_of_long_strings_costs_at_most_twice_the_floor(served, idle, tmp_path):
+    """65,000 stop strings (1.8 MiB) to asample were queued for the sampler (+21 MiB, and each checked at every
+    decode step); an unknown key holding them cost create_model as much: the parse cut each string out of the
+    text and joined it back."""
+    alice = Tinker(served, "alice")
+    try:
+        session_id, _ = alice.model()
+        sampler = alice.sampler(session_id)
+    finally:
+        alice.close()
+    key = {"X-API-Key": TOKENS["alice"], **_JSON}
+    sample = b'{"sampling_session_id": "%s", "prompt": {"chunks": [{"tokens": [1, 2, 3]}]}, ' % sampler.encode()
+    sample += b'"sampling_params": {"max_tokens": 4, "stop": ' + _long_strings(65_000) + b"}}"
+    probe = _post(served, "/api/v1/asample", sample, key, tmp_path)
+    _assert_harmless(probe, idle, len(sample), status=400)
+    assert "at most 1024 stop strings or token ids" in probe.text, probe.text
+    model = b'{"session_id": "%s", "model_seq_id": 7, "base_model": "tiny-chat", "x": ' % session_id.encode()
+    model += _long_strings(65_000) + b"}"
+    probe = _post(served, "/api/v1/create_model", model, key, tmp_path)
+    _assert_harmless(probe, idle, len(model), status=400)
+
+
+def _post_eight_at_once(serve: Serve, path: str, body: bytes, headers: dict[str, str], tmp_path: Path) -> Probe:
+    """POST ``body`` eight times at once from another process while probing the service."""
+    file = tmp_path / "hostile.bin"
+    file.write_bytes(body)
+    code = (
+        "import httpx, json, sys\nfrom concurrent.futures import ThreadPoolExecutor\n"
+        "body = open(sys.argv[2], 'rb').read()\n"
+        "def post(_):\n"
+        "    with httpx.Client(timeout=120) as http:\n"
+        "        return http.post(sys.argv[1], content=body, headers=json.loads(sys.argv[3])).status_code\n"
+        "with ThreadPoolExecutor(8) as pool:\n"
+        "    statuses = sorted(set(pool.map(post, range(8))))\n"
+        "open(sys.argv[4], 'w').write(json.dumps({'status': statuses[0] if len(statuses) == 1 else 0, 'text': ''}))"
+    )
+    answer = tmp_path / "answer.json"
+    answer.unlink(missing_ok=True)
+    command = [sys.executable, "-c", code, serve.base_url + path, str(file), json.dumps(headers), str(answer)]
+    return _probe_during(serve, subprocess.Popen(command), answer)
+
+
+def test_eight_bodies_of_floats_and_a_string_at_once_cost_at_most_twice_their_size(served, idle, tmp_path):
+    """An array of floats with one string in it is a list of Python floats (32 bytes for the 4 of "0.5,"):
+    eight such 2 MiB optim_step bodies at once cost +60 to +90 MiB."""
+    key = {"X-API-Key": TOKENS["alice"], **_JSON}
+    body = _floats_and_a_string(b'{"model_id": "none", "adam_params": {"learning_rate": 0.001}, "unused": ')
+    probe = _post_eight_at_once(served, "/api/v1/optim_step", body, key, tmp_path)
+    _assert_harmless(probe, idle, 8 * len(body), status=413)
+
+
+def test_a_requests_batch_of_json_parts_is_bounded_as_one_json_body(served, job_id, idle, tmp_path):
+    """28 step parts of 2 MiB each (56 MiB) were parsed at once: +590 MiB and /health stalled 0.95 s."""
+    step = _dense(b'{"learning_rate": 0.001, "unused": ', b"1")
+    json_header = [["content-type", "application/json"]]
+    part = {"method": "POST", "path": f"{PREFIX}/{job_id}/step", "query": "", "headers": json_header, "size": len(step)}
+    parts = [part] * 28
+    head = json.dumps(parts).encode()
+    body = struct.pack(">I", len(head)) + head + step * 28
+    probe = _post(served, f"{PREFIX}/requests:batch", body, {"Content-Type": "application/x-icefloe-batch"}, tmp_path)
+    _assert_harmless(probe, idle, len(body), status=413)
+    assert "JSON parts hold" in probe.text, probe.text

@@ -362,3 +362,21 @@ def test_a_restart_keeps_runs_checkpoints_and_answers_every_old_future(tmp_path)
         finally:
             alice.close()
             bob.close()
+
+
+def test_create_model_refuses_a_key_the_sdk_never_sends_naming_it(served, alice):
+    """create_model accepted an unknown key in silence (a typo such as lora_config.ranks trained at the default
+    rank); the SDK's CreateModelRequest and LoraConfig forbid any key beside their fields, so none is dropped."""
+    from tinker import types
+
+    session_id = alice.ok("/create_session", {})["session_id"]
+    lora = types.LoraConfig(rank=4, seed=3)
+    request = types.CreateModelRequest(
+        session_id=session_id, model_seq_id=0, base_model="tiny-chat", lora_config=lora, user_metadata={"run": "a"}
+    )
+    sent = request.model_dump(exclude_unset=False, exclude_none=True, mode="json")  # as the SDK sends it
+    _refused(alice.post("/create_model", {**sent, "x": [1]}), "'x': not a field of CreateModelRequest")
+    misspelt = {**sent, "lora_config": {**sent["lora_config"], "ranks": 8}}
+    _refused(alice.post("/create_model", misspelt), "'lora_config.ranks': not a field of LoraConfig")
+    created = alice.ok("/create_model", sent)
+    assert alice.outcome(created["request_id"]).json()["model_id"] == created["model_id"]

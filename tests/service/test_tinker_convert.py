@@ -50,3 +50,28 @@ def test_batch_from_request_refuses_a_negative_token_id_naming_the_datum():
 def test_batch_from_request_refuses_a_negative_target_naming_the_field():
     with pytest.raises(InvalidRequestError, match=r"data\.0\.loss_fn_inputs\.target_tokens holds -100, not a token"):
         _batch(_request(([5, 6], [6, -100])))
+
+
+def test_model_id_of_reads_a_full_request_and_refuses_each_count_naming_it():
+    """Counted from the wire bytes: a request as the SDK builds it passes; a body of empty datums, of empty
+    chunks or of a long packed shape is refused before it is parsed, and bytes that are no protobuf are a 400."""
+    from icefloe.protocol import PayloadTooLargeError
+
+    message = pb.ForwardBackwardRequest(model_id="s:train:0", seq_id=1, loss_fn="cross_entropy")
+    for _ in range(1024):
+        datum = message.data.add()
+        datum.model_input.add().encoded_text.tokens = np.arange(8, dtype=np.int32).tobytes()
+        for name in ("target_tokens", "weights", "advantages", "logprobs", "mask"):
+            datum.loss_fn_inputs[name].CopyFrom(pb.Tensor(dense=bytes(32), dtype=pb.DTYPE_FLOAT32, shape=[8]))
+    assert convert.model_id_of(message.SerializeToString()) == "s:train:0"
+    head = b"\x0a\x09s:train:0"
+    with pytest.raises(PayloadTooLargeError, match="more than 4096 datums"):
+        convert.model_id_of(head + b"\x1a\x00" * 5000)
+    chunks = b"\x0a\x00" * 200_000
+    with pytest.raises(PayloadTooLargeError, match="more than 131072 protobuf messages"):
+        convert.model_id_of(head + b"\x1a" + bytes([0x80 | len(chunks) & 0x7F, 0x80 | len(chunks) >> 7 & 0x7F,
+                                                    len(chunks) >> 14]) + chunks)  # fmt: skip
+    with pytest.raises(PayloadTooLargeError, match="more than 262144 protobuf fields"):
+        convert.model_id_of(head + b"\x10\x01" * 300_000)  # seq_id again and again: nothing built, but walked
+    with pytest.raises(InvalidRequestError, match="the body is not a ForwardBackwardRequest protobuf"):
+        convert.model_id_of(head + b"\x1a\x05\x0a")

@@ -20,7 +20,7 @@ import orjson
 from fastapi import Request
 
 from icefloe.protocol import InvalidRequestError, PayloadTooLargeError
-from icefloe.service.limits import CHECK_ON_LOOP_BYTES, MAX_JSON_BYTES, MAX_JSON_DEPTH, check_counts
+from icefloe.service.limits import CHECK_ON_LOOP_BYTES, MAX_JSON_BYTES, MAX_JSON_DEPTH, check_counts, truncated
 from icefloe.wire import dense_json
 
 __all__ = ["Fields", "checkpoint_name", "int_array", "json_body"]
@@ -140,6 +140,16 @@ class Fields:
         if not isinstance(value, bool):
             raise InvalidRequestError(f"{self.name(key)} must be true or false; got {_shown(value)}")
         return value
+
+    def only(self, known: tuple[str, ...], sent_as: str) -> None:
+        """400 naming the keys beside ``known``, the fields of the SDK's request type ``sent_as``, which
+        forbids any other: a key the SDK never sends is a caller's mistake, not something to drop."""
+        unknown = sorted(set(self.value) - set(known))
+        if unknown:
+            raise InvalidRequestError(
+                f"{truncated(repr(self.name(key))[:80] for key in unknown)}: not a field of {sent_as}; "
+                f"send only {list(known)}"
+            )
 
     def section(self, key: str) -> Fields:
         """A nested object (missing or null: empty)."""

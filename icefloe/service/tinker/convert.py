@@ -19,8 +19,10 @@ import numpy as np
 from tinker.proto import tinker_public_pb2 as pb
 
 from icefloe.protocol import InvalidRequestError
+from icefloe.service.limits import MAX_PROTO_FIELDS, MAX_PROTO_OBJECTS, MAX_TINKER_DATUMS
+from icefloe.service.tinker import proto_counts
 
-__all__ = ["Layout", "batch_from_request", "forward_backward_output", "pb", "sample_response"]
+__all__ = ["Layout", "batch_from_request", "forward_backward_output", "model_id_of", "pb", "sample_response"]
 
 Layout = list[tuple[int, int, int | None]]  # per datum: its length, its first row, and K for [L, K] targets
 
@@ -38,6 +40,26 @@ _UNPUBLISHED = {
         "record_stability_info, and neither is published)"
     ),
 }
+
+
+_REQUEST = pb.ForwardBackwardRequest.DESCRIPTOR
+_REQUEST_SCHEMA = proto_counts.schema_of(_REQUEST)
+_FEWER_DATUMS = "send fewer datums per forward_backward (the SDK sends at most 1024)"
+
+
+def model_id_of(raw: bytes) -> str:
+    """The ``model_id`` of a ForwardBackwardRequest's wire bytes, read once the datums, messages and fields
+    it holds are counted within their bounds: before it is parsed, so a body of millions of empty messages
+    is refused (413) while it costs nothing, and an unknown model (404) before it costs anything."""
+    data, model_id = _REQUEST.fields_by_name["data"].number, _REQUEST.fields_by_name["model_id"].number
+    counts = proto_counts.count(
+        raw, _REQUEST_SCHEMA, what="ForwardBackwardRequest", instead=_FEWER_DATUMS, max_objects=MAX_PROTO_OBJECTS,
+        max_fields=MAX_PROTO_FIELDS, max_top={data: (MAX_TINKER_DATUMS, "datums")},
+    )  # fmt: skip
+    try:
+        return counts.texts.get(model_id, b"").decode()
+    except UnicodeDecodeError:
+        raise InvalidRequestError("model_id is not UTF-8 text; send the model_id create_model answered") from None
 
 
 def _buffer(raw: bytes, dtype: type[np.generic], where: str) -> np.ndarray:

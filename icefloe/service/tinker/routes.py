@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse
 from icefloe.protocol import OP_FORWARD, OP_FWD_BWD, ConflictError, InvalidRequestError
 from icefloe.protocol import SamplingParams as EngineSamplingParams
 from icefloe.service import store
-from icefloe.service.limits import CHECK_ON_LOOP_BYTES
+from icefloe.service.limits import CHECK_ON_LOOP_BYTES, MAX_STOPS
 from icefloe.service.routes import SettingsDep, TenantDep
 from icefloe.service.routes.handlers import submit_weight_sync
 from icefloe.service.schemas import WeightSyncPayload
@@ -56,6 +56,10 @@ _PROMPT_KEYS = ("prompt_logprobs", "topk_prompt_logprobs", "target_prompt_logpro
 _MAX_SEQ_ID = 2**62
 _MAX_TOPK = 1024
 _SAMPLER_KINDS = ("snapshot", "inflight")  # the SDK's SamplingClientKind
+# The fields of the SDK's CreateModelRequest and LoraConfig, which forbid any other key (extra="forbid").
+_CREATE_MODEL_KEYS = ("session_id", "model_seq_id", "base_model", "user_metadata", "lora_config",
+                      "optimizer_config", "type")  # fmt: skip
+_LORA_KEYS = ("rank", "seed", "train_unembed", "train_mlp", "train_attn")
 
 
 async def tinker_state(request: Request) -> TinkerState:
@@ -128,11 +132,13 @@ def _base_model(body: Fields) -> str:
 
 @router.post("/create_model")
 async def create_model(body: Body, state: State, tenant: TenantDep) -> dict[str, Any]:
+    body.only(_CREATE_MODEL_KEYS, "CreateModelRequest")
     session_id = body.text("session_id", max_chars=256)
     seq = body.integer("model_seq_id", 0, low=0, high=_MAX_SEQ_ID)
     model_id = f"{session_id}:train:{seq}"
     if model_id not in state.models:
         lora = body.section("lora_config")
+        lora.only(_LORA_KEYS, "LoraConfig")
         rank = lora.integer("rank", None, low=1, high=1024)
         # The SDK's defaults: every layer kind, the output layer (unembedding) included.
         layers = {key: lora.flag(key, True) for key in ("train_attn", "train_mlp", "train_unembed")}
@@ -176,16 +182,33 @@ async def _off_loop(size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any
     return await asyncio.to_thread(call) if size > CHECK_ON_LOOP_BYTES else call()
 
 
+async def _read_into_one_buffer(request: Request) -> bytes | bytearray:
+    """The body, written into one buffer of its ``Content-Length`` as it arrives: a list of its chunks joined
+    at the end would hold it twice (``BodyLimit`` has bounded that length)."""
+    declared = request.headers.get("content-length", "")
+    if not declared.isdigit():
+        return await request.body()
+    buffer, filled = bytearray(int(declared)), 0
+    async for chunk in request.stream():
+        if filled + len(chunk) > len(buffer):
+            raise InvalidRequestError(f"the body is longer than its Content-Length ({declared} bytes)")
+        buffer[filled : filled + len(chunk)] = chunk
+        filled += len(chunk)
+    return buffer
+
+
 @router.post("/forward_backward")
 async def forward_backward(request: Request, state: State, tenant: TenantDep) -> dict[str, Any]:
     from icefloe.service.tinker import convert  # protobuf and torch: imported on first use
 
-    raw = await request.body()
+    raw = await _read_into_one_buffer(request)
+    # Counted from its wire bytes first (a step per field, so even a small body off the loop): parsing
+    # builds an object per message, and the model is looked up before anything is built.
+    model = state.model(await asyncio.to_thread(convert.model_id_of, raw), tenant)
     try:
         message = await _off_loop(len(raw), convert.pb.ForwardBackwardRequest.FromString, raw)
     except Exception as exc:  # protobuf raises DecodeError, a plain Exception subclass
         raise InvalidRequestError(f"the body is not a ForwardBackwardRequest protobuf: {exc}") from None
-    model = state.model(message.model_id, tenant)
     max_tokens = state.manager.settings.max_tokens_per_request
 
     async def prepare() -> Prepared:
@@ -554,6 +577,10 @@ def _sample_call(
         stop = [stop]
     elif type(stop) is array.array:  # token ids of a large body
         stop = stop.tolist()
+    if isinstance(stop, list) and len(stop) > MAX_STOPS:
+        raise InvalidRequestError(
+            f"sampling_params.stop holds {len(stop)} entries; at most {MAX_STOPS} stop strings or token ids are served"
+        )
     if stop is not None and not (
         isinstance(stop, list) and (all(type(s) is int for s in stop) or all(isinstance(s, str) for s in stop))
     ):
