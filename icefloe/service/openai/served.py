@@ -37,6 +37,7 @@ _START_TIMEOUT_S = 600.0
 _TINKER_PREFIX = "tinker://"
 _LISTED = 1000  # checkpoints of each API GET /models lists, newest first
 _DATABASE, _SCHEMA = "openai", "v1"  # what the endpoint's jobs are listed under
+_FOLDED_CHARS = 4  # characters a normalizer may turn into one (NFKC composes a letter with its marks)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,14 @@ class Base:
 
     tokenizer: Any
     positions: int
+    longest_token_chars: int  # characters of the vocabulary's longest token (a byte-level token: its bytes)
+
+    @property
+    def max_text_chars(self) -> int:
+        """Characters past which a text cannot fit the context, so it is refused before it is tokenized:
+        each token covers at most the longest token's characters, times what a tokenizer's normalizer
+        may fold into one (a letter and its combining marks)."""
+        return self.positions * self.longest_token_chars * _FOLDED_CHARS
 
 
 @dataclass
@@ -242,7 +251,8 @@ class Loaded:
 
         folder = resolve_model(self._folder(base_model))
         positions, _ = context_limit(AutoConfig.from_pretrained(str(folder)), 1 << 30)
-        return Base(load_tokenizer(folder), positions)
+        tokenizer = load_tokenizer(folder)
+        return Base(tokenizer, positions, max(map(len, tokenizer.get_vocab()), default=1))
 
     # --- listing ----------------------------------------------------------------------------------
     def listing(self, tenant: str) -> list[dict[str, Any]]:
