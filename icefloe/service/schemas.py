@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from icefloe.protocol import InvalidRequestError, normalize_job_type
+from icefloe.protocol import InvalidRequestError, PayloadTooLargeError, normalize_job_type
 from icefloe.service.limits import MAX_JSON_DEPTH, MAX_LISTED_ERRORS, MAX_PROMPTS, MAX_SUB_JOBS, check_counts
 from icefloe.wire import dense_json
 
@@ -42,6 +42,8 @@ def parse_json_body(raw: bytes | str, what: str = "body") -> Any:
         value = dense_json.loads(raw)
     except RecursionError:
         raise InvalidRequestError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels; flatten it") from None
+    except dense_json.TooManyValues as exc:
+        raise PayloadTooLargeError(f"{what} {exc}") from None
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
         raise InvalidRequestError(f"{what} is not valid JSON ({exc}); send a JSON object") from None
     check_body(value, what)

@@ -13,6 +13,11 @@ of cached small ints took). The rest of the document, each such array replaced b
 string, is read by :func:`json.loads` (by orjson where a character is beyond the BMP and no duplicate
 key is to be refused: see :func:`_remainder`); a smaller document by :func:`json.loads` alone.
 
+What stays for json to read is bounded too: a large document whose text outside its arrays of numbers
+would build more than :data:`MAX_LOOSE_VALUES` values (a list of numbers with one string in it, or
+numbers no machine type holds exactly: each a Python object of 24 to 36 bytes for the 4 of "1.5,")
+raises :class:`TooManyValues` before json reads it.
+
 An ``array.array`` acts as a list does where code reads a body (``len``, truth, ``==``, ``in``,
 iteration yields Python numbers), where a numpy array would raise; ``numpy.asarray`` views it
 without a copy, and pickling it costs its bytes.
@@ -31,13 +36,17 @@ from typing import Any
 import numpy as np
 import orjson
 
-__all__ = ["DENSE_FROM_BYTES", "as_lists", "loads", "loads_escaped"]
+__all__ = ["DENSE_FROM_BYTES", "MAX_LOOSE_VALUES", "TooManyValues", "as_lists", "loads", "loads_escaped"]
 
 # Smaller documents are read by json alone: their arrays cost little, and the swap would cost more.
 DENSE_FROM_BYTES = 64 * 1024
+# Values (numbers, strings, true, false, null) a large document may hold outside its arrays of numbers:
+# json builds each as a Python object, up to 36 bytes plus its list's 8, so these cost at most about 11 MB.
+MAX_LOOSE_VALUES = 262_144
 
 # A string is passed over whole (brackets inside it are text); an array holding only the characters of
 # numbers is a candidate, whose slices the JSON parsers then check as they read them.
+_STRING = re.compile(rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"', re.DOTALL)
 _STRING_OR_NUMBERS = re.compile(
     rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"|\[(?P<numbers>[ \t\n\r]*+[-0-9NI][-+0-9.eE,NaInfity \t\n\r]*+)\]', re.DOTALL
 )
@@ -57,6 +66,10 @@ _ESCAPE = re.compile(rb'\\(["\\])')
 
 
 PairsHook = Callable[[list[tuple[str, Any]]], dict[str, Any]]
+
+
+class TooManyValues(ValueError):
+    """A large document would build more than :data:`MAX_LOOSE_VALUES` values outside its arrays of numbers."""
 
 
 def loads(raw: bytes | str, *, pairs_hook: PairsHook | None = None) -> Any:
@@ -142,11 +155,28 @@ def _remainder(text: bytes, pairs_hook: PairsHook | None) -> Any:
     takes 4 bytes a character once one of them is beyond the BMP: such a text is read by orjson, which
     builds no such string, but reads an integer beyond 64 bits as a double (so one is refused there) and
     takes no ``pairs_hook`` (so a text that must refuse duplicate keys is read by json)."""
+    _check_loose(text)
     if pairs_hook is not None or _BEYOND_BMP.search(text) is None:
         return json.loads(text, object_pairs_hook=pairs_hook)
     if _BEYOND_64_BITS.search(text) is not None:
         raise ValueError("a body with a character beyond the BMP takes no integer beyond 64 bits; send it as a string")
     return orjson.loads(text)
+
+
+def _check_loose(text: bytes) -> None:
+    """:class:`TooManyValues` when ``text`` holds :data:`MAX_LOOSE_VALUES` values or more. Each value after
+    the first of its container follows a comma, so a text with fewer commas holds fewer values (plus one a
+    container, and containers are bounded before parsing); only a text with more is counted again without
+    the commas inside its strings."""
+    if text.count(b",") < MAX_LOOSE_VALUES:
+        return
+    found = _STRING.sub(b'""', text).count(b",")
+    if found >= MAX_LOOSE_VALUES:
+        raise TooManyValues(
+            f"holds {found} values outside arrays of plain numbers (a list mixing numbers with other values, or "
+            "numbers no machine type holds exactly), each a Python object once read; at most "
+            f"{MAX_LOOSE_VALUES} are read"
+        )
 
 
 def _dense(data: bytes, start: int, end: int) -> array.array | None:

@@ -13,11 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from icefloe.protocol import InvalidRequestError
+from icefloe.protocol import InvalidRequestError, PayloadTooLargeError
 from icefloe.service.limits import CHECK_ON_LOOP_BYTES
 from icefloe.service.schemas import GenerateBody, JobCreate, parse_json_body
 from icefloe.service.tinker.checks import int_array
-from icefloe.wire.dense_json import as_lists, loads
+from icefloe.wire.dense_json import MAX_LOOSE_VALUES, TooManyValues, as_lists, loads
 
 _PAD = b" " * (CHECK_ON_LOOP_BYTES + 1)  # whitespace makes any document a large body
 
@@ -91,6 +91,18 @@ def test_whitespace_anywhere_json_allows_it():
 def test_an_integer_beyond_int64_leaves_its_array_a_list_of_python_ints():
     body = loads(_large('{"x": [1, 123456789012345678901234567890], "y": [9223372036854775808]}'))
     assert body == {"x": [1, 123456789012345678901234567890], "y": [9223372036854775808]}
+
+
+def test_a_large_body_of_numbers_json_must_read_one_by_one_is_refused_before_it_is_read():
+    """2 MiB of "1.5," ending in a string is no array of numbers: json built 524k floats (8 times the text)."""
+    mixed = b'{"prompt": [' + b",".join([b"1.5"] * MAX_LOOSE_VALUES) + b', "x"]}'
+    with pytest.raises(TooManyValues, match=f"holds {MAX_LOOSE_VALUES} values outside arrays of plain numbers"):
+        loads(mixed)
+    with pytest.raises(PayloadTooLargeError, match="body holds"):
+        parse_json_body(mixed)
+    assert type(loads(mixed.replace(b', "x"', b""))["prompt"]) is array.array
+    commas_in_strings = json.dumps({"texts": [","] * (MAX_LOOSE_VALUES // 2)}).encode()  # 2 commas a value
+    assert len(loads(commas_in_strings)["texts"]) == MAX_LOOSE_VALUES // 2
 
 
 def test_a_small_body_is_read_by_json_alone():

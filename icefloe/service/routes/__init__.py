@@ -15,9 +15,10 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import APIRouter, Depends, HTTPException, Request, Response
 from fastapi.routing import APIRoute
 
+from icefloe.protocol import PayloadTooLargeError
 from icefloe.service.jobs import JobManager
 from icefloe.service.limits import CHECK_ON_LOOP_BYTES, MAX_JSON_BYTES, check_frame_header_length
 from icefloe.service.middleware import read_body, tenant_of
@@ -70,14 +71,23 @@ TurnDep = Annotated[Turn, Depends(_turn, scope="function")]
 
 
 async def json_of(raw: bytes) -> Any:
-    """A JSON body as :func:`dense_json.loads` reads it, off the event loop when it is large."""
-    return await asyncio.to_thread(dense_json.loads, raw) if len(raw) > CHECK_ON_LOOP_BYTES else dense_json.loads(raw)
+    """A JSON body as :func:`dense_json.loads` reads it, off the event loop when it is large;
+    :class:`PayloadTooLargeError` for one that would build too many values (:class:`dense_json.TooManyValues`)."""
+    try:
+        return (
+            await asyncio.to_thread(dense_json.loads, raw) if len(raw) > CHECK_ON_LOOP_BYTES else dense_json.loads(raw)
+        )
+    except dense_json.TooManyValues as exc:
+        raise PayloadTooLargeError(f"the body {exc}") from None
 
 
 class _DenseJsonRequest(Request):
     async def json(self) -> Any:
         if not hasattr(self, "_json"):
-            self._json = await json_of(await self.body())
+            try:
+                self._json = await json_of(await self.body())
+            except PayloadTooLargeError as exc:  # FastAPI answers any other error here with a bare 400
+                raise HTTPException(413, str(exc)) from None
         return self._json
 
 

@@ -59,6 +59,8 @@ def _parse(raw: bytes) -> Any:
         return dense_json.loads(raw)
     except RecursionError:
         raise InvalidRequestError(f"the body nests deeper than {MAX_JSON_DEPTH} levels; flatten it") from None
+    except dense_json.TooManyValues as exc:
+        raise PayloadTooLargeError(f"the body {exc}: split the data into smaller calls") from None
     except ValueError as exc:
         raise InvalidRequestError(f"the body is not valid JSON ({exc}); send a JSON object") from None
 
