@@ -7,8 +7,9 @@ or ``/weights/``), a training-API checkpoint (``<job_id>/<checkpoint_id>``, full
 on first use and kept while used: a LoRA checkpoint is an adapter on the shared host of its base model,
 full weights get a host of their own (:mod:`icefloe.service.hosts.pool` decides, as for any job). At
 most ``max_loaded_models`` (``icefloe serve --max-loaded-models``) stay loaded; past that the least
-recently used idle one is cancelled. A job
-whose lease lapsed (unused for the service's ``lease_ttl_s``) is made again on its next request.
+recently used idle one is cancelled. A model no request used for ``loaded_model_idle_s``
+(``--loaded-model-idle-s``) is unloaded, whether or not the service's jobs have leases (``--lease-ttl-s 0``
+would otherwise keep it, and its slot, forever); its next request loads it again.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ class Loaded:
             served = await asyncio.shield(task)
         job = await self._running(served.job_id)
         self._served.move_to_end(key)
-        self.manager.renew(served.job_id)
+        self.manager.renew(served.job_id, self.manager.settings.loaded_model_idle_s)
         return served, job
 
     async def _load(self, tenant: str, model: str) -> Served:
