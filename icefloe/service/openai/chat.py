@@ -18,7 +18,7 @@ __all__ = ["prompt_tokens", "template_messages"]
 _ROLES = ("system", "developer", "user", "assistant")
 
 
-def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+def template_messages(messages: list[Any]) -> list[dict[str, str]]:
     """``messages`` as a chat template takes them (``role``, ``content`` as one text, ``name``), or
     :class:`FieldError` naming the first one that is refused."""
     return [_message(index, message) for index, message in enumerate(messages)]
@@ -37,8 +37,10 @@ def prompt_tokens(tokenizer: Any, messages: list[dict[str, str]], model: str) ->
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def _message(index: int, message: dict[str, Any]) -> dict[str, str]:
+def _message(index: int, message: Any) -> dict[str, str]:
     where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise FieldError(where, f"{where} must be an object with a role and content")
     role = message.get("role")
     if role not in _ROLES:
         why = "tool calls are not served" if role in ("tool", "function") else f"role must be one of {list(_ROLES)}"

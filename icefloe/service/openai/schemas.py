@@ -171,7 +171,7 @@ class CompletionRequest(_Request):
 class ChatRequest(_Request):
     """``POST /chat/completions``: ``messages`` rendered by the model's chat template."""
 
-    messages: list[dict[str, Any]] = Field(min_length=1)
+    messages: list[Any] = Field(min_length=1)  # each an object, checked by chat.template_messages (no copy of each)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
