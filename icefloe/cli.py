@@ -349,6 +349,10 @@ def serve(
             min=1, help="OpenAI endpoint: models kept loaded at once; past it the least recently used idle one goes."
         ),
     ] = 16,
+    loaded_model_idle_s: Annotated[
+        float,
+        typer.Option(min=0.001, help="OpenAI endpoint: unload a model no request used for this long (seconds)."),
+    ] = 600.0,
 ) -> None:
     """Run the training-API service (`icefloe serve`) that remote clients point their base URL at.
 
@@ -371,7 +375,7 @@ def serve(
             forwarded_allow_ips=forwarded_allow_ips or (),
             header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
             max_samples_per_request=max_samples_per_request, max_tokens_per_request=max_tokens_per_request,
-            max_loaded_models=max_loaded_models,
+            max_loaded_models=max_loaded_models, loaded_model_idle_s=loaded_model_idle_s,
         )  # fmt: skip
         if address is not None and settings.engines != "ray":
             raise ConfigError("--address names a Ray cluster; it needs --engines ray")

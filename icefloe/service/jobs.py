@@ -83,6 +83,7 @@ class LiveJob:
     last_avg_loss: dict[str, float] = field(default_factory=dict)
     thread: threading.Thread | None = None
     lease_until: float = math.inf  # time.monotonic() after which a job with nothing in flight is cancelled
+    lease_s: float = 0.0  # how long its last renewal extended the lease
     in_flight: dict[str, tuple[str, str, float]] = field(default_factory=dict)  # request id -> (sub-job, op, start)
     base_key: HostKey | None = None  # the base it can share with other LoRA jobs (None: a host of its own)
     owner: str = SHARED_TENANT  # the tenant that created it
@@ -249,11 +250,13 @@ class JobManager:
         records = store.list_checkpoints(self.db, job_id=job_id)
         return records[-1]["checkpoint_id"] if records else None
 
-    def renew(self, job_id: str) -> None:
-        """Extend the job's lease (every call on the job does; a client with nothing to send heartbeats)."""
+    def renew(self, job_id: str, ttl_s: float | None = None) -> None:
+        """Extend the job's lease (every call on the job does; a client with nothing to send heartbeats)
+        by ``ttl_s``, default the service's ``lease_ttl_s`` (0: no lease)."""
         job = self._live.get(job_id)
-        if job is not None and self.settings.lease_ttl_s:
-            job.lease_until = time.monotonic() + self.settings.lease_ttl_s
+        ttl_s = self.settings.lease_ttl_s if ttl_s is None else ttl_s
+        if job is not None and ttl_s:
+            job.lease_until, job.lease_s = time.monotonic() + ttl_s, ttl_s
 
     def heartbeat(self, job_id: str) -> dict[str, Any]:
         self.renew(job_id)
@@ -266,7 +269,11 @@ class JobManager:
         job whose lease lapsed with nothing pending or running, and deletes expired result files."""
         settings = self.settings
         shortest = min(
-            settings.lease_ttl_s or 10, settings.op_deadline_s, settings.result_ttl_s, *settings.op_deadlines_s.values()
+            settings.lease_ttl_s or 10,
+            settings.loaded_model_idle_s,
+            settings.op_deadline_s,
+            settings.result_ttl_s,
+            *settings.op_deadlines_s.values(),
         )
         threading.Thread(target=self._watch, args=(min(1.0, max(0.02, shortest / 10)),), daemon=True).start()
 
@@ -305,7 +312,7 @@ class JobManager:
                         fail_resumable(job, reason, self.last_checkpoint)
                     engines.kill()
                 elif now > job.lease_until and not job.in_flight and not self.requests.has_open(job.job_id):
-                    job.log.write(f"no call or heartbeat for {self.settings.lease_ttl_s:g} s", level="WARNING")
+                    job.log.write(f"no call or heartbeat for {job.lease_s:g} s", level="WARNING")
                     job.state.cancel("client lease expired")
 
     def cancel(self, job_id: str, reason: str = "cancelled on request") -> dict[str, Any]:

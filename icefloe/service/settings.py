@@ -100,6 +100,8 @@ class ServeSettings(BaseModel):
     # Models the OpenAI endpoint keeps loaded (one sampling job each, over all tenants); past it the
     # least recently used idle one is unloaded.
     max_loaded_models: int = Field(16, gt=0)
+    # An OpenAI endpoint model no request used for this long is unloaded (its slot freed), whatever lease_ttl_s is.
+    loaded_model_idle_s: float = Field(600.0, gt=0)
     ui_session_ttl_s: float = Field(12 * 3600.0, gt=0)  # a dashboard login lasts this long
     # Failed token checks (dashboard logins, bearer tokens, Tinker API keys) one client address may
     # make per minute; past it, that address is answered 429 before its token is looked at.

@@ -8,6 +8,7 @@ resident memory (``/proc/<pid>/status``); both are compared with an idle baselin
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 import struct
 import subprocess
@@ -24,7 +25,7 @@ from icefloe import wire
 from icefloe.service.limits import MAX_JSON_BYTES
 
 from .serve_process import PREFIX, TRAINING, Serve
-from .tinker_serve import PROTO, TOKENS, Tinker, tinker_serve
+from .tinker_serve import PROTO, TOKENS, Tinker, export_model, tinker_serve
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real services: `make test-slow`
 
@@ -43,9 +44,21 @@ class Probe:
     rss_growth_bytes: int
 
 
+_CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+def _models_with_a_chat_model(root: Path) -> None:
+    """``root`` with tiny-chat (as tinker_serve exports it) and tiny-chat-template: the same with a chat template."""
+    folder = export_model(root)
+    shutil.copytree(folder, root / "tiny-chat-template")
+    config = root / "tiny-chat-template" / "tokenizer_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "chat_template": _CHAT_TEMPLATE}))
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("bounds-faults")
+    _models_with_a_chat_model(tmp_path / "models")
     with tinker_serve(tmp_path, "--sequence-gap-timeout-s", "2") as serve:
         yield serve
 
@@ -500,3 +513,87 @@ def test_a_requests_batch_of_json_parts_is_bounded_as_one_json_body(served, job_
     probe = _post(served, f"{PREFIX}/requests:batch", body, {"Content-Type": "application/x-icefloe-batch"}, tmp_path)
     _assert_harmless(probe, idle, len(body), status=413)
     assert "JSON parts hold" in probe.text, probe.text
+
+
+# --- the OpenAI endpoint --------------------------------------------------------------------------
+def _openai_bodies() -> dict[str, tuple[str, bytes, int, str]]:
+    """Bodies under the JSON cap built to cost the most per byte: (route, body, status, what the answer says)."""
+    completion, chat = (
+        b'{"model": "tiny:arith", "max_tokens": 1, "prompt": ',
+        b'{"model": "tiny-chat-template", "messages": ',
+    )
+    floats = _with_last(_dense(completion, b"1.5"), b'"x"')
+    few_floats = _with_last(_dense(completion, b"1.5", size=500_000), b'"x"')  # under the count of values
+    text = json.dumps({"model": "tiny:arith", "max_tokens": 1, "prompt": "1+" * (MAX_JSON_BYTES // 2 - 100)})
+    texts = json.dumps({"model": "tiny:arith", "max_tokens": 1, "prompt": ["ab"] * 65_000})
+    messages = chat + json.dumps([{"role": "user", "content": "a"}] * 16_000).encode() + b"}"
+    message = chat + json.dumps([{"role": "user", "content": "ab" * (MAX_JSON_BYTES // 2 - 100)}]).encode() + b"}"
+    return {
+        "floats-then-a-string": ("/v1/completions", floats, 413, "outside arrays of plain numbers"),
+        "fewer-floats-then-a-string": ("/v1/completions", few_floats, 400, "prompt[0] is a number with a fraction"),
+        "a-2-mib-text": ("/v1/completions", text.encode(), 400, "no text of more than 1280 characters fits"),
+        "65k-short-texts": ("/v1/completions", texts.encode(), 400, "65000 samples; at most 1024"),
+        "16k-messages": ("/v1/chat/completions", messages, 400, "no text of more than 10240 characters fits"),
+        "a-2-mib-message": ("/v1/chat/completions", message, 400, "no text of more than 10240 characters fits"),
+    }
+
+
+_OPENAI_BODIES = _openai_bodies()
+
+
+@pytest.fixture(scope="module")
+def openai_loaded(served):
+    """Both models loaded once: loading a tokenizer imports transformers into the service (about +30 MiB)."""
+    for path, body in (
+        ("/v1/completions", {"model": "tiny:arith", "prompt": "1+1=", "max_tokens": 1}),
+        ("/v1/chat/completions", {"model": "tiny-chat-template", "messages": [{"role": "user", "content": "hi"}]}),
+    ):
+        answer = httpx.post(served.base_url + path, json={**body, "max_tokens": 1}, headers=_ADMIN, timeout=120)
+        assert answer.status_code == 200, answer.text
+
+
+@pytest.mark.parametrize("case", _OPENAI_BODIES.values(), ids=_OPENAI_BODIES.keys())
+def test_openai_prompts_built_to_cost_the_most_are_refused_before_costly_work(
+    served, openai_loaded, idle, tmp_path, case
+):
+    """A prompt of 900k floats ending in a string was validated as a four-way union on the event loop
+    (/health 21.8 s, +3.4 GB); 750k short strings and a 3.6 MiB text were tokenized before anything counted
+    them (17 s; +1.2 GB); 60,000 chat messages were rendered before any check. Under the 2 MiB cap, on main:
+    the floats stalled /health 12.2 s (+226 MiB), the text 2.3 s (+166 MiB), 65k texts 1.1 s."""
+    path, body, status, said = case
+    probe = _post(served, path, body, _JSON, tmp_path)
+    _assert_harmless(probe, idle, len(body), status=status)
+    assert said in probe.text, probe.text
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", b'{"model": "\\ud800x", "prompt": "1"}', "model"),
+        ("/v1/completions", b'{"model": "tiny:arith", "prompt": "\\ud800", "max_tokens": 1}', "prompt"),
+        ("/v1/completions", b'{"model": "tiny:arith", "prompt": ["1", "2\\udfff"], "max_tokens": 1}', "prompt"),
+        ("/v1/chat/completions", b'{"model": "tiny-chat-template", "messages": [{"role": "user", "content": "a"}, '
+         b'{"role": "user", "content": "\\ud800"}], "max_tokens": 1}', "messages[1].content"),
+    ],
+    ids=["model", "prompt", "prompts", "message"],
+)  # fmt: skip
+def test_openai_text_with_a_lone_surrogate_is_a_400_naming_its_param(served, path, body, param):
+    """A lone surrogate answered 500: a JobCreate ValidationError for the model, a tokenizer TypeError for a prompt."""
+    answer = httpx.post(served.base_url + path, content=body, headers={**_ADMIN, **_JSON}, timeout=120)
+    error = answer.json()["error"]
+    assert answer.status_code == 400 and error["type"] == "invalid_request_error", answer.text
+    assert error["param"] == param and "lone surrogate" in error["message"], answer.text
+
+
+def test_an_openai_model_is_unloaded_when_idle_with_leases_off(tmp_path):
+    """With --lease-ttl-s 0, a model the endpoint loaded for one request held its slot forever: tenants
+    could fill the slots so that others' training jobs waited."""
+    with Serve(tmp_path / "serve", "--lease-ttl-s", "0", "--loaded-model-idle-s", "1") as serve:
+        seen: set[str] = set()
+        for _ in range(2):  # loaded, unloaded once idle, then loaded again by the next request
+            body = {"model": "tiny:arith", "prompt": "1+1=", "max_tokens": 1}
+            answer = httpx.post(f"{serve.base_url}/v1/completions", json=body, timeout=120)
+            assert answer.status_code == 200, answer.text
+            (job_id,) = {job["job_id"] for job in serve.call("GET", "/")["jobs"]} - seen
+            seen.add(job_id)
+            serve.wait_job(job_id, "cancelled", "terminated", timeout_s=60, renew=False)

@@ -1,28 +1,32 @@
 """``POST /completions``, ``POST /chat/completions``, ``GET /models``: OpenAI's schemas field for field.
 
-A handler reads its body, loads the model (:mod:`.models`), turns the prompt into tokens (the chat
-template for chat), checks the limits the Tinker API's samples obey (``--max-samples-per-request``,
-``--max-tokens-per-request``, the model's context), queues the sampling (:mod:`.sampling`) and
-answers once it is done, or as server-sent events (:mod:`.stream`).
+A handler reads its body, checks the limits the Tinker API's samples obey (``--max-samples-per-request``,
+``--max-tokens-per-request``, the model's context), loads the model (:mod:`.served`), turns the prompt
+into tokens (the chat template for chat), queues the sampling (:mod:`.sampling`) and answers once it
+is done, or as server-sent events (:mod:`.stream`). Each bound is checked from the cheapest evidence
+first: the count of prompts before the model is loaded, a text's characters before it is tokenized
+(:attr:`Base.max_text_chars`), its tokens after; a large prompt is tokenized off the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from icefloe.protocol import SamplingParams
+from icefloe.service.limits import CHECK_ON_LOOP_BYTES
 from icefloe.service.middleware import tenant_of
 from icefloe.service.openai import sampling
-from icefloe.service.openai.chat import prompt_tokens
+from icefloe.service.openai.chat import prompt_tokens, template_messages
 from icefloe.service.openai.errors import FieldError, ModelNotFound
-from icefloe.service.openai.schemas import ChatRequest, CompletionRequest
+from icefloe.service.openai.schemas import ChatRequest, CompletionRequest, Prompts, prompt_list
 from icefloe.service.openai.served import Base, Loaded
 from icefloe.service.openai.stream import EventStream, until_done
 from icefloe.service.routes import DenseJsonRoute
@@ -30,6 +34,7 @@ from icefloe.service.routes import DenseJsonRoute
 __all__ = ["router"]
 
 _COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /completions; chat samples until a stop or the context's end
+_Made = TypeVar("_Made")
 
 router = APIRouter(route_class=DenseJsonRoute)  # a large body's number arrays: machine numbers
 
@@ -91,13 +96,20 @@ async def get_model(model: str, ctx: Ctx) -> dict[str, Any]:
 @router.post("/completions")
 async def completions(body: CompletionRequest, ctx: Ctx) -> Response:
     body.refuse_unserved()
-    served, job = await ctx.loaded.served(body.model, ctx.tenant)
-    tokenizer = served.base.tokenizer
-    prompts = _token_prompts(body.prompt, tokenizer)
+    given = prompt_list(body.prompt)
     if body.max_tokens == 0 and not body.echo:
         raise FieldError("max_tokens", "max_tokens 0 samples nothing; it is allowed only with echo (to score a prompt)")
+    _check_samples(ctx, body.n, len(given))
+    served, job = await ctx.loaded.served(body.model, ctx.tenant)
+    tokenizer = served.base.tokenizer
     scoring_only = body.max_tokens == 0  # echo's prompt log-probs: one token is sampled and dropped
     max_tokens = _COMPLETION_MAX_TOKENS if body.max_tokens is None else max(body.max_tokens, 1)
+    for index, prompt in enumerate(given):
+        if isinstance(prompt, str):
+            _check_text_fits(served.base, "prompt" if len(given) == 1 else f"prompt[{index}]", "prompt", len(prompt))
+        else:
+            _check_context(served.base, len(prompt), max_tokens)
+    prompts = await _off_loop_if_large(sum(map(len, given)), lambda: _token_prompts(given, tokenizer))
     k, scored = body.logprobs or 0, body.logprobs is not None
     params = [_params(body, max_tokens=max_tokens, logprobs=scored, top=k, echo=body.echo) for _ in prompts]
     _check_limits(ctx, prompts, params, served.base)
@@ -130,18 +142,15 @@ async def completions(body: CompletionRequest, ctx: Ctx) -> Response:
     return JSONResponse(answer.envelope(listed, usage=answer.usage(samples)))
 
 
-def _token_prompts(prompt: Any, tokenizer: Any) -> list[list[int]]:
-    if isinstance(prompt, str):
-        prompt = [prompt]
-    if prompt and all(isinstance(t, int) for t in prompt):
-        prompt = [prompt]
-    texts = [list(tokenizer.encode(p)) if isinstance(p, str) else list(p) for p in prompt]
-    if not texts or any(not ids for ids in texts):
-        raise FieldError("prompt", "prompt is empty; give text or at least one token id")
+def _token_prompts(prompts: Prompts, tokenizer: Any) -> list[list[int]]:
+    """Each prompt's token ids: a text tokenized, token ids checked against the vocabulary."""
+    made = [list(tokenizer.encode(p)) if isinstance(p, str) else list(p) for p in prompts]
+    if any(not ids for ids in made):
+        raise FieldError("prompt", "prompt is empty once tokenized; give text the model's tokenizer keeps")
     vocab = len(tokenizer)
-    if any(t < 0 or t >= vocab for ids in texts for t in ids):
+    if any(min(ids) < 0 or max(ids) >= vocab for ids in made):
         raise FieldError("prompt", f"prompt holds token ids outside the model's vocabulary [0, {vocab})")
-    return texts
+    return made
 
 
 def _echoed(tokenizer: Any, prompt: list[int], sample: dict[str, Any], k: int) -> list[_Token]:
@@ -171,12 +180,16 @@ def _completion_logprobs(choice: _Choice) -> dict[str, Any]:
 @router.post("/chat/completions")
 async def chat_completions(body: ChatRequest, ctx: Ctx) -> Response:
     body.refuse_unserved()
-    served, job = await ctx.loaded.served(body.model, ctx.tenant)
-    tokenizer = served.base.tokenizer
     if body.max_tokens == 0:
         raise FieldError("max_tokens", "max_tokens must be at least 1")
-    prompt = prompt_tokens(tokenizer, body.messages, body.model)
+    _check_samples(ctx, body.n, 1)
+    messages = template_messages(body.messages)
+    served, job = await ctx.loaded.served(body.model, ctx.tenant)
+    tokenizer = served.base.tokenizer
     wanted = body.max_completion_tokens or body.max_tokens
+    chars = sum(len(message["content"]) for message in messages)
+    _check_text_fits(served.base, "the messages' content", "messages", chars)
+    prompt = await _off_loop_if_large(chars, lambda: prompt_tokens(tokenizer, messages, body.model))
     max_tokens = wanted or max(served.base.positions - len(prompt), 1)
     k = body.top_logprobs or 0
     params = [_params(body, max_tokens=max_tokens, logprobs=body.logprobs, top=k, echo=False)]
@@ -234,25 +247,51 @@ def _params(body: Any, *, max_tokens: int, logprobs: bool, top: int, echo: bool)
     )
 
 
-def _check_limits(ctx: _Context, prompts: list[list[int]], params: list[SamplingParams], base: Base) -> None:
-    """The bounds a Tinker sample obeys: samples and tokens per request, and the model's context."""
-    settings = ctx.manager.settings
-    n = params[0].n
-    if n * len(prompts) > settings.max_samples_per_request:
+def _check_samples(ctx: _Context, n: int, num_prompts: int) -> None:
+    """The samples a request asks for, within ``--max-samples-per-request``: checked before anything is loaded."""
+    most = ctx.manager.settings.max_samples_per_request
+    if n * num_prompts > most:
         raise FieldError(
             "n",
-            f"n ({n}) x {len(prompts)} prompts is {n * len(prompts)} samples; at most "
-            f"{settings.max_samples_per_request} go in one request (icefloe serve --max-samples-per-request)",
+            f"n ({n}) x {num_prompts} prompts is {n * num_prompts} samples; at most {most} go in one request "
+            "(icefloe serve --max-samples-per-request)",
         )
+
+
+def _check_text_fits(base: Base, where: str, param: str, chars: int) -> None:
+    """A text of ``chars`` characters that cannot fit the model's context is refused before it is tokenized."""
+    if chars > base.max_text_chars:
+        raise FieldError(
+            param,
+            f"{where} is {chars} characters; no text of more than {base.max_text_chars} characters fits this "
+            f"model's maximum context length of {base.positions} tokens. Please reduce the prompt.",
+            code="context_length_exceeded",
+        )
+
+
+def _check_context(base: Base, prompt_tokens: int, max_tokens: int) -> None:
+    if prompt_tokens + max_tokens > base.positions:
+        raise FieldError(
+            "max_tokens",
+            f"This model's maximum context length is {base.positions} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} for the "
+            "completion). Please reduce the prompt or max_tokens.",
+            code="context_length_exceeded",
+        )
+
+
+async def _off_loop_if_large(size: int, work: Callable[[], _Made]) -> _Made:
+    """``work()``, on a worker thread when ``size`` (characters or token ids) is large: tokenizing a
+    large prompt would stall every other request."""
+    return await asyncio.to_thread(work) if size > CHECK_ON_LOOP_BYTES else work()
+
+
+def _check_limits(ctx: _Context, prompts: list[list[int]], params: list[SamplingParams], base: Base) -> None:
+    """The bounds a Tinker sample's tokens obey: per request, and the model's context."""
+    settings = ctx.manager.settings
+    n = params[0].n
     for prompt, wanted in zip(prompts, params, strict=True):
-        if len(prompt) + wanted.max_tokens > base.positions:
-            raise FieldError(
-                "max_tokens",
-                f"This model's maximum context length is {base.positions} tokens. However, you requested "
-                f"{len(prompt) + wanted.max_tokens} tokens ({len(prompt)} in the prompt, {wanted.max_tokens} for the "
-                "completion). Please reduce the prompt or max_tokens.",
-                code="context_length_exceeded",
-            )
+        _check_context(base, len(prompt), wanted.max_tokens)
         tokens = n * (len(prompt) + wanted.max_tokens)
         if tokens > settings.max_tokens_per_request:
             raise FieldError(

@@ -7,8 +7,9 @@ or ``/weights/``), a training-API checkpoint (``<job_id>/<checkpoint_id>``, full
 on first use and kept while used: a LoRA checkpoint is an adapter on the shared host of its base model,
 full weights get a host of their own (:mod:`icefloe.service.hosts.pool` decides, as for any job). At
 most ``max_loaded_models`` (``icefloe serve --max-loaded-models``) stay loaded; past that the least
-recently used idle one is cancelled. A job
-whose lease lapsed (unused for the service's ``lease_ttl_s``) is made again on its next request.
+recently used idle one is cancelled. A model no request used for ``loaded_model_idle_s``
+(``--loaded-model-idle-s``) is unloaded, whether or not the service's jobs have leases (``--lease-ttl-s 0``
+would otherwise keep it, and its slot, forever); its next request loads it again.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ _START_TIMEOUT_S = 600.0
 _TINKER_PREFIX = "tinker://"
 _LISTED = 1000  # checkpoints of each API GET /models lists, newest first
 _DATABASE, _SCHEMA = "openai", "v1"  # what the endpoint's jobs are listed under
+_FOLDED_CHARS = 4  # characters a normalizer may turn into one (NFKC composes a letter with its marks)
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,14 @@ class Base:
 
     tokenizer: Any
     positions: int
+    longest_token_chars: int  # characters of the vocabulary's longest token (a byte-level token: its bytes)
+
+    @property
+    def max_text_chars(self) -> int:
+        """Characters past which a text cannot fit the context, so it is refused before it is tokenized:
+        each token covers at most the longest token's characters, times what a tokenizer's normalizer
+        may fold into one (a letter and its combining marks)."""
+        return self.positions * self.longest_token_chars * _FOLDED_CHARS
 
 
 @dataclass
@@ -92,7 +102,7 @@ class Loaded:
             served = await asyncio.shield(task)
         job = await self._running(served.job_id)
         self._served.move_to_end(key)
-        self.manager.renew(served.job_id)
+        self.manager.renew(served.job_id, self.manager.settings.loaded_model_idle_s)
         return served, job
 
     async def _load(self, tenant: str, model: str) -> Served:
@@ -242,7 +252,8 @@ class Loaded:
 
         folder = resolve_model(self._folder(base_model))
         positions, _ = context_limit(AutoConfig.from_pretrained(str(folder)), 1 << 30)
-        return Base(load_tokenizer(folder), positions)
+        tokenizer = load_tokenizer(folder)
+        return Base(tokenizer, positions, max(map(len, tokenizer.get_vocab()), default=1))
 
     # --- listing ----------------------------------------------------------------------------------
     def listing(self, tenant: str) -> list[dict[str, Any]]:
