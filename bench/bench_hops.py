@@ -407,6 +407,9 @@ class _SeedBody:
             body.extend(message.get("body", b""))
             if self.path.on and body and not message.get("more_body"):
                 self.path.seed(bytes(body), sys._getframe())
+                # This wrapper is every layer's ``receive``: holding the body here would make each layer
+                # that awaits (a suspension reads as a return) look as if it were handed the data.
+                body.clear()
             return message
 
         return await self.app(scope, seeded, send)

@@ -202,13 +202,19 @@ async def forward_backward(request: Request, state: State, tenant: TenantDep) ->
     from icefloe.service.tinker import convert  # protobuf and torch: imported on first use
 
     raw = await _read_into_one_buffer(request)
-    # Counted from its wire bytes first (a step per field, so even a small body off the loop): parsing
-    # builds an object per message, and the model is looked up before anything is built.
-    model = state.model(await asyncio.to_thread(convert.model_id_of, raw), tenant)
+    # A large body is counted from its wire bytes first, off the loop (a Python step per field): parsing
+    # builds up to 70 bytes of objects per byte, and its model is looked up before anything is built. One
+    # of at most CHECK_ON_LOOP_BYTES builds at most a few MB, so it is parsed as it is.
+    model = (
+        state.model(await asyncio.to_thread(convert.model_id_of, raw), tenant)
+        if len(raw) > CHECK_ON_LOOP_BYTES
+        else None
+    )
     try:
         message = await _off_loop(len(raw), convert.pb.ForwardBackwardRequest.FromString, raw)
     except Exception as exc:  # protobuf raises DecodeError, a plain Exception subclass
         raise InvalidRequestError(f"the body is not a ForwardBackwardRequest protobuf: {exc}") from None
+    model = model or state.model(message.model_id, tenant)
     max_tokens = state.manager.settings.max_tokens_per_request
 
     async def prepare() -> Prepared:
