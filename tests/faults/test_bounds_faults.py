@@ -59,7 +59,9 @@ def _models_with_a_chat_model(root: Path) -> None:
 def served(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("bounds-faults")
     _models_with_a_chat_model(tmp_path / "models")
-    with tinker_serve(tmp_path, "--sequence-gap-timeout-s", "2") as serve:
+    # Slots for every host the module's jobs hold at once: Tinker sessions the tests leave keep theirs until
+    # their heartbeat lapses (120 s), and the OpenAI tests load two models of their own after them.
+    with tinker_serve(tmp_path, "--sequence-gap-timeout-s", "2", "--slots", "8") as serve:
         yield serve
 
 
