@@ -53,8 +53,8 @@ def _bodies(folder: Path, scale: float, job_id: str) -> list[dict]:
         "batch_head": (f"{_PREFIX}/requests:batch", struct.pack(">I", len(head)) + head, batch),
         "deep_head": (f"{_PREFIX}/requests:batch", struct.pack(">I", len(deep)) + deep, batch),
         "plain_values": (f"{_PREFIX}/{job_id}/forward-backward", struct.pack("<Q", len(header)) + header, octet),
-        "sequence": ("/api/v1/telemetry", b"{}",
-                     {"Content-Type": "application/json", "Icefloe-Sequence": "x:30000000"}),
+        # The header orders the training API's POSTs (the Tinker API's order is its own seq_id).
+        "sequence": (f"{_PREFIX}/", b"{}", {"Content-Type": "application/json", "Icefloe-Sequence": "x:30000000"}),
     }  # fmt: skip
     described = []
     for name, (path, body, headers) in cases.items():
@@ -150,3 +150,5 @@ def main(argv: list[str]) -> None:
         f"hostile_p50_ms={hostile_p50 * 1e3:.2f} hostile_max_ms={max(hostile) * 1e3:.1f} "
         f"idle_max_ms={max(idle) * 1e3:.1f} all_4xx={str(refused).lower()}"
     )
+    if not refused:  # a hostile body that is not refused is a failure, not a measurement
+        sys.exit(f"bench hostile: a hostile body was not refused: {[s for s in statuses if not 400 <= s[1] < 500]}")
