@@ -167,10 +167,10 @@ def check_frame_header_length(prefix: bytes | memoryview, what: str = "DSSST1 fr
 
 
 def check_frame_header(frame: bytes) -> None:
-    """Bound a whole DSSST1 frame's header before it is parsed: its declared length, and the containers
-    and strings its JSON (the tree's plain values included) would build, counted in ``frame`` itself (a
-    copy of a 16 MiB header would cost as much as its tree). Brackets and quotes escaped inside the
-    tree's strings count too, so the counts bound from above."""
+    """Bound a whole DSSST1 frame's header before it is parsed: its declared length, and the containers,
+    strings and values outside arrays of plain numbers its JSON (the tree's plain values included) would
+    build, counted in ``frame`` itself (a copy of a 16 MiB header would cost as much as its tree).
+    Brackets, quotes and commas inside the tree's strings count too, so the counts bound from above."""
     check_frame_header_length(frame[: _FRAME_PREFIX.size])
     if len(frame) < _FRAME_PREFIX.size:
         return
@@ -182,6 +182,12 @@ def check_frame_header(frame: bytes) -> None:
     strings = frame.count(b'"', start, end) // 2
     if strings > MAX_JSON_STRINGS:
         raise _too_many(strings, "JSON strings", MAX_JSON_STRINGS, what, _FRAME_INSTEAD)
+    values = frame.count(b",", start, end)
+    if values > MAX_JSON_VALUES:  # the commas of the tree's arrays of plain numbers left out, still without a copy
+        values -= sum(frame.count(b",", *match.span()) for match in _NUMBERS_ARRAY.finditer(frame, start, end))
+        if values > MAX_JSON_VALUES:
+            loose = "JSON values outside arrays of plain numbers"
+            raise _too_many(values, loose, MAX_JSON_VALUES, what, _FRAME_INSTEAD)
 
 
 def truncated(problems: Iterable[str], separator: str = "; ") -> str:

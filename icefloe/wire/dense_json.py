@@ -31,10 +31,14 @@ from typing import Any
 import numpy as np
 import orjson
 
-__all__ = ["DENSE_FROM_BYTES", "as_lists", "loads", "loads_escaped"]
+__all__ = ["DENSE_FROM_BYTES", "MAX_INEXACT_NUMBERS", "as_lists", "loads", "loads_escaped"]
 
 # Smaller documents are read by json alone: their arrays cost little, and the swap would cost more.
 DENSE_FROM_BYTES = 64 * 1024
+# Numbers a document may hold in arrays that no machine type holds exactly (an integer beyond 64 bits, or
+# one of 2**53 or more among fractions): json reads each as a Python object of 24 to 36 bytes, plus its
+# list's 8, for as few as 2 bytes of text, so these cost at most about 5 MB.
+MAX_INEXACT_NUMBERS = 131_072
 
 # A string is passed over whole (brackets inside it are text); an array holding only the characters of
 # numbers is a candidate, whose slices the JSON parsers then check as they read them.
@@ -117,12 +121,15 @@ class _Swapped:
         self.arrays: list[array.array] = []
         self.ends: list[int] = []  # where each placeholder ends in the text json reads
         self.removed: list[int] = []  # bytes of ``data`` the placeholders up to there left out
+        self.inexact = 0  # numbers of the arrays left to json
 
     def numbers(self, match: re.Match[bytes]) -> bytes | None:
         """The placeholder of the array of numbers ``match`` found, or None to leave it to json."""
         start, end = match.span("numbers")
         dense = None if start < 0 else _dense(self.data, start, end)
         if dense is None:
+            if start >= 0:
+                self._left_to_json(start, end)
             return None
         placeholder = f'"{self.prefix}{len(self.arrays)}"'.encode()
         self.arrays.append(dense)
@@ -130,6 +137,18 @@ class _Swapped:
         self.ends.append(match.start() - before + len(placeholder))
         self.removed.append(before + match.end() - match.start() - len(placeholder))
         return placeholder
+
+    def _left_to_json(self, start: int, end: int) -> None:
+        """Count an array of numbers json will read one by one; a JSONDecodeError past :data:`MAX_INEXACT_NUMBERS`."""
+        self.inexact += self.data.count(b",", start, end) + 1
+        if self.inexact > MAX_INEXACT_NUMBERS:
+            raise json.JSONDecodeError(
+                f"more than {MAX_INEXACT_NUMBERS} numbers in arrays that no machine type holds exactly (an integer "
+                f"beyond 64 bits, or one of 2**53 or more among fractions; the last such array is at byte {start}): "
+                "send such integers as strings, or apart from the fractions",
+                "",
+                0,
+            )
 
     def error(self, exc: json.JSONDecodeError) -> json.JSONDecodeError:
         """``exc`` at its byte offset in ``data``."""

@@ -599,3 +599,25 @@ def test_an_openai_model_is_unloaded_when_idle_with_leases_off(tmp_path):
             (job_id,) = {job["job_id"] for job in serve.call("GET", "/")["jobs"]} - seen
             seen.add(job_id)
             serve.wait_job(job_id, "cancelled", "terminated", timeout_s=60, renew=False)
+
+
+# --- a second probe: arrays that are not read as machine numbers ----------------------------------
+def test_a_frame_of_floats_with_a_string_among_them_is_refused_before_it_is_parsed(served, job_id, idle, tmp_path):
+    """A 16 MiB header whose tree holds 4M floats and one string: no array of plain numbers, so each float
+    was a Python object (+226 MiB) before the route refused the body (400)."""
+    dss = b'{\\"v\\": \\"DSSST1\\", \\"tree\\": [\\"j\\", [' + b",".join([b"1.5"] * 4_000_000) + b',\\"x\\"]]}'
+    header = b'{"__metadata__":{"dss":"' + dss + b'"}}'
+    body = _frame_of_header(header + b" " * (-len(header) % 8))
+    probe = _post(served, f"{PREFIX}/{job_id}/forward-backward", body, _OCTET, tmp_path)
+    _assert_harmless(probe, idle, len(body), status=413)
+    assert "JSON values outside arrays of plain numbers" in probe.text, probe.text
+
+
+def test_floats_with_an_integer_no_double_holds_are_refused_past_a_bound(served, openai_loaded, idle, tmp_path):
+    """An integer of 2**53 or more among 524k floats kept the array a list of Python floats (+30.7 MiB for a
+    2 MiB OpenAI body): the count of values outside number arrays had taken it for one."""
+    head = b'{"model": "tiny:arith", "max_tokens": 1, "prompt": '
+    body = _with_last(_dense(head, b"1.5"), b"9007199254740993")
+    probe = _post(served, "/v1/completions", body, _JSON, tmp_path)
+    _assert_harmless(probe, idle, len(body), status=400)
+    assert "no machine type holds exactly" in probe.text, probe.text

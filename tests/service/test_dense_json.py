@@ -173,3 +173,13 @@ def test_tinker_token_ids_are_read_from_lists_or_arrays_and_range_checked():
                 array.array("d", [1.0]), "12", [[1]]):  # fmt: skip
         with pytest.raises(InvalidRequestError, match="t must be ids"):
             int_array(bad, "t", "ids", low=0, high=2**31)
+
+
+def test_numbers_no_machine_type_holds_are_read_exactly_but_only_so_many():
+    """An integer of 2**53 or more among fractions keeps its array a list of Python numbers, exact; 524k such
+    floats (a 2 MiB body) cost 8 times their text, so past a bound the document is refused."""
+    few = b'{"a": [' + b",".join([b"1.5"] * 20_000) + b", 9007199254740993]}"
+    assert loads(few)["a"][-1] == 9007199254740993
+    many = b'{"a": [' + b",".join([b"1.5"] * 200_000) + b", 9007199254740993]}"
+    with pytest.raises(json.JSONDecodeError, match="more than 131072 numbers in arrays that no machine type holds"):
+        loads(many)

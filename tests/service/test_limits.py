@@ -35,3 +35,14 @@ def test_a_frame_header_of_many_strings_in_its_tree_is_refused_before_it_is_pars
     tree = b'{"__metadata__":{"dss":"' + b",".join([b'\\"ab\\"'] * 70_000) + b'"}}'
     with pytest.raises(PayloadTooLargeError, match="the DSSST1 frame's header holds 70003 JSON strings; at most 65536"):
         check_frame_header(struct.pack("<Q", len(tree)) + tree)
+
+
+def test_a_frame_header_of_many_loose_values_is_refused_but_not_one_of_token_arrays():
+    """Floats with one string among them are no array of plain numbers: each was a Python float (32 bytes for
+    the 4 of "1.5,"). Arrays of token ids, however long, are read as machine numbers and pass."""
+    loose = b'{"__metadata__":{"dss":"[' + b",".join([b"1.5"] * 200_000) + b',\\"x\\"]"}}'
+    with pytest.raises(PayloadTooLargeError, match="200000 JSON values outside arrays of plain numbers; at most"):
+        check_frame_header(struct.pack("<Q", len(loose)) + loose)
+    prompts = b",".join([b"[" + b",".join([b"12345"] * 2000) + b"]"] * 512)
+    tokens = b'{"__metadata__":{"dss":"[' + prompts + b']"}}'
+    check_frame_header(struct.pack("<Q", len(tokens)) + tokens)

@@ -42,6 +42,9 @@ def error_body(status: int, message: str, *, param: str | None = None, code: str
 def _validation(exc: RequestValidationError) -> tuple[str, str | None]:
     problems, param = [], None
     for err in exc.errors():
+        if err.get("type") == "json_invalid":  # the body is no JSON: its loc is a character offset, not a field
+            problems.append(f"the body is not valid JSON: {err.get('ctx', {}).get('error', 'invalid')}")
+            continue
         where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
         param = param or where or None
         problems.append(f"{where or 'body'}: {str(err.get('msg', 'invalid')).removeprefix('Value error, ')}")
