@@ -14,6 +14,7 @@ length before the body is kept, and by its JSON containers before it is parsed, 
 from __future__ import annotations
 
 import asyncio
+import struct
 from typing import Any
 
 from starlette.responses import Response
@@ -79,15 +80,24 @@ class Batches:
 
 
 def _check_json_parts(scopes: list[Scope], bodies: list[bytes]) -> None:
-    """The parts run at once, so what their JSON bodies build is held at once: together they are bounded
-    as one JSON body is (28 parts of 2 MiB of numbers each cost +590 MiB, ten times the batch)."""
-    json_bytes = sum(len(body) for part, body in zip(scopes, bodies, strict=True) if is_json(part))
+    """The parts run at once, so what their JSON builds is held at once: their JSON bodies and the headers
+    of their frames together are bounded as one JSON body is (28 parts of 2 MiB of numbers each cost
+    +590 MiB, ten times the batch; each header alone may hold 131,072 loose values)."""
+    json_bytes = sum(
+        len(body) if is_json(part) else _json_in_octets(body) for part, body in zip(scopes, bodies, strict=True)
+    )
     if json_bytes > MAX_JSON_BYTES:
         raise PayloadTooLargeError(
-            f"requests:batch: its JSON parts hold {json_bytes} bytes together; the parts of a batch are read at "
-            f"once, so together they are at most {MAX_JSON_BYTES} bytes, as one JSON body is: send the rest in "
-            "another batch, and data as DSSST1 frames"
+            f"requests:batch: its JSON parts and frame headers hold {json_bytes} bytes together; the parts of a "
+            f"batch are read at once, so together they are at most {MAX_JSON_BYTES} bytes, as one JSON body is: "
+            "send the rest in another batch, and data as tensors of DSSST1 frames"
         )
+
+
+def _json_in_octets(body: bytes) -> int:
+    """The JSON an octet body holds: a frame's header as its first 8 bytes declare it, else (JSON sent as
+    octets, whose first bytes declare more than it holds) the whole body."""
+    return min(len(body), struct.unpack_from("<Q", body)[0]) if len(body) >= 8 else len(body)
 
 
 def _check_head(prefix: bytes) -> None:

@@ -514,7 +514,23 @@ def test_a_requests_batch_of_json_parts_is_bounded_as_one_json_body(served, job_
     body = struct.pack(">I", len(head)) + head + step * 28
     probe = _post(served, f"{PREFIX}/requests:batch", body, {"Content-Type": "application/x-icefloe-batch"}, tmp_path)
     _assert_harmless(probe, idle, len(body), status=413)
-    assert "JSON parts hold" in probe.text, probe.text
+    assert "JSON parts and frame headers hold" in probe.text, probe.text
+
+
+def test_a_requests_batch_of_frames_bounds_their_headers_together(served, job_id, idle, tmp_path):
+    """Each frame's header may hold 131,072 loose values, and a batch's parts are read at once: 20 frames of
+    130,000 floats and a string each would be 2.6 million Python floats."""
+    dss = b'{"v": "DSSST1", "tree": ["j", [' + b",".join([b"1.5"] * 130_000) + b',"x"]]}'
+    header = b'{"__metadata__":{"dss":"' + dss + b'"}}'
+    frame = _frame_of_header(header + b" " * (-len(header) % 8))
+    octets = [["content-type", "application/octet-stream"]]
+    part = {"method": "POST", "path": f"{PREFIX}/{job_id}/forward-backward", "query": "", "headers": octets,
+            "size": len(frame)}  # fmt: skip
+    head = json.dumps([part] * 20).encode()
+    body = struct.pack(">I", len(head)) + head + frame * 20
+    probe = _post(served, f"{PREFIX}/requests:batch", body, {"Content-Type": "application/x-icefloe-batch"}, tmp_path)
+    _assert_harmless(probe, idle, len(body), status=413)
+    assert "JSON parts and frame headers hold" in probe.text, probe.text
 
 
 # --- the OpenAI endpoint --------------------------------------------------------------------------
