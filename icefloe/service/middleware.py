@@ -110,16 +110,18 @@ async def read_body(
     head_bytes: int = 0,
     check_head: Callable[[bytes], None] | None = None,
     drain: bool = False,
-) -> bytes | None:
+) -> bytearray | None:
     """The whole body, or None when the client went away; its first ``head_bytes`` bytes go to
-    ``check_head`` as soon as they arrive.
+    ``check_head`` as soon as they arrive. The body grows in one buffer as its bytes arrive: chunks
+    joined at the end held it twice, and a buffer sized from ``Content-Length`` up front would let a
+    client that sends nothing hold that much.
 
     A refusal (:class:`PayloadTooLargeError` past ``max_bytes``, or the error ``check_head`` raises) is
     raised at once, or with ``drain`` once the rest of the body was read and dropped, never kept: the
     connection stays usable and the client reads the answer instead of a reset (the outer
     :class:`BodyLimit` and the body read timeout bound what is dropped).
     """
-    kept: list[bytes] | None = []
+    kept: bytearray | None = bytearray()
     seen, head, refusal, more = 0, b"", None, True
     while more:
         message = await receive()
@@ -144,11 +146,11 @@ async def read_body(
                 raise
             refusal, kept = refused, None
             continue
-        kept.append(chunk)
+        kept += chunk
     if refusal is not None:
         raise refusal
     assert kept is not None
-    return b"".join(kept)
+    return kept
 
 
 def replaying(body: bytes, receive: Receive) -> Receive:

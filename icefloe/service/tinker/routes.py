@@ -30,6 +30,7 @@ from icefloe.protocol import OP_FORWARD, OP_FWD_BWD, ConflictError, InvalidReque
 from icefloe.protocol import SamplingParams as EngineSamplingParams
 from icefloe.service import store
 from icefloe.service.limits import CHECK_ON_LOOP_BYTES, MAX_STOPS
+from icefloe.service.middleware import read_body
 from icefloe.service.routes import SettingsDep, TenantDep
 from icefloe.service.routes.handlers import submit_weight_sync
 from icefloe.service.schemas import WeightSyncPayload
@@ -182,26 +183,11 @@ async def _off_loop(size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any
     return await asyncio.to_thread(call) if size > CHECK_ON_LOOP_BYTES else call()
 
 
-async def _read_into_one_buffer(request: Request) -> bytes | bytearray:
-    """The body, written into one buffer of its ``Content-Length`` as it arrives: a list of its chunks joined
-    at the end would hold it twice (``BodyLimit`` has bounded that length)."""
-    declared = request.headers.get("content-length", "")
-    if not declared.isdigit():
-        return await request.body()
-    buffer, filled = bytearray(int(declared)), 0
-    async for chunk in request.stream():
-        if filled + len(chunk) > len(buffer):
-            raise InvalidRequestError(f"the body is longer than its Content-Length ({declared} bytes)")
-        buffer[filled : filled + len(chunk)] = chunk
-        filled += len(chunk)
-    return buffer
-
-
 @router.post("/forward_backward")
 async def forward_backward(request: Request, state: State, tenant: TenantDep) -> dict[str, Any]:
     from icefloe.service.tinker import convert  # protobuf and torch: imported on first use
 
-    raw = await _read_into_one_buffer(request)
+    raw = await read_body(request.receive) or b""
     # A large body is counted from its wire bytes first, off the loop (a Python step per field): parsing
     # builds up to 70 bytes of objects per byte, and its model is looked up before anything is built. One
     # of at most CHECK_ON_LOOP_BYTES builds at most a few MB, so it is parsed as it is.
