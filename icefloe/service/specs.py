@@ -267,7 +267,7 @@ def body_warnings(body: JobCreate) -> list[str]:
     sub_job_fields = {info.alias or name for name, info in SubJobConfig.model_fields.items()}
     unknown = sorted(body.model_extra or {})
     warnings = [
-        f"{key} is recorded but not used: "
+        f"{key if len(key) <= 80 else key[:77] + '...'} is recorded but not used: "
         + ("it is a sub-job field; put it in each entry of sub_job_configs" if key in sub_job_fields else
            "the create-job body has no such field")
         for key in unknown[:MAX_LISTED_ERRORS]

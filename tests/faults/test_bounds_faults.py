@@ -265,10 +265,11 @@ def test_create_job_reports_each_top_level_key_it_does_not_use_in_warnings(serve
     """A source_checkpoint_info put beside sub_job_configs, not in one, was dropped without a word: the
     job started from fresh weights."""
     body = {"sub_job_configs": [_SAMPLING], "source_checkpoint_info": {"checkpoint_id": "global_step1"}, "colour": 1}
-    answer = served.http.post("/", json=body)
+    answer = served.http.post("/", json={**body, "k" * 100_000: 0})  # a long key is named by its start
     assert answer.status_code == 200, answer.text
     assert answer.json()["warnings"] == [
         "colour is recorded but not used: the create-job body has no such field",
+        "k" * 77 + "... is recorded but not used: the create-job body has no such field",
         "source_checkpoint_info is recorded but not used: it is a sub-job field; put it in each entry of "
         "sub_job_configs",
     ]
