@@ -75,3 +75,5 @@ def test_model_id_of_reads_a_full_request_and_refuses_each_count_naming_it():
         convert.model_id_of(head + b"\x10\x01" * 300_000)  # seq_id again and again: nothing built, but walked
     with pytest.raises(InvalidRequestError, match="the body is not a ForwardBackwardRequest protobuf"):
         convert.model_id_of(head + b"\x1a\x05\x0a")
+    with pytest.raises(InvalidRequestError, match="protobuf with a model_id"):  # walked as unknown fields, no model
+        convert.model_id_of(b"\x12" * 70_000)

@@ -56,8 +56,12 @@ def model_id_of(raw: bytes) -> str:
         raw, _REQUEST_SCHEMA, what="ForwardBackwardRequest", instead=_FEWER_DATUMS, max_objects=MAX_PROTO_OBJECTS,
         max_fields=MAX_PROTO_FIELDS, max_top={data: (MAX_TINKER_DATUMS, "datums")},
     )  # fmt: skip
+    if not counts.texts.get(model_id):  # bytes that walk as a message yet name no model are no request
+        raise InvalidRequestError(
+            "the body is not a ForwardBackwardRequest protobuf with a model_id; send the model_id create_model answered"
+        )
     try:
-        return counts.texts.get(model_id, b"").decode()
+        return counts.texts[model_id].decode()
     except UnicodeDecodeError:
         raise InvalidRequestError("model_id is not UTF-8 text; send the model_id create_model answered") from None
 
