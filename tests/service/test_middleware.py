@@ -326,3 +326,34 @@ async def test_deeply_nested_bodies_get_400(data_dir):
             assert "generate-stream body" in response.json()["message"]
         nested_ok = {"sub_job_configs": [TRAINING], "debug": {"a": {"b": {"c": [[[1.5]]]}}}}
         assert (await api.call("POST", "/", json=nested_ok)).status_code == 200
+
+
+async def test_a_large_body_is_held_once_in_one_buffer_made_only_after_half_of_it_came():
+    """Chunks joined at the end held a body twice; a buffer of its Content-Length made at once let a client
+    that declared 60 MiB and sent little hold 60 MiB."""
+    from icefloe.service.middleware import _Arriving, read_body
+
+    chunks = [bytes([index]) * 65_536 for index in range(64)]  # 4 MiB
+    declared = sum(len(chunk) for chunk in chunks)
+    arriving = _Arriving(60 * 2**20)
+    for chunk in chunks:
+        arriving.add(chunk)
+    assert arriving.buffer is None  # 4 MiB of a declared 60: still chunks
+    messages = iter([{"type": "http.request", "body": chunk, "more_body": True} for chunk in chunks[:-1]])
+
+    async def receive() -> dict:
+        return next(messages, {"type": "http.request", "body": chunks[-1], "more_body": False})
+
+    body = await read_body(receive, declared=declared)
+    assert type(body) is bytearray and body == b"".join(chunks)
+    assert await read_body(iter_receive([b"ab", b"cd"]), declared=None) == b"abcd"
+
+
+def iter_receive(parts: list[bytes]):
+    messages = iter([{"type": "http.request", "body": part, "more_body": index < len(parts) - 1}
+                     for index, part in enumerate(parts)])  # fmt: skip
+
+    async def receive() -> dict:
+        return next(messages)
+
+    return receive

@@ -119,7 +119,14 @@ async def _tenant(request: Request) -> str:
 async def frame_body(request: Request) -> bytes:
     """A DSSST1 frame's bytes; one whose first 8 bytes declare too large a header is refused (413)
     once it was read and dropped, never kept. The POST cap is enforced outside (middleware.BodyLimit)."""
-    body = await read_body(request.receive, head_bytes=8, check_head=check_frame_header_length, drain=True)
+    declared = request.headers.get("content-length", "")
+    body = await read_body(
+        request.receive,
+        head_bytes=8,
+        check_head=check_frame_header_length,
+        drain=True,
+        declared=int(declared) if declared.isdigit() else None,
+    )
     return b"" if body is None else body
 
 

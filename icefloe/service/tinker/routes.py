@@ -187,7 +187,8 @@ async def _off_loop(size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any
 async def forward_backward(request: Request, state: State, tenant: TenantDep) -> dict[str, Any]:
     from icefloe.service.tinker import convert  # protobuf and torch: imported on first use
 
-    raw = await read_body(request.receive) or b""
+    declared = request.headers.get("content-length", "")
+    raw = await read_body(request.receive, declared=int(declared) if declared.isdigit() else None) or b""
     # A large body is counted from its wire bytes first, off the loop (a Python step per field): parsing
     # builds up to 70 bytes of objects per byte, and its model is looked up before anything is built. One
     # of at most CHECK_ON_LOOP_BYTES builds at most a few MB, so it is parsed as it is.
