@@ -33,7 +33,7 @@ from typing import Any
 from icefloe import protocol
 from icefloe.protocol import ENGINE_CALLS, ClientClosedError, InvalidRequestError, NotFoundError, Request
 
-__all__ = ["EngineHost", "Lane", "SyncGate", "Worker"]
+__all__ = ["EngineHost", "Lane", "SyncGate", "Work", "Worker"]
 
 _BLOCKED_TICK_S = 0.05  # how often a worker re-checks work held by a gate whose state another thread changes
 # Lanes (and groups) whose use of a worker differs by less than a turn take plain turns; one a turn
@@ -43,8 +43,11 @@ _CATCH_UP_S = 1.0
 
 
 @dataclass
-class _Job:
-    future: Future
+class Work:
+    """One entry of a lane: a call to run (``fn``), a batchable item (``key``, ``item``, ``run_batch``), or
+    a marker that only holds its place; its result or exception lands on ``future``."""
+
+    future: Future = field(default_factory=Future)
     fn: Callable[..., Any] | None = None  # None: a marker that only holds its place
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
@@ -60,7 +63,7 @@ class _Suspended:
     """Work that returned a generator, between two of its slices: the jobs it runs and those not yet settled."""
 
     steps: Generator[Any, None, Any]
-    jobs: list[_Job]
+    jobs: list[Work]
     settled: set[int] = field(default_factory=set)
     finished: bool = False
 
@@ -78,12 +81,25 @@ class Lane:
         self.worker = worker
         self.name = name
         self.group = group
-        self.queue: deque[_Job] = deque()
+        self.queue: deque[Work] = deque()
         self.busy = False  # an item of this lane is running
         self.used_s = 0.0  # the worker's time this lane's work took (a batch's shared by its lanes)
         self.held: _Suspended | None = None  # a suspended item of this lane waits for its next slice
         self.resume: _Suspended | None = None  # ... and this lane's turn runs that slice
         self.closed = False
+
+    def put(self, work: Work) -> Future:
+        """Queue ``work`` (see :meth:`submit`, :meth:`submit_when`, :meth:`submit_batchable`); returns its future."""
+        worker = self.worker
+        with worker._cond:
+            if worker._closed:
+                raise ClientClosedError(f"worker {worker.name!r} is closed; no new work is accepted")
+            if self.closed:
+                raise ClientClosedError(f"lane {self.name!r} is closed; no new work is accepted")
+            work.lane = self
+            self.queue.append(work)
+            worker._cond.notify_all()
+        return work.future
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
         """Queue ``fn(*args, **kwargs)``; its result or exception lands on the returned future.
@@ -91,12 +107,12 @@ class Lane:
         If ``fn`` returns a generator, each ``next()`` is one slice of its work: between slices the
         worker runs the other lanes' work (this lane's next item waits), and the generator's return
         value is the result."""
-        return self.worker._put(self, _Job(Future(), fn=fn, args=args, kwargs=kwargs))
+        return self.put(Work(fn=fn, args=args, kwargs=kwargs))
 
     def submit_when(self, ready: Callable[[], bool], fn: Callable[..., Any], /, *args: Any) -> Future:
         """Queue ``fn(*args)`` as :meth:`submit` does, to start only once ``ready()`` holds when it heads
         the lane (other lanes run meanwhile); ``ready`` is polled under the worker's lock: keep it a quick read."""
-        return self.worker._put(self, _Job(Future(), fn=fn, args=args, ready=ready))
+        return self.put(Work(fn=fn, args=args, ready=ready))
 
     def submit_batchable(
         self, key: Hashable, item: Any, run_batch: Callable[[list[Any]], Sequence[Any] | Generator[Any, None, Any]]
@@ -108,7 +124,7 @@ class Lane:
         ``run_batch`` may instead return a generator that runs the batch a slice per ``next()``: each
         yields ``{index: result}`` for the items that finished meanwhile (settled at once, and their
         lanes go on), and it returns the list of all results (those not yielded are settled from it)."""
-        return self.worker._put(self, _Job(Future(), key=key, item=item, run_batch=run_batch))
+        return self.put(Work(key=key, item=item, run_batch=run_batch))
 
     def close(self) -> None:
         """Refuse new work and wait until what is queued has run. Idempotent."""
@@ -187,17 +203,6 @@ class Worker:
         with self._cond:
             self._cond.notify_all()
 
-    def _put(self, lane: Lane, job: _Job) -> Future:
-        with self._cond:
-            if self._closed:
-                raise ClientClosedError(f"worker {self.name!r} is closed; no new work is accepted")
-            if lane.closed:
-                raise ClientClosedError(f"lane {lane.name!r} is closed; no new work is accepted")
-            job.lane = lane
-            lane.queue.append(job)
-            self._cond.notify_all()
-        return job.future
-
     def _close_lane(self, lane: Lane) -> None:
         with self._cond:
             lane.closed = True
@@ -260,7 +265,7 @@ class Worker:
             if self.anticipate_s and not lane.queue and lane.held is None:
                 self._answered[lane] = now
 
-    def _take(self) -> list[_Job] | _Suspended | None:
+    def _take(self) -> list[Work] | _Suspended | None:
         """The next ready work in fair turns (with its batch company), or a suspended item's next slice;
         None: none ready.
 
@@ -330,10 +335,10 @@ class Worker:
             order += members[start:] + members[:start]
         return order
 
-    def _company(self, first: Lane, key: Hashable) -> list[_Job]:
+    def _company(self, first: Lane, key: Hashable) -> list[Work]:
         """Items with ``key`` right behind the head of ``first`` and heading the other free lanes (after
         a short linger when nothing else is queued). Called under the lock."""
-        company: list[_Job] = []
+        company: list[Work] = []
         deadline = time.monotonic() + self.lingers.get(key, self.linger_s)
         while True:
             for lane in [first, *(other for other in self._lanes if other is not first and other.held is None)]:
@@ -359,7 +364,7 @@ def _quick(lane: Lane) -> bool:
     return lane.resume is None and lane.queue[0].run_batch is None
 
 
-def _run_one(job: _Job) -> _Suspended | None:
+def _run_one(job: Work) -> _Suspended | None:
     if not job.future.set_running_or_notify_cancel():
         return None
     try:
@@ -373,7 +378,7 @@ def _run_one(job: _Job) -> _Suspended | None:
     return None
 
 
-def _settle_batch(jobs: list[_Job]) -> _Suspended | None:
+def _settle_batch(jobs: list[Work]) -> _Suspended | None:
     """Run ``jobs`` as one batch (those cancelled before they started never run); a batch refused for a
     caller's input runs again job by job, so the bad input fails only its own caller, with a message in
     that caller's terms (its own ``prompts[i]``). Returns the batch if it came as a generator and has
@@ -455,7 +460,7 @@ class SyncGate:
         self._cond = threading.Condition()
         self._released = threading.Event()
         self._source: Lane | None = None
-        self._markers: list[tuple[Lane, _Job]] = []
+        self._markers: list[tuple[Lane, Work]] = []
 
     def park(self) -> None:
         """Runs on a target worker: hold it until the copy is done (or abandoned)."""
@@ -512,8 +517,8 @@ class SyncGate:
             lane.submit(gate.park)
         for lane in targets:
             if lane.worker is source.worker:
-                marker = _Job(Future(), ready=lambda: gate._released.is_set() or bool(gate._abandoned()))
-                lane.worker._put(lane, marker)
+                marker = Work(ready=lambda: gate._released.is_set() or bool(gate._abandoned()))
+                lane.put(marker)
                 gate._markers.append((lane, marker))
         return gate
 

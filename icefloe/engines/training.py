@@ -745,8 +745,15 @@ def fwd_bwd_together(calls: Sequence[tuple[TrainingEngine, Mapping[str, Any]]]) 
         ValueError: the calls' engines share no base, or their batches cannot share passes
             (different context keys, or forward-only mixed with training); run them one by one.
     """
+    prepared = [_Call.of(engine, batch) for engine, batch in calls]
+    if len({_share_key(call) for call in prepared}) > 1:
+        raise ValueError(
+            "fwd_bwd_together needs calls of one engine, or of runs that share one base, with the same context "
+            "keys, all forward-only or none"
+        )
     results: dict[int, dict[str, Any]] = {}
-    for done in fwd_bwd_steps(calls, answer_early=False):  # all or nothing: what it raises leaves no gradient
+    # All or nothing: what it raises leaves no gradient.
+    for done in _steps_together(prepared, None, answer_early=False):
         results.update(done)
     return [results[index] for index in range(len(calls))]
 
@@ -759,22 +766,38 @@ def fwd_bwd_steps(
 ) -> Iterator[dict[int, dict[str, Any]]]:
     """:func:`fwd_bwd_together` one pass at a time: yields after each pass the results of the runs
     whose calls' rows have all been through, by call index (each call once; a run's calls together, as
-    they add to one gradient). Passes of the runs with the fewest positions run first, so a small call
-    that shares passes with large ones is answered early; ``pass_s``: passes are cut to about that many
-    seconds (see :meth:`TrainingEngine._plan`); ``answer_early=False``: every result after the last
-    pass. Every call is checked before the first pass.
+    they add to one gradient). Calls that can share passes (:func:`_share_key`) run together, a group
+    after another. Passes of the runs with the fewest positions run first, so a small call that shares
+    passes with large ones is answered early; ``pass_s``: passes are cut to about that many seconds (see
+    :meth:`TrainingEngine._plan`); ``answer_early=False``: a group's results after its last pass. Every
+    call is checked before the first pass.
 
     All or nothing per run: when a pass raises, or the generator is closed part-way (a deadline, a
     cancel), each run not yet answered gets back the gradients it had before (:class:`_GradsBefore`),
     so a call that failed leaves no gradient behind and one that was answered keeps its own."""
-    first = calls[0][0]
     prepared = [_Call.of(engine, batch) for engine, batch in calls]
-    if any(
-        c.engine is not first and (c.engine.shared is None or c.engine.shared is not first.shared) for c in prepared
-    ):
-        raise ValueError("fwd_bwd_together needs calls of one engine, or of runs that share one base")
-    if len({c.forward_only for c in prepared}) > 1 or len({frozenset(c.frame["context"]) for c in prepared}) > 1:
-        raise ValueError("fwd_bwd_together needs calls with the same context keys, all forward-only or none")
+    groups: dict[tuple[int, bool, frozenset[str]], list[int]] = {}
+    for index, call in enumerate(prepared):
+        groups.setdefault(_share_key(call), []).append(index)
+    for indices in groups.values():
+        # Closed with this generator when it is dropped: the runs not yet answered get their gradients back.
+        with contextlib.closing(_steps_together([prepared[i] for i in indices], pass_s, answer_early)) as steps:
+            for done in steps:
+                yield {indices[i]: result for i, result in done.items()}
+
+
+def _share_key(call: _Call) -> tuple[int, bool, frozenset[str]]:
+    """Calls with one key can share passes: of one engine, or of runs on one shared base, with the same
+    context keys, all forward-only or none."""
+    engine = call.engine
+    return id(engine.shared or engine), call.forward_only, frozenset(call.frame["context"])
+
+
+def _steps_together(
+    prepared: list[_Call], pass_s: float | None, answer_early: bool
+) -> Iterator[dict[int, dict[str, Any]]]:
+    """The passes of calls of one :func:`_share_key`, as :func:`fwd_bwd_steps` yields them."""
+    first = prepared[0].engine
     frame, owner_B, offset = _stacked([c.frame for c in prepared])
     group_of = [id(call.engine) if answer_early else 0 for call in prepared]  # calls answered together
     positions: dict[int, int] = {}

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from icefloe.engines.host import Lane
+from icefloe.engines.host import Lane, Work
 from icefloe.protocol import (
     JOB_STATES,
     OP_FWD_BWD,
@@ -180,7 +180,7 @@ class JobManager:
         self._live[job_id] = job
         self.renew(job_id)
         log.write(f"job created with sub-jobs {[s.sub_job_id for s in specs]}")
-        self.log_router.bind(f"icefloe-lifecycle-{job_id}", log, None)  # loading its engines; ops: _run_slices
+        self.log_router.bind(f"icefloe-lifecycle-{job_id}", log, None)  # loading its engines; ops: _execute
         for spec in specs:
             for warning in spec.warnings:
                 log.write(warning, level="WARNING", sub_job_id=spec.sub_job_id)
@@ -509,13 +509,12 @@ class JobManager:
             if batch_key is None:
                 entry = _Entry(job, item.sub_job_id, request_id, item, op_metadata, api)
                 run = functools.partial(_run_one, job, self.db)
-                lane.submit_when(ready or _always, self._execute, item.op, [entry], run)
-            else:  # run with the entries of one batch
+                lane.put(Work(fn=self._execute, args=(item.op, [entry], run), ready=ready))
+            else:  # run with the entries of one batch (see Lane.submit_batchable)
                 execute = functools.partial(self._execute, item.op, run=functools.partial(run_batch, job))
                 for one in [item] if stream is None else stream.items:
-                    lane.submit_batchable(
-                        batch_key, _Entry(job, item.sub_job_id, request_id, one, op_metadata, api), execute
-                    )
+                    entry = _Entry(job, item.sub_job_id, request_id, one, op_metadata, api)
+                    lane.put(Work(key=batch_key, item=entry, run_batch=execute))
         except ClientClosedError:  # a stop closed the lanes after the state check
             why = f"job {job.job_id} is stopping: {job.state.stop_reason}"
             self.requests.finish(request_id, status="cancelled", error=why)
@@ -523,34 +522,28 @@ class JobManager:
             raise ConflictError(f"{why}; this call needs it running") from None
         return request_id
 
-    def _execute(self, op: str, entries: list[_Entry], run: Callable[[list], Any]) -> Generator[None, None, list[None]]:
+    def _execute(
+        self, op: str, entries: list[_Entry], run: Callable[[list], Any], *, again: bool = False
+    ) -> Generator[None, None, list[None]]:
         """Run the entries that may still run as one call of ``run`` and record each outcome (on its
-        request, or as an event of its stream), a slice per ``next()`` when ``run`` gives slices; the
-        worker runs other lanes' work between them. A batch of several jobs that fails is run again one
-        entry at a time, so a failure is recorded on the request that caused it alone (a forward-backward
-        that fails leaves no gradient behind, so each entry run again adds its own once); so is one of
-        one job refused as invalid."""
-        live = [e for e in entries if self._may_run(e.job, e.request_id)]
+        request, or as an event of its stream) as soon as ``run`` gives it, a slice per ``next()``; the
+        worker runs other lanes' work between slices.
+
+        ``run(items)`` returns one result per item, or an iterator that runs them a slice per ``next()``
+        and yields ``{index: result}`` for the items finished meanwhile, or a :class:`Progress` for one
+        still running, which goes to its request as news (:meth:`RequestTable.report`). Between slices,
+        an op past its deadline (or whose jobs all stopped) is stopped there: closing the iterator drops
+        it in the engines. What the engines log meanwhile goes to the logs of the jobs whose requests are
+        pending. A batch of several jobs that fails is run ``again`` one entry at a time, so a failure is
+        recorded on the request that caused it alone (a forward-backward that fails leaves no gradient
+        behind, so each entry run again adds its own once); so is one of one job refused as invalid."""
+        live = entries if again else [e for e in entries if self._may_run(e.job, e.request_id)]
         if not live:
             return [None] * len(entries)
         started = time.monotonic()
         firsts = {e.job.job_id: e for e in reversed(live)}  # each job's first request is watched for its deadline
         for e in firsts.values():
             e.job.in_flight[e.request_id] = (e.sub_job_id, op, started)
-        try:
-            yield from self._run_slices(op, live, run, started)
-        finally:
-            for e in firsts.values():
-                e.job.in_flight.pop(e.request_id, None)
-        return [None] * len(entries)
-
-    def _run_slices(self, op: str, live: list[_Entry], run: Callable[[list], Any], started: float) -> Generator:
-        """Record each entry's result as soon as ``run`` gives it. ``run(items)`` returns one result per
-        item, or an iterator that runs them a slice per ``next()`` and yields ``{index: result}`` for the
-        items finished meanwhile, or a :class:`Progress` for one still running, which goes to its request
-        as news (:meth:`RequestTable.report`). Between slices, an op past its deadline (or whose jobs all
-        stopped) is stopped there: closing the iterator drops it in the engines. What the engines log
-        meanwhile goes to the logs of the jobs whose requests are pending."""
         pending = dict(enumerate(live))  # index -> entry whose result is not recorded yet
         serving = self.log_router.serving
         try:
@@ -579,7 +572,7 @@ class JobManager:
                 yield  # the worker's other lanes take their turn
                 if self._stopped_between_slices(op, list(pending.values()), started):
                     getattr(slices, "close", lambda: None)()
-                    return
+                    return [None] * len(entries)
             if pending:
                 raise RuntimeError(f"{op} ended without a result for {len(pending)} of its {len(live)} requests")
         except Exception as exc:  # every failure is recorded on its requests
@@ -588,9 +581,13 @@ class JobManager:
                 rest = [part for e in rest for part in self._prompt_by_prompt(e)]
             if len({e.job.job_id for e in rest}) > 1 or (len(rest) > 1 and isinstance(exc, InvalidRequestError)):
                 for e in rest:
-                    yield from self._run_slices(op, [e], run, time.monotonic())
+                    yield from self._execute(op, [e], run, again=True)
             else:
                 self._record_failure(rest, op, exc)
+        finally:
+            for e in firsts.values():
+                e.job.in_flight.pop(e.request_id, None)
+        return [None] * len(entries)
 
     def _prompt_by_prompt(self, entry: _Entry) -> list[_Entry]:
         """A stream's entry of several prompts as one entry per prompt; any other entry as it is."""
@@ -698,10 +695,6 @@ class JobManager:
         counts = stream.push(item, **outcome)
         if counts is not None:
             self.requests.finish(request_id, status="done", result_json=counts)
-
-
-def _always() -> bool:
-    return True
 
 
 def _run_one(job: LiveJob, db: store.Database, items: list[Item]) -> list[Any] | Iterator[dict[int, Any]]:

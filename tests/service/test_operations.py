@@ -224,13 +224,14 @@ async def test_a_stream_of_many_prompts_queues_few_items_and_a_refused_prompt_fa
     """Each prompt was an item with its own future and lock (about 2.5 KB a prompt); prompts queued as one
     item keep their own events, and a prompt the engine refuses fails only its own."""
     queued = []
-    original = Lane.submit_batchable
+    original = Lane.put
 
-    def counted(self, key, item, run_batch):
-        queued.append(item)
-        return original(self, key, item, run_batch)
+    def counted(self, work):
+        if work.key is not None:
+            queued.append(work.item)
+        return original(self, work)
 
-    monkeypatch.setattr(Lane, "submit_batchable", counted)
+    monkeypatch.setattr(Lane, "put", counted)
     async with asgi_client(make_app(data_dir, engines="local")) as http:
         api = Api(http)
         job_id = await api.running(TRAINING, SAMPLING)

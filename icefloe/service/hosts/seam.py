@@ -312,7 +312,12 @@ class LocalEngineHost(JobEngines):
             self._engines[sub_job_id] = engine
 
     def begin(self, sub_job_id: str, what: str, slice_s: float, calls: list[Any]) -> tuple[int, dict[int, Any], bool]:
-        steps = self._fwd_bwd_steps(calls) if what == "fwd_bwd" else self._generate_steps(calls)
+        if what == "fwd_bwd":  # runs whose calls can share passes share them
+            from icefloe.engines.training import fwd_bwd_steps
+
+            steps = fwd_bwd_steps([(self._engine(sid), batch) for sid, batch in calls], SLICE_S)
+        else:
+            steps = self._generate_steps(calls)
         op_id = next(self._op_ids)
         self._suspended[op_id] = _Suspended(steps, len(calls))
         return (op_id, *self.advance(sub_job_id, op_id, slice_s))
@@ -345,24 +350,6 @@ class LocalEngineHost(JobEngines):
         op = self._suspended.pop(op_id, None)
         if op is not None:
             op.steps.close()
-
-    def _fwd_bwd_steps(self, calls: Sequence[tuple[str, Any]]) -> Iterator[dict[int, Any]]:
-        """Calls whose runs share passes (one base, the same context keys, all forward-only or none) run
-        together, a group after another; passes are cut to about a slice each."""
-        from icefloe.engines.training import fwd_bwd_steps
-
-        groups: dict[tuple[int, bool, frozenset[str]], list[int]] = {}
-        for index, (sub_job_id, batch) in enumerate(calls):
-            engine = self._engine(sub_job_id)
-            forward_only = bool(batch["processing"]["config"].get("forward_only"))
-            key = (id(engine.shared or engine), forward_only, frozenset(batch["context"]))
-            groups.setdefault(key, []).append(index)
-        for indices in groups.values():
-            group = [(self._engine(calls[i][0]), calls[i][1]) for i in indices]
-            # Closed with this op when it is dropped: the runs not yet answered get their gradients back.
-            with contextlib.closing(fwd_bwd_steps(group, SLICE_S)) as steps:
-                for done in steps:
-                    yield {indices[i]: result for i, result in done.items()}
 
     def _generate_steps(self, calls: Sequence[Call]) -> Iterator[dict[int, list[Any]]]:
         from icefloe.engines.sampling import SamplingEngine, generate_steps
