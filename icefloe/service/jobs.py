@@ -16,12 +16,12 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from icefloe.engines.host import Lane, Work
+from icefloe.engines.host import Lane
 from icefloe.protocol import (
     JOB_STATES,
     OP_FWD_BWD,
@@ -51,9 +51,9 @@ from icefloe.service.results import HeldResults, ResultPages, json_text, wants_d
 from icefloe.service.schemas import JobCreate
 from icefloe.service.settings import SHARED_TENANT, ServeSettings
 from icefloe.service.specs import SubJobSpec, body_warnings, sub_job_specs
-from icefloe.service.work.items import HELD, FwdBwd, Item, Sample, run_batch, run_one
+from icefloe.service.work.items import HELD, FwdBwd, Item, Sample
 
-__all__ = ["JobManager", "LiveJob", "job_type_named"]
+__all__ = ["Entry", "JobManager", "LiveJob", "job_type_named"]
 
 _log = logging.getLogger("icefloe.service.jobs")
 
@@ -180,7 +180,7 @@ class JobManager:
         self._live[job_id] = job
         self.renew(job_id)
         log.write(f"job created with sub-jobs {[s.sub_job_id for s in specs]}")
-        self.log_router.bind(f"icefloe-lifecycle-{job_id}", log, None)  # loading its engines; ops: _execute
+        self.log_router.bind(f"icefloe-lifecycle-{job_id}", log, None)  # loading its engines; ops: execute
         for spec in specs:
             for warning in spec.warnings:
                 log.write(warning, level="WARNING", sub_job_id=spec.sub_job_id)
@@ -480,50 +480,8 @@ class JobManager:
         return JobLog(self.settings.job_dir(job_id) / "logs", [], shown=self.settings.public_text)
 
     # --- requests -----------------------------------------------------------------------------
-    def submit(
-        self,
-        job: LiveJob,
-        item: Item,
-        *,
-        api: str,
-        op_metadata: dict | None = None,
-        stream: Any = None,
-        ready: Callable[[], bool] | None = None,
-    ) -> str:
-        """Record a request for ``item`` and queue it on its sub-job's lane; returns the request id.
-        Only the door (:func:`icefloe.service.work.door.enter`) calls this, after its checks.
-
-        An item with a ``batch_key`` runs with the items of that key queued beside it, on any lane of
-        the host (whatever job each belongs to). ``stream``: a GenerateStream, whose ``items`` are queued
-        in place of ``item`` and whose outcomes are pushed to it as events. ``ready``: the request
-        starts only once this holds (a weight sync waits for its gate). ``api``: the API that asked,
-        which reads and renders the result.
-        """
-        op_metadata = op_metadata or {}
-        request_id = self.requests.add(job.job_id, item.sub_job_id, item.op, op_metadata)
-        if stream is not None:
-            self.streams[request_id] = stream
-        lane = job.lanes[item.sub_job_id]
-        batch_key = getattr(item, "batch_key", None)
-        try:
-            if batch_key is None:
-                entry = _Entry(job, item.sub_job_id, request_id, item, op_metadata, api)
-                run = functools.partial(_run_one, job, self.db)
-                lane.put(Work(fn=self._execute, args=(item.op, [entry], run), ready=ready))
-            else:  # run with the entries of one batch (see Lane.submit_batchable)
-                execute = functools.partial(self._execute, item.op, run=functools.partial(run_batch, job))
-                for one in [item] if stream is None else stream.items:
-                    entry = _Entry(job, item.sub_job_id, request_id, one, op_metadata, api)
-                    lane.put(Work(key=batch_key, item=entry, run_batch=execute))
-        except ClientClosedError:  # a stop closed the lanes after the state check
-            why = f"job {job.job_id} is stopping: {job.state.stop_reason}"
-            self.requests.finish(request_id, status="cancelled", error=why)
-            self.streams.pop(request_id, None)
-            raise ConflictError(f"{why}; this call needs it running") from None
-        return request_id
-
-    def _execute(
-        self, op: str, entries: list[_Entry], run: Callable[[list], Any], *, again: bool = False
+    def execute(
+        self, op: str, entries: list[Entry], run: Callable[[list], Any], *, again: bool = False
     ) -> Generator[None, None, list[None]]:
         """Run the entries that may still run as one call of ``run`` and record each outcome (on its
         request, or as an event of its stream) as soon as ``run`` gives it, a slice per ``next()``; the
@@ -581,7 +539,7 @@ class JobManager:
                 rest = [part for e in rest for part in self._prompt_by_prompt(e)]
             if len({e.job.job_id for e in rest}) > 1 or (len(rest) > 1 and isinstance(exc, InvalidRequestError)):
                 for e in rest:
-                    yield from self._execute(op, [e], run, again=True)
+                    yield from self.execute(op, [e], run, again=True)
             else:
                 self._record_failure(rest, op, exc)
         finally:
@@ -589,14 +547,14 @@ class JobManager:
                 e.job.in_flight.pop(e.request_id, None)
         return [None] * len(entries)
 
-    def _prompt_by_prompt(self, entry: _Entry) -> list[_Entry]:
+    def _prompt_by_prompt(self, entry: Entry) -> list[Entry]:
         """A stream's entry of several prompts as one entry per prompt; any other entry as it is."""
         item = entry.item
         if entry.request_id not in self.streams or not isinstance(item, Sample) or len(item.prompts) < 2:
             return [entry]
         return [replace(entry, item=one) for one in item.one_by_one()]
 
-    def _stopped_between_slices(self, op: str, pending: list[_Entry], started: float) -> bool:
+    def _stopped_between_slices(self, op: str, pending: list[Entry], started: float) -> bool:
         """Stop an op at a slice boundary when its jobs all stopped (its requests are cancelled) or when
         it passed its deadline: then its requests fail and so does each job they belong to, naming
         its own sub-job only (the op may share its passes with other jobs' requests)."""
@@ -636,7 +594,7 @@ class JobManager:
         self.streams.pop(request_id, None)  # cancel-request took it: its stream has nothing to show
         return False
 
-    def _record_result(self, entry: _Entry, result: Any) -> None:
+    def _record_result(self, entry: Entry, result: Any) -> None:
         """Keep ``result`` as the engine made it until the API that asked renders it, when polled: in memory
         for a held API, else in the request's row as JSON (or a DSSST1 frame on disk, for tensors or when
         the request asks for one), which outlives a restart."""
@@ -664,7 +622,7 @@ class JobManager:
         except Exception as exc:  # an unencodable result fails the request, not the job
             self.requests.finish(request_id, status="failed", error=f"the result could not be stored: {exc}")
 
-    def _record_failure(self, entries: list[_Entry], op: str, exc: Exception) -> None:
+    def _record_failure(self, entries: list[Entry], op: str, exc: Exception) -> None:
         """Record a failed run on its entries (all of one job); an engine crash fails the job, or,
         when the host's engines died, every job on the host."""
         job, sub_job_id = entries[0].job, entries[0].sub_job_id
@@ -697,13 +655,8 @@ class JobManager:
             self.requests.finish(request_id, status="done", result_json=counts)
 
 
-def _run_one(job: LiveJob, db: store.Database, items: list[Item]) -> list[Any] | Iterator[dict[int, Any]]:
-    (item,) = items
-    return run_one(job, item, db)
-
-
 @dataclass(frozen=True, slots=True)
-class _Entry:
+class Entry:
     """One queued request (or one item of a stream) as its lane holds it."""
 
     job: LiveJob
