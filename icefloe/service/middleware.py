@@ -114,15 +114,17 @@ async def read_body(
     declared: int | None = None,
 ) -> bytes | bytearray | None:
     """The whole body, or None when the client went away; its first ``head_bytes`` bytes go to
-    ``check_head`` as soon as they arrive. ``declared``: its ``Content-Length``, which lets a large body be
-    held at most 1.5 times while it arrives instead of twice (:class:`_Arriving`).
+    ``check_head`` as soon as they arrive. A body that came in one message is that message's bytes, as
+    they came; one of several is gathered in :class:`_Arriving`, where ``declared`` (its
+    ``Content-Length``) lets a large body be held at most 1.5 times while it arrives instead of twice.
 
     A refusal (:class:`PayloadTooLargeError` past ``max_bytes``, or the error ``check_head`` raises) is
     raised at once, or with ``drain`` once the rest of the body was read and dropped, never kept: the
     connection stays usable and the client reads the answer instead of a reset (the outer
     :class:`BodyLimit` and the body read timeout bound what is dropped).
     """
-    kept: _Arriving | None = _Arriving(declared)
+    first: bytes | None = None  # the body while it is one message
+    arriving: _Arriving | None = None
     seen, head, refusal, more = 0, b"", None, True
     while more:
         message = await receive()
@@ -130,7 +132,7 @@ async def read_body(
             return None
         chunk, more = message.get("body", b""), message.get("more_body", False)
         seen += len(chunk)
-        if kept is None:
+        if refusal is not None:
             continue  # refused: read on only to discard
         if len(head) < head_bytes:
             head += chunk[: head_bytes - len(head)]
@@ -145,13 +147,19 @@ async def read_body(
         except IcefloeError as refused:
             if not drain:
                 raise
-            refusal, kept = refused, None
+            refusal, first, arriving = refused, None, None
             continue
-        kept.add(chunk)
+        if arriving is None:
+            if first is None:
+                first = chunk
+                continue
+            arriving = _Arriving(declared)  # a second message: the body is gathered from here on
+            arriving.add(first)
+            first = None
+        arriving.add(chunk)
     if refusal is not None:
         raise refusal
-    assert kept is not None
-    return kept.whole()
+    return arriving.whole() if arriving is not None else first
 
 
 class _Arriving:

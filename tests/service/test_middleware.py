@@ -349,6 +349,25 @@ async def test_a_large_body_is_held_once_in_one_buffer_made_only_after_half_of_i
     assert await read_body(iter_receive([b"ab", b"cd"]), declared=None) == b"abcd"
 
 
+async def test_a_body_in_one_message_is_that_message_s_bytes_with_the_same_checks():
+    """One message needs no gathering: its bytes are the body itself, checked as a body of several is."""
+    from icefloe.protocol import InvalidRequestError, PayloadTooLargeError
+    from icefloe.service.middleware import read_body
+
+    body = b"{" + b"x" * 2**21  # past the size from which several messages are gathered in one buffer
+    assert await read_body(iter_receive([body]), declared=len(body)) is body
+    with pytest.raises(PayloadTooLargeError):
+        await read_body(iter_receive([body]), max_bytes=len(body) - 1)
+
+    def refuse_brace(head: bytes) -> None:
+        if head.startswith(b"{"):
+            raise InvalidRequestError("not a frame")
+
+    with pytest.raises(InvalidRequestError):
+        await read_body(iter_receive([body]), head_bytes=4, check_head=refuse_brace, drain=True)
+    assert await read_body(iter_receive([b""])) == b""
+
+
 def iter_receive(parts: list[bytes]):
     messages = iter([{"type": "http.request", "body": part, "more_body": index < len(parts) - 1}
                      for index, part in enumerate(parts)])  # fmt: skip

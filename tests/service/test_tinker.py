@@ -787,3 +787,32 @@ def test_a_finished_session_is_pruned_from_memory_and_its_run_stays_listed(tmp_p
         rest = tinker.RestClient(base_url=url, api_key=API_KEY)
         assert [c.tinker_path for c in rest.list_checkpoints(training.model_id).result().checkpoints] == [path]
         assert rest.get_training_run(training.model_id).result().training_run_id == training.model_id
+
+
+def test_an_op_that_waits_past_the_gap_timeout_fails_and_the_number_it_waited_for_is_refused(tmp_path, model):
+    """Held for a seq_id that never comes, an op gives up after the gap timeout; the missing number is late."""
+    import httpx
+
+    service_app = make_app(
+        tmp_path, slots=2, engines="local", tokens=[API_KEY], model_root=Path(model).parent,
+        sequence_gap_timeout_s=0.5,
+    )  # fmt: skip
+    with (
+        ServerThread(service_app) as url,
+        httpx.Client(base_url=f"{url}/api/v1", headers={"X-API-Key": API_KEY}, timeout=60) as http,
+    ):
+        session_id = http.post("/create_session", json={}).json()["session_id"]
+        created = http.post("/create_model", json={"session_id": session_id, "model_seq_id": 0, "base_model": model})
+        model_id = created.json()["model_id"]
+        while (
+            http.post("/retrieve_future", json={"request_id": created.json()["request_id"]}).json().get("type")
+            == "try_again"
+        ):
+            pass  # long-polls until the model runs
+        step = {"model_id": model_id, "seq_id": 2, "adam_params": {}}
+        held = http.post("/optim_step", json=step).json()
+        assert "never arrived" in http.post("/retrieve_future", json=held).json()["error"]
+        late = http.post("/optim_step", json={**step, "seq_id": 1})
+        assert late.status_code == 400 and "moved on past it" in late.json()["message"]
+        assert http.post("/optim_step", json=step).json() == held  # a resend of the one that gave up
+        http.post(f"/sessions/{session_id}/finish", json={"reason": {"type": "success"}})

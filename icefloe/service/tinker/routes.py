@@ -29,25 +29,22 @@ from fastapi.responses import JSONResponse
 from icefloe.protocol import OP_FORWARD, OP_FWD_BWD, ConflictError, InvalidRequestError
 from icefloe.protocol import SamplingParams as EngineSamplingParams
 from icefloe.service import store
+from icefloe.service.jobs import LiveJob
 from icefloe.service.limits import CHECK_ON_LOOP_BYTES, MAX_STOPS
 from icefloe.service.middleware import read_body
 from icefloe.service.routes import SettingsDep, TenantDep
-from icefloe.service.routes.handlers import submit_weight_sync
-from icefloe.service.schemas import WeightSyncPayload
 from icefloe.service.settings import ServeSettings
 from icefloe.service.tinker.checks import Fields, checkpoint_name, int_array, json_body
 from icefloe.service.tinker.external import recipients_of
 from icefloe.service.tinker.state import (
     CheckpointPath,
     Model,
-    Prepared,
+    SamplerSave,
     SamplingSession,
-    Snapshot,
     TinkerState,
     remember,
 )
-from icefloe.service.work.door import enter
-from icefloe.service.work.items import TINKER, FwdBwd, Load, Sample, Save, Step
+from icefloe.service.work.items import FwdBwd, Load, Sample, Save, Step
 
 __all__ = ["router", "tinker_state"]
 
@@ -203,8 +200,9 @@ async def forward_backward(request: Request, state: State, tenant: TenantDep) ->
         raise InvalidRequestError(f"the body is not a ForwardBackwardRequest protobuf: {exc}") from None
     model = model or state.model(message.model_id, tenant)
     max_tokens = state.manager.settings.max_tokens_per_request
-
-    async def prepare() -> Prepared:
+    with state.turn(model, message.seq_id) as turn:
+        if turn.answer is not None:
+            return turn.answer
         job = await state.live(model.job_id)
         sub_job_id = state.sub_job(job, "training")
         limit = job.specs[sub_job_id].config.max_seq_len
@@ -213,10 +211,7 @@ async def forward_backward(request: Request, state: State, tenant: TenantDep) ->
         )
         item = FwdBwd(sub_job_id, batch, OP_FORWARD if message.forward_only else OP_FWD_BWD)
         # Rendered when polled: each datum's log-probs cut out of the engine's tensor, as protobuf.
-        render = functools.partial(convert.forward_backward_output, layout=layout)
-        return lambda: enter(state.manager, job, item, api=TINKER, tenant=tenant), render
-
-    return await state.in_turn(model, message.seq_id, prepare)
+        return turn.queue(job, item, functools.partial(convert.forward_backward_output, layout=layout), tenant)
 
 
 _ADAM_KEYS = ("beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
@@ -225,8 +220,9 @@ _ADAM_KEYS = ("beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
 @router.post("/optim_step")
 async def optim_step(body: Body, state: State, tenant: TenantDep) -> dict[str, Any]:
     model = state.model(body.text("model_id", max_chars=512), tenant)
-
-    async def prepare() -> Prepared:
+    with state.turn(model, _seq_id(body)) as turn:
+        if turn.answer is not None:
+            return turn.answer
         if body.value.get("optimizer_params") is not None:
             raise InvalidRequestError("optimizer_params (a non-Adam optimizer) is not served; send adam_params")
         adam = body.section("adam_params" if "adam_params" in body.value else "optim_params")
@@ -238,9 +234,7 @@ async def optim_step(body: Body, state: State, tenant: TenantDep) -> dict[str, A
         params = {key: adam.number(key, null_ok=False) for key in _ADAM_KEYS if key in adam.value}
         job = await state.live(model.job_id)
         item = Step(state.sub_job(job, "training"), learning_rate, params)
-        return lambda: enter(state.manager, job, item, api=TINKER, tenant=tenant), _optim_result
-
-    return await state.in_turn(model, _seq_id(body), prepare)
+        return turn.queue(job, item, _optim_result, tenant)
 
 
 def _optim_result(result: dict[str, Any]) -> dict[str, Any]:
@@ -251,22 +245,22 @@ def _optim_result(result: dict[str, Any]) -> dict[str, Any]:
 @router.post("/save_weights")
 async def save_weights(body: Body, state: State, tenant: TenantDep) -> dict[str, Any]:
     model, seq_id = state.model(body.text("model_id", max_chars=512), tenant), _seq_id(body)
-    answer: dict[str, Any] = {"type": "save_weights"}
-
-    async def prepare() -> Prepared:
+    with state.turn(model, seq_id) as turn:
+        if turn.answer is not None:
+            return turn.answer
         name = checkpoint_name(body.value.get("path") or f"seq{seq_id}", "path")
         path = CheckpointPath(model.model_id, "weights", name)
-        return await _saver(state, model, path, answer, kind="resumable"), lambda _: answer
-
-    return await state.in_turn(model, seq_id, prepare)
+        job, save = await _save(state, model, path, kind="resumable")
+        answer = {"type": "save_weights", "path": str(path)}
+        return turn.queue(job, save, functools.partial(_fixed, answer), tenant)
 
 
 @router.post("/save_weights_for_sampler")
 async def save_weights_for_sampler(body: Body, state: State, tenant: TenantDep) -> dict[str, Any]:
     model, seq_id = state.model(body.text("model_id", max_chars=512), tenant), _seq_id(body)
-    answer: dict[str, Any] = {"type": "save_weights_for_sampler"}
-
-    async def prepare() -> Prepared:
+    with state.turn(model, seq_id) as turn:
+        if turn.answer is not None:
+            return turn.answer
         session_seq = body.integer("sampling_session_seq_id", None, low=0, high=_MAX_SEQ_ID)
         if session_seq is not None and session_seq not in model.sampler_saves:
             taken = f"{model.session_id}:sample:{session_seq}"
@@ -283,11 +277,12 @@ async def save_weights_for_sampler(body: Body, state: State, tenant: TenantDep) 
             path = CheckpointPath(model.model_id, "sampler_weights", checkpoint_name(body.value["path"], "path"))
         else:  # kept only for the snapshot client made with it, so never a path a caller can name
             path = CheckpointPath(model.model_id, "snapshot", f"{session_seq}-{seq_id}-{uuid.uuid4().hex[:8]}")
-        queue = await _saver(state, model, path, answer, kind="weights-only", sync=True, session_seq=session_seq,
-                             named=named, snapshot=kind == "snapshot")  # fmt: skip
-        return queue, lambda _: answer
-
-    return await state.in_turn(model, seq_id, prepare)
+        job, save = await _save(state, model, path, kind="weights-only")
+        keeps_files = named or kind == "snapshot"
+        answer: dict[str, Any] = {"type": "save_weights_for_sampler"}
+        order = SamplerSave(model, path, save.sub_job_id, save if keeps_files else None, answer, session_seq,
+                            named=named, snapshot=kind == "snapshot")  # fmt: skip
+        return turn.queue(job, order, functools.partial(_fixed, answer), tenant)
 
 
 @router.post("/save_weights_external")
@@ -295,64 +290,34 @@ async def save_weights_external(body: Body, state: State, tenant: TenantDep) -> 
     """The weights as a Hugging Face (or, with LoRA, PEFT) folder under ``tinker://<run>/external_weights/<name>``,
     each file encrypted to ``age_encryption_recipients`` when given. ``ttl_seconds`` is accepted and
     changes nothing: checkpoints live until deleted."""
-    model, seq_id = state.model(body.text("model_id", max_chars=512), tenant), _seq_id(body)
-
-    async def prepare() -> Prepared:
+    model = state.model(body.text("model_id", max_chars=512), tenant)
+    with state.turn(model, _seq_id(body)) as turn:
+        if turn.answer is not None:
+            return turn.answer
         path = CheckpointPath(model.model_id, "external_weights", checkpoint_name(body.value.get("path"), "path"))
         body.integer("ttl_seconds", None, low=0)
         recipients = recipients_of(body.value.get("age_encryption_recipients"), "age_encryption_recipients")
-        queue = await _saver(state, model, path, {}, kind="weights-only", encrypt_to=recipients)
-        return queue, functools.partial(_external_answer, str(path))
-
-    return await state.in_turn(model, seq_id, prepare)
+        job, save = await _save(state, model, path, kind="weights-only", encrypt_to=recipients)
+        return turn.queue(job, save, functools.partial(_external_answer, str(path)), tenant)
 
 
 def _external_answer(path: str, result: dict[str, Any]) -> dict[str, Any]:
     return {"type": "save_weights_external", "path": path, "size_bytes": result["size_bytes"]}
 
 
-async def _saver(
-    state: TinkerState, model: Model, path: CheckpointPath, answer: dict[str, Any], *, kind: str,
-    sync: bool = False, session_seq: int | None = None, named: bool = True, snapshot: bool = False,
-    encrypt_to: list[Any] | None = None,
-) -> Callable[[], str]:  # fmt: skip
-    """What queues a save of ``kind`` (and, for a sampler, a weight sync into the model's sampler),
-    filling ``answer`` in when it is queued.
+def _fixed(answer: dict[str, Any], result: Any) -> dict[str, Any]:
+    """The answer of an op whose result adds nothing to what it said when it was queued."""
+    return answer
 
-    A sampler save writes files when named, or for a ``snapshot`` client (which moves to a sampler
-    of its own from them once a later save changes the model's sampler); an unnamed ``inflight``
-    save writes none: its weights only ever live in the model's sampler, which the sync fills. A
-    second save for one ``sampling_session_seq_id`` is the first one again: its request and answer.
-    """
+
+async def _save(
+    state: TinkerState, model: Model, path: CheckpointPath, *, kind: str, encrypt_to: list[Any] | None = None
+) -> tuple[LiveJob, Save]:
+    """The model's running job, and the save of ``kind`` that writes ``path`` in its folder."""
     job = await state.live(model.job_id)
-    sub_job_id = state.sub_job(job, "training")
     folder = job.job_dir / "tinker" / path.kind / path.name
-    save = Save(sub_job_id, folder, kind, checkpoint_id=path.checkpoint_id, encrypt_to=tuple(encrypt_to or ()))
-
-    def queue() -> str:
-        if session_seq is not None and session_seq in model.sampler_saves:
-            request_id, first = model.sampler_saves[session_seq]
-            answer.update(first)
-            return request_id
-        files = None
-        if named or snapshot or not sync:
-            request_id = enter(state.manager, job, save, api=TINKER)
-            files = Snapshot(path, request_id)
-            if named:
-                answer["path"] = str(path)
-        if sync:
-            request_id = submit_weight_sync(state.manager, job, WeightSyncPayload(), sub_job_id, api=TINKER)
-            model.sampler_version += 1
-            model.sampler_files = files
-            if session_seq is not None:  # an unnamed snapshot's folder has no path a caller may name
-                sampler = _sampling_session(state, model.session_id, session_seq, model, answer.get("path"))
-                if snapshot:
-                    state.pin(sampler, model)
-                answer["sampling_session_id"] = sampler.sampling_session_id
-                remember(model.sampler_saves, session_seq, (request_id, dict(answer)))
-        return request_id
-
-    return queue
+    sub_job_id = state.sub_job(job, "training")
+    return job, Save(sub_job_id, folder, kind, checkpoint_id=path.checkpoint_id, encrypt_to=tuple(encrypt_to or ()))
 
 
 @router.post("/load_weights")
@@ -372,28 +337,18 @@ async def load_weights(body: Body, state: State, tenant: TenantDep) -> dict[str,
             model.taken[-1] = {"request_id": state.future(job_id, lambda _: answer), "model_id": model_id}
         return state.model(model_id, tenant).taken[-1]
     model = state.model(body.text("model_id", max_chars=512), tenant)
-    answer: dict[str, Any] = {"type": "load_weights", "model_id": model.model_id}
-
-    async def prepare() -> Prepared:
+    with state.turn(model, _seq_id(body)) as turn:
+        if turn.answer is not None:
+            return turn.answer
         path, optimizer = CheckpointPath.parse(body.text("path", max_chars=2048)), body.flag("optimizer")
-        answer["path"] = str(path)
         record = await asyncio.to_thread(state.checkpoint_record, path, tenant)
         job = await state.live(model.job_id)
         item = Load(state.sub_job(job, "training"), record["job_id"], path.checkpoint_id, optimizer)
-        return lambda: enter(state.manager, job, item, api=TINKER, tenant=tenant), lambda _: answer
-
-    return await state.in_turn(model, _seq_id(body), prepare)
+        answer = {"type": "load_weights", "model_id": model.model_id, "path": str(path)}
+        return turn.queue(job, item, functools.partial(_fixed, answer), tenant)
 
 
 # --- sampling --------------------------------------------------------------------------------
-def _sampling_session(
-    state: TinkerState, session_id: str, seq: int, model: Model, model_path: str | None
-) -> SamplingSession:
-    """A sampling session on the model's own sampler (an ``inflight`` client, until pinned)."""
-    sampling_session_id = f"{session_id}:sample:{seq}"
-    return state.add_sampler(sampling_session_id, session_id, model.job_id, model.base_model, model_path)
-
-
 @router.post("/create_sampling_session")
 async def create_sampling_session(body: Body, state: State, tenant: TenantDep) -> dict[str, Any]:
     session_id = body.text("session_id", max_chars=256)
@@ -410,7 +365,7 @@ async def create_sampling_session(body: Body, state: State, tenant: TenantDep) -
         model = state.models.get(path.run)
         held = model.sampler_files if model is not None else None
         if model is not None and state.tenancy.sees(tenant, model.owner) and held and held.path == path:
-            state.pin(_sampling_session(state, session_id, seq, model, str(path)), model)  # moves once it changes
+            state.pin(state.model_sampler(model, seq, str(path)), model)  # moves once it changes
         else:
             base_model, rank, layers = await asyncio.to_thread(state.base_model_of, path, tenant)
             job_id = await asyncio.to_thread(

@@ -27,7 +27,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,14 +35,16 @@ from icefloe.protocol import JOB_ACTIVE_STATES, ConflictError, InvalidRequestErr
 from icefloe.service import store
 from icefloe.service.jobs import JobManager, LiveJob
 from icefloe.service.limits import SEQUENCE_WINDOW
-from icefloe.service.schemas import JobCreate
+from icefloe.service.routes.handlers import submit_weight_sync
+from icefloe.service.schemas import JobCreate, WeightSyncPayload
 from icefloe.service.specs import sub_job_specs
 from icefloe.service.tenants import Tenancy
 from icefloe.service.turns import Turns
 from icefloe.service.work.door import enter
-from icefloe.service.work.items import TINKER, Sample
+from icefloe.service.work.items import TINKER, Item, Sample, Save
 
-__all__ = ["CheckpointPath", "Future", "Model", "Prepared", "SamplingSession", "Snapshot", "TinkerState", "remember"]
+__all__ = ["CheckpointPath", "Future", "Model", "SamplerSave", "SamplingSession", "Snapshot", "TinkerState", "Turn",
+           "remember"]  # fmt: skip
 
 _log = logging.getLogger("icefloe.service.tinker")
 _KINDS = ("weights", "sampler_weights", "external_weights")  # "snapshot" (kept for a client) is never a caller's path
@@ -50,11 +52,6 @@ _COPY_PREFIX = "copy-"  # model ids never start so: they are <session>:train:<n>
 FUTURES_KEPT = 100_000  # futures, and answers kept per model or sampler for a resent seq_id
 _CLONE_SEQ_BLOCK = 1_000_000_000  # a sampling client's seq_ids start at its clone number times this
 _START_POLL_S = 0.05  # how often a waiter looks at a starting job's state (no event exists for it)
-
-
-# What an ordered op's checks give, in its turn: what queues it (returning its request id), and what
-# renders the result it leaves in memory when its future is polled.
-Prepared = tuple[Callable[[], str], Callable[[Any], Any]]
 
 
 @dataclass(frozen=True)
@@ -133,6 +130,89 @@ class Snapshot:
 
     path: CheckpointPath
     save_request_id: str
+
+
+@dataclass
+class SamplerSave:
+    """A ``save_weights_for_sampler``: a save of ``path`` (``save``; None for an unnamed ``inflight`` one,
+    which keeps no files) and a sync of ``sub_job_id``'s weights into the model's sampler; ``answer`` is
+    filled in when it is queued. ``session_seq`` names the sampling client it makes, a ``snapshot`` one
+    pinned to these weights."""
+
+    model: Model
+    path: CheckpointPath
+    sub_job_id: str
+    save: Save | None
+    answer: dict[str, Any]
+    session_seq: int | None = None
+    named: bool = False
+    snapshot: bool = False
+
+
+class Turn:
+    """An ordered op of a model in ``seq_id`` order (:meth:`TinkerState.turn`), used as a ``with`` block.
+
+    ``answer``: a resend's first answer (None for a number not taken). An exception inside the block,
+    before :meth:`queue`, uses the number up: the refusal is the POST's answer. :meth:`queue` answers at
+    once with a future and queues the op now when every number before it was used, else from a task that
+    holds it until then (chunks of one batch may come in any order).
+    """
+
+    def __init__(self, state: TinkerState, model: Model, seq_id: int | None) -> None:
+        self.state, self.model, self.seq_id = state, model, seq_id
+        self.answer: dict[str, Any] | None = model.taken.get(seq_id) if seq_id is not None else None
+        self._queued = False
+
+    def __enter__(self) -> Turn:
+        return self
+
+    def __exit__(self, kind: object, error: BaseException | None, trace: object) -> None:
+        if isinstance(error, Exception) and self.seq_id is not None and not self._queued:
+            self.model.turns.use(self.seq_id)
+
+    def queue(
+        self, job: LiveJob, item: Item | SamplerSave, render: Callable[[Any], Any], tenant: str | None = None
+    ) -> dict[str, Any]:
+        """Queue ``item`` on ``job`` in its turn; the answer, a future whose result ``render`` answers."""
+        state, model, seq_id = self.state, self.model, self.seq_id
+        self._queued = True
+        if seq_id is None:
+            return {"request_id": state.future(model.job_id, render, state.request(job, item, tenant))}
+        if seq_id in model.taken:  # a resend that arrived while its first copy was being checked
+            return model.taken[seq_id]
+        submitted: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        answer = {"request_id": state.future(model.job_id, render, submitted=submitted)}
+        remember(model.taken, seq_id, answer)
+        if seq_id > model.turns.next:  # held by a task of its own until its turn
+            task = asyncio.get_running_loop().create_task(self._queue_in_turn(job, item, tenant, submitted))
+            model.holding.add(task)
+            task.add_done_callback(model.holding.discard)
+            return answer
+        try:  # its turn, or a late resend of a refused op: now; a refusal is read through the future
+            submitted.set_result(state.request(job, item, tenant))
+        except Exception as exc:
+            submitted.set_exception(exc)
+            submitted.exception()
+        model.turns.use(seq_id)
+        return answer
+
+    async def _queue_in_turn(
+        self, job: LiveJob, item: Item | SamplerSave, tenant: str | None, submitted: asyncio.Future[str]
+    ) -> None:
+        assert self.seq_id is not None
+        missing = await self.model.turns.wait(self.seq_id)
+        try:
+            if missing is not None:
+                raise ConflictError(
+                    f"seq_id {self.seq_id} of model {self.model.model_id} waited {self.state.gap_timeout_s:g} s "
+                    f"for seq_id {missing}, which never arrived; it did not run, and the model moves on past it"
+                )
+            submitted.set_result(self.state.request(job, item, tenant))
+        except Exception as exc:  # read through the future
+            submitted.set_exception(exc)
+            submitted.exception()
+        if missing is None:
+            self.model.turns.use(self.seq_id)
 
 
 def remember(taken: dict[int, Any], seq_id: int, answer: Any) -> None:
@@ -421,65 +501,56 @@ class TinkerState:
             )
         return sampler
 
-    async def in_turn(
-        self, model: Model, seq_id: int | None, prepare: Callable[[], Awaitable[Prepared]]
-    ) -> dict[str, Any]:
-        """Answer op ``seq_id`` at once with a future; queue the op once every number before it is used
-        (:class:`~icefloe.service.turns.Turns`, the rule of the training API's ``Icefloe-Sequence`` too).
-
-        ``prepare`` checks the op and returns what queues it (returning its request id) and what renders
-        its result when the future is polled; a refusal is the POST's answer and uses up the number. A
-        resent number gets the answer it got the first time.
-        """
-        if seq_id is not None and seq_id in model.taken:
-            return model.taken[seq_id]
-        if seq_id is not None and model.turns.beyond(seq_id):
-            raise InvalidRequestError(
-                f"seq_id {seq_id} of model {model.model_id} is more than the sequence window ({self.window}) past "
-                f"the next one expected ({model.turns.next}); number a model's ops in order from 1"
-            )
-        if seq_id is not None and model.turns.late(seq_id):
-            raise InvalidRequestError(
-                f"seq_id {seq_id} of model {model.model_id} came after the model moved on past it (an op behind it "
-                f"waited {self.gap_timeout_s:g} s for it); it did not run: call the op again"
-            )
-        try:
-            queue, render = await prepare()
-        except Exception:
-            if seq_id is not None:
-                model.turns.use(seq_id)
-            raise
-        if seq_id is None:
-            return {"request_id": self.future(model.job_id, render, queue())}
-        if seq_id in model.taken:  # a resend that arrived while its first copy was being checked
-            return model.taken[seq_id]
-        submitted: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        answer = {"request_id": self.future(model.job_id, render, submitted=submitted)}
-        remember(model.taken, seq_id, answer)
-        if seq_id <= model.turns.next:  # its turn, or a late resend of a refused op: now
-            _send(queue, submitted)
-            model.turns.use(seq_id)
-        else:  # held by a task of its own until its turn (chunks of one batch may come in any order)
-            task = asyncio.get_running_loop().create_task(self._send_in_turn(model, seq_id, queue, submitted))
-            model.holding.add(task)
-            task.add_done_callback(model.holding.discard)
-        return answer
-
-    async def _send_in_turn(
-        self, model: Model, seq_id: int, queue: Callable[[], str], submitted: asyncio.Future[str]
-    ) -> None:
-        missing = await model.turns.wait(seq_id)
-        if missing is not None:
-            submitted.set_exception(
-                ConflictError(
-                    f"seq_id {seq_id} of model {model.model_id} waited {self.gap_timeout_s:g} s for seq_id "
-                    f"{missing}, which never arrived; it did not run, and the model moves on past it"
+    def turn(self, model: Model, seq_id: int | None) -> Turn:
+        """Op ``seq_id``'s turn, used as ``with state.turn(model, seq_id) as turn:`` (see :class:`Turn`).
+        A number past the window, or one the model skipped, is refused here and stays unused."""
+        if seq_id is not None and seq_id not in model.taken:
+            if model.turns.beyond(seq_id):
+                raise InvalidRequestError(
+                    f"seq_id {seq_id} of model {model.model_id} is more than the sequence window ({self.window}) "
+                    f"past the next one expected ({model.turns.next}); number a model's ops in order from 1"
                 )
-            )
-            submitted.exception()
-            return
-        _send(queue, submitted)
-        model.turns.use(seq_id)
+            if model.turns.late(seq_id):
+                raise InvalidRequestError(
+                    f"seq_id {seq_id} of model {model.model_id} came after the model moved on past it (an op behind "
+                    f"it waited {self.gap_timeout_s:g} s for it); it did not run: call the op again"
+                )
+        return Turn(self, model, seq_id)
+
+    def request(self, job: LiveJob, item: Item | SamplerSave, tenant: str | None) -> str:
+        """Queue an ordered op in its turn; its request id (a sampler save: its sync's)."""
+        if isinstance(item, SamplerSave):
+            return self._save_for_sampler(job, item)
+        return enter(self.manager, job, item, api=TINKER, tenant=tenant)
+
+    def _save_for_sampler(self, job: LiveJob, order: SamplerSave) -> str:
+        """Save (when it keeps files) and sync into the model's sampler, filling ``order.answer`` in. A second
+        save for one ``sampling_session_seq_id`` is the first one again: its request and answer."""
+        model, session_seq = order.model, order.session_seq
+        if session_seq is not None and session_seq in model.sampler_saves:
+            request_id, first = model.sampler_saves[session_seq]
+            order.answer.update(first)
+            return request_id
+        files = None
+        if order.save is not None:
+            files = Snapshot(order.path, enter(self.manager, job, order.save, api=TINKER))
+            if order.named:
+                order.answer["path"] = str(order.path)
+        request_id = submit_weight_sync(self.manager, job, WeightSyncPayload(), order.sub_job_id, api=TINKER)
+        model.sampler_version += 1
+        model.sampler_files = files
+        if session_seq is not None:  # an unnamed snapshot's folder has no path a caller may name
+            sampler = self.model_sampler(model, session_seq, order.answer.get("path"))
+            if order.snapshot:
+                self.pin(sampler, model)
+            order.answer["sampling_session_id"] = sampler.sampling_session_id
+            remember(model.sampler_saves, session_seq, (request_id, dict(order.answer)))
+        return request_id
+
+    def model_sampler(self, model: Model, seq: int, model_path: str | None) -> SamplingSession:
+        """A sampling session on the model's own sampler (an ``inflight`` client, until pinned)."""
+        sampling_session_id = f"{model.session_id}:sample:{seq}"
+        return self.add_sampler(sampling_session_id, model.session_id, model.job_id, model.base_model, model_path)
 
     def future(
         self,
@@ -712,12 +783,3 @@ class TinkerState:
         peft = section.get("peft_config") or {}
         layers = {key: peft[key] for key in ("train_attn", "train_mlp", "train_unembed") if key in peft}
         return first["model_name"], peft.get("r"), layers
-
-
-def _send(queue: Callable[[], str], submitted: asyncio.Future[str]) -> None:
-    """Queue an op and hand its request id (or the refusal) to the future its answer reads."""
-    try:
-        submitted.set_result(queue())
-    except Exception as exc:  # read through the future
-        submitted.set_exception(exc)
-        submitted.exception()
