@@ -10,9 +10,10 @@ call that warms every lazy import. A profile hook on every thread follows the op
   returns (walked into containers, dataclasses and protobuf messages), a numpy or torch view of it,
   and what a pipe brings back to the call that sent it;
 * a HOP is a call of an icefloe function that receives the data as an argument (inside a container,
-  a dataclass, a ``functools.partial`` or a closure it is handed) or returns it, or that reads the
-  body or a pipe's message holding it; distinct functions are counted, comprehensions and lambdas
-  belonging to the function that encloses them;
+  a dataclass, a ``functools.partial`` or a closure it is handed) or returns it, that reads the
+  body or a pipe's message holding it, or that makes it in a new representation (a conversion, say a
+  parse it calls in place); distinct functions are counted, comprehensions and lambdas belonging to
+  the function that encloses them. A message parsed from the data is data however deep its numbers lie;
 * a CONVERSION is a representation (bytes, protobuf, numpy, torch on a device, a list of numbers,
   JSON text) a hop makes data in that it did not have (from its arguments, or from what its inner
   hops returned): bytes -> message, message -> numpy, numpy -> torch, tensor -> list, tensor ->
@@ -111,7 +112,7 @@ class DataPath:
             call = self._frames.get(id(reader))
             if call is None:  # called before the data came: it holds bytes from here on
                 where = _where(reader.f_code, reader.f_code.co_filename, self.root)
-                call = self._frames[id(reader)] = _Call(where, set(), True, time.monotonic_ns(), {"bytes"})
+                call = self._frames[id(reader)] = _Call(where, set(), True, time.monotonic_ns(), {"bytes"}, reader)
             call.available.add("bytes")
             self._record(reader, call.where, call.order).kinds_out.add("bytes")
             self._save()
@@ -166,6 +167,8 @@ class DataPath:
         if made and maker is not None and kind not in maker.available:  # a representation it had not
             self._made.setdefault(maker.where, set()).add(kind)
             maker.available.add(kind)
+            if maker.frame is not None:  # what converts data is on its path, whatever it was handed
+                self._record(maker.frame, maker.where, maker.order)
         if kind == "numpy" or kind.startswith("torch"):
             start = _address(value)
             self._memory.append((start, start + max(1, _nbytes(value))))
@@ -179,6 +182,12 @@ class DataPath:
                 self._hold(value, kind, made=False)
                 return True
             return False
+        if kind == "protobuf" and hasattr(value, "SerializeToString"):
+            # A message parsed from the data, however deep its numbers lie: its bytes are the data's (a parse
+            # called in place, by no icefloe function that returns it, is seen here).
+            if self._in_sources(value.SerializeToString()):
+                self._hold(value, kind)
+                return True
         if kind == "numpy" or (kind or "").startswith("torch"):
             if any(start <= _address(value) < end for start, end in self._memory):  # a view of data
                 self._hold(value, kind)
@@ -233,7 +242,7 @@ class DataPath:
         data = [value for value in given if self._is_data(value)]
         kinds = set().union(*(self._kinds(value) for value in data)) if data else set()
         where = _where(code, path, self.root)
-        self._frames[id(frame)] = _Call(where, kinds, bool(data), time.monotonic_ns(), set(kinds))
+        self._frames[id(frame)] = _Call(where, kinds, bool(data), time.monotonic_ns(), set(kinds), frame)
 
     def _returned(self, frame: types.FrameType, code: types.CodeType, path: str, value: Any) -> None:
         call = self._frames.pop(id(frame), None)
@@ -299,6 +308,7 @@ class _Call:
     received: bool  # data among its arguments
     order: int  # time.monotonic_ns() when it was called
     available: set[str]  # representations it had: its arguments', and what its inner hops returned
+    frame: types.FrameType | None = None
 
 
 def _star_args(code: types.CodeType) -> int:
