@@ -182,12 +182,11 @@ class DataPath:
                 self._hold(value, kind, made=False)
                 return True
             return False
-        if kind == "protobuf" and hasattr(value, "SerializeToString"):
-            # A message parsed from the data, however deep its numbers lie: its bytes are the data's (a parse
-            # called in place, by no icefloe function that returns it, is seen here).
-            if self._in_sources(value.SerializeToString()):
-                self._hold(value, kind)
-                return True
+        # A message parsed from the data, however deep its numbers lie: its bytes are the data's (a parse
+        # called in place, by no icefloe function that returns it, is seen here).
+        if kind == "protobuf" and hasattr(value, "SerializeToString") and self._in_sources(value.SerializeToString()):
+            self._hold(value, kind)
+            return True
         if kind == "numpy" or (kind or "").startswith("torch"):
             if any(start <= _address(value) < end for start, end in self._memory):  # a view of data
                 self._hold(value, kind)
