@@ -8,10 +8,10 @@ call that warms every lazy import. A profile hook on every thread follows the op
 * the DATA is the request body (as uvicorn hands it to the app: any bytes that are part of it, and
   every protobuf message parsed from it), and any object an earlier hop made from it: what a hop
   returns (walked into containers, dataclasses and protobuf messages), a numpy or torch view of it,
-  and the arrays and tensors an engine process's wire brings back to the call that sent it;
+  and the arrays and tensors an engine process's pipe brings back to the call that sent it;
 * a HOP is a call of an icefloe function that receives the data as an argument (inside a container,
   a dataclass, a ``functools.partial`` or a closure it is handed) or returns it, or that reads the
-  body or receives a wire's message holding it; distinct functions are counted, comprehensions and
+  body or receives a pipe's message holding it; distinct functions are counted, comprehensions and
   lambdas belonging to the function that encloses them;
 * a CONVERSION is a representation (bytes, protobuf, numpy, torch on a device, a list of numbers,
   JSON text) a hop makes data in that it did not have (from its arguments, or from what its inner
@@ -24,8 +24,8 @@ The engine's computation is not the path: the first call into ``engines/training
 is listed as ``engine_internal``, counted apart. ``--engines process`` runs the engines in a child
 process (the default of ``icefloe serve``) and follows it too: the forkserver it forks from imports
 this module, which follows the data there from the message whose arrays or tensors hold the measured
-op's tokens (the warm-up op's differ), from where the wire's ``exchange`` returns it. Arrays and
-tensors a wire brings (there, and back in the service to a call that sent data) are data in the
+op's tokens (the warm-up op's differ), from where the pipe's ``exchange`` returns it. Arrays and
+tensors a pipe brings (there, and back in the service to a call that sent data) are data in the
 representation they arrived in, as the body's bytes are: the transport, not a conversion; the
 function that received them and its caller are hops. ``ratio`` = hops / 30 (the issue's target).
 
@@ -62,7 +62,7 @@ _WRAPPERS = ("<lambda>", *_COMPREHENSIONS)
 _MAX_DEPTH = 5
 _MAX_ITEMS = 64  # elements looked at per container
 _WIRE_FILE = "service/hosts/process.py"
-_ARRIVAL = "Wire.exchange"  # where a message from the other end of an engine process's wire is returned
+_ARRIVAL = "Pipe.exchange"  # where a message from the other end of an engine process's pipe is returned
 _CHILD_ENV = "ICEFLOE_BENCH_HOPS"  # "<bench pid>:<folder>:<marker hex>": follow an engine process too
 
 
@@ -125,7 +125,7 @@ class DataPath:
         self._record(reader, call.where, call.order).kinds_out |= kinds
 
     def _arrived(self, frame: types.FrameType, message: Any) -> None:
-        """What a wire brought (the return of ``Wire.exchange``): in an engine process, the op's call once
+        """What a pipe brought (the return of ``Pipe.exchange``): in an engine process, the op's call once
         an array or tensor in it holds the marker; in the service, the reply to a call that sent the op's
         data. Its arrays and tensors are data as they arrived."""
         arrays = _arrays(message)

@@ -2,13 +2,13 @@
 
 In the service process the engines would share one GIL with the HTTP loop; a child also contains a
 crash (a CUDA fault, the OOM killer ends one host, never the service). The child runs a
-:class:`LocalEngineHost`; each of the host's workers talks to it over a :class:`Wire` of its own (a
+:class:`LocalEngineHost`; each of the host's workers talks to it over a :class:`Pipe` of its own (a
 socket pair; :func:`serve` on a thread answers at the far end): one per sub-job on a dedicated host,
 one for a shared base and every run on it. A call and its answer are each one message, pickled with
 their CPU tensors out of band: a tensor's memory goes to the socket as it is and arrives in memory of
 its own, never copied into or out of the pickle (multiprocessing's pickler would move each tensor
 through a shared-memory segment). What the engines log (and warn) while they run a call crosses the
-wire with its answer, to the logs of the jobs whose op it is; what a dedicated job's engines log
+pipe with its answer, to the logs of the jobs whose op it is; what a dedicated job's engines log
 while loading, the child writes into the job's log itself. Children fork from a forkserver that
 imported torch once, so a tiny host starts in about 0.2 s.
 """
@@ -42,8 +42,8 @@ from icefloe.service.specs import SubJobSpec
 __all__ = [
     "SHARED_CHANNEL",
     "EngineProcessDied",
+    "Pipe",
     "ProcessEngineHost",
-    "Wire",
     "portable",
     "serve",
     "warm_forkserver",
@@ -65,7 +65,7 @@ _PRELOAD = [
 ]
 _START_TIMEOUT_S = 600.0  # a model download or a cold CUDA start can take minutes
 _START_TICK_S = 0.05  # while it waits for the engine process to start, a job checks this often for a stop
-_EXIT_TIMEOUT_S = 3.0  # after its wires and control pipe close, a child still running by then is killed
+_EXIT_TIMEOUT_S = 3.0  # after its pipes close, a child still running by then is killed
 
 
 SHARED_CHANNEL = "shared"  # the one channel of a shared host: its base and every run on it
@@ -92,19 +92,19 @@ def warm_forkserver() -> None:
         _log.info("could not start the engine forkserver ahead of time: %s", exc)
 
 
-# A message on a wire: this header (how many out-of-band buffers, the length of the head), each buffer's
+# A message on a pipe: this header (how many out-of-band buffers, the length of the head), each buffer's
 # size (8 bytes), the head (the pickle of everything but the buffers), then the buffers.
 _HEADER = struct.Struct("<IQ")
 _SIZE_BYTES = 8
 _PIECES_PER_SEND = 512  # sendmsg takes at most IOV_MAX (1024 on Linux) pieces at once
 
 
-class Wire:
-    """One end of a socket pair that carries messages to a :class:`Wire` at the other end: each a pickle
+class Pipe:
+    """One end of a socket pair that carries messages to a :class:`Pipe` at the other end: each a pickle
     whose CPU tensors travel out of band, written to the socket from their own memory and read into
     fresh memory there (see :class:`_Pickler`).
 
-    One exchange at a time: a caller writes its message and reads the answer under the wire's lock,
+    One exchange at a time: a caller writes its message and reads the answer under the pipe's lock,
     so this end never writes a large message while the other writes a large answer (on full sockets
     both would wait for good). Concurrent callers take turns; the service calls a sub-job from one worker.
     """
@@ -117,8 +117,8 @@ class Wire:
         """Send ``message`` (None: nothing), then return the next message that arrives.
 
         Raises ``pickle.PicklingError`` when ``message`` does not pickle (nothing was sent),
-        ``pickle.UnpicklingError`` when what arrived does not unpickle (it was read whole: the wire
-        still works), and EOFError or OSError when the wire is broken or shut."""
+        ``pickle.UnpicklingError`` when what arrived does not unpickle (it was read whole: the pipe
+        still works), and EOFError or OSError when the pipe is broken or shut."""
         with self._lock:
             if message is not None:
                 buffers: list[pickle.PickleBuffer] = []
@@ -135,12 +135,12 @@ class Wire:
             raise pickle.UnpicklingError(str(exc)) from exc
 
     def shut(self) -> None:
-        """Break the wire both ways now: an exchange waiting on it fails at once, and so does every later one."""
+        """Break the pipe both ways now: an exchange waiting on it fails at once, and so does every later one."""
         with contextlib.suppress(OSError):  # already closed
             self._socket.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
-        """Shut the wire, let an exchange in flight fail, release the socket. Idempotent."""
+        """Shut the pipe, let an exchange in flight fail, release the socket. Idempotent."""
         self.shut()
         with self._lock:
             self._socket.close()
@@ -174,7 +174,7 @@ def _read_into(sock: socket.socket, memory: Any) -> Any:
     while view.nbytes:
         got = sock.recv_into(view, 0, socket.MSG_WAITALL)
         if not got:
-            raise EOFError("the wire was closed")
+            raise EOFError("the pipe was closed")
         view = view[got:]
     return memory
 
@@ -195,7 +195,7 @@ class ProcessEngineHost(ForwardedEngines):
         base: BaseModel | None = None,
     ) -> None:
         super().__init__(specs, devices, checkpoints, base=base)
-        self._wires: dict[str, Wire] = {}
+        self._pipes: dict[str, Pipe] = {}
         self._log_dir = log_dir
         self._process: Any = None
         self._control: Connection | None = None
@@ -227,8 +227,8 @@ class ProcessEngineHost(ForwardedEngines):
             for _, far in pairs.values():
                 far.close()
         self._process, self.pid = process, process.pid
-        # each worker's engines, as far as this process sees them: the wire to them
-        self._wires = {group: Wire(near) for group, (near, _) in pairs.items()}
+        # each worker's engines, as far as this process sees them: the pipe to them
+        self._pipes = {group: Pipe(near) for group, (near, _) in pairs.items()}
         on_progress(f"engines run in process {process.pid}")
         deadline = time.monotonic() + _START_TIMEOUT_S
         while True:
@@ -248,7 +248,7 @@ class ProcessEngineHost(ForwardedEngines):
                 raise value
 
     def cancel(self, sub_job_id: str, tags: list[str]) -> None:
-        """Over the control pipe: the sub-job's own wire is busy with the generate to be cut short."""
+        """Over the control pipe: the sub-job's own pipe is busy with the generate to be cut short."""
         with self._control_lock, contextlib.suppress(OSError, ValueError):  # the child is gone: nothing runs
             if self._control is not None:
                 self._control.send_bytes(pickle.dumps(("cancel", (sub_job_id, tags))))
@@ -265,14 +265,14 @@ class ProcessEngineHost(ForwardedEngines):
         """The job is stopping: every call waiting on the engine process fails now, as cancelled,
         and so does any later one; the process exits after the op it is running."""
         self._stopping = True
-        for wire in self._wires.values():
-            wire.shut()
+        for pipe in self._pipes.values():
+            pipe.shut()
 
     def close(self) -> None:
         """Interrupt, let the child release its engines and exit; kill it after a few seconds."""
         self.interrupt()
-        for wire in self._wires.values():
-            wire.close()
+        for pipe in self._pipes.values():
+            pipe.close()
         if self._control is not None:
             with self._control_lock:
                 self._control.close()  # the child's EOF: it releases its engines and exits
@@ -306,10 +306,10 @@ class ProcessEngineHost(ForwardedEngines):
         return f"the engine process {self.pid} {how}"
 
     def _forward(self, sub_job_id: str | None, method: str, *args: Any, what: str | None = None) -> Any:
-        """One exchange with the engine process, over the wire of the worker that serves ``sub_job_id``.
+        """One exchange with the engine process, over the pipe of the worker that serves ``sub_job_id``.
         What the engines logged meanwhile goes to :func:`~icefloe.service.joblog.relay` on this thread."""
         try:
-            kind, value, logged = self._wire(sub_job_id).exchange((method, args))
+            kind, value, logged = self._pipe(sub_job_id).exchange((method, args))
         except pickle.UnpicklingError as exc:  # a reply this side cannot read fails its call only
             raise RuntimeError(f"the reply to {what or method} could not be read: {exc}") from None
         except (EOFError, OSError):
@@ -319,11 +319,11 @@ class ProcessEngineHost(ForwardedEngines):
             raise value
         return value
 
-    def _wire(self, sub_job_id: str | None) -> Wire:
-        wire = self._wires.get(SHARED_CHANNEL if self._base is not None else sub_job_id)
-        if wire is None:
+    def _pipe(self, sub_job_id: str | None) -> Pipe:
+        pipe = self._pipes.get(SHARED_CHANNEL if self._base is not None else sub_job_id)
+        if pipe is None:
             raise InvalidRequestError(f"sub-job {sub_job_id!r} has no engine on this host")
-        return wire
+        return pipe
 
 
 class _Pickler(pickle.Pickler):
@@ -351,8 +351,8 @@ def _tensor_from_bytes(data: np.ndarray, dtype: Any, shape: tuple[int, ...]) -> 
     return torch.from_numpy(data).view(dtype).reshape(shape)
 
 
-def serve(engines: Any, wire: Wire, router: JobLogRouter | None = None) -> None:
-    """Answer the calls that come over ``wire``, one at a time, until it closes.
+def serve(engines: Any, pipe: Pipe, router: JobLogRouter | None = None) -> None:
+    """Answer the calls that come over ``pipe``, one at a time, until it closes.
 
     A call ``(method, args)`` runs ``engines.<method>(*args)``; its reply carries the result or
     the error (one that does not pickle as a RuntimeError naming it), and what ``router`` routed
@@ -362,7 +362,7 @@ def serve(engines: Any, wire: Wire, router: JobLogRouter | None = None) -> None:
     reply = None
     while True:
         try:
-            method, args = wire.exchange(reply)
+            method, args = pipe.exchange(reply)
         except pickle.PicklingError as exc:  # nothing of the reply went: an error goes in its place
             reply = ("error", RuntimeError(f"{method} returned a result that cannot be sent: {exc}"), reply[2])
             continue
@@ -403,7 +403,7 @@ def _child_main(
     from icefloe.service.hosts.seam import LocalEngineHost
     from icefloe.service.joblog import JobLog
 
-    # Ctrl-C reaches the whole process group: the service shuts down and closes the wires, and
+    # Ctrl-C reaches the whole process group: the service shuts down and closes the pipes, and
     # that (not the signal) ends this process, after any op in flight.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # No weight-loading bars: nobody reads this terminal, and tqdm's process-shared lock would
@@ -430,10 +430,10 @@ def _child_main(
     # one walked the model's objects each time, pausing training for ~250 ms).
     gc.freeze()
     tell("ready", None)
-    wires = {group: Wire(sock) for group, sock in sockets.items()}
+    pipes = {group: Pipe(sock) for group, sock in sockets.items()}
     threads = [
-        threading.Thread(target=serve, args=(host, wire, router), name=f"icefloe-{group}", daemon=True)
-        for group, wire in wires.items()
+        threading.Thread(target=serve, args=(host, pipe, router), name=f"icefloe-{group}", daemon=True)
+        for group, pipe in pipes.items()
     ]
     for thread in threads:
         thread.start()
@@ -445,8 +445,8 @@ def _child_main(
         if kind == "cancel":
             with contextlib.suppress(Exception):  # an unknown sub-job: nothing of it to stop
                 host.cancel(*value)
-    for wire in wires.values():
-        wire.close()
+    for pipe in pipes.values():
+        pipe.close()
     for thread in threads:
         thread.join(timeout=_EXIT_TIMEOUT_S)
     host.close()
