@@ -97,6 +97,7 @@ def warm_forkserver() -> None:
 _HEADER = struct.Struct("<IQ")
 _SIZE_BYTES = 8
 _PIECES_PER_SEND = 512  # sendmsg takes at most IOV_MAX (1024 on Linux) pieces at once
+_IN_BAND_BYTES = 16 << 10  # a smaller buffer rides in the head: copying it costs less than a read of its own
 
 
 class Pipe:
@@ -124,7 +125,7 @@ class Pipe:
                 buffers: list[pickle.PickleBuffer] = []
                 head = io.BytesIO()
                 try:
-                    _Pickler(head, protocol=5, buffer_callback=buffers.append).dump(message)
+                    _Pickler(head, protocol=5, buffer_callback=_set_aside(buffers)).dump(message)
                 except Exception as exc:
                     raise pickle.PicklingError(str(exc)) from exc
                 _write(self._socket, head.getbuffer(), buffers)
@@ -144,6 +145,19 @@ class Pipe:
         self.shut()
         with self._lock:
             self._socket.close()
+
+
+def _set_aside(buffers: list[pickle.PickleBuffer]) -> Callable[[pickle.PickleBuffer], bool]:
+    """A pickler's ``buffer_callback`` that puts each large buffer into ``buffers``, out of band, and keeps
+    a small one in the head (pickle's rule: the callback answered true)."""
+
+    def set_aside(buffer: pickle.PickleBuffer) -> bool:
+        if buffer.raw().nbytes < _IN_BAND_BYTES:
+            return True
+        buffers.append(buffer)
+        return False
+
+    return set_aside
 
 
 def _write(sock: socket.socket, head: memoryview, buffers: list[pickle.PickleBuffer]) -> None:
