@@ -5,9 +5,9 @@ crash (a CUDA fault, the OOM killer ends one host, never the service). The child
 :class:`LocalEngineHost`; each of the host's workers talks to it over a :class:`Pipe` of its own (a
 socket pair; :func:`serve` on a thread answers at the far end): one per sub-job on a dedicated host,
 one for a shared base and every run on it. A call and its answer are each one message, pickled with
-their CPU tensors out of band: a tensor's memory goes to the socket as it is and arrives in memory of
-its own, never copied into or out of the pickle (multiprocessing's pickler would move each tensor
-through a shared-memory segment). What the engines log (and warn) while they run a call crosses the
+their CPU tensors out of band: a large tensor's memory goes to the socket as it is and arrives in
+memory of its own, never copied into or out of the pickle (multiprocessing's pickler would move each
+tensor through a shared-memory segment). What the engines log (and warn) while they run a call crosses the
 pipe with its answer, to the logs of the jobs whose op it is; what a dedicated job's engines log
 while loading, the child writes into the job's log itself. Children fork from a forkserver that
 imported torch once, so a tiny host starts in about 0.2 s.
@@ -102,8 +102,8 @@ _IN_BAND_BYTES = 16 << 10  # a smaller buffer rides in the head: copying it cost
 
 class Pipe:
     """One end of a socket pair that carries messages to a :class:`Pipe` at the other end: each a pickle
-    whose CPU tensors travel out of band, written to the socket from their own memory and read into
-    fresh memory there (see :class:`_Pickler`).
+    whose CPU tensors (see :class:`_Pickler`) travel out of band, from :data:`_IN_BAND_BYTES` up: written
+    to the socket from their own memory and read into fresh memory there.
 
     One exchange at a time: a caller writes its message and reads the answer under the pipe's lock,
     so this end never writes a large message while the other writes a large answer (on full sockets
