@@ -341,9 +341,9 @@ class ProcessEngineHost(ForwardedEngines):
 
 
 class _Pickler(pickle.Pickler):
-    """Pickles a CPU tensor as ``torch.from_numpy`` of a numpy view of its memory, which numpy's own
-    reduction puts out of band: the other end rebuilds it without icefloe code. A dtype numpy lacks
-    (bfloat16) goes as its bytes, out of band too; a tensor that requires grad, as that flag on its data."""
+    """Pickles a CPU tensor as ``torch.from_numpy`` of a numpy view of its memory, whose own reduction
+    hands that memory to the pipe as a buffer: the other end rebuilds it without icefloe code. A dtype
+    numpy lacks (bfloat16) goes as a view of its bytes; a tensor that requires grad, as that flag on its data."""
 
     def reducer_override(self, obj: Any) -> Any:
         import torch
