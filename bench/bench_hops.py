@@ -8,12 +8,13 @@ call that warms every lazy import. A profile hook on every thread follows the op
 * the DATA is the request body (as uvicorn hands it to the app: any bytes that are part of it, and
   every protobuf message parsed from it), and any object an earlier hop made from it: what a hop
   returns (walked into containers, dataclasses and protobuf messages), a numpy or torch view of it,
-  and what a pipe brings back to the call that sent it;
+  and the arrays and tensors an engine process's pipe brings back to the call that sent it;
 * a HOP is a call of an icefloe function that receives the data as an argument (inside a container,
   a dataclass, a ``functools.partial`` or a closure it is handed) or returns it, that reads the
-  body or a pipe's message holding it, or that makes it in a new representation (a conversion, say a
-  parse it calls in place); distinct functions are counted, comprehensions and lambdas belonging to
-  the function that encloses them. A message parsed from the data is data however deep its numbers lie;
+  body or receives a pipe's message holding it, or that makes it in a new representation (a
+  conversion, say a parse it calls in place); distinct functions are counted, comprehensions and
+  lambdas belonging to the function that encloses them. A message parsed from the data is data
+  however deep its numbers lie;
 * a CONVERSION is a representation (bytes, protobuf, numpy, torch on a device, a list of numbers,
   JSON text) a hop makes data in that it did not have (from its arguments, or from what its inner
   hops returned): bytes -> message, message -> numpy, numpy -> torch, tensor -> list, tensor ->
@@ -24,8 +25,13 @@ The engine's computation is not the path: the first call into ``engines/training
 ``sampling.py``) is a hop, the engine entry, and what runs beneath it (model, losses, micro-batches)
 is listed as ``engine_internal``, counted apart. ``--engines process`` runs the engines in a child
 process (the default of ``icefloe serve``) and follows it too: the forkserver it forks from imports
-this module, which follows the data there from the pipe message that holds the measured op's tokens
-(the warm-up op's differ). ``ratio`` = hops / 30 (the issue's target).
+this module, which follows the data there from the message whose arrays or tensors hold the measured
+op's tokens (the warm-up op's differ), from where the pipe's ``exchange`` returns it. Arrays and
+tensors a pipe brings (there, and back in the service to a call that sent data) are data in the
+representation they arrived in, as the body's bytes are: the transport, not a conversion; the
+function that received them is a hop, as ``read_body`` is for the body (the loop that called it,
+like a route that called ``read_body``, is one only if it is handed data or converts it).
+``ratio`` = hops / 30 (the issue's target).
 
     python -m bench hops [--engines local|process] [--tokens 64]
 """
@@ -59,7 +65,8 @@ _COMPREHENSIONS = ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>")
 _WRAPPERS = ("<lambda>", *_COMPREHENSIONS)
 _MAX_DEPTH = 5
 _MAX_ITEMS = 64  # elements looked at per container
-_PIPE_FILE = "multiprocessing/connection.py"
+_WIRE_FILE = "service/hosts/process.py"
+_ARRIVAL = "Pipe.exchange"  # where a message from the other end of an engine process's pipe is returned
 _CHILD_ENV = "ICEFLOE_BENCH_HOPS"  # "<bench pid>:<folder>:<marker hex>": follow an engine process too
 
 
@@ -99,39 +106,54 @@ class DataPath:
 
     # --- the data -------------------------------------------------------------------------------
     def seed(self, chunk: bytes, frame: types.FrameType | None) -> None:
-        """Bytes of the op's data as they arrive (the body, or a pipe's message to an engine process); the
-        icefloe function on the stack from ``frame`` down that reads them is a hop."""
+        """Bytes of the op's data as they arrive (the body); the icefloe function on the stack from
+        ``frame`` down that reads them is a hop."""
         with self._lock:
             self.sources.append(bytes(chunk))
             self._hold(chunk, "bytes", made=False)
-            reader = frame
-            while reader is not None and not self._followed(reader.f_code.co_filename):
-                reader = reader.f_back
-            if reader is None:
-                return
-            call = self._frames.get(id(reader))
-            if call is None:  # called before the data came: it holds bytes from here on
-                where = _where(reader.f_code, reader.f_code.co_filename, self.root)
-                call = self._frames[id(reader)] = _Call(where, set(), True, time.monotonic_ns(), {"bytes"}, reader)
-            call.available.add("bytes")
-            self._record(reader, call.where, call.order).kinds_out.add("bytes")
+            self._read_by(frame, {"bytes"})
             self._save()
 
-    def _arrived(self, frame: types.FrameType, data: Any) -> None:
-        """What a pipe brought (``Connection.recv_bytes``): in an engine process, the op's call once it holds
-        the marker; in the service, the reply to a call that sent the op's data."""
-        if not isinstance(data, bytes):
+    def _read_by(self, frame: types.FrameType | None, kinds: set[str]) -> None:
+        """The icefloe function on the stack from ``frame`` down is a hop that reads data in ``kinds``."""
+        reader = frame
+        while reader is not None and not self._followed(reader.f_code.co_filename):
+            reader = reader.f_back
+        if reader is None:
             return
+        call = self._frames.get(id(reader))
+        if call is None:  # called before the data came: it holds the data from here on
+            where = _where(reader.f_code, reader.f_code.co_filename, self.root)
+            call = self._frames[id(reader)] = _Call(where, set(), True, time.monotonic_ns(), set(kinds), reader)
+        call.available |= kinds
+        self._record(reader, call.where, call.order).kinds_out |= kinds
+
+    def _arrived(self, frame: types.FrameType, message: Any) -> None:
+        """What a pipe brought (the return of ``Pipe.exchange``): in an engine process, the op's call once
+        an array or tensor in it holds the marker; in the service, the reply to a call that sent the op's
+        data. Its arrays and tensors are data as they arrived."""
+        arrays = _arrays(message)
         if self.marker is not None and not self.on:
-            if self.marker in data:
-                self.on = True
-                self.seed(data, frame.f_back)
+            if any(self.marker in _raw(array) for array in arrays):
+                with self._lock:
+                    self.on = True
+                    kinds = self._arrive(arrays)
+                    self._read_by(frame, kinds)  # the receiving function, as read_body is of the body
+                    self._save()
             return
-        caller = self._frames.get(id(frame.f_back))
-        if self.on and caller is not None and caller.received:
+        call = self._frames.get(id(frame))
+        if self.on and call is not None and call.received:
             with self._lock:
-                self.sources.append(data)
-                self._hold(data, "bytes", made=False)
+                self._arrive(arrays)
+
+    def _arrive(self, arrays: list[Any]) -> set[str]:
+        """Hold ``arrays`` as data in the representation they arrived in; their kinds."""
+        kinds = set()
+        for array in arrays:
+            kind = _kind(array)
+            self._hold(array, kind, made=False)
+            kinds.add(kind)
+        return kinds
 
     def _in_sources(self, raw: bytes) -> bool:
         return len(raw) >= _MIN_BYTES and any(raw in source for source in self.sources)
@@ -210,7 +232,7 @@ class DataPath:
     # --- the hook -------------------------------------------------------------------------------
     def profile(self, frame: types.FrameType, event: str, arg: Any) -> None:
         code = frame.f_code
-        if event == "return" and code.co_name == "recv_bytes" and code.co_filename.endswith(_PIPE_FILE):
+        if event == "return" and code.co_qualname == _ARRIVAL and code.co_filename.endswith(_WIRE_FILE):
             self._arrived(frame, arg)
         if not self.on or (event != "call" and event != "return"):
             return
@@ -340,6 +362,24 @@ def _kind(value: Any) -> str | None:
     if isinstance(value, list) and value and isinstance(value[0], int | float) and not isinstance(value[0], bool):
         return "list"
     return None
+
+
+def _arrays(value: Any, depth: int = 0) -> list[Any]:
+    """The numpy arrays and torch tensors inside ``value``."""
+    if (_kind(value) or "").startswith(("numpy", "torch")):
+        return [value]
+    if depth > _MAX_DEPTH + 2:
+        return []
+    return [array for inner in _inside(value) for array in _arrays(inner, depth + 1)]
+
+
+def _raw(array: Any) -> bytes:
+    """The bytes of an array's or tensor's numbers."""
+    if _kind(array) == "numpy":
+        return array.tobytes()
+    import torch
+
+    return array.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _address(value: Any) -> int:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+import socket
+import threading
 
 import pytest
 import torch
@@ -37,22 +39,47 @@ def test_validate_batch_normalises_aliases_dtypes_and_defaults():
 
 
 def test_a_framed_batch_reaches_another_process_as_one_frame_of_its_validated_tensors():
-    from icefloe.service.hosts.process import _dumps
-
     raw = _batch()
     raw["context"]["old_log_probs_shifted"] = torch.zeros(2, 5, dtype=torch.float64)  # normalised here, once
     validated = validate_batch(raw)
     framed = FramedBatch(validated, training=validated.training)
     frame = wire.encode(dict(validated))
-    sent = _dumps(framed)
+    sent = pickle.dumps(framed, protocol=5)  # as an engine process's pipe pickles it: it holds no tensor itself
     assert len(frame) < len(sent) < len(frame) + 200  # one frame's bytes, not each tensor pickled
-    arrived = pickle.loads(sent)
+    arrived = _over_a_pipe(framed)
     assert type(arrived) is Frame and arrived.training and arrived.keys() == framed.keys()
     assert arrived["processing"] == framed["processing"] and arrived["context"].keys() == framed["context"].keys()
     assert arrived["context"]["old_logprobs"].dtype == torch.float32
     for section in ("kwargs", "context"):
         for name, tensor in framed[section].items():
             assert_close(arrived[section][name], tensor, rtol=0, atol=0)
+
+
+class _Keeper:
+    """Stand-in engines that keep what a call brought them."""
+
+    kept: object = None
+
+    def keep(self, value: object) -> None:
+        self.kept = value
+
+
+def _over_a_pipe(value: object) -> object:
+    """``value`` as an engine process's engines get it: sent over a Pipe, handed on by :func:`serve` there."""
+    from icefloe.service.hosts.process import Pipe, serve
+
+    near, far = socket.socketpair()
+    keeper = _Keeper()
+    serving = threading.Thread(target=serve, args=(keeper, Pipe(far)), daemon=True)
+    serving.start()
+    pipe = Pipe(near)
+    try:
+        assert pipe.exchange(("keep", (value,)))[0] == "ok"
+    finally:
+        pipe.close()
+        serving.join(10)
+        far.close()
+    return keeper.kept
 
 
 def _set(section: str, **values):
@@ -199,14 +226,13 @@ def test_an_engine_takes_a_validated_frame_as_it_is_also_in_another_process(mode
     process decoded it: now once, where it enters (an engine process gets a Frame, pickled either way), and
     the engine checks it only against its vocabulary, which a route cannot know."""
     from icefloe.engines.training import TrainingEngine
-    from icefloe.service.hosts.process import _dumps
 
     from .engine_batches import make_config
 
     engine = TrainingEngine(make_config(), model_dir=model_dir)
     frame = batch_module.validate_batch(_batch())
     for sent in (frame, FramedBatch(frame, training=True)):
-        arrived = pickle.loads(_dumps(sent))
+        arrived = _over_a_pipe(sent)
         engine.fwd_bwd(arrived)
         engine.forward(arrived)
     assert validations == [True]

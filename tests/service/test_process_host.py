@@ -13,9 +13,9 @@ import contextlib
 import json
 import logging
 import math
-import multiprocessing
 import os
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 
@@ -24,8 +24,9 @@ import torch
 
 from icefloe.protocol import ClientClosedError, InvalidRequestError, SamplingParams
 from icefloe.service.hosts import process as process_host
-from icefloe.service.hosts.process import Channel, ProcessEngineHost, serve
+from icefloe.service.hosts.process import EngineProcessDied, Pipe, ProcessEngineHost, serve
 from icefloe.service.hosts.seam import Progress
+from icefloe.service.joblog import JobLogRouter
 from icefloe.service.schemas import JobCreate
 from icefloe.service.specs import sub_job_specs
 
@@ -164,21 +165,57 @@ class _Engines:
         logging.getLogger("icefloe.engines.training").warning("odd", extra={"handle": threading.Lock()})
         return {"global_step": 1, "callback": lambda: None}  # neither the result nor the record's extra pickles
 
+    def refuse(self) -> None:
+        _STAND_IN_LOG.warning("the batch looks odd")
+        raise InvalidRequestError("no such batch")
+
+    def crash(self) -> None:
+        raise _Unpicklable("a driver fault")
+
+    def unreadable(self) -> _Unreadable:
+        return _Unreadable()
+
+
+_STAND_IN = "stand-in"  # the sub-job whose pipe leads to the stand-in engines
+_STAND_IN_LOG = logging.getLogger("tests.stand-in-engines")
+
+
+class _Unpicklable(Exception):
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.handle = threading.Lock()
+
+
+def _refuse_to_unpickle() -> None:
+    raise ValueError("made to fail")
+
+
+class _Unreadable:
+    """Pickles, but never unpickles."""
+
+    def __reduce__(self) -> tuple:
+        return _refuse_to_unpickle, ()
+
 
 @contextlib.contextmanager
-def _channel(engines: _Engines) -> Iterator[Channel]:
-    """A Channel whose other end is :func:`serve` on a thread, over a real pipe."""
-    parent, child = multiprocessing.Pipe()
-    serving = threading.Thread(target=serve, args=(engines, child), daemon=True)
+def _piped(engines: _Engines) -> Iterator[ProcessEngineHost]:
+    """A ProcessEngineHost whose pipe leads to :func:`serve` on a thread (the stand-in engines), over a real
+    socket pair, with what the stand-ins log relayed back; call them as sub-job :data:`_STAND_IN`."""
+    near, far = socket.socketpair()
+    router = JobLogRouter()
+    _STAND_IN_LOG.addHandler(router)
+    serving = threading.Thread(target=serve, args=(engines, Pipe(far), router), daemon=True)
     serving.start()
-    channel = Channel(parent, lost=lambda what: ClientClosedError(f"pipe gone during {what}"))
+    host = ProcessEngineHost([], {}, {})
+    host._pipes = {_STAND_IN: Pipe(near)}
     try:
-        yield channel
+        yield host
     finally:
         engines.release.set()
-        channel.close()
+        host.close()
         serving.join(10)
-        child.close()
+        far.close()
+        _STAND_IN_LOG.removeHandler(router)
     assert not serving.is_alive()  # EOF ends it
 
 
@@ -188,39 +225,86 @@ def _channel(engines: _Engines) -> Iterator[Channel]:
         torch.tensor(3.5),
         torch.zeros(0, 3),
         torch.arange(12, dtype=torch.int64).reshape(3, 4).t(),  # not contiguous
+        torch.arange(24, dtype=torch.float32).reshape(4, 6)[1:3, ::2],  # a strided view into a larger storage
         torch.randn(2, 3).to(torch.bfloat16),
+        torch.tensor(-1.5, dtype=torch.bfloat16),
+        torch.zeros(0, 2, dtype=torch.bfloat16),
+        torch.randn(2, 3).to(torch.bfloat16).t(),
         torch.tensor([True, False]),
+        torch.tensor([-3, 7], dtype=torch.int8),
         torch.tensor([float("nan"), float("inf")], dtype=torch.float64),
+        torch.tensor([1.0, 2.0], requires_grad=True),
     ],
-    ids=["scalar", "empty", "strided", "bfloat16", "bool", "non-finite"],
+    ids=[
+        "scalar",
+        "empty",
+        "strided",
+        "view",
+        "bfloat16",
+        "bfloat16-scalar",
+        "bfloat16-empty",
+        "bfloat16-strided",
+        "bool",
+        "int8",
+        "non-finite",
+        "requires-grad",
+    ],
 )
-def test_tensors_cross_the_pipe_bit_for_bit(tensor):
-    with _channel(_Engines()) as channel:
-        back = channel.call("echo", {"batch": [tensor], "n": 1})["batch"][0]
-    assert (back.dtype, back.shape) == (tensor.dtype, tensor.shape)
-    as_bytes = [t.contiguous().reshape(-1).view(torch.uint8) for t in (back, tensor)]
+def test_tensors_cross_the_pipe_both_ways_bit_for_bit(tensor):
+    with _piped(_Engines()) as host:
+        back = host._forward(_STAND_IN, "echo", {"batch": [tensor], "n": 1})["batch"][0]
+    assert (back.dtype, back.shape, back.requires_grad) == (tensor.dtype, tensor.shape, tensor.requires_grad)
+    as_bytes = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in (back, tensor)]
     assert torch.equal(*as_bytes)
+    back.detach().zero_()  # its memory is its own, and writable
+
+
+def test_a_64_mib_tensor_and_the_same_tensor_twice_cross_the_pipe_whole():
+    large = torch.randn(16 << 20)
+    with _piped(_Engines()) as host:
+        back, again = host._forward(_STAND_IN, "echo", (large, large))
+    assert torch.equal(back, large) and again is back  # one tensor sent once, as pickle keeps identity
+
+
+def test_an_engines_error_and_what_it_logged_cross_the_pipe_to_the_caller(caplog):
+    with _piped(_Engines()) as host:
+        with caplog.at_level(logging.WARNING), pytest.raises(InvalidRequestError, match="no such batch"):
+            host._forward(_STAND_IN, "refuse")
+        here = threading.current_thread().name  # the stand-in logged it on the thread that serves the pipe
+        relayed = [r for r in caplog.records if r.name == _STAND_IN_LOG.name and r.threadName == here]
+        assert [(r.levelname, r.getMessage()) for r in relayed] == [("WARNING", "the batch looks odd")]
+        with pytest.raises(RuntimeError, match=r"^_Unpicklable: a driver fault$"):  # made portable there
+            host._forward(_STAND_IN, "crash")
 
 
 def test_a_reply_that_cannot_be_pickled_fails_its_call_and_the_pipe_keeps_serving():
-    with _channel(_Engines()) as channel:
+    with _piped(_Engines()) as host:
         with pytest.raises(RuntimeError, match="step returned a result that cannot be sent"):
-            channel.call("step")
-        assert channel.call("echo", 7) == 7
+            host._forward(_STAND_IN, "step")
+        assert host._forward(_STAND_IN, "echo", 7) == 7
+
+
+def test_a_message_one_end_cannot_read_fails_its_call_only():
+    with _piped(_Engines()) as host:
+        with pytest.raises(RuntimeError, match="the reply to unreadable could not be read: made to fail"):
+            host._forward(_STAND_IN, "unreadable")
+        with pytest.raises(RuntimeError, match="the engine process could not read the call: made to fail"):
+            host._forward(_STAND_IN, "echo", _Unreadable())
+        assert host._forward(_STAND_IN, "echo", 8) == 8
 
 
 def test_large_calls_and_replies_of_concurrent_callers_each_reach_their_own_caller():
     """Callers of 4 MiB calls with 4 MiB replies, queued while the engine is busy: if both ends wrote
-    at once on full pipes, both would wait on each other for good."""
+    at once on full sockets, both would wait on each other for good."""
     engines = _Engines()
-    with _channel(engines) as channel:
-        held = threading.Thread(target=channel.call, args=("hold",), daemon=True)
+    with _piped(engines) as host:
+        held = threading.Thread(target=host._forward, args=(_STAND_IN, "hold"), daemon=True)
         held.start()
-        assert engines.held.wait(10)  # the engine is busy: the calls below pile up in the pipe
+        assert engines.held.wait(10)  # the engine is busy: the calls below pile up at the pipe
         results: dict[int, int] = {}
 
         def forward(tag: int) -> None:
-            results[tag] = channel.call("forward", tag, torch.zeros(1 << 19, dtype=torch.int64))["tag"]
+            results[tag] = host._forward(_STAND_IN, "forward", tag, torch.zeros(1 << 19, dtype=torch.int64))["tag"]
 
         callers = [threading.Thread(target=forward, args=(tag,), daemon=True) for tag in range(4)]
         for caller in callers:
@@ -233,25 +317,48 @@ def test_large_calls_and_replies_of_concurrent_callers_each_reach_their_own_call
     assert sorted(engines.ran) == [0, 1, 2, 3]  # each ran exactly once
 
 
-def test_a_shut_channel_fails_the_waiting_call_and_every_later_one_at_once():
+def test_an_interrupt_fails_the_waiting_call_and_every_later_one_at_once():
     engines = _Engines()
-    with _channel(engines) as channel:
+    with _piped(engines) as host:
         failed: list[BaseException] = []
 
         def wait() -> None:
             try:
-                channel.call("hold")
+                host._forward(_STAND_IN, "hold")
             except ClientClosedError as exc:
                 failed.append(exc)
 
         waiting = threading.Thread(target=wait, daemon=True)
         waiting.start()
         assert engines.held.wait(10)
-        channel.shut()  # what a stopping job does (ProcessEngineHost.interrupt) while the engine is busy
+        host.interrupt()  # what a stopping job does while the engine is busy
         waiting.join(10)
-        assert [str(e) for e in failed] == ["pipe gone during hold"]
-        with pytest.raises(ClientClosedError, match="pipe gone during echo"):
-            channel.call("echo", 1)
+        assert [str(e) for e in failed] == ["the job is stopping; hold was not completed"]
+        with pytest.raises(ClientClosedError, match="the job is stopping; echo was not completed"):
+            host._forward(_STAND_IN, "echo", 1)
+
+
+def test_an_engine_process_killed_mid_call_fails_that_call_with_how_it_ended():
+    host, sub_job_id = _started_host("killed")
+    try:
+        stop(host.pid)  # the call below waits for its reply
+        failed: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                host.call(sub_job_id, "step", (None,))
+            except EngineProcessDied as exc:
+                failed.append(exc)
+
+        waiting = threading.Thread(target=call, daemon=True)
+        waiting.start()
+        waiting.join(0.2)
+        assert waiting.is_alive()
+        os.kill(host.pid, signal.SIGKILL)
+        waiting.join(30)
+        assert [str(e) for e in failed] == [f"the engine process {host.pid} was killed by signal 9 during step"]
+    finally:
+        host.close()
 
 
 def test_generate_samples_are_encoded_as_json_in_the_engine_process():

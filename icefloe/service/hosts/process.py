@@ -2,13 +2,15 @@
 
 In the service process the engines would share one GIL with the HTTP loop; a child also contains a
 crash (a CUDA fault, the OOM killer ends one host, never the service). The child runs a
-:class:`LocalEngineHost`; each of the host's workers talks to it over its own pipe (a
-:class:`Channel` here, :func:`serve` on a thread there): one per sub-job on a dedicated host, one
-for a shared base and every run on it. Calls are pickled by hand (multiprocessing's pickler would
-move each tensor through a shared-memory segment). What the engines log (and warn) while they run a
-call crosses the pipe with its answer, to the logs of the jobs whose op it is; what a dedicated
-job's engines log while loading, the child writes into the job's log itself. Children fork from a
-forkserver that imported torch once, so a tiny host starts in about 0.2 s.
+:class:`LocalEngineHost`; each of the host's workers talks to it over a :class:`Pipe` of its own (a
+socket pair; :func:`serve` on a thread answers at the far end): one per sub-job on a dedicated host,
+one for a shared base and every run on it. A call and its answer are each one message, pickled with
+their CPU tensors out of band: a large tensor's memory goes to the socket as it is and arrives in
+memory of its own, never copied into or out of the pickle (multiprocessing's pickler would move each
+tensor through a shared-memory segment). What the engines log (and warn) while they run a call crosses the
+pipe with its answer, to the logs of the jobs whose op it is; what a dedicated job's engines log
+while loading, the child writes into the job's log itself. Children fork from a forkserver that
+imported torch once, so a tiny host starts in about 0.2 s.
 """
 
 from __future__ import annotations
@@ -22,12 +24,15 @@ import os
 import pickle
 import signal
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from icefloe.protocol import ClientClosedError, InvalidRequestError
 from icefloe.service.hosts.seam import BaseModel, ForwardedEngines, stop_check
@@ -36,8 +41,8 @@ from icefloe.service.specs import SubJobSpec
 
 __all__ = [
     "SHARED_CHANNEL",
-    "Channel",
     "EngineProcessDied",
+    "Pipe",
     "ProcessEngineHost",
     "portable",
     "serve",
@@ -60,7 +65,7 @@ _PRELOAD = [
 ]
 _START_TIMEOUT_S = 600.0  # a model download or a cold CUDA start can take minutes
 _START_TICK_S = 0.05  # while it waits for the engine process to start, a job checks this often for a stop
-_EXIT_TIMEOUT_S = 3.0  # after the pipes close, a child still running by then is killed
+_EXIT_TIMEOUT_S = 3.0  # after its pipes close, a child still running by then is killed
 
 
 SHARED_CHANNEL = "shared"  # the one channel of a shared host: its base and every run on it
@@ -87,54 +92,105 @@ def warm_forkserver() -> None:
         _log.info("could not start the engine forkserver ahead of time: %s", exc)
 
 
-class Channel:
-    """Calls over one pipe to :func:`serve` on the other end; ``lost(method)`` is the error for a call
-    once the pipe is broken.
+# A message on a pipe: this header (how many out-of-band buffers, the length of the head), each buffer's
+# size (8 bytes), the head (the pickle of everything but the buffers), then the buffers.
+_HEADER = struct.Struct("<IQ")
+_SIZE_BYTES = 8
+_PIECES_PER_SEND = 512  # sendmsg takes at most IOV_MAX (1024 on Linux) pieces at once
+_IN_BAND_BYTES = 16 << 10  # a smaller buffer rides in the head: copying it costs less than a read of its own
 
-    One call at a time: a caller writes its call and reads the reply under the channel's lock, so
-    the engine never writes a large reply while this side writes a large call (on full pipes both
-    would wait for good). Concurrent callers take turns; the service calls a sub-job from one worker.
+
+class Pipe:
+    """One end of a socket pair that carries messages to a :class:`Pipe` at the other end: each a pickle
+    whose CPU tensors (see :class:`_Pickler`) travel out of band, from :data:`_IN_BAND_BYTES` up: written
+    to the socket from their own memory and read into fresh memory there.
+
+    One exchange at a time: a caller writes its message and reads the answer under the pipe's lock,
+    so this end never writes a large message while the other writes a large answer (on full sockets
+    both would wait for good). Concurrent callers take turns; the service calls a sub-job from one worker.
     """
 
-    def __init__(self, pipe: Connection, *, lost: Callable[[str], BaseException]) -> None:
-        self._pipe = pipe
-        self._lost = lost
+    def __init__(self, sock: socket.socket) -> None:
+        self._socket = sock
         self._lock = threading.Lock()
 
-    def call(self, method: str, *args: Any, what: str | None = None) -> Any:
-        """``method(*args)`` on the engines at the other end; blocks for its result or raises its error
-        (``what``: the op to name when the pipe breaks, if not ``method``). What the engines logged
-        meanwhile goes to :func:`~icefloe.service.joblog.relay` on this thread."""
-        data = _dumps((method, args))
+    def exchange(self, message: Any = None) -> Any:
+        """Send ``message`` (None: nothing), then return the next message that arrives.
+
+        Raises ``pickle.PicklingError`` when ``message`` does not pickle (nothing was sent),
+        ``pickle.UnpicklingError`` when what arrived does not unpickle (it was read whole: the pipe
+        still works), and EOFError or OSError when the pipe is broken or shut."""
         with self._lock:
-            try:
-                self._pipe.send_bytes(data)
-                reply = self._pipe.recv_bytes()
-            except (EOFError, OSError):
-                raise self._lost(what or method) from None
+            if message is not None:
+                buffers: list[pickle.PickleBuffer] = []
+                head = io.BytesIO()
+                try:
+                    _Pickler(head, protocol=5, buffer_callback=_set_aside(buffers)).dump(message)
+                except Exception as exc:
+                    raise pickle.PicklingError(str(exc)) from exc
+                _write(self._socket, head.getbuffer(), buffers)
+            arrived, memory = _read(self._socket)
         try:
-            kind, value, logged = pickle.loads(reply)
-        except Exception as exc:  # a reply this side cannot unpickle fails its call only
-            raise RuntimeError(f"the reply to {what or method} could not be read: {exc}") from None
-        relay(logged)
-        if kind == "error":
-            raise value
-        return value
+            return pickle.loads(arrived, buffers=memory)
+        except Exception as exc:
+            raise pickle.UnpicklingError(str(exc)) from exc
 
     def shut(self) -> None:
-        """Break the pipe both ways now: a call waiting on it fails at once, and so does every later one."""
-        with contextlib.suppress(OSError, ValueError):  # already closed
-            probe = socket.socket(fileno=os.dup(self._pipe.fileno()))
-            try:
-                probe.shutdown(socket.SHUT_RDWR)
-            finally:
-                probe.close()
+        """Break the pipe both ways now: an exchange waiting on it fails at once, and so does every later one."""
+        with contextlib.suppress(OSError):  # already closed
+            self._socket.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
-        """Shut the pipe, let a call in flight fail, release the pipe. Idempotent."""
+        """Shut the pipe, let an exchange in flight fail, release the socket. Idempotent."""
         self.shut()
         with self._lock:
-            self._pipe.close()
+            self._socket.close()
+
+
+def _set_aside(buffers: list[pickle.PickleBuffer]) -> Callable[[pickle.PickleBuffer], bool]:
+    """A pickler's ``buffer_callback`` that puts each large buffer into ``buffers``, out of band, and keeps
+    a small one in the head (pickle's rule: the callback answered true)."""
+
+    def set_aside(buffer: pickle.PickleBuffer) -> bool:
+        if buffer.raw().nbytes < _IN_BAND_BYTES:
+            return True
+        buffers.append(buffer)
+        return False
+
+    return set_aside
+
+
+def _write(sock: socket.socket, head: memoryview, buffers: list[pickle.PickleBuffer]) -> None:
+    """One message: its header, head and buffers, gathered into as few sends as the system allows."""
+    raw = [buffer.raw() for buffer in buffers]
+    sizes = struct.pack(f"<{len(raw)}Q", *(piece.nbytes for piece in raw))
+    pieces = [memoryview(_HEADER.pack(len(raw), head.nbytes) + sizes), head, *raw]
+    while pieces:
+        sent = sock.sendmsg(pieces[:_PIECES_PER_SEND])
+        while pieces and sent >= pieces[0].nbytes:
+            sent -= pieces.pop(0).nbytes
+        if pieces:
+            pieces[0] = pieces[0][sent:]
+
+
+def _read(sock: socket.socket) -> tuple[memoryview, list[np.ndarray]]:
+    """The next message's head, and its buffers, each read into memory of its own."""
+    count, head_bytes = _HEADER.unpack(_read_into(sock, bytearray(_HEADER.size)))
+    sized = _read_into(sock, bytearray(count * _SIZE_BYTES + head_bytes))
+    sizes = struct.unpack_from(f"<{count}Q", sized)
+    memory = [_read_into(sock, np.empty(size, dtype=np.uint8)) for size in sizes]
+    return memoryview(sized)[count * _SIZE_BYTES :], memory
+
+
+def _read_into(sock: socket.socket, memory: Any) -> Any:
+    """``memory`` filled from the socket; EOFError when the other end closed (or this one was shut)."""
+    view = memoryview(memory)
+    while view.nbytes:
+        got = sock.recv_into(view, 0, socket.MSG_WAITALL)
+        if not got:
+            raise EOFError("the pipe was closed")
+        view = view[got:]
+    return memory
 
 
 class ProcessEngineHost(ForwardedEngines):
@@ -153,7 +209,7 @@ class ProcessEngineHost(ForwardedEngines):
         base: BaseModel | None = None,
     ) -> None:
         super().__init__(specs, devices, checkpoints, base=base)
-        self._channels: dict[str, Channel] = {}
+        self._pipes: dict[str, Pipe] = {}
         self._log_dir = log_dir
         self._process: Any = None
         self._control: Connection | None = None
@@ -167,11 +223,11 @@ class ProcessEngineHost(ForwardedEngines):
         context = _context()
         control, child_control = context.Pipe()
         groups = [SHARED_CHANNEL] if self._base is not None else list(self._specs)
-        ends = {group: context.Pipe() for group in groups}
+        pairs = {group: socket.socketpair() for group in groups}
         self._control = control
         process = context.Process(
             target=_child_main,
-            args=(child_control, {group: child for group, (_, child) in ends.items()}, list(self._specs.values())),
+            args=(child_control, {group: far for group, (_, far) in pairs.items()}, list(self._specs.values())),
             kwargs={
                 "devices": self._devices, "checkpoints": self._checkpoints, "log_dir": self._log_dir, "base": self._base
             },
@@ -182,11 +238,11 @@ class ProcessEngineHost(ForwardedEngines):
             process.start()
         finally:  # the child holds its own copies now (or never will): ours would only keep fds open
             child_control.close()
-            for _, child in ends.values():
-                child.close()
+            for _, far in pairs.values():
+                far.close()
         self._process, self.pid = process, process.pid
-        # each worker's engines, as far as this process sees them: the channel to them
-        self._channels = {group: Channel(parent, lost=self._lost) for group, (parent, _) in ends.items()}
+        # each worker's engines, as far as this process sees them: the pipe to them
+        self._pipes = {group: Pipe(near) for group, (near, _) in pairs.items()}
         on_progress(f"engines run in process {process.pid}")
         deadline = time.monotonic() + _START_TIMEOUT_S
         while True:
@@ -209,7 +265,7 @@ class ProcessEngineHost(ForwardedEngines):
         """Over the control pipe: the sub-job's own pipe is busy with the generate to be cut short."""
         with self._control_lock, contextlib.suppress(OSError, ValueError):  # the child is gone: nothing runs
             if self._control is not None:
-                self._control.send_bytes(_dumps(("cancel", (sub_job_id, tags))))
+                self._control.send_bytes(pickle.dumps(("cancel", (sub_job_id, tags))))
 
     @property
     def killable(self) -> str:
@@ -223,14 +279,14 @@ class ProcessEngineHost(ForwardedEngines):
         """The job is stopping: every call waiting on the engine process fails now, as cancelled,
         and so does any later one; the process exits after the op it is running."""
         self._stopping = True
-        for channel in self._channels.values():
-            channel.shut()
+        for pipe in self._pipes.values():
+            pipe.shut()
 
     def close(self) -> None:
         """Interrupt, let the child release its engines and exit; kill it after a few seconds."""
         self.interrupt()
-        for channel in self._channels.values():
-            channel.close()
+        for pipe in self._pipes.values():
+            pipe.close()
         if self._control is not None:
             with self._control_lock:
                 self._control.close()  # the child's EOF: it releases its engines and exits
@@ -264,69 +320,77 @@ class ProcessEngineHost(ForwardedEngines):
         return f"the engine process {self.pid} {how}"
 
     def _forward(self, sub_job_id: str | None, method: str, *args: Any, what: str | None = None) -> Any:
-        return self._channel(sub_job_id).call(method, *args, what=what)
+        """One exchange with the engine process, over the pipe of the worker that serves ``sub_job_id``.
+        What the engines logged meanwhile goes to :func:`~icefloe.service.joblog.relay` on this thread."""
+        try:
+            kind, value, logged = self._pipe(sub_job_id).exchange((method, args))
+        except pickle.UnpicklingError as exc:  # a reply this side cannot read fails its call only
+            raise RuntimeError(f"the reply to {what or method} could not be read: {exc}") from None
+        except (EOFError, OSError):
+            raise self._lost(what or method) from None
+        relay(logged)
+        if kind == "error":
+            raise value
+        return value
 
-    def _channel(self, sub_job_id: str | None) -> Channel:
-        channel = self._channels.get(SHARED_CHANNEL if self._base is not None else sub_job_id)
-        if channel is None:
+    def _pipe(self, sub_job_id: str | None) -> Pipe:
+        pipe = self._pipes.get(SHARED_CHANNEL if self._base is not None else sub_job_id)
+        if pipe is None:
             raise InvalidRequestError(f"sub-job {sub_job_id!r} has no engine on this host")
-        return channel
+        return pipe
 
 
-class _TensorPickler(pickle.Pickler):
-    """Pickles CPU tensors as their raw bytes: a third of the cost of torch's own reduction."""
+class _Pickler(pickle.Pickler):
+    """Pickles a CPU tensor as ``torch.from_numpy`` of a numpy view of its memory, whose own reduction
+    hands that memory to the pipe as a buffer: the other end rebuilds it without icefloe code. A dtype
+    numpy lacks (bfloat16) goes as a view of its bytes; a tensor that requires grad, as that flag on its data."""
 
     def reducer_override(self, obj: Any) -> Any:
         import torch
 
-        if type(obj) is not torch.Tensor or obj.device.type != "cpu":
+        if type(obj) is not torch.Tensor or obj.device.type != "cpu" or obj.layout != torch.strided:
             return NotImplemented
-        flat = obj.detach().contiguous().reshape(-1)
-        return _tensor_from_bytes, (flat.view(torch.uint8).numpy().tobytes(), str(flat.dtype), tuple(obj.shape))
+        if obj.requires_grad:
+            return torch.Tensor.requires_grad_, (obj.detach(), True)
+        dense = obj.contiguous()
+        try:
+            return torch.from_numpy, (dense.numpy(),)
+        except TypeError:  # no numpy dtype for it
+            return _tensor_from_bytes, (dense.reshape(-1).view(torch.uint8).numpy(), dense.dtype, tuple(dense.shape))
 
 
-def _tensor_from_bytes(data: bytes, dtype: str, shape: tuple[int, ...]) -> Any:
+def _tensor_from_bytes(data: np.ndarray, dtype: Any, shape: tuple[int, ...]) -> Any:
     import torch
 
-    kind = getattr(torch, dtype.removeprefix("torch."))
-    if not data:
-        return torch.empty(shape, dtype=kind)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(kind).reshape(shape)
+    return torch.from_numpy(data).view(dtype).reshape(shape)
 
 
-def _dumps(value: Any) -> bytes:
-    buffer = io.BytesIO()
-    _TensorPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
-    return buffer.getvalue()
-
-
-def serve(engines: Any, pipe: Connection, router: JobLogRouter | None = None) -> None:
-    """Answer the calls a :class:`Channel` writes to ``pipe``, one at a time, until EOF.
+def serve(engines: Any, pipe: Pipe, router: JobLogRouter | None = None) -> None:
+    """Answer the calls that come over ``pipe``, one at a time, until it closes.
 
     A call ``(method, args)`` runs ``engines.<method>(*args)``; its reply carries the result or
     the error (one that does not pickle as a RuntimeError naming it), and what ``router`` routed
-    from this thread meanwhile. A result that cannot be sent fails its call, never this loop.
+    from this thread meanwhile. A result that cannot be sent, or a call that cannot be read, fails
+    its call, never this loop.
     """
+    reply = None
     while True:
         try:
-            method, args = pickle.loads(pipe.recv_bytes())
+            method, args = pipe.exchange(reply)
+        except pickle.PicklingError as exc:  # nothing of the reply went: an error goes in its place
+            reply = ("error", RuntimeError(f"{method} returned a result that cannot be sent: {exc}"), reply[2])
+            continue
+        except pickle.UnpicklingError as exc:  # the call was read whole: the next one is still in step
+            reply = ("error", RuntimeError(f"the engine process could not read the call: {exc}"), [])
+            continue
         except (EOFError, OSError):
             return
         recorder = Recorder()
         with router.serving([(recorder, None)]) if router is not None else contextlib.nullcontext():
             try:
-                kind, value = "ok", getattr(engines, method)(*args)
+                reply = ("ok", getattr(engines, method)(*args), recorder.entries)
             except BaseException as exc:  # the caller decides whether this is a user error or a crash
-                kind, value = "error", portable(exc)
-        try:
-            reply = _dumps((kind, value, recorder.entries))
-        except Exception as exc:
-            failed = RuntimeError(f"{method} returned a result that cannot be sent: {exc}")
-            reply = _dumps(("error", failed, recorder.entries))
-        try:
-            pipe.send_bytes(reply)
-        except (BrokenPipeError, OSError):
-            return
+                reply = ("error", portable(exc), recorder.entries)
 
 
 def portable(exc: BaseException) -> BaseException:
@@ -342,7 +406,7 @@ def portable(exc: BaseException) -> BaseException:
 
 def _child_main(
     control: Connection,
-    pipes: dict[str, Connection],
+    sockets: dict[str, socket.socket],
     specs: list[SubJobSpec],
     *,
     devices: dict[str, str],
@@ -369,7 +433,7 @@ def _child_main(
     host = LocalEngineHost(specs, devices, checkpoints, base=base)
 
     def tell(kind: str, value: Any) -> None:
-        control.send_bytes(_dumps((kind, value)))
+        control.send_bytes(pickle.dumps((kind, value)))
 
     try:
         host.start(lambda message: tell("progress", message), threading.Event())  # the service ends this process
@@ -380,6 +444,7 @@ def _child_main(
     # one walked the model's objects each time, pausing training for ~250 ms).
     gc.freeze()
     tell("ready", None)
+    pipes = {group: Pipe(sock) for group, sock in sockets.items()}
     threads = [
         threading.Thread(target=serve, args=(host, pipe, router), name=f"icefloe-{group}", daemon=True)
         for group, pipe in pipes.items()
