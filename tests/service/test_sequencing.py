@@ -60,18 +60,19 @@ async def _watched_service(data_dir, **settings) -> AsyncIterator[tuple[Api, _Ar
 def executed(monkeypatch) -> list[tuple[str, float]]:
     """The engine calls ``(op, learning rate or 0)`` in the order they ran."""
     calls: list[tuple[str, float]] = []
-    begin = LocalEngineHost.begin
+    advance = LocalEngineHost.advance
 
     def recorded_step(run, sub_job_id, learning_rate, adam):
         calls.append(("step", learning_rate))
         return run()
 
-    def recorded_begin(self, sub_job_id, what, *args):  # a forward-backward starts in the engines here
-        calls.append(("forward-backward", 0.0))
-        return begin(self, sub_job_id, what, *args)
+    def recorded_start(self, sub_job_id, op, *args):  # a forward-backward starts in the engines here
+        if isinstance(op, tuple):
+            calls.append(("forward-backward", 0.0))
+        return advance(self, sub_job_id, op, *args)
 
     wrap_engine_method(monkeypatch, "step", recorded_step)
-    monkeypatch.setattr(LocalEngineHost, "begin", recorded_begin)
+    monkeypatch.setattr(LocalEngineHost, "advance", recorded_start)
     return calls
 
 

@@ -41,6 +41,8 @@ class BaseModel:
 # (sub-job id, prompts, one params per prompt, whether its samples come back as JSON text, whether
 # it reports Progress at each slice while it runs)
 Call = tuple[str, Sequence[Any], Sequence[SamplingParams], bool, bool]
+# A resumable op to start: what it is ("fwd_bwd" or "generate") and its calls (see JobEngines.slices).
+NewOp = tuple[str, list[Any]]
 
 # How long one slice of a resumable op (fwd_bwd, generate) runs before the worker may run another
 # run's op, and how long a fwd_bwd pass (or a generate's prefill pass) is cut to: short enough that a
@@ -119,30 +121,30 @@ class JobEngines:
         alone), or ``generate`` (see :meth:`generate_many`). Each ``next()`` yields the results of the
         calls that finished meanwhile, by call index, and every call's result comes once. Closing it
         early drops the op where the engines hold it."""
-        op_id, done, finished = self.begin(sub_job_id, what, SLICE_S, calls)
+        op_id, done, finished = self.advance(sub_job_id, (what, calls), SLICE_S)
         try:
             yield done
             while not finished:
-                done, finished = self.advance(sub_job_id, op_id, SLICE_S)
+                op_id, done, finished = self.advance(sub_job_id, op_id, SLICE_S)
                 yield done
         finally:
             if not finished:
                 with contextlib.suppress(Exception):  # the engines died with it: nothing is left to drop
                     self.drop(sub_job_id, op_id)
 
-    def begin(self, sub_job_id: str, what: str, slice_s: float, calls: list[Any]) -> tuple[int, dict[int, Any], bool]:
-        """Start a resumable op and run its first slice: ``(op id, results so far, finished)``. The engines
-        of a Ray actor group run it whole."""
+    def advance(self, sub_job_id: str, op: int | NewOp, slice_s: float) -> tuple[int, dict[int, Any], bool]:
+        """Run an op for about ``slice_s``, a new one (``(what, calls)``, see :meth:`slices`) or a suspended
+        one (its id): ``(op id, results of the calls that finished meanwhile, finished)``. The engines of a
+        Ray actor group run a new op whole."""
+        if not isinstance(op, tuple):
+            raise InvalidRequestError(f"no suspended op {op} on this host")
+        what, calls = op
         if what == "fwd_bwd":
             results = [self.call(sid, "fwd_bwd", (batch,)) for sid, batch in calls]
         else:
             generated = [self.call(sid, "generate", (prompts, params)) for sid, prompts, params, *_ in calls]
             results = _encoded(calls, generated)
         return 0, dict(enumerate(results)), True
-
-    def advance(self, sub_job_id: str, op_id: int, slice_s: float) -> tuple[dict[int, Any], bool]:
-        """Run a suspended op for about ``slice_s``: ``(results of calls that finished, finished)``."""
-        raise InvalidRequestError(f"no suspended op {op_id} on this host")
 
     def drop(self, sub_job_id: str, op_id: int) -> None:
         """Stop a suspended op and free what it holds (a fwd_bwd's runs not yet answered get back the
@@ -210,19 +212,16 @@ class ForwardedEngines(JobEngines):
     def sync_weights(self, source_sub_job_id: str, target_sub_job_id: str, weight_format: str | None = None) -> Any:
         return self._forward(source_sub_job_id, "sync_weights", source_sub_job_id, target_sub_job_id, weight_format)
 
-    def begin(self, sub_job_id: str, what: str, slice_s: float, calls: list[Any]) -> tuple[int, dict[int, Any], bool]:
+    def advance(self, sub_job_id: str, op: int | NewOp, slice_s: float) -> tuple[int, dict[int, Any], bool]:
         """A generate's samples come as JSON where asked, encoded there: a JSON text pickles far faster
         than its sample."""
-        op_id, done, finished = self._forward(sub_job_id, "begin", sub_job_id, what, slice_s, calls, what=what)
-        if not finished:
-            self._ops[op_id] = what
-        return op_id, done, finished
-
-    def advance(self, sub_job_id: str, op_id: int, slice_s: float) -> tuple[dict[int, Any], bool]:
-        done, finished = self._forward(sub_job_id, "advance", sub_job_id, op_id, slice_s, what=self._ops.get(op_id))
+        what = op[0] if isinstance(op, tuple) else self._ops.get(op)
+        op_id, done, finished = self._forward(sub_job_id, "advance", sub_job_id, op, slice_s, what=what)
         if finished:
             self._ops.pop(op_id, None)
-        return done, finished
+        else:
+            self._ops[op_id] = what or "op"
+        return op_id, done, finished
 
     def drop(self, sub_job_id: str, op_id: int) -> None:
         self._forward(sub_job_id, "drop", sub_job_id, op_id, what=self._ops.pop(op_id, None))
@@ -311,40 +310,41 @@ class LocalEngineHost(JobEngines):
                     on_progress(f"{sub_job_id} starts from {loaded['checkpoint_id']} ({loaded['kind']})")
             self._engines[sub_job_id] = engine
 
-    def begin(self, sub_job_id: str, what: str, slice_s: float, calls: list[Any]) -> tuple[int, dict[int, Any], bool]:
-        if what == "fwd_bwd":  # runs whose calls can share passes share them
-            from icefloe.engines.training import fwd_bwd_steps
+    def advance(self, sub_job_id: str, op: int | NewOp, slice_s: float) -> tuple[int, dict[int, Any], bool]:
+        if isinstance(op, tuple):
+            what, calls = op
+            if what == "fwd_bwd":  # runs whose calls can share passes share them
+                from icefloe.engines.training import fwd_bwd_steps
 
-            steps = fwd_bwd_steps([(self._engine(sid), batch) for sid, batch in calls], SLICE_S)
+                steps = fwd_bwd_steps([(self._engine(sid), batch) for sid, batch in calls], SLICE_S)
+            else:
+                steps = self._generate_steps(calls)
+            op_id = next(self._op_ids)
+            suspended = self._suspended[op_id] = _Suspended(steps, len(calls))
         else:
-            steps = self._generate_steps(calls)
-        op_id = next(self._op_ids)
-        self._suspended[op_id] = _Suspended(steps, len(calls))
-        return (op_id, *self.advance(sub_job_id, op_id, slice_s))
-
-    def advance(self, sub_job_id: str, op_id: int, slice_s: float) -> tuple[dict[int, Any], bool]:
-        op = self._suspended.get(op_id)
-        if op is None:
-            raise InvalidRequestError(f"no suspended op {op_id} on this host; it finished or was dropped")
+            op_id = op
+            suspended = self._suspended.get(op_id)
+            if suspended is None:
+                raise InvalidRequestError(f"no suspended op {op_id} on this host; it finished or was dropped")
         done: dict[int, Any] = {}
         until = time.monotonic() + slice_s
         try:
-            while op.num_pending:  # at least one step, however long it takes
-                for index, result in next(op.steps).items():
+            while suspended.num_pending:  # at least one step, however long it takes
+                for index, result in next(suspended.steps).items():
                     earlier = done.get(index)
                     if isinstance(result, Progress):
                         done[index] = earlier.then(result) if isinstance(earlier, Progress) else result
                     else:
                         done[index] = result
-                        op.num_pending -= 1
+                        suspended.num_pending -= 1
                 if time.monotonic() >= until:
                     break
         except BaseException:
             self.drop(sub_job_id, op_id)
             raise
-        if not op.num_pending:
+        if not suspended.num_pending:
             self.drop(sub_job_id, op_id)
-        return done, not op.num_pending
+        return op_id, done, not suspended.num_pending
 
     def drop(self, sub_job_id: str, op_id: int) -> None:
         op = self._suspended.pop(op_id, None)
