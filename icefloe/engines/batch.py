@@ -21,7 +21,6 @@ __all__ = [
     "CONTEXT_ALIASES",
     "IGNORE_INDEX",
     "Frame",
-    "FramedBatch",
     "as_frame",
     "batch_rows",
     "check_vocabulary",
@@ -46,23 +45,6 @@ class Frame(dict):
     def __init__(self, batch: Mapping[str, Any], *, training: bool) -> None:
         super().__init__(batch)
         self.training = training
-
-
-class FramedBatch(Frame):
-    """A Frame that pickles as a DSSST1 frame of its tensors, for a large batch bound for an engine
-    process: pickling each tensor took 5.7 ms for a 2.4 MB frame (64 × 1,024 positions), encoding it
-    0.2 ms (``tests/engines/test_batch.py`` checks the bytes). It arrives as a Frame, not validated again."""
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        from icefloe import wire
-
-        return _frame_from_wire, (wire.encode(dict(self)), self.training)
-
-
-def _frame_from_wire(data: bytes, training: bool) -> Frame:
-    from icefloe import wire
-
-    return Frame(wire.decode(data, tensors="torch"), training=training)
 
 
 def as_frame(batch: Mapping[str, Any], *, require_context: bool = True, vocab_size: int | None = None) -> Frame:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import pickle
 import socket
 import threading
@@ -10,9 +11,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from icefloe import wire
 from icefloe.engines import batch as batch_module
-from icefloe.engines.batch import Frame, FramedBatch, shifted_token_logprobs, validate_batch
+from icefloe.engines.batch import Frame, shifted_token_logprobs, validate_batch
 from icefloe.engines.micro_batches import MicroBatch, cut_micro_batch, row_spans
 from icefloe.protocol import InvalidRequestError
 
@@ -38,20 +38,30 @@ def test_validate_batch_normalises_aliases_dtypes_and_defaults():
     assert frame["processing"] == {"loss_fn": "grpo", "config": {}}
 
 
-def test_a_framed_batch_reaches_another_process_as_one_frame_of_its_validated_tensors():
+def test_a_validated_batch_reaches_another_process_as_a_frame_whose_large_tensors_travel_out_of_band():
+    """A Frame pickles as itself over an engine process's pipe: its tensors from 16 KiB up are written from
+    their own memory, not copied into the message, and it arrives validated, not checked again."""
+    from icefloe.service.hosts import process
+
     raw = _batch()
-    raw["context"]["old_log_probs_shifted"] = torch.zeros(2, 5, dtype=torch.float64)  # normalised here, once
+    for section in ("kwargs", "context"):  # 2,000 rows of 5: 40 KB a float32 tensor
+        raw[section] = {name: tensor.repeat(1000, 1) for name, tensor in raw[section].items()}
+    raw["context"]["old_log_probs_shifted"] = torch.zeros(2000, 5, dtype=torch.float64)  # normalised here, once
     validated = validate_batch(raw)
-    framed = FramedBatch(validated, training=validated.training)
-    frame = wire.encode(dict(validated))
-    sent = pickle.dumps(framed, protocol=5)  # as an engine process's pipe pickles it: it holds no tensor itself
-    assert len(frame) < len(sent) < len(frame) + 200  # one frame's bytes, not each tensor pickled
-    arrived = _over_a_pipe(framed)
-    assert type(arrived) is Frame and arrived.training and arrived.keys() == framed.keys()
-    assert arrived["processing"] == framed["processing"] and arrived["context"].keys() == framed["context"].keys()
+    aside: list[pickle.PickleBuffer] = []
+    head = io.BytesIO()
+    process._Pickler(head, protocol=5, buffer_callback=process._set_aside(aside)).dump(validated)
+    tensors = [t for section in ("kwargs", "context") for t in validated[section].values()]
+    large = [t for t in tensors if t.numel() * t.element_size() >= 16 << 10]
+    small_bytes = sum(t.numel() * t.element_size() for t in tensors) - sum(t.numel() * t.element_size() for t in large)
+    assert len(large) >= 4 and len(aside) == len(large)  # each large tensor sent from its own memory
+    assert head.getbuffer().nbytes < small_bytes + 4096
+    arrived = _over_a_pipe(validated)
+    assert type(arrived) is Frame and arrived.training and arrived.keys() == validated.keys()
+    assert arrived["processing"] == validated["processing"] and arrived["context"].keys() == validated["context"].keys()
     assert arrived["context"]["old_logprobs"].dtype == torch.float32
     for section in ("kwargs", "context"):
-        for name, tensor in framed[section].items():
+        for name, tensor in validated[section].items():
             assert_close(arrived[section][name], tensor, rtol=0, atol=0)
 
 
@@ -231,10 +241,9 @@ def test_an_engine_takes_a_validated_frame_as_it_is_also_in_another_process(mode
 
     engine = TrainingEngine(make_config(), model_dir=model_dir)
     frame = batch_module.validate_batch(_batch())
-    for sent in (frame, FramedBatch(frame, training=True)):
-        arrived = _over_a_pipe(sent)
-        engine.fwd_bwd(arrived)
-        engine.forward(arrived)
+    arrived = _over_a_pipe(frame)
+    engine.fwd_bwd(arrived)
+    engine.forward(arrived)
     assert validations == [True]
     engine.fwd_bwd(batch_module.validate_batch(_batch(), require_context=False))  # a forward's checks: not enough
     engine.fwd_bwd(_batch())  # a plain dict

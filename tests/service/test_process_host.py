@@ -73,19 +73,21 @@ async def test_engines_run_in_a_child_process_and_train(data_dir):
             os.kill(pid, 0)
 
 
-async def test_a_large_training_frame_reaches_the_engine_process_as_one_frame_and_trains_alike(data_dir, monkeypatch):
-    """A frame from the threshold up (1 MiB; 16 KiB here, to keep the test quick) is sent as one frame of its
-    validated tensors and decoded there; a smaller one as its tensors."""
-    from icefloe.engines.batch import FramedBatch
-    from icefloe.service.routes import handlers as operations
+async def test_a_large_training_batch_reaches_the_engine_process_out_of_band_and_trains_alike(data_dir, monkeypatch):
+    """A batch's tensors from 16 KiB up are written to the engine process's pipe from their own memory (not
+    copied into the message); a small batch's ride in it. Both train alike."""
+    from icefloe.service.hosts import process
 
-    monkeypatch.setattr(operations, "_BYTES_SENT_AS_ONE_FRAME", 16 << 10)
+    sent: list[tuple[int, int]] = []  # per message: (head bytes, bytes sent out of band)
+    write = process._write
 
-    sent: list[int] = []
-    reduce = FramedBatch.__reduce__
-    monkeypatch.setattr(FramedBatch, "__reduce__", lambda self: (sent.append(len(reduce(self)[1][0])), reduce(self))[1])
+    def recorded(sock, head, buffers):
+        sent.append((head.nbytes, sum(buffer.raw().nbytes for buffer in buffers)))
+        return write(sock, head, buffers)
+
+    monkeypatch.setattr(process, "_write", recorded)
     small = small_batch()
-    copies = 100  # the same four rows again and again: the same token-mean loss, a frame of ~90 KB
+    copies = 1000  # the same four rows again and again: the same token-mean loss, tensors of ~16-128 KB
     large = {
         **small,
         "kwargs": {name: tensor.repeat(copies, 1) for name, tensor in small["kwargs"].items()},
@@ -94,11 +96,15 @@ async def test_a_large_training_frame_reaches_the_engine_process_as_one_frame_an
     async with asgi_client(make_app(data_dir)) as http:
         api = Api(http)
         job_id = await api.running(TRAINING)
-        losses = []
+        losses, largest = [], []
         for batch in (small, large):
+            sent.clear()
             accepted = (await api.post_frame(job_id, "forward-backward", batch)).json()
             losses.append((await api.result(job_id, accepted["request_id"]))["loss"])
-    assert len(sent) == 1 and sent[0] >= 16 << 10, sent  # only the large frame, sent whole
+            largest.append(max(sent, key=lambda message: message[1]))
+    large_bytes = sum(t.numel() * t.element_size() for s in ("kwargs", "context") for t in large[s].values())
+    assert largest[0][1] == 0  # the small batch: all in the message
+    assert largest[1][1] >= large_bytes * 0.8 and largest[1][0] < large_bytes * 0.2, largest
     assert losses[1] == pytest.approx(losses[0], rel=1e-5)
 
 

@@ -34,10 +34,6 @@ from icefloe.service.work.door import enter
 from icefloe.service.work.items import TRAINING, Forward, FwdBwd, Item, Load, Sample, Save, Step, WeightSync
 
 _SAMPLING_KEYS = frozenset(SamplingParams.model_fields)
-# From this size a training batch travels to an engine process as one DSSST1 frame of its validated tensors
-# (FramedBatch): pickling each tensor costs this process's GIL far more. A small batch's tensors pickle in
-# microseconds, where decoding a frame would add to the engine's critical path per call.
-_BYTES_SENT_AS_ONE_FRAME = 1 << 20
 
 
 def submit_frame(
@@ -90,7 +86,7 @@ def _submit_decoded(
         item: Item = _generate_item(job, payload, sub_job_id)
     else:
         assert sub_job_id is not None
-        item = _training_item(job, op, payload, len(frame), sub_job_id, reference)
+        item = _training_item(job, op, payload, sub_job_id, reference)
     return {"request_id": enter(manager, job, item, op_metadata=op_metadata), "job_id": job.job_id}
 
 
@@ -110,11 +106,11 @@ def forward_target(
 
 
 def _training_item(
-    job: LiveJob, op: str, payload: Any, frame_bytes: int, sub_job_id: str, reference: bool
+    job: LiveJob, op: str, payload: Any, sub_job_id: str, reference: bool
 ) -> Forward | FwdBwd:
     """The item a forward or forward-backward body asks for, validated here before it is queued and
-    nowhere after (its batch is a Frame); a large one reaches an engine process as one DSSST1 frame."""
-    from icefloe.engines.batch import FramedBatch, validate_batch
+    nowhere after (its batch is a Frame, whose tensors reach an engine process out of band)."""
+    from icefloe.engines.batch import validate_batch
 
     if isinstance(payload, dict) and "batch" in payload and "kwargs" not in payload:
         raise InvalidRequestError(
@@ -123,8 +119,6 @@ def _training_item(
         )
     require_context = op == api.OP_FWD_BWD
     batch = validate_batch(payload, require_context=require_context)
-    if frame_bytes >= _BYTES_SENT_AS_ONE_FRAME:
-        batch = FramedBatch(batch, training=batch.training)
     if op == api.OP_FORWARD:
         return Forward(sub_job_id, batch, reference)
     if not job.specs[sub_job_id].is_training:
