@@ -105,9 +105,7 @@ def forward_target(
     return target, False
 
 
-def _training_item(
-    job: LiveJob, op: str, payload: Any, sub_job_id: str, reference: bool
-) -> Forward | FwdBwd:
+def _training_item(job: LiveJob, op: str, payload: Any, sub_job_id: str, reference: bool) -> Forward | FwdBwd:
     """The item a forward or forward-backward body asks for, validated here before it is queued and
     nowhere after (its batch is a Frame, whose tensors reach an engine process out of band)."""
     from icefloe.engines.batch import validate_batch
