@@ -499,7 +499,8 @@ class JobManager:
         if not live:
             return [None] * len(entries)
         started = time.monotonic()
-        firsts = {e.job.job_id: e for e in reversed(live)}  # each job's first request is watched for its deadline
+        # Each job's first request is watched for its deadline (an entry run again: still, from the first start).
+        firsts = {} if again else {e.job.job_id: e for e in reversed(live)}
         for e in firsts.values():
             e.job.in_flight[e.request_id] = (e.sub_job_id, op, started)
         pending = dict(enumerate(live))  # index -> entry whose result is not recorded yet

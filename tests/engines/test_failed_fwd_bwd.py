@@ -197,3 +197,31 @@ def test_a_full_weight_runs_failed_call_discards_its_gradient_and_says_so(model_
         engine.fwd_bwd(_batch("A", 8, seed=6, refuse_at_pass=3))
     assert "gradient accumulated since step 0 is discarded" in " ".join(later.value.__notes__)
     assert all(p.grad is None for p in engine.model.parameters())
+
+
+def test_a_run_answered_in_a_slice_whose_later_pass_fails_keeps_its_answer_and_counts_its_gradient_once(
+    model_dir, passes
+):
+    """A's small call shares passes with B's large one and is answered after its own pass; B's call refuses
+    a later pass of the same slice. The slice still answers A (its gradient stays, once); the refusal fails
+    B at the next advance, and B gets back the gradient it had. Before, the slice raised and A's answer was
+    lost: the service ran A's call again, and its gradient counted twice."""
+    from icefloe.service.hosts.seam import LocalEngineHost
+
+    run_a, run_b = _runs(model_dir)
+    a1, b1 = _batch("A", 4, seed=1), _batch("B", 4, seed=2)
+    a2, b2 = _batch("A", 1, seed=3), _batch("B", 24, seed=4, refuse_at_pass=3)
+    run_a.fwd_bwd(a1)
+    run_b.fwd_bwd(b1)
+    host = LocalEngineHost([], {}, {})
+    host._engines = {"a": run_a, "b": run_b}
+    passes.clear()
+    op_id, done, finished = host.advance("a", ("fwd_bwd", [("a", a2), ("b", b2)]), 60.0)  # every pass in one slice
+    assert list(done) == [0] and not finished
+    assert passes.index(("A", False)) < passes.index(("B", True)), "A's pass ran before B refused"
+    with pytest.raises(InvalidRequestError, match="refuses pass 3"):
+        host.advance("a", op_id, 60.0)
+    with pytest.raises(InvalidRequestError, match="no suspended op"):
+        host.advance("a", op_id, 60.0)  # the failure ended the op
+    _assert_grads(run_a, _alone(model_dir, 0, [a1, a2]), exact=False)
+    _assert_grads(run_b, _alone(model_dir, 1, [b1]), exact=False)

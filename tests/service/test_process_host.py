@@ -240,6 +240,8 @@ def _piped(engines: _Engines) -> Iterator[ProcessEngineHost]:
         torch.tensor([-3, 7], dtype=torch.int8),
         torch.tensor([float("nan"), float("inf")], dtype=torch.float64),
         torch.tensor([1.0, 2.0], requires_grad=True),
+        torch.tensor([1 + 2j, -3j], dtype=torch.complex64).conj(),
+        -torch.tensor([1 + 2j], dtype=torch.complex64).conj().imag,
     ],
     ids=[
         "scalar",
@@ -254,13 +256,17 @@ def _piped(engines: _Engines) -> Iterator[ProcessEngineHost]:
         "int8",
         "non-finite",
         "requires-grad",
+        "lazy-conjugate",
+        "lazy-negation",
     ],
 )
 def test_tensors_cross_the_pipe_both_ways_bit_for_bit(tensor):
     with _piped(_Engines()) as host:
         back = host._forward(_STAND_IN, "echo", {"batch": [tensor], "n": 1})["batch"][0]
     assert (back.dtype, back.shape, back.requires_grad) == (tensor.dtype, tensor.shape, tensor.requires_grad)
-    as_bytes = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in (back, tensor)]
+    as_bytes = [
+        t.detach().resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8) for t in (back, tensor)
+    ]
     assert torch.equal(*as_bytes)
     back.detach().zero_()  # its memory is its own, and writable
 

@@ -352,7 +352,7 @@ class _Pickler(pickle.Pickler):
             return NotImplemented
         if obj.requires_grad:
             return torch.Tensor.requires_grad_, (obj.detach(), True)
-        dense = obj.contiguous()
+        dense = obj.resolve_conj().resolve_neg().contiguous()  # numpy() refuses a lazy conjugate or negation
         try:
             return torch.from_numpy, (dense.numpy(),)
         except TypeError:  # no numpy dtype for it

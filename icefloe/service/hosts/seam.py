@@ -69,6 +69,7 @@ class _Suspended:
 
     steps: Iterator[dict[int, Any]]
     num_pending: int
+    error: Exception | None = None  # what a step raised after others of its slice answered: the next advance's
 
 
 class JobEngines:
@@ -326,6 +327,9 @@ class LocalEngineHost(JobEngines):
             suspended = self._suspended.get(op_id)
             if suspended is None:
                 raise InvalidRequestError(f"no suspended op {op_id} on this host; it finished or was dropped")
+            if suspended.error is not None:
+                self.drop(sub_job_id, op_id)
+                raise suspended.error
         done: dict[int, Any] = {}
         until = time.monotonic() + slice_s
         try:
@@ -339,6 +343,14 @@ class LocalEngineHost(JobEngines):
                         suspended.num_pending -= 1
                 if time.monotonic() >= until:
                     break
+        except Exception as exc:
+            if all(isinstance(result, Progress) for result in done.values()):
+                self.drop(sub_job_id, op_id)
+                raise
+            # Calls this slice answered keep their answers (a run answered keeps its gradient: run again, it
+            # would add it twice); the error fails the rest at the next advance.
+            suspended.error = exc
+            return op_id, done, False
         except BaseException:
             self.drop(sub_job_id, op_id)
             raise
