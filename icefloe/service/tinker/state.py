@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -176,20 +177,25 @@ class Turn:
         """Queue ``item`` on ``job`` in its turn; the answer, a future whose result ``render`` answers."""
         state, model, seq_id = self.state, self.model, self.seq_id
         self._queued = True
+        door: Callable[[LiveJob, Any], str] = (  # a sampler save is a save and a sync; any other op, one item
+            state.save_for_sampler
+            if isinstance(item, SamplerSave)
+            else functools.partial(enter, state.manager, api=TINKER, tenant=tenant)
+        )
         if seq_id is None:
-            return {"request_id": state.future(model.job_id, render, state.request(job, item, tenant))}
+            return {"request_id": state.future(model.job_id, render, door(job, item))}
         if seq_id in model.taken:  # a resend that arrived while its first copy was being checked
             return model.taken[seq_id]
         submitted: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         answer = {"request_id": state.future(model.job_id, render, submitted=submitted)}
         remember(model.taken, seq_id, answer)
         if seq_id > model.turns.next:  # held by a task of its own until its turn
-            task = asyncio.get_running_loop().create_task(self._queue_in_turn(job, item, tenant, submitted))
+            task = asyncio.get_running_loop().create_task(self._queue_in_turn(door, job, item, submitted))
             model.holding.add(task)
             task.add_done_callback(model.holding.discard)
             return answer
         try:  # its turn, or a late resend of a refused op: now; a refusal is read through the future
-            submitted.set_result(state.request(job, item, tenant))
+            submitted.set_result(door(job, item))
         except Exception as exc:
             submitted.set_exception(exc)
             submitted.exception()
@@ -197,7 +203,7 @@ class Turn:
         return answer
 
     async def _queue_in_turn(
-        self, job: LiveJob, item: Item | SamplerSave, tenant: str | None, submitted: asyncio.Future[str]
+        self, door: Callable[[LiveJob, Any], str], job: LiveJob, item: Item | SamplerSave, submitted: asyncio.Future
     ) -> None:
         assert self.seq_id is not None
         missing = await self.model.turns.wait(self.seq_id)
@@ -207,7 +213,7 @@ class Turn:
                     f"seq_id {self.seq_id} of model {self.model.model_id} waited {self.state.gap_timeout_s:g} s "
                     f"for seq_id {missing}, which never arrived; it did not run, and the model moves on past it"
                 )
-            submitted.set_result(self.state.request(job, item, tenant))
+            submitted.set_result(door(job, item))
         except Exception as exc:  # read through the future
             submitted.set_exception(exc)
             submitted.exception()
@@ -517,13 +523,7 @@ class TinkerState:
                 )
         return Turn(self, model, seq_id)
 
-    def request(self, job: LiveJob, item: Item | SamplerSave, tenant: str | None) -> str:
-        """Queue an ordered op in its turn; its request id (a sampler save: its sync's)."""
-        if isinstance(item, SamplerSave):
-            return self._save_for_sampler(job, item)
-        return enter(self.manager, job, item, api=TINKER, tenant=tenant)
-
-    def _save_for_sampler(self, job: LiveJob, order: SamplerSave) -> str:
+    def save_for_sampler(self, job: LiveJob, order: SamplerSave) -> str:
         """Save (when it keeps files) and sync into the model's sampler, filling ``order.answer`` in. A second
         save for one ``sampling_session_seq_id`` is the first one again: its request and answer."""
         model, session_seq = order.model, order.session_seq
