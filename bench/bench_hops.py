@@ -569,7 +569,8 @@ def main(argv: list[str]) -> None:
     processes = sorted({hop.process for hop in on_path})
     per_process = " ".join(f"{name}_hops={sum(h.process == name for h in on_path)}" for name in processes)
     summary = f"bench=hops ratio={len(on_path) / TARGET_HOPS:.2f} hops={len(on_path)} conversions={conversions}"
-    finish(args, f"{summary} {per_process} engine_internal={len(internal)} engines={args.engines}")
+    record_as = "hops" if args.engines == "local" else f"hops-{args.engines}"
+    finish(args, f"{summary} {per_process} engine_internal={len(internal)} engines={args.engines}", record_as)
 
 
 _follow_engine_process()
