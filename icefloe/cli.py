@@ -343,6 +343,13 @@ def serve(
         int,
         typer.Option(min=1, help="Tinker API: most tokens one request may hold or generate (datums, or samples)."),
     ] = 1_048_576,
+    max_held_ahead_mb: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Tinker API: MiB of ops one tenant may have waiting for an earlier seq_id; past it, 429 (retried).",
+        ),
+    ] = 256,
     max_loaded_models: Annotated[
         int,
         typer.Option(
@@ -375,6 +382,7 @@ def serve(
             forwarded_allow_ips=forwarded_allow_ips or (),
             header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
             max_samples_per_request=max_samples_per_request, max_tokens_per_request=max_tokens_per_request,
+            max_held_ahead_mb=max_held_ahead_mb,
             max_loaded_models=max_loaded_models, loaded_model_idle_s=loaded_model_idle_s,
         )  # fmt: skip
         if address is not None and settings.engines != "ray":

@@ -97,6 +97,9 @@ class ServeSettings(BaseModel):
     # datums, or a sample's prompt plus what it may generate, times num_samples).
     max_samples_per_request: int = Field(1024, gt=0)
     max_tokens_per_request: int = Field(1_048_576, gt=0)
+    # Tinker ops a tenant sent ahead of a seq_id that has not come wait parsed, holding their tensors:
+    # past this many MiB of them, the next is 429 (a retry keeps its number).
+    max_held_ahead_mb: int = Field(256, gt=0)
     # Models the OpenAI endpoint keeps loaded (one sampling job each, over all tenants); past it the
     # least recently used idle one is unloaded.
     max_loaded_models: int = Field(16, gt=0)

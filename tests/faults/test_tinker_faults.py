@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -380,3 +381,73 @@ def test_create_model_refuses_a_key_the_sdk_never_sends_naming_it(served, alice)
     _refused(alice.post("/create_model", misspelt), "'lora_config.ranks': not a field of LoraConfig")
     created = alice.ok("/create_model", sent)
     assert alice.outcome(created["request_id"]).json()["model_id"] == created["model_id"]
+
+
+def _large_forward_backward(model_id: str, seq_id: int, datums: int, tokens: int) -> bytes:
+    """A cross_entropy ForwardBackwardRequest of ``datums`` x ``tokens``."""
+    from tinker.proto import tinker_public_pb2 as pb
+
+    ids = np.random.default_rng(seq_id).integers(1, 50, tokens).astype(np.int32)
+    datum = pb.Datum()
+    datum.model_input.add().encoded_text.tokens = ids[:-1].tobytes()
+    datum.loss_fn_inputs["target_tokens"].CopyFrom(dense(ids[1:].astype(np.int64)))
+    datum.loss_fn_inputs["weights"].CopyFrom(dense(np.ones(tokens - 1, dtype=np.float32)))
+    message = pb.ForwardBackwardRequest(model_id=model_id, seq_id=seq_id, loss_fn="cross_entropy")
+    for _ in range(datums):
+        message.data.add().CopyFrom(datum)
+    return message.SerializeToString()
+
+
+def _rss_mb(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]) // 1024
+
+
+def test_ops_held_behind_a_seq_id_gap_are_bounded_per_tenant_and_a_refused_one_keeps_its_number(tmp_path):
+    """Ops sent ahead of a seq_id that never comes wait parsed, holding their tensors: a tenant that kept
+    sending them grew the service by ~39 MB per 1M-token op (12 ops: +465 MB), until the window of 10,000
+    numbers. Past --max-held-ahead-mb they are 429 naming the flag; a refused op keeps its number, so its
+    retry runs in order once the missing op came; another tenant is not touched."""
+    with tinker_serve(tmp_path, "--sequence-gap-timeout-s", "600", "--max-held-ahead-mb", "2") as serve:
+        alice, mallory = Tinker(serve, "alice"), Tinker(serve, "bob")  # bob plays the hostile tenant
+        try:
+            _, alice_model = alice.model()
+            _, mallory_model = mallory.model()
+            before = _rss_mb(serve.process.pid)
+            statuses, accepted = [], []
+            for seq_id in range(2, 14):  # seq_id 1 is never sent: each of these would wait for it
+                body = _large_forward_backward(mallory_model, seq_id, datums=32, tokens=500)  # ~0.5 MB of tensors
+                answer = mallory.post("/forward_backward", content=body, headers=PROTO)
+                statuses.append(answer.status_code)
+                if answer.status_code == 200:
+                    accepted.append(answer.json()["request_id"])
+                if answer.status_code == 429:
+                    assert "--max-held-ahead-mb" in answer.text and "send seq_id 1 first" in answer.text
+            grown = _rss_mb(serve.process.pid) - before
+            held = statuses.count(200)  # ~0.5 MB of tensors each: a few fit in 2 MiB, then every one is refused
+            assert 2 <= held <= 6 and statuses == [200] * held + [429] * (len(statuses) - held), statuses
+            assert grown < 150, f"12 ops sent ahead grew the service by {grown} MB"
+            victim = alice.post("/forward_backward", content=forward_backward(alice_model, 1, [1, 2, 3]), headers=PROTO)
+            assert alice.outcome(victim.json()["request_id"]).status_code == 200
+
+            first = mallory.post("/forward_backward", content=forward_backward(mallory_model, 1, [1, 2]), headers=PROTO)
+            for future_id in [first.json()["request_id"], *accepted]:  # the missing op came: the held ones ran
+                assert mallory.outcome(future_id, timeout_s=300).status_code == 200
+            # The refused numbers were kept: the model now waits for 2 + held, so the op after it is held again
+            # (had the refusal used the number up, it would run at once as a late resend).
+            later = mallory.post(
+                "/forward_backward", content=forward_backward(mallory_model, 3 + held, [5, 6]), headers=PROTO
+            )
+            assert later.status_code == 200, later.text
+            later = later.json()["request_id"]
+            # one long-poll (30 s) that answers try_again: it waits for its turn
+            assert mallory.post("/retrieve_future", {"request_id": later}).json().get("type") == "try_again"
+            retried = mallory.post(
+                "/forward_backward", content=forward_backward(mallory_model, 2 + held, [3, 4]), headers=PROTO
+            )
+            assert retried.status_code == 200, retried.text
+            for future_id in (retried.json()["request_id"], later):
+                assert mallory.outcome(future_id, timeout_s=300).status_code == 200
+        finally:
+            alice.close()
+            mallory.close()

@@ -44,7 +44,11 @@ def tinker_app(state: State) -> FastAPI:
 
     settings = state.settings
     state.tinker = TinkerState(
-        state.jobs, state.tenancy, gap_timeout_s=settings.sequence_gap_timeout_s, window=settings.sequence_window
+        state.jobs,
+        state.tenancy,
+        gap_timeout_s=settings.sequence_gap_timeout_s,
+        window=settings.sequence_window,
+        held_ahead_bytes=settings.max_held_ahead_mb << 20,
     )
     app.include_router(routes.router)
     app.include_router(runs.router)  # its catch-all last: what no route above serves is refused by name

@@ -32,8 +32,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from icefloe.protocol import JOB_ACTIVE_STATES, ConflictError, InvalidRequestError, NotFoundError
+from icefloe.protocol import (
+    JOB_ACTIVE_STATES,
+    ConflictError,
+    InvalidRequestError,
+    NotFoundError,
+    TooManyRequestsError,
+)
 from icefloe.service import store
+from icefloe.service.errors import retried
 from icefloe.service.jobs import JobManager, LiveJob
 from icefloe.service.limits import SEQUENCE_WINDOW
 from icefloe.service.routes.handlers import submit_weight_sync
@@ -168,7 +175,7 @@ class Turn:
         return self
 
     def __exit__(self, kind: object, error: BaseException | None, trace: object) -> None:
-        if isinstance(error, Exception) and self.seq_id is not None and not self._queued:
+        if isinstance(error, Exception) and self.seq_id is not None and not self._queued and not retried(error):
             self.model.turns.use(self.seq_id)
 
     def queue(
@@ -176,6 +183,10 @@ class Turn:
     ) -> dict[str, Any]:
         """Queue ``item`` on ``job`` in its turn; the answer, a future whose result ``render`` answers."""
         state, model, seq_id = self.state, self.model, self.seq_id
+        held = seq_id is not None and seq_id not in model.taken and seq_id > model.turns.next
+        size = _tensor_bytes(item) if held else 0
+        if held:  # refused past the tenant's budget: a retry keeps the number (see __exit__)
+            state.hold_ahead(model, seq_id, size)
         self._queued = True
         door: Callable[[LiveJob, Any], str] = (  # a sampler save is a save and a sync; any other op, one item
             state.save_for_sampler
@@ -193,6 +204,7 @@ class Turn:
             task = asyncio.get_running_loop().create_task(self._queue_in_turn(door, job, item, submitted))
             model.holding.add(task)
             task.add_done_callback(model.holding.discard)
+            task.add_done_callback(functools.partial(state.release_ahead, model.owner, size))
             return answer
         try:  # its turn, or a late resend of a refused op: now; a refusal is read through the future
             submitted.set_result(door(job, item))
@@ -289,8 +301,11 @@ class TinkerState:
         gap_timeout_s: float,
         window: int = SEQUENCE_WINDOW,
         session_lease_s: float = 120.0,
+        held_ahead_bytes: int = 256 << 20,
     ) -> None:
         self.manager = manager
+        self.held_ahead_bytes = held_ahead_bytes  # per tenant: see hold_ahead
+        self._ahead: dict[str, int] = {}  # tenant -> bytes of its ops waiting for their turn
         self.tenancy = tenancy
         self.db = manager.db
         self.gap_timeout_s = gap_timeout_s
@@ -552,6 +567,25 @@ class TinkerState:
         sampling_session_id = f"{model.session_id}:sample:{seq}"
         return self.add_sampler(sampling_session_id, model.session_id, model.job_id, model.base_model, model_path)
 
+    def hold_ahead(self, model: Model, seq_id: int, size: int) -> None:
+        """Count ``size`` bytes of an op that waits for an earlier seq_id against its tenant's budget; a
+        429 past it, so one tenant cannot fill the service's memory with ops it never lets run."""
+        held = self._ahead.get(model.owner, 0)
+        if held and held + size > self.held_ahead_bytes:
+            raise TooManyRequestsError(
+                f"seq_id {seq_id} of model {model.model_id} would wait for seq_id {model.turns.next}, and your ops "
+                f"waiting for their turn already hold {held / 2**20:.0f} MiB (at most {self.held_ahead_bytes >> 20} "
+                f"MiB: icefloe serve --max-held-ahead-mb): send seq_id {model.turns.next} first, or retry this later"
+            )
+        self._ahead[model.owner] = held + size
+
+    def release_ahead(self, owner: str, size: int, _done: object = None) -> None:
+        left = self._ahead.get(owner, 0) - size
+        if left > 0:
+            self._ahead[owner] = left
+        else:
+            self._ahead.pop(owner, None)
+
     def future(
         self,
         job_id: str,
@@ -783,3 +817,12 @@ class TinkerState:
         peft = section.get("peft_config") or {}
         layers = {key: peft[key] for key in ("train_attn", "train_mlp", "train_unembed") if key in peft}
         return first["model_name"], peft.get("r"), layers
+
+
+def _tensor_bytes(item: Any) -> int:
+    """What an item's batch holds in tensors (0 for an item without one)."""
+    batch = getattr(item, "batch", None)
+    if batch is None:
+        return 0
+    sections = (batch.get("kwargs") or {}, batch.get("context") or {})
+    return sum(t.nbytes for section in sections for t in section.values() if hasattr(t, "nbytes"))
