@@ -147,6 +147,11 @@ def read_header(frame: object) -> FrameHeader:
             raise LegacyPickleError(
                 f"refusing {legacy} bytes: the wire only accepts DSSST1 (safetensors) frames and never unpickles"
             ) from error
+        if bytes(view[:1]) in (b"{", b"["):  # the commonest mistake: a JSON body where a frame belongs
+            raise FrameFormatError(
+                f"the body is JSON text ({bytes(view[:24])!r}...), not a DSSST1 frame: encode it as one "
+                "(icefloe.wire.encode), whose first 8 bytes are its header's length"
+            ) from error
         raise
 
 

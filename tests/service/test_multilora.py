@@ -169,8 +169,14 @@ async def test_a_killed_host_fails_every_job_on_it_naming_the_crash_and_where_ea
         await api.run(job_ids[0], "POST", "step", json={})
         await api.run(job_ids[0], "POST", "save", json={"checkpoint_type": "resumable"})
         engines = app.state.jobs.live(job_ids[0]).engines
+        long = {"prompts": [[1, 11, 2]] * 64, "sampling_params": {"max_tokens": 60, "seed": 7}}
+        running = (await api.post_frame(job_ids[1], "generate", long)).json()["request_id"]
+        while (await api.poll(job_ids[1], running, wait=0))["status"] not in ("running", "streaming"):
+            await asyncio.sleep(0.01)
         os.kill(engines.pid, signal.SIGKILL)  # fault: the OOM killer takes the shared engine process
         jobs = [await api.wait_status(job_id, "failed", timeout_s=30) for job_id in job_ids]
+        error = (await api.poll(job_ids[1], running))["error"]  # it was running: its engines died under it
+        assert f"the engine process {engines.pid} was killed by signal 9" in error and "before" not in error, error
         for job in jobs:
             assert f"the engine process {engines.pid} was killed by signal 9" in job["reason"]
         assert jobs[0]["reason"].endswith("resume from checkpoint global_step1")

@@ -128,6 +128,7 @@ def _entry(dtype="F32", shape=(2,), offsets=(0, 8)) -> dict:
         (struct.pack("<Q", 0), "header length 0 is outside 1..67108864 bytes"),
         (struct.pack("<Q", MAX_HEADER_BYTES + 1) + b"{}", "header length 67108865 is outside 1..67108864 bytes"),
         (struct.pack("<Q", 64) + b"{}", "header length 64 runs past the end of a 10-byte frame"),
+        (b'{"prompts": [[1, 2, 3]]}', "the body is JSON text (b'{\"prompts\": [[1, 2, 3]]}'...), not a DSSST1 frame"),
         (join_header(b"\xff\xfe{}", b""), "header is not valid UTF-8 (invalid start byte at byte 0)"),
         (join_header("{not json", b""), "header is not valid JSON (Expecting property name enclosed in double quotes"),
         (join_header("[1, 2]", b""), "header must be a JSON object; got list"),
