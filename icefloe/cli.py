@@ -298,7 +298,12 @@ def serve(
         float, typer.Option(min=0, help="Cancel a job its client has not renewed for this long (0 = never).")
     ] = 600.0,
     op_deadline_s: Annotated[
-        float, typer.Option(min=0.001, help="Fail a job whose op runs longer, and kill its engine process.")
+        float,
+        typer.Option(
+            min=0.001,
+            help="An op running longer stops at its next pass or decode step and fails its own job only; "
+            "its engine process is killed only if it does not stop.",
+        ),
     ] = 3600.0,
     metrics_public: Annotated[
         bool, typer.Option(help="Answer GET /metrics (Prometheus) without the token (a scraper on a trusted network).")

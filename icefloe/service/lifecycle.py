@@ -3,7 +3,7 @@
 ::
 
     pending → placing → initializing → running → cancelling → cancelled → terminated
-                                                                failed  (from every non-final state)
+                                                                failed  (from every state before cancelled)
 
 :meth:`JobState._move` is the one place a state changes; it refuses a move the table does not hold
 (:class:`ConflictError` naming the state) and records every move in SQLite and the job's log.

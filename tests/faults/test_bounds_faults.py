@@ -163,8 +163,9 @@ def test_a_generate_frame_of_bad_prompts_answers_a_small_4xx(served, job_id, idl
     _assert_harmless(probe, idle, len(body), status=413)
 
 
-# JSON bodies of dense numbers near the 4 MiB cap: "1," (a token id, 2 bytes) and "0.5," (4 bytes) each became a
-# Python object of 32 to 36 bytes (a refused body too: checking each float cost ~150 more), +25 to +210 MiB.
+# JSON bodies of dense numbers near the JSON cap (MAX_JSON_BYTES): "1," (a token id, 2 bytes) and "0.5,"
+# (4 bytes) each became a Python object of 32 to 36 bytes (a refused body too: checking each float cost ~150
+# more), +25 to +210 MiB.
 _NUMBERS = pytest.mark.parametrize("number", [b"1", b"0.5"], ids=["ints", "floats"])
 _JSON = {"Content-Type": "application/json"}
 
