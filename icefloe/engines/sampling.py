@@ -91,6 +91,10 @@ class SamplingEngine:
             snapshot adapter of its own that weight syncs fill, else the base itself.
     """
 
+    # The name a host that serves several runs knows this engine by (its sub-job): the warnings it logs
+    # about its own calls carry it, so they reach that run's log and no other run's.
+    owner: str | None = None
+
     def __init__(
         self,
         config: ClientConfig,
@@ -172,6 +176,7 @@ class SamplingEngine:
                 "no sample can stop at them",
                 unknown,
                 self.vocab_size,
+                extra={"owner": self.owner},
             )
         rows: list[_Row] = []
         for index, (prompt, wanted) in enumerate(zip(prompts, per_prompt, strict=True)):

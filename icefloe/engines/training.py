@@ -156,6 +156,10 @@ class TrainingEngine:
             host's); ``device`` and ``model_dir`` are the base's then.
     """
 
+    # The name a host that serves several runs knows this engine by (its sub-job): the warnings it logs
+    # about its own calls carry it, so they reach that run's log and no other run's.
+    owner: str | None = None
+
     def __init__(
         self,
         config: ClientConfig,
@@ -378,7 +382,12 @@ class TrainingEngine:
         if math.isfinite(grad_norm):
             optimizer.step()
         else:
-            log.warning("skipping the optimizer update at step %d: grad_norm is %s", self._global_step, grad_norm)
+            log.warning(
+                "skipping the optimizer update at step %d: grad_norm is %s",
+                self._global_step,
+                grad_norm,
+                extra={"owner": self.owner},
+            )
         optimizer.zero_grad(set_to_none=True)
         self._global_step += 1
         self._last_lr = lr
@@ -880,7 +889,7 @@ class _GradsBefore:
             f"the gradient accumulated since step {engine.global_step} is discarded with this part-way fwd_bwd (a "
             "full-weight run keeps no copy of it): run this step's earlier fwd_bwd calls again before step()"
         )
-        log.warning("fwd_bwd stopped part-way: %s", lost)
+        log.warning("fwd_bwd stopped part-way: %s", lost, extra={"owner": engine.owner})
         if isinstance(exc, Exception):
             exc.add_note(lost)
 

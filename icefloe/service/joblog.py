@@ -139,15 +139,17 @@ class Recorder:
         self.entries: list[dict[str, str]] = []
 
     def write(self, msg: str, *, level: str = "INFO", sub_job_id: str | None = None, logger: str | None = None) -> None:
-        self.entries.append({"msg": msg, "level": level, "logger": logger or "icefloe"})
+        entry = {"msg": msg, "level": level, "logger": logger or "icefloe"}
+        self.entries.append(entry if sub_job_id is None else {**entry, "owner": sub_job_id})
 
 
 class JobLogRouter(logging.Handler):
     """Copy the warnings engines log (and ``warnings.warn``) into the logs of the jobs they are about.
 
     A thread running an op says whose it is with :meth:`serving`: on a shared host one worker thread
-    runs every run's ops, and one op may be a batch of several jobs' calls, each of which gets the
-    record. Outside ops a thread bound by name routes its records: a job's lifecycle thread
+    runs every run's ops, and one op may be a batch of several jobs' calls: a record an engine logs
+    about its own call (its ``owner``, a sub-job) goes to that call's job alone, any other to each job
+    of the batch. Outside ops a thread bound by name routes its records: a job's lifecycle thread
     (``icefloe-lifecycle-<job>``), which loads its engines. :meth:`attach` also routes warnings.
     """
 
@@ -230,8 +232,10 @@ class JobLogRouter(logging.Handler):
         return [target] if target is not None else []
 
     def emit(self, record: logging.LogRecord) -> None:
+        owner = getattr(record, "owner", None)  # the sub-job whose call it is about, if the engine said
         for log, sub_job_id in self._routes(record.threadName or ""):
-            self._write(log, sub_job_id, record)
+            if owner is None or sub_job_id in (None, owner):
+                self._write(log, sub_job_id or owner, record)
 
     def _write(self, log: LogTarget, sub_job_id: str | None, record: logging.LogRecord) -> None:
         """Write ``record`` to one log; a warning once per text per job (a :class:`Recorder` keeps every
@@ -251,4 +255,5 @@ def relay(entries: Iterable[dict[str, str]]) -> None:
     logger = logging.getLogger(ENGINE_LOGGER)
     for entry in entries:
         fields = {"name": entry["logger"], "msg": entry["msg"], "levelname": entry["level"]}
+        fields["owner"] = entry.get("owner")  # the sub-job the record is about, as the engine said
         logger.handle(logging.makeLogRecord({**fields, "levelno": logging.getLevelName(entry["level"])}))

@@ -29,11 +29,6 @@ def _log_lines(serve: Serve, job_id: str) -> list[str]:
     return [entry["msg"] for entry in page["entries"]]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a warning raised while a shared host runs a decode batch is written into the log of every job "
-    "whose call is in the batch, not only the job whose call it is about",
-)
 def test_a_warning_about_one_tenants_generate_stays_out_of_the_other_tenants_log(tmp_path):
     """Alice's generates with unknown stop_token_ids warned naming them; each warning also reached the
     log of Bob's sampler, whose generates shared the decode batch (10 of 10 while Bob kept 8-prompt

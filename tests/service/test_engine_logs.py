@@ -97,8 +97,9 @@ async def test_an_engine_warning_on_a_shared_host_reaches_the_log_of_the_job_who
 
 
 @pytest.mark.anyio
-async def test_an_engine_warning_about_a_batch_of_two_jobs_reaches_both_logs(data_dir, monkeypatch):
-    """The decode batch is one engine call: what the engine says during it is about every call in it."""
+async def test_an_engine_warning_about_one_call_of_a_shared_batch_reaches_that_calls_log_alone(data_dir, monkeypatch):
+    """The decode batch is one engine call of two tenants' calls: a warning about alice's call (it names
+    her stop ids) reaches her log, never bob's, though he shared the batch."""
     hold, held, release = threading.Event(), threading.Event(), threading.Event()
     generate_many = LocalEngineHost.generate_many
 
@@ -124,7 +125,7 @@ async def test_an_engine_warning_about_a_batch_of_two_jobs_reaches_both_logs(dat
         await alice.result(mine, together[0])
         await bob.result(theirs, together[1])
         assert [m.startswith(STOP_WARNING) for m in _warnings(await alice.log(mine, "sampling"))] == [True]
-        assert [m.startswith(STOP_WARNING) for m in _warnings(await bob.log(theirs, "sampling"))] == [True]
+        assert [m.startswith(STOP_WARNING) for m in _warnings(await bob.log(theirs, "sampling"))] == []
 
 
 def test_a_warning_warned_while_a_thread_serves_an_op_lands_in_that_ops_log(tmp_path):
@@ -168,3 +169,21 @@ def test_a_warning_from_one_place_reaches_each_jobs_log_once_and_is_shown_once(t
     for log, sub_job in [(alice, "a:sampling:0"), (bob, "b:sampling:0")]:
         entries = log.tail(sub_job, cursor=None, max_lines=10)["entries"]
         assert [e["msg"] for e in entries] == ["UserWarning: a library's warning"]
+
+
+def test_a_record_about_one_sub_job_goes_to_its_log_and_any_other_to_every_log_of_the_op(tmp_path):
+    log = JobLog(tmp_path, ["a:sampling:0", "b:sampling:0"])
+    router, logger = JobLogRouter(), logging.getLogger("icefloe.test-joblog-owner")
+    logger.addHandler(router)
+    try:
+        with router.serving([(log, "a:sampling:0"), (log, "b:sampling:0")]):
+            logger.warning("about a's call", extra={"owner": "a:sampling:0"})
+            logger.warning("about the batch")
+    finally:
+        logger.removeHandler(router)
+
+    def read(sub_job_id: str) -> list[str]:
+        return [e["msg"] for e in log.tail(sub_job_id, cursor=None, max_lines=10)["entries"]]
+
+    assert read("a:sampling:0") == ["about a's call", "about the batch"]
+    assert read("b:sampling:0") == ["about the batch"]

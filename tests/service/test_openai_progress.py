@@ -34,3 +34,22 @@ def test_settled_text_holds_back_what_could_become_a_stop_string_and_cuts_at_one
     assert shown[4:9] == ["say ", "say ", "say ", "say ", "say "]  # "E", "EN" held; "END" cut
     assert shown[-1] == "say "
     assert _settled_text(byte_tokenizer, byte_tokenizer.encode("say EX"), ("END",)) == "say EX"
+
+
+@pytest.mark.parametrize(
+    ("text", "stop", "held"),
+    [
+        ("say E", "END", 1),
+        ("say EN", "END", 2),
+        ("say EX", "END", 0),
+        ("abab", "ababc", 4),  # the longest ending wins over the shorter "ab"
+        ("xabab", "abac", 2),  # "abab" does not begin "abac"; "ab" does
+        ("aaaa", "aaaaaaaaa", 4),  # the whole text may be held
+        ("", "END", 0),
+    ],
+)
+def test_held_back_is_the_longest_ending_that_begins_a_stop_string(text, stop, held):
+    from icefloe.service.openai.sampling import _held_for
+
+    brute = max((k for k in range(1, len(stop)) if k <= len(text) and text.endswith(stop[:k])), default=0)
+    assert _held_for(text, stop) == brute == held

@@ -309,6 +309,7 @@ class LocalEngineHost(JobEngines):
                     if spec.is_training and not spec.load_optimizer_states and engine.optimizer is not None:
                         engine.optimizer.state.clear()  # load_optimizer_states=false: weights only, fresh AdamW
                     on_progress(f"{sub_job_id} starts from {loaded['checkpoint_id']} ({loaded['kind']})")
+            engine.owner = sub_job_id
             self._engines[sub_job_id] = engine
 
     def advance(self, sub_job_id: str, op: int | NewOp, slice_s: float) -> tuple[int, dict[int, Any], bool]:

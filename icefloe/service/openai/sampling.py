@@ -13,6 +13,7 @@ shown as text only as far as it can no longer change.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -90,12 +91,13 @@ async def progress(manager: JobManager, ticket: Ticket, tokenizer: Any) -> Async
         news = manager.requests.take_news(ticket.request_id)
         for step in news:
             grown = step if grown is None else grown.then(step)
-        if news and grown is not None:
-            yield [
-                {**s, "text": _settled_text(tokenizer, s["token_ids"], ticket.stops), "finish_reason": None}
-                for s in grown.samples
-            ]
+        if news and grown is not None:  # decoding every sample is the request's own work: off the loop
+            yield await asyncio.to_thread(_settled, tokenizer, grown.samples, ticket.stops)
     yield await outcome(manager, ticket)
+
+
+def _settled(tokenizer: Any, samples: list[dict[str, Any]], stops: tuple[str, ...]) -> list[dict[str, Any]]:
+    return [{**s, "text": _settled_text(tokenizer, s["token_ids"], stops), "finish_reason": None} for s in samples]
 
 
 def _settled_text(tokenizer: Any, token_ids: list[int], stops: tuple[str, ...]) -> str:
@@ -107,8 +109,19 @@ def _settled_text(tokenizer: Any, token_ids: list[int], stops: tuple[str, ...]) 
     if cuts:
         return text[: min(cuts)]
     text = text.rstrip("\ufffd")
-    held = max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
-    return text[: len(text) - held]
+    return text[: len(text) - max((_held_for(text, stop) for stop in stops), default=0)]
+
+
+def _held_for(text: str, stop: str) -> int:
+    """The length of the longest ending of ``text`` that begins ``stop`` without being all of it: tried
+    from the longest, only where ``stop``'s first character stands, so a stop string far longer than
+    the text costs no more than the text."""
+    start = max(0, len(text) - len(stop) + 1)
+    while (start := text.find(stop[0], start)) != -1:
+        if stop.startswith(text[start:]):
+            return len(text) - start
+        start += 1
+    return 0
 
 
 def cancel(manager: JobManager, ticket: Ticket) -> None:
