@@ -461,3 +461,13 @@ def test_past_its_cap_the_least_recently_used_idle_model_is_unloaded(tmp_path, m
         assert list(loaded._served) == [("default", "tiny:chat")]  # --max-loaded-models 1
         assert service.state.jobs.public(first)["status"] in ("cancelling", "cancelled", "terminated")
         assert client.completions.create(model="tiny-chat", prompt="a", max_tokens=1).choices  # loaded again
+
+
+def test_spellings_of_one_folder_share_one_loaded_model(server, alice):
+    """``tiny-chat/`` and ``tiny-chat/../tiny-chat`` each loaded a model of their own (a sampling job each)."""
+    _, service = server
+    spellings = ("tiny-chat", "tiny-chat/", "./tiny-chat", "tiny-chat/../tiny-chat", "tiny-chat//")
+    for spelling in spellings:
+        assert alice.completions.create(model=spelling, prompt="a", max_tokens=1).choices
+    loaded = {model for tenant, model in service.state.openai._served if tenant == "alice"}
+    assert loaded & set(spellings) == {"tiny-chat"}

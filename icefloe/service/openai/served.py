@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import posixpath
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -90,7 +91,7 @@ class Loaded:
     async def served(self, model: str, tenant: str) -> tuple[Served, LiveJob]:
         """The loaded model and its running job; loads it first if needed (404 for a model the tenant
         may not use, 400 for a malformed name)."""
-        key = (tenant, model.strip())
+        key = (tenant, _spelled_once(model))
         served = self._served.get(key)
         job = self.manager.live_job(served.job_id) if served is not None else None
         if served is None or job is None or job.stopping:
@@ -281,6 +282,15 @@ class Loaded:
             created = int(datetime.fromisoformat(record["created_at"]).timestamp())
             models.append({"id": name, "object": "model", "created": created, "owned_by": tenant})
         return models
+
+
+def _spelled_once(model: str) -> str:
+    """``model`` as one spelling of the folder (or checkpoint) it names: ``org/name/``, ``./org/name`` and
+    ``org//x/../name`` are ``org/name``, so they share one loaded model rather than each loading its own."""
+    name = model.strip()
+    if not name or name.startswith(_TINKER_PREFIX) or ";" in name:
+        return name
+    return posixpath.normpath(name)
 
 
 def _tinker_path(record: dict[str, Any]) -> str | None:
