@@ -1,0 +1,100 @@
+"""What one tenant's requests leave in a real ``icefloe serve`` process, probed as a hostile tenant would:
+memory the service keeps for a job (undrained stream events, open request-chunk groups) must stay
+bounded for the tenant, however many requests or jobs it spreads that memory over."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from icefloe import wire
+from icefloe.wire.chunks import _metadata_key
+
+from .serve_process import PREFIX, TRAINING, Serve
+from .tinker_serve import TOKENS, tinker_serve
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # real services: `make test-slow`
+
+_SAMPLING = {"job_type": "sampling", "model_name": "tiny:arith", "inference_config": {"max_seq_len": 256}}
+_OCTETS = {"Content-Type": "application/octet-stream"}
+_MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    with tinker_serve(tmp_path_factory.mktemp("state-growth-faults")) as serve:
+        yield serve
+
+
+def _api(serve: Serve, tenant: str) -> httpx.Client:
+    return httpx.Client(base_url=serve.base_url + PREFIX, headers={"Authorization": f"Bearer {TOKENS[tenant]}"},
+                        timeout=120)  # fmt: skip
+
+
+def _resident_mib(serve: Serve) -> float:
+    """The service process's resident memory (its engines run in processes of their own)."""
+    status = Path(f"/proc/{serve.process.pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]) / 1024
+
+
+def _running_job(serve: Serve, api: httpx.Client, sub_job: dict) -> str:
+    job_id = api.post("/", json={"sub_job_configs": [sub_job]}).json()["job_id"]
+    serve.wait_job(job_id, "running")
+    return job_id
+
+
+@pytest.mark.xfail(strict=True, reason="a job keeps every undrained generate-stream event in the service's memory")
+def test_undrained_generate_stream_events_stay_bounded_per_job(served):
+    """Six generate-streams that no one polls grew the service by ~640 MiB (~106 MiB each: 256 prompts x
+    n=4 x 32 tokens with top-20 log-probs), held until the job ends; more streams, more memory."""
+    with _api(served, "bob") as bob:
+        job_id = _running_job(served, bob, _SAMPLING)
+        params = {"max_tokens": 32, "n": 4, "logprobs": True, "topk_logprobs": 20, "ignore_eos": True}
+        body = json.dumps({"prompts": [[1, 2, 3, 4]] * 256, "sampling_params": params}).encode()
+        before = _resident_mib(served)
+        for _ in range(6):
+            answer = bob.post(f"/{job_id}/generate-stream", content=body, headers=_OCTETS)
+            assert answer.status_code == 200, answer.text
+        # A generate behind them on the same sampler finishes once they have: their events are all held.
+        last = wire.encode({"prompts": [[1, 2]], "sampling_params": {"max_tokens": 1}})
+        request_id = bob.post(f"/{job_id}/generate", content=last, headers=_OCTETS).json()["request_id"]
+        assert served.finished(job_id, request_id, timeout_s=600)["status"] == "done"
+        grown = _resident_mib(served) - before
+        bob.post(f"/{job_id}:cancel")
+    assert grown < 256, f"the service grew {grown:.0f} MiB holding six undrained streams of one job"
+
+
+def _open_chunk(group_id: str, index: int, payload: bytes) -> bytes:
+    """Chunk ``index`` of a group declaring 1,000 chunks of ``payload``'s size: it never completes."""
+    descriptor = {"chunk_idx": index, "total_chunks": 1000, "frame_sha256": "0" * 64,
+                  "frame_size_bytes": 1000 * len(payload), "chunk_group_id": group_id}  # fmt: skip
+    return wire.encode(
+        {"payload": np.frombuffer(payload, dtype=np.uint8)}, op_metadata={_metadata_key("request"): descriptor}
+    )
+
+
+@pytest.mark.xfail(strict=True, reason="max_job_chunk_bytes caps each job, so a tenant holds it once per job")
+def test_open_chunk_groups_are_bounded_per_tenant_not_per_job(served):
+    """The 1 GiB cap on open request chunks is per job: a tenant held 1 GiB per running job it had (2 GiB
+    of the service's memory in 7 s with two jobs, 1.8 GiB here with three of 600 MiB each; a tenant
+    without limits could hold it for each of 32 LoRA jobs on one slot)."""
+    piece = os.urandom(50 * _MiB)
+    with _api(served, "bob") as bob:
+        jobs = [_running_job(served, bob, TRAINING) for _ in range(3)]
+        before = _resident_mib(served)
+        for job_id in jobs:
+            group_id = str(uuid.uuid4())
+            for index in range(12):  # 600 MiB per job, under the per-job cap; 1.8 GiB in all
+                body = _open_chunk(group_id, index, piece[:-1] + bytes([index]))
+                answer = bob.post(f"/{job_id}/forward-backward", content=body, headers=_OCTETS)
+                assert answer.status_code in (200, 409, 413), answer.text
+        grown = _resident_mib(served) - before
+        for job_id in jobs:
+            bob.post(f"/{job_id}:cancel")
+    assert grown < 1280, f"one tenant's open chunk groups grew the service by {grown:.0f} MiB"
