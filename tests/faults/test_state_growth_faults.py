@@ -1,6 +1,7 @@
 """What one tenant's requests leave in a real ``icefloe serve`` process, probed as a hostile tenant would:
 memory the service keeps for a job (undrained stream events, open request-chunk groups) must stay
-bounded for the tenant, however many requests or jobs it spreads that memory over."""
+bounded for the tenant, however many requests or jobs it spreads that memory over, and a LoRA job that
+joins another tenant's shared host must not be able to take that host's memory."""
 
 from __future__ import annotations
 
@@ -103,3 +104,32 @@ def test_open_chunk_groups_are_bounded_per_tenant_not_per_job(served):
         for job_id in jobs:
             bob.post(f"/{job_id}:cancel")
     assert grown < 1280, f"one tenant's open chunk groups grew the service by {grown:.0f} MiB"
+
+
+_LORA = {
+    "job_type": "training",
+    "model_name": "tiny-chat",
+    "training_config": {"max_seq_len": 64, "peft_config": {"peft_type": "Lora", "r": 4}},
+}
+
+
+def _wide_lora(rank: int) -> dict:
+    return {**_LORA, "training_config": {"max_seq_len": 64, "peft_config": {"peft_type": "Lora", "r": rank}}}
+
+
+@pytest.mark.xfail(strict=True, reason="the training API takes any LoRA rank, and the adapter joins a shared host")
+def test_a_lora_rank_the_tinker_api_refuses_does_not_join_another_tenants_host(served):
+    """The Tinker API caps a LoRA rank at 1024; the training API takes any, and the job joins the shared host
+    of its base: r=20,000 grew Bob's host's engine process from 326 to 536 MiB at join and 746 MiB after one
+    forward-backward, and the cost is linear in r, so one tenant's create can exhaust a host others train on."""
+    with _api(served, "bob") as bob, _api(served, "alice") as alice:
+        bobs = _running_job(served, bob, _LORA)
+        host = bob.get(f"/{bobs}").json()["host"]["host_id"]
+        answer = alice.post("/", json={"sub_job_configs": [_wide_lora(20_000)]})
+        joined = (
+            answer.status_code == 200 and served.wait_job(answer.json()["job_id"], "running")["host"]["host_id"] == host
+        )
+        for job_id in (bobs, answer.json().get("job_id")):
+            if job_id:
+                served.call("POST", f"/{job_id}:cancel")
+    assert answer.status_code == 400 or (answer.status_code == 200 and not joined), answer.text
