@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from icefloe import wire
-from icefloe.wire.chunks import _metadata_key
 
 from .serve_process import PREFIX, TRAINING, Serve, wait_for
 from .tinker_serve import TOKENS, tinker_serve
@@ -80,9 +79,7 @@ def _open_chunk(group_id: str, index: int, payload: bytes) -> bytes:
     """Chunk ``index`` of a group declaring 1,000 chunks of ``payload``'s size: it never completes."""
     descriptor = {"chunk_idx": index, "total_chunks": 1000, "frame_sha256": "0" * 64,
                   "frame_size_bytes": 1000 * len(payload), "chunk_group_id": group_id}  # fmt: skip
-    return wire.encode(
-        {"payload": np.frombuffer(payload, dtype=np.uint8)}, op_metadata={_metadata_key("request"): descriptor}
-    )
+    return wire.encode({"payload": np.frombuffer(payload, dtype=np.uint8)}, op_metadata={"request_chunk": descriptor})
 
 
 @pytest.mark.xfail(strict=True, reason="max_job_chunk_bytes caps each job, so a tenant holds it once per job")
