@@ -7,9 +7,10 @@ that already ran answers with the ORIGINAL ``{request_id, job_id}``. Refusals ar
 chunk-group 409s of the training API.
 
 Memory is bounded twice: a group holds at most the ``frame_size_bytes`` it declared (a chunk
-carrying more is a 400), and a job holds at most ``max_bytes`` of chunk payloads in all. To stay
-under that, the least recently sent other groups are dropped (their next chunk answers
-``chunk_group_restart_required``); a group that alone exceeds it is a 413. Open groups are also
+carrying more is a 400), and a tenant's jobs hold at most ``max_bytes`` of chunk payloads together.
+To stay under that, the job's least recently sent other groups are dropped (their next chunk answers
+``chunk_group_restart_required``); when the tenant's other jobs hold the rest, the chunk is a 429 (sent
+again once their uploads finish); a group that alone exceeds it is a 413. Open groups are also
 counted, so that empty chunks cannot pile up group records; that bound is far above what concurrent
 clients keep open, so in practice only the byte cap drops a group.
 """
@@ -32,6 +33,7 @@ from icefloe.protocol import (
     ChunkGroupRestartError,
     InvalidRequestError,
     PayloadTooLargeError,
+    TooManyRequestsError,
 )
 
 __all__ = ["ChunkGroups"]
@@ -57,8 +59,9 @@ class _Group:
 class ChunkGroups:
     """Open and finished chunk groups of one job; thread-safe, one group executes at a time."""
 
-    def __init__(self, *, max_bytes: int) -> None:
-        self.max_bytes = max_bytes  # chunk payloads held for this job's unfinished groups, at most
+    def __init__(self, *, max_bytes: int, held_elsewhere: Callable[[], int] = lambda: 0) -> None:
+        self.max_bytes = max_bytes  # chunk payloads held for the tenant's unfinished groups, at most
+        self.held_elsewhere = held_elsewhere  # what the tenant's other jobs hold of it
         self._lock = threading.Lock()
         self._open: OrderedDict[str, _Group] = OrderedDict()  # least recently sent to first
         self._done: OrderedDict[str, _Group] = OrderedDict()
@@ -144,10 +147,17 @@ class ChunkGroups:
         if group.held_bytes + growth > self.max_bytes:
             raise PayloadTooLargeError(
                 f"chunk group {group_id} needs more than the {self.max_bytes} bytes of request chunks this "
-                "service holds per job (ServeSettings.max_job_chunk_bytes); send a smaller frame"
+                "service holds per tenant (ServeSettings.max_tenant_chunk_bytes); send a smaller frame"
             )
-        while self._held_bytes + growth > self.max_bytes:  # never empty of other groups: the check above
-            self._drop_oldest()
+        elsewhere = self.held_elsewhere()
+        while self._held_bytes + growth + elsewhere > self.max_bytes and len(self._open) > 1:
+            self._drop_oldest()  # this job's least recently sent group (this one was sent last)
+        if self._held_bytes + growth + elsewhere > self.max_bytes:
+            raise TooManyRequestsError(
+                f"your other jobs' unfinished request chunk groups hold {elsewhere} of the {self.max_bytes} bytes "
+                "a tenant may hold (ServeSettings.max_tenant_chunk_bytes): send this chunk again once those "
+                "uploads finish"
+            )
         group.payloads[index] = payload
         group.held_bytes += growth
         self._held_bytes += growth

@@ -173,7 +173,11 @@ class JobManager:
             raise taken
         job_dir = self.settings.job_dir(job_id)
         log = JobLog(job_dir / "logs", [s.sub_job_id for s in specs], shown=self.settings.public_text)
-        state, chunks = JobState(job_id, self.db, log), ChunkGroups(max_bytes=self.settings.max_job_chunk_bytes)
+        chunks = ChunkGroups(
+            max_bytes=self.settings.max_tenant_chunk_bytes,
+            held_elsewhere=functools.partial(self._chunk_bytes_held, owner, but=job_id),
+        )
+        state = JobState(job_id, self.db, log)
         specs_by_id = {s.sub_job_id: s for s in specs}
         job = LiveJob(job_id, specs_by_id, state, log, chunks, job_dir, base_key=base_key, owner=owner)
         job.host = self.hosts.place(job)  # now, not on its thread: a tenant's next admission counts the host
@@ -377,6 +381,12 @@ class JobManager:
         service's folders named, not spelled out)."""
         reason = self.waiting(row["job_id"]) or row["reason"]
         return self.settings.public_text(reason) if reason else reason
+
+    def _chunk_bytes_held(self, owner: str, *, but: str) -> int:
+        """Request chunks the tenant's other live jobs hold (their caps are one: the tenant's)."""
+        return sum(
+            job.chunks.held_bytes for job in list(self._live.values()) if job.owner == owner and job.job_id != but
+        )
 
     def list_public(self, status: str | None, *, owner: str | None = None) -> list[dict[str, Any]]:
         """Jobs in ``status`` (any: None) owned by ``owner`` (anyone: None)."""

@@ -76,6 +76,9 @@ MAX_BATCH_HEAD_BYTES = 1024 * 1024  # a requests:batch head: 256 parts' methods,
 MAX_BATCH_PARTS = 256
 MAX_PROMPTS = 16_384  # prompts in one generate or generate-stream of the training API (a rollout batch)
 MAX_SUB_JOBS = 64  # sub-job configs in one create-job
+# A LoRA adapter's rank, in both APIs: an adapter joins a host other tenants train on, and its memory grows
+# with its rank (r=20,000 on a tiny model took the shared engine process from 326 to 746 MiB).
+MAX_LORA_RANK = 1024
 # Stop strings or stop token ids of one Tinker sample: each is checked at every decode step of every sample.
 MAX_STOPS = 1024
 # A Tinker forward_backward's datums: the SDK sends at most 1024 in one request (its fwdbwd_max_chunk_len).

@@ -71,9 +71,9 @@ class ServeSettings(BaseModel):
     # after that is 410. Long enough to re-poll a page whose answer was lost, short enough that a
     # forward per RL step does not fill the disk.
     result_ttl_s: float = Field(3600.0, gt=0)
-    # Request chunks one job holds for groups not yet complete; older groups are dropped to stay under
-    # it (they restart from chunk 0), and a frame larger than this is refused with 413.
-    max_job_chunk_bytes: int = Field(1024**3, gt=0)
+    # Request chunks one tenant's jobs hold together for groups not yet complete; a job's older groups
+    # are dropped to stay under it (they restart from chunk 0), else 429; a frame larger than this is 413.
+    max_tenant_chunk_bytes: int = Field(1024**3, gt=0)
     export_ttl_s: float = Field(3600.0, gt=0)  # lifetime of a checkpoint download link
     max_long_poll_s: float = Field(60.0, ge=0)  # cap on ?wait= so a proxy never sees a silent socket
     # A numbered POST (Icefloe-Sequence) waits this long for a missing predecessor, then gets 409.

@@ -19,7 +19,7 @@ from typing import Any
 from icefloe.config import ClientConfig, LoraConfig
 from icefloe.engines.models import cached_hub_model
 from icefloe.protocol import SEGMENT_BY_JOB_TYPE, ConfigError, InvalidRequestError
-from icefloe.service.limits import MAX_LISTED_ERRORS
+from icefloe.service.limits import MAX_LISTED_ERRORS, MAX_LORA_RANK
 from icefloe.service.schemas import InferenceConfig, JobCreate, SubJobConfig, TrainingConfigSpec
 
 __all__ = ["SubJobSpec", "body_warnings", "sub_job_specs"]
@@ -123,9 +123,15 @@ def _lora(raw: Any, where: str) -> LoraConfig:
     if not isinstance(raw, dict):
         raise InvalidRequestError(f"{where}.peft_config must be an object like {{'peft_type': 'Lora', 'r': 8}}")
     try:
-        return LoraConfig.from_peft_config(raw)
+        lora = LoraConfig.from_peft_config(raw)
     except ConfigError as exc:
         raise InvalidRequestError(f"{where}.{exc}") from None
+    if lora.rank > MAX_LORA_RANK:
+        raise InvalidRequestError(
+            f"{where}.peft_config.r is {lora.rank}; a LoRA rank is at most {MAX_LORA_RANK} here (its adapter shares "
+            "a host with other runs): send a smaller r, or train full weights (no peft_config)"
+        )
+    return lora
 
 
 def _refuse_training_changes(sub: SubJobConfig, extra: dict[str, Any], dtype: str, where: str) -> None:

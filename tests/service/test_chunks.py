@@ -182,7 +182,7 @@ async def test_many_groups_sent_chunk_by_chunk_side_by_side_all_complete(data_di
 
 async def test_a_job_holds_a_bounded_total_of_chunks(data_dir):
     """Groups of one job were held without any total: 16 open groups of 64 GiB each could be cached."""
-    async with asgi_client(make_app(data_dir, max_job_chunk_bytes=350_000)) as http:
+    async with asgi_client(make_app(data_dir, max_tenant_chunk_bytes=350_000)) as http:
         api = Api(http)
         job_id = await api.running()
         first, second = str(uuid.uuid4()), str(uuid.uuid4())
@@ -201,7 +201,29 @@ async def test_a_job_holds_a_bounded_total_of_chunks(data_dir):
         assert (await _post(api, job_id, chunk(second, 2))).json() == {"chunk_cached": True}
         too_big = await _post(api, job_id, chunk(second, 3))  # 4 chunks of 100 kB: over the cap on their own
         assert (too_big.status_code, too_big.json()["code"]) == (413, "payload_too_large")
-        assert "max_job_chunk_bytes" in too_big.json()["message"]
+        assert "max_tenant_chunk_bytes" in too_big.json()["message"]
+
+
+async def test_a_tenants_jobs_hold_one_total_of_chunks_together(data_dir):
+    """The cap was per job: a tenant held it once for each job it had running (2 GiB with two jobs)."""
+    async with asgi_client(make_app(data_dir, max_tenant_chunk_bytes=350_000)) as http:
+        api = Api(http)
+        mine, other = await api.running(), await api.running()
+
+        def chunk(group_id: str, idx: int) -> bytes:
+            return _hostile_chunk(
+                chunk_idx=idx, total_chunks=10, frame_size_bytes=10**6, group_id=group_id, payload_bytes=100_000
+            )
+
+        held = str(uuid.uuid4())
+        for idx in (0, 1, 2):  # 300 kB of the 350 kB, in one job
+            assert (await _post(api, mine, chunk(held, idx))).json() == {"chunk_cached": True}
+        refused = await _post(api, other, chunk(str(uuid.uuid4()), 0))  # the other job may not add 100 kB more
+        assert (refused.status_code, refused.json()["code"]) == (429, "too_many_requests"), refused.text
+        assert "max_tenant_chunk_bytes" in refused.json()["message"]
+        await api.call("POST", f"/{mine}:cancel")  # a job that ends gives its chunks back
+        await api.wait_status(mine, "cancelled", "terminated")
+        assert (await _post(api, other, chunk(str(uuid.uuid4()), 0))).json() == {"chunk_cached": True}
 
 
 async def test_hostile_chunk_counts_and_sizes_are_refused_without_building_huge_sets(data_dir):

@@ -30,7 +30,7 @@ from icefloe.protocol import OP_FORWARD, OP_FWD_BWD, ConflictError, InvalidReque
 from icefloe.protocol import SamplingParams as EngineSamplingParams
 from icefloe.service import store
 from icefloe.service.jobs import LiveJob
-from icefloe.service.limits import CHECK_ON_LOOP_BYTES, MAX_STOPS
+from icefloe.service.limits import CHECK_ON_LOOP_BYTES, MAX_LORA_RANK, MAX_STOPS
 from icefloe.service.middleware import read_body
 from icefloe.service.routes import SettingsDep, TenantDep
 from icefloe.service.settings import ServeSettings
@@ -137,7 +137,7 @@ async def create_model(body: Body, state: State, tenant: TenantDep) -> dict[str,
     if model_id not in state.models:
         lora = body.section("lora_config")
         lora.only(_LORA_KEYS, "LoraConfig")
-        rank = lora.integer("rank", None, low=1, high=1024)
+        rank = lora.integer("rank", None, low=1, high=MAX_LORA_RANK)
         # The SDK's defaults: every layer kind, the output layer (unembedding) included.
         layers = {key: lora.flag(key, True) for key in ("train_attn", "train_mlp", "train_unembed")}
         base_model = _base_model(body)
