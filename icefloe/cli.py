@@ -355,6 +355,10 @@ def serve(
             help="Tinker API: MiB of ops one tenant may have waiting for an earlier seq_id; past it, 429 (retried).",
         ),
     ] = 256,
+    max_job_metric_values: Annotated[
+        int,
+        typer.Option(min=1, help="Values one job keeps of what its client reports (POST {job}/metrics); past it, 409."),
+    ] = 250_000,
     max_loaded_models: Annotated[
         int,
         typer.Option(
@@ -387,7 +391,7 @@ def serve(
             forwarded_allow_ips=forwarded_allow_ips or (),
             header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
             max_samples_per_request=max_samples_per_request, max_tokens_per_request=max_tokens_per_request,
-            max_held_ahead_mb=max_held_ahead_mb,
+            max_held_ahead_mb=max_held_ahead_mb, max_job_metric_values=max_job_metric_values,
             max_loaded_models=max_loaded_models, loaded_model_idle_s=loaded_model_idle_s,
         )  # fmt: skip
         if address is not None and settings.engines != "ray":

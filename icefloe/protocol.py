@@ -525,6 +525,7 @@ class IcefloeTimeoutError(IcefloeError, TimeoutError):
 
 
 MAX_REPORTED_METRICS: Final = 256  # metric names in one report
+MAX_METRIC_NAME_CHARS: Final = 256  # a name is stored with every value of it, so its length bounds what a job keeps
 
 
 def checked_metrics(step: object, metrics: object) -> dict[str, float]:
@@ -542,6 +543,10 @@ def checked_metrics(step: object, metrics: object) -> dict[str, float]:
     for name, value in metrics.items():
         if not isinstance(name, str) or not name.strip() or name in ("step", "time"):
             raise InvalidRequestError(f"metrics: name {name!r} must be a non-empty string other than 'step' or 'time'")
+        if len(name) > MAX_METRIC_NAME_CHARS:
+            raise InvalidRequestError(
+                f"metrics: name {name:.40}... has {len(name)} characters; at most {MAX_METRIC_NAME_CHARS}"
+            )
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise InvalidRequestError(f"metrics.{name} must be a finite number; got {value!r:.100}")
         values[name] = float(value)

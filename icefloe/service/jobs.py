@@ -129,6 +129,7 @@ class JobManager:
             open_requests=self.requests.open_rows,
             chunk_bytes=lambda: {job_id: job.chunks.held_bytes for job_id, job in list(self._live.items())},
             hosts=lambda: [(host.describe(), list(host.members)) for host in self.hosts.hosts()],
+            max_reported_values=settings.max_job_metric_values,
         )
         self.requests.on_finish = self.metrics.request_finished
         self.results = ResultPages(

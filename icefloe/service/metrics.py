@@ -29,12 +29,22 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from icefloe.protocol import OP_FWD_BWD, OP_STEP, OP_WEIGHT_SYNC, InvalidRequestError, checked_metrics
+from icefloe.protocol import (
+    OP_FWD_BWD,
+    OP_STEP,
+    OP_WEIGHT_SYNC,
+    ConflictError,
+    InvalidRequestError,
+    checked_metrics,
+)
 from icefloe.service import store
 
-__all__ = ["ServiceMetrics", "check_reported"]
+__all__ = ["MAX_REPORTED_NAMES_PER_JOB", "SERIES_PAGE_VALUES", "ServiceMetrics", "check_reported"]
 
 _log = logging.getLogger("icefloe.service.jobs")
+# What a job keeps of its client's reports; engine values are one point per optimizer step, so its work bounds them.
+MAX_REPORTED_NAMES_PER_JOB = 256
+SERIES_PAGE_VALUES = 8192  # values in one page of GET {job}/metrics: a few MiB at most, even with 256-character names
 _SECONDS_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 1800)
 
 
@@ -45,6 +55,16 @@ def check_reported(body: dict[str, Any]) -> tuple[int, dict[str, float]]:
         raise InvalidRequestError(f"body has unknown keys {unknown}; send {{'step': int, 'metrics': {{name: number}}}}")
     values = checked_metrics(body.get("step"), body.get("metrics"))
     return body["step"], values
+
+
+def _points(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One point per step of ``rows`` (in step order); a point's ``time`` is that of its latest value."""
+    points: dict[int, dict[str, Any]] = {}
+    for row in rows:
+        point = points.setdefault(row["step"], {"step": row["step"], "time": row["time"]})
+        point["time"] = max(point["time"], row["time"])
+        point[row["name"]] = row["value"]
+    return list(points.values())
 
 
 @dataclass
@@ -66,8 +86,10 @@ class ServiceMetrics:
         open_requests: Callable[[], Iterable[dict[str, Any]]],
         chunk_bytes: Callable[[], Mapping[str, int]],
         hosts: Callable[[], Iterable[tuple[dict[str, Any], list[str]]]] = lambda: (),
+        max_reported_values: int = 250_000,
     ) -> None:
         self.db = db
+        self.max_reported_values = max_reported_values
         self.registry = reg = CollectorRegistry()
         self.requests = Counter(
             "icefloe_requests", "Requests finished, by op and outcome.", ["op", "outcome"], registry=reg
@@ -95,6 +117,7 @@ class ServiceMetrics:
         self._pending: dict[str, _Pending] = {}  # sub-job id -> its forward-backward calls since its last step
         self._last_step_end: dict[str, float] = {}
         self._lock = threading.Lock()
+        self._reports = threading.Lock()
 
     # --- requests and engine results -----------------------------------------------------------
     def request_finished(self, op: str, outcome: str, created_at: str) -> None:
@@ -159,14 +182,44 @@ class ServiceMetrics:
         if values:
             store.put_job_metrics(self.db, job_id=job_id, step=step, values=values, at=time.time())
 
-    def series(self, job_id: str) -> list[dict[str, Any]]:
-        """One point per step, ``{step, time, <name>: value, ...}``: engine and client values merged."""
-        points: dict[int, dict[str, Any]] = {}
-        for row in store.job_metrics(self.db, job_id=job_id):
-            point = points.setdefault(row["step"], {"step": row["step"], "time": row["time"]})
-            point["time"] = max(point["time"], row["time"])
-            point[row["name"]] = row["value"]
-        return list(points.values())
+    def report(self, job_id: str, step: int, values: dict[str, float]) -> None:
+        """Keep a client's values at ``step``, or :class:`ConflictError` naming the job's bound they would pass."""
+        with self._reports:  # checked and counted as one, so concurrent reports cannot pass a bound together
+            kept = store.reported_job_metrics(self.db, job_id=job_id)
+            added = values.keys() - store.job_metric_names_at(self.db, job_id=job_id, step=step)
+            self._check_room(job_id, kept, added)
+            self.record(job_id, step, values)
+            store.count_reported_job_metrics(self.db, job_id=job_id, names=added)
+
+    def _check_room(self, job_id: str, kept: dict[str, int], added: set[str]) -> None:
+        names = len(kept.keys() | added)
+        if names > MAX_REPORTED_NAMES_PER_JOB:
+            new = sorted(added - kept.keys())
+            raise ConflictError(
+                f"job {job_id} keeps at most {MAX_REPORTED_NAMES_PER_JOB} metric names its client reports, and "
+                f"this report's new names ({', '.join(new[:3])}{', ...' if len(new) > 3 else ''}) would make "
+                f"{names}: report under names the job already has, or start a new job"
+            )
+        values = sum(kept.values()) + len(added)
+        if values > self.max_reported_values:
+            raise ConflictError(
+                f"job {job_id} keeps at most {self.max_reported_values:,} values its client reports "
+                f"(--max-job-metric-values) and holds {values - len(added):,}: report fewer names or at fewer "
+                "steps, log the rest with a client-side tracker, or start a new job"
+            )
+
+    def page(self, job_id: str, after_step: int) -> tuple[list[dict[str, Any]], int | None]:
+        """The series' points past ``after_step``, one per step (``{step, time, <name>: value, ...}``, engine
+        and client values merged), whole steps of at most :data:`SERIES_PAGE_VALUES` values in all; and
+        the ``after_step`` of the next page, None when this one ends the series."""
+        rows = store.job_metrics(self.db, job_id=job_id, after_step=after_step, limit=SERIES_PAGE_VALUES + 1)
+        if len(rows) <= SERIES_PAGE_VALUES:
+            return _points(rows), None
+        cut = rows[SERIES_PAGE_VALUES]["step"]  # the step the page ends inside: it starts the next page
+        whole = [row for row in rows if row["step"] < cut]
+        if not whole:  # a step kept before the bounds existed holds more than a page: its first values only
+            return _points(rows[:SERIES_PAGE_VALUES]), cut
+        return _points(whole), whole[-1]["step"]
 
     def collect(self) -> Iterable[GaugeMetricFamily]:
         """Jobs by state, queue depth per sub-job, chunk-store bytes per job and jobs per model host,

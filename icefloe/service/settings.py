@@ -93,6 +93,8 @@ class ServeSettings(BaseModel):
     # while an engine thread holds the GIL (~0.5 ms per request on a busy CPU service).
     access_log: bool = False
     metrics_public: bool = False  # True: GET /metrics answers without the token (a scraper on a trusted network)
+    # Values a job keeps of what its client reports (POST {job}/metrics); past it a report is 409.
+    max_job_metric_values: int = Field(250_000, gt=0)
     # Tinker API bounds per request: samples (num_samples x prompts) and tokens (a forward_backward's
     # datums, or a sample's prompt plus what it may generate, times num_samples).
     max_samples_per_request: int = Field(1024, gt=0)

@@ -59,6 +59,9 @@ CREATE TABLE IF NOT EXISTS job_metrics (
     job_id TEXT NOT NULL, step INTEGER NOT NULL, name TEXT NOT NULL, value REAL NOT NULL, time REAL NOT NULL,
     PRIMARY KEY (job_id, step, name)
 );
+CREATE TABLE IF NOT EXISTS job_reported_metrics (
+    job_id TEXT NOT NULL, name TEXT NOT NULL, points INTEGER NOT NULL, PRIMARY KEY (job_id, name)
+);
 """
 # Columns added since a data dir could first have been made: (table, column, definition).
 _ADDED_COLUMNS = (("jobs", "owner", "TEXT NOT NULL DEFAULT 'default'"),)  # jobs made before tenants: the shared one's
@@ -380,9 +383,37 @@ def put_job_metrics(db: Database, *, job_id: str, step: int, values: dict[str, f
     db.execute(f"INSERT OR REPLACE INTO job_metrics (job_id, step, name, value, time) VALUES {rows}", params)
 
 
-def job_metrics(db: Database, *, job_id: str) -> list[dict[str, Any]]:
-    """Every ``{step, name, value, time}`` of the job, in step order."""
-    return db.fetch_all("SELECT step, name, value, time FROM job_metrics WHERE job_id = ? ORDER BY step", (job_id,))
+def job_metrics(db: Database, *, job_id: str, after_step: int, limit: int) -> list[dict[str, Any]]:
+    """The job's first ``limit`` rows ``{step, name, value, time}`` past ``after_step``, in step order."""
+    sql = "SELECT step, name, value, time FROM job_metrics WHERE job_id = ? AND step > ? ORDER BY step LIMIT ?"
+    return db.fetch_all(sql, (job_id, after_step, limit))
+
+
+def job_metric_names_at(db: Database, *, job_id: str, step: int) -> set[str]:
+    """The names that have a value at ``step`` of the job."""
+    rows = db.fetch_all("SELECT name FROM job_metrics WHERE job_id = ? AND step = ?", (job_id, step))
+    return {row["name"] for row in rows}
+
+
+def reported_job_metrics(db: Database, *, job_id: str) -> dict[str, int]:
+    """Each name the job's client reported -> how many values of it the job keeps.
+
+    Counted as reports arrive, so a report is checked against the job's bounds without reading its series
+    (a job from before this table counts from its first report since)."""
+    rows = db.fetch_all("SELECT name, points FROM job_reported_metrics WHERE job_id = ?", (job_id,))
+    return {row["name"]: row["points"] for row in rows}
+
+
+def count_reported_job_metrics(db: Database, *, job_id: str, names: Iterable[str]) -> None:
+    """Add one kept value to each of ``names`` of the job."""
+    params = [field for name in names for field in (job_id, name)]
+    if params:
+        rows = ", ".join(["(?, ?, 1)"] * (len(params) // 2))
+        db.execute(
+            f"INSERT INTO job_reported_metrics (job_id, name, points) VALUES {rows} "
+            "ON CONFLICT (job_id, name) DO UPDATE SET points = points + 1",
+            params,
+        )
 
 
 def latest_job_metrics(db: Database, *, job_id: str | None = None) -> dict[str, dict[str, tuple[int, float]]]:

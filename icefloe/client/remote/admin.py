@@ -42,10 +42,19 @@ class ServiceAdmin:
     def job_metrics(self, job_id: str) -> list[dict[str, Any]] | None:
         """The job's per-step metrics, ``[{step, time, loss, ...}]`` oldest first; None where the service
         has no such route (the managed endpoint)."""
-        # a route the service lacks (404) is answered, not raised or retried
-        call = Call("GET", f"/{job_id}/metrics", "job metrics", accept=frozenset({404}))
-        reply = self._http.run(self._http.send(call))
-        return None if reply.status_code == 404 else list((reply.body or {}).get("points", []))
+        points: list[dict[str, Any]] = []
+        after_step = -1
+        while after_step is not None:  # the service answers the series a page at a time
+            # a route the service lacks (404) is answered, not raised or retried
+            call = Call("GET", f"/{job_id}/metrics", "job metrics", params={"after_step": after_step},
+                        accept=frozenset({404}))  # fmt: skip
+            reply = self._http.run(self._http.send(call))
+            if reply.status_code == 404:
+                return None
+            page = reply.body or {}
+            points += page.get("points", [])
+            after_step = page.get("next_after_step")
+        return points
 
     def cancel_job(self, job_id: str) -> None:
         """Cancel a job; repeating it while the job is cancelling is fine."""

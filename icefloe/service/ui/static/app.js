@@ -185,14 +185,24 @@ const icefloe = (() => {
     const charts = new Map();
     const table = (id) => document.querySelector(`#${id} tbody`);
     let shownCheckpoints = "";
+    let points = [];
+    // The series a page at a time, from the last point drawn on (a client may still report to its step).
+    async function series() {
+      let after = points.length ? points[points.length - 1].step - 1 : -1;
+      let kept = points.filter((p) => p.step <= after);
+      while (after !== null) {
+        const page = await getJson(`${API}/${encodeURIComponent(jobId)}/metrics?after_step=${after}`);
+        kept = kept.concat(page.points);
+        after = page.next_after_step;
+      }
+      points = kept;
+      return points;
+    }
     poll(async () => {
-      const [job, metrics] = await Promise.all([
-        getJson(`/ui/api/jobs/${encodeURIComponent(jobId)}`),
-        getJson(`${API}/${encodeURIComponent(jobId)}/metrics`),
-      ]);
+      const [job, metrics] = await Promise.all([getJson(`/ui/api/jobs/${encodeURIComponent(jobId)}`), series()]);
       document.getElementById("status").replaceChildren(status(job.status));
       fill(table("summary"), [el("tr", { "data-job-id": job.job_id }, ...summaryCells(job), el("td", {}, job.reason))]);
-      drawCharts(charts, metrics.points);
+      drawCharts(charts, metrics);
       fill(table("sub-jobs"), job.sub_jobs.map((s) => el("tr", {}, el("td", {}, el("code", {}, s.sub_job_id)),
         el("td", {}, s.job_type), el("td", {}, s.model_name), el("td", {}, s.engines), el("td", { class: "num" }, s.slots ?? "–"))));
       fill(table("queue"), job.queue.map((r) => el("tr", {}, el("td", {}, r.op), el("td", {}, r.sub_job_id),
