@@ -355,6 +355,14 @@ def serve(
             help="Tinker API: MiB of ops one tenant may have waiting for an earlier seq_id; past it, 429 (retried).",
         ),
     ] = 256,
+    max_stream_events_mb: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="MiB of generate-stream events one tenant has not polled (drained); past it a new stream is 429 "
+            "and a running one that does not fit fails its remaining prompts.",
+        ),
+    ] = 256,
     max_loaded_models: Annotated[
         int,
         typer.Option(
@@ -387,7 +395,7 @@ def serve(
             forwarded_allow_ips=forwarded_allow_ips or (),
             header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
             max_samples_per_request=max_samples_per_request, max_tokens_per_request=max_tokens_per_request,
-            max_held_ahead_mb=max_held_ahead_mb,
+            max_held_ahead_mb=max_held_ahead_mb, max_stream_events_mb=max_stream_events_mb,
             max_loaded_models=max_loaded_models, loaded_model_idle_s=loaded_model_idle_s,
         )  # fmt: skip
         if address is not None and settings.engines != "ray":
