@@ -359,6 +359,14 @@ def serve(
         int,
         typer.Option(min=1, help="Values one job keeps of what its client reports (POST {job}/metrics); past it, 409."),
     ] = 250_000,
+    max_stream_events_mb: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="MiB of generate-stream events one tenant has not polled (drained); past it a new stream is 429 "
+            "and a running one that does not fit fails its remaining prompts.",
+        ),
+    ] = 256,
     max_loaded_models: Annotated[
         int,
         typer.Option(
@@ -392,6 +400,7 @@ def serve(
             header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
             max_samples_per_request=max_samples_per_request, max_tokens_per_request=max_tokens_per_request,
             max_held_ahead_mb=max_held_ahead_mb, max_job_metric_values=max_job_metric_values,
+            max_stream_events_mb=max_stream_events_mb,
             max_loaded_models=max_loaded_models, loaded_model_idle_s=loaded_model_idle_s,
         )  # fmt: skip
         if address is not None and settings.engines != "ray":

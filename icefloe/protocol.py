@@ -23,7 +23,7 @@ processes::
     ├── UnauthenticatedError (PermissionError)    no valid bearer token
     ├── ForbiddenError (PermissionError)          a change a browser sent from another site (cookie or no auth)
     │   └── MisdirectedRequestError               a Host header naming no address of the service (no auth)
-    ├── TooManyRequestsError (RuntimeError)       too many failed token checks from one address; wait, try again
+    ├── TooManyRequestsError (RuntimeError)       failed token checks, or a tenant's held bytes, past a cap; wait, retry
     ├── PayloadTooLargeError (ValueError)         a POST body over the service's cap
     ├── UnsupportedOpError (NotImplementedError)  the backend has no such op
     ├── RequestFailedError (RuntimeError)         an op failed; ``reason`` + ``category`` user|server
@@ -428,7 +428,8 @@ class MisdirectedRequestError(ForbiddenError):
 
 
 class TooManyRequestsError(IcefloeError, RuntimeError):
-    """Too many failed token checks (logins, bearer tokens) from one address; the message says how long to wait."""
+    """Too many failed token checks (logins, bearer tokens) from one address, or a tenant holding its cap of
+    bytes the service keeps for it (undrained stream events, ops held ahead); the message says what to do."""
 
 
 class PayloadTooLargeError(IcefloeError, ValueError):

@@ -51,6 +51,7 @@ from icefloe.service.results import HeldResults, ResultPages, json_text, wants_d
 from icefloe.service.schemas import JobCreate
 from icefloe.service.settings import SHARED_TENANT, ServeSettings
 from icefloe.service.specs import SubJobSpec, body_warnings, sub_job_specs
+from icefloe.service.streams import GenerateStream, OpenStreams, StreamBudget
 from icefloe.service.work.items import HELD, FwdBwd, Item, Sample
 
 __all__ = ["Entry", "JobManager", "LiveJob", "job_type_named"]
@@ -137,7 +138,7 @@ class JobManager:
             chunk_bytes=settings.result_chunk_bytes,
             ttl_s=settings.result_ttl_s,
         )
-        self.streams: dict[str, Any] = {}  # request id -> GenerateStream of a generate-stream request
+        self.streams = OpenStreams(StreamBudget(settings.max_stream_events_mb << 20))
         self.held = HeldResults(max_results=_HELD_RESULTS)  # the Tinker and OpenAI APIs' results
         self.log_router = JobLogRouter()  # attached to the "icefloe" logger by the app
         self._closing = threading.Event()
@@ -246,9 +247,7 @@ class JobManager:
         if host is not None:
             self.hosts.release(host, job)
         self.log_router.unbind(job.log)
-        for request_id, stream in list(self.streams.items()):  # events no one drained (the requests are over)
-            if stream.job_id == job.job_id:
-                self.streams.pop(request_id, None)
+        self.streams.close_job(job.job_id)  # events no one drained (the requests are over)
 
     def last_checkpoint(self, job_id: str) -> str | None:
         """The newest checkpoint a job saved (its id), for a failure reason to name."""
@@ -506,7 +505,7 @@ class JobManager:
         pending. A batch of several jobs that fails is run ``again`` one entry at a time, so a failure is
         recorded on the request that caused it alone (a forward-backward that fails leaves no gradient
         behind, so each entry run again adds its own once); so is one of one job refused as invalid."""
-        live = entries if again else [e for e in entries if self._may_run(e.job, e.request_id)]
+        live = entries if again else [e for e in entries if self._may_run(e.job, e.request_id) and self._fits(e)]
         if not live:
             return [None] * len(entries)
         started = time.monotonic()
@@ -574,7 +573,7 @@ class JobManager:
             for e in pending:
                 why = f"job {e.job.job_id} stopped: {e.job.state.stop_reason}"
                 self.requests.finish(e.request_id, status="cancelled", error=why)
-                self.streams.pop(e.request_id, None)
+                self.streams.close(e.request_id)
             return True
         deadline_s = self.settings.deadline_s(op)
         if time.monotonic() - started <= deadline_s:
@@ -603,7 +602,16 @@ class JobManager:
             return False
         if self.requests.start(request_id, "streaming" if request_id in self.streams else "running"):
             return True
-        self.streams.pop(request_id, None)  # cancel-request took it: its stream has nothing to show
+        self.streams.close(request_id)  # cancel-request took it: its stream has nothing to show
+        return False
+
+    def _fits(self, entry: Entry) -> bool:
+        """False for an item of a stream whose samples overflowed its tenant's budget of undrained
+        events: its prompts fail with that error without running."""
+        stream = self.streams.get(entry.request_id)
+        if stream is None or stream.overflow is None:
+            return True
+        self._push(entry.request_id, stream, entry.item, error=stream.overflow)
         return False
 
     def _record_result(self, entry: Entry, result: Any) -> None:
@@ -660,7 +668,7 @@ class JobManager:
         else:
             fail_resumable(job, f"{sub_job_id} crashed during {op}: {message}", self.last_checkpoint)
 
-    def _push(self, request_id: str, stream: Any, item: Any, **outcome: Any) -> None:
+    def _push(self, request_id: str, stream: GenerateStream, item: Any, **outcome: Any) -> None:
         """One prompt's result or error as an event of its stream; the last prompt's finishes the request."""
         counts = stream.push(item, **outcome)
         if counts is not None:

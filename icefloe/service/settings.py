@@ -102,6 +102,9 @@ class ServeSettings(BaseModel):
     # Tinker ops a tenant sent ahead of a seq_id that has not come wait parsed, holding their tensors:
     # past this many MiB of them, the next is 429 (a retry keeps its number).
     max_held_ahead_mb: int = Field(256, gt=0)
+    # Generate-stream events one tenant's polls have not drained: past this many MiB of them a new
+    # generate-stream is 429, and a running stream whose samples do not fit fails its remaining prompts.
+    max_stream_events_mb: int = Field(256, gt=0)
     # Models the OpenAI endpoint keeps loaded (one sampling job each, over all tenants); past it the
     # least recently used idle one is unloaded.
     max_loaded_models: int = Field(16, gt=0)

@@ -161,7 +161,7 @@ async def test_a_stream_sent_to_a_job_that_stopped_after_its_check_is_refused_an
             submit_generate_stream(jobs, job, body, sub_job_id=None)
         rows = app.state.db.fetch_all("SELECT status FROM requests WHERE job_id = ? AND op != 'step'", (job_id,))
         assert [row["status"] for row in rows] == ["cancelled"]
-        assert not jobs.requests.has_open(job_id) and jobs.streams == {}
+        assert not jobs.requests.has_open(job_id) and len(jobs.streams) == 0
 
 
 async def test_a_request_queued_behind_a_crash_is_cancelled_naming_the_crash(data_dir, monkeypatch):

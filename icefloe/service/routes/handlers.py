@@ -8,9 +8,6 @@ octet body run on a thread-pool thread (decoding a 60 MiB frame must not stall t
 from __future__ import annotations
 
 import array
-import json
-from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
@@ -30,6 +27,7 @@ from icefloe.service.schemas import (
     check_body,
     parse_json_body,
 )
+from icefloe.service.streams import GenerateStream
 from icefloe.service.work.door import enter
 from icefloe.service.work.items import TRAINING, Forward, FwdBwd, Item, Load, Sample, Save, Step, WeightSync
 
@@ -265,62 +263,20 @@ OP_GENERATE_STREAM = "generate-stream"
 _STREAM_PROMPTS_PER_ITEM = 64
 
 
-@dataclass
-class GenerateStream:
-    """Events of one ``generate-stream`` request (UTF-8 JSON with a generate's fields): its prompts are
-    the :class:`Sample` items of ``items`` (consecutive prompts each), and each prompt's outcome an event
-    the moment its item finishes. Polls drain events destructively, as the training API specifies:
-    ``{type: "result", index, result}``, ``{type: "error", index, error}``, then ``{type: "done",
-    completed, failed}``. Only the host's worker pushes and only polls drain, so the deque needs no lock.
-    """
-
-    job_id: str
-    items: list[Sample]
-    count: int  # prompts
-    completed: int = 0
-    failed: int = 0
-    _events: deque[dict[str, Any]] = field(default_factory=deque)
-
-    def push(self, item: Sample, *, result: Any = None, error: str | None = None) -> str | None:
-        """Queue the events of ``item``'s prompts (``result``: their samples, prompt-major); after the last
-        prompt's, ``done``, and return the counts (JSON) the request finishes with."""
-        if error is None:
-            first = 0
-            for offset, params in enumerate(item.params):
-                samples = result[first : first + params.n]
-                self._events.append({"type": "result", "index": item.index + offset, "result": samples})
-                first += params.n
-            self.completed += len(item.params)
-        else:
-            self._events.extend(
-                {"type": "error", "index": item.index + offset, "error": error} for offset in range(len(item.prompts))
-            )
-            self.failed += len(item.prompts)
-        if self.completed + self.failed < self.count:
-            return None
-        self._events.append({"type": "done", "completed": self.completed, "failed": self.failed})
-        return json.dumps({"completed": self.completed, "failed": self.failed})
-
-    def drain(self, max_events: int) -> list[dict[str, Any]]:
-        return [self._events.popleft() for _ in range(min(max_events, len(self._events)))]
-
-    @property
-    def pending_events(self) -> int:
-        return len(self._events)
-
-
 def submit_generate_stream(manager: JobManager, job: LiveJob, body: bytes, *, sub_job_id: str | None) -> dict:
-    """Queue every prompt of the stream; returns ``{request_id, job_id, count}``."""
+    """Queue every prompt of the stream; returns ``{request_id, job_id, count}``. Refused (429) while the
+    job's tenant holds a full budget of events no poll has drained."""
+    manager.streams.budget.check_room(job.owner)
     request = _generate_body(parse_json_body(body, "generate-stream body (UTF-8 JSON, not DSSST1)"))
     target = sub_job_id or generate_target(job, request.routing_key)
     params = sampling_params_per_prompt(request, job, target)
     step = _STREAM_PROMPTS_PER_ITEM
     items = [
-        Sample(target, request.prompts[start : start + step], params[start : start + step], index=start,
-               op=OP_GENERATE_STREAM)
+        Sample(target, request.prompts[start : start + step], params[start : start + step], as_json=True,
+               index=start, op=OP_GENERATE_STREAM)
         for start in range(0, len(request.prompts), step)
     ]  # fmt: skip
-    stream = GenerateStream(job.job_id, items=items, count=len(request.prompts))
+    stream = GenerateStream(job.job_id, job.owner, manager.streams.budget, items=items, count=len(request.prompts))
     request_id = enter(manager, job, items[0], stream=stream)
     return {"request_id": request_id, "job_id": job.job_id, "count": stream.count}
 

@@ -34,12 +34,13 @@ router = api_router("requests")
 
 
 def answer_response(answer: dict[str, Any]) -> Response:
-    """The answer as a JSON response, its ``result`` spliced in when it is already JSON text."""
-    result = answer.get("result")
-    if not isinstance(result, JsonText):
+    """The answer as a JSON response, each of its values that is already JSON text spliced in."""
+    texts = {key: value for key, value in answer.items() if isinstance(value, JsonText)}
+    if not texts:
         return Response(orjson.dumps(answer), media_type="application/json")
-    head = orjson.dumps({k: v for k, v in answer.items() if k != "result"})
-    return Response(b'%s,"result":%s}' % (head[:-1], result.encode()), media_type="application/json")
+    head = orjson.dumps({k: v for k, v in answer.items() if k not in texts})
+    tail = b"".join(b",%s:%s" % (orjson.dumps(key), text.encode()) for key, text in texts.items())
+    return Response(b"%s%s}" % (head[:-1], tail), media_type="application/json")
 
 
 async def answer_request(
@@ -62,12 +63,12 @@ async def answer_request(
     result, events, next_cursor, status = {}, [], "", row["status"]
     limit = min(max(1, max_events), MAX_EVENTS_CAP)
     if stream is not None:  # generate-stream: events are drained, the request stays "streaming" until empty
-        events = [_event(event, job_id, jobs.settings) for event in stream.drain(limit)]
+        events = _events_text(stream.drain(limit), job_id)
         if stream.pending_events or status != "done":
             status = "streaming" if status in ("done", "streaming") else status
         else:
             result = json.loads(row["result"]) if row["result"] else {}
-            jobs.streams.pop(request_id, None)
+            jobs.streams.close(request_id)
     elif status == "done" and row["result_path"] is None:
         result = _stored_answer(row, jobs.settings) if row["result"] else {}
     elif status == "done":  # a stored frame, read off the loop
@@ -113,7 +114,7 @@ def _stored_answer(row: dict[str, Any], settings: ServeSettings) -> Any:
     into their envelope as they are, a result needing none is answered as it is."""
     text, op = row["result"], row["op"]
     if op == OP_GENERATE and text.startswith("["):  # (a row an earlier version wrote holds its envelope)
-        return JsonText(f'{{"job_id": {json.dumps(row["job_id"])}, "results": {text}}}')
+        return JsonText(_generate_answer(row["job_id"], text))
     if op in _ENVELOPED and op != OP_GENERATE:
         return enveloped(op, row["job_id"], orjson.loads(text), settings)
     return JsonText(text)
@@ -124,11 +125,22 @@ def _frame_answer(op: str, job_id: str, settings: ServeSettings, frame: bytes) -
     return wire.encode(enveloped(op, job_id, wire.decode(frame, tensors="torch"), settings))
 
 
-def _event(event: dict[str, Any], job_id: str, settings: ServeSettings) -> dict[str, Any]:
-    """A generate-stream event as the training API shows it: a prompt's samples in their envelope."""
+def _events_text(events: list[dict[str, Any]], job_id: str) -> JsonText:
+    """Generate-stream events as the training API shows them: a prompt's samples (JSON text each) in a
+    generate's envelope."""
+    return JsonText("[" + ",".join(_event_text(event, job_id) for event in events) + "]")
+
+
+def _event_text(event: dict[str, Any], job_id: str) -> str:
     if event["type"] != "result":
-        return event
-    return {**event, "result": enveloped(OP_GENERATE, job_id, event["result"], settings)}
+        return orjson.dumps(event).decode()
+    result = _generate_answer(job_id, "[" + ",".join(event["result"]) + "]")
+    return f'{{"type": "result", "index": {event["index"]}, "result": {result}}}'
+
+
+def _generate_answer(job_id: str, samples: str) -> str:
+    """A generate's answer around its samples' JSON text (an array)."""
+    return f'{{"job_id": {json.dumps(job_id)}, "results": {samples}}}'
 
 
 async def with_answer(jobs: JobManager, accepted: dict[str, Any], wait: float, turn: Turn) -> dict[str, Any] | Response:

@@ -51,7 +51,7 @@ def enter(
     op_metadata = op_metadata or {}
     request_id = jobs.requests.add(job.job_id, item.sub_job_id, item.op, op_metadata)
     if stream is not None:
-        jobs.streams[request_id] = stream
+        jobs.streams.open(request_id, stream)
     lane = job.lanes[item.sub_job_id]
     gate: SyncGate | None = None
     try:
@@ -75,7 +75,7 @@ def enter(
             raise
         why = f"job {job.job_id} is stopping: {job.state.stop_reason}"  # a stop closed the lanes after the state check
         jobs.requests.finish(request_id, status="cancelled", error=why)
-        jobs.streams.pop(request_id, None)
+        jobs.streams.close(request_id)
         raise ConflictError(f"{why}; this call needs it running") from None
     return request_id
 
