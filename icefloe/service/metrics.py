@@ -29,14 +29,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 
-from icefloe.protocol import (
-    OP_FWD_BWD,
-    OP_STEP,
-    OP_WEIGHT_SYNC,
-    ConflictError,
-    InvalidRequestError,
-    checked_metrics,
-)
+from icefloe.protocol import OP_FWD_BWD, OP_STEP, OP_WEIGHT_SYNC, ConflictError, InvalidRequestError, checked_metrics
 from icefloe.service import store
 
 __all__ = ["MAX_REPORTED_NAMES_PER_JOB", "SERIES_PAGE_VALUES", "ServiceMetrics", "check_reported"]
