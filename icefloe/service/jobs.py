@@ -505,7 +505,7 @@ class JobManager:
         pending. A batch of several jobs that fails is run ``again`` one entry at a time, so a failure is
         recorded on the request that caused it alone (a forward-backward that fails leaves no gradient
         behind, so each entry run again adds its own once); so is one of one job refused as invalid."""
-        live = entries if again else [e for e in entries if self._may_run(e.job, e.request_id) and self._fits(e)]
+        live = entries if again else [e for e in entries if self._may_run(e.job, e.request_id)]
         if not live:
             return [None] * len(entries)
         started = time.monotonic()
@@ -596,6 +596,9 @@ class JobManager:
         return True
 
     def _may_run(self, job: LiveJob, request_id: str) -> bool:
+        stream = self.streams.get(request_id)
+        if stream is not None and stream.overflow is not None:  # its prompts failed when its events overflowed
+            return False
         if job.stopping:
             why = f"job {job.job_id} stopped before this request ran: {job.state.stop_reason}"
             self.requests.finish(request_id, status="cancelled", error=why)
@@ -603,15 +606,6 @@ class JobManager:
         if self.requests.start(request_id, "streaming" if request_id in self.streams else "running"):
             return True
         self.streams.close(request_id)  # cancel-request took it: its stream has nothing to show
-        return False
-
-    def _fits(self, entry: Entry) -> bool:
-        """False for an item of a stream whose samples overflowed its tenant's budget of undrained
-        events: its prompts fail with that error without running."""
-        stream = self.streams.get(entry.request_id)
-        if stream is None or stream.overflow is None:
-            return True
-        self._push(entry.request_id, stream, entry.item, error=stream.overflow)
         return False
 
     def _record_result(self, entry: Entry, result: Any) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +102,7 @@ class GenerateStream:
     failed: int = 0
     overflow: str | None = None  # the error that fails the rest of a stream whose samples did not fit
     _events: deque[tuple[int, dict[str, Any]]] = field(default_factory=deque)  # (bytes counted, event)
+    _settled: set[int] = field(default_factory=set)  # prompts with an event
     _closed: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -108,12 +110,12 @@ class GenerateStream:
         """Queue the events of ``item``'s prompts (``result``: their samples' JSON texts, prompt-major);
         after the last prompt's, ``done``, and return the counts (JSON) the request finishes with."""
         with self._lock:
-            if self._closed:  # cancelled or its job ended: no one will poll these
+            if self._closed or self.overflow is not None:  # no one will poll these, or its prompts failed already
                 return None
-            if error is None and self.overflow is None:
+            if error is None:
                 self._push_results(item, result)
             else:
-                self._push_errors(item, error or self.overflow or "")
+                self._push_errors(range(item.index, item.index + len(item.prompts)), error)
             if self.completed + self.failed < self.count:
                 return None
             self._append({"type": "done", "completed": self.completed, "failed": self.failed}, 0)
@@ -121,9 +123,9 @@ class GenerateStream:
 
     def _push_results(self, item: Sample, result: list[str]) -> None:
         size = sum(map(len, result)) + EVENT_OVERHEAD_BYTES * len(item.params)
-        if not self.budget.take(self.owner, size):
+        if not self.budget.take(self.owner, size):  # this prompt and every one not run yet fail now
             self.overflow = self.budget.overflow_error(size)
-            self._push_errors(item, self.overflow)
+            self._push_errors([i for i in range(self.count) if i not in self._settled], self.overflow)
             return
         first = 0
         for offset, params in enumerate(item.params):
@@ -131,16 +133,18 @@ class GenerateStream:
             event = {"type": "result", "index": item.index + offset, "result": samples}
             self._events.append((self._cost(samples), event))
             first += params.n
+        self._settled.update(range(item.index, item.index + len(item.params)))
         self.completed += len(item.params)
 
     @staticmethod
     def _cost(samples: list[str]) -> int:
         return sum(map(len, samples)) + EVENT_OVERHEAD_BYTES
 
-    def _push_errors(self, item: Sample, error: str) -> None:
-        for offset in range(len(item.prompts)):
-            self._append({"type": "error", "index": item.index + offset, "error": error}, len(error))
-        self.failed += len(item.prompts)
+    def _push_errors(self, prompts: Iterable[int], error: str) -> None:
+        for index in prompts:
+            self._append({"type": "error", "index": index, "error": error}, len(error))
+            self._settled.add(index)
+            self.failed += 1
 
     def _append(self, event: dict[str, Any], text_bytes: int) -> None:
         """An event the budget must hold whatever it holds already (an outcome is never dropped)."""

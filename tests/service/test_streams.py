@@ -49,8 +49,8 @@ def test_samples_past_the_cap_fail_the_rest_of_the_stream_with_an_error_naming_t
     budget = StreamBudget(cap_bytes=4096)
     stream = _stream(budget, "bob", 3)
     stream.push(_item(0, 1), result=_samples(1, 3000))  # holding nothing, a tenant may take one event of any size
-    stream.push(_item(1, 1), result=_samples(1, 10))
-    counts = stream.push(_item(2, 1), result=_samples(1, 10))  # the budget has room again, but the stream failed
+    counts = stream.push(_item(1, 1), result=_samples(1, 10))  # over the cap: it and prompt 2 (not run) fail now
+    assert stream.push(_item(2, 1), result=_samples(1, 10)) is None  # a late result of a failed prompt: ignored
     events = stream.drain(10)
     assert [e["type"] for e in events] == ["result", "error", "error", "done"]
     assert [e["index"] for e in events[:3]] == [0, 1, 2]
