@@ -7,12 +7,16 @@ Only then is it parsed, off the event loop when it is large. Parsed Python objec
 hundred times their JSON bytes, so counting before parsing is what keeps a small hostile body from
 costing gigabytes; a large body's arrays of numbers are read as machine numbers instead
 (:mod:`icefloe.wire.dense_json`). docs/service.md lists these bounds and the serve options that change them.
+
+What waits after parsing (ops held behind a seq_id gap, stream events no poll drained) is bounded per
+tenant by a :class:`TenantBytes`.
 """
 
 from __future__ import annotations
 
 import re
 import struct
+import threading
 from collections.abc import Iterable
 
 from icefloe.protocol import PayloadTooLargeError
@@ -37,6 +41,7 @@ __all__ = [
     "MAX_SUB_JOBS",
     "MAX_TINKER_DATUMS",
     "SEQUENCE_WINDOW",
+    "TenantBytes",
     "check_containers",
     "check_counts",
     "check_frame_header",
@@ -203,3 +208,35 @@ def truncated(problems: Iterable[str], separator: str = "; ") -> str:
         else:
             more += 1
     return separator.join(listed) + (f"{separator}... and {more} more" if more else "")
+
+
+class TenantBytes:
+    """Bytes of one kind of waiting work that each tenant holds, at most ``cap_bytes`` a tenant. A tenant
+    holding nothing may always take one piece, however large, so work bigger than the cap still moves.
+    Host workers take while the event loop gives back, hence the lock."""
+
+    def __init__(self, cap_bytes: int) -> None:
+        self.cap_bytes = cap_bytes
+        self._held: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def held(self, tenant: str) -> int:
+        return self._held.get(tenant, 0)
+
+    def take(self, tenant: str, size: int, *, force: bool = False) -> bool:
+        """Count ``size`` bytes for ``tenant`` if they fit (``force``: whether or not); False, with
+        nothing counted, when they do not."""
+        with self._lock:
+            held = self._held.get(tenant, 0)
+            if held and held + size > self.cap_bytes and not force:
+                return False
+            self._held[tenant] = held + size
+            return True
+
+    def give(self, tenant: str, size: int) -> None:
+        with self._lock:
+            left = self._held.get(tenant, 0) - size
+            if left > 0:
+                self._held[tenant] = left
+            else:
+                self._held.pop(tenant, None)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from icefloe.protocol import TooManyRequestsError
+from icefloe.service.limits import TenantBytes
 from icefloe.service.work.items import Sample
 
 __all__ = ["EVENT_OVERHEAD_BYTES", "GenerateStream", "OpenStreams", "StreamBudget"]
@@ -30,17 +31,8 @@ _CAP_FLAG = "icefloe serve --max-stream-events-mb"
 EVENT_OVERHEAD_BYTES = 256
 
 
-class StreamBudget:
-    """Bytes of undrained generate-stream events per tenant, at most ``cap_bytes`` each. Workers of
-    several hosts push while polls drain, so the counts are kept under a lock."""
-
-    def __init__(self, cap_bytes: int) -> None:
-        self.cap_bytes = cap_bytes
-        self._held: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def held(self, tenant: str) -> int:
-        return self._held.get(tenant, 0)
+class StreamBudget(TenantBytes):
+    """Bytes of undrained generate-stream events per tenant, and what a stream is told past them."""
 
     def check_room(self, tenant: str) -> None:
         """Refuse a new stream (429) while the tenant's undrained events fill its budget."""
@@ -50,29 +42,6 @@ class StreamBudget:
                 f"your generate-stream events that no poll has drained hold {held / _MiB:.0f} MiB (at most "
                 f"{self.cap_bytes // _MiB} MiB: {_CAP_FLAG}); poll (drain) your open streams first, then retry"
             )
-
-    def take(self, tenant: str, size: int) -> bool:
-        """Count ``size`` bytes for ``tenant`` if they fit (a tenant holding nothing may always take one
-        event, so a stream of large samples still moves); False, and nothing counted, otherwise."""
-        with self._lock:
-            held = self._held.get(tenant, 0)
-            if held and held + size > self.cap_bytes:
-                return False
-            self._held[tenant] = held + size
-            return True
-
-    def add(self, tenant: str, size: int) -> None:
-        """Count ``size`` bytes whether they fit or not: an error event says why results are missing."""
-        with self._lock:
-            self._held[tenant] = self._held.get(tenant, 0) + size
-
-    def give(self, tenant: str, size: int) -> None:
-        with self._lock:
-            left = self._held.get(tenant, 0) - size
-            if left > 0:
-                self._held[tenant] = left
-            else:
-                self._held.pop(tenant, None)
 
     def overflow_error(self, size: int) -> str:
         """The error event of a prompt whose samples did not fit."""
@@ -149,7 +118,7 @@ class GenerateStream:
     def _append(self, event: dict[str, Any], text_bytes: int) -> None:
         """An event the budget must hold whatever it holds already (an outcome is never dropped)."""
         size = text_bytes + EVENT_OVERHEAD_BYTES
-        self.budget.add(self.owner, size)
+        self.budget.take(self.owner, size, force=True)
         self._events.append((size, event))
 
     def drain(self, max_events: int) -> list[dict[str, Any]]:

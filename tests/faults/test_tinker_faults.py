@@ -16,6 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
+from .loop_watch import health_latencies_during, post_in_another_process
 from .serve_process import PREFIX
 from .tinker_serve import PROTO, TOKENS, Tinker, dense, forward_backward, sparse, tinker_serve
 
@@ -39,28 +40,6 @@ def alice(served):
     client.close()
 
 
-def _post_in_another_process(url: str, body_file: str, headers: dict[str, str]) -> subprocess.Popen:
-    """POST a large body from a process of its own, so this one only measures the service."""
-    code = (
-        "import httpx, json, sys; body = open(sys.argv[2], 'rb').read(); "
-        "answer = httpx.post(sys.argv[1], content=body, headers=json.loads(sys.argv[3]), timeout=120); "
-        "print(json.dumps({'status': answer.status_code, 'text': answer.text[:2000]}))"
-    )
-    command = [sys.executable, "-c", code, url, body_file, json.dumps(headers)]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-
-
-def _health_latencies_during(process: subprocess.Popen, base_url: str) -> list[float]:
-    latencies = []
-    with httpx.Client(timeout=30) as http:
-        while process.poll() is None:
-            started = time.perf_counter()
-            assert http.get(f"{base_url}/health").status_code == 200
-            latencies.append(time.perf_counter() - started)
-            time.sleep(0.005)
-    return latencies
-
-
 def test_health_answers_while_a_hostile_60_mb_body_is_parsed(served, alice, tmp_path):
     """One 60 MB forward_backward (a sparse weights tensor of 3M rows) froze the whole server for 20 s,
     /health and every client's heartbeat included; a 58 MiB JSON array to /telemetry froze it 7 s."""
@@ -78,13 +57,13 @@ def test_health_answers_while_a_hostile_60_mb_body_is_parsed(served, alice, tmp_
         (f"{served.base_url}/api/v1/forward_backward", hostile, {**key, **PROTO}),
         (f"{served.base_url}/api/v1/telemetry", telemetry, {**key, "Content-Type": "application/json"}),
     ]
-    idle = _health_latencies_during(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2)"]),
+    idle = health_latencies_during(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2)"]),
                                     served.base_url)  # fmt: skip
     print(f"idle: {len(idle)} /health calls, median {statistics.median(idle):.4f} s, max {max(idle):.4f} s")
     for url, body, headers in cases:
         started = time.perf_counter()
-        process = _post_in_another_process(url, str(body), headers)
-        latencies = _health_latencies_during(process, served.base_url)
+        process = post_in_another_process(url, str(body), headers)
+        latencies = health_latencies_during(process, served.base_url)
         answer = json.loads(process.communicate()[0])
         took = time.perf_counter() - started
         print(f"{url.rsplit('/', 1)[1]}: {took:.2f} s, {len(latencies)} /health calls, "

@@ -42,7 +42,7 @@ from icefloe.protocol import (
 from icefloe.service import store
 from icefloe.service.errors import retried
 from icefloe.service.jobs import JobManager, LiveJob
-from icefloe.service.limits import SEQUENCE_WINDOW
+from icefloe.service.limits import SEQUENCE_WINDOW, TenantBytes
 from icefloe.service.routes.handlers import submit_weight_sync
 from icefloe.service.schemas import JobCreate, WeightSyncPayload
 from icefloe.service.specs import sub_job_specs
@@ -204,7 +204,7 @@ class Turn:
             task = asyncio.get_running_loop().create_task(self._queue_in_turn(door, job, item, submitted))
             model.holding.add(task)
             task.add_done_callback(model.holding.discard)
-            task.add_done_callback(functools.partial(state.release_ahead, model.owner, size))
+            task.add_done_callback(lambda _: state.held_ahead.give(model.owner, size))
             return answer
         try:  # its turn, or a late resend of a refused op: now; a refusal is read through the future
             submitted.set_result(door(job, item))
@@ -304,8 +304,7 @@ class TinkerState:
         held_ahead_bytes: int = 256 << 20,
     ) -> None:
         self.manager = manager
-        self.held_ahead_bytes = held_ahead_bytes  # per tenant: see hold_ahead
-        self._ahead: dict[str, int] = {}  # tenant -> bytes of its ops waiting for their turn
+        self.held_ahead = TenantBytes(held_ahead_bytes)  # tensors of ops waiting for their turn: see hold_ahead
         self.tenancy = tenancy
         self.db = manager.db
         self.gap_timeout_s = gap_timeout_s
@@ -570,21 +569,14 @@ class TinkerState:
     def hold_ahead(self, model: Model, seq_id: int, size: int) -> None:
         """Count ``size`` bytes of an op that waits for an earlier seq_id against its tenant's budget; a
         429 past it, so one tenant cannot fill the service's memory with ops it never lets run."""
-        held = self._ahead.get(model.owner, 0)
-        if held and held + size > self.held_ahead_bytes:
+        held = self.held_ahead
+        if not held.take(model.owner, size):
             raise TooManyRequestsError(
                 f"seq_id {seq_id} of model {model.model_id} would wait for seq_id {model.turns.next}, and your ops "
-                f"waiting for their turn already hold {held / 2**20:.0f} MiB (at most {self.held_ahead_bytes >> 20} "
-                f"MiB: icefloe serve --max-held-ahead-mb): send seq_id {model.turns.next} first, or retry this later"
+                f"waiting for their turn already hold {held.held(model.owner) / 2**20:.0f} MiB (at most "
+                f"{held.cap_bytes >> 20} MiB: icefloe serve --max-held-ahead-mb): send seq_id {model.turns.next} "
+                "first, or retry this later"
             )
-        self._ahead[model.owner] = held + size
-
-    def release_ahead(self, owner: str, size: int, _done: object = None) -> None:
-        left = self._ahead.get(owner, 0) - size
-        if left > 0:
-            self._ahead[owner] = left
-        else:
-            self._ahead.pop(owner, None)
 
     def future(
         self,
