@@ -603,7 +603,7 @@ class JobManager:
             why = f"job {job.job_id} stopped before this request ran: {job.state.stop_reason}"
             self.requests.finish(request_id, status="cancelled", error=why)
             return False
-        if self.requests.start(request_id, "streaming" if request_id in self.streams else "running"):
+        if self.requests.start(request_id, "streaming" if stream is not None else "running"):
             return True
         self.streams.close(request_id)  # cancel-request took it: its stream has nothing to show
         return False
