@@ -526,6 +526,7 @@ class IcefloeTimeoutError(IcefloeError, TimeoutError):
 
 
 MAX_REPORTED_METRICS: Final = 256  # metric names in one report
+MAX_METRIC_STEP: Final = 2**63 - 1  # a step is a 64-bit integer where it is kept (SQLite)
 MAX_METRIC_NAME_CHARS: Final = 256  # a name is stored with every value of it, so its length bounds what a job keeps
 
 
@@ -534,8 +535,8 @@ def checked_metrics(step: object, metrics: object) -> dict[str, float]:
 
     The client checks before sending and the service again on arrival, with the same words.
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise InvalidRequestError(f"step must be an integer >= 0; got {step!r}")
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_METRIC_STEP:
+        raise InvalidRequestError(f"step must be an integer >= 0; got {step!r:.40} (at most 2**63 - 1)")
     if not isinstance(metrics, Mapping) or not metrics:
         raise InvalidRequestError(f"metrics must be a non-empty object of name -> number; got {metrics!r:.100}")
     if len(metrics) > MAX_REPORTED_METRICS:

@@ -67,6 +67,7 @@ async def test_engine_and_client_values_merge_into_one_point_per_step_and_surviv
     [
         ({"step": "3", "metrics": {"reward": 1.0}}, "step must be an integer >= 0"),
         ({"step": -1, "metrics": {"reward": 1.0}}, "step must be an integer >= 0"),
+        ({"step": 2**63, "metrics": {"reward": 1.0}}, "(at most 2**63 - 1)"),
         ({"step": 1, "metrics": {}}, "metrics must be a non-empty object"),
         ({"step": 1, "metrics": [1.0]}, "metrics must be a non-empty object"),
         ({"step": 1, "metrics": {"": 1.0}}, "name '' must be a non-empty string"),
@@ -129,6 +130,8 @@ async def test_the_series_is_answered_a_page_of_whole_steps_at_a_time(data_dir):
             await api.call("POST", f"/{job_id}/metrics", json=_report(step, range(256)))
         first = (await api.call("GET", f"/{job_id}/metrics")).json()
         rest = (await api.call("GET", f"/{job_id}/metrics", params={"after_step": first["next_after_step"]})).json()
+        past = await api.call("GET", f"/{job_id}/metrics", params={"after_step": 2**64}, check=False)
+    assert past.status_code == 400 and "after_step" in past.json()["message"]  # was a 500: SQLite has 64 bits
     assert [p["step"] for p in first["points"]] == list(range(32)) and first["next_after_step"] == 31
     assert [p["step"] for p in rest["points"]] == list(range(32, 40)) and rest["next_after_step"] is None
     assert all(len(point) == 258 for point in first["points"] + rest["points"])  # whole steps: every name

@@ -17,7 +17,7 @@ import orjson
 from fastapi import APIRouter, Body, Query, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from icefloe.protocol import NotFoundError
+from icefloe.protocol import MAX_METRIC_STEP, NotFoundError
 from icefloe.service.jobs import JobManager
 from icefloe.service.metrics import check_reported
 from icefloe.service.routes import JobsDep, SettingsDep, TenantDep, api_router
@@ -39,7 +39,7 @@ async def report_metrics(job_id: str, jobs: JobsDep, body: dict[str, Any] = Body
 
 
 @router.get("/{job_id}/metrics")
-async def job_metrics(job_id: str, jobs: JobsDep, after_step: int = Query(-1, ge=-1)) -> Response:
+async def job_metrics(job_id: str, jobs: JobsDep, after_step: int = Query(-1, ge=-1, le=MAX_METRIC_STEP)) -> Response:
     jobs.row(job_id)  # 404 for an unknown job; a read, so no lease renewal
     return Response(await asyncio.to_thread(_series_page, jobs, job_id, after_step), media_type="application/json")
 
